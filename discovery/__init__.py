@@ -1,0 +1,1 @@
+"""psymesh.discovery: how nodes find each other: static peers, mDNS (namespaced tests only), relays."""

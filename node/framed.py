@@ -1,0 +1,96 @@
+"""Message framing over any byte stream: the IO shell around `protocol.Channel`.
+
+Works over a libp2p stream (via `node.p2p.P2PStream`) and over the local control
+socket (anyio), because both are adapted to the tiny `ByteStream` protocol below.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    import anyio.abc
+
+from psymesh.protocol.channel import Channel
+from psymesh.protocol.common import Error
+from psymesh.protocol.errors import ErrorCode, ProtocolError, PsymeshError
+from psymesh.protocol.framing import DEFAULT_MAX_FRAME_SIZE
+from psymesh.protocol.messages import M, Message, expect
+
+READ_CHUNK = 65536
+
+
+class ByteStream(Protocol):
+    async def receive_some(self, max_bytes: int = READ_CHUNK) -> bytes:
+        """Up to max_bytes; b"" at end of stream."""
+
+    async def send_all(self, data: bytes) -> None: ...
+
+    async def aclose(self) -> None: ...
+
+
+class FramedStream:
+    """Send and receive whole psymesh messages on a byte stream."""
+
+    def __init__(self, stream: ByteStream, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE) -> None:
+        self.stream = stream
+        self.channel = Channel(max_frame_size)
+
+    async def send(self, message: Message) -> None:
+        await self.stream.send_all(self.channel.send(message))
+
+    async def receive(self) -> Message | None:
+        """The next message, or None when the peer closed the stream cleanly."""
+        while True:
+            message = self.channel.next_message()
+            if message is not None:
+                return message
+            if self.channel.eof:
+                return None
+            self.channel.receive_data(await self.stream.receive_some(READ_CHUNK))
+
+    async def receive_required(self) -> Message:
+        message = await self.receive()
+        if message is None:
+            raise ProtocolError("the peer closed the stream before replying", code=ErrorCode.UNAVAILABLE)
+        return message
+
+    async def request(self, message: Message, reply_type: type[M]) -> M:
+        """Send one message and wait for one reply of `reply_type` (an `error` reply raises)."""
+        await self.send(message)
+        return expect(await self.receive_required(), reply_type)
+
+    async def send_error(self, exc: PsymeshError) -> None:
+        """Best effort: tell the peer why, if the stream still takes bytes."""
+        try:
+            await self.send(Error.from_exception(exc))
+        except Exception:
+            pass
+
+    async def aclose(self) -> None:
+        await self.stream.aclose()
+
+
+class AnyioByteStream:
+    """Adapts an anyio ByteStream (the control socket) to `ByteStream`."""
+
+    def __init__(self, stream: "anyio.abc.ByteStream") -> None:
+        self._stream = stream
+
+    async def receive_some(self, max_bytes: int = READ_CHUNK) -> bytes:
+        import anyio
+
+        try:
+            return await self._stream.receive(max_bytes)
+        except (anyio.EndOfStream, anyio.ClosedResourceError, anyio.BrokenResourceError, ConnectionError):
+            return b""
+
+    async def send_all(self, data: bytes) -> None:
+        import anyio
+
+        try:
+            await self._stream.send(data)
+        except (anyio.ClosedResourceError, anyio.BrokenResourceError, ConnectionError) as exc:
+            raise ProtocolError(f"stream closed: {exc}", code=ErrorCode.UNAVAILABLE) from None
+
+    async def aclose(self) -> None:
+        await self._stream.aclose()

@@ -1,0 +1,46 @@
+"""Daemon logging: human lines by default, one JSON object per line with --log-json. Always stderr."""
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        entry = {
+            "ts": round(record.created, 3),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        entry.update(getattr(record, "fields", {}))
+        if record.exc_info:
+            entry["exc"] = self.formatException(record.exc_info)
+        return json.dumps(entry, default=str)
+
+
+class HumanFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        ts = time.strftime("%H:%M:%S", time.localtime(record.created))
+        fields = getattr(record, "fields", {})
+        extra = "".join(f" {k}={v}" for k, v in fields.items())
+        line = f"{ts} {record.levelname:<5} {record.name}: {record.getMessage()}{extra}"
+        if record.exc_info:
+            line += "\n" + self.formatException(record.exc_info)
+        return line
+
+
+def setup_logging(*, json_lines: bool = False, level: int = logging.INFO) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter() if json_lines else HumanFormatter())
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(logging.WARNING)  # libraries stay quiet unless something is wrong
+    logging.getLogger("psymesh").setLevel(level)
+
+
+def fields(**kw: object) -> dict[str, dict[str, object]]:
+    """`log.info("paired", extra=fields(peer=pid))` — structured fields for both formats."""
+    return {"fields": kw}

@@ -1,0 +1,44 @@
+"""Messages shared by every service: the typed error reply and ping."""
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import Field
+
+from psymesh.protocol.errors import ErrorCode, PsymeshError, RemoteError
+from psymesh.protocol.messages import Message
+
+
+class Error(Message):
+    """A refused or failed request. `code` is stable (see ErrorCode); `message` is for people."""
+
+    type = "error"
+    code: str
+    message: str = ""
+    retry_after: float | None = None
+    details: dict[str, Any] = Field(default_factory=dict)
+
+    @classmethod
+    def from_exception(cls, exc: PsymeshError) -> "Error":
+        return cls(code=exc.code.value, message=exc.message, retry_after=exc.retry_after, details=exc.details)
+
+    @classmethod
+    def of(cls, code: ErrorCode, message: str, **kw: Any) -> "Error":
+        return cls(code=code.value, message=message, **kw)
+
+    def to_exception(self) -> RemoteError:
+        return RemoteError(self.message, code=self.code, retry_after=self.retry_after, details=self.details)
+
+
+class Ping(Message):
+    """`/psymesh/ping/1.0.0`: echo `payload` back in a Pong with the same `seq`."""
+
+    type = "ping"
+    seq: int = Field(ge=0)
+    payload: bytes = b""
+
+
+class Pong(Message):
+    type = "pong"
+    seq: int = Field(ge=0)
+    payload: bytes = b""

@@ -1,0 +1,69 @@
+"""One error tree for all of psymesh, with stable codes.
+
+    PsymeshError            .code is a stable string from ErrorCode
+    ├── ProtocolError       bytes or messages that break the protocol (ours or the peer's)
+    └── RemoteError         the other side answered with a typed error reply
+
+Codes travel on the wire inside `error` replies, so they never change meaning;
+new ones may be added. Callers branch on `.code`, people read `.message`.
+"""
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Any
+
+
+class ErrorCode(StrEnum):
+    BAD_FRAME = "bad_frame"              # undecodable bytes, wrong types, unknown message type
+    TOO_LARGE = "too_large"              # a frame or payload over the negotiated limit
+    UNSUPPORTED_VERSION = "unsupported_version"
+    BAD_REQUEST = "bad_request"          # well-formed, but not a valid request here
+    FORBIDDEN = "forbidden"              # paired, but no capability covers this request
+    UNKNOWN_PEER = "unknown_peer"        # not paired (or revoked)
+    EXPIRED = "expired"                  # manifest, grant or invite out of date
+    RATE_LIMITED = "rate_limited"
+    BUSY = "busy"                        # queue full: retry after `retry_after` seconds
+    NOT_FOUND = "not_found"
+    CONFLICT = "conflict"
+    TIMEOUT = "timeout"
+    CANCELED = "canceled"
+    UNAVAILABLE = "unavailable"          # peer unreachable, daemon not running
+    BAD_CODE = "bad_code"                # pairing: wrong short code
+    INTERNAL = "internal"
+
+
+class PsymeshError(Exception):
+    """Base of every error psymesh raises on purpose."""
+
+    default_code: ErrorCode = ErrorCode.INTERNAL
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        code: ErrorCode | str | None = None,
+        retry_after: float | None = None,
+        details: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        try:
+            self.code = ErrorCode(code) if code is not None else self.default_code
+        except ValueError:  # an unknown code from a newer peer stays readable
+            self.code = ErrorCode.INTERNAL
+            self.message = f"[{code}] {message}"
+        self.retry_after = retry_after
+        self.details = details or {}
+
+    def __str__(self) -> str:
+        return f"{self.code.value}: {self.message}"
+
+
+class ProtocolError(PsymeshError):
+    """Bytes or messages that break the protocol. After one, the channel is unusable."""
+
+    default_code = ErrorCode.BAD_FRAME
+
+
+class RemoteError(PsymeshError):
+    """The other side refused or failed a request and said why (an `error` reply)."""

@@ -1,0 +1,101 @@
+"""Messages: frozen pydantic models, encoded as one msgpack map per frame.
+
+Every frame body is a msgpack map with two envelope keys, `v` (schema version, an
+int) and `type` (a string naming the message), plus the message's own fields.
+Receivers MUST ignore keys they do not know, so fields can be added without a
+version bump; a change that breaks old readers bumps `v`.
+"""
+from __future__ import annotations
+
+from typing import Any, ClassVar, TypeVar
+
+import msgpack
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from psymesh.protocol.errors import ErrorCode, ProtocolError
+
+SCHEMA_VERSION = 1
+SUPPORTED_VERSIONS = frozenset({1})
+
+_REGISTRY: dict[str, type["Message"]] = {}
+M = TypeVar("M", bound="Message")
+
+
+class Message(BaseModel):
+    """Base of every wire message. Subclasses set `type` and are registered by it."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore", strict=False)
+    type: ClassVar[str] = ""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        name = cls.__dict__.get("type")
+        if name:
+            if name in _REGISTRY and _REGISTRY[name] is not cls:
+                raise TypeError(f"message type {name!r} registered twice")
+            _REGISTRY[name] = cls
+
+
+def message_types() -> dict[str, type[Message]]:
+    return dict(_REGISTRY)
+
+
+def pack(message: Message) -> bytes:
+    """Encode a message as a frame body (no length prefix)."""
+    body = message.model_dump(mode="python")
+    body["v"] = SCHEMA_VERSION
+    body["type"] = message.type
+    return msgpack.packb(body, use_bin_type=True)
+
+
+def _no_ext(code: int, data: bytes) -> Any:
+    raise ValueError("msgpack extension types are not used by psymesh")
+
+
+def decode_map(body: bytes) -> dict[str, Any]:
+    """msgpack bytes -> envelope map, or ProtocolError. Nothing else escapes."""
+    try:
+        obj = msgpack.unpackb(body, raw=False, strict_map_key=True, ext_hook=_no_ext)
+    except Exception as exc:  # msgpack raises many types (ExtraData, StackError, ValueError, ...)
+        raise ProtocolError(f"undecodable frame: {type(exc).__name__}") from None
+    if not isinstance(obj, dict):
+        raise ProtocolError("a frame must hold a msgpack map")
+    return obj
+
+
+def unpack(body: bytes) -> Message:
+    """Decode a frame body into its registered message class, validating every field."""
+    obj = decode_map(body)
+    version = obj.pop("v", None)
+    kind = obj.pop("type", None)
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise ProtocolError("frame has no integer schema version 'v'")
+    if version not in SUPPORTED_VERSIONS:
+        raise ProtocolError(
+            f"schema version {version} is not supported (this node speaks {sorted(SUPPORTED_VERSIONS)})",
+            code=ErrorCode.UNSUPPORTED_VERSION,
+        )
+    if not isinstance(kind, str):
+        raise ProtocolError("frame has no string 'type'")
+    cls = _REGISTRY.get(kind)
+    if cls is None:
+        raise ProtocolError(f"unknown message type {kind!r}")
+    try:
+        return cls.model_validate(obj)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first.get("loc", ())) or "(message)"
+        raise ProtocolError(f"invalid {kind!r} message: {where}: {first.get('msg')}") from None
+    except Exception as exc:  # a validator bug must still not escape as anything but ProtocolError
+        raise ProtocolError(f"invalid {kind!r} message: {type(exc).__name__}") from None
+
+
+def expect(message: Message, cls: type[M]) -> M:
+    """Narrow a received message to `cls`; an `error` reply becomes RemoteError."""
+    from psymesh.protocol.common import Error  # local: common registers after this module
+
+    if isinstance(message, cls):
+        return message
+    if isinstance(message, Error):
+        raise message.to_exception()
+    raise ProtocolError(f"expected {cls.type!r}, got {message.type!r}")

@@ -1,0 +1,3 @@
+from psymesh.cli import main
+
+main()

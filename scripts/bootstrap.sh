@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Create .venv with psymesh (editable) and its dev tools, on a fresh machine.
+# Idempotent: re-running only installs what changed. Called by `make`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PY=${PYTHON:-python3}
+"$PY" - <<'PYEOF' || { echo "psymesh needs Python >= 3.11 (found $($PY --version 2>&1)); set PYTHON=..." >&2; exit 1; }
+import sys; sys.exit(0 if sys.version_info >= (3, 11) else 1)
+PYEOF
+
+# libp2p 0.8.1 compiles fastecdsa, which links against GMP.
+if command -v dpkg >/dev/null 2>&1 && ! dpkg -s libgmp-dev >/dev/null 2>&1; then
+  echo "installing libgmp-dev (needed to build fastecdsa for libp2p)" >&2
+  SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+  $SUDO apt-get update -qq && $SUDO apt-get install -y -qq libgmp-dev
+fi
+
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip setuptools wheel
+# llama-cpp-python has no wheels on the index: it builds from source (~5 min once; pip caches the wheel).
+# Portable build: the native one (-march=native, AMX) segfaults on quantized models on some CPUs.
+CMAKE_ARGS="${CMAKE_ARGS:--DGGML_NATIVE=OFF}" .venv/bin/python -m pip install -q -e ".[dev]"
+.venv/bin/python -c "import psymesh.node.daemon, llama_cpp" 
+touch .venv/.psymesh-installed
