@@ -16,8 +16,9 @@ from rich.console import Console
 
 from psymesh.node.process import DaemonProcess
 from psymesh.protocol.control import StatusReply
+from psymesh.protocol.errors import RemoteError
 
-con = Console(highlight=False)
+con = Console(highlight=False, soft_wrap=True)
 
 
 @dataclass
@@ -41,6 +42,52 @@ async def start_nodes(d: Demo) -> None:
                   f"  listening {st.addrs[0]}")
 
 
+async def pair_by_code(d: Demo) -> None:
+    step("Pair the phone with the home node by a short code (SPAKE2: the code never crosses the wire)")
+    invited = anyio.Event()
+    code: dict[str, str] = {}
+
+    def show(inv) -> None:
+        code.update(code=inv.code, invite=inv.invite)
+        con.print(f" home: invite code [bold]{inv.code}[/bold] (grant preset '{inv.grant}')")
+        invited.set()
+
+    async def home_side() -> None:
+        async with d.home.client() as home:
+            paired = await home.pair_invite_and_wait(show, name="phone", grant="phone")
+        con.print(f" home: paired with {paired.name}; verification words: [bold]{paired.verification}[/bold]")
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(home_side)
+        await invited.wait()
+        async with d.phone.client() as phone:
+            # A person would type the code and the home's address; the invite string carries both.
+            paired = await phone.pair_join(code["invite"], grant="messaging")
+        con.print(f"phone: paired with {paired.name}; verification words: [bold]{paired.verification}[/bold]")
+        con.print(f"phone: it may ask home for: {', '.join(paired.received)}")
+
+
+async def allowed_and_refused(d: Demo) -> None:
+    step("One allowed and one refused request (default deny)")
+    async with d.phone.client() as phone:
+        r = await phone.ping("home", count=3)
+    con.print(f"phone -> home ping: [green]allowed[/green] ({r.median_ms:.2f} ms median)")
+    stranger = DaemonProcess(d.workdir / "stranger", profile="phone", name="stranger")
+    await stranger.start()
+    try:
+        async with stranger.client() as client:
+            await client.ping(d.status["home"].addrs[0], count=1)
+        con.print("[red]stranger was let in: this is a bug[/red]")
+    except RemoteError as exc:
+        con.print(f"stranger -> home ping: [red]refused[/red] ({exc.code.value}) {exc.message}")
+    finally:
+        await stranger.stop()
+    async with d.home.client() as home:
+        rows = await home.audit(limit=3)
+    con.print("home audit log (last 3): " + "; ".join(
+        f"{r['operation']} {'allowed' if r['allowed'] else r['code']}" for r in rows))
+
+
 async def ping_both_ways(d: Demo) -> None:
     step("Ping each way over the encrypted channel (Noise + yamux)")
     for src, dst in ((d.phone, d.home), (d.home, d.phone)):
@@ -50,7 +97,7 @@ async def ping_both_ways(d: Demo) -> None:
                   f"{r.min_ms:.3f} / {r.median_ms:.3f} / {r.max_ms:.3f} ms  ({len(r.rtts_ms)} x 32 B)")
 
 
-STEPS: list[Callable[[Demo], Awaitable[None]]] = [start_nodes, ping_both_ways]
+STEPS: list[Callable[[Demo], Awaitable[None]]] = [start_nodes, pair_by_code, ping_both_ways, allowed_and_refused]
 
 
 async def main() -> int:
@@ -63,7 +110,7 @@ async def main() -> int:
                 await s(d)
         except BaseException:
             for node in (d.home, d.phone):
-                if node.log_tail():
+                if node.log_tail():  # show what the daemons said
                     con.print(f"[red]--- {node.name} log tail ---[/red]\n{node.log_tail()}")
             raise
         finally:

@@ -3,8 +3,8 @@ stdout, logs and hints to stderr (see node/output.py)."""
 from __future__ import annotations
 
 import functools
-import statistics
 import sys
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -158,6 +158,192 @@ def ping(home: str | None, out: Output, peer: str, count: int, size: int) -> Non
                   f"{r.min_ms:.3f}/{r.median_ms:.3f}/{r.max_ms:.3f} ms")
 
     out.data(r, human)
+
+
+def parse_duration(text: str) -> float:
+    """`90s`, `10m`, `2h`, `30d` or plain seconds -> seconds."""
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+    text = text.strip().lower()
+    try:
+        value = float(text[:-1]) * units[text[-1]] if text and text[-1] in units else float(text)
+    except ValueError:
+        raise click.BadParameter(f"{text!r} is not a duration like 90s, 10m, 2h or 30d") from None
+    if value <= 0:
+        raise click.BadParameter("a duration must be positive")
+    return value
+
+
+class Duration(click.ParamType):
+    name = "DURATION"
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> float:
+        return value if isinstance(value, float) else parse_duration(str(value))
+
+
+def _show_invite(out: Output, inv: Any) -> None:
+    if out.json_mode:
+        return
+    import io
+
+    import segno
+
+    qr = io.StringIO()
+    segno.make(inv.invite.upper(), error="l").terminal(out=qr, compact=True)
+    out.out.print(qr.getvalue(), end="")
+    out.out.print(f"code:   [bold]{inv.code}[/bold]   (read it aloud; valid until "
+                  f"{time.strftime('%H:%M:%S', time.localtime(inv.expires_at))}, grant preset: {inv.grant})")
+    out.out.print(f"invite: {inv.invite}")
+    out.hint(f"on the other device: psymesh pair join {inv.invite}")
+
+
+def _show_paired(out: Output, p: Any) -> None:
+    def human(con: Any) -> None:
+        con.print(f"[green]paired[/green] with [bold]{p.name}[/bold] ({p.role}) {p.peer_id}")
+        con.print(f"verification words: [bold]{p.verification}[/bold]  (both screens must show the same)")
+        con.print(f"it may ask this node:  {', '.join(p.granted) or 'nothing'}")
+        if p.received:
+            con.print(f"this node may ask it:  {', '.join(p.received)}")
+
+    out.data(p, human)
+
+
+@main.group()
+def pair() -> None:
+    """Pair devices with a short one-time code."""
+
+
+@pair.command("invite")
+@command
+@click.option("--name", default=None, help="What to call the device that joins (default: its own name).")
+@click.option("--grant", default="phone", show_default=True, help="Grant preset for the joiner (phone, messaging).")
+@click.option("--ttl", type=Duration(), default="10m", show_default=True, help="How long the invite stays valid.")
+@click.option("--grant-ttl", type=Duration(), default=None, help="Lifetime of the grant (default: until revoked).")
+@click.option("--wait/--no-wait", default=None, help="Wait for the device to join (default: yes, except with --json).")
+def pair_invite(home: str | None, out: Output, name: str | None, grant: str, ttl: float,
+                grant_ttl: float | None, wait: bool | None) -> None:
+    """Make a one-time invite (code + QR) for a device to join."""
+    wait = (not out.json_mode) if wait is None else wait
+
+    async def go() -> Any:
+        async with Client(home) as client:
+            if not wait:
+                return await client.pair_invite(name=name, grant=grant, ttl_s=ttl, grant_ttl_s=grant_ttl)
+
+            def shown(inv: Any) -> None:
+                _show_invite(out, inv)
+                if out.json_mode:
+                    out.data(inv)
+                out.hint("waiting for the device to join (Ctrl-C to stop)...")
+
+            return await client.pair_invite_and_wait(shown, name=name, grant=grant, ttl_s=ttl, grant_ttl_s=grant_ttl)
+
+    result = run_async(go)
+    if wait:
+        _show_paired(out, result)
+    else:
+        _show_invite(out, result)
+        if out.json_mode:
+            out.data(result)
+
+
+@pair.command("join")
+@command
+@click.argument("invite")
+@click.option("--address", default=None, help="The inviter's address, when INVITE is a bare code.")
+@click.option("--grant", default=None, help="Grant preset to give the inviter in return (e.g. messaging).")
+def pair_join(home: str | None, out: Output, invite: str, address: str | None, grant: str | None) -> None:
+    """Join a node with its invite string (or its code plus --address)."""
+
+    async def go() -> Any:
+        async with Client(home) as client:
+            return await client.pair_join(invite, address=address, grant=grant)
+
+    _show_paired(out, run_async(go))
+
+
+@main.command()
+@command
+@click.option("--active", is_flag=True, help="Hide revoked peers.")
+def peers(home: str | None, out: Output, active: bool) -> None:
+    """Paired peers, with what each may ask of this node and what we may ask of it."""
+
+    async def go() -> Any:
+        async with Client(home) as client:
+            return await client.peers(include_revoked=not active)
+
+    rows = run_async(go)
+
+    def human(con: Any) -> None:
+        if not rows:
+            con.print("no paired peers; pair one with: psymesh pair invite")
+            return
+        table = Table("name", "role", "peer id", "state", "may ask us", "we may ask")
+        for p in rows:
+            state = "[red]revoked[/red]" if p["revoked_at"] else ("connected" if p.get("connected") else "paired")
+            table.add_row(p["name"], p["role"], p["peer_id"][:20] + "…", state,
+                          "\n".join(p["granted"]) or "-", "\n".join(p["received"]) or "-")
+        con.print(table)
+
+    out.data(rows, human)
+
+
+@main.command()
+@command
+@click.argument("peer")
+@click.argument("capabilities", nargs=-1, required=True)
+@click.option("--expires", type=Duration(), default=None, help="Grant lifetime (default: until revoked).")
+@click.option("--limits", "preset_limits", default=None, help="Take rate/concurrency limits from a preset.")
+def grant(home: str | None, out: Output, peer: str, capabilities: tuple[str, ...], expires: float | None,
+          preset_limits: str | None) -> None:
+    """Replace what PEER may ask of this node, e.g. `psymesh grant phone tool:files.* msg.send`."""
+
+    async def go() -> Any:
+        async with Client(home) as client:
+            return await client.grant(peer, list(capabilities), expires_s=expires, preset_limits=preset_limits)
+
+    p = run_async(go)
+    out.data(p, lambda con: con.print(
+        f"{p['name']} may now ask: {', '.join(p['granted'])}"
+        + ("" if p.get("delivered") else "  (not reachable now: it will see the new grant when next told)")))
+
+
+@main.command()
+@command
+@click.argument("peer")
+def revoke(home: str | None, out: Output, peer: str) -> None:
+    """Revoke PEER now: its open connections close and every later request is refused."""
+
+    async def go() -> Any:
+        async with Client(home) as client:
+            return await client.revoke(peer)
+
+    p = run_async(go)
+    out.data(p, lambda con: con.print(f"revoked {p['name']} ({p['peer_id']})"))
+
+
+@main.command()
+@command
+@click.option("--peer", default=None, help="Only this peer (name or id).")
+@click.option("--limit", default=50, show_default=True, type=click.IntRange(1, 10000))
+@click.option("--denied", is_flag=True, help="Only refused requests.")
+def audit(home: str | None, out: Output, peer: str | None, limit: int, denied: bool) -> None:
+    """Every gate decision, allowed or denied."""
+
+    async def go() -> Any:
+        async with Client(home) as client:
+            return await client.audit(peer=peer, limit=limit, denied_only=denied)
+
+    rows = run_async(go)
+
+    def human(con: Any) -> None:
+        table = Table("time", "peer", "operation", "decision", "reason")
+        for r in rows:
+            verdict = "[green]allowed[/green]" if r["allowed"] else f"[red]{r['code']}[/red]"
+            table.add_row(time.strftime("%m-%d %H:%M:%S", time.localtime(r["ts"])), r["peer_id"][:16] + "…",
+                          r["operation"], verdict, r["reason"])
+        con.print(table if rows else "no audit entries")
+
+    out.data(rows, human)
 
 
 if __name__ == "__main__":

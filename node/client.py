@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from collections.abc import Callable
 from typing import TypeVar
 
 import anyio
@@ -21,7 +22,7 @@ from psymesh.node.home import NodeHome
 from psymesh.protocol import control as c
 from psymesh.protocol.errors import ErrorCode, PsymeshError
 from psymesh.protocol.framing import DEFAULT_MAX_FRAME_SIZE
-from psymesh.protocol.messages import Message
+from psymesh.protocol.messages import Message, expect
 
 R = TypeVar("R", bound=Message)
 
@@ -83,3 +84,44 @@ class Client:
 
     async def shutdown(self) -> None:
         await self.request(c.ShutdownRequest(), c.Ok)
+
+    # -- pairing and trust -----------------------------------------------------
+    async def pair_invite(self, *, name: str | None = None, grant: str = "phone", ttl_s: float = 600.0,
+                          grant_ttl_s: float | None = None) -> c.PairInviteReply:
+        """Make a one-time invite; give its `code` (or `invite` string) to the joining device."""
+        return await self.request(c.PairInviteRequest(name=name, grant=grant, ttl_s=ttl_s, grant_ttl_s=grant_ttl_s),
+                                  c.PairInviteReply)
+
+    async def pair_invite_and_wait(self, on_invite: Callable[[c.PairInviteReply], object], *,
+                                   name: str | None = None, grant: str = "phone", ttl_s: float = 600.0,
+                                   grant_ttl_s: float | None = None) -> c.PairedReply:
+        """Make an invite, hand it to `on_invite` (to show it), then wait until a device pairs
+        with it (-> the pairing, with verification words) or it dies (-> RemoteError)."""
+        framed = await self._open()  # a connection of its own: the wait may be long
+        try:
+            invite = await framed.request(c.PairInviteRequest(name=name, grant=grant, ttl_s=ttl_s,
+                                                              grant_ttl_s=grant_ttl_s, wait=True), c.PairInviteReply)
+            on_invite(invite)
+            return expect(await framed.receive_required(), c.PairedReply)
+        finally:
+            await framed.aclose()
+
+    async def pair_join(self, invite: str, *, address: str | None = None, grant: str | None = None) -> c.PairedReply:
+        """Pair with the node that made `invite` (an invite string, or a code plus `address`).
+        `grant` optionally gives the inviter a preset (e.g. "messaging") in return."""
+        return await self.request(c.PairJoinRequest(invite=invite, address=address, grant=grant), c.PairedReply)
+
+    async def peers(self, *, include_revoked: bool = True) -> list[dict]:
+        return (await self.request(c.PeersRequest(include_revoked=include_revoked), c.PeersReply)).peers
+
+    async def grant(self, peer: str, capabilities: list[str], *, expires_s: float | None = None,
+                    preset_limits: str | None = None) -> dict:
+        """Replace what `peer` may ask of this node (capabilities in CLI spelling, e.g. "tool:files.*")."""
+        req = c.GrantRequest(peer=peer, capabilities=capabilities, expires_s=expires_s, preset_limits=preset_limits)
+        return (await self.request(req, c.PeerReply)).peer
+
+    async def revoke(self, peer: str) -> dict:
+        return (await self.request(c.RevokeRequest(peer=peer), c.PeerReply)).peer
+
+    async def audit(self, *, peer: str | None = None, limit: int = 100, denied_only: bool = False) -> list[dict]:
+        return (await self.request(c.AuditRequest(peer=peer, limit=limit, denied_only=denied_only), c.AuditReply)).rows

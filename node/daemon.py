@@ -19,16 +19,22 @@ import anyio
 import anyio.abc
 
 import psymesh
+from psymesh.node.audit import AuditLog
 from psymesh.node.control import ControlServer
 from psymesh.node.db import open_db
 from psymesh.node.framed import FramedStream
+from psymesh.node.gate import Gate
 from psymesh.node.home import NodeConfig, NodeHome
 from psymesh.node.logs import fields
 from psymesh.node.p2p import P2PNode, P2PStream
+from psymesh.node.pairing import PairingService
 from psymesh.node.ping import measure_ping, serve_ping
+from psymesh.node.trust import TrustStore
 from psymesh.protocol import control as c
 from psymesh.protocol import ids
 from psymesh.protocol.errors import ErrorCode, ProtocolError, PsymeshError
+from psymesh.protocol.manifest import Manifest, ManifestOk, ManifestPush, new_manifest, PRESETS
+from psymesh.protocol.messages import expect
 
 log = logging.getLogger("psymesh.node")
 
@@ -44,22 +50,44 @@ class Node:
         self.started_at = time.monotonic()
         self.p2p = P2PNode(self.identity.seed, self.config.listen)
         self.control = ControlServer(home.socket_path, self.config.max_frame_size)
+        self.trust = TrustStore(self.db)
+        self.audit = AuditLog(self.db)
+        self.gate = Gate(self.identity.peer_id, self.trust, self.audit)
+        self.pairing = PairingService(self.identity, self.config, self.p2p, self.trust, self.push_manifest)
         self._root: anyio.CancelScope | None = None
         self._register_services()
 
     # -- wiring ---------------------------------------------------------------
     def _register_services(self) -> None:
-        self.inbound(ids.PING, lambda framed, peer: serve_ping(framed))
-        self.control.route(c.StatusRequest, self._status)
-        self.control.route(c.PingRequest, self._ping)
-        self.control.route(c.ShutdownRequest, self._shutdown)
+        self.inbound(ids.PAIR, self.pairing.serve, paired_only=False)
+        self.inbound(ids.PING, self._serve_ping)
+        self.inbound(ids.MANIFEST, self._receive_manifest)
+        routes = {
+            c.StatusRequest: self._status,
+            c.PingRequest: self._ping,
+            c.ShutdownRequest: self._shutdown,
+            c.PairInviteRequest: self.pairing.create_invite,
+            c.PairJoinRequest: self.pairing.join,
+            c.PeersRequest: self._peers,
+            c.GrantRequest: self._grant,
+            c.RevokeRequest: self._revoke,
+            c.AuditRequest: self._audit,
+        }
+        for request_type, handler in routes.items():
+            self.control.route(request_type, handler)
 
-    def inbound(self, protocol: str, handler: InboundHandler) -> None:
-        """Serve `protocol` on the p2p host with framing and typed error replies."""
+    def inbound(self, protocol: str, handler: InboundHandler, *, paired_only: bool = True) -> None:
+        """Serve `protocol` on the p2p host with framing and typed error replies.
+
+        Unless `paired_only=False` (pairing itself), a stream from a peer that is not
+        paired, or was revoked, is refused before the handler runs; the handler then
+        asks the gate about each request it reads."""
 
         async def on_stream(stream: P2PStream) -> None:
             framed = FramedStream(stream, self.config.max_frame_size)
             try:
+                if paired_only:
+                    self.gate.refuse_unpaired(stream.remote_peer_id, protocol)
                 await handler(framed, stream.remote_peer_id)
             except PsymeshError as exc:
                 log.info("refused %s from %s: %s", protocol, stream.remote_peer_id, exc,
@@ -115,14 +143,57 @@ class Node:
                              for p in self.p2p.connected_peers()],
         )
 
-    async def resolve_peer(self, peer: str) -> str:
-        """A multiaddr, a peer id, or (later) a paired peer's name -> something open_stream takes."""
-        return peer
+    # -- outbound -------------------------------------------------------------------
+    async def open_peer_stream(self, peer: str, protocol: str) -> P2PStream:
+        """Open `protocol` to a multiaddr (…/p2p/<id>), or to a paired peer by id or name."""
+        if peer.startswith("/"):
+            return await self.p2p.open_stream(peer, protocol)
+        known = self.trust.resolve(peer)
+        targets = [f"{a}/p2p/{known.peer_id}" if "/p2p/" not in a else a for a in known.addrs] or [known.peer_id]
+        last: PsymeshError | None = None
+        for target in targets:
+            try:
+                return await self.p2p.open_stream(target, protocol)
+            except PsymeshError as exc:
+                last = exc
+        raise PsymeshError(f"{known.name} ({known.peer_id}) is unreachable: {last.message if last else ''}",
+                           code=ErrorCode.UNAVAILABLE)
+
+    async def push_manifest(self, peer_id: str, manifest: Manifest) -> bool:
+        """Hand `peer_id` its current grant; best effort (it can also learn it at the next pairing)."""
+        try:
+            with anyio.fail_after(10):
+                stream = await self.open_peer_stream(peer_id, ids.MANIFEST)
+                framed = FramedStream(stream, self.config.max_frame_size)
+                try:
+                    await framed.request(ManifestPush(manifest=manifest), ManifestOk)
+                finally:
+                    with anyio.CancelScope(shield=True):
+                        await stream.aclose()
+            return True
+        except (PsymeshError, TimeoutError) as exc:
+            log.info("could not hand %s its new grant: %s", peer_id, exc)
+            return False
+
+    # -- inbound services ----------------------------------------------------------
+    async def _serve_ping(self, framed: FramedStream, peer_id: str) -> None:
+        self.gate.authorize(peer_id, ids.PING, None)
+        await serve_ping(framed)
+
+    async def _receive_manifest(self, framed: FramedStream, peer_id: str) -> None:
+        """A paired issuer hands us the grant it holds for us (we need grant nothing to accept it)."""
+        push = expect(await framed.receive_required(), ManifestPush)
+        m = push.manifest
+        if m.issuer != peer_id or m.subject != self.identity.peer_id or not m.signature_valid():
+            raise PsymeshError("a manifest must be issued by the sender, to us, and validly signed",
+                               code=ErrorCode.FORBIDDEN)
+        self.trust.set_received(peer_id, m)
+        self.audit.record(peer_id, ids.MANIFEST, "manifest.push", True)
+        await framed.send(ManifestOk(serial=m.serial))
 
     async def _ping(self, req: c.PingRequest, _: FramedStream) -> c.PingReply:
-        target = await self.resolve_peer(req.peer)
         start = time.perf_counter()
-        stream = await self.p2p.open_stream(target, ids.PING)
+        stream = await self.open_peer_stream(req.peer, ids.PING)
         connect_ms = (time.perf_counter() - start) * 1000
         framed = FramedStream(stream, self.config.max_frame_size)
         try:
@@ -133,6 +204,43 @@ class Node:
         finally:
             with anyio.CancelScope(shield=True):
                 await stream.aclose()
+
+    async def _peers(self, req: c.PeersRequest, _: FramedStream) -> c.PeersReply:
+        connected = {p["peer_id"] for p in self.p2p.connected_peers()}
+        return c.PeersReply(peers=[{**p.as_dict(), "connected": p.peer_id in connected}
+                                   for p in self.trust.list(include_revoked=req.include_revoked)])
+
+    async def _grant(self, req: c.GrantRequest, _: FramedStream) -> c.PeerReply:
+        peer = self.trust.resolve(req.peer)
+        if peer.revoked:
+            raise PsymeshError(f"{peer.name} was revoked; pair again first", code=ErrorCode.UNKNOWN_PEER)
+        if req.preset_limits is not None and req.preset_limits not in PRESETS:
+            raise PsymeshError(f"unknown preset {req.preset_limits!r}", code=ErrorCode.BAD_REQUEST)
+        limits = PRESETS[req.preset_limits][1] if req.preset_limits else (peer.granted.limits if peer.granted else None)
+        manifest = new_manifest(self.identity.peer_id, peer.peer_id, req.capabilities, now=time.time(),
+                                ttl=req.expires_s, limits=limits).sign(self.identity.private_key)
+        self.trust.set_granted(peer.peer_id, manifest)
+        log.info("grant to %s is now: %s", peer.name, ", ".join(manifest.grants()))
+        delivered = await self.push_manifest(peer.peer_id, manifest)
+        updated = self.trust.get(peer.peer_id)
+        assert updated is not None
+        return c.PeerReply(peer={**updated.as_dict(), "delivered": delivered})
+
+    async def _revoke(self, req: c.RevokeRequest, _: FramedStream) -> c.PeerReply:
+        """Takes effect at once: the trust store says no to the next request, and open
+        connections (with their streams) are closed now."""
+        peer = self.trust.resolve(req.peer)
+        self.trust.revoke(peer.peer_id)
+        self.audit.record(peer.peer_id, "control", "revoke", True, reason="revoked by the owner")
+        await self.p2p.disconnect(peer.peer_id)
+        log.info("revoked %s (%s)", peer.name, peer.peer_id)
+        updated = self.trust.get(peer.peer_id)
+        assert updated is not None
+        return c.PeerReply(peer=updated.as_dict())
+
+    async def _audit(self, req: c.AuditRequest, _: FramedStream) -> c.AuditReply:
+        peer_id = self.trust.resolve(req.peer).peer_id if req.peer and not req.peer.startswith("12D3") else req.peer
+        return c.AuditReply(rows=self.audit.query(peer_id=peer_id, limit=req.limit, denied_only=req.denied_only))
 
     async def _shutdown(self, req: c.ShutdownRequest, framed: FramedStream) -> None:
         log.info("shutdown requested over the control socket")

@@ -13,8 +13,8 @@ if TYPE_CHECKING:
 from psymesh.protocol.channel import Channel
 from psymesh.protocol.common import Error
 from psymesh.protocol.errors import ErrorCode, ProtocolError, PsymeshError
-from psymesh.protocol.framing import DEFAULT_MAX_FRAME_SIZE
-from psymesh.protocol.messages import M, Message, expect
+from psymesh.protocol.framing import DEFAULT_MAX_FRAME_SIZE, encode_frame
+from psymesh.protocol.messages import M, Message, expect, pack
 
 READ_CHUNK = 65536
 
@@ -61,8 +61,9 @@ class FramedStream:
 
     async def send_error(self, exc: PsymeshError) -> None:
         """Best effort: tell the peer why, if the stream still takes bytes."""
-        try:
-            await self.send(Error.from_exception(exc))
+        try:  # encoded directly: the channel may already be broken by the peer's bad frame
+            frame = encode_frame(pack(Error.from_exception(exc)), self.channel.max_frame_size)
+            await self.stream.send_all(frame)
         except Exception:
             pass
 

@@ -9,7 +9,8 @@ from psymesh.protocol.errors import ErrorCode, PsymeshError, ProtocolError, Remo
 from psymesh.protocol.framing import DEFAULT_MAX_FRAME_SIZE, FrameDecoder, encode_frame
 from psymesh.protocol.messages import SCHEMA_VERSION, Message, pack, unpack, message_types
 from psymesh.protocol.channel import Channel
-from psymesh.protocol import common  # noqa: F401  (registers error/ping messages)
+# Import every message module so unpack() knows all types, whoever imported us.
+from psymesh.protocol import common, control, pairing, tasks  # noqa: F401,E402
 
 __all__ = [
     "Channel",

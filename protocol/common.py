@@ -42,3 +42,4 @@ class Pong(Message):
     type = "pong"
     seq: int = Field(ge=0)
     payload: bytes = b""
+

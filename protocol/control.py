@@ -60,3 +60,84 @@ class ShutdownRequest(Message):
 
 class Ok(Message):
     type = "control.ok"
+
+
+# -- pairing and trust (control API) ---------------------------------------------
+
+
+class PairInviteRequest(Message):
+    type = "control.pair_invite"
+    name: str | None = Field(default=None, max_length=64)  # what we will call the joiner
+    grant: str = "phone"                                    # preset granted to the joiner
+    ttl_s: float = Field(default=600.0, gt=0, le=7 * 86400)
+    grant_ttl_s: float | None = Field(default=None, gt=0)
+    wait: bool = False  # True: after the invite, a second reply (`control.paired` or `error`) when it is used or dies
+
+
+class PairInviteReply(Message):
+    type = "control.pair_invite_reply"
+    code: str
+    invite: str
+    expires_at: float
+    grant: str
+
+
+class PairJoinRequest(Message):
+    """`invite` is an invite string, or a code with `address` (multiaddr or host:port) of the inviter."""
+
+    type = "control.pair_join"
+    invite: str = Field(min_length=1, max_length=4096)
+    address: str | None = Field(default=None, max_length=1024)
+    grant: str | None = None  # optional preset this node grants back to the inviter (e.g. messaging)
+
+
+class PairedReply(Message):
+    type = "control.paired"
+    peer_id: str
+    name: str
+    role: str
+    verification: str
+    granted: list[str] = Field(default_factory=list)   # what the peer may ask of us
+    received: list[str] = Field(default_factory=list)  # what we may ask of the peer
+
+
+class PeersRequest(Message):
+    type = "control.peers"
+    include_revoked: bool = True
+
+
+class PeersReply(Message):
+    type = "control.peers_reply"
+    peers: list[dict] = Field(default_factory=list)
+
+
+class GrantRequest(Message):
+    """Replace the grant to `peer` with these capabilities (CLI spelling, e.g. `tool:files.*`)."""
+
+    type = "control.grant"
+    peer: str
+    capabilities: list[str] = Field(min_length=1, max_length=128)
+    expires_s: float | None = Field(default=None, gt=0)
+    preset_limits: str | None = None  # take limits from a preset (default: keep the current limits)
+
+
+class RevokeRequest(Message):
+    type = "control.revoke"
+    peer: str
+
+
+class PeerReply(Message):
+    type = "control.peer"
+    peer: dict
+
+
+class AuditRequest(Message):
+    type = "control.audit"
+    peer: str | None = None
+    limit: int = Field(default=100, ge=1, le=10_000)
+    denied_only: bool = False
+
+
+class AuditReply(Message):
+    type = "control.audit_reply"
+    rows: list[dict] = Field(default_factory=list)

@@ -44,6 +44,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from psymesh.protocol.errors import ErrorCode, ProtocolError, PsymeshError
 from psymesh.protocol.identity import peer_id_from_public_key, public_key_from_peer_id
 from psymesh.protocol.limits import Limits
+from psymesh.protocol.messages import Message
 
 MANIFEST_VERSION = 1
 _SIGNING_CONTEXT = b"psymesh/manifest/v1\x00"
@@ -525,3 +526,19 @@ def check(manifest: Manifest, operation: Operation, *, local_peer_id: str, remot
     best = max(covering, key=lambda c: float("inf") if c.max_tokens is None else c.max_tokens)
     ceiling = best.max_tokens if operation.name == "task.infer" else None
     return Decision(True, capability=best, max_tokens=ceiling)
+
+
+# ---------------------------------------------------------------------------- wire
+
+
+class ManifestPush(Message):
+    """`/psymesh/manifest/1.0.0`: an issuer hands its subject the current grant (at pairing
+    and whenever it changes), so the subject can show what it may do. Reply: `manifest.ok`."""
+
+    type = "manifest.push"
+    manifest: Manifest
+
+
+class ManifestOk(Message):
+    type = "manifest.ok"
+    serial: int

@@ -1,0 +1,168 @@
+"""Pairing on the node: invites held by the daemon, `/psymesh/pair/1.0.0` served to anyone
+(the only protocol an unpaired peer may use), and the joiner's side driven from the
+control API. The cryptography and state machines are in `psymesh.protocol.pairing`.
+
+Open invites live in the daemon's memory: a restart cancels them all, which is the
+safe failure (the owner makes a new code).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+import anyio
+
+from psymesh.node.framed import FramedStream
+from psymesh.node.home import Identity, NodeConfig
+from psymesh.node.logs import fields
+from psymesh.node.p2p import P2PNode
+from psymesh.node.trust import TrustStore
+from psymesh.protocol import control as c
+from psymesh.protocol import ids
+from psymesh.protocol.errors import ErrorCode, PsymeshError
+from psymesh.protocol.manifest import Manifest, preset
+from psymesh.protocol.pairing import (
+    Invite,
+    InviteState,
+    PairingInviter,
+    PairingJoiner,
+    PairState,
+    PeerInfo,
+    encode_invite,
+    new_invite,
+    parse_invite,
+)
+
+log = logging.getLogger("psymesh.pair")
+PAIRING_TIMEOUT_S = 60.0
+
+PushManifest = Callable[[str, Manifest], Awaitable[None]]
+
+
+class PairingService:
+    def __init__(self, identity: Identity, config: NodeConfig, p2p: P2PNode, trust: TrustStore,
+                 push_manifest: PushManifest) -> None:
+        self.identity = identity
+        self.config = config
+        self.p2p = p2p
+        self.trust = trust
+        self.push_manifest = push_manifest
+        self._invites: dict[int, Invite] = {}
+        self._changed: dict[str, anyio.Event] = {}          # invite id -> set after each pairing run
+        self._paired: dict[str, c.PairedReply] = {}         # invite id -> outcome, for the waiting CLI
+
+    def _info(self) -> PeerInfo:
+        return PeerInfo(name=self.config.name, role=self.config.profile, addrs=tuple(self.p2p.addrs()))
+
+    def _open_nameplates(self, now: float) -> set[int]:
+        for n in [n for n, inv in self._invites.items() if inv.state(now) is not InviteState.OPEN]:
+            del self._invites[n]  # used, expired and exhausted invites are gone for good
+        return set(self._invites)
+
+    # -- inviter ------------------------------------------------------------------
+    async def create_invite(self, req: c.PairInviteRequest, framed: FramedStream) -> c.PairInviteReply:
+        now = time.time()
+        invite = new_invite(now, ttl=req.ttl_s, grant=req.grant, name=req.name,
+                            grant_ttl=int(req.grant_ttl_s) if req.grant_ttl_s else None,
+                            taken=self._open_nameplates(now))
+        self._invites[invite.nameplate] = invite
+        text = encode_invite(invite.ticket(self.identity.peer_id, self.p2p.addrs()))
+        log.info("invite %s created (grant %s, expires in %.0f s)", invite.nameplate, invite.grant, req.ttl_s)
+        reply = c.PairInviteReply(code=str(invite.code), invite=text, expires_at=invite.expires_at,
+                                  grant=invite.grant)
+        if not req.wait:
+            return reply
+        await framed.send(reply)
+        return await self._outcome(invite)
+
+    async def _outcome(self, invite: Invite) -> c.PairedReply:
+        """Wait until the invite is used (-> the pairing) or dies (-> its error)."""
+        while True:
+            now = time.time()
+            state = invite.state(now)
+            if state is InviteState.USED:
+                return self._paired.pop(invite.id)
+            if state is not InviteState.OPEN:
+                invite.check_usable(now)  # raises the matching error (expired, exhausted)
+            event = self._changed.setdefault(invite.id, anyio.Event())
+            with anyio.move_on_after(max(0.0, invite.expires_at - now) + 0.01):
+                await event.wait()
+            self._changed.pop(invite.id, None)
+
+    def _notify(self, invite: Invite | None) -> None:
+        if invite is not None and (event := self._changed.get(invite.id)) is not None:
+            event.set()
+
+    async def serve(self, framed: FramedStream, remote_peer_id: str) -> None:
+        """Inbound pairing run. Any PsymeshError is sent to the joiner by the caller."""
+        machine = PairingInviter(local_peer_id=self.identity.peer_id, remote_peer_id=remote_peer_id,
+                                 info=self._info(), signing_key=self.identity.private_key,
+                                 find_invite=self._invites.get)
+        try:
+            with anyio.fail_after(PAIRING_TIMEOUT_S):
+                while machine.state is not PairState.DONE:
+                    for out in machine.receive(await framed.receive_required(), time.time()):
+                        await framed.send(out)
+        except TimeoutError:
+            raise PsymeshError("pairing took too long; start again", code=ErrorCode.TIMEOUT) from None
+        except PsymeshError as exc:
+            log.info("pairing with %s failed: %s", remote_peer_id, exc.message, extra=fields(code=exc.code.value))
+            self._notify(machine.invite)  # a waiting `pair invite` re-checks attempts left
+            raise
+        result, invite = machine.result, machine.invite
+        assert result is not None and invite is not None
+        peer = self.trust.add(result.peer_id, name=result.name, role=result.role, addrs=list(result.addrs),
+                              granted=result.manifest, received=None)
+        self._paired[invite.id] = c.PairedReply(peer_id=peer.peer_id, name=peer.name, role=peer.role,
+                                                verification=result.verification, granted=result.manifest.grants())
+        self._notify(invite)
+        log.info("paired with %s (%s); verification: %s", result.name, result.peer_id, result.verification)
+
+    # -- joiner --------------------------------------------------------------------
+    async def join(self, req: c.PairJoinRequest, _: FramedStream) -> c.PairedReply:
+        ticket = parse_invite(req.invite, req.address)
+        if ticket.peer_id is None or not ticket.addrs:
+            raise PsymeshError("need the inviter's address ending in /p2p/<peer id> (the invite string has it)",
+                               code=ErrorCode.BAD_REQUEST)
+        if ticket.peer_id == self.identity.peer_id:
+            raise PsymeshError("that invite is from this node itself", code=ErrorCode.BAD_REQUEST)
+        stream = await self._dial_any(ticket.peer_id, list(ticket.addrs))
+        framed = FramedStream(stream, self.config.max_frame_size)
+        try:
+            joiner = PairingJoiner(ticket.code, local_peer_id=self.identity.peer_id,
+                                   remote_peer_id=stream.remote_peer_id, info=self._info())
+            with anyio.fail_after(PAIRING_TIMEOUT_S):
+                await framed.send(joiner.start())
+                while joiner.state is not PairState.DONE:
+                    for out in joiner.receive(await framed.receive_required()):
+                        await framed.send(out)
+        except TimeoutError:
+            raise PsymeshError("the inviter did not answer in time", code=ErrorCode.TIMEOUT) from None
+        finally:
+            with anyio.CancelScope(shield=True):
+                await stream.aclose()
+        result = joiner.result
+        assert result is not None
+        granted_back = None
+        if req.grant:
+            granted_back = preset(req.grant, self.identity.peer_id, result.peer_id, time.time()).sign(
+                self.identity.private_key)
+        peer = self.trust.add(result.peer_id, name=result.name, role=result.role, addrs=list(result.addrs),
+                              granted=granted_back, received=result.manifest)
+        if granted_back is not None:
+            await self.push_manifest(result.peer_id, granted_back)
+        log.info("paired with %s (%s); verification: %s", result.name, result.peer_id, result.verification)
+        return c.PairedReply(peer_id=peer.peer_id, name=peer.name, role=peer.role, verification=result.verification,
+                             granted=granted_back.grants() if granted_back else [], received=result.manifest.grants())
+
+    async def _dial_any(self, peer_id: str, addrs: list[str]):
+        last: PsymeshError | None = None
+        for addr in addrs:
+            full = addr if "/p2p/" in addr else f"{addr}/p2p/{peer_id}"
+            try:
+                return await self.p2p.open_stream(full, ids.PAIR)
+            except PsymeshError as exc:
+                last = exc
+        raise PsymeshError(f"could not reach the inviter at {', '.join(addrs)}: {last.message if last else ''}",
+                           code=ErrorCode.UNAVAILABLE)

@@ -1,0 +1,141 @@
+"""The trust store: who this node is paired with, what each may ask of us, what we may ask of them.
+
+Backed by SQLite (the node's WAL database), so the CLI can read it while the daemon
+runs and a daemon picks up a new pairing without restart. Rows are never deleted
+on revocation: a revoked peer keeps its history (and its audit trail).
+"""
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+from dataclasses import dataclass
+
+import msgpack
+
+from psymesh.node.db import ensure_schema, transaction
+from psymesh.protocol.errors import ErrorCode, PsymeshError
+from psymesh.protocol.manifest import Manifest
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS peers (
+    peer_id    TEXT PRIMARY KEY,
+    name       TEXT NOT NULL,
+    role       TEXT NOT NULL,
+    addrs      TEXT NOT NULL DEFAULT '[]',   -- JSON list of multiaddrs
+    paired_at  REAL NOT NULL,
+    revoked_at REAL,
+    granted    BLOB,                          -- msgpack Manifest we issued: what they may ask of us
+    received   BLOB                           -- msgpack Manifest they issued: what we may ask of them
+);
+CREATE INDEX IF NOT EXISTS peers_name ON peers(name);
+"""
+
+
+def _encode_manifest(m: Manifest | None) -> bytes | None:
+    return None if m is None else msgpack.packb(m.model_dump(mode="python"), use_bin_type=True)
+
+
+def _decode_manifest(blob: bytes | None) -> Manifest | None:
+    return None if blob is None else Manifest.model_validate(msgpack.unpackb(blob, raw=False))
+
+
+@dataclass(frozen=True)
+class Peer:
+    peer_id: str
+    name: str
+    role: str
+    addrs: list[str]
+    paired_at: float
+    revoked_at: float | None
+    granted: Manifest | None
+    received: Manifest | None
+
+    @property
+    def revoked(self) -> bool:
+        return self.revoked_at is not None
+
+    def as_dict(self) -> dict:
+        return {
+            "peer_id": self.peer_id,
+            "name": self.name,
+            "role": self.role,
+            "addrs": self.addrs,
+            "paired_at": self.paired_at,
+            "revoked_at": self.revoked_at,
+            "granted": self.granted.grants() if self.granted else [],
+            "granted_expires": self.granted.expires if self.granted else None,
+            "granted_limits": self.granted.limits.model_dump(exclude_none=True) if self.granted else {},
+            "received": self.received.grants() if self.received else [],
+            "received_expires": self.received.expires if self.received else None,
+        }
+
+
+class TrustStore:
+    def __init__(self, conn: sqlite3.Connection) -> None:
+        self.conn = conn
+        ensure_schema(conn, SCHEMA)
+
+    @staticmethod
+    def _peer(row: sqlite3.Row) -> Peer:
+        return Peer(row["peer_id"], row["name"], row["role"], json.loads(row["addrs"]), row["paired_at"],
+                    row["revoked_at"], _decode_manifest(row["granted"]), _decode_manifest(row["received"]))
+
+    def get(self, peer_id: str) -> Peer | None:
+        row = self.conn.execute("SELECT * FROM peers WHERE peer_id = ?", (peer_id,)).fetchone()
+        return self._peer(row) if row else None
+
+    def resolve(self, name_or_id: str) -> Peer:
+        """A paired peer by peer id or name (names are for people; ambiguity is an error)."""
+        peer = self.get(name_or_id)
+        if peer is not None:
+            return peer
+        rows = self.conn.execute("SELECT * FROM peers WHERE name = ? ORDER BY paired_at DESC", (name_or_id,)).fetchall()
+        live = [r for r in rows if r["revoked_at"] is None] or rows
+        if not live:
+            raise PsymeshError(f"no paired peer named {name_or_id!r}; see: psymesh peers", code=ErrorCode.UNKNOWN_PEER)
+        if len(live) > 1:
+            raise PsymeshError(f"{len(live)} peers are named {name_or_id!r}; use a peer id", code=ErrorCode.CONFLICT)
+        return self._peer(live[0])
+
+    def list(self, *, include_revoked: bool = True) -> list[Peer]:
+        sql = "SELECT * FROM peers" + ("" if include_revoked else " WHERE revoked_at IS NULL") + " ORDER BY paired_at"
+        return [self._peer(r) for r in self.conn.execute(sql)]
+
+    def add(self, peer_id: str, *, name: str, role: str, addrs: list[str], granted: Manifest | None,
+            received: Manifest | None, now: float | None = None) -> Peer:
+        """Store a newly paired peer (re-pairing replaces the old entry and clears a revocation)."""
+        now = time.time() if now is None else now
+        with transaction(self.conn):
+            self.conn.execute(
+                "INSERT INTO peers (peer_id, name, role, addrs, paired_at, revoked_at, granted, received) "
+                "VALUES (?, ?, ?, ?, ?, NULL, ?, ?) ON CONFLICT(peer_id) DO UPDATE SET name=excluded.name, "
+                "role=excluded.role, addrs=excluded.addrs, paired_at=excluded.paired_at, revoked_at=NULL, "
+                "granted=excluded.granted, received=excluded.received",
+                (peer_id, name, role, json.dumps(addrs), now, _encode_manifest(granted), _encode_manifest(received)),
+            )
+        peer = self.get(peer_id)
+        assert peer is not None
+        return peer
+
+    def set_granted(self, peer_id: str, manifest: Manifest) -> None:
+        self._update(peer_id, "granted", _encode_manifest(manifest))
+
+    def set_received(self, peer_id: str, manifest: Manifest) -> None:
+        """Keep a manifest a peer issued to us, unless we already hold a newer one (higher serial)."""
+        current = self.get(peer_id)
+        if current and current.received and current.received.serial >= manifest.serial:
+            return
+        self._update(peer_id, "received", _encode_manifest(manifest))
+
+    def set_addrs(self, peer_id: str, addrs: list[str]) -> None:
+        self._update(peer_id, "addrs", json.dumps(addrs))
+
+    def revoke(self, peer_id: str, now: float | None = None) -> None:
+        self._update(peer_id, "revoked_at", time.time() if now is None else now)
+
+    def _update(self, peer_id: str, column: str, value: object) -> None:
+        assert column in {"granted", "received", "addrs", "revoked_at"}
+        cur = self.conn.execute(f"UPDATE peers SET {column} = ? WHERE peer_id = ?", (value, peer_id))
+        if cur.rowcount == 0:
+            raise PsymeshError(f"{peer_id} is not a paired peer; see: psymesh peers", code=ErrorCode.UNKNOWN_PEER)
