@@ -13,6 +13,7 @@ from pathlib import Path
 
 import anyio
 from rich.console import Console
+from rich.markup import escape
 
 from psymesh.node.process import DaemonProcess
 from psymesh.protocol.control import StatusReply
@@ -71,7 +72,12 @@ async def allowed_and_refused(d: Demo) -> None:
     step("One allowed and one refused request (default deny)")
     async with d.phone.client() as phone:
         r = await phone.ping("home", count=3)
-    con.print(f"phone -> home ping: [green]allowed[/green] ({r.median_ms:.2f} ms median)")
+        con.print(f"phone -> home ping: [green]allowed[/green] ({r.median_ms:.2f} ms median)")
+        try:
+            await phone.delegate("home", tool="notes.add", args={"text": "hi"})
+            con.print("[red]an ungranted tool ran: this is a bug[/red]")
+        except RemoteError as exc:
+            con.print(f"phone -> home tool notes.add: [red]refused[/red] ({exc.code.value}) {exc.message}")
     stranger = DaemonProcess(d.workdir / "stranger", profile="phone", name="stranger")
     await stranger.start()
     try:
@@ -88,6 +94,27 @@ async def allowed_and_refused(d: Demo) -> None:
         f"{r['operation']} {'allowed' if r['allowed'] else r['code']}" for r in rows))
 
 
+async def delegate_tasks(d: Demo) -> None:
+    step("Delegate a tool task and an inference task from the phone to home (durable, streamed)")
+    async with d.phone.client() as phone:
+        handle = await phone.delegate("home", tool="files.search", args={"query": "psymesh"})
+        con.print(f"phone: task {handle.id} -> {handle.target_name} (files.search in home's share dir)")
+        async for ev in handle.events():
+            con.print(f"   event {ev.seq}: {ev.kind.value:<8} state={ev.state.value}")
+        found = await handle.result()
+        con.print(f"phone: result: {[(h['path'], h.get('text', h['match'])) for h in found['results']]}")
+
+        handle = await phone.delegate("home", infer="Say hello to the mesh.", model="tiny", max_tokens=48,
+                                      params={"seed": 7, "temperature": 0.8, "ban_bytes": True})
+        con.print(f"phone: task {handle.id} -> home (infer on model 'tiny': random weights, so gibberish)")
+        con.print("   tokens: ", end="")
+        async for ev in handle.events():
+            if ev.kind.value == "token":
+                con.print(escape(ev.data["text"]), end="")
+        out = await handle.result()
+        con.print(f"\n   {out['usage']['completion_tokens']} tokens, finish: {out['finish_reason']}")
+
+
 async def ping_both_ways(d: Demo) -> None:
     step("Ping each way over the encrypted channel (Noise + yamux)")
     for src, dst in ((d.phone, d.home), (d.home, d.phone)):
@@ -97,13 +124,34 @@ async def ping_both_ways(d: Demo) -> None:
                   f"{r.min_ms:.3f} / {r.median_ms:.3f} / {r.max_ms:.3f} ms  ({len(r.rtts_ms)} x 32 B)")
 
 
-STEPS: list[Callable[[Demo], Awaitable[None]]] = [start_nodes, pair_by_code, ping_both_ways, allowed_and_refused]
+STEPS: list[Callable[[Demo], Awaitable[None]]] = [
+    start_nodes, pair_by_code, ping_both_ways, allowed_and_refused, delegate_tasks,
+]
+
+
+def prepare_home(work: Path) -> list[str]:
+    """A share dir for the files.* tools and a tiny generated model (no downloads here)."""
+    from psymesh.agent.testmodel import make_tiny_gguf
+    from psymesh.node.db import open_db
+    from psymesh.node.home import NodeHome
+    from psymesh.node.models import ModelRegistry
+
+    share = work / "share"
+    (share / "notes").mkdir(parents=True)
+    (share / "notes" / "mesh.txt").write_text("psymesh: phones delegate heavy work to home PCs.\n")
+    (share / "todo.txt").write_text("buy milk\n")
+    home = NodeHome(work / "home")
+    home.init(profile="home", name="home")
+    model = make_tiny_gguf(work / "tiny.gguf")
+    ModelRegistry(open_db(home.db_path)).add("tiny", model, n_ctx=4096, n_threads=1)
+    return ["--share", str(share)]
 
 
 async def main() -> int:
     with tempfile.TemporaryDirectory(prefix="psymesh-demo-") as tmp:
         work = Path(tmp)
-        d = Demo(work, DaemonProcess(work / "home", profile="home", name="home"),
+        home_args = prepare_home(work)
+        d = Demo(work, DaemonProcess(work / "home", profile="home", name="home", extra_args=home_args),
                  DaemonProcess(work / "phone", profile="phone", name="phone"))
         try:
             for s in STEPS:

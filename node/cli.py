@@ -3,13 +3,16 @@ stdout, logs and hints to stderr (see node/output.py)."""
 from __future__ import annotations
 
 import functools
+import json
 import sys
 import time
+from pathlib import Path
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import anyio
 import click
+from rich.markup import escape
 from rich.table import Table
 
 from psymesh.node.client import Client
@@ -75,9 +78,11 @@ def node() -> None:
 @click.option("--listen", multiple=True, metavar="MULTIADDR", help="Listen address (repeatable), e.g. /ip4/127.0.0.1/tcp/4001.")
 @click.option("--profile", type=click.Choice(["home", "phone"]), default=None, help="Node profile (saved in config.toml).")
 @click.option("--name", default=None, help="Human name of this node (saved in config.toml).")
+@click.option("--share", type=click.Path(file_okay=False, exists=True), default=None,
+              help="Directory the files.* tools may read (saved in config.toml).")
 @click.option("--log-json", is_flag=True, help="Log one JSON object per line (stderr).")
 def node_start(home: str | None, out: Output, listen: tuple[str, ...], profile: str | None,
-               name: str | None, log_json: bool) -> None:
+               name: str | None, share: str | None, log_json: bool) -> None:
     """Run the daemon in the foreground until SIGINT/SIGTERM."""
     from psymesh.node.daemon import Node
     from psymesh.node.logs import setup_logging
@@ -90,6 +95,8 @@ def node_start(home: str | None, out: Output, listen: tuple[str, ...], profile: 
         changes["profile"] = profile
     if name and name != config.name:
         changes["name"] = name
+    if share:
+        changes["share_dir"] = str(Path(share).resolve())
     if changes:
         config = config.model_copy(update=changes)
         node_home.save_config(config)
@@ -342,6 +349,217 @@ def audit(home: str | None, out: Output, peer: str | None, limit: int, denied: b
             table.add_row(time.strftime("%m-%d %H:%M:%S", time.localtime(r["ts"])), r["peer_id"][:16] + "…",
                           r["operation"], verdict, r["reason"])
         con.print(table if rows else "no audit entries")
+
+    out.data(rows, human)
+
+
+# -- delegated tasks ---------------------------------------------------------------
+
+
+@main.group()
+def task() -> None:
+    """Delegate work to paired nodes, and follow it."""
+
+
+def _event_line(ev: Any) -> str:
+    data = ev.data
+    if ev.kind == "token":
+        return data.get("text", "")
+    detail = {k: v for k, v in data.items() if k != "result"}
+    text = f"[{ev.seq}] {ev.kind} -> {ev.state}" + (f" {json.dumps(detail)}" if detail else "")
+    return text
+
+
+async def _follow(handle: Any, out: Output, after_seq: int = 0) -> Any:
+    """Stream a task's events (JSON lines with --json; a live view on a terminal) and return its outcome."""
+    last = None
+    streaming_tokens = False
+    status = None
+    if not out.json_mode and out.out.is_terminal:
+        status = out.err.status(f"task {handle.id}: waiting", spinner="dots")
+        status.start()
+    try:
+        async for ev in handle.events(after_seq):
+            last = ev
+            if out.json_mode:
+                out.data(ev)
+                continue
+            if status is not None:
+                status.update(f"task {handle.id}: {ev.state.value} ({ev.seq} events)")
+            if ev.kind == "token":
+                out.out.print(escape(ev.data.get("text", "")), end="")
+                streaming_tokens = True
+                continue
+            if streaming_tokens:
+                out.out.print()
+                streaming_tokens = False
+            if ev.kind != "result":
+                out.err.print(escape(_event_line(ev)))
+    finally:
+        if status is not None:
+            status.stop()
+    return last.outcome if last is not None else None
+
+
+@task.command("send")
+@command
+@click.option("--to", default=None, help="Paired peer (name or id); default: the best one offering the task.")
+@click.option("--tool", default=None, help="Run this tool on the peer.")
+@click.option("--args", "args_json", default="{}", help="Tool arguments as a JSON object.")
+@click.option("--infer", "prompt", default=None, help="A prompt for a chat completion on the peer.")
+@click.option("--model", default=None, help="Model name on the peer (with --infer).")
+@click.option("--max-tokens", type=int, default=None)
+@click.option("--goal", default=None, help="A goal for the peer's agent loop.")
+@click.option("--timeout", type=Duration(), default=None, help="Deadline, counted from acceptance.")
+@click.option("--id", "task_id", default=None, help="Task id (resending the same id is harmless).")
+@click.option("--wait", is_flag=True, help="Follow the task until it ends and print its result.")
+def task_send(home: str | None, out: Output, to: str | None, tool: str | None, args_json: str, prompt: str | None,
+              model: str | None, max_tokens: int | None, goal: str | None, timeout: float | None,
+              task_id: str | None, wait: bool) -> None:
+    """Delegate one task: --tool NAME --args JSON | --infer PROMPT --model NAME | --goal TEXT."""
+    try:
+        args = json.loads(args_json)
+    except json.JSONDecodeError as exc:
+        raise click.BadParameter(f"--args is not JSON: {exc}") from None
+    if prompt is not None and model is None:
+        raise click.UsageError("--infer needs --model NAME (a model registered on the peer)")
+
+    async def go() -> Any:
+        async with Client(home) as client:
+            handle = await client.delegate(to, tool=tool, args=args if tool else None, infer=prompt, model=model,
+                                           max_tokens=max_tokens, goal=goal, timeout=timeout, task_id=task_id)
+            where = "accepted by" if handle.accepted else "queued for"
+            out.hint(f"task {handle.id} {where} {handle.target_name}")
+            if not wait:
+                return {"task_id": handle.id, "target": handle.target, "accepted": handle.accepted}
+            return await _follow(handle, out)
+
+    result = run_async(go)
+    if not wait:
+        out.data(result, lambda con: con.print(result["task_id"]))
+        return
+    _print_outcome(out, result)
+
+
+def _print_outcome(out: Output, outcome: Any) -> None:
+    if outcome is None:
+        return
+    if outcome.ok:
+        value = outcome.value
+        if out.json_mode:
+            out.data({"state": outcome.state.value, "result": value})
+        elif isinstance(value, dict) and set(value) >= {"text", "usage"}:
+            out.hint(f"({value['usage'].get('completion_tokens')} tokens, {value.get('finish_reason')})")
+        else:
+            out.data(value)
+        return
+    code = outcome.code.value if hasattr(outcome.code, "value") else str(outcome.code)
+    if out.json_mode:
+        out.data({"state": outcome.state.value, "error": {"code": code, "message": outcome.message}})
+    out.err.print(f"[red]task {outcome.state.value}[/red] ({escape(code)}): {escape(outcome.message)}")
+    sys.exit(1)
+
+
+@task.command("watch")
+@command
+@click.argument("task_id")
+@click.option("--after", type=int, default=0, help="Only events after this number.")
+def task_watch(home: str | None, out: Output, task_id: str, after: int) -> None:
+    """Follow a delegated task (events as JSON lines with --json) until it ends."""
+
+    async def go() -> Any:
+        async with Client(home) as client:
+            return await _follow(client.task(task_id), out, after)
+
+    _print_outcome(out, run_async(go))
+
+
+@task.command("list")
+@command
+@click.option("--limit", default=50, show_default=True, type=click.IntRange(1, 1000))
+def task_list(home: str | None, out: Output, limit: int) -> None:
+    """Tasks this node delegated, and tasks it runs for others."""
+
+    async def go() -> Any:
+        async with Client(home) as client:
+            return await client.tasks(limit)
+
+    r = run_async(go)
+
+    def human(con: Any) -> None:
+        for title, rows, who in (("delegated by this node", r.submitted, "target"),
+                                 ("run by this node for others", r.executing, "submitter")):
+            table = Table("task", "kind", who, "state", "events", title=title, title_justify="left")
+            for t in rows:
+                table.add_row(t["task_id"], t["kind"], t.get(who, ""), t["state"],
+                              str(t.get("events", t.get("last_seq", ""))))
+            con.print(table if rows else f"{title}: none")
+
+    out.data(r, human)
+
+
+@task.command("cancel")
+@command
+@click.argument("task_id")
+def task_cancel(home: str | None, out: Output, task_id: str) -> None:
+    """Cancel a delegated task (it stops on the node running it)."""
+
+    async def go() -> None:
+        async with Client(home) as client:
+            await client.task(task_id).cancel()
+
+    run_async(go)
+    out.data({"task_id": task_id, "canceled": True}, lambda con: con.print(f"canceled {task_id}"))
+
+
+# -- models ---------------------------------------------------------------------------
+
+
+@main.group()
+def model() -> None:
+    """Models this node can run (GGUF files for llama.cpp)."""
+
+
+@model.command("add")
+@command
+@click.argument("name")
+@click.argument("path", type=click.Path(dir_okay=False))
+@click.option("--ctx", "n_ctx", default=4096, show_default=True, type=click.IntRange(64, 1 << 20))
+@click.option("--threads", "n_threads", default=None, type=click.IntRange(1, 512))
+@click.option("--chat-template", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="A Jinja chat template file overriding the one inside the GGUF.")
+def model_add(home: str | None, out: Output, name: str, path: str, n_ctx: int, n_threads: int | None,
+              chat_template: str | None) -> None:
+    """Register PATH (a .gguf file) as model NAME. A running daemon uses it at once."""
+    from psymesh.node.db import open_db
+    from psymesh.node.models import ModelRegistry
+
+    node_home = NodeHome(home)
+    node_home.init()
+    template = open(chat_template).read() if chat_template else None
+    row = ModelRegistry(open_db(node_home.db_path)).add(name, path, n_ctx=n_ctx, n_threads=n_threads,
+                                                        chat_template=template)
+    out.data({k: v for k, v in row.items() if k != "chat_template"},
+             lambda con: con.print(f"model {name} -> {row['path']}"))
+
+
+@model.command("list")
+@command
+def model_list(home: str | None, out: Output) -> None:
+    """Registered models."""
+    from psymesh.node.db import open_db
+    from psymesh.node.models import ModelRegistry
+
+    node_home = NodeHome(home)
+    rows = ModelRegistry(open_db(node_home.db_path)).list() if node_home.db_path.exists() else []
+    rows = [{**{k: v for k, v in r.items() if k != "chat_template"}, "chat_template_override": bool(r["chat_template"])}
+            for r in rows]
+
+    def human(con: Any) -> None:
+        table = Table("name", "path", "context", "threads")
+        for r in rows:
+            table.add_row(r["name"], r["path"], str(r["n_ctx"]), str(r["n_threads"] or "all"))
+        con.print(table if rows else "no models; add one with: psymesh model add NAME PATH.gguf")
 
     out.data(rows, human)
 

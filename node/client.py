@@ -11,9 +11,12 @@ connection; streaming calls open a connection of their own.
 from __future__ import annotations
 
 import os
+import secrets
+import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import anyio
 
@@ -23,6 +26,7 @@ from psymesh.protocol import control as c
 from psymesh.protocol.errors import ErrorCode, PsymeshError
 from psymesh.protocol.framing import DEFAULT_MAX_FRAME_SIZE
 from psymesh.protocol.messages import Message, expect
+from psymesh.protocol.tasks import Outcome, TaskEvent
 
 R = TypeVar("R", bound=Message)
 
@@ -123,5 +127,94 @@ class Client:
     async def revoke(self, peer: str) -> dict:
         return (await self.request(c.RevokeRequest(peer=peer), c.PeerReply)).peer
 
+    # -- delegated tasks ---------------------------------------------------------
+    async def delegate(
+        self,
+        to: str | None = None,
+        *,
+        tool: str | None = None,
+        args: dict[str, Any] | None = None,
+        infer: str | list[dict[str, str]] | None = None,
+        model: str | None = None,
+        max_tokens: int | None = None,
+        goal: str | None = None,
+        params: dict[str, Any] | None = None,
+        timeout: float | None = None,
+        task_id: str | None = None,
+    ) -> TaskHandle:
+        """Hand a task to a paired node (`to`: its name or peer id; None picks the best one).
+
+        Exactly one of `tool` (with `args`), `infer` (a prompt, or chat messages; with
+        `model`) or `goal` (an agent run). The task is stored durably before this returns,
+        and is delivered, run and reported even if either node restarts meanwhile. Passing
+        the same `task_id` again returns the same task.
+        """
+        if sum(x is not None for x in (tool, infer, goal)) != 1:
+            raise PsymeshError("give exactly one of tool=, infer= or goal=", code=ErrorCode.BAD_REQUEST)
+        spec: dict[str, Any] = {"id": task_id or new_task_id(), "timeout": timeout}
+        if tool is not None:
+            spec.update(kind="tool", tool=tool, args=args or {})
+        elif infer is not None:
+            spec.update(kind="infer", model=model, max_tokens=max_tokens, params=params or {})
+            spec["prompt" if isinstance(infer, str) else "messages"] = infer
+        else:
+            spec.update(kind="agent", goal=goal, params=params or {})
+        reply = await self.request(c.TaskSubmitRequest(to=to, spec=spec), c.TaskSubmitted)
+        return TaskHandle(self, reply)
+
+    def task(self, task_id: str) -> TaskHandle:
+        """A handle on a task this node delegated earlier (e.g. before a restart)."""
+        return TaskHandle(self, c.TaskSubmitted(task_id=task_id, target="", target_name="", accepted=True))
+
+    async def tasks(self, limit: int = 100) -> c.TaskListReply:
+        return await self.request(c.TaskListRequest(limit=limit), c.TaskListReply)
+
     async def audit(self, *, peer: str | None = None, limit: int = 100, denied_only: bool = False) -> list[dict]:
         return (await self.request(c.AuditRequest(peer=peer, limit=limit, denied_only=denied_only), c.AuditReply)).rows
+
+
+def new_task_id() -> str:
+    """Time-ordered and unique: sorts like creation order in listings."""
+    return f"t{time.time_ns():x}-{secrets.token_hex(4)}"
+
+
+class TaskHandle:
+    """A delegated task, as its submitter sees it (from its own node's durable mirror)."""
+
+    def __init__(self, client: Client, submitted: c.TaskSubmitted) -> None:
+        self._client = client
+        self.id = submitted.task_id
+        self.target = submitted.target
+        self.target_name = submitted.target_name
+        self.accepted = submitted.accepted
+
+    def __repr__(self) -> str:
+        return f"<TaskHandle {self.id} -> {self.target_name or self.target}>"
+
+    async def events(self, after_seq: int = 0) -> AsyncIterator[TaskEvent]:
+        """Every event after `after_seq`, in order, live until the task ends."""
+        framed = await self._client._open()
+        try:
+            await framed.send(c.TaskWatchRequest(task_id=self.id, after_seq=after_seq))
+            while True:
+                message = await framed.receive_required()
+                if isinstance(message, c.Ok):
+                    return
+                yield expect(message, TaskEvent)
+        finally:
+            await framed.aclose()
+
+    async def outcome(self) -> Outcome:
+        last: TaskEvent | None = None
+        async for ev in self.events():
+            last = ev
+        if last is None or last.outcome is None:
+            raise PsymeshError(f"task {self.id} ended without a final event", code=ErrorCode.INTERNAL)
+        return last.outcome
+
+    async def result(self) -> Any:
+        """Wait for the task to end: its result, or RemoteError with the failure's code."""
+        return (await self.outcome()).unwrap()
+
+    async def cancel(self) -> None:
+        await self._client.request(c.TaskCancelRequest(task_id=self.id), c.Ok)

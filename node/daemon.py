@@ -29,12 +29,16 @@ from psymesh.node.logs import fields
 from psymesh.node.p2p import P2PNode, P2PStream
 from psymesh.node.pairing import PairingService
 from psymesh.node.ping import measure_ping, serve_ping
+from psymesh.node.models import ModelPool, ModelRegistry
+from psymesh.node.taskstore import ExecutorStore, Outbox
+from psymesh.node.tasks import TaskExecutor, TaskSubmitter
 from psymesh.node.trust import TrustStore
 from psymesh.protocol import control as c
 from psymesh.protocol import ids
 from psymesh.protocol.errors import ErrorCode, ProtocolError, PsymeshError
 from psymesh.protocol.manifest import Manifest, ManifestOk, ManifestPush, new_manifest, PRESETS
 from psymesh.protocol.messages import expect
+from psymesh.protocol.tasks import TaskCaps, TaskCapsReply, TaskSpec
 
 log = logging.getLogger("psymesh.node")
 
@@ -54,14 +58,35 @@ class Node:
         self.audit = AuditLog(self.db)
         self.gate = Gate(self.identity.peer_id, self.trust, self.audit)
         self.pairing = PairingService(self.identity, self.config, self.p2p, self.trust, self.push_manifest)
+        self.models = ModelPool(ModelRegistry(self.db))
+        self.tools = self._tools()
+        self.executor = TaskExecutor(local_peer_id=self.identity.peer_id, store=ExecutorStore(self.db),
+                                     gate=self.gate, trust=self.trust, tools=self.tools, models=self.models,
+                                     profile=self.config.profile, share_dir=self.config.share_dir)
+        self.submitter = TaskSubmitter(local_peer_id=self.identity.peer_id, outbox=Outbox(self.db), trust=self.trust,
+                                       open_stream=self.open_peer_stream, max_frame_size=self.config.max_frame_size)
         self._root: anyio.CancelScope | None = None
         self._register_services()
 
     # -- wiring ---------------------------------------------------------------
+    def _tools(self):
+        from psymesh.agent.builtin_tools import default_registry
+        from psymesh.agent.tools import load_entry_points
+
+        device = None
+        if self.config.profile == "phone":  # a simulated device, so phone scenarios run anywhere
+            from psymesh.agent.device import DeviceState
+
+            device = DeviceState(self.home.path / "device.db")
+        registry = default_registry(self.config.profile, device=device)
+        load_entry_points(registry)
+        return registry
+
     def _register_services(self) -> None:
         self.inbound(ids.PAIR, self.pairing.serve, paired_only=False)
         self.inbound(ids.PING, self._serve_ping)
         self.inbound(ids.MANIFEST, self._receive_manifest)
+        self.inbound(ids.TASK, self.executor.serve)
         routes = {
             c.StatusRequest: self._status,
             c.PingRequest: self._ping,
@@ -72,6 +97,10 @@ class Node:
             c.GrantRequest: self._grant,
             c.RevokeRequest: self._revoke,
             c.AuditRequest: self._audit,
+            c.TaskSubmitRequest: self._task_submit,
+            c.TaskWatchRequest: self._task_watch,
+            c.TaskCancelRequest: self._task_cancel,
+            c.TaskListRequest: self._task_list,
         }
         for request_type, handler in routes.items():
             self.control.route(request_type, handler)
@@ -105,12 +134,16 @@ class Node:
             async with anyio.create_task_group() as tg:
                 self._root = tg.cancel_scope
                 await tg.start(self.p2p.run)
+                await tg.start(self.executor.run)
+                await tg.start(self.submitter.run)
                 await tg.start(self.control.serve)
                 tg.start_soon(self._watch_signals, tg.cancel_scope)
                 log.info("node %s (%s) listening on %s", self.identity.peer_id, self.config.profile,
                          " ".join(self.p2p.addrs()))
                 task_status.started()
         finally:
+            with anyio.CancelScope(shield=True):
+                await self.models.aclose()
             self.db.close()
             log.info("node stopped")
 
@@ -233,6 +266,8 @@ class Node:
         self.trust.revoke(peer.peer_id)
         self.audit.record(peer.peer_id, "control", "revoke", True, reason="revoked by the owner")
         await self.p2p.disconnect(peer.peer_id)
+        canceled = self.executor.cancel_for(peer.peer_id, "the submitter was revoked")
+        log.info("revoked %s: %d queued or running task(s) canceled", peer.name, canceled)
         log.info("revoked %s (%s)", peer.name, peer.peer_id)
         updated = self.trust.get(peer.peer_id)
         assert updated is not None
@@ -241,6 +276,54 @@ class Node:
     async def _audit(self, req: c.AuditRequest, _: FramedStream) -> c.AuditReply:
         peer_id = self.trust.resolve(req.peer).peer_id if req.peer and not req.peer.startswith("12D3") else req.peer
         return c.AuditReply(rows=self.audit.query(peer_id=peer_id, limit=req.limit, denied_only=req.denied_only))
+
+    # -- delegated tasks ----------------------------------------------------------------
+    async def offers(self, peer_id: str) -> TaskCapsReply:
+        stream = await self.open_peer_stream(peer_id, ids.TASK)
+        try:
+            return await FramedStream(stream, self.config.max_frame_size).request(TaskCaps(), TaskCapsReply)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await stream.aclose()
+
+    async def _task_submit(self, req: c.TaskSubmitRequest, _: FramedStream) -> c.TaskSubmitted:
+        try:
+            spec = TaskSpec.model_validate(req.spec)
+        except ValueError as exc:
+            raise PsymeshError(f"invalid task: {exc}", code=ErrorCode.BAD_REQUEST) from None
+        target, accepted = await self.submitter.submit(spec, req.to, self.offers)
+        peer = self.trust.get(target)
+        return c.TaskSubmitted(task_id=spec.id, target=target, target_name=peer.name if peer else target,
+                               accepted=accepted)
+
+    async def _task_watch(self, req: c.TaskWatchRequest, framed: FramedStream) -> c.Ok:
+        outbox, sent = self.submitter.outbox, req.after_seq
+        outbox.get(req.task_id)  # NOT_FOUND for a task this node never delegated
+        while True:
+            changed = self.submitter.changed.event(req.task_id)
+            events = outbox.events_after(req.task_id, sent)
+            for ev in events:
+                await framed.send(ev)
+                sent = ev.seq
+            task = outbox.get(req.task_id)
+            if task.terminal and sent >= task.last_seq:
+                return c.Ok()
+            if not events:
+                await changed.wait()
+
+    async def _task_cancel(self, req: c.TaskCancelRequest, _: FramedStream) -> c.Ok:
+        await self.submitter.cancel(req.task_id)
+        return c.Ok()
+
+    async def _task_list(self, req: c.TaskListRequest, _: FramedStream) -> c.TaskListReply:
+        names = {p.peer_id: p.name for p in self.trust.list()}
+        submitted = [{"task_id": t.id, "kind": t.spec.kind.value, "target": names.get(t.target, t.target),
+                      "state": t.state.value, "accepted": t.accepted, "events": t.last_seq,
+                      "created_at": t.created_at, "updated_at": t.updated_at}
+                     for t in self.submitter.outbox.list()[-req.limit:]]
+        executing = [{**r.status().model_dump(mode="json"), "submitter": names.get(r.submitter, r.submitter)}
+                     for r in self.executor.store.list(limit=req.limit)]
+        return c.TaskListReply(submitted=submitted, executing=executing)
 
     async def _shutdown(self, req: c.ShutdownRequest, framed: FramedStream) -> None:
         log.info("shutdown requested over the control socket")

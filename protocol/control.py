@@ -141,3 +141,49 @@ class AuditRequest(Message):
 class AuditReply(Message):
     type = "control.audit_reply"
     rows: list[dict] = Field(default_factory=list)
+
+
+# -- delegated tasks (control API) -----------------------------------------------
+
+
+class TaskSubmitRequest(Message):
+    """Delegate `spec` to `to` (a paired peer's name or id), or to the best paired peer
+    offering it when `to` is None. The task is durable once this returns."""
+
+    type = "control.task_submit"
+    to: str | None = None
+    spec: dict  # a protocol.tasks.TaskSpec (validated by the daemon)
+
+
+class TaskSubmitted(Message):
+    type = "control.task_submitted"
+    task_id: str
+    target: str
+    target_name: str
+    accepted: bool  # False: stored and queued for delivery (the target was unreachable or busy)
+
+
+class TaskWatchRequest(Message):
+    """Stream this node's mirror of a delegated task's events after `after_seq`
+    (`task.event` messages), then `control.ok` once the task has ended."""
+
+    type = "control.task_watch"
+    task_id: str
+    after_seq: int = Field(default=0, ge=0)
+
+
+class TaskCancelRequest(Message):
+    type = "control.task_cancel"
+    task_id: str
+
+
+class TaskListRequest(Message):
+    type = "control.task_list"
+    limit: int = Field(default=100, ge=1, le=1000)
+
+
+class TaskListReply(Message):
+    type = "control.task_list_reply"
+    submitted: list[dict] = Field(default_factory=list)  # tasks this node delegated
+    executing: list[dict] = Field(default_factory=list)  # tasks this node runs for others
+

@@ -429,3 +429,17 @@ class TaskList(Message):
 class TaskListReply(Message):
     type = "task.list_reply"
     tasks: Annotated[list[TaskStatus], Field(max_length=MAX_LIST)]
+
+
+class TaskCaps(Message):
+    """What this executor offers (tools and models), so a submitter can pick a target.
+    Reply: `task.caps_reply`. Needs a valid grant, no particular capability."""
+
+    type = "task.caps"
+
+
+class TaskCapsReply(Message):
+    type = "task.caps_reply"
+    tools: Annotated[list[Name], Field(max_length=1024)] = Field(default_factory=list)
+    models: Annotated[list[Name], Field(max_length=256)] = Field(default_factory=list)
+    queue_depth: int = Field(default=0, ge=0)

@@ -1,0 +1,104 @@
+"""Models this node can run: a name -> GGUF registry in the node database, and one
+`ModelWorker` per model, started on first use (a `Llama` is not thread-safe, so each
+model gets exactly one worker thread and a queue; see agent/runtime.py).
+
+`psymesh model add` writes the registry directly (no daemon needed); a running daemon
+sees the new model at its next request.
+"""
+from __future__ import annotations
+
+import sqlite3
+import time
+from pathlib import Path
+
+import anyio
+
+from psymesh.agent.runtime import ModelSettings, ModelWorker
+from psymesh.node.db import ensure_schema
+from psymesh.protocol.errors import ErrorCode, PsymeshError
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS models (
+    name          TEXT PRIMARY KEY,
+    path          TEXT NOT NULL,
+    n_ctx         INTEGER NOT NULL DEFAULT 4096,
+    n_threads     INTEGER,
+    chat_template TEXT,
+    added_at      REAL NOT NULL
+);
+"""
+GGUF_MAGIC = b"GGUF"
+
+
+class ModelRegistry:
+    def __init__(self, conn: sqlite3.Connection) -> None:
+        self.conn = conn
+        ensure_schema(conn, SCHEMA)
+
+    def add(self, name: str, path: str | Path, *, n_ctx: int = 4096, n_threads: int | None = None,
+            chat_template: str | None = None) -> dict:
+        p = Path(path).expanduser().resolve()
+        try:
+            with open(p, "rb") as f:
+                magic = f.read(4)
+        except OSError as exc:
+            raise PsymeshError(f"cannot read {p}: {exc.strerror}", code=ErrorCode.NOT_FOUND) from None
+        if magic != GGUF_MAGIC:
+            raise PsymeshError(f"{p} is not a GGUF file", code=ErrorCode.BAD_REQUEST)
+        self.conn.execute(
+            "INSERT INTO models (name, path, n_ctx, n_threads, chat_template, added_at) VALUES (?, ?, ?, ?, ?, ?) "
+            "ON CONFLICT(name) DO UPDATE SET path=excluded.path, n_ctx=excluded.n_ctx, n_threads=excluded.n_threads, "
+            "chat_template=excluded.chat_template",
+            (name, str(p), n_ctx, n_threads, chat_template, time.time()),
+        )
+        return self.get(name)
+
+    def get(self, name: str) -> dict:
+        row = self.conn.execute("SELECT * FROM models WHERE name = ?", (name,)).fetchone()
+        if row is None:
+            known = ", ".join(self.names()) or "none"
+            raise PsymeshError(f"no model named {name!r} on this node (known: {known}); "
+                               f"add one with: psymesh model add {name} PATH.gguf", code=ErrorCode.NOT_FOUND)
+        return dict(row)
+
+    def names(self) -> list[str]:
+        return [r["name"] for r in self.conn.execute("SELECT name FROM models ORDER BY name")]
+
+    def list(self) -> list[dict]:
+        return [dict(r) for r in self.conn.execute("SELECT * FROM models ORDER BY name")]
+
+    def remove(self, name: str) -> None:
+        if self.conn.execute("DELETE FROM models WHERE name = ?", (name,)).rowcount == 0:
+            raise PsymeshError(f"no model named {name!r}", code=ErrorCode.NOT_FOUND)
+
+    def settings(self, name: str) -> ModelSettings:
+        row = self.get(name)
+        return ModelSettings(path=Path(row["path"]), n_ctx=row["n_ctx"], n_threads=row["n_threads"],
+                             chat_template=row["chat_template"])
+
+
+class ModelPool:
+    """One running worker per model name, started on first use and closed with the node."""
+
+    def __init__(self, registry: ModelRegistry) -> None:
+        self.registry = registry
+        self._workers: dict[str, ModelWorker] = {}
+        self._lock = anyio.Lock()
+
+    async def get(self, name: str) -> ModelWorker:
+        async with self._lock:  # two first requests must not load the same model twice
+            settings = self.registry.settings(name)
+            worker = self._workers.get(name)
+            if worker is not None and worker.settings == settings:
+                return worker
+            if worker is not None:  # the registry entry changed: reload
+                await worker.aclose()
+            worker = ModelWorker(settings)
+            await worker.start()
+            self._workers[name] = worker
+            return worker
+
+    async def aclose(self) -> None:
+        workers, self._workers = list(self._workers.values()), {}
+        for w in workers:
+            await w.aclose()

@@ -1,0 +1,611 @@
+"""Delegated tasks on the node: `/psymesh/task/1.0.0`, both ends.
+
+    phone (submitter)                                   home PC (executor)
+    TaskSubmitter                                        TaskExecutor
+      outbox (SQLite) ── task.submit ──────────────────>  gate -> ExecutorStore (SQLite)
+      resend loop       <── task.accepted | busy(retry_after)        │ queue -> workers
+      follower   ── task.attach(after_seq) ────────────>  event log ─┘ (tool, infer, agent)
+                 <── task.event* ... final event
+                 ── task.ack(upto_seq) ─────────────────>  finished task may be purged
+
+Durability: the submitter writes a task to its outbox before sending it and resends
+it until the executor says `task.accepted` (submitting twice is harmless: the
+submitter picks the id). The executor writes the task before answering, numbers
+every event, and after a restart requeues what was unfinished. The submitter mirrors
+events into its outbox with INSERT-or-ignore on (task, seq), so after either side
+restarts it re-attaches after its last stored event and sees each event exactly once.
+
+Backpressure: a full queue (global or per peer) answers `busy` with `retry_after`;
+an accepted task is never dropped. The submitter then waits before resending to
+that peer.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from pathlib import Path
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import anyio.abc
+
+from psymesh.agent.tools import ToolContext, ToolRegistry, invoke
+from psymesh.node.framed import FramedStream
+from psymesh.node.gate import Gate
+from psymesh.node.logs import fields
+from psymesh.node.models import ModelPool
+from psymesh.node.p2p import P2PStream
+from psymesh.node.taskstore import ExecutorStore, Outbox, TaskNotFound, TaskRecord
+from psymesh.node.trust import TrustStore
+from psymesh.protocol import ids
+from psymesh.protocol.errors import ErrorCode, ProtocolError, PsymeshError, RemoteError
+from psymesh.protocol.manifest import Operation, check
+from psymesh.protocol.messages import expect
+from psymesh.protocol.tasks import (
+    EventKind,
+    TaskAccepted,
+    TaskAck,
+    TaskAttach,
+    TaskCancel,
+    TaskCaps,
+    TaskCapsReply,
+    TaskEvent,
+    TaskKind,
+    TaskList,
+    TaskListReply,
+    TaskSpec,
+    TaskState,
+    TaskStatus,
+    TaskSubmit,
+)
+
+log = logging.getLogger("psymesh.tasks")
+
+OpenStream = Callable[[str, str], Awaitable[P2PStream]]
+# Runs an `agent` task: (record, emit(kind, data, new_state)) -> final result value.
+AgentRunner = Callable[[TaskRecord, Callable[..., Awaitable[None]]], Awaitable[Any]]
+
+
+@dataclass(frozen=True)
+class ExecutorLimits:
+    workers: int = 4                 # tasks run at once on this node (a model still runs one at a time)
+    max_queue: int = 256             # unfinished tasks held for all peers
+    max_queue_per_peer: int = 64     # ... and for one peer (its manifest may say less)
+    retention_s: float = 7 * 86400   # finished tasks kept for a submitter that has not fetched them
+    busy_retry_after: float = 0.5
+    token_flush_s: float = 0.05      # token deltas are batched into one event per interval
+
+
+def operation_for(spec: TaskSpec) -> Operation:
+    """What the gate must judge for this task."""
+    payload = len(spec.model_dump_json())
+    if spec.kind is TaskKind.TOOL:
+        assert spec.tool is not None
+        return Operation.tool_call(spec.tool, payload_bytes=payload)
+    if spec.kind is TaskKind.INFER:
+        return Operation.infer(spec.model, spec.max_tokens, payload_bytes=payload)
+    return Operation(name="task.agent", payload_bytes=payload)
+
+
+class _Notifier:
+    """Wake whoever waits on a task id (attached streams, local watchers)."""
+
+    def __init__(self) -> None:
+        self._events: dict[str, anyio.Event] = {}
+
+    def event(self, key: str) -> anyio.Event:
+        """Take the event BEFORE reading state, then wait on it: no wake-up is lost."""
+        ev = self._events.get(key)
+        if ev is None:
+            ev = self._events[key] = anyio.Event()
+        return ev
+
+    def notify(self, key: str) -> None:
+        ev = self._events.pop(key, None)
+        if ev is not None:
+            ev.set()
+
+
+# ====================================================================== executor
+
+
+class TaskExecutor:
+    """Runs tasks paired peers delegate to this node."""
+
+    def __init__(self, *, local_peer_id: str, store: ExecutorStore, gate: Gate, trust: TrustStore,
+                 tools: ToolRegistry, models: ModelPool, profile: str, share_dir: str | None,
+                 limits: ExecutorLimits | None = None, agent_runner: AgentRunner | None = None) -> None:
+        self.local_peer_id = local_peer_id
+        self.store = store
+        self.gate = gate
+        self.trust = trust
+        self.tools = tools
+        self.models = models
+        self.profile = profile
+        self.share_dir = share_dir
+        self.limits = limits or ExecutorLimits()
+        self.agent_runner = agent_runner
+        self._changed = _Notifier()
+        self._running: dict[str, tuple[anyio.CancelScope, ToolContext]] = {}
+        self._send, self._receive = anyio.create_memory_object_stream[str](math.inf)
+
+    # -- lifecycle -------------------------------------------------------------------
+    async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        recovered = self.store.recover(time.time())
+        for rec in recovered:
+            self._send.send_nowait(rec.id)
+        if recovered:
+            log.info("requeued %d unfinished task(s) after restart", len(recovered))
+        async with anyio.create_task_group() as tg:
+            for _ in range(self.limits.workers):
+                tg.start_soon(self._worker)
+            tg.start_soon(self._housekeeping)
+            task_status.started()
+
+    async def _housekeeping(self) -> None:
+        while True:
+            await anyio.sleep(1.0)
+            for rec in self.store.expire(time.time()):
+                self._changed.notify(rec.id)
+            if int(time.time()) % 60 == 0:
+                self.store.purge(time.time(), self.limits.retention_s)
+
+    # -- the wire ----------------------------------------------------------------------
+    async def serve(self, framed: FramedStream, peer_id: str) -> None:
+        """One request per stream (see protocol/tasks.py)."""
+        request = await framed.receive_required()
+        if isinstance(request, TaskSubmit):
+            await framed.send(await self._submit(request.spec, peer_id))
+        elif isinstance(request, TaskAttach):
+            await self._attach(framed, peer_id, request)
+        elif isinstance(request, TaskCancel):
+            await framed.send(self._cancel(request.task_id, peer_id, request.reason))
+        elif isinstance(request, TaskAck):
+            self.gate.authorize(peer_id, ids.TASK, None, label="task.ack")
+            await framed.send(self.store.mark_fetched(request.task_id, request.upto_seq, peer_id).status())
+        elif isinstance(request, TaskList):
+            self.gate.authorize(peer_id, ids.TASK, None, label="task.list")
+            recs = self.store.list(submitter=peer_id, states=request.states, limit=request.limit)
+            await framed.send(TaskListReply(tasks=[r.status() for r in recs]))
+        elif isinstance(request, TaskCaps):
+            self.gate.authorize(peer_id, ids.TASK, None, label="task.caps")
+            await framed.send(self.caps())
+        else:
+            raise ProtocolError(f"{request.type!r} is not a task request", code=ErrorCode.BAD_REQUEST)
+
+    def caps(self) -> TaskCapsReply:
+        return TaskCapsReply(tools=self.tools.names(profile=self.profile), models=self.models.registry.names(),
+                             queue_depth=self.store.queue_depth())
+
+    async def _submit(self, spec: TaskSpec, peer_id: str) -> TaskAccepted:
+        try:  # a resubmit of a task we hold is answered without charging the peer again
+            existing = self.store.get(spec.id, submitter=peer_id)
+        except TaskNotFound:
+            existing = None
+        if existing is not None:
+            record, created = self.store.submit(spec, peer_id)
+            return TaskAccepted(status=record.status(), created=created)
+        decision = self.gate.authorize(peer_id, ids.TASK, operation_for(spec))
+        peer = self.trust.get(peer_id)
+        manifest_cap = peer.granted.limits.concurrent_tasks if peer and peer.granted else None
+        per_peer = min(self.limits.max_queue_per_peer, manifest_cap or self.limits.max_queue_per_peer)
+        if self.store.active_for(peer_id) >= per_peer:
+            raise PsymeshError(f"you have {per_peer} unfinished task(s) here, the most allowed; retry later",
+                               code=ErrorCode.BUSY, retry_after=self.limits.busy_retry_after)
+        if self.store.queue_depth() >= self.limits.max_queue:
+            raise PsymeshError("this node's task queue is full; retry later", code=ErrorCode.BUSY,
+                               retry_after=self.limits.busy_retry_after * 2)
+        del decision
+        record, created = self.store.submit(spec, peer_id)
+        if created:
+            log.info("accepted %s task %s from %s", spec.kind.value, spec.id, peer_id, extra=fields(task=spec.id))
+            self._send.send_nowait(spec.id)
+        return TaskAccepted(status=record.status(), created=created)
+
+    async def _attach(self, framed: FramedStream, peer_id: str, request: TaskAttach) -> None:
+        self.gate.authorize(peer_id, ids.TASK, None, label="task.attach")
+        self.store.get(request.task_id, submitter=peer_id)  # NOT_FOUND for someone else's task
+        sent = request.after_seq
+        while True:
+            changed = self._changed.event(request.task_id)
+            events = self.store.events_after(request.task_id, sent)
+            for ev in events:
+                await framed.send(ev)
+                sent = ev.seq
+            if events and events[-1].state.terminal:
+                break
+            if not events:
+                await changed.wait()
+        # The client may confirm on the same stream that it stored everything.
+        with anyio.move_on_after(10):
+            reply = await framed.receive()
+            if isinstance(reply, TaskAck):
+                await framed.send(self.store.mark_fetched(request.task_id, reply.upto_seq, peer_id).status())
+
+    def _cancel(self, task_id: str, peer_id: str | None, reason: str = "") -> TaskStatus:
+        if peer_id is not None:
+            self.gate.authorize(peer_id, ids.TASK, None, label="task.cancel")
+            self.store.get(task_id, submitter=peer_id)
+        record = self.store.cancel(task_id, reason or "canceled by the submitter")
+        running = self._running.get(task_id)
+        if running is not None:
+            running[1].cancel()   # a sync tool sees it at its next check()
+            running[0].cancel()
+        self._changed.notify(task_id)
+        return record.status()
+
+    def cancel_for(self, peer_id: str, reason: str) -> int:
+        """Revocation: stop everything a peer has queued or running here."""
+        recs = self.store.list(submitter=peer_id, states=[TaskState.SUBMITTED, TaskState.WORKING,
+                                                          TaskState.INPUT_REQUIRED])
+        for rec in recs:
+            self._cancel(rec.id, None, reason)
+        return len(recs)
+
+    # -- running tasks ------------------------------------------------------------------
+    async def _worker(self) -> None:
+        async for task_id in self._receive:
+            try:
+                await self._execute(task_id)
+            except Exception:  # a bug in one task must not stop the worker
+                log.exception("task %s crashed its worker", task_id)
+                self._fail(task_id, ErrorCode.INTERNAL, "the executor failed; see its log")
+
+    def _emit(self, task_id: str, kind: EventKind, data: dict[str, Any] | None = None,
+              new_state: TaskState | None = None) -> bool:
+        """Append an event unless the task already ended (e.g. canceled meanwhile)."""
+        try:
+            self.store.append_event(task_id, kind, data, new_state)
+        except ProtocolError:
+            return False
+        self._changed.notify(task_id)
+        return True
+
+    def _fail(self, task_id: str, code: ErrorCode, message: str) -> None:
+        self._emit(task_id, EventKind.ERROR, {"code": code.value, "message": message})
+
+    async def _execute(self, task_id: str) -> None:
+        rec = self.store.get(task_id)
+        if rec.terminal:
+            return  # canceled or expired while queued
+        now = time.time()
+        peer = self.trust.get(rec.submitter)
+        grant = peer.granted if peer and not peer.revoked else None
+        if grant is None:
+            self._emit(task_id, EventKind.STATE, {"code": "unknown_peer", "reason": "the submitter was revoked"},
+                       TaskState.REJECTED)
+            return
+        decision = check(grant, operation_for(rec.spec), local_peer_id=self.local_peer_id,
+                         remote_peer_id=rec.submitter, now=now)
+        if not decision.allowed:  # the grant changed or expired while the task waited
+            self._emit(task_id, EventKind.STATE, {"code": decision.code.value if decision.code else "forbidden",
+                                                  "reason": decision.reason}, TaskState.REJECTED)
+            return
+        deadline = rec.deadline
+        if grant.limits.max_runtime_s:
+            deadline = min(deadline or math.inf, now + grant.limits.max_runtime_s)
+        if deadline is not None and deadline <= now:
+            self._fail(task_id, ErrorCode.TIMEOUT, "the task's deadline passed before it could start")
+            return
+        if not self._emit(task_id, EventKind.STATE, {}, TaskState.WORKING):
+            return
+        ctx = ToolContext(share_dir=None if self.share_dir is None else Path(self.share_dir),
+                          profile=self.profile, peer_id=rec.submitter,
+                          deadline=None if deadline in (None, math.inf) else deadline)
+        with anyio.CancelScope() as scope:
+            self._running[task_id] = (scope, ctx)
+            try:
+                with anyio.move_on_after(math.inf if deadline is None else deadline - time.time()) as timer:
+                    result = await self._run_kind(rec, ctx, decision.max_tokens)
+                if timer.cancel_called:
+                    ctx.cancel()
+                    self._fail(task_id, ErrorCode.TIMEOUT, "the task ran past its deadline")
+                    return
+                self._emit(task_id, EventKind.RESULT, {"result": result})
+            except PsymeshError as exc:
+                self._fail(task_id, exc.code, exc.message)
+            finally:
+                self._running.pop(task_id, None)
+        if scope.cancel_called:
+            log.info("task %s canceled while running", task_id)
+
+    async def _run_kind(self, rec: TaskRecord, ctx: ToolContext, max_tokens: int | None) -> Any:
+        spec = rec.spec
+        if spec.kind is TaskKind.TOOL:
+            assert spec.tool is not None
+            tool = self.tools.get(spec.tool)
+            if not tool.offered_on(self.profile):
+                raise PsymeshError(f"tool {spec.tool!r} is not offered on a {self.profile} node",
+                                   code=ErrorCode.NOT_FOUND)
+            return await invoke(tool, spec.args, ctx)
+        if spec.kind is TaskKind.INFER:
+            return await self._infer(rec, max_tokens)
+        if self.agent_runner is None:
+            raise PsymeshError("this node runs no agent loop", code=ErrorCode.NOT_FOUND)
+
+        async def emit(kind: EventKind, data: dict[str, Any] | None = None, new_state: TaskState | None = None):
+            self._emit(rec.id, kind, data, new_state)
+
+        return await self.agent_runner(rec, emit)
+
+    async def _infer(self, rec: TaskRecord, ceiling: int | None) -> dict[str, Any]:
+        from psymesh.agent.chatformat import ChatMessage, render_prompt
+
+        spec = rec.spec
+        assert spec.model is not None
+        worker = await self.models.get(spec.model)
+        if spec.prompt is not None:
+            messages = [ChatMessage.user(spec.prompt)]
+        else:
+            messages = [ChatMessage(role=m.role, content=m.content, name=m.name) for m in spec.messages or []]
+        params = spec.params
+        prompt = render_prompt(messages, thinking=bool(params.get("thinking", False)),
+                               template=worker.chat_template)
+        max_tokens = spec.max_tokens or 256
+        if ceiling is not None:
+            max_tokens = min(max_tokens, ceiling)
+        kwargs: dict[str, Any] = {k: params[k] for k in ("temperature", "top_k", "top_p", "min_p", "seed", "grammar",
+                                                         "stop") if k in params}
+        if params.get("ban_bytes"):  # random-weight test models: keep output valid UTF-8
+            kwargs["logit_bias"] = {i: -100.0 for i in range(128, 256)}
+        from psymesh.agent.runtime import Completion
+
+        pending: list[str] = []
+        last_flush = time.monotonic()
+        completion: Completion | None = None
+        stream = worker.stream(prompt, max_tokens=max_tokens, **kwargs)
+        try:
+            async for piece in stream:
+                if isinstance(piece, Completion):
+                    completion = piece
+                    break
+                pending.append(piece)
+                if time.monotonic() - last_flush >= self.limits.token_flush_s:
+                    self._emit(rec.id, EventKind.TOKEN, {"text": "".join(pending)})
+                    pending.clear()
+                    last_flush = time.monotonic()
+        finally:
+            await stream.aclose()  # type: ignore[attr-defined]
+        if pending:
+            self._emit(rec.id, EventKind.TOKEN, {"text": "".join(pending)})
+        assert completion is not None
+        return {"text": completion.text, "finish_reason": completion.finish_reason,
+                "usage": {"prompt_tokens": completion.prompt_tokens, "completion_tokens": completion.tokens}}
+
+
+# ====================================================================== submitter
+
+
+class TaskSubmitter:
+    """Delegates tasks from this node and keeps their results, across restarts on both sides."""
+
+    RETRY_MIN_S = 0.2
+    RETRY_MAX_S = 5.0
+
+    def __init__(self, *, local_peer_id: str, outbox: Outbox, trust: TrustStore, open_stream: OpenStream,
+                 max_frame_size: int) -> None:
+        self.local_peer_id = local_peer_id
+        self.outbox = outbox
+        self.trust = trust
+        self.open_stream = open_stream
+        self.max_frame_size = max_frame_size
+        self.changed = _Notifier()       # per task id: a new event was mirrored
+        self._wake = anyio.Event()
+        self._not_before: dict[str, float] = {}   # peer -> when to try it again (busy/unreachable)
+        self._backoff: dict[str, float] = {}
+        self._following: set[str] = set()
+        self._tg: anyio.abc.TaskGroup | None = None
+
+    async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        async with anyio.create_task_group() as tg:
+            self._tg = tg
+            task_status.started()
+            while True:
+                await self._deliver_pending()
+                for task in self.outbox.resumable():
+                    self._follow(task.id, task.target)
+                self._wake = anyio.Event()
+                with anyio.move_on_after(self._next_wake()):
+                    await self._wake.wait()
+
+    def _next_wake(self) -> float:
+        now = time.monotonic()
+        waits = [t - now for t in self._not_before.values() if t > now]
+        return max(0.05, min(waits, default=1.0))
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    # -- submitting -----------------------------------------------------------------------
+    async def submit(self, spec: TaskSpec, to: str | None, offers: Callable[[str], Awaitable[TaskCapsReply]]
+                     ) -> tuple[str, bool]:
+        """Store the task durably, then try to hand it over now. Returns (target, accepted)."""
+        try:  # already known (a resubmit from the script): keep its target
+            existing = self.outbox.get(spec.id)
+            self.outbox.add(existing.target, spec)
+            return existing.target, existing.accepted
+        except TaskNotFound:
+            pass
+        candidates = [self.trust.resolve(to).peer_id] if to else await self._candidates(spec, offers)
+        last: PsymeshError | None = None
+        for target in candidates:  # fail over before acceptance; after it, the task stays put
+            try:
+                await self._send_submit(target, spec)
+            except RemoteError as exc:
+                if exc.code is ErrorCode.BUSY or exc.code is ErrorCode.RATE_LIMITED:
+                    last = exc
+                    continue
+                raise  # forbidden, conflict, bad request: resending would not help
+            except PsymeshError as exc:
+                last = exc
+                continue
+            self.outbox.add(target, spec)
+            self.outbox.mark_accepted(spec.id)
+            self._follow(spec.id, target)
+            return target, True
+        # Nobody took it now: keep it for the resend loop, addressed to the first choice.
+        self.outbox.add(candidates[0], spec)
+        log.info("task %s queued for delivery to %s: %s", spec.id, candidates[0], last)
+        if isinstance(last, RemoteError) and last.retry_after:
+            self._not_before[candidates[0]] = time.monotonic() + last.retry_after
+        self.wake()
+        return candidates[0], False
+
+    async def _candidates(self, spec: TaskSpec, offers: Callable[[str], Awaitable[TaskCapsReply]]) -> list[str]:
+        """Paired peers whose grant covers the task and that offer its tool/model, healthiest first."""
+        op = operation_for(spec)
+        now = time.time()
+        scored: list[tuple[int, str]] = []
+        for peer in self.trust.list(include_revoked=False):
+            grant = peer.received
+            if grant is None or not check(grant, op, local_peer_id=peer.peer_id, remote_peer_id=self.local_peer_id,
+                                          now=now).allowed:
+                continue
+            try:
+                with anyio.fail_after(5):
+                    caps = await offers(peer.peer_id)
+            except (PsymeshError, TimeoutError):
+                continue  # down or unhealthy: skip it
+            if spec.kind is TaskKind.TOOL and spec.tool not in caps.tools:
+                continue
+            if spec.kind is TaskKind.INFER and spec.model not in caps.models:
+                continue
+            scored.append((caps.queue_depth, peer.peer_id))
+        if not scored:
+            raise PsymeshError(f"no reachable paired peer offers {op.required()}; see: psymesh peers",
+                               code=ErrorCode.UNAVAILABLE)
+        return [pid for _, pid in sorted(scored)]
+
+    async def _send_submit(self, target: str, spec: TaskSpec) -> TaskAccepted:
+        stream = await self.open_stream(target, ids.TASK)
+        framed = FramedStream(stream, self.max_frame_size)
+        try:
+            with anyio.fail_after(30):
+                return await framed.request(TaskSubmit(spec=spec), TaskAccepted)
+        except TimeoutError:
+            raise PsymeshError("the executor did not answer the submit", code=ErrorCode.TIMEOUT) from None
+        finally:
+            with anyio.CancelScope(shield=True):
+                await stream.aclose()
+
+    async def _deliver_pending(self) -> None:
+        now = time.monotonic()
+        for task in self.outbox.pending():
+            if self._not_before.get(task.target, 0) > now:
+                continue
+            try:
+                await self._send_submit(task.target, task.spec)
+            except RemoteError as exc:
+                if exc.code in (ErrorCode.BUSY, ErrorCode.RATE_LIMITED, ErrorCode.UNAVAILABLE):
+                    self._not_before[task.target] = time.monotonic() + (exc.retry_after or self.RETRY_MIN_S)
+                else:
+                    self._finish_locally(task.id, TaskState.REJECTED, exc.code.value, exc.message)
+                continue
+            except PsymeshError:
+                self._retry_later(task.target)
+                continue
+            self._backoff.pop(task.target, None)
+            self.outbox.mark_accepted(task.id)
+            self._follow(task.id, task.target)
+
+    def _retry_later(self, target: str) -> None:
+        delay = min(self.RETRY_MAX_S, self._backoff.get(target, self.RETRY_MIN_S / 2) * 2)
+        self._backoff[target] = delay
+        self._not_before[target] = time.monotonic() + delay
+
+    def _finish_locally(self, task_id: str, state: TaskState, code: str, message: str) -> None:
+        """The executor refused the task outright: record that as the task's own history
+        (numbered like the executor would), so watchers and result() see one outcome."""
+        at = time.time()
+        events = [TaskEvent(task_id=task_id, seq=1, kind=EventKind.ACCEPTED, state=TaskState.SUBMITTED, at=at)]
+        events.append(TaskEvent(task_id=task_id, seq=2, kind=EventKind.STATE, state=state, at=at,
+                                data={"code": code, "reason": message, "message": message}))
+        for ev in events:
+            self.outbox.record_event(ev)
+        self.outbox.mark_accepted(task_id)
+        self.changed.notify(task_id)
+
+    # -- following --------------------------------------------------------------------------
+    def _follow(self, task_id: str, target: str) -> None:
+        if task_id in self._following or self._tg is None:
+            return
+        self._following.add(task_id)
+        self._tg.start_soon(self._follower, task_id, target)
+
+    async def _follower(self, task_id: str, target: str) -> None:
+        try:
+            while True:
+                if self._not_before.get(target, 0) > time.monotonic():
+                    await anyio.sleep(self._not_before[target] - time.monotonic())
+                try:
+                    if await self._attach_once(task_id, target):
+                        return
+                except RemoteError as exc:
+                    if exc.code is ErrorCode.NOT_FOUND:  # the executor no longer holds it
+                        task = self.outbox.get(task_id)
+                        if not task.terminal:
+                            self._finish_locally_after(task_id, ErrorCode.NOT_FOUND,
+                                                       "the executor lost this task")
+                        return
+                    self._retry_later(target)
+                except (PsymeshError, TimeoutError) as exc:
+                    log.debug("task %s: attach to %s failed: %s", task_id, target, exc)
+                    self._retry_later(target)
+        finally:
+            self._following.discard(task_id)
+
+    def _finish_locally_after(self, task_id: str, code: ErrorCode, message: str) -> None:
+        task = self.outbox.get(task_id)
+        ev = TaskEvent(task_id=task_id, seq=task.last_seq + 1, kind=EventKind.ERROR, state=TaskState.FAILED,
+                       at=time.time(), data={"code": code.value, "message": message})
+        self.outbox.record_event(ev)
+        self.changed.notify(task_id)
+
+    async def _attach_once(self, task_id: str, target: str) -> bool:
+        """Mirror events until the task ends and is acknowledged (True), or the stream drops."""
+        stream = await self.open_stream(target, ids.TASK)
+        framed = FramedStream(stream, self.max_frame_size)
+        try:
+            await framed.send(TaskAttach(task_id=task_id, after_seq=self.outbox.last_seq(task_id)))
+            while True:
+                message = await framed.receive()
+                if message is None:
+                    raise PsymeshError("the executor closed the stream", code=ErrorCode.UNAVAILABLE)
+                event = expect(message, TaskEvent)
+                if event.task_id != task_id:
+                    raise ProtocolError("the executor sent another task's event")
+                if self.outbox.record_event(event, target):
+                    self.changed.notify(task_id)
+                if event.state.terminal:
+                    break
+            last = self.outbox.last_seq(task_id)
+            await framed.send(TaskAck(task_id=task_id, upto_seq=last))
+            with anyio.fail_after(10):
+                expect(await framed.receive_required(), TaskStatus)
+            self.outbox.mark_acked(task_id, last)
+            self._backoff.pop(target, None)
+            return True
+        finally:
+            with anyio.CancelScope(shield=True):
+                await stream.aclose()
+
+    async def cancel(self, task_id: str) -> TaskStatus | None:
+        """Cancel on the executor (or locally, if it never accepted the task)."""
+        task = self.outbox.get(task_id)
+        if task.terminal:
+            return None
+        if not task.accepted:
+            self._finish_locally(task_id, TaskState.CANCELED, ErrorCode.CANCELED.value, "canceled before delivery")
+            return None
+        stream = await self.open_stream(task.target, ids.TASK)
+        framed = FramedStream(stream, self.max_frame_size)
+        try:
+            with anyio.fail_after(30):
+                return await framed.request(TaskCancel(task_id=task_id), TaskStatus)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await stream.aclose()
+
