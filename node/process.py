@@ -103,3 +103,12 @@ class DaemonProcess:
     @property
     def running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
+
+
+async def pair_homes(inviter_home: str | os.PathLike[str], joiner_home: str | os.PathLike[str], *,
+                     grant: str = "phone", grant_back: str | None = "messaging"):
+    """Pair two running daemons through their control sockets, as `psymesh pair` does
+    (used by tests, benches and scripts that set up a mesh unattended)."""
+    async with Client(inviter_home) as inviter, Client(joiner_home) as joiner:
+        invite = await inviter.pair_invite(grant=grant)
+        return await joiner.pair_join(invite.invite, grant=grant_back)

@@ -39,10 +39,4 @@ async def run_nodes(tmp_path: Path, *names: str, profiles: dict[str, str] | None
             tg.cancel_scope.cancel()
 
 
-async def pair(inviter_home: Path, joiner_home: Path, *, grant: str = "phone", grant_back: str | None = "messaging"):
-    """Pair two running daemons through their control sockets, as `psymesh pair` does."""
-    from psymesh.node.client import Client
-
-    async with Client(inviter_home) as inviter, Client(joiner_home) as joiner:
-        invite = await inviter.pair_invite(grant=grant)
-        return await joiner.pair_join(invite.invite, grant=grant_back)
+from psymesh.node.process import pair_homes as pair  # noqa: E402  (tests say `pair(home, phone)`)
