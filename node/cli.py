@@ -543,6 +543,26 @@ def model_add(home: str | None, out: Output, name: str, path: str, n_ctx: int, n
              lambda con: con.print(f"model {name} -> {row['path']}"))
 
 
+@model.command("pull")
+@command
+@click.argument("repo_id")
+@click.option("--file", "quant", default="Q8_0", show_default=True, help="Which quantization (matched in the file name).")
+@click.option("--name", default=None, help="Register it under this name (default: the repo's name).")
+def model_pull(home: str | None, out: Output, repo_id: str, quant: str, name: str | None) -> None:
+    """Download a GGUF model from the Hugging Face hub and register it."""
+    from psymesh.node.db import open_db
+    from psymesh.node.models import ModelRegistry, pull_model
+
+    node_home = NodeHome(home)
+    node_home.init()
+    out.hint(f"fetching the {quant} GGUF of {repo_id} ...")
+    path = pull_model(repo_id, quant, node_home.models_dir / repo_id.replace("/", "--"))
+    name = name or repo_id.split("/")[-1].lower()
+    row = ModelRegistry(open_db(node_home.db_path)).add(name, path)
+    out.data({k: v for k, v in row.items() if k != "chat_template"},
+             lambda con: con.print(f"model {name} -> {path}"))
+
+
 @model.command("list")
 @command
 def model_list(home: str | None, out: Output) -> None:

@@ -102,3 +102,42 @@ class ModelPool:
         workers, self._workers = list(self._workers.values()), {}
         for w in workers:
             await w.aclose()
+
+
+def pull_model(repo_id: str, quant: str, dest: Path) -> Path:
+    """Download the GGUF of `repo_id` whose name contains `quant` (e.g. Q8_0) into `dest`.
+
+    Offline (as on machines without access to the hub) this fails with a message that
+    names the file to fetch by hand, and the command to register it afterwards.
+    """
+    import fnmatch
+    import os
+    import socket
+    from urllib.parse import urlsplit
+
+    from huggingface_hub import hf_hub_download, list_repo_files
+
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+    page = f"{endpoint}/{repo_id}/tree/main"
+    manual = (f"download the *{quant}*.gguf file from {page} by hand, then run: "
+              f"psymesh model add NAME /path/to/that.gguf")
+    url = urlsplit(endpoint)
+    try:  # fail in seconds, not after the hub client's minute of retries
+        socket.create_connection((url.hostname or "", url.port or 443), timeout=5).close()
+    except OSError as exc:
+        raise PsymeshError(f"cannot reach the model hub at {endpoint} ({exc.strerror or exc}); {manual}",
+                           code=ErrorCode.UNAVAILABLE) from None
+    try:
+        files = list_repo_files(repo_id)
+    except Exception as exc:  # the hub client raises many types (HTTP, offline mode, auth)
+        raise PsymeshError(f"cannot list {repo_id} on the hub ({type(exc).__name__}: {exc}); {manual}",
+                           code=ErrorCode.UNAVAILABLE) from None
+    matches = sorted(f for f in files if f.endswith(".gguf") and fnmatch.fnmatch(f.lower(), f"*{quant.lower()}*"))
+    if not matches:
+        ggufs = ", ".join(f for f in files if f.endswith(".gguf")) or "none"
+        raise PsymeshError(f"{repo_id} has no GGUF matching {quant!r} (it has: {ggufs})", code=ErrorCode.NOT_FOUND)
+    try:
+        return Path(hf_hub_download(repo_id, matches[0], local_dir=dest))
+    except Exception as exc:
+        raise PsymeshError(f"download of {matches[0]} failed ({type(exc).__name__}); {manual}",
+                           code=ErrorCode.UNAVAILABLE) from None

@@ -1,0 +1,42 @@
+"""`psymesh model add/list/pull` as a user runs them."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from psymesh.agent.testmodel import make_tiny_gguf
+
+
+def cli(home: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "psymesh", *args, "--home", str(home)], capture_output=True,
+                          text=True, timeout=120, env={**os.environ, **(env or {})})
+
+
+def test_add_and_list(tmp_path: Path) -> None:
+    model = make_tiny_gguf(tmp_path / "tiny.gguf")
+    added = cli(tmp_path / "h", "model", "add", "tiny", str(model), "--ctx", "2048", "--threads", "1", "--json")
+    assert added.returncode == 0, added.stderr
+    listed = json.loads(cli(tmp_path / "h", "model", "list", "--json").stdout)
+    assert [(m["name"], m["n_ctx"], m["n_threads"]) for m in listed] == [("tiny", 2048, 1)]
+
+
+def test_add_refuses_what_is_not_a_gguf(tmp_path: Path) -> None:
+    bogus = tmp_path / "weights.bin"
+    bogus.write_bytes(b"not a model")
+    r = cli(tmp_path / "h", "model", "add", "x", str(bogus), "--json")
+    assert r.returncode == 1 and json.loads(r.stdout)["error"]["code"] == "bad_request"
+    missing = cli(tmp_path / "h", "model", "add", "x", str(tmp_path / "nope.gguf"), "--json")
+    assert json.loads(missing.stdout)["error"]["code"] == "not_found"
+
+
+def test_pull_offline_names_the_file_to_fetch_by_hand(tmp_path: Path) -> None:
+    r = cli(tmp_path / "h", "model", "pull", "qvac/BotPsy-0.8B-GGUF", "--file", "Q4_K_M", "--json",
+            env={"HF_ENDPOINT": "http://127.0.0.1:9"})  # nothing listens on the discard port
+    assert r.returncode == 1
+    err = json.loads(r.stdout)["error"]
+    assert err["code"] == "unavailable"
+    assert "Q4_K_M" in err["message"] and "qvac/BotPsy-0.8B-GGUF" in err["message"]
+    assert "psymesh model add" in err["message"] and "Traceback" not in r.stderr
