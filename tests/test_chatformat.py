@@ -1,0 +1,224 @@
+"""Chat format: Qwen3.5 prompt rendering and tolerant reply parsing.
+
+The reply corpus in tests/data/replies/ holds raw model outputs (NAME.txt) with the
+expected parse (NAME.json): well-formed XML and Hermes calls, and the broken shapes
+small models produce. The built-in renderer was cross-checked against the official
+Qwen3.5 chat template; here it is checked against an independent Jinja template in
+the same format (tests/data/qwen35_chat_template.jinja) through the sandboxed path.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from psymesh.agent.chatformat import (
+    EMPTY_THINK,
+    ChatFormatError,
+    ChatMessage,
+    ParsedReply,
+    ToolCall,
+    ToolSpec,
+    parse_reply,
+    render_prefix,
+    render_prompt,
+)
+from psymesh.protocol.errors import ErrorCode
+
+DATA = Path(__file__).parent / "data"
+REPLIES = DATA / "replies"
+TEMPLATE = (DATA / "qwen35_chat_template.jinja").read_text(encoding="utf-8")
+
+TOOLS = [
+    ToolSpec(name="get_weather", description="Current weather for a city.", parameters={
+        "type": "object",
+        "properties": {"city": {"type": "string"}, "unit": {"type": "string", "enum": ["c", "f"]},
+                       "days": {"type": "integer", "minimum": 1}},
+        "required": ["city", "unit"]}),
+    ToolSpec(name="send_sms", description="Send a text message.", irreversible=True, parameters={
+        "type": "object",
+        "properties": {"to": {"type": "string"}, "body": {"type": "string"}},
+        "required": ["to", "body"]}),
+    ToolSpec(name="set_alarm", description="Set an alarm.", parameters={
+        "type": "object",
+        "properties": {"time": {"type": "string"}, "repeat": {"type": "array", "items": {"type": "string"}},
+                       "options": {"type": "object"}, "volume": {"type": "number"}, "zip": {"type": "string"},
+                       "vibrate": {"type": "boolean"}},
+        "required": ["time"]}),
+]
+
+
+def _corpus() -> list[str]:
+    return sorted(p.stem for p in REPLIES.glob("*.txt"))
+
+
+def test_corpus_is_present() -> None:
+    assert len(_corpus()) >= 25
+    assert all((REPLIES / f"{name}.json").exists() for name in _corpus())
+
+
+@pytest.mark.parametrize("name", _corpus())
+def test_reply_corpus(name: str) -> None:
+    text = (REPLIES / f"{name}.txt").read_text(encoding="utf-8")
+    want: dict[str, Any] = json.loads((REPLIES / f"{name}.json").read_text(encoding="utf-8"))
+    got = parse_reply(text, TOOLS if want["tools"] else None, in_think=want["in_think"])
+    assert got.thinking == want["thinking"]
+    assert got.content == want["content"]
+    assert [(c.name, c.arguments) for c in got.tool_calls] == [(c["name"], c["arguments"]) for c in want["tool_calls"]]
+    assert len(got.errors) == len(want["errors"]), got.errors
+    for fragment, error in zip(want["errors"], got.errors):
+        assert fragment in error
+
+
+def test_tool_calls_get_unique_ids_and_become_history() -> None:
+    text = (REPLIES / "xml_multiple_calls_with_preamble.txt").read_text(encoding="utf-8")
+    reply = parse_reply(text, TOOLS)
+    assert len({c.id for c in reply.tool_calls}) == 2
+    msg = reply.to_message()
+    assert msg.role == "assistant" and msg.tool_calls == tuple(reply.tool_calls)
+
+
+# --------------------------------------------------------------------------- rendering
+
+
+def _conversation() -> list[ChatMessage]:
+    call = ToolCall(name="get_weather", arguments={"city": "Paris", "unit": "c", "days": 2})
+    sms = ToolCall(name="send_sms", arguments={"to": "mum", "body": "Line one\nline two"})
+    return [
+        ChatMessage.system("You are BotPsy, a helpful phone agent."),
+        ChatMessage.user("Weather in Paris, then text mum."),
+        ChatMessage.assistant("", reasoning="Need the weather first.", tool_calls=[call]),
+        ChatMessage.tool(call, '{"temp": 21, "sky": "clear"}'),
+        ChatMessage.assistant("Now the text.", tool_calls=[sms]),
+        ChatMessage.tool(sms, "sent"),
+    ]
+
+
+def test_golden_multi_turn_prompt() -> None:
+    got = render_prompt(_conversation(), TOOLS[:2], thinking=True)
+    assert got == (DATA / "golden_qwen35_multiturn.txt").read_text(encoding="utf-8")
+
+
+def test_system_turn_lists_tools_then_persona() -> None:
+    prompt = render_prompt([ChatMessage.system("  Be brief.  "), ChatMessage.user("hi")], TOOLS, thinking=False)
+    assert prompt.startswith("<|im_start|>system\n# Tools\n\nYou have access to the following functions:\n\n<tools>\n"
+                             '{"type": "function", "function": {"name": "get_weather", ')
+    assert "\n</tools>\n\nIf you choose to call a function ONLY reply in the following format" in prompt
+    assert "</IMPORTANT>\n\nBe brief.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n" in prompt
+    assert "irreversible" not in prompt
+    assert prompt.endswith("<|im_start|>assistant\n" + EMPTY_THINK)
+
+
+def test_plain_chat_without_tools() -> None:
+    msgs = [ChatMessage.system("S"), ChatMessage.user("Q"), ChatMessage.assistant("<think>\nr\n</think>\n\nA"),
+            ChatMessage.user("Q2")]
+    assert render_prompt(msgs, thinking=True) == (
+        "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nQ<|im_end|>\n"
+        "<|im_start|>assistant\nA<|im_end|>\n"  # reasoning of earlier turns is dropped
+        "<|im_start|>user\nQ2<|im_end|>\n<|im_start|>assistant\n<think>\n")
+    assert render_prompt(msgs, thinking=False).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert not render_prompt(msgs, thinking=False, add_generation_prompt=False).endswith("assistant\n")
+
+
+_CONVERSATIONS = {
+    "single_user": [ChatMessage.user("hello")],
+    "tools_multi_step": _conversation(),
+    "finished_turn_then_new_query": [*_conversation(), ChatMessage.assistant("Done: 21C and sms sent."),
+                                     ChatMessage.user("thanks!")],
+    "typed_arguments": [ChatMessage.user("alarm"), ChatMessage.assistant(tool_calls=[ToolCall(
+        name="set_alarm", arguments={"time": "07:00", "repeat": ["mon"], "options": {"a": 1}, "volume": 0.5,
+                                     "vibrate": False})])],
+}
+
+
+@pytest.mark.parametrize("thinking", [True, False])
+@pytest.mark.parametrize("with_tools", [True, False])
+@pytest.mark.parametrize("name", sorted(_CONVERSATIONS))
+def test_builtin_renderer_matches_jinja_template(name: str, with_tools: bool, thinking: bool) -> None:
+    msgs = _CONVERSATIONS[name]
+    tools = TOOLS if with_tools else []
+    for gen in (True, False):
+        assert render_prompt(msgs, tools, thinking=thinking, add_generation_prompt=gen) == \
+            render_prompt(msgs, tools, thinking=thinking, add_generation_prompt=gen, template=TEMPLATE)
+
+
+@pytest.mark.parametrize("template", [None, TEMPLATE])
+def test_prefix_is_the_stable_system_turn(template: str | None) -> None:
+    msgs = _conversation()
+    prefix = render_prefix(msgs, TOOLS, template=template)
+    assert prefix.startswith("<|im_start|>system\n") and prefix.endswith("<|im_end|>\n")
+    for n in range(2, len(msgs) + 1):
+        assert render_prompt(msgs[:n], TOOLS, thinking=True, template=template).startswith(prefix)
+    assert render_prefix([ChatMessage.user("no system, no tools")], template=template) == ""
+
+
+def test_rendering_errors_are_typed() -> None:
+    with pytest.raises(ChatFormatError) as e:
+        render_prompt([ChatMessage.user("a"), ChatMessage.system("late")], thinking=False)
+    assert e.value.code == ErrorCode.BAD_REQUEST
+    with pytest.raises(ChatFormatError):
+        render_prompt([ChatMessage.system("only")], thinking=False)
+    with pytest.raises(ChatFormatError):
+        render_prompt([], thinking=False)
+    with pytest.raises(ChatFormatError, match="No user query"):
+        render_prompt([ChatMessage.system("only")], thinking=False, template=TEMPLATE)
+    with pytest.raises(ChatFormatError):
+        render_prompt([ChatMessage.user("x")], thinking=False, template="{% for %}")
+
+
+def test_template_runs_sandboxed() -> None:
+    evil = "{{ ''.__class__.__mro__[1].__subclasses__() }}"
+    with pytest.raises(ChatFormatError):
+        render_prompt([ChatMessage.user("x")], thinking=False, template=evil)
+
+
+def test_tool_spec_rejects_names_that_would_break_tags() -> None:
+    with pytest.raises(ValueError):
+        ToolSpec(name="bad>name")
+    with pytest.raises(ValueError):
+        ToolSpec(name="ok", parameters={"type": "object", "properties": {"a>b": {"type": "string"}}})
+
+
+# --------------------------------------------------------------------------- properties
+
+_SAFE_TEXT = st.text(st.characters(blacklist_characters="<", blacklist_categories=("Cs",)), max_size=40)
+_ARGS = st.fixed_dictionaries({
+    "time": _SAFE_TEXT,
+    "repeat": st.lists(_SAFE_TEXT, max_size=3),
+    "options": st.dictionaries(st.text("abc", min_size=1, max_size=3), st.integers(-5, 5), max_size=3),
+    "volume": st.floats(allow_nan=False, allow_infinity=False, width=32),
+    "vibrate": st.booleans(),
+})
+
+
+@settings(max_examples=150, deadline=None)
+@given(args=_ARGS, preamble=st.sampled_from(["", "Setting it now."]))
+def test_rendered_calls_parse_back_to_the_same_arguments(args: dict[str, Any], preamble: str) -> None:
+    call = ToolCall(name="set_alarm", arguments=args)
+    history = render_prompt([ChatMessage.user("x"), ChatMessage.assistant(preamble, tool_calls=[call])],
+                            TOOLS, thinking=False, add_generation_prompt=False)
+    reply = history.rsplit("<|im_start|>assistant\n", 1)[1]
+    parsed = parse_reply(reply, TOOLS)
+    assert parsed.errors == []
+    assert parsed.content == preamble
+    assert [(c.name, c.arguments) for c in parsed.tool_calls] == [("set_alarm", args)]
+
+
+_TAGS = ["<tool_call>", "</tool_call>", "<think>", "</think>", "<function=", "<function=get_weather>", "</function>",
+         "<parameter=", "<parameter=city>", "<parameter=days>", "</parameter>", "<|im_end|>", "{", "}", '"name"', ":",
+         '"arguments"', "\n", ">", "[", "]", "true", "1", '"', "'"]
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(text=st.one_of(st.text(), st.lists(st.one_of(st.sampled_from(_TAGS), st.text(max_size=5)), max_size=30)
+                      .map("".join)),
+       in_think=st.booleans(), with_tools=st.booleans())
+def test_parse_reply_never_raises(text: str, in_think: bool, with_tools: bool) -> None:
+    reply = parse_reply(text, TOOLS if with_tools else None, in_think=in_think)
+    assert isinstance(reply, ParsedReply)
+    if with_tools:
+        assert all(c.name in {t.name for t in TOOLS} for c in reply.tool_calls)
