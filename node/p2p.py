@@ -1,0 +1,519 @@
+"""psymesh's only contact with py-libp2p (pinned 0.8.1): a Noise + yamux host over TCP.
+
+Everything else in psymesh sees `P2PNode` and `P2PStream` (a `node.framed.ByteStream`),
+speaks anyio, and catches only psymesh errors: libp2p types and exceptions stop here.
+libp2p is trio-native, so this module runs on anyio's trio backend only.
+
+libp2p 0.8.1 defects measured on this machine, and what this module does about each
+(tests/test_p2p.py has one regression test per item):
+
+1. `new_host()` also accepts *plaintext* (and secio, TLS) unless told otherwise, so an
+   attacker could ask for an unencrypted session. We pass `sec_opt` with Noise only.
+2. Dialing waits 250 ms before returning (`Swarm.dial_peer` "happy eyeballs": after
+   starting a dial it sleeps `_HAPPY_EYEBALLS_DELAY` unless the dial already reached
+   `max_connections_per_peer`, default 3). We set `max_connections_per_peer=1`:
+   connect + Noise handshake on loopback drops from ~260 ms to ~10 ms.
+3. An exception escaping a stream handler propagates into the connection's task, and
+   libp2p's service manager then cancels the whole swarm: one bad request kills the node.
+   Every inbound stream goes through `P2PNode._on_inbound_stream`, which catches and logs
+   the exception and resets only that stream (libp2p's own identify/ping handlers too).
+4. After 250 inbound connections the host refuses all new ones, for good. Each inbound
+   connection holds a slot of `Swarm._inbound_limiter` (max - min connections = 250) until
+   `_do_handle_inbound_connection` returns, and that task ends with
+   `await self.manager.wait_finished()`: it waits for the *whole swarm* to stop, not for
+   its connection to close (it must stay alive while the connection is open, because
+   `trio.serve_listeners` closes the socket when the handler returns). So one trio task
+   and one slot leak per inbound connection. `_Swarm` overrides that method so it waits
+   for *its own* connection to close: the task ends and the slot comes back.
+5. gossipsub drops bursts silently (10 msg/s per peer per topic, outbound queue 32).
+   Contained by design: psymesh uses no pubsub; every message travels on a direct,
+   flow-controlled yamux stream (`open_stream`), which loses nothing.
+6. `close()` is slow: `SwarmConn.close()` sends GO_AWAY and closes the socket within
+   milliseconds, then pauses 100 ms in `Yamux.close` and 100 ms in `SwarmConn._cleanup`,
+   and the swarm closes its connections one after another (200 ms x N peers). We close
+   all connections at once and return as soon as their sockets are closed; libp2p's
+   remaining bookkeeping (the pauses, then disconnect notifications) finishes in the node's
+   own task group, or is cut short at shutdown. And libp2p's tasks are never cancelled from
+   outside (they would race the orderly close and leave sockets open): `run()` shields the
+   host and stops it in order. It returns in milliseconds, port closed, no task left behind.
+7. libp2p's connection gater filters IP addresses only. `allow_peer(peer_id)` is asked on
+   every inbound connection right after the Noise handshake proves the peer id (a refused
+   peer never gets a muxer) and again before every inbound stream (so a peer revoked while
+   connected is refused and disconnected). `disconnect()` closes a peer's connections now.
+8. (found while writing this) A dial that fails puts the peer on a 60 s "negative cache":
+   every dial in that minute fails at once, even after the peer is back. `connect()` and
+   `open_stream()` are explicit requests, so they clear that entry before dialing (`_Swarm.prepare_dial`).
+9. (found while writing this) The swarm's auto-connector dials *every* peer in the
+   peerstore (anyone who ever connected, revoked peers too) whenever the node has fewer
+   than 100 connections, i.e. always. psymesh dials only whom it is asked to dial:
+   `_NoAutoConnect` replaces it.
+10. (found while writing this) A connection the *peer* closed stays listed for ~100 ms
+   (Yamux.close pauses before the swarm forgets it). A dial in that window "succeeds"
+   without dialing (`BasicHost.connect` sees the dead connection) and the stream then fails
+   with "No valid connections". Before every dial we drop listed connections that are closed.
+11. (found while writing this) `BasicHost.connect(peer_info)` adds the given address to the
+   peerstore, but the dialer tries only one address per transport (`MAX_ADDRS_PER_PEER`), which
+   may be an older, dead one: connecting to a peer's new address kept failing. When the caller
+   gives an address and no connection is open, it replaces the remembered ones.
+12. (found while writing this) Listening sockets get SO_REUSEPORT (for TCP hole punching),
+   so a second node on the same fixed port starts fine and the kernel splits incoming
+   connections between the two. `run()` first checks that the port is free.
+
+Kept as is: libp2p's resource manager allows each peer 10 new connections per second
+(burst 50); connections over that are closed right after the handshake, so the dialer's
+`connect()` may succeed and its first stream fail (UNAVAILABLE).
+"""
+from __future__ import annotations
+
+import logging
+import socket
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+import anyio
+import anyio.abc
+import multiaddr
+import sniffio
+from libp2p import new_host
+from libp2p.abc import IMuxedConn, INetConn, INetStream, IRawConnection, ISecureConn, ReadWriteCloser
+from libp2p.crypto.ed25519 import create_new_key_pair as ed25519_key_pair
+from libp2p.crypto.keys import KeyPair
+from libp2p.crypto.x25519 import create_new_key_pair as x25519_key_pair
+from libp2p.custom_types import TProtocol
+from libp2p.network.auto_connector import AutoConnector
+from libp2p.network.config import ConnectionConfig
+from libp2p.network.connection.raw_connection import RawConnection
+from libp2p.network.swarm import Swarm
+from libp2p.peer.id import ID
+from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
+from libp2p.security.exceptions import HandshakeFailure
+from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
+from libp2p.security.noise.transport import Transport as NoiseTransport
+from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
+from libp2p.stream_muxer.yamux.yamux import Yamux
+
+from psymesh.protocol.errors import ErrorCode, ProtocolError, PsymeshError
+
+log = logging.getLogger(__name__)
+
+READ_CHUNK = 65536
+# How long disconnect()/shutdown wait for sockets to close (a GO_AWAY write to a peer that
+# stopped reading can block); past it, shutdown cancels the rest.
+CLOSE_TIMEOUT_S = 2.0
+SHUTDOWN_TIMEOUT_S = 5.0
+
+PeerFilter = Callable[[str], bool]
+
+
+class P2PStream:
+    """One libp2p stream as a `node.framed.ByteStream`: bytes in, bytes out, b"" at the end."""
+
+    def __init__(self, stream: INetStream, protocol: str) -> None:
+        self._stream = stream
+        self.protocol = protocol
+        self.remote_peer_id = str(stream.muxed_conn.peer_id)
+        self._closed = False
+
+    async def receive_some(self, max_bytes: int = READ_CHUNK) -> bytes:
+        """Up to `max_bytes`; b"" once the peer closed or reset the stream (or the connection died)."""
+        if max_bytes < 1:
+            raise ValueError("max_bytes must be at least 1")
+        try:
+            return await self._stream.read(max_bytes)
+        except Exception as exc:  # StreamEOF, StreamReset, StreamError, muxer errors: all mean "no more"
+            log.debug("stream %s from %s ended: %r", self.protocol, self.remote_peer_id, exc)
+            return b""
+
+    async def send_all(self, data: bytes) -> None:
+        if not data:
+            return
+        if self._closed:
+            raise ProtocolError(f"stream {self.protocol} to {self.remote_peer_id} is closed",
+                                code=ErrorCode.UNAVAILABLE)
+        try:
+            await self._stream.write(data)
+        except Exception as exc:
+            raise ProtocolError(f"stream {self.protocol} to {self.remote_peer_id} is gone: {_reason(exc)}",
+                                code=ErrorCode.UNAVAILABLE) from exc
+
+    async def aclose(self) -> None:
+        """Half-close gracefully (the peer reads EOF after what we sent). Idempotent, never raises."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            await self._stream.close()
+        except Exception as exc:
+            log.debug("closing stream %s to %s: %r", self.protocol, self.remote_peer_id, exc)
+
+    async def reset(self) -> None:
+        """Abort: the peer's reads end at once and unsent data is dropped."""
+        self._closed = True
+        await _reset_quietly(self._stream)
+
+
+Handler = Callable[[P2PStream], Awaitable[None]]
+
+
+class P2PNode:
+    """A libp2p host with psymesh's settings and fixes; see the module docstring."""
+
+    def __init__(
+        self,
+        seed: bytes,
+        listen_addrs: Sequence[str] = ("/ip4/127.0.0.1/tcp/0",),
+        *,
+        allow_peer: PeerFilter | None = None,
+    ) -> None:
+        """`seed`: the node's 32-byte Ed25519 private seed. `allow_peer(peer_id)`: None allows all."""
+        if not isinstance(seed, bytes | bytearray) or len(seed) != 32:
+            raise PsymeshError("an Ed25519 seed is 32 bytes", code=ErrorCode.BAD_REQUEST)
+        self._listen = [_parse_multiaddr(a) for a in listen_addrs]
+        self._allow_peer = allow_peer
+        key_pair = ed25519_key_pair(bytes(seed))
+        self._host = new_host(
+            key_pair=key_pair,
+            # (1) Noise only: the default also accepts plaintext, secio and TLS.
+            sec_opt={TProtocol(NOISE_PROTOCOL_ID): _PeerFilteringNoise(key_pair, self._peer_allowed)},
+            muxer_opt={TProtocol(YAMUX_PROTOCOL_ID): Yamux},
+            # (2) one connection per peer: dial_peer returns at once instead of waiting 250 ms.
+            connection_config=ConnectionConfig(max_connections_per_peer=1),
+            listen_addrs=self._listen,
+            enable_mDNS=False,
+        )
+        swarm = self._host.get_network()
+        if type(swarm) is not Swarm:
+            raise RuntimeError(f"node/p2p.py is written against libp2p 0.8.1's Swarm, not {type(swarm)!r}")
+        swarm.__class__ = _Swarm  # (4) same object and state, fixed inbound handler
+        swarm.auto_connector = _NoAutoConnect(swarm)  # (9)
+        self._swarm: _Swarm = swarm
+        # (3, 7) one choke point for every inbound stream: peer filter + exception containment
+        self._negotiate_and_handle = swarm.common_stream_handler  # BasicHost._swarm_stream_handler
+        swarm.set_stream_handler(self._on_inbound_stream)
+        self.peer_id = str(self._host.get_id())
+        self._tg: anyio.abc.TaskGroup | None = None  # set while serving
+        self._listening = anyio.Event()
+        self._stop = anyio.Event()
+        self._ran = False
+
+    # -- lifecycle -------------------------------------------------------------------
+    async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Listen, report started, serve until cancelled, then shut down promptly and completely."""
+        if sniffio.current_async_library() != "trio":
+            raise PsymeshError("the libp2p host needs anyio's trio backend", code=ErrorCode.INTERNAL)
+        if self._ran:
+            raise PsymeshError("a P2PNode runs only once; make a new one", code=ErrorCode.CONFLICT)
+        self._ran = True
+        for addr in self._listen:
+            _check_port_free(addr)  # (12)
+        try:
+            async with anyio.create_task_group() as tg:
+                # Not `tg.start()`: cancelled while starting, trio would wait for the shielded
+                # host task to finish, and it waits for `_stop`.
+                tg.start_soon(self._host_lifetime)
+                try:
+                    await self._listening.wait()
+                    task_status.started()
+                    await anyio.sleep_forever()
+                finally:  # cancelled (or failed to listen): _host_lifetime shuts down in order
+                    self._stop.set()
+        except BaseExceptionGroup as group:  # e.g. cannot listen: raise it as itself
+            if isinstance(sole := _sole_exception(group), PsymeshError):
+                raise sole from None
+            raise
+
+    async def _host_lifetime(self) -> None:
+        # libp2p's service tasks live in the nursery of `host.run()`. Cancelled from outside,
+        # they would tear down in no order and race our shutdown (half-closed connections,
+        # sockets left open), so the host runs shielded and `run()` asks it to stop instead.
+        # The shield's own deadline bounds the shutdown.
+        with anyio.CancelScope(shield=True) as lifetime:
+            async with anyio.create_task_group() as background:  # libp2p's slow close tails
+                async with self._host.run(listen_addrs=self._listen):
+                    if not self._swarm.listeners:  # host.run() ignores listen() failing
+                        raise PsymeshError(f"cannot listen on {' '.join(map(str, self._listen))}",
+                                           code=ErrorCode.UNAVAILABLE)
+                    self._tg = background
+                    self._listening.set()
+                    await self._stop.wait()
+                    lifetime.deadline = anyio.current_time() + SHUTDOWN_TIMEOUT_S
+                    try:
+                        await self._shutdown()
+                    finally:
+                        self._tg = None
+                background.cancel_scope.cancel()
+
+    async def _shutdown(self) -> None:
+        """(6) Close all connections at once, not 200 ms each, and cut their closes short once
+        the sockets are closed (the rest is pauses and bookkeeping for a host that is going
+        away). Then listeners, transports and libp2p's tasks."""
+        async with anyio.create_task_group() as closing:
+            await self._close_connections(self._live_connections(), closing)
+            closing.cancel_scope.cancel()
+        await self._host.close()
+
+    # -- handlers --------------------------------------------------------------------
+    def set_handler(self, protocol: str, handler: Handler) -> None:
+        """Serve `protocol`. The stream is closed when `handler` returns and reset if it raises;
+        an exception is logged and goes no further. Refused peers never reach `handler`."""
+
+        async def serve(stream: INetStream) -> None:
+            p2p_stream = P2PStream(stream, protocol)
+            await handler(p2p_stream)
+            await p2p_stream.aclose()
+
+        self._host.set_stream_handler(TProtocol(protocol), serve)
+
+    async def _on_inbound_stream(self, stream: INetStream) -> None:
+        peer = str(stream.muxed_conn.peer_id)
+        if not self._peer_allowed(peer):
+            log.info("refused a stream from %s (peer not allowed); disconnecting it", peer)
+            await _reset_quietly(stream)
+            await self.disconnect(peer)
+            return
+        try:
+            await self._negotiate_and_handle(stream)
+        except Exception:
+            log.exception("handler for %s from %s failed; the stream is reset", stream.get_protocol(), peer)
+            await _reset_quietly(stream)
+
+    def _peer_allowed(self, peer_id: str) -> bool:
+        if self._allow_peer is None:
+            return True
+        try:
+            return bool(self._allow_peer(peer_id))
+        except Exception:
+            log.exception("allow_peer(%s) failed; refusing the peer", peer_id)
+            return False
+
+    # -- outbound --------------------------------------------------------------------
+    def addrs(self) -> list[str]:
+        """Listening multiaddrs with the real port and `/p2p/<id>` (empty before `run()` listens)."""
+        return [str(a) for a in self._host.get_addrs()]
+
+    async def connect(self, addr: str) -> str:
+        """Connect to `addr` (a multiaddr ending in /p2p/<id>); returns the peer id."""
+        info = _peer_info(addr)
+        await self._dial(info, addr)
+        return str(info.peer_id)
+
+    async def open_stream(self, peer: str, protocol: str) -> P2PStream:
+        """A new stream speaking `protocol` to `peer`: a peer id, or a multiaddr with /p2p/ (dials if needed)."""
+        if peer.startswith("/"):
+            info = _peer_info(peer)
+            await self._dial(info, peer)
+            peer_id = info.peer_id
+        else:
+            peer_id = _parse_peer_id(peer)
+            self._require_running()
+            self._swarm.prepare_dial(peer_id)  # (8, 10)
+        try:
+            stream = await self._host.new_stream(peer_id, [TProtocol(protocol)])
+        except Exception as exc:
+            raise ProtocolError(f"cannot open {protocol} to {peer_id}: {_reason(exc)}",
+                                code=ErrorCode.UNAVAILABLE) from exc
+        return P2PStream(stream, protocol)
+
+    async def _dial(self, info: PeerInfo, addr: str) -> None:
+        self._require_running()
+        if str(info.peer_id) == self.peer_id:
+            raise ProtocolError("cannot connect to ourselves", code=ErrorCode.BAD_REQUEST)
+        self._swarm.prepare_dial(info.peer_id, new_address=True)  # (8, 10, 11)
+        try:
+            await self._host.connect(info)
+        except Exception as exc:
+            raise ProtocolError(f"cannot connect to {addr}: {_reason(exc)}", code=ErrorCode.UNAVAILABLE) from exc
+
+    # -- peers -----------------------------------------------------------------------
+    def connected_peers(self) -> list[dict[str, Any]]:
+        """[{"peer_id": ..., "addrs": [transport multiaddrs]}] for peers with an open connection."""
+        peers = []
+        for peer_id, conns in self._swarm.connections.items():
+            live = [c for c in conns if not c.is_closed]
+            if live:
+                addrs = sorted({str(a) for c in live for a in c.get_transport_addresses()})
+                peers.append({"peer_id": str(peer_id), "addrs": addrs})
+        return peers
+
+    async def disconnect(self, peer_id: str) -> None:
+        """Close every connection to `peer_id` now (revocation). Its open streams end at once."""
+        conns = self._swarm.get_connections(_parse_peer_id(peer_id))
+        if conns and self._tg is not None:
+            await self._close_connections(conns, self._tg)
+
+    def _live_connections(self) -> list[INetConn]:
+        return [c for conns in self._swarm.connections.values() for c in conns if not c.is_closed]
+
+    async def _close_connections(self, conns: Sequence[INetConn], tg: anyio.abc.TaskGroup) -> None:
+        """(6) Close `conns` concurrently and return once their sockets are closed. libp2p's
+        close goes on in `tg`: it pauses 200 ms before its last bookkeeping (resetting the
+        connection's streams, which releases their resource-manager slots; notifications)."""
+        for conn in conns:
+            tg.start_soon(_close_quietly, conn)
+        with anyio.move_on_after(CLOSE_TIMEOUT_S):
+            for conn in conns:
+                await _muxer(conn).event_closed.wait()
+        for conn in conns:  # forget them now, so a new dial is not handed a dead connection
+            self._swarm.remove_conn(conn)
+
+    def _require_running(self) -> None:
+        if self._tg is None or self._stop.is_set():
+            raise PsymeshError("the p2p node is not running", code=ErrorCode.UNAVAILABLE)
+
+
+class _PeerFilteringNoise(NoiseTransport):
+    """Noise whose responder refuses peers that `allow` rejects, right after the handshake
+    proves who they are (7): the connection closes before any muxer or stream exists."""
+
+    def __init__(self, key_pair: KeyPair, allow: PeerFilter) -> None:
+        # The Noise static key is per process: libp2p signs it with the identity key.
+        super().__init__(key_pair, noise_privkey=x25519_key_pair().private_key)
+        self._allow = allow
+
+    async def secure_inbound(self, conn: IRawConnection) -> ISecureConn:
+        secured = await super().secure_inbound(conn)
+        peer = str(secured.get_remote_peer())
+        if not self._allow(peer):
+            log.info("refused a connection from %s (peer not allowed)", peer)
+            await _close_quietly(secured)
+            raise HandshakeFailure(f"peer {peer} is not allowed")
+        return secured
+
+
+class _Swarm(Swarm):
+    """libp2p 0.8.1's Swarm with defect (4) fixed, plus a hook run before explicit dials (8, 10, 11).
+    P2PNode swaps it in as the class of the swarm `new_host()` built (it adds no state)."""
+
+    async def _do_handle_inbound_connection(
+        self, read_write_closer: ReadWriteCloser, maddr: multiaddr.Multiaddr, failure_event: Any
+    ) -> None:
+        """Upstream's TCP path with one change: the last line waits for *this* connection to
+        close, not for the swarm to stop, so the caller returns the `_inbound_limiter` slot
+        and the task ends when the peer goes away. (The task must live while the connection
+        does: `trio.serve_listeners` closes the socket when it returns.)"""
+        if isinstance(read_write_closer, IMuxedConn):  # QUIC/WebTransport: psymesh enables neither
+            await super()._do_handle_inbound_connection(read_write_closer, maddr, failure_event)
+            return
+        remote = self._build_remote_multiaddr(read_write_closer)
+        if remote is not None and not await self.connection_gate.is_allowed(remote):
+            log.debug("inbound connection from %s denied by the IP gate", remote)
+            await _close_quietly(read_write_closer)
+            return
+        raw_conn = RawConnection(read_write_closer, False)
+        try:
+            muxed_conn = await self.upgrade_inbound_raw_conn(raw_conn, maddr)
+        except Exception as exc:  # refused peer, failed handshake, limits: already logged upstream
+            log.debug("inbound connection on %s failed: %s", maddr, _reason(exc))
+            await _close_quietly(raw_conn)
+            return
+        await _muxer_of(muxed_conn).event_closed.wait()
+
+    def prepare_dial(self, peer_id: ID, *, new_address: bool = False) -> None:
+        """Before a dial someone asked for: forget a recent failure to reach the peer (8),
+        connections to it that are closed but still listed (10) and, when the caller brings
+        an address, the addresses remembered for it (11)."""
+        self._negative_peer_cache.evict(str(peer_id))
+        for conn in self.get_connections(peer_id):
+            if conn.is_closed or conn.muxed_conn.is_closed:
+                self.remove_conn(conn)
+        if new_address and not self.get_connections(peer_id):
+            self.peerstore.clear_addrs(peer_id)
+
+
+class _NoAutoConnect(AutoConnector):
+    """(9) The swarm's auto-connector, minus the dialing: no background task, no dials."""
+
+    async def run_background_task(self, nursery: Any) -> None:
+        return
+
+    async def maybe_connect(self) -> None:
+        return
+
+
+# -- helpers ---------------------------------------------------------------------------
+def _muxer(conn: INetConn) -> Yamux:
+    return _muxer_of(conn.muxed_conn)
+
+
+def _muxer_of(muxed_conn: IMuxedConn) -> Yamux:
+    assert isinstance(muxed_conn, Yamux), f"unexpected muxer {type(muxed_conn)!r}"
+    return muxed_conn
+
+
+async def _close_quietly(resource: Any) -> None:
+    try:
+        await resource.close()
+    except Exception as exc:
+        log.debug("closing %r: %r", resource, exc)
+
+
+async def _reset_quietly(stream: INetStream) -> None:
+    try:
+        await stream.reset()
+    except Exception as exc:
+        log.debug("resetting a stream: %r", exc)
+
+
+def _check_port_free(addr: multiaddr.Multiaddr) -> None:
+    """(12) Refuse a fixed TCP port that something already listens on. libp2p binds with
+    SO_REUSEPORT, so a second node would get the same port and the kernel would split the
+    incoming connections between the two. Our probe binds without it (SO_REUSEADDR only
+    tolerates TIME_WAIT leftovers), which fails while any socket listens there."""
+    protocols = {p.name for p in addr.protocols()}
+    if "tcp" not in protocols or not ({"ip4", "ip6"} & protocols):
+        return
+    port = int(addr.value_for_protocol("tcp"))
+    if port == 0:
+        return
+    family, ip = ((socket.AF_INET6, addr.value_for_protocol("ip6")) if "ip6" in protocols
+                  else (socket.AF_INET, addr.value_for_protocol("ip4")))
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((ip, port))
+        except OSError as exc:
+            raise PsymeshError(f"cannot listen on {addr}: {exc.strerror or exc}", code=ErrorCode.UNAVAILABLE) from None
+
+
+def _parse_multiaddr(addr: str) -> multiaddr.Multiaddr:
+    try:
+        return multiaddr.Multiaddr(addr)
+    except Exception as exc:
+        raise PsymeshError(f"not a multiaddr: {addr!r} ({exc})", code=ErrorCode.BAD_REQUEST) from None
+
+
+def _peer_info(addr: str) -> PeerInfo:
+    maddr = _parse_multiaddr(addr)
+    try:
+        return info_from_p2p_addr(maddr)
+    except Exception:
+        raise PsymeshError(f"{addr!r} does not end in /p2p/<peer id>", code=ErrorCode.BAD_REQUEST) from None
+
+
+def _parse_peer_id(peer_id: str) -> ID:
+    try:
+        return ID.from_base58(peer_id)
+    except Exception:
+        raise PsymeshError(f"not a peer id: {peer_id[:64]!r}", code=ErrorCode.BAD_REQUEST) from None
+
+
+def _sole_exception(group: BaseExceptionGroup) -> BaseException | None:
+    """The one exception inside (nested) groups, or None if there are several."""
+    leaves: list[BaseException] = []
+    stack: list[BaseException] = [group]
+    while stack:
+        exc = stack.pop()
+        if isinstance(exc, BaseExceptionGroup):
+            stack.extend(exc.exceptions)
+        else:
+            leaves.append(exc)
+    return leaves[0] if len(leaves) == 1 else None
+
+
+def _reason(exc: BaseException) -> str:
+    """The first and the innermost message of a libp2p exception chain, for people."""
+    chain = [exc]
+    while (nxt := chain[-1].__cause__ or chain[-1].__context__) is not None and len(chain) < 10:
+        chain.append(nxt)
+    first, root = str(exc) or type(exc).__name__, str(chain[-1]) or type(chain[-1]).__name__
+    return first if root == first or len(chain) == 1 else f"{first} ({root})"
