@@ -25,6 +25,7 @@ from psymesh.node.home import NodeHome
 from psymesh.protocol import control as c
 from psymesh.protocol.errors import ErrorCode, PsymeshError
 from psymesh.protocol.framing import DEFAULT_MAX_FRAME_SIZE
+from psymesh.protocol.limits import Limits
 from psymesh.protocol.messages import Message, expect
 from psymesh.protocol.tasks import Outcome, TaskEvent
 
@@ -119,9 +120,11 @@ class Client:
         return (await self.request(c.PeersRequest(include_revoked=include_revoked), c.PeersReply)).peers
 
     async def grant(self, peer: str, capabilities: list[str], *, expires_s: float | None = None,
-                    preset_limits: str | None = None) -> dict:
-        """Replace what `peer` may ask of this node (capabilities in CLI spelling, e.g. "tool:files.*")."""
-        req = c.GrantRequest(peer=peer, capabilities=capabilities, expires_s=expires_s, preset_limits=preset_limits)
+                    preset_limits: str | None = None, limits: Limits | None = None) -> dict:
+        """Replace what `peer` may ask of this node (capabilities in CLI spelling, e.g. "tool:files.*").
+        Limits: `limits` if given, else a preset's (`preset_limits`), else the current grant's."""
+        req = c.GrantRequest(peer=peer, capabilities=capabilities, expires_s=expires_s, preset_limits=preset_limits,
+                             limits=limits)
         return (await self.request(req, c.PeerReply)).peer
 
     async def revoke(self, peer: str) -> dict:
@@ -161,6 +164,10 @@ class Client:
             spec.update(kind="agent", goal=goal, params=params or {})
         reply = await self.request(c.TaskSubmitRequest(to=to, spec=spec), c.TaskSubmitted)
         return TaskHandle(self, reply)
+
+    async def offers(self, operation: str = "task.agent") -> list[dict]:
+        """Paired peers that would take `operation` now, with their models and tools."""
+        return (await self.request(c.OffersRequest(operation=operation), c.OffersReply)).offers
 
     def task(self, task_id: str) -> TaskHandle:
         """A handle on a task this node delegated earlier (e.g. before a restart)."""
@@ -218,3 +225,8 @@ class TaskHandle:
 
     async def cancel(self) -> None:
         await self._client.request(c.TaskCancelRequest(task_id=self.id), c.Ok)
+
+    async def respond(self, data: dict[str, Any]) -> None:
+        """Answer the task while it is `input-required` (an agent asking to run an
+        irreversible tool: `{"approve": True}` or `{"approve": False}`)."""
+        await self._client.request(c.TaskInputRequest(task_id=self.id, data=data), c.Ok)

@@ -19,6 +19,7 @@ import anyio
 import anyio.abc
 
 import psymesh
+from psymesh.node.agents import AgentTaskRunner, node_tools
 from psymesh.node.audit import AuditLog
 from psymesh.node.control import ControlServer
 from psymesh.node.db import open_db
@@ -36,7 +37,7 @@ from psymesh.node.trust import TrustStore
 from psymesh.protocol import control as c
 from psymesh.protocol import ids
 from psymesh.protocol.errors import ErrorCode, ProtocolError, PsymeshError
-from psymesh.protocol.manifest import Manifest, ManifestOk, ManifestPush, new_manifest, PRESETS
+from psymesh.protocol.manifest import PRESETS, Manifest, ManifestOk, ManifestPush, Operation, check, new_manifest
 from psymesh.protocol.messages import expect
 from psymesh.protocol.tasks import TaskCaps, TaskCapsReply, TaskSpec
 
@@ -59,29 +60,18 @@ class Node:
         self.gate = Gate(self.identity.peer_id, self.trust, self.audit)
         self.pairing = PairingService(self.identity, self.config, self.p2p, self.trust, self.push_manifest)
         self.models = ModelPool(ModelRegistry(self.db))
-        self.tools = self._tools()
+        self.tools = node_tools(home, self.config)
         self.executor = TaskExecutor(local_peer_id=self.identity.peer_id, store=ExecutorStore(self.db),
                                      gate=self.gate, trust=self.trust, tools=self.tools, models=self.models,
-                                     profile=self.config.profile, share_dir=self.config.share_dir)
+                                     profile=self.config.profile, share_dir=self.config.share_dir,
+                                     agent_runner=AgentTaskRunner(self.models, self.tools, self.config.profile,
+                                                                  self.config.share_dir, self.config.agent_model))
         self.submitter = TaskSubmitter(local_peer_id=self.identity.peer_id, outbox=Outbox(self.db), trust=self.trust,
                                        open_stream=self.open_peer_stream, max_frame_size=self.config.max_frame_size)
         self._root: anyio.CancelScope | None = None
         self._register_services()
 
     # -- wiring ---------------------------------------------------------------
-    def _tools(self):
-        from psymesh.agent.builtin_tools import default_registry
-        from psymesh.agent.tools import load_entry_points
-
-        device = None
-        if self.config.profile == "phone":  # a simulated device, so phone scenarios run anywhere
-            from psymesh.agent.device import DeviceState
-
-            device = DeviceState(self.home.path / "device.db")
-        registry = default_registry(self.config.profile, device=device)
-        load_entry_points(registry)
-        return registry
-
     def _register_services(self) -> None:
         self.inbound(ids.PAIR, self.pairing.serve, paired_only=False)
         self.inbound(ids.PING, self._serve_ping)
@@ -98,6 +88,8 @@ class Node:
             c.RevokeRequest: self._revoke,
             c.AuditRequest: self._audit,
             c.TaskSubmitRequest: self._task_submit,
+            c.TaskInputRequest: self._task_input,
+            c.OffersRequest: self._offers,
             c.TaskWatchRequest: self._task_watch,
             c.TaskCancelRequest: self._task_cancel,
             c.TaskListRequest: self._task_list,
@@ -249,7 +241,12 @@ class Node:
             raise PsymeshError(f"{peer.name} was revoked; pair again first", code=ErrorCode.UNKNOWN_PEER)
         if req.preset_limits is not None and req.preset_limits not in PRESETS:
             raise PsymeshError(f"unknown preset {req.preset_limits!r}", code=ErrorCode.BAD_REQUEST)
-        limits = PRESETS[req.preset_limits][1] if req.preset_limits else (peer.granted.limits if peer.granted else None)
+        if req.limits is not None:
+            limits = req.limits
+        elif req.preset_limits:
+            limits = PRESETS[req.preset_limits][1]
+        else:
+            limits = peer.granted.limits if peer.granted else None
         manifest = new_manifest(self.identity.peer_id, peer.peer_id, req.capabilities, now=time.time(),
                                 ttl=req.expires_s, limits=limits).sign(self.identity.private_key)
         self.trust.set_granted(peer.peer_id, manifest)
@@ -300,16 +297,41 @@ class Node:
         outbox, sent = self.submitter.outbox, req.after_seq
         outbox.get(req.task_id)  # NOT_FOUND for a task this node never delegated
         while True:
-            changed = self.submitter.changed.event(req.task_id)
             events = outbox.events_after(req.task_id, sent)
             for ev in events:
                 await framed.send(ev)
                 sent = ev.seq
+            if events:
+                continue  # more may have come while we were sending
             task = outbox.get(req.task_id)
             if task.terminal and sent >= task.last_seq:
                 return c.Ok()
-            if not events:
-                await changed.wait()
+            await self.submitter.changed.wait(req.task_id)  # no await since the reads: nothing is missed
+
+    async def _task_input(self, req: c.TaskInputRequest, _: FramedStream) -> c.Ok:
+        await self.submitter.respond(req.task_id, req.data)
+        return c.Ok()
+
+    async def _offers(self, req: c.OffersRequest, _: FramedStream) -> c.OffersReply:
+        """Paired peers whose grant to us covers `operation` and that answer now."""
+        try:
+            op = Operation(name=req.operation)
+        except ValueError as exc:
+            raise PsymeshError(f"unknown operation {req.operation!r}: {exc}", code=ErrorCode.BAD_REQUEST) from None
+        found: list[dict] = []
+        for peer in self.trust.list(include_revoked=False):
+            grant = peer.received
+            if grant is None or not check(grant, op, local_peer_id=peer.peer_id, remote_peer_id=self.identity.peer_id,
+                                          now=time.time()).allowed:
+                continue
+            with anyio.move_on_after(5):
+                try:
+                    caps = await self.offers(peer.peer_id)
+                except PsymeshError:
+                    continue
+                found.append({"peer_id": peer.peer_id, "name": peer.name, "models": caps.models,
+                              "tools": caps.tools, "queue_depth": caps.queue_depth})
+        return c.OffersReply(offers=found)
 
     async def _task_cancel(self, req: c.TaskCancelRequest, _: FramedStream) -> c.Ok:
         await self.submitter.cancel(req.task_id)

@@ -53,6 +53,10 @@ class NodeConfig(BaseModel):
     mdns: bool = False  # never on unless turned on: multicast leaves the machine
     static_peers: list[str] = Field(default_factory=list)
     share_dir: str | None = None  # files.* tools serve only inside this directory
+    agent_model: str | None = None  # model for agent runs and agent tasks (default: the first registered)
+    # Marks the delegation policy reads on a phone: hand agent goals to the home PC while set.
+    battery_low: bool = False
+    memory_low: bool = False
     log_json: bool = False
 
 

@@ -31,6 +31,7 @@ from typing import Any
 
 import anyio
 import anyio.abc
+import anyio.lowlevel
 
 from psymesh.agent.tools import ToolContext, ToolRegistry, invoke
 from psymesh.node.framed import FramedStream
@@ -53,6 +54,7 @@ from psymesh.protocol.tasks import (
     TaskCaps,
     TaskCapsReply,
     TaskEvent,
+    TaskInput,
     TaskKind,
     TaskList,
     TaskListReply,
@@ -65,8 +67,9 @@ from psymesh.protocol.tasks import (
 log = logging.getLogger("psymesh.tasks")
 
 OpenStream = Callable[[str, str], Awaitable[P2PStream]]
-# Runs an `agent` task: (record, emit(kind, data, new_state)) -> final result value.
-AgentRunner = Callable[[TaskRecord, Callable[..., Awaitable[None]]], Awaitable[Any]]
+# Runs an `agent` task: (record, emit(kind, data, new_state), ask(question, data) -> answer) -> result.
+# `ask` moves the task to input-required until the submitter answers (task.input).
+AgentRunner = Callable[[TaskRecord, Callable[..., Awaitable[None]], Callable[..., Awaitable[dict]]], Awaitable[Any]]
 
 
 @dataclass(frozen=True)
@@ -90,23 +93,53 @@ def operation_for(spec: TaskSpec) -> Operation:
     return Operation(name="task.agent", payload_bytes=payload)
 
 
-class _Notifier:
-    """Wake whoever waits on a task id (attached streams, local watchers)."""
+class _Waiters:
+    __slots__ = ("event", "count")
 
     def __init__(self) -> None:
-        self._events: dict[str, anyio.Event] = {}
+        self.event = anyio.Event()
+        self.count = 0
 
-    def event(self, key: str) -> anyio.Event:
-        """Take the event BEFORE reading state, then wait on it: no wake-up is lost."""
-        ev = self._events.get(key)
-        if ev is None:
-            ev = self._events[key] = anyio.Event()
-        return ev
+
+class _Answer:
+    """A task waiting in input-required for its submitter's answer."""
+
+    def __init__(self) -> None:
+        self.event = anyio.Event()
+        self.data: dict[str, Any] = {}
+
+
+class _Notifier:
+    """Wake whoever waits on a task id (attached streams, local watchers).
+
+    Call `wait(key)` right after reading the state you wait on, with no await in
+    between: the node runs one trio task at a time, so no change can slip in and
+    no wake-up is lost. An entry exists only while someone waits, so the tasks a
+    long-lived node has served leave nothing behind in memory.
+    """
+
+    def __init__(self) -> None:
+        self._waiting: dict[str, _Waiters] = {}
+
+    async def wait(self, key: str) -> None:
+        waiters = self._waiting.get(key)
+        if waiters is None:
+            waiters = self._waiting[key] = _Waiters()
+        waiters.count += 1
+        try:
+            await waiters.event.wait()
+        finally:
+            waiters.count -= 1
+            if not waiters.count and self._waiting.get(key) is waiters:
+                del self._waiting[key]
 
     def notify(self, key: str) -> None:
-        ev = self._events.pop(key, None)
-        if ev is not None:
-            ev.set()
+        waiters = self._waiting.pop(key, None)
+        if waiters is not None:
+            waiters.event.set()
+
+    def __len__(self) -> int:
+        return len(self._waiting)
 
 
 # ====================================================================== executor
@@ -128,6 +161,7 @@ class TaskExecutor:
         self.share_dir = share_dir
         self.limits = limits or ExecutorLimits()
         self.agent_runner = agent_runner
+        self._inputs: dict[str, _Answer] = {}
         self._changed = _Notifier()
         self._running: dict[str, tuple[anyio.CancelScope, ToolContext]] = {}
         self._send, self._receive = anyio.create_memory_object_stream[str](math.inf)
@@ -173,6 +207,9 @@ class TaskExecutor:
         elif isinstance(request, TaskCaps):
             self.gate.authorize(peer_id, ids.TASK, None, label="task.caps")
             await framed.send(self.caps())
+        elif isinstance(request, TaskInput):
+            self.gate.authorize(peer_id, ids.TASK, None, label="task.input")
+            await framed.send(self._answer(request.task_id, peer_id, dict(request.data)))
         else:
             raise ProtocolError(f"{request.type!r} is not a task request", code=ErrorCode.BAD_REQUEST)
 
@@ -210,15 +247,19 @@ class TaskExecutor:
         self.store.get(request.task_id, submitter=peer_id)  # NOT_FOUND for someone else's task
         sent = request.after_seq
         while True:
-            changed = self._changed.event(request.task_id)
             events = self.store.events_after(request.task_id, sent)
             for ev in events:
                 await framed.send(ev)
                 sent = ev.seq
-            if events and events[-1].state.terminal:
+            if events:
+                if events[-1].state.terminal:
+                    break
+                continue  # more may have come while we were sending
+            # A submitter that stored the final event but died before acking it
+            # re-attaches after that event: nothing will ever follow, take its ack.
+            if self.store.get(request.task_id).terminal:
                 break
-            if not events:
-                await changed.wait()
+            await self._changed.wait(request.task_id)
         # The client may confirm on the same stream that it stored everything.
         with anyio.move_on_after(10):
             reply = await framed.receive()
@@ -329,7 +370,33 @@ class TaskExecutor:
         async def emit(kind: EventKind, data: dict[str, Any] | None = None, new_state: TaskState | None = None):
             self._emit(rec.id, kind, data, new_state)
 
-        return await self.agent_runner(rec, emit)
+        async def ask(question: str, data: dict[str, Any]) -> dict[str, Any]:
+            return await self._ask(rec.id, question, data)
+
+        return await self.agent_runner(rec, emit, ask)
+
+    async def _ask(self, task_id: str, question: str, data: dict[str, Any]) -> dict[str, Any]:
+        """Move the task to input-required and wait for the submitter's `task.input`.
+        The task's deadline (and cancel) still apply while it waits."""
+        waiter = _Answer()
+        self._inputs[task_id] = waiter
+        try:
+            self._emit(task_id, EventKind.STATE, {"question": question, **data}, TaskState.INPUT_REQUIRED)
+            await waiter.event.wait()
+        finally:
+            self._inputs.pop(task_id, None)
+        self._emit(task_id, EventKind.STATE, {"answer": waiter.data}, TaskState.WORKING)
+        return waiter.data
+
+    def _answer(self, task_id: str, peer_id: str, data: dict[str, Any]) -> TaskStatus:
+        record = self.store.get(task_id, submitter=peer_id)
+        waiter = self._inputs.get(task_id)
+        if waiter is None or waiter.event.is_set():
+            raise PsymeshError(f"task {task_id} is {record.state.value}, not waiting for input",
+                               code=ErrorCode.CONFLICT)
+        waiter.data = data
+        waiter.event.set()
+        return record.status()
 
     async def _infer(self, rec: TaskRecord, ceiling: int | None) -> dict[str, Any]:
         from psymesh.agent.chatformat import ChatMessage, render_prompt
@@ -367,6 +434,9 @@ class TaskExecutor:
                     self._emit(rec.id, EventKind.TOKEN, {"text": "".join(pending)})
                     pending.clear()
                     last_flush = time.monotonic()
+                    # The model may run ahead of us: then this loop never waits for it and,
+                    # without a checkpoint, would keep the whole node (streams too) from running.
+                    await anyio.lowlevel.checkpoint()
         finally:
             await stream.aclose()  # type: ignore[attr-defined]
         if pending:
@@ -384,6 +454,8 @@ class TaskSubmitter:
 
     RETRY_MIN_S = 0.2
     RETRY_MAX_S = 5.0
+    RETENTION_S = 7 * 86400.0   # finished tasks (and their events) are kept this long for the app
+    PURGE_EVERY_S = 3600.0
 
     def __init__(self, *, local_peer_id: str, outbox: Outbox, trust: TrustStore, open_stream: OpenStream,
                  max_frame_size: int) -> None:
@@ -397,13 +469,18 @@ class TaskSubmitter:
         self._not_before: dict[str, float] = {}   # peer -> when to try it again (busy/unreachable)
         self._backoff: dict[str, float] = {}
         self._following: set[str] = set()
+        self._submitting: set[str] = set()        # first delivery in progress (not for the resend loop)
         self._tg: anyio.abc.TaskGroup | None = None
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         async with anyio.create_task_group() as tg:
             self._tg = tg
             task_status.started()
+            purged_at = -math.inf
             while True:
+                if time.monotonic() - purged_at >= self.PURGE_EVERY_S:  # or a phone's storage only grows
+                    purged_at = time.monotonic()
+                    self.outbox.purge(time.time(), self.RETENTION_S)
                 await self._deliver_pending()
                 for task in self.outbox.resumable():
                     self._follow(task.id, task.target)
@@ -430,24 +507,31 @@ class TaskSubmitter:
         except TaskNotFound:
             pass
         candidates = [self.trust.resolve(to).peer_id] if to else await self._candidates(spec, offers)
+        # Durable before anything leaves this node: if we die while the executor accepts
+        # it, the resend loop delivers it again after the restart (a harmless resubmit).
+        self.outbox.add(candidates[0], spec)
+        self._submitting.add(spec.id)
         last: PsymeshError | None = None
-        for target in candidates:  # fail over before acceptance; after it, the task stays put
-            try:
-                await self._send_submit(target, spec)
-            except RemoteError as exc:
-                if exc.code is ErrorCode.BUSY or exc.code is ErrorCode.RATE_LIMITED:
+        try:
+            for target in candidates:  # fail over before acceptance; after it, the task stays put
+                self.outbox.retarget(spec.id, target)
+                try:
+                    await self._send_submit(target, spec)
+                except RemoteError as exc:
+                    if exc.code is ErrorCode.BUSY or exc.code is ErrorCode.RATE_LIMITED:
+                        last = exc
+                        continue
+                    self.outbox.forget(spec.id)  # refused outright: as if never submitted
+                    raise  # forbidden, conflict, bad request: resending would not help
+                except PsymeshError as exc:
                     last = exc
                     continue
-                raise  # forbidden, conflict, bad request: resending would not help
-            except PsymeshError as exc:
-                last = exc
-                continue
-            self.outbox.add(target, spec)
-            self.outbox.mark_accepted(spec.id)
-            self._follow(spec.id, target)
-            return target, True
-        # Nobody took it now: keep it for the resend loop, addressed to the first choice.
-        self.outbox.add(candidates[0], spec)
+                await self._handed_over(spec.id, target)
+                return target, True
+            # Nobody took it now: keep it for the resend loop, addressed to the first choice.
+            self.outbox.retarget(spec.id, candidates[0])
+        finally:
+            self._submitting.discard(spec.id)
         log.info("task %s queued for delivery to %s: %s", spec.id, candidates[0], last)
         if isinstance(last, RemoteError) and last.retry_after:
             self._not_before[candidates[0]] = time.monotonic() + last.retry_after
@@ -494,7 +578,7 @@ class TaskSubmitter:
     async def _deliver_pending(self) -> None:
         now = time.monotonic()
         for task in self.outbox.pending():
-            if self._not_before.get(task.target, 0) > now:
+            if self._not_before.get(task.target, 0) > now or task.id in self._submitting:
                 continue
             try:
                 await self._send_submit(task.target, task.spec)
@@ -508,10 +592,23 @@ class TaskSubmitter:
                 self._retry_later(task.target)
                 continue
             self._backoff.pop(task.target, None)
-            self.outbox.mark_accepted(task.id)
-            self._follow(task.id, task.target)
+            await self._handed_over(task.id, task.target)
+
+    async def _handed_over(self, task_id: str, target: str) -> None:
+        """The executor holds the task now: mirror its events, unless the app canceled
+        it while it was on its way, in which case the executor must cancel it too."""
+        if not self.outbox.mark_accepted(task_id).terminal:
+            self._follow(task_id, target)
+            return
+        try:
+            await self._request_cancel(target, task_id)
+        except (PsymeshError, TimeoutError) as exc:
+            log.warning("task %s was canceled while being delivered, and %s could not be told: %s",
+                        task_id, target, exc)
 
     def _retry_later(self, target: str) -> None:
+        if self._not_before.get(target, 0) > time.monotonic():
+            return  # a retry is already due: the other failures of this round (one per task) are the same one
         delay = min(self.RETRY_MAX_S, self._backoff.get(target, self.RETRY_MIN_S / 2) * 2)
         self._backoff[target] = delay
         self._not_before[target] = time.monotonic() + delay
@@ -526,7 +623,12 @@ class TaskSubmitter:
         for ev in events:
             self.outbox.record_event(ev)
         self.outbox.mark_accepted(task_id)
+        self._nothing_to_fetch(task_id)
         self.changed.notify(task_id)
+
+    def _nothing_to_fetch(self, task_id: str) -> None:
+        """This history is final and no executor holds more of it: do not re-attach for it."""
+        self.outbox.mark_acked(task_id, self.outbox.last_seq(task_id))
 
     # -- following --------------------------------------------------------------------------
     def _follow(self, task_id: str, target: str) -> None:
@@ -549,6 +651,8 @@ class TaskSubmitter:
                         if not task.terminal:
                             self._finish_locally_after(task_id, ErrorCode.NOT_FOUND,
                                                        "the executor lost this task")
+                        # else it finished and was acked, and we died before noting the ack
+                        self._nothing_to_fetch(task_id)
                         return
                     self._retry_later(target)
                 except (PsymeshError, TimeoutError) as exc:
@@ -566,6 +670,10 @@ class TaskSubmitter:
 
     async def _attach_once(self, task_id: str, target: str) -> bool:
         """Mirror events until the task ends and is acknowledged (True), or the stream drops."""
+        if self.outbox.get(task_id).terminal:
+            # We hold the final event, only the ack is missing (the stream or a node died
+            # before it): attaching would wait for events that never come. Just ack.
+            return await self._ack(task_id, target)
         stream = await self.open_stream(target, ids.TASK)
         framed = FramedStream(stream, self.max_frame_size)
         try:
@@ -592,15 +700,45 @@ class TaskSubmitter:
             with anyio.CancelScope(shield=True):
                 await stream.aclose()
 
+    async def _ack(self, task_id: str, target: str) -> bool:
+        """`task.ack` on a stream of its own: the executor may now forget the task."""
+        last = self.outbox.last_seq(task_id)
+        stream = await self.open_stream(target, ids.TASK)
+        try:
+            with anyio.fail_after(10):
+                await FramedStream(stream, self.max_frame_size).request(TaskAck(task_id=task_id, upto_seq=last),
+                                                                        TaskStatus)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await stream.aclose()
+        self.outbox.mark_acked(task_id, last)
+        self._backoff.pop(target, None)
+        return True
+
     async def cancel(self, task_id: str) -> TaskStatus | None:
         """Cancel on the executor (or locally, if it never accepted the task)."""
         task = self.outbox.get(task_id)
         if task.terminal:
             return None
-        if not task.accepted:
+        if not task.accepted:  # (if a delivery is under way, _handed_over passes the cancel on)
             self._finish_locally(task_id, TaskState.CANCELED, ErrorCode.CANCELED.value, "canceled before delivery")
             return None
+        return await self._request_cancel(task.target, task_id)
+
+    async def respond(self, task_id: str, data: dict[str, Any]) -> TaskStatus:
+        """Answer a task of ours that is input-required (e.g. {"approve": True})."""
+        task = self.outbox.get(task_id)
         stream = await self.open_stream(task.target, ids.TASK)
+        framed = FramedStream(stream, self.max_frame_size)
+        try:
+            with anyio.fail_after(30):
+                return await framed.request(TaskInput(task_id=task_id, data=data), TaskStatus)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await stream.aclose()
+
+    async def _request_cancel(self, target: str, task_id: str) -> TaskStatus:
+        stream = await self.open_stream(target, ids.TASK)
         framed = FramedStream(stream, self.max_frame_size)
         try:
             with anyio.fail_after(30):

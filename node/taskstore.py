@@ -516,6 +516,20 @@ class Outbox:
             )
             return OutboxTask.from_row(self._log.row(task_id))
 
+    def retarget(self, task_id: str, target: str) -> OutboxTask:
+        """Address a task no executor has accepted yet to another one (failover); an
+        accepted task stays where it is."""
+        with transaction(self.conn):
+            self.conn.execute("UPDATE outbox_tasks SET target = ? WHERE id = ? AND accepted = 0", (target, task_id))
+            return OutboxTask.from_row(self._log.row(task_id))
+
+    def forget(self, task_id: str) -> bool:
+        """Drop a task refused before any executor accepted it, as if never submitted."""
+        with transaction(self.conn):
+            cur = self.conn.execute("DELETE FROM outbox_tasks WHERE id = ? AND accepted = 0 AND last_seq = 0",
+                                    (task_id,))
+            return cur.rowcount == 1
+
     def record_event(self, event: TaskEvent, target: str | None = None, now: float | None = None) -> bool:
         """Mirror one received event: True if new (deliver it), False if already held.
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
+from psymesh.protocol.limits import Limits
 from psymesh.protocol.messages import Message
 
 
@@ -119,6 +120,7 @@ class GrantRequest(Message):
     capabilities: list[str] = Field(min_length=1, max_length=128)
     expires_s: float | None = Field(default=None, gt=0)
     preset_limits: str | None = None  # take limits from a preset (default: keep the current limits)
+    limits: Limits | None = None      # explicit limits (rate, concurrent tasks, ...); wins over preset_limits
 
 
 class RevokeRequest(Message):
@@ -187,3 +189,23 @@ class TaskListReply(Message):
     submitted: list[dict] = Field(default_factory=list)  # tasks this node delegated
     executing: list[dict] = Field(default_factory=list)  # tasks this node runs for others
 
+
+
+class TaskInputRequest(Message):
+    """Answer a delegated task that is `input-required` (forwarded to the executing node)."""
+
+    type = "control.task_input"
+    task_id: str
+    data: dict = Field(default_factory=dict)
+
+
+class OffersRequest(Message):
+    """Which paired peers would take a task of `operation` (e.g. task.agent), with what they offer."""
+
+    type = "control.offers"
+    operation: str = "task.agent"
+
+
+class OffersReply(Message):
+    type = "control.offers_reply"
+    offers: list[dict] = Field(default_factory=list)  # {peer_id, name, models, tools, queue_depth}

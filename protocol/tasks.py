@@ -443,3 +443,13 @@ class TaskCapsReply(Message):
     tools: Annotated[list[Name], Field(max_length=1024)] = Field(default_factory=list)
     models: Annotated[list[Name], Field(max_length=256)] = Field(default_factory=list)
     queue_depth: int = Field(default=0, ge=0)
+
+
+class TaskInput(Message):
+    """The submitter's answer to an `input-required` event (an agent asking to run an
+    irreversible tool sends `{"question", "tool_call"}`; answer `{"approve": bool}`).
+    Reply: `task.status`."""
+
+    type = "task.input"
+    task_id: TaskId
+    data: JsonMap = Field(default_factory=dict)

@@ -1,0 +1,264 @@
+"""Delegated tasks: what a script pays per task, and how fast tokens stream back.
+
+1. Latency of a no-op tool task, SDK `delegate()` -> `result()`, through two real
+   daemons (phone -> home) on 127.0.0.1, against a plain HTTP/1.1 request to a local
+   server running the same no-op (keep-alive, TCP_NODELAY on both ends: the fair
+   baseline; without NODELAY HTTP pays ~40 ms of delayed ACK). The psymesh figure
+   is everything a task is: the control socket, a durable outbox row, a new stream
+   to the home, the executor's SQLite log (accepted/working/result), the worker
+   queue, the mirrored events and the ack, and a watch on the control socket.
+2. Streamed tokens: an infer task on a tiny random-weight qwen35 model; the rate of
+   `token` events (and characters) the phone's app receives. The executor batches
+   token deltas into one event per `token_flush_s` (50 ms); an in-process pair with
+   batching off shows what the event pipeline itself carries.
+
+The no-op tool is a plugin (`bench.noop`), installed for the child daemons the way
+pip would (a dist-info with an entry point, on PYTHONPATH).
+
+Usage: .venv/bin/python bench/delegate.py [--runs N] [--tokens N]
+Every loop is bounded by --runs / --tokens; the whole run takes well under 2 minutes.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import http.client
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import anyio
+
+ROOT = Path(__file__).resolve().parent.parent
+WARMUP = 20
+PARAMS = {"ban_bytes": True, "seed": 1, "temperature": 0}
+
+PLUGIN = textwrap.dedent('''
+    from psymesh.agent.tools import tool_from_function
+
+    async def noop() -> dict:
+        """Do nothing (async: no worker-thread hop), for latency benchmarks."""
+        return {}
+
+    TOOL = tool_from_function(noop, "bench.noop")
+''')
+
+HTTP_SERVER = textwrap.dedent("""
+    import json, socket
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    def noop():
+        return {}
+
+    class Tool(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"      # keep-alive
+        disable_nagle_algorithm = True      # TCP_NODELAY on the server side
+        def do_POST(self):
+            call = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            assert call["tool"] == "bench.noop"
+            body = json.dumps({"result": noop()}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+        def log_message(self, *a): pass
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), Tool)
+    print(srv.server_address[1], flush=True)
+    srv.serve_forever()
+""")
+
+
+def install_plugin(where: Path) -> None:
+    """Make `bench.noop` visible to daemons started from here on (they inherit PYTHONPATH)."""
+    dist = where / "bench_noop-1.0.dist-info"
+    dist.mkdir(parents=True, exist_ok=True)
+    (where / "bench_noop.py").write_text(PLUGIN)
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: bench-noop\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text("[psymesh.tools]\nnoop = bench_noop:TOOL\n")
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(where), os.environ.get("PYTHONPATH")]))
+
+
+def summarize(samples_ms: list[float]) -> tuple[float, float]:
+    ordered = sorted(samples_ms)
+    return statistics.median(ordered), ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))]
+
+
+# --------------------------------------------------------------------------- HTTP baseline
+
+
+def bench_http(runs: int) -> list[float]:
+    proc = subprocess.Popen([sys.executable, "-c", HTTP_SERVER], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        port = int(proc.stdout.readline())
+        conn = http.client.HTTPConnection("127.0.0.1", port)
+        conn.connect()
+        assert conn.sock is not None
+        conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        body = json.dumps({"tool": "bench.noop", "args": {}}).encode()
+        out = []
+        for i in range(runs + WARMUP):
+            t = time.perf_counter()
+            conn.request("POST", "/tool", body=body, headers={"Content-Type": "application/json"})
+            assert json.loads(conn.getresponse().read()) == {"result": {}}
+            if i >= WARMUP:
+                out.append((time.perf_counter() - t) * 1000)
+        conn.close()
+        return out
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+# --------------------------------------------------------------------------- psymesh
+
+
+@dataclass
+class MeshFigures:
+    accepted_ms: list[float]   # delegate() returned: the home holds the task durably
+    result_ms: list[float]     # result() returned
+    first_token_ms: float = 0.0
+    token_events: int = 0
+    token_chars: int = 0
+    completion_tokens: int = 0
+    stream_s: float = 0.0
+
+
+@contextlib.asynccontextmanager
+async def daemons(tmp: Path, model: Path) -> AsyncIterator[tuple[object, object]]:
+    from psymesh.node.db import open_db
+    from psymesh.node.models import ModelRegistry
+    from psymesh.node.process import DaemonProcess, pair_homes
+    from psymesh.protocol.limits import Limits
+
+    home = DaemonProcess(tmp / "home", name="home")
+    phone = DaemonProcess(tmp / "phone", profile="phone", name="phone")
+    await home.start()
+    await phone.start()
+    try:
+        await pair_homes(home.home, phone.home, grant="phone")
+        async with home.client() as h:  # the phone preset allows 60 requests/min; a bench needs more
+            await h.grant("phone", ["tool:bench.*", "task.infer"],
+                          limits=Limits(requests_per_minute=1_000_000, concurrent_tasks=64))
+        conn = open_db(home.home / "node.db")
+        ModelRegistry(conn).add("tiny", model, n_ctx=8192, n_threads=1)
+        conn.close()
+        yield home, phone
+    finally:
+        await phone.stop()
+        await home.stop()
+
+
+async def stream_tokens(client, max_tokens: int, figures: MeshFigures) -> None:  # type: ignore[no-untyped-def]
+    from psymesh.protocol.tasks import EventKind
+
+    start = time.perf_counter()
+    task = await client.delegate("home", infer="Count.", model="tiny", max_tokens=max_tokens, params=PARAMS)
+    first = last = 0.0
+    async for ev in task.events():
+        if ev.kind is EventKind.TOKEN:
+            last = time.perf_counter()
+            first = first or last
+            figures.token_events += 1
+            figures.token_chars += len(ev.data["text"])
+    result = await task.result()
+    figures.first_token_ms = (first - start) * 1000
+    figures.completion_tokens = result["usage"]["completion_tokens"]
+    figures.stream_s = last - first
+
+
+async def bench_mesh(runs: int, max_tokens: int, model: Path, tmp: Path) -> MeshFigures:
+    figures = MeshFigures([], [])
+    async with daemons(tmp, model) as (_, phone):
+        async with phone.client() as c:  # type: ignore[attr-defined]
+            for i in range(runs + WARMUP):
+                t = time.perf_counter()
+                task = await c.delegate("home", tool="bench.noop")
+                accepted = time.perf_counter()
+                assert await task.result() == {}
+                if i >= WARMUP:
+                    figures.accepted_ms.append((accepted - t) * 1000)
+                    figures.result_ms.append((time.perf_counter() - t) * 1000)
+            await stream_tokens(c, 64, MeshFigures([], []))  # load the model first
+            await stream_tokens(c, max_tokens, figures)
+    return figures
+
+
+async def bench_unbatched(max_tokens: int, model: Path, tmp: Path) -> MeshFigures:
+    """The same token stream from in-process nodes with batching off: one event per token."""
+    from psymesh.node.client import Client
+    from psymesh.node.daemon import Node
+    from psymesh.node.home import NodeHome
+    from psymesh.node.process import pair_homes
+    from psymesh.node.tasks import ExecutorLimits
+
+    figures = MeshFigures([], [])
+    async with anyio.create_task_group() as tg:
+        nodes = {}
+        for name, profile in (("home", "home"), ("phone", "phone")):
+            home = NodeHome(tmp / name)
+            home.init(profile=profile, name=name)  # type: ignore[arg-type]
+            nodes[name] = Node(home)
+            await tg.start(nodes[name].run)
+        nodes["home"].executor.limits = ExecutorLimits(token_flush_s=0.0)
+        nodes["home"].models.registry.add("tiny", model, n_ctx=8192, n_threads=1)
+        await pair_homes(nodes["home"].home.path, nodes["phone"].home.path, grant="phone")
+        async with Client(nodes["phone"].home.path) as c:
+            await stream_tokens(c, 64, MeshFigures([], []))
+            await stream_tokens(c, max_tokens, figures)
+        tg.cancel_scope.cancel()
+    return figures
+
+
+# --------------------------------------------------------------------------- report
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--runs", type=int, default=300, help="no-op tasks (and HTTP requests x10) to time")
+    ap.add_argument("--tokens", type=int, default=4000, help="max_tokens of the streamed infer task")
+    args = ap.parse_args()
+
+    from psymesh.agent.testmodel import tiny_model_path
+
+    with tempfile.TemporaryDirectory(prefix="psymesh-bench-") as tmp_dir:
+        tmp = Path(tmp_dir)
+        model = tiny_model_path(ROOT / ".bench")
+        install_plugin(tmp / "site")
+        http_ms = bench_http(args.runs * 10)
+        mesh = anyio.run(bench_mesh, args.runs, args.tokens, model, tmp / "daemons", backend="trio")
+        raw = anyio.run(bench_unbatched, args.tokens, model, tmp / "inproc", backend="trio")
+
+    http_ = summarize(http_ms)
+    accepted, result = summarize(mesh.accepted_ms), summarize(mesh.result_ms)
+    print(f"No-op tool task, 127.0.0.1, {args.runs} psymesh tasks / {len(http_ms)} HTTP requests, sequential\n")
+    print(f"{'path':<52}{'median ms':>11}{'p99 ms':>10}")
+    print(f"{'HTTP/1.1 keep-alive POST, TCP_NODELAY both ends':<52}{http_[0]:>11.3f}{http_[1]:>10.3f}")
+    print(f"{'psymesh delegate() returns (home holds it durably)':<52}{accepted[0]:>11.3f}{accepted[1]:>10.3f}")
+    print(f"{'psymesh delegate() -> result()':<52}{result[0]:>11.3f}{result[1]:>10.3f}")
+    print(f"\nratio psymesh task / HTTP request   median {result[0] / http_[0]:.1f}x   "
+          f"p99 {result[1] / http_[1]:.1f}x")
+
+    print(f"\nStreamed tokens, infer task on the tiny qwen35 model (max_tokens {args.tokens}, 1 thread)\n")
+    print(f"{'pipeline':<40}{'token events/s':>15}{'tokens/s':>10}{'chars/s':>10}{'1st token ms':>14}")
+    for name, f in (("daemons, 50 ms batching (default)", mesh), ("in-process, batching off", raw)):
+        span = max(f.stream_s, 1e-9)
+        print(f"{name:<40}{f.token_events / span:>15.0f}{f.completion_tokens / span:>10.0f}"
+              f"{f.token_chars / span:>10.0f}{f.first_token_ms:>14.1f}")
+    print(f"\n({mesh.token_events} events carried {mesh.completion_tokens} tokens with batching, "
+          f"{raw.token_events} events for {raw.completion_tokens} tokens without)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,126 @@
+"""Agent runs on a node: the same loop (agent/loop.py) whether the owner runs a goal here
+(`psymesh agent run`) or a paired phone delegates one (an `agent` task).
+
+The node supplies what the loop must not decide for itself: which model, which tools
+(this node's profile), which limits a peer may set, and how an irreversible call is
+confirmed (the person at the CLI, or the submitter through `input-required`).
+"""
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from psymesh.agent.loop import AgentConfig, AgentEvent, AgentResult, Confirm, LlamaAgentModel, run_agent
+from psymesh.agent.tools import ToolContext, ToolRegistry
+from psymesh.node.home import NodeConfig, NodeHome
+from psymesh.node.models import ModelPool, ModelRegistry
+from psymesh.protocol.errors import ErrorCode, PsymeshError
+from psymesh.protocol.tasks import EventKind
+
+# What a delegating peer may set, and the most it may ask for. A peer never sets the
+# system prompt: that is where the node's own rules live.
+PEER_MAX_STEPS = 32
+RANDOM_WEIGHT_SAFE = {i: -100.0 for i in range(128, 256)}  # keeps random-weight test models in ASCII
+
+TaskEmit = Callable[..., Awaitable[None]]
+Ask = Callable[[str, dict[str, Any]], Awaitable[dict[str, Any]]]
+
+
+def node_tools(home: NodeHome, config: NodeConfig) -> ToolRegistry:
+    """The tools this node offers: built-ins for its profile, a simulated device on a phone,
+    and any installed `psymesh.tools` plugins."""
+    from psymesh.agent.builtin_tools import default_registry
+    from psymesh.agent.tools import load_entry_points
+
+    device = None
+    if config.profile == "phone":  # a simulated device, so phone scenarios run anywhere
+        from psymesh.agent.device import DeviceState
+
+        device = DeviceState(home.path / "device.db")
+    registry = default_registry(config.profile, device=device)
+    load_entry_points(registry)
+    return registry
+
+
+def agent_config(params: Mapping[str, Any], *, from_peer: bool) -> AgentConfig:
+    """Loop limits from task params (a peer's are clamped; see PEER_MAX_STEPS)."""
+    max_steps = int(params.get("max_steps", 8))
+    if from_peer:
+        max_steps = min(max_steps, PEER_MAX_STEPS)
+    return AgentConfig(max_steps=max_steps, thinking=bool(params.get("thinking", False)),
+                       deadline_s=params.get("deadline_s"))
+
+
+def pick_model(registry: ModelRegistry, requested: str | None, default: str | None) -> str:
+    name = requested or default
+    if name:
+        registry.get(name)  # NOT_FOUND with the known names
+        return name
+    names = registry.names()
+    if not names:
+        raise PsymeshError("no model on this node for the agent; add one with: psymesh model add NAME PATH.gguf",
+                           code=ErrorCode.NOT_FOUND)
+    return names[0]
+
+
+def llama_model(worker: Any, params: Mapping[str, Any]) -> LlamaAgentModel:
+    return LlamaAgentModel(
+        worker, grammar=bool(params.get("grammar", True)), max_tokens=int(params.get("max_tokens", 512)),
+        temperature=float(params.get("temperature", 0.7)), seed=params.get("seed"),
+        logit_bias=RANDOM_WEIGHT_SAFE if params.get("ban_bytes") else None)
+
+
+def task_event(ev: AgentEvent) -> tuple[EventKind, dict[str, Any]] | None:
+    """An agent step as a task event (the RESULT event carries the final answer)."""
+    d = ev.data
+    if ev.kind == "tool_call":
+        return EventKind.TOOL_CALL, {"name": d["name"], "id": d.get("id"), "arguments": d.get("arguments", {})}
+    if ev.kind == "tool_result":
+        keep = {k: d[k] for k in ("name", "id", "ok", "status", "result", "error") if k in d}
+        return EventKind.TOOL_RESULT, keep
+    if ev.kind == "final":
+        return None
+    return EventKind.PROGRESS, {"agent": ev.kind, **{k: v for k, v in d.items() if k != "arguments"}}
+
+
+def result_of(run: AgentResult) -> dict[str, Any]:
+    return {"answer": run.answer, "stopped": run.stopped, "steps": run.steps,
+            "tool_calls": [{"name": r.call.name, "arguments": r.call.arguments, "status": r.status}
+                           for r in run.tool_calls]}
+
+
+class AgentTaskRunner:
+    """Runs delegated `agent` tasks on the executing node (TaskExecutor.agent_runner)."""
+
+    def __init__(self, models: ModelPool, tools: ToolRegistry, profile: str, share_dir: str | None,
+                 default_model: str | None = None) -> None:
+        self.models = models
+        self.tools = tools
+        self.profile = profile
+        self.share_dir = share_dir
+        self.default_model = default_model
+
+    async def __call__(self, rec: Any, emit: TaskEmit, ask: Ask | None = None) -> dict[str, Any]:
+        spec = rec.spec
+        params = dict(spec.params)
+        worker = await self.models.get(pick_model(self.models.registry, params.get("model"), self.default_model))
+        confirm: Confirm | None = None
+        if ask is not None:
+            async def confirm(call: Any, tool: Any) -> bool:
+                answer = await ask(f"allow {call.name} (irreversible) with {call.arguments}?",
+                                   {"tool_call": {"name": call.name, "arguments": call.arguments}})
+                return bool(answer.get("approve"))
+
+        async def on_event(ev: AgentEvent) -> None:
+            mapped = task_event(ev)
+            if mapped is not None:
+                await emit(mapped[0], mapped[1])
+
+        ctx = ToolContext(share_dir=Path(self.share_dir) if self.share_dir else None, profile=self.profile,
+                          peer_id=rec.submitter, deadline=rec.deadline)
+        run = await run_agent(spec.goal, model=llama_model(worker, params), tools=self.tools, ctx=ctx,
+                              profile=self.profile, config=agent_config(params, from_peer=True),
+                              confirm=confirm, emit=on_event)
+        return result_of(run)
+

@@ -1,0 +1,316 @@
+"""Delegated tasks survive SIGKILL of either node (real daemon processes on loopback).
+
+The promise under test: once `delegate()` returns, the task runs to one outcome and
+its submitter ends up with every event exactly once, whichever node dies meanwhile
+and however often. Work interrupted by a crash runs again (the log says so with a
+`requeued` event): execution is at-least-once, *completion* is exactly once.
+Also: a phone killed while a submit is in flight, and a cancel issued while it is.
+
+The home runs a plugin tool (installed the way pip would: a dist-info with an entry
+point, found through PYTHONPATH) that logs each start and finish, so the tests can
+count executions across processes.
+"""
+from __future__ import annotations
+
+import random
+import signal
+import socket
+import textwrap
+from collections import Counter
+from pathlib import Path
+
+import anyio
+import pytest
+
+from psymesh.agent.testmodel import tiny_model_path
+from psymesh.node.client import Client
+from psymesh.node.db import open_db
+from psymesh.node.models import ModelRegistry
+from psymesh.node.process import DaemonProcess, pair_homes
+from psymesh.node.taskstore import ExecutorStore, Outbox, TaskNotFound
+from psymesh.protocol.errors import ErrorCode, RemoteError
+from psymesh.protocol.limits import Limits
+from psymesh.protocol.tasks import EventKind, TaskEvent, TaskState
+
+pytestmark = [pytest.mark.anyio, pytest.mark.slow]
+
+CAPS = ["task.infer", "tool:system.info", "tool:chaos.*"]
+ROOMY = Limits(requests_per_minute=100_000, concurrent_tasks=64, max_runtime_s=600, max_payload_bytes=1 << 20)
+ROUNDS = 3
+
+PLUGIN = '''
+import os
+import time
+
+from psymesh.agent.tools import ToolContext, tool_from_function
+
+
+def work(tag: str, ms: int = 400, *, ctx: ToolContext) -> dict:
+    """Busy for `ms` milliseconds; logs its start and finish so tests can count runs."""
+    def log(what: str) -> None:
+        with open(os.environ["CHAOS_TOOL_LOG"], "a") as f:
+            f.write(f"{what} {tag} {os.getpid()}\\n")
+    log("start")
+    end = time.monotonic() + ms / 1000
+    while time.monotonic() < end:
+        ctx.check()
+        time.sleep(0.01)
+    log("done")
+    return {"tag": tag, "pid": os.getpid()}
+
+
+TOOL = tool_from_function(work, "chaos.work")
+'''
+
+
+@pytest.fixture
+def plugin_log(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Install the `chaos.work` tool plugin for daemons started by this test."""
+    site = tmp_path / "site"
+    dist = site / "chaos_tool-1.0.dist-info"
+    dist.mkdir(parents=True)
+    (site / "chaos_tool.py").write_text(textwrap.dedent(PLUGIN))
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: chaos-tool\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text("[psymesh.tools]\nchaos = chaos_tool:TOOL\n")
+    log = tmp_path / "tool-runs.log"
+    log.touch()
+    monkeypatch.setenv("PYTHONPATH", str(site))
+    monkeypatch.setenv("CHAOS_TOOL_LOG", str(log))
+    return log
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_model_path(tmp_path_factory.mktemp("models"))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def _start_pair(tmp_path: Path, tiny_model: Path) -> tuple[DaemonProcess, DaemonProcess]:
+    # A fixed port, so the address the phone stored at pairing stays valid across restarts.
+    home = DaemonProcess(tmp_path / "home", name="home", listen=[f"/ip4/127.0.0.1/tcp/{_free_port()}"])
+    phone = DaemonProcess(tmp_path / "phone", profile="phone", name="phone")
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(home.start)
+        tg.start_soon(phone.start)
+    await pair_homes(home.home, phone.home, grant="phone")
+    async with home.client() as h:
+        await h.grant("phone", CAPS, limits=ROOMY)
+    conn = open_db(home.home / "node.db")  # the running daemon sees it at the next request
+    ModelRegistry(conn).add("tiny", tiny_model, n_ctx=4096, n_threads=1)
+    conn.close()
+    return home, phone
+
+
+async def _delegate_mix(c: Client, n_work: int, n_infer: int, n_info: int) -> dict[str, str]:
+    """Task id -> what it is: slow tool calls, token-streaming inferences, instant ones."""
+    kinds: dict[str, str] = {}
+    for i in range(max(n_work, n_infer, n_info)):
+        if i < n_work:
+            kinds[(await c.delegate("home", tool="chaos.work", args={"tag": f"w{i}", "ms": 600})).id] = f"w{i}"
+        if i < n_infer:
+            t = await c.delegate("home", infer=f"Count to {i}.", model="tiny", max_tokens=2500,
+                                 params={"ban_bytes": True, "seed": i, "temperature": 0})
+            kinds[t.id] = "infer"
+        if i < n_info:
+            kinds[(await c.delegate("home", tool="system.info")).id] = "info"
+    return kinds
+
+
+def _check_history(events: list[TaskEvent], what: str, runs: Counter[str]) -> None:
+    """One task's history as the app saw it: each event once, in order, one final event
+    (a result); an interrupted run is voided by `requeued` and the last run stands."""
+    assert [e.seq for e in events] == list(range(1, len(events) + 1)), what
+    assert [e.state.terminal for e in events].count(True) == 1, what
+    final = events[-1]
+    assert final.kind is EventKind.RESULT and final.state is TaskState.COMPLETED, (what, final)
+    requeues = [i for i, e in enumerate(events) if e.kind is EventKind.REQUEUED]
+    last_run = events[(requeues[-1] + 1) if requeues else 0:]
+    assert [e.state for e in last_run].count(TaskState.WORKING) >= 1
+    starts = sum(1 for e in events if e.kind is EventKind.STATE and e.state is TaskState.WORKING)
+    value = final.data["result"]
+    if what == "infer":
+        tokens = "".join(e.data["text"] for e in last_run if e.kind is EventKind.TOKEN)
+        assert tokens == value["text"] and value["usage"]["completion_tokens"] == 2500
+    elif what.startswith("w"):
+        assert value["tag"] == what
+        # Every run the tool made is one the log announced; none ran after completion.
+        assert 1 <= runs[f"done {what}"] <= runs[f"start {what}"] <= starts, (what, runs, starts)
+
+
+def _tool_runs(log: Path) -> Counter[str]:
+    return Counter(" ".join(line.split()[:2]) for line in log.read_text().splitlines())
+
+
+async def _all_acknowledged(home: DaemonProcess, ids: set[str]) -> None:
+    """Wait until the executor knows the phone holds every event (then it may forget the tasks)."""
+    with anyio.fail_after(20):
+        while True:
+            async with home.client() as h:
+                held = {t["task_id"]: t for t in (await h.tasks(limit=1000)).executing if t["task_id"] in ids}
+            if all(t["acked_seq"] == t["last_seq"] for t in held.values()):
+                return
+            await anyio.sleep(0.1)
+
+
+def _logs_match(home: Path, phone: Path, seen: dict[str, list[TaskEvent]]) -> None:
+    """The phone's mirror holds exactly what the app saw, and exactly the executor's log."""
+    hconn, pconn = open_db(home / "node.db"), open_db(phone / "node.db")
+    try:
+        store, outbox = ExecutorStore(hconn), Outbox(pconn)
+        for task_id, events in seen.items():
+            ours = outbox.events_after(task_id, 0, limit=100_000)
+            assert ours == events, task_id
+            try:
+                theirs = store.events_after(task_id, 0, limit=100_000)
+            except TaskNotFound:  # fully acknowledged: the executor may have forgotten it
+                continue
+            assert ours == theirs, task_id
+    finally:
+        hconn.close()
+        pconn.close()
+
+
+async def test_home_killed_mid_tasks_every_task_completes_once(tmp_path: Path, plugin_log: Path,
+                                                                tiny_model: Path) -> None:
+    home, phone = await _start_pair(tmp_path, tiny_model)
+    rng = random.Random(7)
+    seen: dict[str, list[TaskEvent]] = {}
+    try:
+        async with phone.client() as c:
+            kinds = await _delegate_mix(c, n_work=8, n_infer=3, n_info=4)
+
+            async def watch(task_id: str) -> None:  # the app keeps watching through the crashes
+                seen[task_id] = [ev async for ev in c.task(task_id).events()]
+
+            with anyio.fail_after(75):
+                async with anyio.create_task_group() as tg:
+                    for task_id in kinds:
+                        tg.start_soon(watch, task_id)
+                    for _ in range(ROUNDS):
+                        await anyio.sleep(rng.uniform(0.3, 0.8))
+                        home.kill()
+                        await anyio.sleep(rng.uniform(0.0, 0.3))
+                        await home.start()
+        assert set(seen) == set(kinds)
+        runs = _tool_runs(plugin_log)
+        for task_id, what in kinds.items():
+            _check_history(seen[task_id], what, runs)
+        requeued = sum(1 for evs in seen.values() for e in evs if e.kind is EventKind.REQUEUED)
+        assert requeued >= 1, "no crash hit a running task: the test proved nothing"
+        await anyio.sleep(1.0)
+        assert _tool_runs(plugin_log) == runs  # and no task runs again later
+        await _all_acknowledged(home, set(kinds))
+    finally:
+        await phone.stop()
+        await home.stop()
+    _logs_match(home.home, phone.home, seen)
+
+
+async def test_phone_killed_mid_tasks_gets_every_event_once(tmp_path: Path, plugin_log: Path,
+                                                            tiny_model: Path) -> None:
+    home, phone = await _start_pair(tmp_path, tiny_model)
+    rng = random.Random(11)
+    seen: dict[str, list[TaskEvent]] = {}
+    try:
+        async with phone.client() as c:
+            kinds = await _delegate_mix(c, n_work=8, n_infer=3, n_info=4)
+        for task_id in kinds:
+            seen[task_id] = []
+
+        async def follow(task_id: str) -> None:
+            """Like an app: watch from the last event it holds; the daemon may vanish under it."""
+            after = seen[task_id][-1].seq if seen[task_id] else 0
+            try:
+                async with phone.client() as c:
+                    async for ev in c.task(task_id).events(after):
+                        seen[task_id].append(ev)
+            except Exception:  # the phone died: resume after the restart
+                pass
+
+        with anyio.fail_after(75):
+            for _ in range(ROUNDS):
+                async with anyio.create_task_group() as tg:
+                    for task_id in kinds:
+                        tg.start_soon(follow, task_id)
+                    await anyio.sleep(rng.uniform(0.3, 0.8))
+                    phone.kill()
+                await phone.start()
+            async with anyio.create_task_group() as tg:  # after the last restart: to the end
+                for task_id in kinds:
+                    tg.start_soon(follow, task_id)
+        runs = _tool_runs(plugin_log)
+        for task_id, what in kinds.items():
+            _check_history(seen[task_id], what, runs)
+        assert all(runs[f"start w{i}"] == 1 for i in range(8))  # the home never restarted
+        await _all_acknowledged(home, set(kinds))
+    finally:
+        await phone.stop()
+        await home.stop()
+    _logs_match(home.home, phone.home, seen)
+
+
+async def test_phone_killed_while_handing_a_task_over_still_delivers_it(tmp_path: Path, plugin_log: Path,
+                                                                       tiny_model: Path) -> None:
+    """The outbox holds a task before it goes out: a phone killed mid-submit (here: the home
+    is frozen, so the submit hangs) delivers it after its restart, and the app finds it by id."""
+    home, phone = await _start_pair(tmp_path, tiny_model)
+    try:
+        assert home.proc is not None
+        home.proc.send_signal(signal.SIGSTOP)
+        try:
+            async with phone.client() as c:
+                with anyio.move_on_after(1.5) as waited:
+                    await c.delegate("home", tool="chaos.work", args={"tag": "w0", "ms": 50}, task_id="t-handover")
+            assert waited.cancel_called, "the submit should hang while the home is frozen"
+            phone.kill()
+        finally:
+            home.proc.send_signal(signal.SIGCONT)
+        await phone.start()
+        async with phone.client() as c:
+            with anyio.fail_after(30):
+                events = [ev async for ev in c.task("t-handover").events()]
+        _check_history(events, "w0", _tool_runs(plugin_log))
+        assert _tool_runs(plugin_log)["start w0"] == 1
+    finally:
+        await phone.stop()
+        await home.stop()
+
+
+async def test_cancel_while_the_task_is_on_its_way_reaches_the_home(tmp_path: Path, plugin_log: Path,
+                                                                     tiny_model: Path) -> None:
+    """The app cancels a task whose submit is still in flight (the home is frozen): once the
+    home wakes and accepts it, the phone passes the cancel on instead of mirroring it."""
+    home, phone = await _start_pair(tmp_path, tiny_model)
+    try:
+        assert home.proc is not None
+        async with phone.client() as c, anyio.create_task_group() as tg:
+            home.proc.send_signal(signal.SIGSTOP)
+            try:
+                tg.start_soon(lambda: c.delegate("home", tool="chaos.work", args={"tag": "w0", "ms": 5000},
+                                                 task_id="t-late"))
+                async with phone.client() as c2:
+                    with anyio.fail_after(10):
+                        while not any(t["task_id"] == "t-late" for t in (await c2.tasks()).submitted):
+                            await anyio.sleep(0.05)
+                    await c2.task("t-late").cancel()
+                    with pytest.raises(RemoteError) as err:
+                        await c2.task("t-late").result()
+                    assert err.value.code is ErrorCode.CANCELED
+            finally:
+                home.proc.send_signal(signal.SIGCONT)
+        async with home.client() as h:
+            with anyio.fail_after(20):
+                while True:
+                    [held] = [t for t in (await h.tasks()).executing if t["task_id"] == "t-late"]
+                    if held["state"] == "canceled":
+                        break
+                    await anyio.sleep(0.1)
+        assert _tool_runs(plugin_log)["done w0"] == 0
+    finally:
+        await phone.stop()
+        await home.stop()

@@ -1,0 +1,520 @@
+"""Delegated tasks between real nodes: libp2p on loopback, SQLite, llama.cpp on a tiny GGUF.
+
+What a user of `Client.delegate()` relies on: events numbered 1..N in order, results
+that match what streamed, refusals that are typed and leave nothing behind, cancel
+and deadlines that really stop work, backpressure that loses nothing, idempotent
+resubmits, failover to another home before a task is accepted, and a phone that
+neither keeps calling a home about finished tasks nor keeps them forever.
+(Process crashes: tests/test_chaos.py.)
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+import psymesh
+from conftest import run_nodes
+from psymesh.agent.testmodel import tiny_model_path
+from psymesh.agent.tools import ToolContext, tool_from_function
+from psymesh.node.client import Client, TaskHandle
+from psymesh.node.daemon import Node
+from psymesh.node.db import open_db
+from psymesh.node.framed import FramedStream
+from psymesh.node.home import NodeHome
+from psymesh.node.models import ModelRegistry
+from psymesh.node.process import DaemonProcess, pair_homes
+from psymesh.node.tasks import ExecutorLimits
+from psymesh.node.taskstore import TaskNotFound
+from psymesh.protocol import ids
+from psymesh.protocol.errors import ErrorCode, RemoteError
+from psymesh.protocol.limits import Limits
+from psymesh.protocol.tasks import (
+    EventKind,
+    TaskAccepted,
+    TaskAck,
+    TaskAttach,
+    TaskEvent,
+    TaskSpec,
+    TaskState,
+    TaskStatus,
+    TaskSubmit,
+)
+
+CAPS = ["task.infer", "tool:system.info", "tool:files.*", "tool:test.*"]
+# Load tests need more than the phone preset's 60 requests/min and 2 unfinished tasks.
+ROOMY = Limits(requests_per_minute=100_000, concurrent_tasks=64, max_runtime_s=600, max_payload_bytes=1 << 20)
+GREEDY = {"ban_bytes": True, "seed": 1, "temperature": 0}
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_model_path(tmp_path_factory.mktemp("models"))
+
+
+def _mesh(tmp_path: Path, *homes: str,
+          share: dict[str, Path] | None = None) -> contextlib.AbstractAsyncContextManager[dict[str, Node]]:
+    """In-process nodes: `homes` (with a share dir, if given) and a `phone`."""
+    for name, directory in (share or {}).items():
+        home = NodeHome(tmp_path / name)
+        home.init(profile="home", name=name)
+        home.save_config(home.load_config().model_copy(update={"share_dir": str(directory)}))
+    return run_nodes(tmp_path, *homes, "phone", profiles={"phone": "phone"})
+
+
+async def _pair_all(nodes: dict[str, Node], *homes: str, limits: Limits | None = ROOMY) -> None:
+    for name in homes:
+        await pair_homes(nodes[name].home.path, nodes["phone"].home.path, grant="phone")
+        async with Client(nodes[name].home.path) as h:
+            await h.grant("phone", CAPS, limits=limits)
+
+
+async def _collect(handle: TaskHandle, after_seq: int = 0) -> list[TaskEvent]:
+    with anyio.fail_after(60):
+        return [ev async for ev in handle.events(after_seq)]
+
+
+def _assert_log(events: list[TaskEvent], final: TaskState) -> None:
+    """Numbered 1..N without gaps or repeats, one final event, and it is the last."""
+    assert [e.seq for e in events] == list(range(1, len(events) + 1))
+    assert events[0].kind is EventKind.ACCEPTED
+    assert [e.state.terminal for e in events].count(True) == 1 and events[-1].state is final
+
+
+def _register(node: Node, func: Any, name: str) -> None:
+    node.tools.register(tool_from_function(func, name))
+
+
+# --------------------------------------------------------------------------- end to end
+
+
+@pytest.mark.anyio
+async def test_tool_tasks_end_to_end(tmp_path: Path) -> None:
+    share = tmp_path / "share"
+    (share / "notes").mkdir(parents=True)
+    (share / "notes" / "groceries.txt").write_text("milk\nsourdough bread\n")
+    (share / "todo.md").write_text("- bake bread\n")
+    async with _mesh(tmp_path, "home", share={"home": share}) as nodes:
+        await _pair_all(nodes, "home")
+        async with Client(nodes["phone"].home.path) as phone:
+            info = await phone.delegate("home", tool="system.info")
+            assert info.accepted and info.target == nodes["home"].identity.peer_id and info.target_name == "home"
+            events = await _collect(info)
+            _assert_log(events, TaskState.COMPLETED)
+            assert [e.kind for e in events] == [EventKind.ACCEPTED, EventKind.STATE, EventKind.RESULT]
+            value = await info.result()
+            assert value["profile"] == "home" and value["share_dir"]["configured"] is True
+
+            found = await phone.delegate("home", tool="files.search", args={"query": "BREAD"})
+            result = await found.result()
+            assert sorted((r["path"], r.get("line")) for r in result["results"]) == [
+                ("notes/groceries.txt", 2), ("todo.md", 1)]
+            _assert_log(await _collect(found), TaskState.COMPLETED)
+
+            escape = await phone.delegate("home", tool="files.read", args={"path": "../home/node.db"})
+            with pytest.raises(RemoteError) as err:
+                await escape.result()
+            assert err.value.code is ErrorCode.FORBIDDEN and "share dir" in err.value.message
+
+            listed = await phone.tasks()
+        assert [t["state"] for t in listed.submitted] == ["completed", "completed", "failed"]
+        assert all(t["target"] == "home" for t in listed.submitted)
+
+
+@pytest.mark.anyio
+async def test_infer_streams_tokens_that_add_up_to_the_result(tmp_path: Path, tiny_model: Path) -> None:
+    async with _mesh(tmp_path, "home") as nodes:
+        await _pair_all(nodes, "home")
+        nodes["home"].models.registry.add("tiny", tiny_model, n_ctx=1024, n_threads=1)
+        async with Client(nodes["phone"].home.path) as phone:
+            task = await phone.delegate("home", infer="Say hello.", model="tiny", max_tokens=48, params=GREEDY)
+            events = await _collect(task)
+            _assert_log(events, TaskState.COMPLETED)
+            tokens = [e.data["text"] for e in events if e.kind is EventKind.TOKEN]
+            result = await task.result()
+            again = await phone.delegate("home", infer="Say hello.", model="tiny", max_tokens=48, params=GREEDY)
+            assert (await again.result())["text"] == result["text"]  # greedy + seed: deterministic
+        assert tokens and "".join(tokens) == result["text"]
+        assert result["usage"]["completion_tokens"] <= 48 and result["finish_reason"] in ("stop", "length")
+
+
+@pytest.mark.anyio
+async def test_refusals_are_typed_and_leave_nothing_behind(tmp_path: Path, tiny_model: Path) -> None:
+    async with _mesh(tmp_path, "home") as nodes:
+        await _pair_all(nodes, "home")
+        home, phone = nodes["home"], nodes["phone"]
+        _register(home, lambda: {"secret": 42}, "vault.open")  # offered, but never granted
+        async with Client(phone.home.path) as c:
+            with pytest.raises(RemoteError) as err:
+                await c.delegate("home", tool="vault.open", task_id="t-forbidden")
+            assert err.value.code is ErrorCode.FORBIDDEN
+            with pytest.raises(TaskNotFound):
+                home.executor.store.get("t-forbidden")
+            with pytest.raises(TaskNotFound):
+                phone.submitter.outbox.get("t-forbidden")
+            assert (await c.tasks()).submitted == []
+
+            ghost = await c.delegate("home", infer="hi", model="no-such-model", max_tokens=4)
+            with pytest.raises(RemoteError) as err:
+                await ghost.result()
+            assert err.value.code is ErrorCode.NOT_FOUND and "no-such-model" in err.value.message
+
+
+# --------------------------------------------------------------------------- stopping work
+
+
+def _slow_tool(progress: list[int]):
+    async def slow(steps: int = 200, *, ctx: ToolContext) -> dict:
+        """Count slowly (async, so a cancel interrupts it between steps)."""
+        for i in range(steps):
+            progress.append(i)
+            await anyio.sleep(0.02)
+        return {"counted": steps}
+    return slow
+
+
+async def _wait_working(handle: TaskHandle) -> None:
+    with anyio.fail_after(20):
+        async for ev in handle.events():
+            if ev.state is TaskState.WORKING:
+                return
+    raise AssertionError("the task never started")
+
+
+@pytest.mark.anyio
+async def test_cancel_stops_a_running_task(tmp_path: Path) -> None:
+    progress: list[int] = []
+    async with _mesh(tmp_path, "home") as nodes:
+        await _pair_all(nodes, "home")
+        _register(nodes["home"], _slow_tool(progress), "test.slow")
+        async with Client(nodes["phone"].home.path) as c:
+            task = await c.delegate("home", tool="test.slow")
+            await _wait_working(task)
+            await task.cancel()
+            with pytest.raises(RemoteError) as err:
+                await task.result()
+            assert err.value.code is ErrorCode.CANCELED
+            events = await _collect(task)
+            _assert_log(events, TaskState.CANCELED)
+            steps = len(progress)
+            await anyio.sleep(0.3)
+            assert len(progress) == steps < 200  # the work stopped, it was not just hidden
+            await task.cancel()  # canceling a finished task is harmless
+            assert len(await _collect(task)) == len(events)
+
+
+@pytest.mark.anyio
+async def test_cancel_stops_a_running_inference(tmp_path: Path, tiny_model: Path) -> None:
+    async with _mesh(tmp_path, "home") as nodes:
+        await _pair_all(nodes, "home")
+        nodes["home"].models.registry.add("tiny", tiny_model, n_ctx=4096, n_threads=1)
+        async with Client(nodes["phone"].home.path) as c:
+            task = await c.delegate("home", infer="Count.", model="tiny", max_tokens=4000, params=GREEDY)
+            with anyio.fail_after(30):
+                async for ev in task.events():
+                    if ev.kind is EventKind.TOKEN:
+                        break
+            await task.cancel()
+            with pytest.raises(RemoteError) as err:
+                await task.result()
+            assert err.value.code is ErrorCode.CANCELED
+            _assert_log(await _collect(task), TaskState.CANCELED)
+        worker = await nodes["home"].models.get("tiny")
+        generated = worker.stats.generated_tokens
+        await anyio.sleep(0.3)
+        assert worker.stats.cancelled == 1 and worker.stats.generated_tokens == generated < 4000
+        assert worker.pending == 0
+
+
+@pytest.mark.anyio
+async def test_deadline_fails_a_slow_task_with_timeout(tmp_path: Path) -> None:
+    progress: list[int] = []
+    async with _mesh(tmp_path, "home") as nodes:
+        await _pair_all(nodes, "home")
+        _register(nodes["home"], _slow_tool(progress), "test.slow")
+        async with Client(nodes["phone"].home.path) as c:
+            task = await c.delegate("home", tool="test.slow", timeout=0.5)
+            with pytest.raises(RemoteError) as err:
+                await task.result()
+            assert err.value.code is ErrorCode.TIMEOUT
+            _assert_log(await _collect(task), TaskState.FAILED)
+        steps = len(progress)
+        await anyio.sleep(0.3)
+        assert len(progress) == steps < 200
+
+
+# --------------------------------------------------------------------------- backpressure and load
+
+
+@pytest.mark.anyio
+async def test_full_queue_answers_busy_and_loses_no_accepted_task(tmp_path: Path) -> None:
+    gate = anyio.Event()
+    ran: Counter[str] = Counter()
+
+    async def held(tag: str) -> dict:
+        ran[tag] += 1
+        await gate.wait()
+        return {"tag": tag}
+
+    async with _mesh(tmp_path, "home") as nodes:
+        await _pair_all(nodes, "home")
+        home, phone = nodes["home"], nodes["phone"]
+        home.executor.limits = ExecutorLimits(max_queue=2, busy_retry_after=0.2)
+        _register(home, held, "test.held")
+        async with Client(phone.home.path) as c:
+            first = [await c.delegate("home", tool="test.held", args={"tag": f"a{i}"}) for i in range(2)]
+            assert all(t.accepted for t in first)
+            # Straight onto the wire: the executor itself refuses with BUSY and a retry hint.
+            stream = await phone.open_peer_stream("home", ids.TASK)
+            spec = TaskSpec(id="t-direct", kind="tool", tool="test.held", args={"tag": "direct"})
+            with pytest.raises(RemoteError) as err:
+                await FramedStream(stream).request(TaskSubmit(spec=spec), TaskAccepted)
+            await stream.aclose()
+            assert err.value.code is ErrorCode.BUSY and err.value.retry_after and err.value.retry_after > 0
+            with pytest.raises(TaskNotFound):
+                home.executor.store.get("t-direct")
+            # Through the SDK: stored in the outbox, queued for delivery, not refused.
+            later = [await c.delegate("home", tool="test.held", args={"tag": f"b{i}"}) for i in range(6)]
+            assert not any(t.accepted for t in later)
+            await anyio.sleep(1.0)  # several resend rounds while the queue stays full
+            assert home.executor.store.queue_depth() == 2
+            gate.set()
+            with anyio.fail_after(60):
+                results = [await t.result() for t in first + later]
+        assert [r["tag"] for r in results] == ["a0", "a1", *(f"b{i}" for i in range(6))]
+        assert all(n == 1 for n in ran.values()) and len(ran) == 8
+
+
+def _rss_bytes() -> int:
+    with open(f"/proc/{os.getpid()}/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.anyio
+async def test_500_tasks_at_once_all_complete_in_bounded_memory(tmp_path: Path) -> None:
+    calls: list[int] = []
+
+    def noop(n: int) -> dict:
+        calls.append(n)
+        return {"n": n}
+
+    async def burst(sock: Path, start: int, count: int, lanes: int = 10) -> list[Any]:
+        handles: list[TaskHandle] = []
+
+        async def submit(lane: int) -> None:
+            async with Client(sock) as c:
+                for n in range(start + lane, start + count, lanes):
+                    handles.append(await c.delegate("home", tool="test.noop", args={"n": n}))
+
+        async with anyio.create_task_group() as tg:
+            for lane in range(lanes):
+                tg.start_soon(submit, lane)
+        results: list[Any] = []
+        limiter = anyio.CapacityLimiter(32)
+
+        async def fetch(h: TaskHandle) -> None:
+            async with limiter:
+                async with Client(sock) as c:
+                    results.append(await c.task(h.id).result())
+
+        async with anyio.create_task_group() as tg:
+            for h in handles:
+                tg.start_soon(fetch, h)
+        return results
+
+    async with _mesh(tmp_path, "home") as nodes:
+        await _pair_all(nodes, "home")
+        home, phone = nodes["home"], nodes["phone"]
+        _register(home, noop, "test.noop")
+        with anyio.fail_after(60):
+            await burst(phone.home.path, 0, 50)  # warm-up: caches, connections, SQLite pages
+        rss = _rss_bytes()
+        with anyio.fail_after(240):
+            results = await burst(phone.home.path, 1000, 500)
+        grown = _rss_bytes() - rss
+        assert sorted(r["n"] for r in results) == list(range(1000, 1500))
+        assert sorted(calls) == [*range(50), *range(1000, 1500)]  # each ran exactly once
+        assert home.executor.store.queue_depth() == 0
+        assert grown < 96 * 1024 * 1024, f"RSS grew by {grown / 2**20:.0f} MiB for 500 tasks"
+        # nothing keyed by task id is left behind in memory once tasks are done and fetched
+        with anyio.fail_after(10):
+            while phone.submitter._following:
+                await anyio.sleep(0.05)
+        assert len(home.executor._running) == 0
+        assert len(home.executor._changed) == 0 and len(phone.submitter.changed) == 0
+
+
+@pytest.mark.anyio
+async def test_resubmitting_the_same_task_id_is_the_same_task(tmp_path: Path) -> None:
+    calls: list[str] = []
+
+    def once(tag: str) -> dict:
+        calls.append(tag)
+        return {"tag": tag}
+
+    async with _mesh(tmp_path, "home") as nodes:
+        await _pair_all(nodes, "home")
+        _register(nodes["home"], once, "test.once")
+        async with Client(nodes["phone"].home.path) as c:
+            a = await c.delegate("home", tool="test.once", args={"tag": "x"}, task_id="t-same")
+            b = await c.delegate("home", tool="test.once", args={"tag": "x"}, task_id="t-same")
+            assert a.id == b.id == "t-same" and b.target == a.target
+            assert await a.result() == await b.result() == {"tag": "x"}
+            c2 = await c.delegate("home", tool="test.once", args={"tag": "x"}, task_id="t-same")
+            assert await c2.result() == {"tag": "x"}
+            with pytest.raises(RemoteError) as err:  # the same id for another task
+                await c.delegate("home", tool="test.once", args={"tag": "y"}, task_id="t-same")
+            assert err.value.code is ErrorCode.CONFLICT
+            assert len((await c.tasks()).submitted) == 1
+        assert calls == ["x"]
+
+
+# --------------------------------------------------------------------------- choosing a home
+
+
+async def _listening(port: int) -> bool:
+    try:
+        sock = await anyio.connect_tcp("127.0.0.1", port)
+    except OSError:
+        return False
+    await sock.aclose()
+    return True
+
+
+@pytest.mark.anyio
+async def test_failover_to_another_home_before_acceptance(tmp_path: Path) -> None:
+    async with _mesh(tmp_path, "home-a", "home-b") as nodes:
+        await _pair_all(nodes, "home-a", "home-b")
+        # With equal queues the submitter tries homes in peer-id order: find the first choice.
+        first, second = sorted(("home-a", "home-b"), key=lambda n: nodes[n].identity.peer_id)
+        async with Client(nodes["phone"].home.path) as c:
+            # First choice busy: the task goes to the second one.
+            nodes[first].executor.limits = ExecutorLimits(max_queue=0)
+            busy = await c.delegate(tool="system.info")
+            assert busy.accepted and busy.target_name == second
+            assert (await busy.result())["profile"] == "home"
+            nodes[first].executor.limits = ExecutorLimits()
+            picked = await c.delegate(tool="system.info")
+            assert picked.target_name == first
+            await picked.result()
+            # First choice down: the same.
+            port = int(nodes[first].p2p.addrs()[0].split("/tcp/")[1].split("/")[0])
+            nodes[first].stop()
+            with anyio.fail_after(10):
+                while await _listening(port):
+                    await anyio.sleep(0.05)
+            moved = await c.delegate(tool="system.info")
+            assert moved.accepted and moved.target_name == second
+            _assert_log(await _collect(moved), TaskState.COMPLETED)
+
+
+# --------------------------------------------------------------------------- re-attaching
+
+
+@pytest.mark.anyio
+async def test_a_finished_task_missing_only_its_ack_gets_acked(tmp_path: Path) -> None:
+    """A submitter that stored the final event but died before acknowledging it re-attaches
+    after its last event: the executor must say "nothing more" and take the ack, not wait."""
+    async with _mesh(tmp_path, "home") as nodes:
+        await _pair_all(nodes, "home")
+        home, phone = nodes["home"], nodes["phone"]
+        async with Client(phone.home.path) as c:
+            task = await c.delegate("home", tool="system.info")
+            await task.result()
+        last = home.executor.store.get(task.id).last_seq
+        for after in (last, last + 5):  # a client may also hold a bogus cursor
+            stream = await phone.open_peer_stream("home", ids.TASK)
+            framed = FramedStream(stream)
+            with anyio.fail_after(5):
+                await framed.send(TaskAttach(task_id=task.id, after_seq=after))
+                status = await framed.request(TaskAck(task_id=task.id, upto_seq=last), TaskStatus)
+            await stream.aclose()
+            assert status.state is TaskState.COMPLETED and status.acked_seq == last
+        # The same state as the phone's own follower sees it after such a crash: it must
+        # just acknowledge (the executor keeps an unacknowledged task for days).
+        phone.db.execute("UPDATE outbox_tasks SET acked_seq = 0 WHERE id = ?", (task.id,))
+        home.db.execute("UPDATE exec_tasks SET acked_seq = 0 WHERE id = ?", (task.id,))
+        phone.submitter.wake()
+        with anyio.fail_after(5):
+            while home.executor.store.get(task.id).acked_seq != last:
+                await anyio.sleep(0.05)
+        assert phone.submitter.outbox.get(task.id).acked_seq == last
+
+
+@pytest.mark.anyio
+async def test_tasks_that_end_on_the_phone_do_not_keep_calling_the_home(tmp_path: Path) -> None:
+    """Refused on resend, or canceled before delivery: the outcome is the phone's own, and the
+    phone must not keep attaching to a home that never held the task."""
+    async with _mesh(tmp_path, "home") as nodes:
+        await _pair_all(nodes, "home")
+        home, phone = nodes["home"], nodes["phone"]
+        home.executor.limits = ExecutorLimits(max_queue=0, busy_retry_after=0.2)  # everything is BUSY
+        async with Client(phone.home.path) as c:
+            refused = await c.delegate("home", tool="system.info")
+            dropped = await c.delegate("home", tool="system.info")
+            assert not refused.accepted and not dropped.accepted
+            await dropped.cancel()
+            with pytest.raises(RemoteError) as err:
+                await dropped.result()
+            assert err.value.code is ErrorCode.CANCELED
+            async with Client(home.home.path) as h:  # the owner withdraws system.info, then frees the queue
+                await h.grant("phone", ["task.infer"], limits=ROOMY)
+            home.executor.limits = ExecutorLimits()
+            with anyio.fail_after(10), pytest.raises(RemoteError) as err:
+                await refused.result()
+            assert err.value.code is ErrorCode.FORBIDDEN
+            _assert_log(await _collect(refused), TaskState.REJECTED)
+            _assert_log(await _collect(dropped), TaskState.CANCELED)
+        calls = len(home.audit.query(peer_id=phone.identity.peer_id, limit=10_000))
+        await anyio.sleep(2.5)
+        assert len(home.audit.query(peer_id=phone.identity.peer_id, limit=10_000)) == calls
+
+
+# --------------------------------------------------------------------------- the SDK under asyncio
+
+
+@pytest.mark.asyncio
+async def test_sdk_delegates_from_asyncio_to_daemon_processes(tmp_path: Path, tiny_model: Path) -> None:
+    home = DaemonProcess(tmp_path / "home", name="home")
+    phone = DaemonProcess(tmp_path / "phone", profile="phone", name="phone")
+    await home.start()
+    await phone.start()
+    try:
+        await pair_homes(home.home, phone.home, grant="phone")
+        conn = open_db(home.home / "node.db")  # `psymesh model add`: the running daemon sees it
+        ModelRegistry(conn).add("tiny", tiny_model, n_ctx=1024, n_threads=1)
+        conn.close()
+        async with psymesh.Client(home=phone.home) as node:
+            info = await node.delegate("home", tool="system.info")
+            assert (await info.result())["profile"] == "home"
+            chat = await node.delegate(infer="Say hello.", model="tiny", max_tokens=32, params=GREEDY)
+            assert chat.target_name == "home"  # to=None: the only paired node that offers the model
+            events = [ev async for ev in chat.events()]
+            _assert_log(events, TaskState.COMPLETED)
+            text = "".join(ev.data["text"] for ev in events if ev.kind is EventKind.TOKEN)
+            assert text and text == (await chat.result())["text"]
+            assert [t["state"] for t in (await node.tasks()).submitted] == ["completed", "completed"]
+    finally:
+        assert await phone.stop() == 0
+        assert await home.stop() == 0
+
+
+@pytest.mark.anyio
+async def test_the_phone_forgets_finished_tasks_after_the_retention_period(tmp_path: Path) -> None:
+    async with _mesh(tmp_path, "home") as nodes:
+        await _pair_all(nodes, "home")
+        phone = nodes["phone"]
+        async with Client(phone.home.path) as c:
+            task = await c.delegate("home", tool="system.info")
+            await task.result()
+            assert len((await c.tasks()).submitted) == 1
+            phone.submitter.RETENTION_S, phone.submitter.PURGE_EVERY_S = 0.2, 0.1  # instead of a week
+            with anyio.fail_after(10):
+                while (await c.tasks()).submitted:
+                    await anyio.sleep(0.1)
+        assert phone.db.execute("SELECT COUNT(*) FROM outbox_events").fetchone()[0] == 0
