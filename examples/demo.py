@@ -5,6 +5,7 @@ temporary directory and both daemons are shut down cleanly at the end (or on err
 """
 from __future__ import annotations
 
+import json
 import sys
 import tempfile
 from collections.abc import Awaitable, Callable
@@ -115,6 +116,64 @@ async def delegate_tasks(d: Demo) -> None:
         con.print(f"\n   {out['usage']['completion_tokens']} tokens, finish: {out['finish_reason']}")
 
 
+async def agent_on_the_phone(d: Demo) -> None:
+    step("The agent on the phone: a generated BotPsy-format model, grammar-constrained tool calls")
+    con.print("(random weights: the grammar guarantees well-formed calls to real tools, not sensible choices;\n"
+              " irreversible tools wait for a yes, and there is nobody to say it here)")
+    cmd = [sys.executable, "-m", "psymesh", "agent", "run", "Turn wifi on", "--home", str(d.phone.home),
+           "--delegate", "never", "--max-steps", "2", "--seed", "25", "--ban-bytes", "--json"]
+    proc = await anyio.run_process(cmd, check=False)
+    for line in proc.stderr.decode().splitlines():
+        con.print("   " + escape(line[:150] + ("..." if len(line) > 150 else "")))
+    result = json.loads(proc.stdout)
+    con.print(f"phone: stopped={result['stopped']} after {result['steps']} step(s), "
+              f"calls: {[(c['name'], c['status']) for c in result['tool_calls']]}")
+
+    step("The same runtime with a scripted stand-in for BotPsy: Wi-Fi off and inbox full")
+    from psymesh.agent.builtin_tools import default_registry
+    from psymesh.agent.device import DeviceState, wifi_off_inbox_full
+    from psymesh.agent.loop import ScriptedModel, run_agent, tool_call_text
+    from psymesh.agent.tools import ToolContext
+
+    with DeviceState(d.workdir / "scenario-device.db") as device:
+        fillers = wifi_off_inbox_full(device)
+        send = tool_call_text("messages.send", {"to": "Alice", "text": "Running late, sorry!"})
+        model = ScriptedModel([send, tool_call_text("wifi.set", {"enabled": True}), send,
+                               tool_call_text("messages.delete", {"ids": [fillers[0]]}), send,
+                               "Sent: Wi-Fi is back on and I deleted one old video to make room."])
+
+        async def approve(call, tool) -> bool:
+            con.print(f"   [yellow]confirm[/yellow] {call.name}? yes")
+            return True
+
+        async def show(ev) -> None:
+            if ev.kind == "tool_call":
+                con.print(f"   -> {ev.data['name']}({json.dumps(ev.data['arguments'])})")
+            elif ev.kind == "tool_result":
+                body = "ok" if ev.data["ok"] else ev.data["error"]["message"]
+                con.print(f"   <- {escape(str(body))[:110]}")
+
+        run = await run_agent("Text Alice that I am running late", model=model,
+                              tools=default_registry("phone", device=device), ctx=ToolContext(profile="phone"),
+                              profile="phone", confirm=approve, emit=show)
+    con.print(f"phone: {run.answer}")
+
+
+async def agent_delegated_home(d: Demo) -> None:
+    step("An agent goal delegated to home (its model, its tools; events stream back)")
+    async with d.phone.client() as phone:
+        handle = await phone.delegate("home", goal="What machine are you running on?",
+                                      params={"max_steps": 2, "seed": 13, "ban_bytes": True})
+        async for ev in handle.events():
+            if ev.kind.value in ("tool_call", "tool_result"):
+                con.print(f"   event {ev.seq}: {ev.kind.value} {escape(json.dumps(ev.data)[:100])}")
+            elif ev.kind.value != "progress":
+                con.print(f"   event {ev.seq}: {ev.kind.value} -> {ev.state.value}")
+        result = await handle.result()
+    con.print(f"phone: home's agent stopped={result['stopped']} after {result['steps']} step(s), "
+              f"answer: {escape(result['answer'][:60])!r}...")
+
+
 async def ping_both_ways(d: Demo) -> None:
     step("Ping each way over the encrypted channel (Noise + yamux)")
     for src, dst in ((d.phone, d.home), (d.home, d.phone)):
@@ -126,11 +185,13 @@ async def ping_both_ways(d: Demo) -> None:
 
 STEPS: list[Callable[[Demo], Awaitable[None]]] = [
     start_nodes, pair_by_code, ping_both_ways, allowed_and_refused, delegate_tasks,
+    agent_on_the_phone, agent_delegated_home,
 ]
 
 
-def prepare_home(work: Path) -> list[str]:
-    """A share dir for the files.* tools and a tiny generated model (no downloads here)."""
+def prepare_nodes(work: Path) -> list[str]:
+    """A share dir for the files.* tools and a tiny generated model on both nodes (no downloads
+    here; one token per character, hence the large context)."""
     from psymesh.agent.testmodel import make_tiny_gguf
     from psymesh.node.db import open_db
     from psymesh.node.home import NodeHome
@@ -140,17 +201,18 @@ def prepare_home(work: Path) -> list[str]:
     (share / "notes").mkdir(parents=True)
     (share / "notes" / "mesh.txt").write_text("psymesh: phones delegate heavy work to home PCs.\n")
     (share / "todo.txt").write_text("buy milk\n")
-    home = NodeHome(work / "home")
-    home.init(profile="home", name="home")
     model = make_tiny_gguf(work / "tiny.gguf")
-    ModelRegistry(open_db(home.db_path)).add("tiny", model, n_ctx=4096, n_threads=1)
+    for name in ("home", "phone"):
+        node = NodeHome(work / name)
+        node.init(profile=name, name=name)  # type: ignore[arg-type]
+        ModelRegistry(open_db(node.db_path)).add("tiny", model, n_ctx=16384, n_threads=1)
     return ["--share", str(share)]
 
 
 async def main() -> int:
     with tempfile.TemporaryDirectory(prefix="psymesh-demo-") as tmp:
         work = Path(tmp)
-        home_args = prepare_home(work)
+        home_args = prepare_nodes(work)
         d = Demo(work, DaemonProcess(work / "home", profile="home", name="home", extra_args=home_args),
                  DaemonProcess(work / "phone", profile="phone", name="phone"))
         try:

@@ -370,8 +370,19 @@ def _event_line(ev: Any) -> str:
     return text
 
 
-async def _follow(handle: Any, out: Output, after_seq: int = 0) -> Any:
-    """Stream a task's events (JSON lines with --json; a live view on a terminal) and return its outcome."""
+async def _answer_input(handle: Any, out: Output, ev: Any, approve: bool) -> None:
+    """The remote agent asks to run an irreversible tool: ask the person (or --yes)."""
+    question = ev.data.get("question", "the task needs an answer")
+    if not approve and sys.stdin.isatty():
+        approve = await anyio.to_thread.run_sync(lambda: click.confirm(question, default=False, err=True))
+    elif not approve:
+        out.warn(f"{question} -- declined: no terminal to ask (pass --yes to allow)")
+    await handle.respond({"approve": approve})
+
+
+async def _follow(handle: Any, out: Output, after_seq: int = 0, approve: bool = False) -> Any:
+    """Stream a task's events (JSON lines with --json; a live view on a terminal) and return its outcome.
+    An `input-required` event is answered here (see _answer_input)."""
     last = None
     streaming_tokens = False
     status = None
@@ -381,6 +392,8 @@ async def _follow(handle: Any, out: Output, after_seq: int = 0) -> Any:
     try:
         async for ev in handle.events(after_seq):
             last = ev
+            if ev.state.value == "input-required":
+                await _answer_input(handle, out, ev, approve)
             if out.json_mode:
                 out.data(ev)
                 continue
@@ -582,6 +595,175 @@ def model_list(home: str | None, out: Output) -> None:
         con.print(table if rows else "no models; add one with: psymesh model add NAME PATH.gguf")
 
     out.data(rows, human)
+
+
+# -- the agent -----------------------------------------------------------------------
+
+
+@main.group()
+def agent() -> None:
+    """Run the BotPsy agent on a goal, here or on a paired home PC."""
+
+
+def _local_model_settings(node_home: NodeHome, model_name: str | None, default: str | None) -> Any:
+    from psymesh.node.agents import pick_model
+    from psymesh.node.db import open_db
+    from psymesh.node.models import ModelRegistry
+
+    registry = ModelRegistry(open_db(node_home.db_path))
+    return registry, pick_model(registry, model_name, default)
+
+
+def _print_agent_event(out: Output, ev: Any) -> None:
+    d = ev.data
+    if ev.kind == "step":
+        out.err.print(f"[dim]step {d['step']}/{d['max_steps']}[/dim]")
+    elif ev.kind == "thinking" and d.get("text"):
+        out.err.print(f"[dim]  thinking: {escape(d['text'][:200])}[/dim]")
+    elif ev.kind == "tool_call":
+        out.err.print(f"  -> {escape(d['name'])}({escape(json.dumps(d.get('arguments', {}))[:200])})")
+    elif ev.kind == "tool_result":
+        body = d.get("result") if d.get("ok") else d.get("error")
+        mark = "[green]ok[/green]" if d.get("ok") else f"[red]{escape(str(d.get('status')))}[/red]"
+        out.err.print(f"  <- {mark} {escape(json.dumps(body, default=str)[:200])}")
+    elif ev.kind in ("guard", "error"):
+        out.err.print(f"  [yellow]{ev.kind}[/yellow]: {escape(str(d.get('message', d)))}")
+
+
+@agent.command("run")
+@command
+@click.argument("goal")
+@click.option("--model", "model_name", default=None, help="Model name (default: the node's first model).")
+@click.option("--delegate", type=click.Choice(["auto", "never", "always"]), default="auto", show_default=True,
+              help="Run here, on a paired home PC, or let the delegation policy decide.")
+@click.option("--to", default=None, help="The home PC to delegate to (default: the best one).")
+@click.option("--max-steps", default=8, show_default=True, type=click.IntRange(1, 64))
+@click.option("--thinking", is_flag=True, help="Let the model think before answering.")
+@click.option("--free", "free_form", is_flag=True, help="No grammar: let the model write calls freely.")
+@click.option("--yes", is_flag=True, help="Approve irreversible tool calls without asking.")
+@click.option("--ban-bytes", is_flag=True, hidden=True, help="Keep random-weight test models in ASCII.")
+@click.option("--seed", type=int, default=None, hidden=True)
+def agent_run(home: str | None, out: Output, goal: str, model_name: str | None, delegate: str, to: str | None,
+              max_steps: int, thinking: bool, free_form: bool, yes: bool, ban_bytes: bool, seed: int | None) -> None:
+    """Work on GOAL with this node's tools; irreversible calls ask first (or --yes)."""
+    from psymesh.agent.policy import DelegationInputs, decide
+
+    node_home = NodeHome(home)
+    node_home.init()
+    config = node_home.load_config()
+    params: dict[str, Any] = {"max_steps": max_steps, "thinking": thinking, "grammar": not free_form}
+    if ban_bytes:
+        params["ban_bytes"] = True
+    if seed is not None:
+        params["seed"] = seed
+    if model_name:
+        params["model"] = model_name
+
+    async def remote_offers() -> list[dict]:
+        try:
+            async with Client(home) as client:
+                return await client.offers(operation="task.agent")
+        except PsymeshError:
+            return []  # no daemon: nothing to delegate to
+
+    async def go() -> Any:
+        from psymesh.node.db import open_db
+        from psymesh.node.models import ModelRegistry
+
+        registry = ModelRegistry(open_db(node_home.db_path))
+        offers = await remote_offers() if delegate != "never" else []
+        local = frozenset(registry.names())
+        # No model named and none here: the task needs "a model", which only a remote may have.
+        needed = frozenset([model_name]) if model_name else (frozenset() if local else frozenset(["(any model)"]))
+        remote_models = frozenset(m for o in offers for m in o["models"]) if offers and model_name else None
+        decision = decide(DelegationInputs(
+            profile=config.profile, force={"never": "local", "always": "remote"}.get(delegate),  # type: ignore[arg-type]
+            remote_available=bool(offers), needed_models=needed, local_models=local, remote_models=remote_models,
+            battery_low=config.battery_low, memory_low=config.memory_low))
+        out.hint(f"running {'on a paired home PC' if decision.where == 'remote' else 'here'}: {decision.reason}")
+        if decision.where == "remote":
+            return await _agent_remote(home, out, goal, to, params, yes)
+        return await _agent_local(node_home, config, out, goal, model_name, params, yes)
+
+    result = run_async(go)
+    out.data(result, lambda con: con.print(result["answer"]))
+
+
+async def _agent_local(node_home: NodeHome, config: Any, out: Output, goal: str, model_name: str | None,
+                       params: dict[str, Any], yes: bool) -> dict[str, Any]:
+    from psymesh.agent.loop import run_agent
+    from psymesh.agent.runtime import ModelWorker
+    from psymesh.agent.tools import ToolContext
+    from psymesh.node.agents import agent_config, llama_model, node_tools, result_of
+
+    registry, name = _local_model_settings(node_home, model_name, config.agent_model)
+
+    async def confirm(call: Any, tool: Any) -> bool:
+        if yes:
+            return True
+        if not sys.stdin.isatty():
+            out.warn(f"{call.name} is irreversible and there is no terminal to ask; pass --yes to allow it")
+            return False
+        return await anyio.to_thread.run_sync(
+            lambda: click.confirm(f"allow {call.name}({json.dumps(call.arguments)})?", default=False, err=True))
+
+    async def emit(ev: Any) -> None:
+        if not out.json_mode:
+            _print_agent_event(out, ev)
+
+    tools = node_tools(node_home, config)
+    ctx = ToolContext(share_dir=Path(config.share_dir) if config.share_dir else None, profile=config.profile)
+    async with ModelWorker(registry.settings(name)) as worker:
+        run = await run_agent(goal, model=llama_model(worker, params), tools=tools, ctx=ctx, profile=config.profile,
+                              config=agent_config(params, from_peer=False), confirm=confirm, emit=emit)
+    return {**result_of(run), "where": "local", "model": name}
+
+
+async def _agent_remote(home: str | None, out: Output, goal: str, to: str | None, params: dict[str, Any],
+                        yes: bool) -> dict[str, Any]:
+    async with Client(home) as client:
+        handle = await client.delegate(to, goal=goal, params=params)
+        out.hint(f"task {handle.id} -> {handle.target_name}")
+        outcome = await _follow(handle, out, approve=yes)
+    if outcome is None or not outcome.ok:
+        _print_outcome(out, outcome)
+    return {**outcome.value, "where": "remote", "task_id": handle.id}
+
+
+@main.command("eval")
+@command
+@click.argument("cases", type=click.Path(exists=True, dir_okay=False))
+@click.option("--model", "model_name", required=True, help="Registered model to evaluate.")
+@click.option("--free", "free_form", is_flag=True, help="No grammar constraint (measures the raw model).")
+@click.option("--thinking", is_flag=True)
+@click.option("--ban-bytes", is_flag=True, hidden=True)
+def eval_cmd(home: str | None, out: Output, cases: str, model_name: str, free_form: bool, thinking: bool,
+             ban_bytes: bool) -> None:
+    """Score a model on function-calling cases (JSONL), per category, BFCL-style."""
+    from psymesh.agent.evaluation import evaluate, format_report, load_cases
+    from psymesh.agent.runtime import ModelWorker
+    from psymesh.node.agents import llama_model
+
+    node_home = NodeHome(home)
+    node_home.init()
+    registry, name = _local_model_settings(node_home, model_name, None)
+    loaded = load_cases(cases)
+
+    async def progress(r: Any) -> None:
+        out.hint(f"{r.id}: {'pass' if r.passed else 'fail: ' + r.reason}")
+
+    async def go() -> Any:
+        async with ModelWorker(registry.settings(name)) as worker:
+            model = llama_model(worker, {"grammar": not free_form, "temperature": 0.0, "max_tokens": 256,
+                                         "ban_bytes": ban_bytes})
+            return await evaluate(loaded, model, thinking=thinking,
+                                  on_result=progress)
+
+    report = run_async(go)
+    data = {"model": name, "cases": report.total, "passed": report.passed, "accuracy": report.accuracy,
+            "categories": {c: {"cases": s.total, "passed": s.passed, "accuracy": s.accuracy}
+                           for c, s in report.categories.items()}}
+    out.data(data, lambda con: con.print(format_report(report)))
 
 
 if __name__ == "__main__":
