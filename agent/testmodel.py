@@ -33,6 +33,7 @@ import numpy as np
 __all__ = [
     "BOTPSY_SHAPE",
     "SPECIAL_TOKENS",
+    "special_token_ids",
     "GgufShape",
     "make_botpsy_shaped_gguf",
     "make_tiny_gguf",
@@ -113,6 +114,11 @@ def _vocabulary(pad_to: int) -> tuple[list[str], list[int], list[str], dict[str,
         tokens.append(f"[PAD{len(tokens)}]")
         types.append(int(gguf.TokenType.UNUSED))
     return tokens, types, [f"{a} {b}" for a, b in _MERGES], ids
+
+
+def special_token_ids(pad_to: int = 0) -> dict[str, int]:
+    """Token ids of the ChatML / tool-call specials in the generated vocabulary."""
+    return _vocabulary(pad_to)[3]
 
 
 @dataclass

@@ -11,6 +11,8 @@ from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
 from psymesh.agent.loop import AgentConfig, AgentEvent, AgentResult, Confirm, LlamaAgentModel, run_agent
 from psymesh.agent.tools import ToolContext, ToolRegistry
 from psymesh.node.home import NodeConfig, NodeHome
@@ -41,6 +43,35 @@ def node_tools(home: NodeHome, config: NodeConfig) -> ToolRegistry:
     registry = default_registry(config.profile, device=device)
     load_entry_points(registry)
     return registry
+
+
+class PeerAgentParams(BaseModel):
+    """The params a delegating peer may set, type-checked: they come from another machine,
+    so a wrong type is the peer's BAD_REQUEST, not a crash here. None (or absent) keeps
+    the default of agent_config()/llama_model(); unknown keys are ignored."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    model: str | None = None
+    max_steps: int | None = Field(default=None, ge=1)
+    thinking: bool | None = None
+    deadline_s: float | None = Field(default=None, ge=0)
+    grammar: bool | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0)
+    seed: int | None = None
+    ban_bytes: bool | None = None
+
+
+def peer_params(params: Mapping[str, Any]) -> dict[str, Any]:
+    """A peer's agent params, checked (PsymeshError BAD_REQUEST naming each bad one)."""
+    try:
+        checked = PeerAgentParams.model_validate(dict(params))
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'params'}: {e['msg']}"
+                             for e in exc.errors(include_url=False))
+        raise PsymeshError(f"bad agent params: {problems}", code=ErrorCode.BAD_REQUEST) from None
+    return checked.model_dump(exclude_none=True)
 
 
 def agent_config(params: Mapping[str, Any], *, from_peer: bool) -> AgentConfig:
@@ -103,7 +134,7 @@ class AgentTaskRunner:
 
     async def __call__(self, rec: Any, emit: TaskEmit, ask: Ask | None = None) -> dict[str, Any]:
         spec = rec.spec
-        params = dict(spec.params)
+        params = peer_params(spec.params)
         worker = await self.models.get(pick_model(self.models.registry, params.get("model"), self.default_model))
         confirm: Confirm | None = None
         if ask is not None:

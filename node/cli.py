@@ -18,7 +18,7 @@ from rich.table import Table
 from psymesh.node.client import Client
 from psymesh.node.home import NodeHome
 from psymesh.node.output import Output
-from psymesh.protocol.errors import PsymeshError
+from psymesh.protocol.errors import ErrorCode, PsymeshError
 
 T = TypeVar("T")
 
@@ -380,9 +380,11 @@ async def _answer_input(handle: Any, out: Output, ev: Any, approve: bool) -> Non
     await handle.respond({"approve": approve})
 
 
-async def _follow(handle: Any, out: Output, after_seq: int = 0, approve: bool = False) -> Any:
+async def _follow(handle: Any, out: Output, after_seq: int = 0, approve: bool = False,
+                  json_events: bool = True) -> Any:
     """Stream a task's events (JSON lines with --json; a live view on a terminal) and return its outcome.
-    An `input-required` event is answered here (see _answer_input)."""
+    An `input-required` event is answered here (see _answer_input). `json_events=False`: a command
+    whose --json output is one document (its result) keeps the events off stdout."""
     last = None
     streaming_tokens = False
     status = None
@@ -395,7 +397,8 @@ async def _follow(handle: Any, out: Output, after_seq: int = 0, approve: bool = 
             if ev.state.value == "input-required":
                 await _answer_input(handle, out, ev, approve)
             if out.json_mode:
-                out.data(ev)
+                if json_events:
+                    out.data(ev)
                 continue
             if status is not None:
                 status.update(f"task {handle.id}: {ev.state.value} ({ev.seq} events)")
@@ -724,9 +727,11 @@ async def _agent_remote(home: str | None, out: Output, goal: str, to: str | None
     async with Client(home) as client:
         handle = await client.delegate(to, goal=goal, params=params)
         out.hint(f"task {handle.id} -> {handle.target_name}")
-        outcome = await _follow(handle, out, approve=yes)
-    if outcome is None or not outcome.ok:
-        _print_outcome(out, outcome)
+        outcome = await _follow(handle, out, approve=yes, json_events=False)
+    if outcome is None:
+        raise PsymeshError(f"task {handle.id} ended without a final event", code=ErrorCode.INTERNAL)
+    if not outcome.ok:
+        _print_outcome(out, outcome)  # prints the failure and exits 1
     return {**outcome.value, "where": "remote", "task_id": handle.id}
 
 

@@ -26,7 +26,7 @@ from psymesh.agent.loop import (
     tool_call_text,
 )
 from psymesh.agent.runtime import ModelSettings, ModelWorker
-from psymesh.agent.testmodel import iter_special_token_ids, tiny_model_path
+from psymesh.agent.testmodel import special_token_ids, tiny_model_path
 from psymesh.agent.tools import Tool, ToolContext, ToolRegistry
 from psymesh.protocol.errors import ErrorCode
 
@@ -353,7 +353,7 @@ def small_registry(lights: dict[str, bool]) -> ToolRegistry:
 async def test_real_model_with_grammar_runs_the_loop(tmp_path_factory: pytest.TempPathFactory,
                                                      template: str | None) -> None:
     path = tiny_model_path(tmp_path_factory.getbasetemp() / "models", chat_template=template)
-    tool_call_token = dict(iter_special_token_ids())["<tool_call>"]
+    tool_call_token = special_token_ids()["<tool_call>"]
     # Random weights: keep to ASCII, and favour opening a call so the run takes several steps.
     bias = {**{t: float("-inf") for t in range(128, 256)}, tool_call_token: 10.0}
     lights: dict[str, bool] = {}

@@ -133,3 +133,19 @@ async def test_cli_status_and_ping_json(tmp_path: Path) -> None:
     finally:
         await phone.stop()
         await home.stop()
+
+
+async def test_log_json_lines_and_node_stop(tmp_path: Path) -> None:
+    node = DaemonProcess(tmp_path / "home", extra_args=["--log-json"])
+    await node.start()
+    stop = subprocess.run([sys.executable, "-m", "psymesh", "node", "stop", "--home", str(tmp_path / "home"),
+                           "--json"], capture_output=True, text=True, timeout=60)
+    assert stop.returncode == 0 and json.loads(stop.stdout) == {"stopped": True}
+    assert node.proc is not None
+    with anyio.fail_after(15):
+        while node.proc.poll() is None:
+            await anyio.sleep(0.05)
+    assert node.proc.returncode == 0
+    lines = [json.loads(line) for line in node.log_tail(50).splitlines() if line.strip()]
+    assert any(entry["msg"].startswith("node 12D3KooW") and entry["level"] == "info" for entry in lines)
+    assert lines[-1]["msg"] == "node stopped"
