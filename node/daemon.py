@@ -23,7 +23,7 @@ from psymesh.node.agents import AgentTaskRunner, node_tools
 from psymesh.node.audit import AuditLog
 from psymesh.node.control import ControlServer
 from psymesh.node.db import open_db
-from psymesh.node.framed import FramedStream
+from psymesh.node.framed import FramedStream, request_once
 from psymesh.node.gate import Gate
 from psymesh.node.home import NodeConfig, NodeHome
 from psymesh.node.logs import fields
@@ -189,12 +189,8 @@ class Node:
         try:
             with anyio.fail_after(10):
                 stream = await self.open_peer_stream(peer_id, ids.MANIFEST)
-                framed = FramedStream(stream, self.config.max_frame_size)
-                try:
-                    await framed.request(ManifestPush(manifest=manifest), ManifestOk)
-                finally:
-                    with anyio.CancelScope(shield=True):
-                        await stream.aclose()
+            await request_once(stream, ManifestPush(manifest=manifest), ManifestOk,
+                               max_frame_size=self.config.max_frame_size, timeout=10)
             return True
         except (PsymeshError, TimeoutError) as exc:
             log.info("could not hand %s its new grant: %s", peer_id, exc)
@@ -277,11 +273,7 @@ class Node:
     # -- delegated tasks ----------------------------------------------------------------
     async def offers(self, peer_id: str) -> TaskCapsReply:
         stream = await self.open_peer_stream(peer_id, ids.TASK)
-        try:
-            return await FramedStream(stream, self.config.max_frame_size).request(TaskCaps(), TaskCapsReply)
-        finally:
-            with anyio.CancelScope(shield=True):
-                await stream.aclose()
+        return await request_once(stream, TaskCaps(), TaskCapsReply, max_frame_size=self.config.max_frame_size)
 
     async def _task_submit(self, req: c.TaskSubmitRequest, _: FramedStream) -> c.TaskSubmitted:
         try:

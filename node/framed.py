@@ -71,6 +71,23 @@ class FramedStream:
         await self.stream.aclose()
 
 
+async def request_once(stream: ByteStream, message: Message, reply_type: type[M], *,
+                       max_frame_size: int = DEFAULT_MAX_FRAME_SIZE, timeout: float = 30.0) -> M:
+    """One request and its reply on a freshly opened stream, which is closed afterwards
+    (even on cancellation). No reply within `timeout` seconds is a TIMEOUT error."""
+    import anyio
+
+    framed = FramedStream(stream, max_frame_size)
+    try:
+        with anyio.fail_after(timeout):
+            return await framed.request(message, reply_type)
+    except TimeoutError:
+        raise ProtocolError(f"no answer to {message.type} within {timeout:.0f} s", code=ErrorCode.TIMEOUT) from None
+    finally:
+        with anyio.CancelScope(shield=True):
+            await stream.aclose()
+
+
 class AnyioByteStream:
     """Adapts an anyio ByteStream (the control socket) to `ByteStream`."""
 

@@ -34,7 +34,7 @@ import anyio.abc
 import anyio.lowlevel
 
 from psymesh.agent.tools import ToolContext, ToolRegistry, invoke
-from psymesh.node.framed import FramedStream
+from psymesh.node.framed import FramedStream, request_once
 from psymesh.node.gate import Gate
 from psymesh.node.logs import fields
 from psymesh.node.models import ModelPool
@@ -44,7 +44,7 @@ from psymesh.node.trust import TrustStore
 from psymesh.protocol import ids
 from psymesh.protocol.errors import ErrorCode, ProtocolError, PsymeshError, RemoteError
 from psymesh.protocol.manifest import Operation, check
-from psymesh.protocol.messages import expect
+from psymesh.protocol.messages import M, Message, expect
 from psymesh.protocol.tasks import (
     EventKind,
     TaskAccepted,
@@ -563,17 +563,13 @@ class TaskSubmitter:
                                code=ErrorCode.UNAVAILABLE)
         return [pid for _, pid in sorted(scored)]
 
-    async def _send_submit(self, target: str, spec: TaskSpec) -> TaskAccepted:
+    async def _request(self, target: str, message: Message, reply_type: type[M], timeout: float = 30.0) -> M:
+        """One request to the executor `target` on a stream of its own."""
         stream = await self.open_stream(target, ids.TASK)
-        framed = FramedStream(stream, self.max_frame_size)
-        try:
-            with anyio.fail_after(30):
-                return await framed.request(TaskSubmit(spec=spec), TaskAccepted)
-        except TimeoutError:
-            raise PsymeshError("the executor did not answer the submit", code=ErrorCode.TIMEOUT) from None
-        finally:
-            with anyio.CancelScope(shield=True):
-                await stream.aclose()
+        return await request_once(stream, message, reply_type, max_frame_size=self.max_frame_size, timeout=timeout)
+
+    async def _send_submit(self, target: str, spec: TaskSpec) -> TaskAccepted:
+        return await self._request(target, TaskSubmit(spec=spec), TaskAccepted)
 
     async def _deliver_pending(self) -> None:
         now = time.monotonic()
@@ -703,14 +699,7 @@ class TaskSubmitter:
     async def _ack(self, task_id: str, target: str) -> bool:
         """`task.ack` on a stream of its own: the executor may now forget the task."""
         last = self.outbox.last_seq(task_id)
-        stream = await self.open_stream(target, ids.TASK)
-        try:
-            with anyio.fail_after(10):
-                await FramedStream(stream, self.max_frame_size).request(TaskAck(task_id=task_id, upto_seq=last),
-                                                                        TaskStatus)
-        finally:
-            with anyio.CancelScope(shield=True):
-                await stream.aclose()
+        await self._request(target, TaskAck(task_id=task_id, upto_seq=last), TaskStatus, timeout=10)
         self.outbox.mark_acked(task_id, last)
         self._backoff.pop(target, None)
         return True
@@ -728,22 +717,8 @@ class TaskSubmitter:
     async def respond(self, task_id: str, data: dict[str, Any]) -> TaskStatus:
         """Answer a task of ours that is input-required (e.g. {"approve": True})."""
         task = self.outbox.get(task_id)
-        stream = await self.open_stream(task.target, ids.TASK)
-        framed = FramedStream(stream, self.max_frame_size)
-        try:
-            with anyio.fail_after(30):
-                return await framed.request(TaskInput(task_id=task_id, data=data), TaskStatus)
-        finally:
-            with anyio.CancelScope(shield=True):
-                await stream.aclose()
+        return await self._request(task.target, TaskInput(task_id=task_id, data=data), TaskStatus)
 
     async def _request_cancel(self, target: str, task_id: str) -> TaskStatus:
-        stream = await self.open_stream(target, ids.TASK)
-        framed = FramedStream(stream, self.max_frame_size)
-        try:
-            with anyio.fail_after(30):
-                return await framed.request(TaskCancel(task_id=task_id), TaskStatus)
-        finally:
-            with anyio.CancelScope(shield=True):
-                await stream.aclose()
+        return await self._request(target, TaskCancel(task_id=task_id), TaskStatus)
 
