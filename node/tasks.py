@@ -180,12 +180,15 @@ class TaskExecutor:
             task_status.started()
 
     async def _housekeeping(self) -> None:
+        """Fail queued tasks whose deadline passed (every second); forget old finished ones (every minute)."""
+        last_purge = 0.0
         while True:
             await anyio.sleep(1.0)
             for rec in self.store.expire(time.time()):
                 self._changed.notify(rec.id)
-            if int(time.time()) % 60 == 0:
+            if time.monotonic() - last_purge >= 60:
                 self.store.purge(time.time(), self.limits.retention_s)
+                last_purge = time.monotonic()
 
     # -- the wire ----------------------------------------------------------------------
     async def serve(self, framed: FramedStream, peer_id: str) -> None:
