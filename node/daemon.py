@@ -67,7 +67,8 @@ class Node:
                                      agent_runner=AgentTaskRunner(self.models, self.tools, self.config.profile,
                                                                   self.config.share_dir, self.config.agent_model))
         self.submitter = TaskSubmitter(local_peer_id=self.identity.peer_id, outbox=Outbox(self.db), trust=self.trust,
-                                       open_stream=self.open_peer_stream, max_frame_size=self.config.max_frame_size)
+                                       open_stream=self.open_peer_stream, max_frame_size=self.config.max_frame_size,
+                                       liveness_probe_s=self.config.liveness_probe_s, drop_peer=self.p2p.disconnect)
         self._root: anyio.CancelScope | None = None
         self._register_services()
 

@@ -58,6 +58,10 @@ class NodeConfig(BaseModel):
     battery_low: bool = False
     memory_low: bool = False
     log_json: bool = False
+    # Seconds without news on a delegated task before its executor is pinged (and, if silent
+    # as long again, its connection dropped and redialed): bounds how long a home PC that
+    # lost power can stall a phone. Longer saves a phone's battery.
+    liveness_probe_s: float = Field(default=20.0, ge=1.0, le=3600.0)
 
 
 @dataclass(frozen=True)

@@ -58,6 +58,11 @@ libp2p 0.8.1 defects measured on this machine, and what this module does about e
 12. (found while writing this) Listening sockets get SO_REUSEPORT (for TCP hole punching),
    so a second node on the same fixed port starts fine and the kernel splits incoming
    connections between the two. `run()` first checks that the port is free.
+13. A peer that loses power leaves a half-open TCP connection that neither side closes for
+   many minutes; every stream opened on it waits for libp2p's 10 s negotiation timeout, and
+   the next one picks the same dead connection. `open_stream()` gives up after
+   `STREAM_OPEN_TIMEOUT_S` and drops that connection, so the next attempt dials afresh
+   (tests/test_liveness.py freezes a relayed connection to check).
 
 Kept as is: libp2p's resource manager allows each peer 10 new connections per second
 (burst 50); connections over that are closed right after the handshake, so the dialer's
@@ -100,6 +105,9 @@ READ_CHUNK = 65536
 # How long disconnect()/shutdown wait for sockets to close (a GO_AWAY write to a peer that
 # stopped reading can block); past it, shutdown cancels the rest.
 CLOSE_TIMEOUT_S = 2.0
+# How long opening a stream (yamux SYN + multistream-select) may take on an open connection
+# before the connection is taken for dead (13).
+STREAM_OPEN_TIMEOUT_S = 10.0
 SHUTDOWN_TIMEOUT_S = 5.0
 
 PeerFilter = Callable[[str], bool]
@@ -308,9 +316,16 @@ class P2PNode:
             self._require_running()
             self._swarm.prepare_dial(peer_id)  # (8, 10)
         try:
-            stream = await self._host.new_stream(peer_id, [TProtocol(protocol)])
+            with anyio.fail_after(STREAM_OPEN_TIMEOUT_S):
+                stream = await self._host.new_stream(peer_id, [TProtocol(protocol)])
         except Exception as exc:
-            raise ProtocolError(f"cannot open {protocol} to {peer_id}: {_reason(exc)}",
+            reason = "no answer" if isinstance(exc, TimeoutError) else _reason(exc)
+            if isinstance(exc, TimeoutError) or "timed out" in reason:
+                # (13) The connection is open but the peer does not answer: it lost power or
+                # its network, and TCP will not notice for many minutes. Drop the connection
+                # so the next attempt dials afresh instead of waiting on it again.
+                await self.disconnect(str(peer_id))
+            raise ProtocolError(f"cannot open {protocol} to {peer_id}: {reason}",
                                 code=ErrorCode.UNAVAILABLE) from exc
         return P2PStream(stream, protocol)
 

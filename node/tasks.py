@@ -43,6 +43,7 @@ from psymesh.node.taskstore import ExecutorStore, Outbox, TaskNotFound, TaskReco
 from psymesh.node.trust import TrustStore
 from psymesh.protocol import ids
 from psymesh.protocol.errors import ErrorCode, ProtocolError, PsymeshError, RemoteError
+from psymesh.protocol.common import Ping, Pong
 from psymesh.protocol.manifest import Operation, check
 from psymesh.protocol.messages import M, Message, expect
 from psymesh.protocol.tasks import (
@@ -461,8 +462,14 @@ class TaskSubmitter:
     PURGE_EVERY_S = 3600.0
 
     def __init__(self, *, local_peer_id: str, outbox: Outbox, trust: TrustStore, open_stream: OpenStream,
-                 max_frame_size: int) -> None:
+                 max_frame_size: int, liveness_probe_s: float = 20.0,
+                 drop_peer: Callable[[str], Awaitable[None]] | None = None) -> None:
         self.local_peer_id = local_peer_id
+        # An executor that loses power leaves a half-open TCP connection that nothing
+        # closes for many minutes: after this long without an event, ping it, and drop
+        # the connection if it does not answer in as long again.
+        self.liveness_probe_s = liveness_probe_s
+        self.drop_peer = drop_peer
         self.outbox = outbox
         self.trust = trust
         self.open_stream = open_stream
@@ -675,29 +682,68 @@ class TaskSubmitter:
             return await self._ack(task_id, target)
         stream = await self.open_stream(target, ids.TASK)
         framed = FramedStream(stream, self.max_frame_size)
+        heard = [time.monotonic()]
+        dead = anyio.Event()
+        failure: Exception | None = None  # raised after the task group, so callers see it unwrapped
         try:
-            await framed.send(TaskAttach(task_id=task_id, after_seq=self.outbox.last_seq(task_id)))
-            while True:
-                message = await framed.receive()
-                if message is None:
-                    raise PsymeshError("the executor closed the stream", code=ErrorCode.UNAVAILABLE)
-                event = expect(message, TaskEvent)
-                if event.task_id != task_id:
-                    raise ProtocolError("the executor sent another task's event")
-                if self.outbox.record_event(event, target):
-                    self.changed.notify(task_id)
-                if event.state.terminal:
-                    break
-            last = self.outbox.last_seq(task_id)
-            await framed.send(TaskAck(task_id=task_id, upto_seq=last))
-            with anyio.fail_after(10):
-                expect(await framed.receive_required(), TaskStatus)
-            self.outbox.mark_acked(task_id, last)
-            self._backoff.pop(target, None)
-            return True
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self._watch_liveness, target, heard, dead, tg.cancel_scope)
+                try:
+                    await self._mirror(framed, task_id, target, heard)
+                except Exception as exc:
+                    failure = exc
+                tg.cancel_scope.cancel()
         finally:
             with anyio.CancelScope(shield=True):
                 await stream.aclose()
+        if failure is not None:
+            raise failure
+        if dead.is_set():
+            raise PsymeshError(f"{target} stopped answering; reconnecting", code=ErrorCode.UNAVAILABLE)
+        self.outbox.mark_acked(task_id, self.outbox.last_seq(task_id))
+        self._backoff.pop(target, None)
+        return True
+
+    async def _mirror(self, framed: FramedStream, task_id: str, target: str, heard: list[float]) -> None:
+        await framed.send(TaskAttach(task_id=task_id, after_seq=self.outbox.last_seq(task_id)))
+        while True:
+            message = await framed.receive()
+            heard[0] = time.monotonic()
+            if message is None:
+                raise PsymeshError("the executor closed the stream", code=ErrorCode.UNAVAILABLE)
+            event = expect(message, TaskEvent)
+            if event.task_id != task_id:
+                raise ProtocolError("the executor sent another task's event")
+            if self.outbox.record_event(event, target):
+                self.changed.notify(task_id)
+            if event.state.terminal:
+                break
+        await framed.send(TaskAck(task_id=task_id, upto_seq=self.outbox.last_seq(task_id)))
+        with anyio.fail_after(10):
+            expect(await framed.receive_required(), TaskStatus)
+
+    async def _watch_liveness(self, target: str, heard: list[float], dead: anyio.Event,
+                              attach: anyio.CancelScope) -> None:
+        """While an attach is quiet, check that the executor still answers (a ping)."""
+        while True:
+            await anyio.sleep(max(0.0, heard[0] + self.liveness_probe_s - time.monotonic()))
+            if time.monotonic() - heard[0] < self.liveness_probe_s:
+                continue
+            try:
+                with anyio.fail_after(self.liveness_probe_s):
+                    stream = await self.open_stream(target, ids.PING)
+                    await request_once(stream, Ping(seq=0), Pong, max_frame_size=self.max_frame_size)
+            except RemoteError:
+                pass  # it answered (even a refusal means it is alive)
+            except (PsymeshError, TimeoutError):
+                log.info("%s did not answer a liveness ping; dropping the connection", target)
+                dead.set()
+                if self.drop_peer is not None:
+                    with anyio.move_on_after(5, shield=True):
+                        await self.drop_peer(target)
+                attach.cancel()
+                return
+            heard[0] = time.monotonic()
 
     async def _ack(self, task_id: str, target: str) -> bool:
         """`task.ack` on a stream of its own: the executor may now forget the task."""
