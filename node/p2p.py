@@ -296,8 +296,10 @@ class P2PNode:
 
     # -- outbound --------------------------------------------------------------------
     def addrs(self) -> list[str]:
-        """Listening multiaddrs with the real port and `/p2p/<id>` (empty before `run()` listens)."""
-        return [str(a) for a in self._host.get_addrs()]
+        """Dialable multiaddrs with the real port and `/p2p/<id>` (empty before `run()` listens).
+        A wildcard listen address (0.0.0.0) is listed once per local IPv4 address, LAN first,
+        so that invites carry addresses a phone can actually dial."""
+        return expand_wildcard([str(a) for a in self._host.get_addrs()], local_ipv4_addresses())
 
     async def connect(self, addr: str) -> str:
         """Connect to `addr` (a multiaddr ending in /p2p/<id>); returns the peer id."""
@@ -488,6 +490,25 @@ def _check_port_free(addr: multiaddr.Multiaddr) -> None:
             probe.bind((ip, port))
         except OSError as exc:
             raise PsymeshError(f"cannot listen on {addr}: {exc.strerror or exc}", code=ErrorCode.UNAVAILABLE) from None
+
+
+def local_ipv4_addresses() -> list[str]:
+    """This machine's IPv4 addresses, non-loopback first."""
+    import ifaddr
+
+    found = {ip.ip for adapter in ifaddr.get_adapters() for ip in adapter.ips if isinstance(ip.ip, str)}
+    return sorted(found, key=lambda a: (a.startswith("127."), a))
+
+
+def expand_wildcard(addrs: Sequence[str], local: Sequence[str]) -> list[str]:
+    """Replace each `/ip4/0.0.0.0/...` with one address per local IPv4 address."""
+    out: list[str] = []
+    for addr in addrs:
+        if addr.startswith("/ip4/0.0.0.0/"):
+            out += [addr.replace("/ip4/0.0.0.0/", f"/ip4/{ip}/", 1) for ip in local]
+        else:
+            out.append(addr)
+    return list(dict.fromkeys(out))
 
 
 def _parse_multiaddr(addr: str) -> multiaddr.Multiaddr:

@@ -300,3 +300,13 @@ async def test_8_a_peer_that_was_down_can_be_dialed_as_soon_as_it_is_up() -> Non
         async with running(again):
             assert await client.connect(addr) == again.peer_id  # 0.8.1: refused for 60 s
             assert (await ping(client, again.peer_id, seq=4)).seq == 4
+
+
+def test_wildcard_listen_addresses_become_dialable_ones() -> None:
+    """An invite must never carry 0.0.0.0: a phone cannot dial it. (Pure: binds nothing.)"""
+    from psymesh.node.p2p import expand_wildcard
+
+    pid = "12D3KooWJCevK34nNaipykeTiL258pTHkFv4WE4NJJQ34nC4TPVy"
+    got = expand_wildcard([f"/ip4/0.0.0.0/tcp/4001/p2p/{pid}", f"/ip4/127.0.0.1/tcp/4001/p2p/{pid}"],
+                          ["192.168.1.20", "127.0.0.1"])
+    assert got == [f"/ip4/192.168.1.20/tcp/4001/p2p/{pid}", f"/ip4/127.0.0.1/tcp/4001/p2p/{pid}"]
