@@ -320,9 +320,34 @@ def render_prompt(
     """
     if not messages:
         raise ChatFormatError("no messages to render")
+    messages = [_defanged(m) for m in messages]
     if template:
         return _render_jinja(template, messages, tools, thinking=thinking, add_generation_prompt=add_generation_prompt)
     return _render_builtin(messages, tools, thinking=thinking, add_generation_prompt=add_generation_prompt)
+
+
+# The runtime tokenizes prompts with special tokens parsed (the template's own markers must
+# become control tokens), so the same text inside a message would too: a goal or chat message
+# from a peer could end its turn and open a system turn of its own. Message text therefore
+# gets an invisible word joiner inside each control token, which breaks the token match.
+_CONTROL_TOKENS = (IM_START, IM_END, "<|endoftext|>")
+_WORD_JOINER = "\u2060"
+
+
+def neutralize_control_tokens(text: str) -> str:
+    """`<|im_end|>` in message text -> `<\u2060|im_end|>`: readable, but never a control token."""
+    for token in _CONTROL_TOKENS:
+        if token in text:
+            text = text.replace(token, token[0] + _WORD_JOINER + token[1:])
+    return text
+
+
+def _defanged(message: ChatMessage) -> ChatMessage:
+    content = neutralize_control_tokens(message.content)
+    reasoning = None if message.reasoning is None else neutralize_control_tokens(message.reasoning)
+    if content == message.content and reasoning == message.reasoning:
+        return message
+    return message.model_copy(update={"content": content, "reasoning": reasoning})
 
 
 _PREFIX_SENTINEL = "\u2063psymesh-prefix-sentinel\u2063"
