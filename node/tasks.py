@@ -352,6 +352,11 @@ class TaskExecutor:
                 self._emit(task_id, EventKind.RESULT, {"result": result})
             except PsymeshError as exc:
                 self._fail(task_id, exc.code, exc.message)
+            except anyio.get_cancelled_exc_class():
+                if not scope.cancel_called:  # the node is shutting down, not a cancel of this task:
+                    ctx.cancel()             # requeue it now, so a clean stop is not counted as a crash
+                    self._emit(task_id, EventKind.REQUEUED, {"reason": "executor shut down"})
+                raise
             finally:
                 self._running.pop(task_id, None)
         if scope.cancel_called:

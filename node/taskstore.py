@@ -325,23 +325,44 @@ class ExecutorStore:
                              {"code": ErrorCode.TIMEOUT.value, "message": "deadline passed"}, None, now)
             return [TaskRecord.from_row(self._log.row(i)) for i in ids]
 
-    def recover(self, now: float | None = None) -> list[TaskRecord]:
+    def recover(self, now: float | None = None, max_interrupted_runs: int = 5) -> list[TaskRecord]:
         """At startup: requeue work a crash interrupted; returns the queue, oldest first.
 
         Overdue tasks fail with TIMEOUT. Every other unfinished task gets a `requeued`
         event (back to submitted: partial output seen so far is void) and is returned
-        for the service to run again.
+        for the service to run again. A task found *running* (its node died under it,
+        since a clean shutdown requeues running work itself) counts one interrupted
+        run; one that has taken the node down `max_interrupted_runs` times fails with
+        INTERNAL instead, so a task that crashes its executor cannot crash-loop it.
         """
         now = _now(now)
         self.expire(now)
         marks, states = _placeholders(s.value for s in ACTIVE_STATES)
+        queue: list[str] = []
         with transaction(self.conn):
-            ids = [r["id"] for r in self.conn.execute(
-                f"SELECT id FROM exec_tasks WHERE state IN ({marks}) ORDER BY created_at, rowid", states,
-            )]
-            for task_id in ids:
-                self._append(task_id, EventKind.REQUEUED, {"reason": "executor restarted"}, None, now)
-            return [TaskRecord.from_row(self._log.row(i)) for i in ids]
+            rows = self.conn.execute(
+                f"SELECT id, state FROM exec_tasks WHERE state IN ({marks}) ORDER BY created_at, rowid", states,
+            ).fetchall()
+            for row in rows:
+                task_id, was_running = row["id"], row["state"] != TaskState.SUBMITTED.value
+                if not was_running:
+                    self._append(task_id, EventKind.REQUEUED, {"reason": "executor restarted"}, None, now)
+                    queue.append(task_id)
+                    continue
+                runs = 1 + self.conn.execute(
+                    "SELECT COUNT(*) FROM exec_events WHERE task_id = ? AND kind = ? "
+                    "AND json_extract(data, '$.interrupted_run') = 1", (task_id, EventKind.REQUEUED.value),
+                ).fetchone()[0]
+                if runs >= max_interrupted_runs:
+                    self._append(task_id, EventKind.ERROR, {
+                        "code": ErrorCode.INTERNAL.value,
+                        "message": f"the executor stopped {runs} times while running this task; not retrying it",
+                    }, None, now)
+                    continue
+                self._append(task_id, EventKind.REQUEUED, {"reason": "executor restarted while running it",
+                                                           "interrupted_run": True}, None, now)
+                queue.append(task_id)
+            return [TaskRecord.from_row(self._log.row(i)) for i in queue]
 
     def purge(self, now: float | None, retention_s: float) -> int:
         """Delete finished tasks that are fully fetched or older than `retention_s`; returns how many."""

@@ -314,3 +314,27 @@ async def test_cancel_while_the_task_is_on_its_way_reaches_the_home(tmp_path: Pa
     finally:
         await phone.stop()
         await home.stop()
+
+
+async def test_clean_stop_mid_task_requeues_without_counting_a_crash(tmp_path: Path, plugin_log: Path,
+                                                                     tiny_model: Path) -> None:
+    """SIGTERM while a task runs: the home requeues it itself (so crash-loop protection does
+    not count it), runs it again after the restart, and the phone gets the result."""
+    home, phone = await _start_pair(tmp_path, tiny_model)
+    try:
+        async with phone.client() as c:
+            task = await c.delegate("home", tool="chaos.work", args={"tag": "w0", "ms": 3000})
+            with anyio.fail_after(30):
+                while "start w0" not in plugin_log.read_text():
+                    await anyio.sleep(0.05)
+            assert await home.stop() == 0
+            await home.start()
+            with anyio.fail_after(60):
+                assert (await task.result())["tag"] == "w0"
+            events = [ev async for ev in task.events()]
+        requeues = [e.data for e in events if e.kind is EventKind.REQUEUED]
+        assert requeues and requeues[0]["reason"] == "executor shut down"
+        assert not any(r.get("interrupted_run") for r in requeues)
+    finally:
+        await phone.stop()
+        await home.stop()

@@ -396,3 +396,26 @@ def test_outbox_survives_restart_and_purges_by_age(tmp_path: Path, store: Execut
     assert box.purge(T0 + 200, retention_s=100) == 1
     assert box.list() == []
     box.conn.close()
+
+
+def test_a_task_that_keeps_killing_its_executor_is_given_up(tmp_path: Path) -> None:
+    """Crash-loop protection: a task found running at startup counts one interrupted run;
+    a task requeued by a clean shutdown does not count."""
+    from psymesh.node.db import open_db
+    from psymesh.node.taskstore import ExecutorStore
+    from psymesh.protocol.tasks import EventKind, TaskKind, TaskSpec, TaskState
+
+    store = ExecutorStore(open_db(tmp_path / "node.db"))
+    spec = TaskSpec(id="poison", kind=TaskKind.TOOL, tool="system.info")
+    store.submit(spec, "12D3KooWJCevK34nNaipykeTiL258pTHkFv4WE4NJJQ34nC4TPVy")
+    store.append_event("poison", EventKind.STATE, new_state=TaskState.WORKING)
+    store.append_event("poison", EventKind.REQUEUED, {"reason": "executor shut down"})  # clean stop: free
+    for run in range(1, 5):
+        store.append_event("poison", EventKind.STATE, new_state=TaskState.WORKING)
+        assert [r.id for r in store.recover(max_interrupted_runs=5)] == ["poison"], run  # crash `run`
+    store.append_event("poison", EventKind.STATE, new_state=TaskState.WORKING)
+    assert store.recover(max_interrupted_runs=5) == []  # the fifth crash under it: given up
+    record = store.get("poison")
+    assert record.state is TaskState.FAILED
+    outcome = store.outcome("poison")
+    assert outcome is not None and outcome.code == "internal" and "5 times" in outcome.message
