@@ -39,7 +39,7 @@ from psymesh.node.gate import Gate
 from psymesh.node.logs import fields
 from psymesh.node.models import ModelPool
 from psymesh.node.p2p import P2PStream
-from psymesh.node.taskstore import ExecutorStore, Outbox, TaskNotFound, TaskRecord
+from psymesh.node.taskstore import ExecutorStore, Outbox, OutboxTask, TaskNotFound, TaskRecord
 from psymesh.node.trust import TrustStore
 from psymesh.protocol import ids
 from psymesh.protocol.errors import ErrorCode, ProtocolError, PsymeshError, RemoteError
@@ -587,23 +587,34 @@ class TaskSubmitter:
         return await self._request(target, TaskSubmit(spec=spec), TaskAccepted)
 
     async def _deliver_pending(self) -> None:
-        now = time.monotonic()
+        """Resend what no executor has accepted yet: each target in parallel (a home that
+        has gone silent must not hold up delivery to the others), in order within one."""
+        by_target: dict[str, list[OutboxTask]] = {}
         for task in self.outbox.pending():
-            if self._not_before.get(task.target, 0) > now or task.id in self._submitting:
+            by_target.setdefault(task.target, []).append(task)
+        async with anyio.create_task_group() as tg:
+            for target, tasks in by_target.items():
+                tg.start_soon(self._deliver_to, target, tasks)
+
+    async def _deliver_to(self, target: str, tasks: list[OutboxTask]) -> None:
+        for task in tasks:
+            if self._not_before.get(target, 0) > time.monotonic():
+                return  # busy or unreachable: the loop wakes us when it is worth trying again
+            if task.id in self._submitting:
                 continue
             try:
-                await self._send_submit(task.target, task.spec)
+                await self._send_submit(target, task.spec)
             except RemoteError as exc:
                 if exc.code in (ErrorCode.BUSY, ErrorCode.RATE_LIMITED, ErrorCode.UNAVAILABLE):
-                    self._not_before[task.target] = time.monotonic() + (exc.retry_after or self.RETRY_MIN_S)
+                    self._not_before[target] = time.monotonic() + (exc.retry_after or self.RETRY_MIN_S)
                 else:
                     self._finish_locally(task.id, TaskState.REJECTED, exc.code.value, exc.message)
                 continue
             except PsymeshError:
-                self._retry_later(task.target)
+                self._retry_later(target)
                 continue
-            self._backoff.pop(task.target, None)
-            await self._handed_over(task.id, task.target)
+            self._backoff.pop(target, None)
+            await self._handed_over(task.id, target)
 
     async def _handed_over(self, task_id: str, target: str) -> None:
         """The executor holds the task now: mirror its events, unless the app canceled
