@@ -102,6 +102,14 @@ class _Waiters:
         self.count = 0
 
 
+class _Probe:
+    """A liveness ping in flight; tasks following the same peer wait for its outcome."""
+
+    def __init__(self) -> None:
+        self.done = anyio.Event()
+        self.ok = True  # unless the ping fails (a probe cancelled midway says nothing)
+
+
 class _Answer:
     """A task waiting in input-required for its submitter's answer."""
 
@@ -475,6 +483,8 @@ class TaskSubmitter:
         # the connection if it does not answer in as long again.
         self.liveness_probe_s = liveness_probe_s
         self.drop_peer = drop_peer
+        self._heard: dict[str, float] = {}        # peer -> when anything last arrived from it
+        self._probes: dict[str, _Probe] = {}      # peer -> the liveness ping in flight
         self.outbox = outbox
         self.trust = trust
         self.open_stream = open_stream
@@ -698,14 +708,14 @@ class TaskSubmitter:
             return await self._ack(task_id, target)
         stream = await self.open_stream(target, ids.TASK)
         framed = FramedStream(stream, self.max_frame_size)
-        heard = [time.monotonic()]
+        self._heard[target] = time.monotonic()  # the stream opened: it is alive now
         dead = anyio.Event()
         failure: Exception | None = None  # raised after the task group, so callers see it unwrapped
         try:
             async with anyio.create_task_group() as tg:
-                tg.start_soon(self._watch_liveness, target, heard, dead, tg.cancel_scope)
+                tg.start_soon(self._watch_liveness, target, dead, tg.cancel_scope)
                 try:
-                    await self._mirror(framed, task_id, target, heard)
+                    await self._mirror(framed, task_id, target)
                 except Exception as exc:
                     failure = exc
                 tg.cancel_scope.cancel()
@@ -720,11 +730,11 @@ class TaskSubmitter:
         self._backoff.pop(target, None)
         return True
 
-    async def _mirror(self, framed: FramedStream, task_id: str, target: str, heard: list[float]) -> None:
+    async def _mirror(self, framed: FramedStream, task_id: str, target: str) -> None:
         await framed.send(TaskAttach(task_id=task_id, after_seq=self.outbox.last_seq(task_id)))
         while True:
             message = await framed.receive()
-            heard[0] = time.monotonic()
+            self._heard[target] = time.monotonic()
             if message is None:
                 raise PsymeshError("the executor closed the stream", code=ErrorCode.UNAVAILABLE)
             event = expect(message, TaskEvent)
@@ -738,28 +748,43 @@ class TaskSubmitter:
         with anyio.fail_after(10):
             expect(await framed.receive_required(), TaskStatus)
 
-    async def _watch_liveness(self, target: str, heard: list[float], dead: anyio.Event,
-                              attach: anyio.CancelScope) -> None:
-        """While an attach is quiet, check that the executor still answers (a ping)."""
+    async def _watch_liveness(self, target: str, dead: anyio.Event, attach: anyio.CancelScope) -> None:
+        """While `target` is quiet, check that it still answers; if not, end this attach."""
         while True:
-            await anyio.sleep(max(0.0, heard[0] + self.liveness_probe_s - time.monotonic()))
-            if time.monotonic() - heard[0] < self.liveness_probe_s:
-                continue
-            try:
-                with anyio.fail_after(self.liveness_probe_s):
-                    stream = await self.open_stream(target, ids.PING)
-                    await request_once(stream, Ping(seq=0), Pong, max_frame_size=self.max_frame_size)
-            except RemoteError:
-                pass  # it answered (even a refusal means it is alive)
-            except (PsymeshError, TimeoutError):
-                log.info("%s did not answer a liveness ping; dropping the connection", target)
+            await anyio.sleep(max(0.0, self._heard.get(target, 0.0) + self.liveness_probe_s - time.monotonic()))
+            if time.monotonic() - self._heard.get(target, 0.0) < self.liveness_probe_s:
+                continue  # something arrived from it meanwhile, on any of its tasks
+            if not await self._alive(target):
                 dead.set()
-                if self.drop_peer is not None:
-                    with anyio.move_on_after(5, shield=True):
-                        await self.drop_peer(target)
                 attach.cancel()
                 return
-            heard[0] = time.monotonic()
+
+    async def _alive(self, target: str) -> bool:
+        """One liveness ping per target, shared by every task following it: a phone waiting on
+        many quiet tasks (say, all in input-required) must not spend its request rate on pings."""
+        probe = self._probes.get(target)
+        if probe is not None:
+            await probe.done.wait()
+            return probe.ok
+        probe = self._probes[target] = _Probe()
+        try:
+            with anyio.fail_after(self.liveness_probe_s):
+                stream = await self.open_stream(target, ids.PING)
+                await request_once(stream, Ping(seq=0), Pong, max_frame_size=self.max_frame_size)
+        except RemoteError:
+            pass  # it answered (even a refusal means it is alive)
+        except (PsymeshError, TimeoutError):
+            probe.ok = False
+            log.info("%s did not answer a liveness ping; dropping the connection", target)
+            if self.drop_peer is not None:
+                with anyio.move_on_after(5, shield=True):
+                    await self.drop_peer(target)
+        finally:
+            del self._probes[target]
+            probe.done.set()
+        if probe.ok:
+            self._heard[target] = time.monotonic()
+        return probe.ok
 
     async def _ack(self, task_id: str, target: str) -> bool:
         """`task.ack` on a stream of its own: the executor may now forget the task."""

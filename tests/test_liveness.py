@@ -78,3 +78,33 @@ async def test_phone_recovers_from_a_silently_dead_connection(tmp_path: Path) ->
             with anyio.fail_after(45):  # without the liveness ping this waits for TCP (~15 min)
                 assert await task.result() == {"done": True}
         tg.cancel_scope.cancel()
+
+
+async def test_many_quiet_tasks_share_one_liveness_ping(tmp_path: Path) -> None:
+    """Tasks waiting on the same home must not each spend the phone's request rate on pings."""
+    from conftest import pair
+
+    phone_home = NodeHome(tmp_path / "phone")
+    phone_home.init(profile="phone", name="phone")
+    phone_home.save_config(phone_home.load_config().model_copy(update={"liveness_probe_s": 1.0}))
+
+    async def quiet() -> dict:
+        await anyio.sleep(3.5)
+        return {"done": True}
+
+    async with run_nodes(tmp_path, "home", "phone", profiles={"phone": "phone"}) as nodes:
+        home = nodes["home"]
+        home.tools.register(tool_from_function(quiet, "test.quiet"))
+        await pair(home.home.path, phone_home.path)
+        async with Client(home.home.path) as h, Client(phone_home.path) as p:
+            await h.grant("phone", ["tool:test.quiet"])
+            started = anyio.current_time()
+            tasks = [await p.delegate("home", tool="test.quiet") for _ in range(6)]
+            with anyio.fail_after(60):
+                for t in tasks:
+                    assert await t.result() == {"done": True}
+            quiet_s = anyio.current_time() - started  # the grant runs 2 at a time: ~3 rounds of 3.5 s
+            pings = [r for r in await h.audit(limit=1000) if r["operation"] == "ping"]
+        # One probe a quiet second for the home, shared by all six followers (each on its own
+        # would make it about six times as many).
+        assert 1 <= len(pings) <= quiet_s + 3, (len(pings), quiet_s)
