@@ -175,15 +175,8 @@ class Node:
         if peer.startswith("/"):
             return await self.p2p.open_stream(peer, protocol)
         known = self.trust.resolve(peer)
-        targets = [f"{a}/p2p/{known.peer_id}" if "/p2p/" not in a else a for a in known.addrs] or [known.peer_id]
-        last: PsymeshError | None = None
-        for target in targets:
-            try:
-                return await self.p2p.open_stream(target, protocol)
-            except PsymeshError as exc:
-                last = exc
-        raise PsymeshError(f"{known.name} ({known.peer_id}) is unreachable: {last.message if last else ''}",
-                           code=ErrorCode.UNAVAILABLE)
+        return await self.p2p.open_stream_any(known.peer_id, known.addrs, protocol,
+                                              who=f"{known.name} ({known.peer_id})")
 
     async def push_manifest(self, peer_id: str, manifest: Manifest) -> bool:
         """Hand `peer_id` its current grant; best effort (it can also learn it at the next pairing)."""

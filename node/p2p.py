@@ -331,6 +331,20 @@ class P2PNode:
                                 code=ErrorCode.UNAVAILABLE) from exc
         return P2PStream(stream, protocol)
 
+    async def open_stream_any(self, peer_id: str, addrs: Sequence[str], protocol: str, *,
+                              who: str | None = None) -> P2PStream:
+        """Open `protocol` to `peer_id` through the first of `addrs` that works (with no
+        addresses: an open connection or the peerstore's). UNAVAILABLE names `who` and why."""
+        targets = [a if "/p2p/" in a else f"{a}/p2p/{peer_id}" for a in addrs] or [peer_id]
+        last: PsymeshError | None = None
+        for target in targets:
+            try:
+                return await self.open_stream(target, protocol)
+            except PsymeshError as exc:
+                last = exc
+        raise ProtocolError(f"{who or peer_id} is unreachable: {last.message if last else ''}",
+                            code=ErrorCode.UNAVAILABLE)
+
     async def _dial(self, info: PeerInfo, addr: str) -> None:
         self._require_running()
         if str(info.peer_id) == self.peer_id:

@@ -127,7 +127,7 @@ class PairingService:
                                code=ErrorCode.BAD_REQUEST)
         if ticket.peer_id == self.identity.peer_id:
             raise PsymeshError("that invite is from this node itself", code=ErrorCode.BAD_REQUEST)
-        stream = await self._dial_any(ticket.peer_id, list(ticket.addrs))
+        stream = await self.p2p.open_stream_any(ticket.peer_id, ticket.addrs, ids.PAIR, who="the inviter")
         framed = FramedStream(stream, self.config.max_frame_size)
         try:
             joiner = PairingJoiner(ticket.code, local_peer_id=self.identity.peer_id,
@@ -155,14 +155,3 @@ class PairingService:
         log.info("paired with %s (%s); verification: %s", result.name, result.peer_id, result.verification)
         return c.PairedReply(peer_id=peer.peer_id, name=peer.name, role=peer.role, verification=result.verification,
                              granted=granted_back.grants() if granted_back else [], received=result.manifest.grants())
-
-    async def _dial_any(self, peer_id: str, addrs: list[str]):
-        last: PsymeshError | None = None
-        for addr in addrs:
-            full = addr if "/p2p/" in addr else f"{addr}/p2p/{peer_id}"
-            try:
-                return await self.p2p.open_stream(full, ids.PAIR)
-            except PsymeshError as exc:
-                last = exc
-        raise PsymeshError(f"could not reach the inviter at {', '.join(addrs)}: {last.message if last else ''}",
-                           code=ErrorCode.UNAVAILABLE)
