@@ -547,13 +547,10 @@ def model() -> None:
 def model_add(home: str | None, out: Output, name: str, path: str, n_ctx: int, n_threads: int | None,
               chat_template: str | None) -> None:
     """Register PATH (a .gguf file) as model NAME. A running daemon uses it at once."""
-    from psymesh.node.db import open_db
-    from psymesh.node.models import ModelRegistry
-
     node_home = NodeHome(home)
     node_home.init()
     template = open(chat_template).read() if chat_template else None
-    row = ModelRegistry(open_db(node_home.db_path)).add(name, path, n_ctx=n_ctx, n_threads=n_threads,
+    row = _models(node_home).add(name, path, n_ctx=n_ctx, n_threads=n_threads,
                                                         chat_template=template)
     out.data({k: v for k, v in row.items() if k != "chat_template"},
              lambda con: con.print(f"model {name} -> {row['path']}"))
@@ -566,15 +563,14 @@ def model_add(home: str | None, out: Output, name: str, path: str, n_ctx: int, n
 @click.option("--name", default=None, help="Register it under this name (default: the repo's name).")
 def model_pull(home: str | None, out: Output, repo_id: str, quant: str, name: str | None) -> None:
     """Download a GGUF model from the Hugging Face hub and register it."""
-    from psymesh.node.db import open_db
-    from psymesh.node.models import ModelRegistry, pull_model
+    from psymesh.node.models import pull_model
 
     node_home = NodeHome(home)
     node_home.init()
     out.hint(f"fetching the {quant} GGUF of {repo_id} ...")
     path = pull_model(repo_id, quant, node_home.models_dir / repo_id.replace("/", "--"))
     name = name or repo_id.split("/")[-1].lower()
-    row = ModelRegistry(open_db(node_home.db_path)).add(name, path)
+    row = _models(node_home).add(name, path)
     out.data({k: v for k, v in row.items() if k != "chat_template"},
              lambda con: con.print(f"model {name} -> {path}"))
 
@@ -583,11 +579,8 @@ def model_pull(home: str | None, out: Output, repo_id: str, quant: str, name: st
 @command
 def model_list(home: str | None, out: Output) -> None:
     """Registered models."""
-    from psymesh.node.db import open_db
-    from psymesh.node.models import ModelRegistry
-
     node_home = NodeHome(home)
-    rows = ModelRegistry(open_db(node_home.db_path)).list() if node_home.db_path.exists() else []
+    rows = _models(node_home).list() if node_home.db_path.exists() else []
     rows = [{**{k: v for k, v in r.items() if k != "chat_template"}, "chat_template_override": bool(r["chat_template"])}
             for r in rows]
 
@@ -608,13 +601,12 @@ def agent() -> None:
     """Run the BotPsy agent on a goal, here or on a paired home PC."""
 
 
-def _local_model_settings(node_home: NodeHome, model_name: str | None, default: str | None) -> Any:
-    from psymesh.node.agents import pick_model
+def _models(node_home: NodeHome) -> Any:
+    """This node's model registry (read straight from its database: no daemon needed)."""
     from psymesh.node.db import open_db
     from psymesh.node.models import ModelRegistry
 
-    registry = ModelRegistry(open_db(node_home.db_path))
-    return registry, pick_model(registry, model_name, default)
+    return ModelRegistry(open_db(node_home.db_path))
 
 
 def _print_agent_event(out: Output, ev: Any) -> None:
@@ -670,10 +662,7 @@ def agent_run(home: str | None, out: Output, goal: str, model_name: str | None, 
             return []  # no daemon: nothing to delegate to
 
     async def go() -> Any:
-        from psymesh.node.db import open_db
-        from psymesh.node.models import ModelRegistry
-
-        registry = ModelRegistry(open_db(node_home.db_path))
+        registry = _models(node_home)
         offers = await remote_offers() if delegate != "never" else []
         local = frozenset(registry.names())
         # No model named and none here: the task needs "a model", which only a remote may have.
@@ -686,20 +675,20 @@ def agent_run(home: str | None, out: Output, goal: str, model_name: str | None, 
         out.hint(f"running {'on a paired home PC' if decision.where == 'remote' else 'here'}: {decision.reason}")
         if decision.where == "remote":
             return await _agent_remote(home, out, goal, to, params, yes)
-        return await _agent_local(node_home, config, out, goal, model_name, params, yes)
+        return await _agent_local(node_home, config, registry, out, goal, model_name, params, yes)
 
     result = run_async(go)
     out.data(result, lambda con: con.print(result["answer"]))
 
 
-async def _agent_local(node_home: NodeHome, config: Any, out: Output, goal: str, model_name: str | None,
-                       params: dict[str, Any], yes: bool) -> dict[str, Any]:
+async def _agent_local(node_home: NodeHome, config: Any, registry: Any, out: Output, goal: str,
+                       model_name: str | None, params: dict[str, Any], yes: bool) -> dict[str, Any]:
     from psymesh.agent.loop import run_agent
     from psymesh.agent.runtime import ModelWorker
     from psymesh.agent.tools import ToolContext
-    from psymesh.node.agents import agent_config, llama_model, node_tools, result_of
+    from psymesh.node.agents import agent_config, llama_model, node_tools, pick_model, result_of
 
-    registry, name = _local_model_settings(node_home, model_name, config.agent_model)
+    name = pick_model(registry, model_name, config.agent_model)
 
     async def confirm(call: Any, tool: Any) -> bool:
         if yes:
@@ -747,11 +736,12 @@ def eval_cmd(home: str | None, out: Output, cases: str, model_name: str, free_fo
     """Score a model on function-calling cases (JSONL), per category, BFCL-style."""
     from psymesh.agent.evaluation import evaluate, format_report, load_cases
     from psymesh.agent.runtime import ModelWorker
-    from psymesh.node.agents import llama_model
+    from psymesh.node.agents import llama_model, pick_model
 
     node_home = NodeHome(home)
     node_home.init()
-    registry, name = _local_model_settings(node_home, model_name, None)
+    registry = _models(node_home)
+    name = pick_model(registry, model_name, None)
     loaded = load_cases(cases)
 
     async def progress(r: Any) -> None:
