@@ -26,9 +26,6 @@ import http.client
 import json
 import os
 import socket
-import statistics
-import subprocess
-import sys
 import tempfile
 import textwrap
 import time
@@ -37,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import anyio
+from _common import spawn_server, summarize
 
 ROOT = Path(__file__).resolve().parent.parent
 WARMUP = 20
@@ -89,19 +87,13 @@ def install_plugin(where: Path) -> None:
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(where), os.environ.get("PYTHONPATH")]))
 
 
-def summarize(samples_ms: list[float]) -> tuple[float, float]:
-    ordered = sorted(samples_ms)
-    return statistics.median(ordered), ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))]
-
 
 # --------------------------------------------------------------------------- HTTP baseline
 
 
 def bench_http(runs: int) -> list[float]:
-    proc = subprocess.Popen([sys.executable, "-c", HTTP_SERVER], stdout=subprocess.PIPE, text=True)
+    proc, port = spawn_server(HTTP_SERVER)
     try:
-        assert proc.stdout is not None
-        port = int(proc.stdout.readline())
         conn = http.client.HTTPConnection("127.0.0.1", port)
         conn.connect()
         assert conn.sock is not None

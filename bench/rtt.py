@@ -17,14 +17,13 @@ import argparse
 import http.client
 import socket
 import statistics
-import subprocess
-import sys
 import tempfile
 import textwrap
 import time
 from pathlib import Path
 
 import anyio
+from _common import spawn_server, summarize
 
 PAYLOAD = b"x" * 32
 
@@ -60,19 +59,10 @@ TCP_SERVER = textwrap.dedent("""
 """)
 
 
-def spawn(code: str) -> tuple[subprocess.Popen[str], int]:
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-    assert proc.stdout is not None
-    return proc, int(proc.stdout.readline())
-
-
-def summarize(samples_ms: list[float]) -> tuple[float, float]:
-    ordered = sorted(samples_ms)
-    return statistics.median(ordered), ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))]
 
 
 def bench_http(count: int) -> list[float]:
-    proc, port = spawn(HTTP_SERVER)
+    proc, port = spawn_server(HTTP_SERVER)
     try:
         conn = http.client.HTTPConnection("127.0.0.1", port)
         conn.connect()
@@ -91,7 +81,7 @@ def bench_http(count: int) -> list[float]:
 
 
 def bench_tcp(count: int) -> list[float]:
-    proc, port = spawn(TCP_SERVER)
+    proc, port = spawn_server(TCP_SERVER)
     try:
         s = socket.create_connection(("127.0.0.1", port))
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
