@@ -7,6 +7,7 @@ version bump; a change that breaks old readers bumps `v`.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, ClassVar, TypeVar
 
 import msgpack
@@ -40,9 +41,12 @@ def message_types() -> dict[str, type[Message]]:
     return dict(_REGISTRY)
 
 
-def pack(message: Message) -> bytes:
-    """Encode a message as a frame body (no length prefix)."""
+def pack(message: Message, envelope: Mapping[str, Any] | None = None) -> bytes:
+    """Encode a message as a frame body (no length prefix). `envelope` adds keys beside `v`
+    and `type` that belong to the stream, not the message (a session's `rid` and `end`)."""
     body = message.model_dump(mode="python")
+    if envelope:
+        body.update(envelope)
     body["v"] = SCHEMA_VERSION
     body["type"] = message.type
     return msgpack.packb(body, use_bin_type=True)
@@ -65,7 +69,11 @@ def decode_map(body: bytes) -> dict[str, Any]:
 
 def unpack(body: bytes) -> Message:
     """Decode a frame body into its registered message class, validating every field."""
-    obj = decode_map(body)
+    return from_map(decode_map(body))
+
+
+def from_map(obj: dict[str, Any]) -> Message:
+    """The message an envelope map holds (`v` and `type` are consumed)."""
     version = obj.pop("v", None)
     kind = obj.pop("type", None)
     if not isinstance(version, int) or isinstance(version, bool):
