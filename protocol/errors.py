@@ -2,7 +2,11 @@
 
     PsymeshError            .code is a stable string from ErrorCode
     ├── ProtocolError       bytes or messages that break the protocol (ours or the peer's)
-    └── RemoteError         the other side answered with a typed error reply
+    ├── RemoteError         the other side answered with a typed error reply
+    └── NetworkError        the network failed us; retrying later may work (unavailable)
+        ├── ConnectError        could not reach the peer
+        ├── NetworkTimeout      no answer in time (timeout)
+        └── ConnectionLost      an open connection, stream or session ended under us
 
 Codes travel on the wire inside `error` replies, so they never change meaning;
 new ones may be added. Callers branch on `.code`, people read `.message`.
@@ -67,3 +71,25 @@ class ProtocolError(PsymeshError):
 
 class RemoteError(PsymeshError):
     """The other side refused or failed a request and said why (an `error` reply)."""
+
+
+class NetworkError(PsymeshError):
+    """The network failed us: nothing was refused, and the same request may work later.
+    Mapped from libp2p and socket exceptions where `node/` calls them (as httpcore maps
+    its transport's errors), so callers branch on the class, never on a message."""
+
+    default_code = ErrorCode.UNAVAILABLE
+
+
+class ConnectError(NetworkError):
+    """The peer could not be reached (no route, refused, handshake failed)."""
+
+
+class NetworkTimeout(NetworkError):
+    """The peer did not answer in time."""
+
+    default_code = ErrorCode.TIMEOUT
+
+
+class ConnectionLost(NetworkError):
+    """An open connection, stream or session ended under a request."""

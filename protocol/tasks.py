@@ -380,10 +380,13 @@ class TaskStatus(Message):
 
 
 class TaskSubmit(Message):
-    """Submit (or harmlessly resubmit) a task. Reply: `task.accepted` or an `error`."""
+    """Submit (or harmlessly resubmit) a task. Reply: `task.accepted` or an `error`.
+    With `follow` (on a session), `task.accepted` does not end the answer: the task's
+    events follow on the same request, as for `task.attach` with `after_seq` 0."""
 
     type = "task.submit"
     spec: TaskSpec
+    follow: bool = False
 
 
 class TaskAccepted(Message):

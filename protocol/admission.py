@@ -1,0 +1,97 @@
+"""What each inbound request needs before it may run: the one table the gate applies.
+
+Every request message a peer may send on a session has a row here. A message type
+with no row is refused (`bad_request`), and a test checks that every message a node
+serves has one, so a new service cannot skip the door by accident.
+
+    need         what is checked (after "the peer is paired and not revoked")
+    ──────────   ─────────────────────────────────────────────────────────────────
+    capability   a grant of ours, in date, with a capability covering `operation()`
+    grant        a grant of ours, in date (peer-level requests: ping, task.attach)
+    issuer       nothing of ours: the message carries a manifest the *sender* issued
+                 to *us*, validly signed (manifest.push: we accept what we are given)
+
+`charged` requests spend one unit of the grant's `requests_per_minute`. The messages
+that follow a task already admitted (attach, ack, cancel, input) are not charged:
+one task counts as one request. `starts_task` rows are also held to the queue
+limits (the grant's `concurrent_tasks` and the node's own).
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+
+from psymesh.protocol.common import Ping
+from psymesh.protocol.errors import ErrorCode, PsymeshError
+from psymesh.protocol.manifest import ManifestPush, Operation
+from psymesh.protocol.messages import Message
+from psymesh.protocol.tasks import (
+    TaskAck,
+    TaskAttach,
+    TaskCancel,
+    TaskCaps,
+    TaskInput,
+    TaskKind,
+    TaskList,
+    TaskSpec,
+    TaskSubmit,
+)
+
+
+class Need(StrEnum):
+    CAPABILITY = "capability"
+    GRANT = "grant"
+    ISSUER = "issuer"
+
+
+@dataclass(frozen=True)
+class Rule:
+    service: str
+    need: Need
+    charged: bool = True
+    starts_task: bool = False
+
+
+REQUESTS: Mapping[type[Message], Rule] = {
+    TaskSubmit: Rule("task", Need.CAPABILITY, starts_task=True),
+    TaskAttach: Rule("task", Need.GRANT, charged=False),
+    TaskAck: Rule("task", Need.GRANT, charged=False),
+    TaskCancel: Rule("task", Need.GRANT, charged=False),
+    TaskInput: Rule("task", Need.GRANT, charged=False),
+    TaskList: Rule("task", Need.GRANT),
+    TaskCaps: Rule("task", Need.GRANT),
+    Ping: Rule("ping", Need.GRANT),
+    ManifestPush: Rule("manifest", Need.ISSUER, charged=False),
+}
+
+
+def rule_for(request: Message) -> Rule:
+    rule = REQUESTS.get(type(request))
+    if rule is None:
+        raise PsymeshError(f"{request.type!r} is not a request this node serves", code=ErrorCode.BAD_REQUEST)
+    return rule
+
+
+def operation_for(request: Message) -> Operation | None:
+    """The operation a `capability` request asks the manifest about (None for the others)."""
+    if isinstance(request, TaskSubmit):
+        return task_operation(request.spec)
+    return None
+
+
+def task_operation(spec: TaskSpec) -> Operation:
+    """What the manifest must allow for `spec` (also re-checked when a queued task starts)."""
+    payload = len(spec.model_dump_json())
+    if spec.kind is TaskKind.TOOL:
+        assert spec.tool is not None
+        return Operation.tool_call(spec.tool, payload_bytes=payload)
+    if spec.kind is TaskKind.INFER:
+        return Operation.infer(spec.model, spec.max_tokens, payload_bytes=payload)
+    return Operation(name="task.agent", payload_bytes=payload)
+
+
+def label(request: Message) -> str:
+    """How the audit log names the request: the capability it needed, else its type."""
+    operation = operation_for(request)
+    return operation.required() if operation is not None else request.type
