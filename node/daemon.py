@@ -37,7 +37,18 @@ from psymesh.node.trust import TrustStore
 from psymesh.protocol import control as c
 from psymesh.protocol import ids
 from psymesh.protocol.errors import ErrorCode, ProtocolError, PsymeshError
-from psymesh.protocol.manifest import PRESETS, Manifest, ManifestOk, ManifestPush, Operation, check, new_manifest
+from psymesh.protocol.manifest import (
+    PRESETS,
+    Manifest,
+    ManifestOk,
+    ManifestPush,
+    ManifestRevoke,
+    Operation,
+    check,
+    new_manifest,
+    revocation,
+    verify_from_issuer,
+)
 from psymesh.protocol.messages import expect
 from psymesh.protocol.tasks import TaskCaps, TaskCapsReply, TaskSpec
 
@@ -47,6 +58,8 @@ InboundHandler = Callable[[FramedStream, str], Awaitable[None]]
 
 
 class Node:
+    REVOCATION_NOTICE_S = 2.0  # `psymesh revoke` waits at most this long for the peer to take the notice
+
     def __init__(self, home: NodeHome, config: NodeConfig | None = None) -> None:
         self.home = home
         self.identity = home.init()
@@ -180,14 +193,19 @@ class Node:
 
     async def push_manifest(self, peer_id: str, manifest: Manifest) -> bool:
         """Hand `peer_id` its current grant; best effort (it can also learn it at the next pairing)."""
+        return await self._tell_subject(peer_id, ManifestPush(manifest=manifest), "its new grant", timeout=10)
+
+    async def _tell_subject(self, peer_id: str, message: ManifestPush | ManifestRevoke, what: str, *,
+                            timeout: float) -> bool:
+        """One best-effort request on `/psymesh/manifest`, all of it within `timeout` seconds."""
         try:
-            with anyio.fail_after(10):
+            with anyio.fail_after(timeout):
                 stream = await self.open_peer_stream(peer_id, ids.MANIFEST)
-            await request_once(stream, ManifestPush(manifest=manifest), ManifestOk,
-                               max_frame_size=self.config.max_frame_size, timeout=10)
+                await request_once(stream, message, ManifestOk, max_frame_size=self.config.max_frame_size,
+                                   timeout=timeout)
             return True
         except (PsymeshError, TimeoutError) as exc:
-            log.info("could not hand %s its new grant: %s", peer_id, exc)
+            log.info("could not hand %s %s: %s", peer_id, what, exc)
             return False
 
     # -- inbound services ----------------------------------------------------------
@@ -196,15 +214,33 @@ class Node:
         await serve_ping(framed)
 
     async def _receive_manifest(self, framed: FramedStream, peer_id: str) -> None:
-        """A paired issuer hands us the grant it holds for us (we need grant nothing to accept it)."""
-        push = expect(await framed.receive_required(), ManifestPush)
-        m = push.manifest
-        if m.issuer != peer_id or m.subject != self.identity.peer_id or not m.signature_valid():
-            raise PsymeshError("a manifest must be issued by the sender, to us, and validly signed",
-                               code=ErrorCode.FORBIDDEN)
+        """A paired issuer hands us the grant it holds for us, or tells us it revoked us
+        (we need grant it nothing to accept either)."""
+        message = await framed.receive_required()
+        if isinstance(message, ManifestRevoke):
+            await self._receive_revocation(framed, peer_id, message)
+            return
+        m = expect(message, ManifestPush).manifest
+        verify_from_issuer(m, sender=peer_id, local_peer_id=self.identity.peer_id)
         self.trust.set_received(peer_id, m)
         self.audit.record(peer_id, ids.MANIFEST, "manifest.push", True)
         await framed.send(ManifestOk(serial=m.serial))
+
+    async def _receive_revocation(self, framed: FramedStream, peer_id: str, notice: ManifestRevoke) -> None:
+        """The issuer revoked us: stop following what it runs for us and submitting to it, now
+        (unless the notice is older than the grant we hold: one from before we paired again)."""
+        verify_from_issuer(notice, sender=peer_id, local_peer_id=self.identity.peer_id)
+        issuer = self.trust.get(peer_id)
+        assert issuer is not None  # inbound() let only paired peers through
+        if notice.voids(issuer.received):
+            ended = self.submitter.revoked_by(peer_id, ErrorCode.FORBIDDEN,
+                                              f"{issuer.name} revoked this node's access")
+            log.warning("%s (%s) revoked this node; %d delegated task(s) ended", issuer.name, peer_id, ended)
+            self.audit.record(peer_id, ids.MANIFEST, "manifest.revoke", True)
+        else:
+            self.audit.record(peer_id, ids.MANIFEST, "manifest.revoke", False, ErrorCode.CONFLICT.value,
+                              f"stale: serial {notice.serial} < held grant {issuer.received.serial}")
+        await framed.send(ManifestOk(serial=notice.serial))
 
     async def _ping(self, req: c.PingRequest, _: FramedStream) -> c.PingReply:
         start = time.perf_counter()
@@ -247,11 +283,16 @@ class Node:
         return c.PeerReply(peer={**updated.as_dict(), "delivered": delivered})
 
     async def _revoke(self, req: c.RevokeRequest, _: FramedStream) -> c.PeerReply:
-        """Takes effect at once: the trust store says no to the next request, and open
+        """Takes effect at once: the trust store says no to the next request, the peer is told
+        (a signed notice, so it stops following its tasks here and submitting new ones; at most
+        2 s, and a peer that misses it learns from the refusal of its next request), and open
         connections (with their streams) are closed now."""
         peer = self.trust.resolve(req.peer)
         self.trust.revoke(peer.peer_id)
         self.audit.record(peer.peer_id, "control", "revoke", True, reason="revoked by the owner")
+        notice = revocation(self.identity.peer_id, peer.peer_id, peer.granted, now=time.time())
+        await self._tell_subject(peer.peer_id, notice.sign(self.identity.private_key), "its revocation",
+                                 timeout=self.REVOCATION_NOTICE_S)
         await self.p2p.disconnect(peer.peer_id)
         canceled = self.executor.cancel_for(peer.peer_id, "the submitter was revoked")
         log.info("revoked %s: %d queued or running task(s) canceled", peer.name, canceled)

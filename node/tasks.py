@@ -493,7 +493,7 @@ class TaskSubmitter:
         self._wake = anyio.Event()
         self._not_before: dict[str, float] = {}   # peer -> when to try it again (busy/unreachable)
         self._backoff: dict[str, float] = {}
-        self._following: set[str] = set()
+        self._following: dict[str, anyio.CancelScope] = {}  # task id -> its follower, to stop it at once
         self._submitting: set[str] = set()        # first delivery in progress (not for the resend loop)
         self._tg: anyio.abc.TaskGroup | None = None
 
@@ -531,7 +531,12 @@ class TaskSubmitter:
             return existing.target, existing.accepted
         except TaskNotFound:
             pass
-        candidates = [self.trust.resolve(to).peer_id] if to else await self._candidates(spec, offers)
+        if to:
+            peer = self.trust.resolve(to)
+            peer.refuse_if_revoked_us()
+            candidates = [peer.peer_id]
+        else:
+            candidates = await self._candidates(spec, offers)
         # Durable before anything leaves this node: if we die while the executor accepts
         # it, the resend loop delivers it again after the restart (a harmless resubmit).
         self.outbox.add(candidates[0], spec)
@@ -547,6 +552,8 @@ class TaskSubmitter:
                         last = exc
                         continue
                     self.outbox.forget(spec.id)  # refused outright: as if never submitted
+                    if exc.code is ErrorCode.UNKNOWN_PEER:
+                        self.revoked_by(target, exc.code, self._refusal(target, exc))
                     raise  # forbidden, conflict, bad request: resending would not help
                 except PsymeshError as exc:
                     last = exc
@@ -576,6 +583,10 @@ class TaskSubmitter:
             try:
                 with anyio.fail_after(5):
                     caps = await offers(peer.peer_id)
+            except RemoteError as exc:
+                if exc.code is ErrorCode.UNKNOWN_PEER:  # it revoked us: never ask it again
+                    self.revoked_by(peer.peer_id, exc.code, self._refusal(peer.peer_id, exc))
+                continue
             except (PsymeshError, TimeoutError):
                 continue  # down or unhealthy: skip it
             if spec.kind is TaskKind.TOOL and spec.tool not in caps.tools:
@@ -617,6 +628,9 @@ class TaskSubmitter:
             except RemoteError as exc:
                 if exc.code in (ErrorCode.BUSY, ErrorCode.RATE_LIMITED, ErrorCode.UNAVAILABLE):
                     self._not_before[target] = time.monotonic() + (exc.retry_after or self.RETRY_MIN_S)
+                elif exc.code is ErrorCode.UNKNOWN_PEER:  # not this task: all of them, and for good
+                    self.revoked_by(target, exc.code, self._refusal(target, exc))
+                    return
                 else:
                     self._finish_locally(task.id, TaskState.REJECTED, exc.code.value, exc.message)
                 continue
@@ -666,37 +680,90 @@ class TaskSubmitter:
     def _follow(self, task_id: str, target: str) -> None:
         if task_id in self._following or self._tg is None:
             return
-        self._following.add(task_id)
-        self._tg.start_soon(self._follower, task_id, target)
+        scope = self._following[task_id] = anyio.CancelScope()
+        self._tg.start_soon(self._follower, task_id, target, scope)
 
-    async def _follower(self, task_id: str, target: str) -> None:
+    async def _follower(self, task_id: str, target: str, scope: anyio.CancelScope) -> None:
         try:
-            while True:
-                if self._not_before.get(target, 0) > time.monotonic():
-                    await anyio.sleep(self._not_before[target] - time.monotonic())
-                try:
-                    if await self._attach_once(task_id, target):
-                        return
-                except RemoteError as exc:
-                    if exc.code is ErrorCode.NOT_FOUND:  # the executor no longer holds it
-                        task = self.outbox.get(task_id)
-                        if not task.terminal:
-                            self._finish_locally_after(task_id, ErrorCode.NOT_FOUND,
-                                                       "the executor lost this task")
-                        # else it finished and was acked, and we died before noting the ack
-                        self._nothing_to_fetch(task_id)
-                        return
-                    self._retry_later(target)
-                except (PsymeshError, TimeoutError) as exc:
-                    log.debug("task %s: attach to %s failed: %s", task_id, target, exc)
-                    self._retry_later(target)
+            with scope:
+                while True:
+                    if self._not_before.get(target, 0) > time.monotonic():
+                        await anyio.sleep(self._not_before[target] - time.monotonic())
+                    try:
+                        if await self._attach_once(task_id, target):
+                            return
+                    except RemoteError as exc:
+                        if exc.code is ErrorCode.NOT_FOUND:  # the executor no longer holds it
+                            # (if we hold its end, it finished and was acked, and we died before noting the ack)
+                            self._end_locally(task_id, ErrorCode.NOT_FOUND, "the executor lost this task")
+                            return
+                        if self._access_refused(task_id, target, exc):
+                            return
+                        self._retry_later(target)
+                    except (PsymeshError, TimeoutError) as exc:
+                        log.debug("task %s: attach to %s failed: %s", task_id, target, exc)
+                        self._retry_later(target)
         finally:
-            self._following.discard(task_id)
+            if self._following.get(task_id) is scope:
+                del self._following[task_id]
+
+    # -- losing access ----------------------------------------------------------------------
+    def revoked_by(self, peer_id: str, code: ErrorCode, reason: str) -> int:
+        """`peer_id` takes no more requests from us: its signed revocation notice said so, or
+        it answered one with `unknown_peer`. Remember it (new submissions to it are refused
+        here), and end every task it held or was to hold for us, now, with `code`: following
+        them would only add a refusal to its audit log every few seconds, for ever (and once it
+        refuses us during the handshake, without even an error to tell us why).
+        Returns how many unfinished tasks ended."""
+        if self.trust.revoked_us(peer_id):
+            log.warning("%s revoked this node: %s", peer_id, reason)
+        ended = 0
+        for task in self.outbox.pending(peer_id) + self.outbox.resumable(peer_id):
+            ended += not task.terminal
+            self._end_locally(task.id, code, reason)
+        if ended:
+            log.info("%d task(s) delegated to %s ended: %s", ended, peer_id, reason)
+        return ended
+
+    def _access_refused(self, task_id: str, target: str, exc: RemoteError) -> bool:
+        """Does `exc` mean `target` will never serve this task for us again? Then the task has
+        ended here with it (and, for `unknown_peer`, every other task `target` held for us)."""
+        if exc.code is ErrorCode.UNKNOWN_PEER:
+            self.revoked_by(target, exc.code, self._refusal(target, exc))
+            return True
+        if exc.code in (ErrorCode.FORBIDDEN, ErrorCode.EXPIRED):  # our grant from it was withdrawn or ran out
+            self._end_locally(task_id, exc.code, self._refusal(target, exc))
+            return True
+        return False
+
+    def _refusal(self, target: str, exc: RemoteError) -> str:
+        peer = self.trust.get(target)
+        return f"{peer.name if peer else target} refused this node: {exc.message}"
+
+    def _end_locally(self, task_id: str, code: ErrorCode, message: str) -> None:
+        """The executor will never tell us more about this task: end it here with `code` (unless
+        it has ended already), never re-attach for it, and stop its follower if one runs."""
+        task = self.outbox.get(task_id)
+        if not task.accepted:
+            self._finish_locally(task_id, TaskState.REJECTED, code.value, message)  # it never ran there
+        elif not task.terminal:
+            self._finish_locally_after(task_id, code, message)
+        self._nothing_to_fetch(task_id)
+        scope = self._following.get(task_id)
+        if scope is not None:
+            scope.cancel()
 
     def _finish_locally_after(self, task_id: str, code: ErrorCode, message: str) -> None:
+        """Append a final `error` (-> failed) to what we mirrored. `failed`, not `rejected`: the
+        executor accepted the task and may have run it, and the lifecycle allows no other end
+        from every unfinished state (input-required cannot become rejected)."""
         task = self.outbox.get(task_id)
-        ev = TaskEvent(task_id=task_id, seq=task.last_seq + 1, kind=EventKind.ERROR, state=TaskState.FAILED,
-                       at=time.time(), data={"code": code.value, "message": message})
+        at = time.time()
+        if task.last_seq == 0:  # accepted, but not one event mirrored yet: a log starts with `accepted`
+            self.outbox.record_event(TaskEvent(task_id=task_id, seq=1, kind=EventKind.ACCEPTED,
+                                               state=TaskState.SUBMITTED, at=at))
+        ev = TaskEvent(task_id=task_id, seq=max(task.last_seq, 1) + 1, kind=EventKind.ERROR, state=TaskState.FAILED,
+                       at=at, data={"code": code.value, "message": message})
         self.outbox.record_event(ev)
         self.changed.notify(task_id)
 
@@ -795,19 +862,34 @@ class TaskSubmitter:
         return True
 
     async def cancel(self, task_id: str) -> TaskStatus | None:
-        """Cancel on the executor (or locally, if it never accepted the task)."""
+        """Cancel on the executor (or locally, if it never accepted the task). An executor that
+        no longer serves us ends the task here with its refusal instead (one that revoked us
+        has canceled our tasks itself)."""
         task = self.outbox.get(task_id)
         if task.terminal:
             return None
         if not task.accepted:  # (if a delivery is under way, _handed_over passes the cancel on)
             self._finish_locally(task_id, TaskState.CANCELED, ErrorCode.CANCELED.value, "canceled before delivery")
             return None
-        return await self._request_cancel(task.target, task_id)
+        try:
+            return await self._request_cancel(task.target, task_id)
+        except RemoteError as exc:
+            if self._access_refused(task_id, task.target, exc):
+                return None
+            raise
 
     async def respond(self, task_id: str, data: dict[str, Any]) -> TaskStatus:
-        """Answer a task of ours that is input-required (e.g. {"approve": True})."""
+        """Answer a task of ours that is input-required (e.g. {"approve": True}). The answer
+        not arriving is always an error; if the executor no longer serves us, the task ends too."""
         task = self.outbox.get(task_id)
-        return await self._request(task.target, TaskInput(task_id=task_id, data=data), TaskStatus)
+        peer = self.trust.get(task.target)
+        if peer is not None:
+            peer.refuse_if_revoked_us()
+        try:
+            return await self._request(task.target, TaskInput(task_id=task_id, data=data), TaskStatus)
+        except RemoteError as exc:
+            self._access_refused(task_id, task.target, exc)
+            raise
 
     async def _request_cancel(self, target: str, task_id: str) -> TaskStatus:
         return await self._request(target, TaskCancel(task_id=task_id), TaskStatus)

@@ -3,6 +3,10 @@
 Backed by SQLite (the node's WAL database), so the CLI can read it while the daemon
 runs and a daemon picks up a new pairing without restart. Rows are never deleted
 on revocation: a revoked peer keeps its history (and its audit trail).
+
+Revocation has two directions: `revoked_at` says we revoked the peer (it may ask
+nothing of us), `revoked_us_at` that the peer revoked us (we may ask nothing of it;
+we learned it from its signed notice or its refusal). Only pairing again clears either.
 """
 from __future__ import annotations
 
@@ -24,12 +28,26 @@ CREATE TABLE IF NOT EXISTS peers (
     role       TEXT NOT NULL,
     addrs      TEXT NOT NULL DEFAULT '[]',   -- JSON list of multiaddrs
     paired_at  REAL NOT NULL,
-    revoked_at REAL,
+    revoked_at REAL,                          -- we revoked them
     granted    BLOB,                          -- msgpack Manifest we issued: what they may ask of us
-    received   BLOB                           -- msgpack Manifest they issued: what we may ask of them
+    received   BLOB,                          -- msgpack Manifest they issued: what we may ask of them
+    revoked_us_at REAL                        -- they revoked us (their grant is void, `received` cleared)
 );
 CREATE INDEX IF NOT EXISTS peers_name ON peers(name);
 """
+
+
+def _add_column(conn: sqlite3.Connection, table: str, column_ddl: str) -> None:
+    """ALTER TABLE ADD COLUMN unless the column exists (SQLite has no IF NOT EXISTS for columns);
+    a daemon and a CLI opening the same old database at once may race to add it."""
+    name = column_ddl.split()[0]
+    if any(row["name"] == name for row in conn.execute(f"PRAGMA table_info({table})")):
+        return
+    try:
+        conn.execute(f"ALTER TABLE {table} ADD COLUMN {column_ddl}")
+    except sqlite3.OperationalError as exc:
+        if "duplicate column" not in str(exc):
+            raise
 
 
 def _encode_manifest(m: Manifest | None) -> bytes | None:
@@ -50,10 +68,18 @@ class Peer:
     revoked_at: float | None
     granted: Manifest | None
     received: Manifest | None
+    revoked_us_at: float | None = None
 
     @property
     def revoked(self) -> bool:
         return self.revoked_at is not None
+
+    def refuse_if_revoked_us(self) -> None:
+        """FORBIDDEN, saying why, if this peer revoked our pairing: asking it would only be refused."""
+        if self.revoked_us_at is not None:
+            when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.revoked_us_at))
+            raise PsymeshError(f"{self.name} revoked this node's access at {when}; pair again to use it",
+                               code=ErrorCode.FORBIDDEN)
 
     def as_dict(self) -> dict:
         return {
@@ -68,6 +94,7 @@ class Peer:
             "granted_limits": self.granted.limits.model_dump(exclude_none=True) if self.granted else {},
             "received": self.received.grants() if self.received else [],
             "received_expires": self.received.expires if self.received else None,
+            "revoked_us_at": self.revoked_us_at,
         }
 
 
@@ -75,11 +102,13 @@ class TrustStore:
     def __init__(self, conn: sqlite3.Connection) -> None:
         self.conn = conn
         ensure_schema(conn, SCHEMA)
+        _add_column(conn, "peers", "revoked_us_at REAL")  # databases made before it existed
 
     @staticmethod
     def _peer(row: sqlite3.Row) -> Peer:
         return Peer(row["peer_id"], row["name"], row["role"], json.loads(row["addrs"]), row["paired_at"],
-                    row["revoked_at"], _decode_manifest(row["granted"]), _decode_manifest(row["received"]))
+                    row["revoked_at"], _decode_manifest(row["granted"]), _decode_manifest(row["received"]),
+                    row["revoked_us_at"])
 
     def get(self, peer_id: str) -> Peer | None:
         row = self.conn.execute("SELECT * FROM peers WHERE peer_id = ?", (peer_id,)).fetchone()
@@ -104,14 +133,14 @@ class TrustStore:
 
     def add(self, peer_id: str, *, name: str, role: str, addrs: list[str], granted: Manifest | None,
             received: Manifest | None, now: float | None = None) -> Peer:
-        """Store a newly paired peer (re-pairing replaces the old entry and clears a revocation)."""
+        """Store a newly paired peer (re-pairing replaces the old entry and clears both revocations)."""
         now = time.time() if now is None else now
         with transaction(self.conn):
             self.conn.execute(
                 "INSERT INTO peers (peer_id, name, role, addrs, paired_at, revoked_at, granted, received) "
                 "VALUES (?, ?, ?, ?, ?, NULL, ?, ?) ON CONFLICT(peer_id) DO UPDATE SET name=excluded.name, "
                 "role=excluded.role, addrs=excluded.addrs, paired_at=excluded.paired_at, revoked_at=NULL, "
-                "granted=excluded.granted, received=excluded.received",
+                "granted=excluded.granted, received=excluded.received, revoked_us_at=NULL",
                 (peer_id, name, role, json.dumps(addrs), now, _encode_manifest(granted), _encode_manifest(received)),
             )
         peer = self.get(peer_id)
@@ -122,9 +151,12 @@ class TrustStore:
         self._update(peer_id, "granted", _encode_manifest(manifest))
 
     def set_received(self, peer_id: str, manifest: Manifest) -> None:
-        """Keep a manifest a peer issued to us, unless we already hold a newer one (higher serial)."""
+        """Keep a manifest a peer issued to us, unless we already hold a newer one (higher serial),
+        or it revoked us: then only pairing again gives us a grant (a push that raced the
+        revocation must not bring the old access back)."""
         current = self.get(peer_id)
-        if current and current.received and current.received.serial >= manifest.serial:
+        if current and (current.revoked_us_at is not None or
+                        (current.received and current.received.serial >= manifest.serial)):
             return
         self._update(peer_id, "received", _encode_manifest(manifest))
 
@@ -133,6 +165,15 @@ class TrustStore:
 
     def revoke(self, peer_id: str, now: float | None = None) -> None:
         self._update(peer_id, "revoked_at", time.time() if now is None else now)
+
+    def revoked_us(self, peer_id: str, now: float | None = None) -> bool:
+        """`peer_id` revoked our pairing: drop the grant it gave us (it is void) and remember when.
+        True the first time; False if we knew already or it is not a peer of ours."""
+        with transaction(self.conn):
+            cur = self.conn.execute("UPDATE peers SET received = NULL, revoked_us_at = ? "
+                                    "WHERE peer_id = ? AND revoked_us_at IS NULL",
+                                    (time.time() if now is None else now, peer_id))
+        return cur.rowcount == 1
 
     def _update(self, peer_id: str, column: str, value: object) -> None:
         assert column in {"granted", "received", "addrs", "revoked_at"}

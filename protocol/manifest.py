@@ -25,6 +25,10 @@ concern, not the manifest's.
 The signature covers a canonical msgpack encoding: map keys sorted, `None` fields
 left out, no floats (timestamps are integer seconds). Unknown fields are rejected
 rather than ignored, since an ignored field could be a restriction.
+
+On `/psymesh/manifest/1.0.0` the issuer hands its subject the current grant
+(`ManifestPush`) and, when the owner revokes the pairing, a signed notice of that
+(`ManifestRevoke`), so the subject stops using a grant that no longer holds.
 """
 from __future__ import annotations
 
@@ -48,6 +52,7 @@ from psymesh.protocol.messages import Message
 
 MANIFEST_VERSION = 1
 _SIGNING_CONTEXT = b"psymesh/manifest/v1\x00"
+_REVOCATION_CONTEXT = b"psymesh/revoke/v1\x00"
 
 # Capability kinds and the parameters each accepts. `tool` is spelled `tool:PATTERN`.
 _PARAMS: dict[str, frozenset[str]] = {
@@ -355,11 +360,7 @@ class Manifest(BaseModel):
     @field_validator("issuer", "subject")
     @classmethod
     def _peer_id(cls, value: str) -> str:
-        try:
-            public_key_from_peer_id(value)
-        except ProtocolError as exc:
-            raise ValueError(exc.message) from None
-        return value
+        return _valid_peer_id(value)
 
     @model_validator(mode="after")
     def _dates(self) -> "Manifest":
@@ -382,6 +383,15 @@ class Manifest(BaseModel):
 
     def grants(self) -> list[str]:
         return [str(c) for c in self.capabilities]
+
+
+def _valid_peer_id(value: str) -> str:
+    """A pydantic check that `value` is a peer id with an Ed25519 key inside (the signer's)."""
+    try:
+        public_key_from_peer_id(value)
+    except ProtocolError as exc:
+        raise ValueError(exc.message) from None
+    return value
 
 
 @functools.lru_cache(maxsize=1024)
@@ -542,3 +552,61 @@ class ManifestPush(Message):
 class ManifestOk(Message):
     type = "manifest.ok"
     serial: int
+
+
+class ManifestRevoke(Message):
+    """`/psymesh/manifest/1.0.0`: an issuer tells its subject that it revoked the pairing, so the
+    subject stops following the tasks it delegated there and stops submitting new ones at once,
+    instead of learning it request by request (or never, once the issuer refuses it during the
+    handshake, where no error reply can be sent). Reply: `manifest.ok` with the same serial.
+
+    It voids every grant the issuer gave the subject with a serial up to `serial` (that of the
+    last grant issued, 0 if none), so an old notice replayed after the two paired again, which
+    gives the subject a grant with a larger serial, changes nothing. Signed by the issuer like a
+    manifest, over its own context, so the notice stands on its own and cannot be passed off
+    as, or made from, a grant."""
+
+    type = "manifest.revoke"
+    issuer: str
+    subject: str
+    serial: int = Field(ge=0, lt=2**63)
+    at: int = Field(ge=0)              # when the issuer revoked, integer Unix seconds
+    signature: bytes = Field(default=b"", max_length=64)
+
+    @field_validator("issuer", "subject")
+    @classmethod
+    def _peer_id(cls, value: str) -> str:
+        return _valid_peer_id(value)
+
+    def signing_bytes(self) -> bytes:
+        body = {"issuer": self.issuer, "subject": self.subject, "serial": self.serial, "at": self.at}
+        return _REVOCATION_CONTEXT + canonical_encode(body)
+
+    def sign(self, key: Ed25519PrivateKey) -> "ManifestRevoke":
+        """A copy signed by `key`, which must be the issuer's identity key."""
+        if peer_id_from_public_key(key.public_key().public_bytes_raw()) != self.issuer:
+            raise ValueError("the signing key is not the issuer's key")
+        return self.model_copy(update={"signature": key.sign(self.signing_bytes())})
+
+    def signature_valid(self) -> bool:
+        return _verify(self.issuer, self.signature, self.signing_bytes())
+
+    def voids(self, held: Manifest | None) -> bool:
+        """Does this notice end the grant the subject holds from the issuer (None: it holds none)?"""
+        return held is None or held.serial <= self.serial
+
+
+def revocation(issuer: str, subject: str, last_grant: Manifest | None, *, now: float) -> ManifestRevoke:
+    """The unsigned notice that `issuer` revoked `subject`, voiding `last_grant` and all before it."""
+    return ManifestRevoke(issuer=issuer, subject=subject, serial=last_grant.serial if last_grant else 0,
+                          at=int(now))
+
+
+def verify_from_issuer(signed: Manifest | ManifestRevoke, *, sender: str, local_peer_id: str) -> None:
+    """What a subject checks of a grant or a revocation it is handed (on `/psymesh/manifest`):
+    issued by the peer that sent it, as the Noise session authenticated that peer, to us, and
+    validly signed. FORBIDDEN if not."""
+    what = "a manifest" if isinstance(signed, Manifest) else "a revocation"
+    if signed.issuer != sender or signed.subject != local_peer_id or not signed.signature_valid():
+        raise PsymeshError(f"{what} must be issued by the sender, to us, and validly signed",
+                           code=ErrorCode.FORBIDDEN)
