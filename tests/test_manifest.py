@@ -14,12 +14,15 @@ from psymesh.protocol.limits import Limits
 from psymesh.protocol.manifest import (
     Capability,
     Manifest,
+    ManifestRevoke,
     Operation,
     canonical_encode,
     check,
     new_manifest,
     parse_capability,
     preset,
+    revocation,
+    verify_from_issuer,
     verify_grant,
 )
 from psymesh.protocol.messages import pack, unpack
@@ -83,6 +86,58 @@ def test_unknown_fields_are_rejected_not_ignored() -> None:
                "manifest": {**body, "capabilities": [{"name": "msg.send", "note": "x"}]}}
     with pytest.raises(ProtocolError):
         unpack(msgpack.packb(welcome, use_bin_type=True))
+
+
+# ---------------------------------------------------------------------------- revocation notices
+
+
+def test_a_revocation_notice_is_signed_survives_the_wire_and_catches_tampering() -> None:
+    held = grant("msg.send")
+    notice = revocation(HOME, PHONE, held, now=NOW + 0.9).sign(HOME_KEY)
+    assert (notice.serial, notice.at) == (held.serial, NOW) and notice.signature_valid()
+    received = unpack(pack(notice))
+    assert isinstance(received, ManifestRevoke) and received == notice and received.signature_valid()
+    for change in ({"serial": held.serial + 1}, {"at": NOW + 1}, {"subject": OTHER}, {"issuer": OTHER}):
+        assert not notice.model_copy(update=change).signature_valid(), change
+    with pytest.raises(ValueError):
+        revocation(HOME, PHONE, held, now=NOW).sign(OTHER_KEY)
+    assert revocation(HOME, PHONE, None, now=NOW).serial == 0  # nothing granted yet
+
+
+def test_a_grant_signature_does_not_make_a_notice_or_the_reverse() -> None:
+    """Separate signing contexts: one signed object cannot be passed off as the other."""
+    notice = revocation(HOME, PHONE, None, now=NOW)
+    manifest_context, revoke_context = b"psymesh/manifest/v1\x00", b"psymesh/revoke/v1\x00"
+    body = notice.signing_bytes().removeprefix(revoke_context)
+    assert body != notice.signing_bytes() and grant().signing_bytes().startswith(manifest_context)
+    as_notice = notice.model_copy(update={"signature": HOME_KEY.sign(manifest_context + body)})
+    assert not as_notice.signature_valid()
+    assert notice.model_copy(update={"signature": HOME_KEY.sign(revoke_context + body)}).signature_valid()
+
+
+def test_a_notice_voids_the_grants_up_to_its_serial_only() -> None:
+    held = grant("msg.send")
+    notice = revocation(HOME, PHONE, held, now=NOW).sign(HOME_KEY)
+    assert notice.voids(held) and notice.voids(None)
+    older = held.model_copy(update={"serial": held.serial - 1})
+    newer = held.model_copy(update={"serial": held.serial + 1})  # granted when the two paired again
+    assert notice.voids(older) and not notice.voids(newer)
+
+
+def test_a_subject_takes_grants_and_notices_only_from_their_issuer_for_itself() -> None:
+    notice = revocation(HOME, PHONE, None, now=NOW).sign(HOME_KEY)
+    for signed in (grant("msg.send"), notice):
+        verify_from_issuer(signed, sender=HOME, local_peer_id=PHONE)
+        for sender, local in ((OTHER, PHONE), (HOME, OTHER)):
+            with pytest.raises(PsymeshError) as err:
+                verify_from_issuer(signed, sender=sender, local_peer_id=local)
+            assert err.value.code is ErrorCode.FORBIDDEN
+    forged = notice.model_copy(update={"signature": OTHER_KEY.sign(notice.signing_bytes())})
+    with pytest.raises(PsymeshError) as err:
+        verify_from_issuer(forged, sender=HOME, local_peer_id=PHONE)
+    assert err.value.code is ErrorCode.FORBIDDEN and "revocation" in err.value.message
+    with pytest.raises(ProtocolError):  # a peer id must carry a key
+        unpack(pack(notice).replace(HOME.encode(), b"x" * len(HOME)))
 
 
 # ---------------------------------------------------------------------------- the checklist, in order

@@ -277,6 +277,41 @@ def test_revoked_peer_is_unknown(gate_world) -> None:
     assert info.value.code == ErrorCode.UNKNOWN_PEER
 
 
+def test_a_peer_that_revoked_us_gives_us_nothing_until_we_pair_again(tmp_path: Path) -> None:
+    home, phone = NodeHome(tmp_path / "home").init(), NodeHome(tmp_path / "phone").init()
+    trust = TrustStore(open_db(tmp_path / "phone.db"))  # the phone's side
+    received = new_manifest(home.peer_id, phone.peer_id, ["task.agent"], now=1_700_000_000).sign(home.private_key)
+    trust.add(home.peer_id, name="home", role="home", addrs=[], granted=None, received=received)
+    trust.get(home.peer_id).refuse_if_revoked_us()  # not revoked: no error
+
+    assert trust.revoked_us(home.peer_id, now=1_700_000_100) and not trust.revoked_us(home.peer_id)
+    peer = trust.get(home.peer_id)
+    assert peer.received is None and peer.revoked_us_at == 1_700_000_100 and not peer.revoked
+    assert peer.as_dict()["revoked_us_at"] == 1_700_000_100 and peer.as_dict()["received"] == []
+    with pytest.raises(PsymeshError) as info:
+        peer.refuse_if_revoked_us()
+    assert info.value.code is ErrorCode.FORBIDDEN and "home revoked this node's access" in info.value.message
+    newer = new_manifest(home.peer_id, phone.peer_id, ["tool:*"], now=1_700_000_200).sign(home.private_key)
+    trust.set_received(home.peer_id, newer)  # a push that raced the revocation brings nothing back
+    assert trust.get(home.peer_id).received is None
+    assert not trust.revoked_us("12D3KooWnot-a-peer-of-ours")
+
+    trust.add(home.peer_id, name="home", role="home", addrs=[], granted=None, received=newer)  # paired again
+    again = trust.get(home.peer_id)
+    assert again.revoked_us_at is None and again.received == newer
+
+
+def test_an_older_database_gains_the_revoked_us_column(tmp_path: Path) -> None:
+    conn = open_db(tmp_path / "old.db")
+    conn.executescript("""CREATE TABLE peers (peer_id TEXT PRIMARY KEY, name TEXT NOT NULL, role TEXT NOT NULL,
+        addrs TEXT NOT NULL DEFAULT '[]', paired_at REAL NOT NULL, revoked_at REAL, granted BLOB, received BLOB);
+        INSERT INTO peers (peer_id, name, role, paired_at) VALUES ('p1', 'home', 'home', 1.0);""")
+    TrustStore(conn)
+    TrustStore(conn)  # a second opener (the CLI beside the daemon) finds the column there
+    peer = TrustStore(conn).get("p1")
+    assert peer is not None and peer.name == "home" and peer.revoked_us_at is None
+
+
 async def test_cli_trust_commands(tmp_path: Path) -> None:
     async with run_nodes(tmp_path, "home", "phone") as nodes:
         await pair(nodes["home"].home.path, nodes["phone"].home.path)
