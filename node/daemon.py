@@ -233,9 +233,7 @@ class Node:
         issuer = self.trust.get(peer_id)
         assert issuer is not None  # inbound() let only paired peers through
         if notice.voids(issuer.received):
-            ended = self.submitter.revoked_by(peer_id, ErrorCode.FORBIDDEN,
-                                              f"{issuer.name} revoked this node's access")
-            log.warning("%s (%s) revoked this node; %d delegated task(s) ended", issuer.name, peer_id, ended)
+            self.submitter.revoked_by(peer_id, ErrorCode.FORBIDDEN, f"{issuer.name} revoked this node's access")
             self.audit.record(peer_id, ids.MANIFEST, "manifest.revoke", True)
         else:
             self.audit.record(peer_id, ids.MANIFEST, "manifest.revoke", False, ErrorCode.CONFLICT.value,

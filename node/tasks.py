@@ -708,13 +708,12 @@ class TaskSubmitter:
                 del self._following[task_id]
 
     # -- losing access ----------------------------------------------------------------------
-    def revoked_by(self, peer_id: str, code: ErrorCode, reason: str) -> int:
+    def revoked_by(self, peer_id: str, code: ErrorCode, reason: str) -> None:
         """`peer_id` takes no more requests from us: its signed revocation notice said so, or
         it answered one with `unknown_peer`. Remember it (new submissions to it are refused
         here), and end every task it held or was to hold for us, now, with `code`: following
         them would only add a refusal to its audit log every few seconds, for ever (and once it
-        refuses us during the handshake, without even an error to tell us why).
-        Returns how many unfinished tasks ended."""
+        refuses us during the handshake, without even an error to tell us why)."""
         if self.trust.revoked_us(peer_id):
             log.warning("%s revoked this node: %s", peer_id, reason)
         ended = 0
@@ -723,7 +722,6 @@ class TaskSubmitter:
             self._end_locally(task.id, code, reason)
         if ended:
             log.info("%d task(s) delegated to %s ended: %s", ended, peer_id, reason)
-        return ended
 
     def _access_refused(self, task_id: str, target: str, exc: RemoteError) -> bool:
         """Does `exc` mean `target` will never serve this task for us again? Then the task has

@@ -68,7 +68,7 @@ class Peer:
     revoked_at: float | None
     granted: Manifest | None
     received: Manifest | None
-    revoked_us_at: float | None = None
+    revoked_us_at: float | None
 
     @property
     def revoked(self) -> bool:
