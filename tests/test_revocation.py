@@ -20,6 +20,7 @@ from typing import Any
 import anyio
 import pytest
 
+from waiting import wait_until
 from conftest import pair, run_nodes
 from psymesh.agent.tools import tool_from_function
 from psymesh.node.client import Client, TaskHandle
@@ -34,16 +35,6 @@ pytestmark = pytest.mark.anyio
 
 CAPS = ["task.agent", "tool:test.*", "tool:system.info"]
 ROOMY = Limits(requests_per_minute=100_000, concurrent_tasks=64, max_runtime_s=600, max_payload_bytes=1 << 20)
-
-
-async def wait_until(predicate: Callable[[], bool], what: str, timeout: float = 15.0) -> None:
-    """Poll `predicate` until it holds; fail naming `what` after `timeout` seconds."""
-    try:
-        with anyio.fail_after(timeout):
-            while not predicate():
-                await anyio.sleep(0.02)
-    except TimeoutError:
-        raise AssertionError(f"timed out after {timeout} s waiting for: {what}") from None
 
 
 def _run_home(tmp_path: Path) -> contextlib.AbstractAsyncContextManager[dict[str, Node]]:

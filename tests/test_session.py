@@ -1,0 +1,177 @@
+"""Sessions over real libp2p hosts on loopback: many requests on one negotiated stream,
+streamed answers, cancel, a dead peer failing open requests, and a redial."""
+from __future__ import annotations
+
+import os
+
+import anyio
+import pytest
+
+from p2p_helpers import new_node, running
+from waiting import wait_until
+from psymesh.node.framed import ByteStream
+from psymesh.node.liveness import Liveness
+from psymesh.node.p2p import P2PNode, P2PStream
+from psymesh.node.session import Call, SessionPool, serve_session
+from psymesh.protocol.common import Error, Ping, Pong
+from psymesh.protocol.errors import ConnectionLost, ErrorCode, NetworkError, RemoteError
+from psymesh.protocol.messages import Message
+from psymesh.protocol.session import SessionEnd
+
+pytestmark = pytest.mark.anyio
+SESSION = "/psymesh/test-session/1.0.0"
+
+
+class Server:
+    """A door that answers ping with pong, streams `seq` pongs for ping(payload=b"stream"),
+    and waits for ever on ping(payload=b"hang")."""
+
+    def __init__(self) -> None:
+        self.calls: list[Call] = []
+        self.canceled = anyio.Event()
+
+    async def __call__(self, call: Call) -> Message:
+        self.calls.append(call)
+        request = call.request
+        assert isinstance(request, Ping)
+        if request.payload == b"stream":
+            for i in range(request.seq):
+                await call.send(Pong(seq=i))
+            return SessionEnd(reason="done")
+        if request.payload == b"hang":
+            try:
+                await anyio.sleep_forever()
+            finally:
+                self.canceled.set()
+        if request.payload == b"refuse":
+            raise RemoteError("no", code=ErrorCode.FORBIDDEN)
+        return Pong(seq=request.seq)
+
+
+def serve(node: P2PNode, door: Server) -> None:
+    async def on_stream(stream: P2PStream) -> None:
+        await serve_session(stream, stream.remote_peer_id, door, max_frame_size=1 << 20, max_open=64)
+
+    node.set_handler(SESSION, on_stream)
+
+
+def pool_for(client: P2PNode, watcher: Liveness | None = None) -> SessionPool:
+    async def open_stream(peer_id: str, protocol: str) -> ByteStream:
+        return await client.open_stream(peer_id, protocol)
+
+    return SessionPool(open_stream, SESSION, 1 << 20, watcher)
+
+
+async def test_many_requests_share_one_stream_and_answer_concurrently() -> None:
+    server, client, door = new_node(), new_node(), Server()
+    serve(server, door)
+    pool = pool_for(client)
+    async with running(server, client), anyio.create_task_group() as tg:
+        await tg.start(pool.run)
+        await client.connect(server.addrs()[0])
+        results: dict[int, int] = {}
+
+        async def one(i: int) -> None:
+            results[i] = (await pool.request(server.peer_id, Ping(seq=i), Pong)).seq
+
+        async with anyio.create_task_group() as burst:
+            for i in range(50):
+                burst.start_soon(one, i)
+        assert results == {i: i for i in range(50)}
+        assert len(pool.sessions()) == 1
+        assert sorted(c.rid for c in door.calls) == list(range(1, 51))  # one session, 50 request ids
+        tg.cancel_scope.cancel()
+
+
+async def test_a_streamed_answer_arrives_whole_and_in_order() -> None:
+    server, client, door = new_node(), new_node(), Server()
+    serve(server, door)
+    pool = pool_for(client)
+    async with running(server, client), anyio.create_task_group() as tg:
+        await tg.start(pool.run)
+        await client.connect(server.addrs()[0])
+        async with pool.stream(server.peer_id, Ping(seq=500, payload=b"stream")) as replies:
+            got = [m async for m in replies]
+        assert [m.seq for m in got[:-1]] == list(range(500)) and isinstance(got[-1], SessionEnd)
+        with pytest.raises(RemoteError) as info:
+            await pool.request(server.peer_id, Ping(seq=1, payload=b"refuse"), Pong)
+        assert info.value.code is ErrorCode.FORBIDDEN
+        tg.cancel_scope.cancel()
+
+
+async def test_leaving_a_stream_early_cancels_the_work_on_the_server() -> None:
+    server, client, door = new_node(), new_node(), Server()
+    serve(server, door)
+    pool = pool_for(client)
+    async with running(server, client), anyio.create_task_group() as tg:
+        await tg.start(pool.run)
+        await client.connect(server.addrs()[0])
+        with anyio.move_on_after(0.2):
+            await pool.request(server.peer_id, Ping(seq=1, payload=b"hang"), Pong)
+        with anyio.fail_after(5):
+            await door.canceled.wait()
+        assert (await pool.request(server.peer_id, Ping(seq=7), Pong)).seq == 7  # the session lives on
+        tg.cancel_scope.cancel()
+
+
+async def test_a_peer_that_goes_away_fails_open_requests_and_the_next_request_redials() -> None:
+    seed = os.urandom(32)
+    server, client, door = new_node(seed), new_node(), Server()
+    serve(server, door)
+    pool = pool_for(client)
+    async with running(client), anyio.create_task_group() as tg:
+        await tg.start(pool.run)
+        async with anyio.create_task_group() as server_tg:
+            await server_tg.start(server.run)
+            addr = server.addrs()[0]
+            await client.connect(addr)
+            assert (await pool.request(server.peer_id, Ping(seq=1), Pong)).seq == 1
+            failure: list[BaseException] = []
+
+            async def hang() -> None:
+                try:
+                    await pool.request(server.peer_id, Ping(seq=2, payload=b"hang"), Pong)
+                except NetworkError as exc:
+                    failure.append(exc)
+
+            tg.start_soon(hang)
+            await wait_until(lambda: len(door.calls) == 2, "the hanging request to reach the server")
+            server_tg.cancel_scope.cancel()  # the server stops: its connections close
+        await wait_until(lambda: bool(failure), "the open request to fail")
+        assert isinstance(failure[0], ConnectionLost)
+        again = new_node(seed)  # the same peer back, on a new port
+        serve(again, door)
+        async with running(again):
+            await client.connect(again.addrs()[0])
+            assert (await pool.request(again.peer_id, Ping(seq=3), Pong)).seq == 3
+        tg.cancel_scope.cancel()
+
+
+async def test_liveness_drops_a_session_whose_peer_stops_answering() -> None:
+    server, client = new_node(), new_node()
+    frozen = anyio.Event()
+
+    async def door(call: Call) -> Message:
+        if isinstance(call.request, Ping) and call.request.payload == b"wait":
+            await anyio.sleep_forever()
+        await frozen.wait()  # the liveness ping: a peer that lost power never answers
+        return Error.of(ErrorCode.INTERNAL, "unreachable")
+
+    async def on_stream(stream: P2PStream) -> None:
+        await serve_session(stream, stream.remote_peer_id, door, max_frame_size=1 << 20, max_open=64)
+
+    server.set_handler(SESSION, on_stream)
+    dropped: list[str] = []
+
+    async def drop(peer_id: str) -> None:
+        dropped.append(peer_id)
+        await client.disconnect(peer_id)
+
+    pool = pool_for(client, Liveness(probe_s=0.3, drop_connection=drop))
+    async with running(server, client), anyio.create_task_group() as tg:
+        await tg.start(pool.run)
+        await client.connect(server.addrs()[0])
+        with anyio.fail_after(10), pytest.raises(ConnectionLost):
+            await pool.request(server.peer_id, Ping(seq=1, payload=b"wait"), Pong, timeout=60)
+        assert dropped == [server.peer_id]
+        tg.cancel_scope.cancel()
