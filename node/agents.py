@@ -39,7 +39,7 @@ def node_tools(home: NodeHome, config: NodeConfig) -> ToolRegistry:
     if config.profile == "phone":  # a simulated device, so phone scenarios run anywhere
         from psymesh.agent.device import DeviceState
 
-        device = DeviceState(home.path / "device.db")
+        device = DeviceState(home.private_file("device.db"))  # born 0600, like all of the home
     registry = default_registry(config.profile, device=device)
     load_entry_points(registry)
     return registry

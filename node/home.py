@@ -7,11 +7,21 @@
 
 Resolution order: an explicit `--home`, then $PSYMESH_HOME, then the platform's
 user data dir (platformdirs).
+
+Everything in a home is private to its owner: grants, the audit log and task
+arguments and results are as sensitive as the key. So the home is mode 0700 (one
+that others may write is refused, since they could have swapped its contents; one
+they may only read is tightened), psymesh creates its files 0600 and directories
+0700 whatever the umask, and `init()` tightens the files psymesh keeps there if an
+older version or another tool left them looser. The key is the exception: one that
+others could read may already be copied, so it is refused, not quietly fixed.
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
+import stat
 import tempfile
 import tomllib
 from dataclasses import dataclass
@@ -31,12 +41,115 @@ from psymesh.protocol.identity import fingerprint, peer_id_from_public_key
 Profile = Literal["home", "phone"]
 # Unix socket paths are limited to 108 bytes (sun_path); leave room for the NUL.
 _MAX_SOCKET_PATH = 100
+# What psymesh itself keeps in a home. `init()` tightens these and no others, so a home
+# that also holds the owner's own files (say `--home ~`) keeps their modes.
+_STATE_FILES = ("config.toml", "config.tmp", "control.sock", "daemon.log",
+                "node.db", "node.db-wal", "node.db-shm", "node.db-journal",
+                "device.db", "device.db-wal", "device.db-shm", "device.db-journal")
+_STATE_TREES = ("models",)
 
 
 def resolve_home(home: str | os.PathLike[str] | None = None) -> Path:
     if home is None:
         home = os.environ.get("PSYMESH_HOME") or platformdirs.user_data_dir("psymesh", appauthor=False)
     return Path(home).expanduser().resolve()
+
+
+_HOME_ADVICE = "use a directory of your own (--home)"
+# A socket dir that is not ours is in the shared runtime or temp dir: route around it.
+SOCKET_DIR_ADVICE = ("remove it (it may be someone impersonating your daemon), or give the node a shorter "
+                     "home path so its socket lives in the home, or set XDG_RUNTIME_DIR to a directory of your own")
+
+
+def check_private_dir(path: Path, what: str, advice: str = _HOME_ADVICE) -> None:
+    """Refuse `path` unless it is a real directory (not a symlink) that we own and only we
+    may write; tighten it to owner-only if others may merely read or enter it.
+
+    Owned by us, and by nobody else, root included: psymesh never runs as one user for
+    another user's home, so a directory that belongs to someone else is not one we made.
+    """
+    try:
+        st = os.lstat(path)
+    except OSError as exc:
+        raise os_error(exc, path) from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise PsymeshError(f"{what} {path} is not a directory (a symlink or a file?); {advice}",
+                           code=ErrorCode.FORBIDDEN)
+    if st.st_uid != os.geteuid():
+        raise PsymeshError(f"{what} {path} belongs to uid {st.st_uid}, not to you (uid {os.geteuid()}); "
+                           f"{advice}", code=ErrorCode.FORBIDDEN)
+    mode = stat.S_IMODE(st.st_mode)
+    if mode & 0o022:
+        raise PsymeshError(f"{what} {path} can be written by other users (mode {mode:o}), who could have "
+                           f"replaced what is in it; check its contents, then run: chmod 700 {path}",
+                           code=ErrorCode.FORBIDDEN)
+    if mode & 0o077:
+        tighten(path, st)
+
+
+def ensure_private_dir(path: Path, what: str, advice: str = _HOME_ADVICE) -> None:
+    """Create `path` (mode 0700) if missing, then `check_private_dir` it: a directory
+    someone else created first under the name we wanted is refused, never used."""
+    try:
+        path.mkdir(mode=0o700)
+        os.chmod(path, 0o700)  # exactly: an odd umask (say 0277) must not leave it unwritable
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        raise os_error(exc, path) from None
+    check_private_dir(path, what, advice)
+
+
+def tighten(path: Path, st: os.stat_result | None = None) -> None:
+    """Drop every group and other permission bit of `path` (never adds one)."""
+    try:
+        st = st or os.lstat(path)
+        if stat.S_IMODE(st.st_mode) & 0o077 and not stat.S_ISLNK(st.st_mode):
+            os.chmod(path, stat.S_IMODE(st.st_mode) & 0o700)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        raise os_error(exc, path) from None
+
+
+def private_opener(path: str | os.PathLike[str], flags: int) -> int:
+    """`open(..., opener=private_opener)`: a file we create is born 0600, whatever the umask
+    (os.open's mode is masked by the umask, which only ever removes bits)."""
+    return os.open(path, flags | os.O_NOFOLLOW, 0o600)
+
+
+def os_error(exc: OSError, path: Path) -> PsymeshError:
+    """An OSError on a home's file as one clear sentence: what failed and what to do."""
+    reason = exc.strerror or str(exc)
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return PsymeshError(f"the disk holding {path} is full ({reason}); free some space, then retry",
+                            code=ErrorCode.UNAVAILABLE)
+    if exc.errno == errno.EROFS:
+        return PsymeshError(f"{path} is on a read-only file system; remount it read-write or use another "
+                            "home (--home)", code=ErrorCode.UNAVAILABLE)
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        return PsymeshError(f"no permission to use {path} ({reason}); it must belong to you and be writable "
+                            f"by you: ls -ld {path}", code=ErrorCode.FORBIDDEN)
+    return PsymeshError(f"cannot use {path}: {reason}", code=ErrorCode.UNAVAILABLE)
+
+
+def _socket_runtime_dir() -> Path:
+    """Where the sockets of homes with long paths live: a directory only this user may
+    enter. $XDG_RUNTIME_DIR/psymesh when the session has a usable one (owned by us, not
+    writable by others, short enough), else psymesh-<uid> in the temp dir. The latter
+    has a predictable name, so whoever uses it (daemon or client) first verifies that
+    we own it and that only we may enter it: a squatter's directory is refused."""
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    if xdg and os.path.isabs(xdg):
+        candidate = Path(xdg) / "psymesh"
+        try:
+            st = os.stat(xdg)
+        except OSError:
+            st = None
+        if (st is not None and st.st_uid == os.geteuid() and not st.st_mode & 0o022
+                and len(str(candidate).encode()) + 22 <= _MAX_SOCKET_PATH):
+            return candidate
+    return Path(tempfile.gettempdir()) / f"psymesh-{os.geteuid()}"
 
 
 class NodeConfig(BaseModel):
@@ -112,12 +225,15 @@ class NodeHome:
 
     @property
     def socket_path(self) -> Path:
-        """The control socket; hashed into the temp dir when the home path is too long for AF_UNIX."""
+        """The control socket: in the home, or (when that path is too long for AF_UNIX)
+        named by a hash of the home in a per-user runtime dir. Either way its directory
+        is one only the owner may enter (the daemon creates and checks it; the client
+        checks it before connecting)."""
         direct = self.path / "control.sock"
         if len(str(direct).encode()) <= _MAX_SOCKET_PATH:
             return direct
         digest = hashlib.sha256(str(self.path).encode()).hexdigest()[:16]
-        return Path(tempfile.gettempdir()) / f"psymesh-{digest}.sock"
+        return _socket_runtime_dir() / f"{digest}.sock"
 
     @property
     def models_dir(self) -> Path:
@@ -127,13 +243,58 @@ class NodeHome:
         return self.key_path.exists()
 
     def init(self, *, profile: Profile | None = None, name: str | None = None) -> Identity:
-        """Create the home, key and config on first use; later calls just load them."""
-        self.path.mkdir(parents=True, exist_ok=True, mode=0o700)
+        """Create the home, key and config on first use; later calls just load them.
+        Either way the home is checked and tightened first (see the module docstring)."""
+        self.secure()
         identity = self.load_or_create_identity()
         if not self.config_path.exists():
             cfg = NodeConfig(profile=profile or "home", name=name or f"{profile or 'home'}-{identity.fingerprint[:4].lower()}")
             self.save_config(cfg)
         return identity
+
+    def secure(self) -> None:
+        """Create the home 0700 if missing; refuse one others may write; tighten one others
+        may read, and every file and directory psymesh keeps in it, to owner-only."""
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise os_error(exc, self.path.parent) from None
+        ensure_private_dir(self.path, "the node home")
+        for name in _STATE_FILES:
+            tighten(self.path / name)
+        for name in _STATE_TREES:
+            self._tighten_tree(self.path / name)
+
+    def _tighten_tree(self, top: Path) -> None:
+        """`tighten` top and everything below it, without following symlinks."""
+        try:
+            st = os.lstat(top)
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            raise os_error(exc, top) from None
+        tighten(top, st)
+        if stat.S_ISDIR(st.st_mode):
+            for child in sorted(os.listdir(top)):
+                self._tighten_tree(top / child)
+
+    def private_file(self, name: str) -> Path:
+        """The path of state file `name` in the home, created empty with mode 0600 if missing
+        (for SQLite files made by others: SQLite gives the -wal, -shm and -journal files the
+        mode of the database itself, so the whole family is born private)."""
+        path = self.path / name
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        except FileExistsError:
+            tighten(path)
+            return path
+        except OSError as exc:
+            raise os_error(exc, path) from None
+        try:
+            os.fchmod(fd, 0o600)  # exactly, whatever the umask
+        finally:
+            os.close(fd)
+        return path
 
     def load_or_create_identity(self) -> Identity:
         try:
@@ -144,14 +305,19 @@ class NodeHome:
             )
             # O_EXCL: two processes starting at once must not both write a key.
             try:
-                fd = os.open(self.key_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                fd = os.open(self.key_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
             except FileExistsError:
                 return self.load_or_create_identity()
+            except OSError as exc:
+                raise os_error(exc, self.key_path) from None
             with os.fdopen(fd, "wb") as f:
+                os.fchmod(f.fileno(), 0o600)
                 f.write(seed)
                 f.flush()
                 os.fsync(f.fileno())
             return Identity(seed)
+        except OSError as exc:
+            raise os_error(exc, self.key_path) from None
         if len(seed) != 32:
             raise PsymeshError(f"{self.key_path} is not a 32-byte Ed25519 seed", code=ErrorCode.BAD_REQUEST)
         mode = self.key_path.stat().st_mode & 0o777
@@ -163,15 +329,27 @@ class NodeHome:
         return Identity(seed)
 
     def load_config(self) -> NodeConfig:
-        if not self.config_path.exists():
-            return NodeConfig()
         try:
-            return NodeConfig.model_validate(tomllib.loads(self.config_path.read_text()))
+            text = self.config_path.read_text()
+        except FileNotFoundError:
+            return NodeConfig()
+        except OSError as exc:
+            raise os_error(exc, self.config_path) from None
+        try:
+            return NodeConfig.model_validate(tomllib.loads(text))
         except (tomllib.TOMLDecodeError, ValidationError) as exc:
             raise PsymeshError(f"{self.config_path}: {exc}", code=ErrorCode.BAD_REQUEST) from None
 
     def save_config(self, config: NodeConfig) -> None:
-        data = config.model_dump(exclude_none=True)
+        """Write config.toml whole (via config.tmp and a rename), mode 0600 like everything here."""
+        data = tomli_w.dumps(config.model_dump(exclude_none=True)).encode()
         tmp = self.config_path.with_suffix(".tmp")
-        tmp.write_text(tomli_w.dumps(data))
-        os.replace(tmp, self.config_path)
+        try:
+            with open(tmp, "wb", opener=private_opener) as f:
+                os.fchmod(f.fileno(), 0o600)  # a config.tmp left over from before may be looser
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.config_path)
+        except OSError as exc:
+            raise os_error(exc, self.config_path) from None

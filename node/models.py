@@ -15,6 +15,7 @@ import anyio
 
 from psymesh.agent.runtime import ModelSettings, ModelWorker
 from psymesh.node.db import ensure_schema
+from psymesh.node.home import ensure_private_dir, tighten
 from psymesh.protocol.errors import ErrorCode, PsymeshError
 
 SCHEMA = """
@@ -136,8 +137,12 @@ def pull_model(repo_id: str, quant: str, dest: Path) -> Path:
     if not matches:
         ggufs = ", ".join(f for f in files if f.endswith(".gguf")) or "none"
         raise PsymeshError(f"{repo_id} has no GGUF matching {quant!r} (it has: {ggufs})", code=ErrorCode.NOT_FOUND)
+    for d in (dest.parent, dest):  # models/ and models/<repo>: owner-only, like the rest of the home
+        ensure_private_dir(d, "the model directory")
     try:
-        return Path(hf_hub_download(repo_id, matches[0], local_dir=dest))
+        path = Path(hf_hub_download(repo_id, matches[0], local_dir=dest))
     except Exception as exc:
         raise PsymeshError(f"download of {matches[0]} failed ({type(exc).__name__}); {manual}",
                            code=ErrorCode.UNAVAILABLE) from None
+    tighten(path)
+    return path

@@ -15,6 +15,7 @@ from typing import IO
 import anyio
 
 from psymesh.node.client import Client, DaemonNotRunning
+from psymesh.node.home import private_opener
 from psymesh.protocol.control import StatusReply
 from psymesh.protocol.errors import ErrorCode, PsymeshError
 
@@ -48,8 +49,8 @@ class DaemonProcess:
 
     async def start(self, timeout: float = 30.0) -> StatusReply:
         """Spawn the daemon and return its status once its control socket answers."""
-        self.home.mkdir(parents=True, exist_ok=True)
-        self._log = open(self.log_path, "ab")
+        self.home.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self._log = open(self.log_path, "ab", opener=private_opener)
         self.proc = subprocess.Popen(self.command(), stdout=self._log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL)
         with anyio.move_on_after(timeout):

@@ -1,4 +1,5 @@
-"""Node home: identity created once with mode 0600, config defaults, readable fingerprint."""
+"""Node home: identity created once with mode 0600, config defaults, readable fingerprint,
+and everything psymesh keeps in a home private to its owner."""
 from __future__ import annotations
 
 import json
@@ -10,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from psymesh.node.db import open_db
 from psymesh.node.home import NodeHome
 from psymesh.protocol.errors import ErrorCode, PsymeshError
 from psymesh.protocol.identity import peer_fingerprint, public_key_from_peer_id
@@ -33,6 +35,50 @@ def test_world_readable_key_is_refused(tmp_path: Path) -> None:
     with pytest.raises(PsymeshError) as info:
         home.load_or_create_identity()
     assert "chmod 600" in info.value.message
+
+
+def mode(path: Path) -> int:
+    return stat.S_IMODE(os.lstat(path).st_mode)
+
+
+def test_loose_state_is_tightened_on_init_and_open(tmp_path: Path) -> None:
+    """What an older psymesh (or a umask-022 copy) left readable by others is made owner-only;
+    the owner's own files in the same directory keep their modes."""
+    home = NodeHome(tmp_path / "h")
+    home.init()
+    conn = open_db(home.db_path)
+    conn.execute("CREATE TABLE t (x)")  # the connection stays open: -wal and -shm exist
+    wal, shm = Path(f"{home.db_path}-wal"), Path(f"{home.db_path}-shm")
+    (home.models_dir / "repo").mkdir(parents=True)
+    (home.models_dir / "repo" / "m.gguf").write_bytes(b"GGUF")
+    (home.path / "notes.txt").write_text("mine")
+    for path in (home.path, home.models_dir, home.models_dir / "repo"):
+        os.chmod(path, 0o755)
+    for path in (home.config_path, home.db_path, wal, shm, home.models_dir / "repo" / "m.gguf",
+                 home.path / "notes.txt"):
+        os.chmod(path, 0o644)
+
+    home.init()
+    assert mode(home.path) == mode(home.models_dir) == mode(home.models_dir / "repo") == 0o700
+    for path in (home.config_path, home.db_path, wal, shm, home.models_dir / "repo" / "m.gguf"):
+        assert mode(path) == 0o600, path
+    assert mode(home.path / "notes.txt") == 0o644
+
+    os.chmod(home.db_path, 0o644)
+    os.chmod(wal, 0o640)
+    open_db(home.db_path).close()  # the CLI opens the database without init(): tightened there too
+    assert mode(home.db_path) == mode(wal) == 0o600
+    conn.close()
+
+
+def test_a_world_readable_key_stays_refused_when_the_rest_is_tightened(tmp_path: Path) -> None:
+    home = NodeHome(tmp_path / "h")
+    home.init()
+    os.chmod(home.path, 0o755)
+    os.chmod(home.key_path, 0o644)  # may already be copied: tightening it would hide that
+    with pytest.raises(PsymeshError, match="chmod 600"):
+        home.init()
+    assert mode(home.key_path) == 0o644 and mode(home.path) == 0o700
 
 
 def test_env_var_selects_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
