@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import functools
 import json
+import os
+import sqlite3
 import sys
 import time
 from pathlib import Path
@@ -16,6 +18,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from psymesh.node.client import Client
+from psymesh.node.db import storage_error
 from psymesh.node.home import NodeHome
 from psymesh.node.output import Output
 from psymesh.protocol.errors import ErrorCode, PsymeshError
@@ -34,6 +37,24 @@ def run_async(fn: Callable[[], Awaitable[T]]) -> T:
     return anyio.run(fn, backend="trio")
 
 
+def _as_psymesh_error(exc: BaseException, home: str | None) -> PsymeshError | None:
+    """The one error to show the user for `exc`, or None for a bug (which keeps its traceback).
+
+    Task groups wrap what their tasks raised in exception groups (a refused control
+    socket surfaces that way from `node start`), so a group whose every member maps is
+    shown as its first member; SQLite errors from any store are explained like open_db's.
+    """
+    if isinstance(exc, PsymeshError):
+        return exc
+    if isinstance(exc, sqlite3.Error):
+        return storage_error(exc, NodeHome(home).db_path)
+    if isinstance(exc, BaseExceptionGroup):
+        mapped = [_as_psymesh_error(e, home) for e in exc.exceptions]
+        if mapped and all(m is not None for m in mapped):
+            return mapped[0]
+    return None
+
+
 def command(f: Callable[..., Any]) -> Callable[..., Any]:
     """Common options, and PsymeshError -> a clear message and exit status 1 (never a traceback)."""
 
@@ -44,8 +65,11 @@ def command(f: Callable[..., Any]) -> Callable[..., Any]:
         out = Output(json_mode)
         try:
             return f(*args, home=home, out=out, **kwargs)
-        except PsymeshError as exc:
-            out.error(exc)
+        except (PsymeshError, sqlite3.Error, BaseExceptionGroup) as exc:
+            error = _as_psymesh_error(exc, home)
+            if error is None:
+                raise
+            out.error(error)
             sys.exit(1)
 
     return wrapper
@@ -55,6 +79,10 @@ def command(f: Callable[..., Any]) -> Callable[..., Any]:
 @click.version_option(package_name="psymesh")
 def main() -> None:
     """psymesh: a peer-to-peer mesh for small on-device AI agents."""
+    # Whatever this process creates is its owner's alone: the explicit 0600/0700 modes of
+    # node/home.py and node/db.py cover psymesh's own files, this also covers files that
+    # libraries create (the download cache of `psymesh model pull`).
+    os.umask(0o077)
 
 
 @main.command("id")

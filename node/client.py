@@ -7,11 +7,20 @@
 Talks to the daemon's control socket with anyio, so it runs under asyncio and trio
 alike (libp2p itself lives only inside the daemon). One request at a time per
 connection; streaming calls open a connection of their own.
+
+Requests carry secrets (an invite string is a bearer credential), so before sending
+anything the client makes sure it talks to its owner's daemon: the socket must be
+a socket owned by us, in a directory only we may enter, and (on Linux) the process
+listening on it must run as us (SO_PEERCRED). Not root either: psymesh never runs
+a daemon as one user for another user's home, so a root-owned listener is not ours.
 """
 from __future__ import annotations
 
 import os
 import secrets
+import socket
+import stat
+import struct
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -19,9 +28,10 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import anyio
+import anyio.abc
 
 from psymesh.node.framed import AnyioByteStream, FramedStream
-from psymesh.node.home import NodeHome
+from psymesh.node.home import SOCKET_DIR_ADVICE, NodeHome, check_private_dir, os_error
 from psymesh.protocol import control as c
 from psymesh.protocol.errors import ErrorCode, PsymeshError
 from psymesh.protocol.framing import DEFAULT_MAX_FRAME_SIZE
@@ -34,6 +44,22 @@ R = TypeVar("R", bound=Message)
 
 class DaemonNotRunning(PsymeshError):
     default_code = ErrorCode.UNAVAILABLE
+
+
+class NotOurDaemon(PsymeshError):
+    """Something other than our own daemon holds the control socket path; nothing was sent to it."""
+
+    default_code = ErrorCode.FORBIDDEN
+
+
+def _peer_uid_pid(sock: socket.socket) -> tuple[int, int] | None:
+    """(uid, pid) of the process at the other end of a Unix socket, where the OS tells
+    (Linux SO_PEERCRED); None elsewhere, where the socket's owner and directory checks stand alone."""
+    if not hasattr(socket, "SO_PEERCRED"):
+        return None
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    pid, uid, _gid = struct.unpack("3i", creds)
+    return uid, pid
 
 
 class Client:
@@ -50,14 +76,48 @@ class Client:
         self._framed: FramedStream | None = None
         self._lock = anyio.Lock()
 
+    def _not_running(self, reason: str) -> DaemonNotRunning:
+        return DaemonNotRunning(f"no psymesh daemon is listening at {self.socket_path} ({reason}); "
+                                f"start one with: psymesh node start --home {self.home.path}")
+
+    def _not_ours(self, why: str) -> NotOurDaemon:
+        return NotOurDaemon(f"{self.socket_path} is not your daemon's control socket ({why}); nothing was sent "
+                            "to it. Stop whatever made it (it may be impersonating your daemon) or remove it, "
+                            f"then start your own: psymesh node start --home {self.home.path}")
+
+    def _check_socket_file(self) -> None:
+        """Before connecting: a socket, owned by us, in a directory only we may enter."""
+        path = self.socket_path
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            raise self._not_running("no socket there") from None
+        except OSError as exc:
+            raise os_error(exc, path) from None
+        check_private_dir(path.parent, "the control socket's directory", SOCKET_DIR_ADVICE)
+        if not stat.S_ISSOCK(st.st_mode):
+            raise self._not_ours("it is not a socket")
+        if st.st_uid != os.geteuid():
+            raise self._not_ours(f"it belongs to uid {st.st_uid}, not to you (uid {os.geteuid()})")
+
+    def _check_listener(self, raw: anyio.abc.SocketStream) -> None:
+        """After connecting, before sending: the listening process must run as us."""
+        peer = _peer_uid_pid(raw.extra(anyio.abc.SocketAttribute.raw_socket))
+        if peer is not None and peer[0] != os.geteuid():
+            raise self._not_ours(f"the process listening on it (pid {peer[1]}) runs as uid {peer[0]}, "
+                                 f"not as you (uid {os.geteuid()})")
+
     async def _open(self) -> FramedStream:
+        self._check_socket_file()
         try:
             raw = await anyio.connect_unix(self.socket_path)
         except (FileNotFoundError, ConnectionRefusedError) as exc:
-            raise DaemonNotRunning(
-                f"no psymesh daemon is listening at {self.socket_path} ({exc.strerror}); "
-                f"start one with: psymesh node start --home {self.home.path}"
-            ) from None
+            raise self._not_running(exc.strerror or str(exc)) from None
+        try:
+            self._check_listener(raw)
+        except BaseException:
+            await raw.aclose()
+            raise
         return FramedStream(AnyioByteStream(raw), self.max_frame_size)
 
     async def __aenter__(self) -> "Client":

@@ -2,14 +2,22 @@
 
 Requests are dispatched by message class to handlers registered by the daemon's
 services. A handler returns one reply, or sends several itself (streaming) and
-returns None. A handler's PsymeshError becomes an `error` reply; any other
+returns None. A handler's PsymeshError becomes an `error` reply, and so does a
+failing database (mapped by node/db.py to what happened and what to do); any other
 exception is logged and becomes `internal` — the connection and the daemon live on.
+
+Who may connect is decided by where the socket lives: a directory only the owner
+may enter (the home, or a per-user runtime dir; see NodeHome.socket_path), created
+or checked here before binding. A directory someone else made first is refused,
+never used, so no other local user can sit between the owner's CLI and daemon.
 """
 from __future__ import annotations
 
 import logging
 import os
 import socket
+import sqlite3
+import stat
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -17,7 +25,9 @@ from typing import Any
 import anyio
 import anyio.abc
 
+from psymesh.node.db import storage_error
 from psymesh.node.framed import AnyioByteStream, FramedStream
+from psymesh.node.home import SOCKET_DIR_ADVICE, ensure_private_dir
 from psymesh.protocol.errors import ErrorCode, ProtocolError, PsymeshError
 from psymesh.protocol.messages import Message
 
@@ -48,7 +58,15 @@ class ControlServer:
 
     async def serve(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         path = self.socket_path
-        if path.exists():
+        ensure_private_dir(path.parent, "the control socket's directory", SOCKET_DIR_ADVICE)
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            st = None
+        if st is not None:
+            if not stat.S_ISSOCK(st.st_mode):
+                raise PsymeshError(f"{path} exists and is not a socket, so the control socket cannot go there; "
+                                   f"move it away: mv {path} {path}.old", code=ErrorCode.CONFLICT)
             if _socket_in_use(path):
                 raise PsymeshError(
                     f"another daemon is already serving {path}; stop it first (psymesh status shows it)",
@@ -106,6 +124,9 @@ class ControlServer:
             return await handler(request, framed)
         except PsymeshError as exc:
             return Error.from_exception(exc)
+        except sqlite3.Error as exc:
+            log.error("control request %s: %s", request.type, exc)
+            return Error.from_exception(storage_error(exc, None))
         except Exception:
             log.exception("control request %s failed", request.type)
             return Error.of(ErrorCode.INTERNAL, f"{request.type} failed inside the daemon; see its log")
