@@ -6,6 +6,13 @@ checked *after* symlinks are resolved. Absolute paths and ``..`` are refused
 outright (FORBIDDEN), and so is any path, or symlink, that lands outside the share.
 Entries of the share that resolve outside it are left out of listings and searches.
 There is deliberately no shell tool and nothing that writes.
+
+Their second rule: only regular files and directories are served. A FIFO would block
+a read forever (and a worker thread cannot be interrupted), and opening a device can
+have effects of its own, so the type is decided by stat, without opening anything;
+a file is then opened with O_NONBLOCK | O_NOFOLLOW and fstat'ed again, so one swapped
+for a FIFO or a symlink since the stat is refused instead of followed or waited on.
+Listings show such entries with their type; searches pass over them.
 """
 from __future__ import annotations
 
@@ -15,11 +22,12 @@ import importlib.metadata
 import os
 import platform
 import shutil
+import stat
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, BinaryIO
 
 from pydantic import Field
 
@@ -86,11 +94,42 @@ def resolve_in_share(ctx: ToolContext, path: str) -> tuple[Path, Path]:
     return root, target
 
 
-def _existing(ctx: ToolContext, path: str) -> tuple[Path, Path]:
+_KINDS = ((stat.S_ISREG, "file"), (stat.S_ISDIR, "dir"), (stat.S_ISFIFO, "fifo"), (stat.S_ISSOCK, "socket"),
+          (stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device"))
+
+
+def _kind(st: os.stat_result) -> str:
+    return next((name for test, name in _KINDS if test(st.st_mode)), "special file")
+
+
+def _existing(ctx: ToolContext, path: str) -> tuple[Path, Path, os.stat_result]:
+    """(root, target, its stat) for an existing regular file or directory of the share.
+    Anything else (FIFO, socket, device) is refused here, by stat alone: never opened."""
     root, target = resolve_in_share(ctx, path)
-    if not target.exists():
-        raise ToolError(f"{path!r} does not exist in the share dir", code=ErrorCode.NOT_FOUND)
-    return root, target
+    try:
+        st = os.stat(target)
+    except FileNotFoundError:
+        raise ToolError(f"{path!r} does not exist in the share dir", code=ErrorCode.NOT_FOUND) from None
+    except OSError as exc:
+        raise ToolError(f"cannot access {path!r}: {exc.strerror}", code=ErrorCode.FORBIDDEN) from None
+    if not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):
+        raise ToolError(f"{path!r} is a {_kind(st)}, not a regular file or a directory; the files tools "
+                        "serve only those", code=ErrorCode.BAD_REQUEST)
+    return root, target, st
+
+
+def _open_regular(file: Path, expected: os.stat_result) -> BinaryIO:
+    """Open `file`, stat'ed as a regular file, without blocking or following a symlink, and
+    prove by fstat that what was opened is that same regular file."""
+    fd = os.open(file, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or (st.st_dev, st.st_ino) != (expected.st_dev, expected.st_ino):
+            raise ToolError("the file was replaced while it was being opened; try again", code=ErrorCode.CONFLICT)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def _rel(root: Path, path: Path) -> str:
@@ -115,8 +154,8 @@ def list_files(
     ctx: ToolContext,
 ) -> dict[str, Any]:
     """List the files and folders in a directory of the shared folder."""
-    root, target = _existing(ctx, path)
-    if not target.is_dir():
+    root, target, st = _existing(ctx, path)
+    if not stat.S_ISDIR(st.st_mode):
         raise ToolError(f"{path!r} is not a directory; use files.read to read a file", code=ErrorCode.BAD_REQUEST)
     entries: list[dict[str, Any]] = []
     truncated = False
@@ -137,30 +176,29 @@ def list_files(
             st = resolved.stat()
         except OSError:
             continue  # dangling symlink or vanished file
-        is_dir = resolved.is_dir()
-        entry: dict[str, Any] = {"name": child.name, "type": "dir" if is_dir else "file", "modified": _mtime(st)}
-        if not is_dir:
+        entry: dict[str, Any] = {"name": child.name, "type": _kind(st), "modified": _mtime(st)}
+        if stat.S_ISREG(st.st_mode):
             entry["size"] = st.st_size
         entries.append(entry)
     return {"path": _rel(root, target), "entries": entries, "truncated": truncated}
 
 
-def read_text(file: Path, offset: int, max_bytes: int) -> dict[str, Any]:
-    """Read up to `max_bytes` of UTF-8 text from byte `offset`, on character boundaries.
+def read_text(f: BinaryIO, offset: int, max_bytes: int) -> dict[str, Any]:
+    """Read up to `max_bytes` of UTF-8 text from byte `offset` of the open file `f`, on
+    character boundaries.
 
     A chunk never ends inside a character (the incomplete tail is left for the next
     read: `next_offset` says where to continue), and an `offset` inside a character
     moves forward to the next one. Files with a NUL byte, or that are not UTF-8,
     are reported as binary instead of returned.
     """
-    size = file.stat().st_size
-    with file.open("rb") as f:
-        head = f.read(_SNIFF_BYTES)
-        if _looks_binary(head):
-            return {"size": size, "binary": True, "text": None,
-                    "message": f"binary file ({size} bytes); its content is not shown"}
-        f.seek(offset)
-        data = f.read(max_bytes)
+    size = os.fstat(f.fileno()).st_size
+    head = f.read(_SNIFF_BYTES)
+    if _looks_binary(head):
+        return {"size": size, "binary": True, "text": None,
+                "message": f"binary file ({size} bytes); its content is not shown"}
+    f.seek(offset)
+    data = f.read(max_bytes)
     skipped = 0
     while skipped < min(3, len(data)) and data[skipped] & 0xC0 == 0x80:
         skipped += 1  # started inside a multi-byte character
@@ -185,11 +223,12 @@ def read_file(
     ctx: ToolContext,
 ) -> dict[str, Any]:
     """Read a text file from the shared folder (binary files are reported, not shown)."""
-    root, target = _existing(ctx, path)
-    if target.is_dir():
+    root, target, st = _existing(ctx, path)
+    if stat.S_ISDIR(st.st_mode):
         raise ToolError(f"{path!r} is a directory; use files.list to see its contents", code=ErrorCode.BAD_REQUEST)
     try:
-        result = read_text(target, offset, max_bytes)
+        with _open_regular(target, st) as f:
+            result = read_text(f, offset, max_bytes)
     except OSError as exc:
         raise ToolError(f"cannot read {path!r}: {exc.strerror}", code=ErrorCode.FORBIDDEN) from None
     return {"path": _rel(root, target), **result}
@@ -220,8 +259,9 @@ def search_files(
     """Case-insensitive substring search of names and text contents under `start`.
 
     Walks without following directory symlinks; file symlinks are followed only
-    while they stay inside `root`. Stops at the first exhausted bound and says which
-    (`stopped`), so the model knows the answer may be partial.
+    while they stay inside `root`. Only regular files are read (FIFOs, sockets and
+    devices can match by name, never by content). Stops at the first exhausted bound
+    and says which (`stopped`), so the model knows the answer may be partial.
     """
     needle = query.casefold()
     results: list[dict[str, Any]] = []
@@ -256,10 +296,16 @@ def search_files(
             rel = _rel(root, entry)
             if needle in name.casefold():
                 results.append({"path": rel, "match": "name"})
-            if name in dirnames or not resolved.is_file():
+            if name in dirnames:
+                continue
+            try:
+                st = os.stat(resolved)
+            except OSError:
+                continue  # dangling symlink or vanished file
+            if not stat.S_ISREG(st.st_mode):
                 continue
             scanned += 1
-            hits, used = _search_content(resolved, needle, limits)
+            hits, used = _search_content(resolved, st, needle, limits)
             read_bytes += used
             for line_no, line in hits:
                 if len(results) >= max_results:
@@ -271,12 +317,14 @@ def search_files(
             "truncated": stopped is not None, "stopped": stopped}
 
 
-def _search_content(file: Path, needle: str, limits: SearchLimits) -> tuple[list[tuple[int, str]], int]:
+def _search_content(file: Path, st: os.stat_result, needle: str,
+                    limits: SearchLimits) -> tuple[list[tuple[int, str]], int]:
+    if st.st_size > limits.max_file_bytes:
+        return [], 0
     try:
-        if file.stat().st_size > limits.max_file_bytes:
-            return [], 0
-        data = file.read_bytes()
-    except OSError:
+        with _open_regular(file, st) as f:
+            data = f.read(limits.max_file_bytes)
+    except (OSError, ToolError):
         return [], 0
     if _looks_binary(data[:_SNIFF_BYTES]):
         return [], len(data)
@@ -298,8 +346,8 @@ def search(
     ctx: ToolContext,
 ) -> dict[str, Any]:
     """Find files in the shared folder whose name or text contains the query."""
-    root, target = _existing(ctx, path)
-    if not target.is_dir():
+    root, target, st = _existing(ctx, path)
+    if not stat.S_ISDIR(st.st_mode):
         raise ToolError(f"{path!r} is not a directory", code=ErrorCode.BAD_REQUEST)
     return search_files(root, target, query, max_results, DEFAULT_SEARCH_LIMITS, ctx)
 

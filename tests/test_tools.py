@@ -3,14 +3,17 @@ on real files in temporary directories."""
 from __future__ import annotations
 
 import os
+import socket
+import stat
 import sys
 import textwrap
 import threading
 import time
+from collections.abc import Callable, Iterator
 from datetime import date
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 import anyio
 import pytest
@@ -30,6 +33,7 @@ from psymesh.agent.tools import (
 )
 from psymesh.protocol.errors import ErrorCode, PsymeshError
 
+T = TypeVar("T")
 
 class Mood(str, Enum):
     happy = "happy"
@@ -497,6 +501,110 @@ def test_files_search_is_bounded(tmp_path: Path) -> None:
     assert out["stopped"] == "time" and out["results"] == []
     per_file = search_files(root, root, "needle", 1000, SearchLimits(max_hits_per_file=3))
     assert sum(r["path"] == "f00.txt" for r in per_file["results"]) == 3
+
+
+# --------------------------------------------------------------------------- special files in the share
+
+
+def within(seconds: float, fn: Callable[[], T]) -> T:
+    """Run `fn` on a daemon thread and fail the test if it has not returned in `seconds`:
+    a FIFO read that blocks would otherwise hang the whole test run (a thread cannot be
+    interrupted, so anyio's timeouts would wait for it too)."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as exc:  # noqa: BLE001  (handed back to the test thread)
+            box["error"] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"blocked for more than {seconds} s"
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+@pytest.fixture
+def specials(share: Path) -> Iterator[dict[str, str]]:
+    """A FIFO, a listening Unix socket and (as root) a copy of /dev/null inside the share;
+    a symlink to the real /dev/null. Name -> the type files.list reports."""
+    os.mkfifo(share / "pipe.txt")  # named like text on purpose: a FIFO must not be read
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.bind(str(share / "sock.txt"))
+    sock.listen(1)
+    kinds = {"pipe.txt": "fifo", "sock.txt": "socket"}
+    try:
+        os.mknod(share / "null.txt", 0o600 | stat.S_IFCHR, os.makedev(1, 3))
+        kinds["null.txt"] = "character device"
+    except PermissionError:
+        pass  # not root: the FIFO and the socket still stand for every special file
+    (share / "null_link").symlink_to("/dev/null")
+    try:
+        yield kinds
+    finally:
+        sock.close()
+
+
+@pytest.mark.anyio
+async def test_files_read_refuses_fifos_sockets_and_devices_at_once(share: Path, specials: dict[str, str]) -> None:
+    from psymesh.agent.builtin_tools import read_file
+
+    reg = default_registry("home")
+    for name, kind in specials.items():
+        with pytest.raises(ToolError) as err:
+            within(5, lambda: read_file(name, ctx=ctx_for(share)))
+        assert err.value.code is ErrorCode.BAD_REQUEST and f"is a {kind}" in err.value.message, name
+        with pytest.raises(ToolError, match="not a regular file or a directory"):
+            await reg.invoke("files.read", {"path": name}, ctx_for(share))
+        for tool, args in [("files.list", {"path": name}), ("files.search", {"query": "x", "path": name})]:
+            with pytest.raises(ToolError, match=f"is a {kind}"):
+                await reg.invoke(tool, args, ctx_for(share))
+    with pytest.raises(ToolError) as err:  # the real device is outside the share anyway
+        await reg.invoke("files.read", {"path": "null_link"}, ctx_for(share))
+    assert err.value.code is ErrorCode.FORBIDDEN
+
+
+@pytest.mark.anyio
+async def test_files_list_and_search_show_special_files_without_opening_them(
+        share: Path, specials: dict[str, str]) -> None:
+    from psymesh.agent.builtin_tools import list_files, search
+
+    listed = within(5, lambda: list_files(ctx=ctx_for(share)))
+    types = {e["name"]: e["type"] for e in listed["entries"]}
+    for name, kind in specials.items():
+        assert types[name] == kind and not any("size" in e for e in listed["entries"] if e["name"] == name)
+    assert "null_link" not in types  # leads out of the share
+
+    found = within(5, lambda: search("txt", ctx=ctx_for(share)))
+    by_path = {(r["path"], r["match"]) for r in found["results"]}
+    for name in specials:
+        assert (name, "name") in by_path and (name, "content") not in by_path
+    assert found["files_scanned"] == 5  # plan.txt, notes.md, photo.jpg, unicode.txt, inner_link.txt
+    found = within(5, lambda: search("budget", ctx=ctx_for(share)))
+    assert {r["path"] for r in found["results"]} == {"docs/plan.txt", "docs/deep/notes.md", "inner_link.txt"}
+
+
+def test_a_file_swapped_for_a_fifo_after_the_check_is_refused_not_waited_on(tmp_path: Path) -> None:
+    """The race the stat-then-open order leaves: O_NONBLOCK opens the FIFO without waiting
+    for a writer, and the fstat after it sees it is not the file that was checked."""
+    from psymesh.agent.builtin_tools import _open_regular
+
+    path = tmp_path / "notes.txt"
+    path.write_text("hello")
+    checked = os.stat(path)
+    path.unlink()
+    os.mkfifo(path)
+    with pytest.raises(ToolError) as err:
+        within(5, lambda: _open_regular(path, checked))
+    assert err.value.code is ErrorCode.CONFLICT
+    path.unlink()
+    (tmp_path / "elsewhere.txt").write_text("hello")
+    path.symlink_to(tmp_path / "elsewhere.txt")  # swapped for a symlink: not followed
+    with pytest.raises(OSError):
+        within(5, lambda: _open_regular(path, checked))
 
 
 # --------------------------------------------------------------------------- system.info and registries
