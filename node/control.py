@@ -76,6 +76,8 @@ class ControlServer:
         old_umask = os.umask(0o177)  # the socket is born 0600: no window where others could connect
         try:
             listener = await anyio.create_unix_listener(path)
+        except OSError as exc:
+            raise PsymeshError(f"cannot listen on {path}: {exc.strerror or exc}", code=ErrorCode.UNAVAILABLE) from None
         finally:
             os.umask(old_umask)
         os.chmod(path, 0o600)
