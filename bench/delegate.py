@@ -193,7 +193,7 @@ async def bench_unbatched(max_tokens: int, model: Path, tmp: Path) -> MeshFigure
     from psymesh.node.daemon import Node
     from psymesh.node.home import NodeHome
     from psymesh.node.process import pair_homes
-    from psymesh.node.tasks import ExecutorLimits
+    from psymesh.node.executor import ExecutorLimits
 
     figures = MeshFigures([], [])
     async with anyio.create_task_group() as tg:

@@ -1,9 +1,15 @@
 """The node daemon: one root task group that owns every service.
 
     Node.run()
-      ├── P2PNode.run        libp2p host (Noise + yamux over TCP), our protocol handlers
+      ├── P2PNode.run          libp2p host (Noise + yamux over TCP), our protocol handlers
+      ├── SessionPool.run      one outbound session per peer (+ a liveness watcher each)
+      ├── TaskExecutor.run     recover unfinished tasks, N workers, expiry/purge housekeeping
+      ├── TaskSubmitter.run    one driver per unfinished delegated task
       ├── ControlServer.serve  local Unix socket for the CLI and scripts
-      └── signal watcher     SIGINT/SIGTERM -> cancel the root scope -> clean shutdown
+      └── signal watcher       SIGINT/SIGTERM -> cancel the root scope -> clean shutdown
+
+Every request a peer sends arrives on a session (`/psymesh/session/1.0.0`) and passes
+one door, `Node._door`: `Gate.admit()` decides and audits, then the service runs.
 
 Every service starts with `await tg.start(...)`, so `run()` reports ready only when
 the node really listens; nothing is spawned and forgotten.
@@ -23,19 +29,23 @@ from psymesh.node.agents import AgentTaskRunner, node_tools
 from psymesh.node.audit import AuditLog
 from psymesh.node.control import ControlServer
 from psymesh.node.db import open_db
-from psymesh.node.framed import FramedStream, request_once
+from psymesh.node.executor import TaskExecutor
+from psymesh.node.framed import FramedStream
 from psymesh.node.gate import Gate
 from psymesh.node.home import NodeConfig, NodeHome
 from psymesh.node.logs import fields
 from psymesh.node.p2p import P2PNode, P2PStream
 from psymesh.node.pairing import PairingService
-from psymesh.node.ping import measure_ping, serve_ping
+from psymesh.node.liveness import Liveness
+from psymesh.node.ping import measure_ping
 from psymesh.node.models import ModelPool, ModelRegistry
+from psymesh.node.session import Call, SessionPool, serve_session
+from psymesh.node.submitter import TaskSubmitter
 from psymesh.node.taskstore import ExecutorStore, Outbox
-from psymesh.node.tasks import TaskExecutor, TaskSubmitter
 from psymesh.node.trust import TrustStore
 from psymesh.protocol import control as c
 from psymesh.protocol import ids
+from psymesh.protocol.identity import is_peer_id
 from psymesh.protocol.errors import ErrorCode, ProtocolError, PsymeshError
 from psymesh.protocol.manifest import (
     PRESETS,
@@ -49,12 +59,15 @@ from psymesh.protocol.manifest import (
     revocation,
     verify_from_issuer,
 )
-from psymesh.protocol.messages import expect
-from psymesh.protocol.tasks import TaskCaps, TaskCapsReply, TaskSpec
+from psymesh.protocol.common import Ping, Pong
+from psymesh.protocol.messages import Message
+from psymesh.protocol.session import MAX_OPEN_REQUESTS
+from psymesh.protocol.tasks import TaskAck, TaskAttach, TaskCancel, TaskCaps, TaskCapsReply, TaskInput, TaskList, TaskSpec, TaskSubmit
 
 log = logging.getLogger("psymesh.node")
 
 InboundHandler = Callable[[FramedStream, str], Awaitable[None]]
+Service = Callable[[Call], Awaitable[Message]]
 
 
 class Node:
@@ -66,31 +79,38 @@ class Node:
         self.config = config or home.load_config()
         self.db = open_db(home.db_path)
         self.started_at = time.monotonic()
-        self.p2p = P2PNode(self.identity.seed, self.config.listen)
-        self.control = ControlServer(home.socket_path, self.config.max_frame_size)
         self.trust = TrustStore(self.db)
         self.audit = AuditLog(self.db)
-        self.gate = Gate(self.identity.peer_id, self.trust, self.audit)
+        executor_store = ExecutorStore(self.db)
+        self.gate = Gate(self.identity.peer_id, self.trust, self.audit, queue=executor_store)
+        self.p2p = P2PNode(self.identity.seed, self.config.listen, allow_peer=self.gate.allow_connection)
+        self.control = ControlServer(home.socket_path, self.config.max_frame_size)
+        self.sessions = SessionPool(self.open_peer_stream, ids.SESSION, self.config.max_frame_size,
+                                    Liveness(self.config.liveness_probe_s, self.p2p.disconnect))
         self.pairing = PairingService(self.identity, self.config, self.p2p, self.trust, self.push_manifest)
         self.models = ModelPool(ModelRegistry(self.db))
         self.tools = node_tools(home, self.config)
-        self.executor = TaskExecutor(local_peer_id=self.identity.peer_id, store=ExecutorStore(self.db),
-                                     gate=self.gate, trust=self.trust, tools=self.tools, models=self.models,
+        self.executor = TaskExecutor(store=executor_store, gate=self.gate, trust=self.trust, tools=self.tools, models=self.models,
                                      profile=self.config.profile, share_dir=self.config.share_dir,
                                      agent_runner=AgentTaskRunner(self.models, self.tools, self.config.profile,
                                                                   self.config.share_dir, self.config.agent_model))
         self.submitter = TaskSubmitter(local_peer_id=self.identity.peer_id, outbox=Outbox(self.db), trust=self.trust,
-                                       open_stream=self.open_peer_stream, max_frame_size=self.config.max_frame_size,
-                                       liveness_probe_s=self.config.liveness_probe_s, drop_peer=self.p2p.disconnect)
+                                       sessions=self.sessions)
         self._root: anyio.CancelScope | None = None
+        self._tg: anyio.abc.TaskGroup | None = None
         self._register_services()
 
     # -- wiring ---------------------------------------------------------------
     def _register_services(self) -> None:
-        self.inbound(ids.PAIR, self.pairing.serve, paired_only=False)
-        self.inbound(ids.PING, self._serve_ping)
-        self.inbound(ids.MANIFEST, self._receive_manifest)
-        self.inbound(ids.TASK, self.executor.serve)
+        self.inbound(ids.PAIR, self.pairing.serve)
+        self.inbound(ids.SESSION, self._serve_session)
+        self.services: dict[type[Message], Service] = {
+            **{t: self.executor.handle for t in (TaskSubmit, TaskAttach, TaskAck, TaskCancel, TaskInput, TaskList,
+                                                 TaskCaps)},
+            Ping: self._pong,
+            ManifestPush: self._receive_grant,
+            ManifestRevoke: self._receive_revocation,
+        }
         routes = {
             c.StatusRequest: self._status,
             c.PingRequest: self._ping,
@@ -111,18 +131,15 @@ class Node:
         for request_type, handler in routes.items():
             self.control.route(request_type, handler)
 
-    def inbound(self, protocol: str, handler: InboundHandler, *, paired_only: bool = True) -> None:
-        """Serve `protocol` on the p2p host with framing and typed error replies.
-
-        Unless `paired_only=False` (pairing itself), a stream from a peer that is not
-        paired, or was revoked, is refused before the handler runs; the handler then
-        asks the gate about each request it reads."""
+    def inbound(self, protocol: str, handler: InboundHandler) -> None:
+        """Serve `protocol` on the p2p host with framing and typed error replies. The gate
+        decides first who may open it (`Gate.admit_stream`: anyone may pair, paired peers
+        open sessions, and each request on a session passes the door again)."""
 
         async def on_stream(stream: P2PStream) -> None:
             framed = FramedStream(stream, self.config.max_frame_size)
             try:
-                if paired_only:
-                    self.gate.refuse_unpaired(stream.remote_peer_id, protocol)
+                self.gate.admit_stream(stream.remote_peer_id, protocol)
                 await handler(framed, stream.remote_peer_id)
             except PsymeshError as exc:
                 log.info("refused %s from %s: %s", protocol, stream.remote_peer_id, exc,
@@ -139,7 +156,9 @@ class Node:
         try:
             async with anyio.create_task_group() as tg:
                 self._root = tg.cancel_scope
+                self._tg = tg
                 await tg.start(self.p2p.run)
+                await tg.start(self.sessions.run)
                 await tg.start(self.executor.run)
                 await tg.start(self.submitter.run)
                 await tg.start(self.control.serve)
@@ -187,7 +206,10 @@ class Node:
         """Open `protocol` to a multiaddr (…/p2p/<id>), or to a paired peer by id or name."""
         if peer.startswith("/"):
             return await self.p2p.open_stream(peer, protocol)
-        known = self.trust.resolve(peer)
+        known = self.trust.get(peer) if is_peer_id(peer) else self.trust.resolve(peer)
+        if known is None:  # a peer id we are not paired with (a stranger's ping): the open connection
+            return await self.p2p.open_stream(peer, protocol)
+        known.refuse_if_revoked_us()
         return await self.p2p.open_stream_any(known.peer_id, known.addrs, protocol,
                                               who=f"{known.name} ({known.peer_id})")
 
@@ -197,62 +219,58 @@ class Node:
 
     async def _tell_subject(self, peer_id: str, message: ManifestPush | ManifestRevoke, what: str, *,
                             timeout: float) -> bool:
-        """One best-effort request on `/psymesh/manifest`, all of it within `timeout` seconds."""
+        """One best-effort request, all of it (dialing included) within `timeout` seconds."""
         try:
             with anyio.fail_after(timeout):
-                stream = await self.open_peer_stream(peer_id, ids.MANIFEST)
-                await request_once(stream, message, ManifestOk, max_frame_size=self.config.max_frame_size,
-                                   timeout=timeout)
+                await self.sessions.request(peer_id, message, ManifestOk, timeout=timeout)
             return True
         except (PsymeshError, TimeoutError) as exc:
             log.info("could not hand %s %s: %s", peer_id, what, exc)
             return False
 
-    # -- inbound services ----------------------------------------------------------
-    async def _serve_ping(self, framed: FramedStream, peer_id: str) -> None:
-        self.gate.authorize(peer_id, ids.PING, None)
-        await serve_ping(framed)
+    # -- inbound: one door for every request ---------------------------------------------
+    async def _serve_session(self, framed: FramedStream, peer_id: str) -> None:
+        peer = self.trust.get(peer_id)
+        if peer is not None and peer.revoked and self._tg is not None:
+            self._tg.start_soon(self._tell_revoked, peer.peer_id)  # it has not heard yet (or it would not call)
+        await serve_session(framed.stream, peer_id, self._door, max_frame_size=self.config.max_frame_size,
+                            max_open=MAX_OPEN_REQUESTS)
 
-    async def _receive_manifest(self, framed: FramedStream, peer_id: str) -> None:
-        """A paired issuer hands us the grant it holds for us, or tells us it revoked us
-        (we need grant it nothing to accept either)."""
-        message = await framed.receive_required()
-        if isinstance(message, ManifestRevoke):
-            await self._receive_revocation(framed, peer_id, message)
-            return
-        m = expect(message, ManifestPush).manifest
-        verify_from_issuer(m, sender=peer_id, local_peer_id=self.identity.peer_id)
-        self.trust.set_received(peer_id, m)
-        self.audit.record(peer_id, ids.MANIFEST, "manifest.push", True)
-        await framed.send(ManifestOk(serial=m.serial))
+    async def _door(self, call: Call) -> Message:
+        """Every request of every peer: admitted (and audited) by the gate, then served."""
+        self.gate.admit(call.peer_id, ids.SESSION, call.request)
+        return await self.services[type(call.request)](call)
 
-    async def _receive_revocation(self, framed: FramedStream, peer_id: str, notice: ManifestRevoke) -> None:
-        """The issuer revoked us: stop following what it runs for us and submitting to it, now
-        (unless the notice is older than the grant we hold: one from before we paired again)."""
-        verify_from_issuer(notice, sender=peer_id, local_peer_id=self.identity.peer_id)
-        issuer = self.trust.get(peer_id)
-        assert issuer is not None  # inbound() let only paired peers through
-        if notice.voids(issuer.received):
-            self.submitter.revoked_by(peer_id, ErrorCode.FORBIDDEN, f"{issuer.name} revoked this node's access")
-            self.audit.record(peer_id, ids.MANIFEST, "manifest.revoke", True)
-        else:
-            self.audit.record(peer_id, ids.MANIFEST, "manifest.revoke", False, ErrorCode.CONFLICT.value,
-                              f"stale: serial {notice.serial} < held grant {issuer.received.serial}")
-        await framed.send(ManifestOk(serial=notice.serial))
+    async def _pong(self, call: Call) -> Message:
+        assert isinstance(call.request, Ping)
+        return Pong(seq=call.request.seq, payload=call.request.payload)
+
+    async def _receive_grant(self, call: Call) -> Message:
+        """A paired issuer hands us the grant it holds for us (the door checked who issued it)."""
+        assert isinstance(call.request, ManifestPush)
+        self.trust.set_received(call.peer_id, call.request.manifest)
+        return ManifestOk(serial=call.request.manifest.serial)
+
+    async def _receive_revocation(self, call: Call) -> Message:
+        """The issuer revoked us: stop following what it runs for us and submitting to it, now."""
+        notice = call.request
+        assert isinstance(notice, ManifestRevoke)
+        issuer = self.trust.get(call.peer_id)
+        assert issuer is not None  # the door lets only paired peers through (and refused stale notices)
+        self.submitter.revoked_by(call.peer_id, ErrorCode.FORBIDDEN, f"{issuer.name} revoked this node's access")
+        return ManifestOk(serial=notice.serial)
 
     async def _ping(self, req: c.PingRequest, _: FramedStream) -> c.PingReply:
+        """Round trips on the session to the peer (the first one opens it: `connect_ms`)."""
+        if req.peer.startswith("/"):
+            peer_id = await self.p2p.connect(req.peer)
+        else:
+            peer_id = self.trust.resolve(req.peer).peer_id
         start = time.perf_counter()
-        stream = await self.open_peer_stream(req.peer, ids.PING)
+        session = await self.sessions.session(peer_id)
         connect_ms = (time.perf_counter() - start) * 1000
-        framed = FramedStream(stream, self.config.max_frame_size)
-        try:
-            with anyio.fail_after(30):
-                return await measure_ping(framed, stream.remote_peer_id, req.count, req.payload_size, connect_ms)
-        except TimeoutError:
-            raise ProtocolError(f"ping to {stream.remote_peer_id} timed out", code=ErrorCode.TIMEOUT) from None
-        finally:
-            with anyio.CancelScope(shield=True):
-                await stream.aclose()
+        with anyio.fail_after(30):
+            return await measure_ping(session, peer_id, req.count, req.payload_size, connect_ms)
 
     async def _peers(self, req: c.PeersRequest, _: FramedStream) -> c.PeersReply:
         connected = {p["peer_id"] for p in self.p2p.connected_peers()}
@@ -283,30 +301,37 @@ class Node:
     async def _revoke(self, req: c.RevokeRequest, _: FramedStream) -> c.PeerReply:
         """Takes effect at once: the trust store says no to the next request, the peer is told
         (a signed notice, so it stops following its tasks here and submitting new ones; at most
-        2 s, and a peer that misses it learns from the refusal of its next request), and open
-        connections (with their streams) are closed now."""
+        2 s, and a peer that misses it is told when it next calls, and meanwhile learns from the
+        refusal of its requests), and open connections (with their streams) are closed now.
+        Once it took the notice, it is refused already at the connection."""
         peer = self.trust.resolve(req.peer)
         self.trust.revoke(peer.peer_id)
         self.audit.record(peer.peer_id, "control", "revoke", True, reason="revoked by the owner")
-        notice = revocation(self.identity.peer_id, peer.peer_id, peer.granted, now=time.time())
-        await self._tell_subject(peer.peer_id, notice.sign(self.identity.private_key), "its revocation",
-                                 timeout=self.REVOCATION_NOTICE_S)
+        await self._tell_revoked(peer.peer_id)
         await self.p2p.disconnect(peer.peer_id)
         canceled = self.executor.cancel_for(peer.peer_id, "the submitter was revoked")
-        log.info("revoked %s: %d queued or running task(s) canceled", peer.name, canceled)
-        log.info("revoked %s (%s)", peer.name, peer.peer_id)
+        log.info("revoked %s (%s): %d queued or running task(s) canceled", peer.name, peer.peer_id, canceled)
         updated = self.trust.get(peer.peer_id)
         assert updated is not None
         return c.PeerReply(peer=updated.as_dict())
 
+    async def _tell_revoked(self, peer_id: str) -> None:
+        """Hand a revoked peer our signed notice (best effort, at most REVOCATION_NOTICE_S)."""
+        peer = self.trust.get(peer_id)
+        if peer is None or not peer.revoked or peer.revocation_told_at is not None:
+            return
+        notice = revocation(self.identity.peer_id, peer_id, peer.granted, now=time.time())
+        if await self._tell_subject(peer_id, notice.sign(self.identity.private_key), "its revocation",
+                                    timeout=self.REVOCATION_NOTICE_S):
+            self.trust.revocation_told(peer_id)
+
     async def _audit(self, req: c.AuditRequest, _: FramedStream) -> c.AuditReply:
-        peer_id = self.trust.resolve(req.peer).peer_id if req.peer and not req.peer.startswith("12D3") else req.peer
+        peer_id = req.peer if req.peer is None or is_peer_id(req.peer) else self.trust.resolve(req.peer).peer_id
         return c.AuditReply(rows=self.audit.query(peer_id=peer_id, limit=req.limit, denied_only=req.denied_only))
 
     # -- delegated tasks ----------------------------------------------------------------
     async def offers(self, peer_id: str) -> TaskCapsReply:
-        stream = await self.open_peer_stream(peer_id, ids.TASK)
-        return await request_once(stream, TaskCaps(), TaskCapsReply, max_frame_size=self.config.max_frame_size)
+        return await self.sessions.request(peer_id, TaskCaps(), TaskCapsReply)
 
     async def _task_submit(self, req: c.TaskSubmitRequest, _: FramedStream) -> c.TaskSubmitted:
         try:

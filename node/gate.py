@@ -1,76 +1,182 @@
-"""The gate: one ordered checklist that every inbound request passes, in one place.
+"""The gate: the one door every inbound request passes, in one place.
 
-    1. the remote peer id is paired and not revoked          unknown_peer
-    2. we issued it a grant (manifest)                        forbidden
-    3. the grant is ours, for this peer, signed, in date      forbidden / expired
-    4. a capability covers this exact request                 forbidden
-    5. the payload is within the grant's limit                too_large
-    6. the peer is within its request rate                    rate_limited (retry_after)
+    1. the remote peer id is paired and not revoked            unknown_peer
+    2. the request is one this node serves (protocol/admission) bad_request
+    3. by its rule:
+       issuer      the manifest it carries is from the sender, to us, signed      forbidden
+       grant       we issued the peer a grant, ours, for it, signed, in date       forbidden / expired
+       capability  ... and a capability covers this exact request, payload within  forbidden / too_large
+    4. charged requests: within the grant's request rate       rate_limited (retry_after)
+    5. requests that start a task: within the queue limits     busy (retry_after)
 
-The first failure wins; nothing runs for a denied request. Every decision, allowed
-or denied, is a row in the audit log. The remote peer id comes from the Noise
-session (libp2p), never from the request. Like syncthing's connection checks, the
-order is fixed and the list lives here only.
+The first failure wins; nothing runs for a denied request. Every decision, allowed or
+denied, is exactly one row in the audit log. The remote peer id comes from the Noise
+session (libp2p), never from the request. Like syncthing's connection checks, the order
+is fixed and the list lives here only: the daemon calls `admit()` from one place (its
+session door), `admit_stream()` for every inbound stream, `allow_connection()` for every
+inbound connection, and `recheck()` when a queued task starts.
 """
 from __future__ import annotations
 
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
 
 from psymesh.node.audit import AuditLog
 from psymesh.node.logs import fields
 from psymesh.node.trust import Peer, TrustStore
+from psymesh.protocol import ids
+from psymesh.protocol.admission import Need, label, operation_for, rule_for, task_operation
 from psymesh.protocol.errors import ErrorCode, PsymeshError
-from psymesh.protocol.limits import Admission
-from psymesh.protocol.manifest import Decision, Operation, check, verify_grant
+from psymesh.protocol.limits import RateLimiter
+from psymesh.protocol.manifest import (
+    Decision,
+    Manifest,
+    ManifestPush,
+    ManifestRevoke,
+    Operation,
+    check,
+    verify_from_issuer,
+    verify_grant,
+)
+from psymesh.protocol.messages import Message
+from psymesh.protocol.tasks import TaskSpec, TaskSubmit
 
 log = logging.getLogger("psymesh.gate")
 
 
+class QueueGauge(Protocol):
+    """How much work the node holds (the executor's store answers)."""
+
+    def active_for(self, peer_id: str) -> int: ...
+
+    def queue_depth(self) -> int: ...
+
+    def holds(self, peer_id: str, task_id: str) -> bool: ...
+
+
+@dataclass(frozen=True)
+class QueueLimits:
+    max_queue: int = 256             # unfinished tasks held for all peers
+    max_queue_per_peer: int = 64     # ... and for one peer (its grant may say less)
+    busy_retry_after: float = 0.5
+
+
 class Gate:
-    def __init__(self, local_peer_id: str, trust: TrustStore, audit: AuditLog,
+    def __init__(self, local_peer_id: str, trust: TrustStore, audit: AuditLog, *,
+                 queue: QueueGauge | None = None, queue_limits: QueueLimits | None = None,
                  clock: Callable[[], float] = time.time) -> None:
         self.local_peer_id = local_peer_id
         self.trust = trust
         self.audit = audit
+        self.queue = queue
+        self.queue_limits = queue_limits or QueueLimits()
         self.clock = clock
-        self.admission = Admission()
+        self.rate = RateLimiter()
 
-    def authorize(self, peer_id: str, protocol: str, operation: Operation | None, *, label: str | None = None) -> Decision:
-        """Allow or raise. `operation=None` is a peer-level request (ping, manifest refresh):
-        it needs a valid grant but no particular capability."""
+    # -- requests ------------------------------------------------------------------
+    def admit(self, peer_id: str, service: str, request: Message) -> Decision:
+        """Allow `request` from `peer_id` (arrived on `service`) or raise; one audit row either way."""
+        now = self.clock()
+        what = label(request)
+        try:
+            decision = self._decide(peer_id, request, now)
+        except PsymeshError as exc:
+            self._record(peer_id, service, what, exc, now)
+            raise
+        self.audit.record(peer_id, service, what, True, now=now)
+        return decision
+
+    def _decide(self, peer_id: str, request: Message, now: float) -> Decision:
+        peer = self.paired(peer_id)
+        rule = rule_for(request)
+        if rule.need is Need.ISSUER:
+            assert isinstance(request, (ManifestPush, ManifestRevoke))
+            signed = request.manifest if isinstance(request, ManifestPush) else request
+            verify_from_issuer(signed, sender=peer_id, local_peer_id=self.local_peer_id)
+            if isinstance(request, ManifestRevoke) and not request.voids(peer.received):
+                raise PsymeshError(f"stale revocation: serial {request.serial} is older than the grant held",
+                                   code=ErrorCode.CONFLICT)
+            return Decision(True)
+        grant = _grant_of(peer)
+        operation = operation_for(request)
+        if rule.need is Need.CAPABILITY and operation is not None:
+            decision = check(grant, operation, local_peer_id=self.local_peer_id, remote_peer_id=peer_id, now=now)
+        else:
+            decision = verify_grant(grant, local_peer_id=self.local_peer_id, remote_peer_id=peer_id, now=now)
+        decision.raise_if_denied()
+        if rule.starts_task:
+            assert isinstance(request, TaskSubmit)
+            if self.queue is not None and self.queue.holds(peer_id, request.spec.id):
+                return decision  # a resubmit of a task it holds here: already counted
+            self._check_queue(peer_id, grant)
+        if rule.charged:
+            self._charge(peer_id, grant, now)
+        return decision
+
+    def recheck(self, peer_id: str, spec: TaskSpec) -> Decision:
+        """A queued task about to start: does the submitter's grant, as it is *now*, still
+        cover it? Returns the decision (denied ones too, for the executor to report);
+        writes its own audit row."""
+        now = self.clock()
+        what = f"task.start {task_operation(spec).required()}"
+        try:
+            grant = _grant_of(self.paired(peer_id))
+            decision = check(grant, task_operation(spec), local_peer_id=self.local_peer_id,
+                             remote_peer_id=peer_id, now=now)
+        except PsymeshError as exc:
+            decision = Decision(False, exc.code, exc.message)
+        if decision.allowed:
+            self.audit.record(peer_id, ids.TASK, what, True, now=now)
+        else:
+            error = decision.error()
+            assert error is not None
+            self._record(peer_id, ids.TASK, what, error, now)
+        return decision
+
+    def _check_queue(self, peer_id: str, grant: Manifest) -> None:
+        if self.queue is None:
+            return
+        limits = self.queue_limits
+        per_peer = min(limits.max_queue_per_peer, grant.limits.concurrent_tasks or limits.max_queue_per_peer)
+        if self.queue.active_for(peer_id) >= per_peer:
+            raise PsymeshError(f"you have {per_peer} unfinished task(s) here, the most allowed; retry later",
+                               code=ErrorCode.BUSY, retry_after=limits.busy_retry_after)
+        if self.queue.queue_depth() >= limits.max_queue:
+            raise PsymeshError("this node's task queue is full; retry later", code=ErrorCode.BUSY,
+                               retry_after=limits.busy_retry_after * 2)
+
+    def _charge(self, peer_id: str, grant: Manifest, now: float) -> None:
+        rpm = grant.limits.requests_per_minute
+        if rpm is None:
+            return
+        retry_after = self.rate.acquire(peer_id, now, per_minute=rpm)
+        if retry_after is not None:
+            raise PsymeshError(f"over {rpm} requests per minute; retry in {retry_after:.1f} s",
+                               code=ErrorCode.RATE_LIMITED, retry_after=retry_after)
+
+    def authorize(self, peer_id: str, protocol: str, operation: Operation | None, *,
+                  label: str | None = None) -> Decision:
+        """(Being replaced by `admit()`: kept until the task service moves onto sessions.)"""
         now = self.clock()
         what = label or (operation.required() if operation else protocol.split("/")[2])
         try:
-            decision = self._decide(peer_id, operation, now)
+            grant = _grant_of(self.paired(peer_id))
+            if operation is None:
+                decision = verify_grant(grant, local_peer_id=self.local_peer_id, remote_peer_id=peer_id, now=now)
+            else:
+                decision = check(grant, operation, local_peer_id=self.local_peer_id, remote_peer_id=peer_id, now=now)
             decision.raise_if_denied()
+            self._charge(peer_id, grant, now)
         except PsymeshError as exc:
-            self.audit.record(peer_id, protocol, what, False, exc.code.value, exc.message, now=now)
-            log.info("denied %s to %s: %s", what, peer_id, exc.message, extra=fields(code=exc.code.value))
+            self._record(peer_id, protocol, what, exc, now)
             raise
         self.audit.record(peer_id, protocol, what, True, now=now)
         return decision
 
-    def _decide(self, peer_id: str, operation: Operation | None, now: float) -> Decision:
-        peer = self.paired(peer_id)
-        grant = peer.granted
-        if grant is None:
-            return Decision(False, ErrorCode.FORBIDDEN, "this node has granted you nothing")
-        if operation is None:
-            decision = verify_grant(grant, local_peer_id=self.local_peer_id, remote_peer_id=peer_id, now=now)
-        else:
-            decision = check(grant, operation, local_peer_id=self.local_peer_id, remote_peer_id=peer_id, now=now)
-        if not decision.allowed:
-            return decision
-        rpm = grant.limits.requests_per_minute
-        if rpm is not None:
-            retry_after = self.admission.rate.acquire(peer_id, now, per_minute=rpm)
-            if retry_after is not None:
-                raise PsymeshError(f"over {rpm} requests per minute; retry in {retry_after:.1f} s",
-                                   code=ErrorCode.RATE_LIMITED, retry_after=retry_after)
-        return decision
-
+    # -- peers, connections, streams -------------------------------------------------
     def paired(self, peer_id: str) -> Peer:
         peer = self.trust.get(peer_id)
         if peer is None or peer.revoked:
@@ -79,10 +185,32 @@ class Gate:
                                code=ErrorCode.UNKNOWN_PEER)
         return peer
 
-    def refuse_unpaired(self, peer_id: str, protocol: str) -> None:
-        """Record and raise for a peer that may only pair (used before any service runs)."""
-        try:
-            self.paired(peer_id)
-        except PsymeshError as exc:
-            self.audit.record(peer_id, protocol, protocol.split("/")[2], False, exc.code.value, exc.message)
-            raise
+    def allow_connection(self, peer_id: str) -> bool:
+        """Asked by the p2p host right after the Noise handshake proves `peer_id`, and before
+        every inbound stream: a revoked peer that has been told so gets no connection at all."""
+        peer = self.trust.get(peer_id)
+        return peer is None or not peer.shut_out
+
+    def admit_stream(self, peer_id: str, protocol: str) -> None:
+        """May `peer_id` open `protocol`? Anyone may pair; only paired peers open a session
+        (a revoked one too, until it knows: its requests are refused, one by one, with
+        `unknown_peer`, which is how it learns). Anything else is refused and audited."""
+        if protocol == ids.PAIR:
+            return
+        peer = self.trust.get(peer_id)
+        if peer is not None and protocol == ids.SESSION:
+            return
+        state = "is not paired with this node" if peer is None else "may not open this protocol"
+        exc = PsymeshError(f"peer {peer_id} {state}; pair first (psymesh pair join)", code=ErrorCode.UNKNOWN_PEER)
+        self._record(peer_id, protocol, protocol, exc, self.clock())
+        raise exc
+
+    def _record(self, peer_id: str, service: str, what: str, exc: PsymeshError, now: float) -> None:
+        self.audit.record(peer_id, service, what, False, exc.code.value, exc.message, now=now)
+        log.info("denied %s to %s: %s", what, peer_id, exc.message, extra=fields(code=exc.code.value))
+
+
+def _grant_of(peer: Peer) -> Manifest:
+    if peer.granted is None:
+        raise PsymeshError("this node has granted you nothing", code=ErrorCode.FORBIDDEN)
+    return peer.granted

@@ -1,30 +1,25 @@
-"""`/psymesh/ping/1.0.0`: echo service and the measuring side used by `psymesh ping`."""
+"""The measuring side of `psymesh ping`: round trips on a session (`ping` is served by the door)."""
 from __future__ import annotations
 
 import os
 import statistics
 import time
 
-from psymesh.node.framed import FramedStream
+from psymesh.node.session import OutboundSession
 from psymesh.protocol.common import Ping, Pong
 from psymesh.protocol.control import PingReply
 from psymesh.protocol.errors import ProtocolError
 from psymesh.protocol.messages import expect
 
 
-async def serve_ping(framed: FramedStream) -> None:
-    """Answer every Ping on the stream until the peer closes it."""
-    while (message := await framed.receive()) is not None:
-        ping = expect(message, Ping)
-        await framed.send(Pong(seq=ping.seq, payload=ping.payload))
-
-
-async def measure_ping(framed: FramedStream, peer_id: str, count: int, payload_size: int, connect_ms: float) -> PingReply:
+async def measure_ping(session: OutboundSession, peer_id: str, count: int, payload_size: int,
+                       connect_ms: float) -> PingReply:
+    """`count` ping round trips on an open session: what one request costs on the mesh."""
     payload = os.urandom(payload_size)
     rtts: list[float] = []
     for seq in range(count):
         start = time.perf_counter()
-        pong = await framed.request(Ping(seq=seq, payload=payload), Pong)
+        pong = await session.request(Ping(seq=seq, payload=payload), Pong)
         rtts.append((time.perf_counter() - start) * 1000)
         if pong.seq != seq or pong.payload != payload:
             raise ProtocolError(f"peer answered ping {seq} with a different seq or payload")

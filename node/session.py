@@ -24,7 +24,15 @@ import anyio.abc
 
 from psymesh.node.framed import READ_CHUNK, ByteStream
 from psymesh.protocol.common import Error
-from psymesh.protocol.errors import ConnectionLost, ErrorCode, NetworkError, NetworkTimeout, ProtocolError, PsymeshError
+from psymesh.protocol.errors import (
+    ConnectionLost,
+    ErrorCode,
+    NetworkError,
+    NetworkTimeout,
+    ProtocolError,
+    PsymeshError,
+    RemoteError,
+)
 from psymesh.protocol.messages import Message, expect
 from psymesh.protocol.session import Cancel, Refused, Reply, Request, SessionClient, SessionServer
 
@@ -125,7 +133,7 @@ class OutboundSession:
         self._client = SessionClient(max_frame_size)
         self._inboxes: dict[int, anyio.abc.ObjectSendStream[Reply]] = {}
         self._write_lock = anyio.Lock()
-        self._dead: NetworkError | None = None
+        self._dead: PsymeshError | None = None  # a NetworkError, or the server's refusal
         self.closed = anyio.Event()
         self.last_heard = anyio.current_time()
 
@@ -156,12 +164,14 @@ class OutboundSession:
                     return
         except ProtocolError as exc:
             self._die(ConnectionLost(f"the session to {self.peer_id} broke: {exc.message}"))
+        except RemoteError as exc:  # it refused the whole session: every request gets the reason
+            self._die(exc)
         finally:
             self._die(ConnectionLost(f"the session to {self.peer_id} ended"))
             with anyio.CancelScope(shield=True):
                 await self._stream.aclose()
 
-    def _die(self, exc: NetworkError) -> None:
+    def _die(self, exc: PsymeshError) -> None:
         if self._dead is None:
             self._dead = exc
             for inbox in self._inboxes.values():
@@ -190,6 +200,13 @@ class OutboundSession:
             if self._dead is None and rid in self._client.open_requests:
                 with anyio.CancelScope(shield=True), contextlib.suppress(PsymeshError):
                     await self._write(self._client.cancel(rid))
+
+    async def request(self, message: Message, reply_type: type[M]) -> M:
+        """One request on this session and its one reply (an `error` reply raises RemoteError)."""
+        async with self.open(message) as replies:
+            async for reply in replies:
+                return expect(reply, reply_type)
+        raise ConnectionLost(f"{self.peer_id} ended {message.type} without an answer")
 
     async def _write(self, data: bytes) -> None:
         if not data:
@@ -304,12 +321,10 @@ class SessionPool:
         """One request, one reply of `reply_type` (an `error` reply raises RemoteError)."""
         try:
             with anyio.fail_after(timeout):
-                async with self.stream(peer_id, message) as replies:
-                    async for reply in replies:
-                        return expect(reply, reply_type)
+                session = await self.session(peer_id)
+                return await session.request(message, reply_type)
         except TimeoutError:
             raise NetworkTimeout(f"{peer_id} did not answer {message.type} within {timeout:g} s") from None
-        raise ConnectionLost(f"{peer_id} ended {message.type} without an answer")
 
 
 __all__ = ["Call", "Door", "OutboundSession", "SessionPool", "serve_session"]

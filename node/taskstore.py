@@ -409,6 +409,11 @@ class ExecutorStore:
         """Unfinished tasks submitted by `peer` (for per-peer quotas)."""
         return self._count(peer)
 
+    def holds(self, peer: str, task_id: str) -> bool:
+        """Whether `peer` already submitted `task_id` here (a resubmit costs it nothing)."""
+        return self.conn.execute("SELECT 1 FROM exec_tasks WHERE id = ? AND submitter = ?",
+                                 (task_id, peer)).fetchone() is not None
+
     def next_deadline(self) -> float | None:
         """The earliest deadline among unfinished tasks, for the service's expiry timer."""
         marks, states = _placeholders(s.value for s in ACTIVE_STATES)
@@ -552,11 +557,13 @@ class Outbox:
             return cur.rowcount == 1
 
     def record_event(self, event: TaskEvent, target: str | None = None, now: float | None = None) -> bool:
-        """Mirror one received event: True if new (deliver it), False if already held.
+        """Mirror one event: True if new (deliver it), False if already held.
 
+        `target` is the executor it came from: an event from it implies it accepted the
+        task. Without `target` the event was written here (the task ended on this side).
         An event past a gap, one that breaks the lifecycle, or one from a peer that is
-        not the task's executor (when `target` is given) is a ProtocolError: re-attach
-        from `last_seq` instead of trusting it.
+        not the task's executor is a ProtocolError: re-attach from `last_seq` instead
+        of trusting it.
         """
         with transaction(self.conn):
             row = self._log.row(event.task_id)
@@ -566,7 +573,8 @@ class Outbox:
             if event.seq <= row["last_seq"]:
                 return False
             self._log.append(row, event, _now(now))  # checks seq contiguity and the transition
-            self.conn.execute("UPDATE outbox_tasks SET accepted = 1 WHERE id = ?", (event.task_id,))
+            if target is not None:
+                self.conn.execute("UPDATE outbox_tasks SET accepted = 1 WHERE id = ?", (event.task_id,))
             return True
 
     def mark_acked(self, task_id: str, upto_seq: int) -> OutboxTask:

@@ -31,7 +31,8 @@ CREATE TABLE IF NOT EXISTS peers (
     revoked_at REAL,                          -- we revoked them
     granted    BLOB,                          -- msgpack Manifest we issued: what they may ask of us
     received   BLOB,                          -- msgpack Manifest they issued: what we may ask of them
-    revoked_us_at REAL                        -- they revoked us (their grant is void, `received` cleared)
+    revoked_us_at REAL,                       -- they revoked us (their grant is void, `received` cleared)
+    revocation_told_at REAL                   -- we revoked them and they took our signed notice
 );
 CREATE INDEX IF NOT EXISTS peers_name ON peers(name);
 """
@@ -69,10 +70,17 @@ class Peer:
     granted: Manifest | None
     received: Manifest | None
     revoked_us_at: float | None
+    revocation_told_at: float | None = None
 
     @property
     def revoked(self) -> bool:
         return self.revoked_at is not None
+
+    @property
+    def shut_out(self) -> bool:
+        """Revoked, and it took the notice: refused already at the connection from now on.
+        (Until it knows, it may still connect, to hear `unknown_peer` or the notice.)"""
+        return self.revoked_at is not None and self.revocation_told_at is not None
 
     def refuse_if_revoked_us(self) -> None:
         """FORBIDDEN, saying why, if this peer revoked our pairing: asking it would only be refused."""
@@ -102,13 +110,14 @@ class TrustStore:
     def __init__(self, conn: sqlite3.Connection) -> None:
         self.conn = conn
         ensure_schema(conn, SCHEMA)
-        _add_column(conn, "peers", "revoked_us_at REAL")  # databases made before it existed
+        _add_column(conn, "peers", "revoked_us_at REAL")  # databases made before they existed
+        _add_column(conn, "peers", "revocation_told_at REAL")
 
     @staticmethod
     def _peer(row: sqlite3.Row) -> Peer:
         return Peer(row["peer_id"], row["name"], row["role"], json.loads(row["addrs"]), row["paired_at"],
                     row["revoked_at"], _decode_manifest(row["granted"]), _decode_manifest(row["received"]),
-                    row["revoked_us_at"])
+                    row["revoked_us_at"], row["revocation_told_at"])
 
     def get(self, peer_id: str) -> Peer | None:
         row = self.conn.execute("SELECT * FROM peers WHERE peer_id = ?", (peer_id,)).fetchone()
@@ -140,7 +149,7 @@ class TrustStore:
                 "INSERT INTO peers (peer_id, name, role, addrs, paired_at, revoked_at, granted, received) "
                 "VALUES (?, ?, ?, ?, ?, NULL, ?, ?) ON CONFLICT(peer_id) DO UPDATE SET name=excluded.name, "
                 "role=excluded.role, addrs=excluded.addrs, paired_at=excluded.paired_at, revoked_at=NULL, "
-                "granted=excluded.granted, received=excluded.received, revoked_us_at=NULL",
+                "granted=excluded.granted, received=excluded.received, revoked_us_at=NULL, revocation_told_at=NULL",
                 (peer_id, name, role, json.dumps(addrs), now, _encode_manifest(granted), _encode_manifest(received)),
             )
         peer = self.get(peer_id)
@@ -166,6 +175,10 @@ class TrustStore:
     def revoke(self, peer_id: str, now: float | None = None) -> None:
         self._update(peer_id, "revoked_at", time.time() if now is None else now)
 
+    def revocation_told(self, peer_id: str, now: float | None = None) -> None:
+        """The revoked peer acknowledged our signed notice."""
+        self._update(peer_id, "revocation_told_at", time.time() if now is None else now)
+
     def revoked_us(self, peer_id: str, now: float | None = None) -> bool:
         """`peer_id` revoked our pairing: drop the grant it gave us (it is void) and remember when.
         True the first time; False if we knew already or it is not a peer of ours."""
@@ -176,7 +189,7 @@ class TrustStore:
         return cur.rowcount == 1
 
     def _update(self, peer_id: str, column: str, value: object) -> None:
-        assert column in {"granted", "received", "addrs", "revoked_at"}
+        assert column in {"granted", "received", "addrs", "revoked_at", "revocation_told_at"}
         cur = self.conn.execute(f"UPDATE peers SET {column} = ? WHERE peer_id = ?", (value, peer_id))
         if cur.rowcount == 0:
             raise PsymeshError(f"{peer_id} is not a paired peer; see: psymesh peers", code=ErrorCode.UNKNOWN_PEER)

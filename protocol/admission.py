@@ -8,8 +8,8 @@ serves has one, so a new service cannot skip the door by accident.
     ──────────   ─────────────────────────────────────────────────────────────────
     capability   a grant of ours, in date, with a capability covering `operation()`
     grant        a grant of ours, in date (peer-level requests: ping, task.attach)
-    issuer       nothing of ours: the message carries a manifest the *sender* issued
-                 to *us*, validly signed (manifest.push: we accept what we are given)
+    issuer       nothing of ours: the message carries a manifest (or a revocation) the
+                 *sender* issued to *us*, validly signed (manifest.push, manifest.revoke)
 
 `charged` requests spend one unit of the grant's `requests_per_minute`. The messages
 that follow a task already admitted (attach, ack, cancel, input) are not charged:
@@ -24,7 +24,7 @@ from enum import StrEnum
 
 from psymesh.protocol.common import Ping
 from psymesh.protocol.errors import ErrorCode, PsymeshError
-from psymesh.protocol.manifest import ManifestPush, Operation
+from psymesh.protocol.manifest import ManifestPush, ManifestRevoke, Operation
 from psymesh.protocol.messages import Message
 from psymesh.protocol.tasks import (
     TaskAck,
@@ -63,6 +63,7 @@ REQUESTS: Mapping[type[Message], Rule] = {
     TaskCaps: Rule("task", Need.GRANT),
     Ping: Rule("ping", Need.GRANT),
     ManifestPush: Rule("manifest", Need.ISSUER, charged=False),
+    ManifestRevoke: Rule("manifest", Need.ISSUER, charged=False),
 }
 
 

@@ -38,6 +38,15 @@ def public_key_from_peer_id(peer_id: str) -> bytes:
     return raw[len(prefix):]
 
 
+def is_peer_id(text: str) -> bool:
+    """Whether `text` is an Ed25519 peer id (as opposed to, say, a peer's name)."""
+    try:
+        public_key_from_peer_id(text)
+    except ProtocolError:
+        return False
+    return True
+
+
 def fingerprint(public_key: bytes, groups: int = 4) -> str:
     """A short, readable key fingerprint: e.g. `MFZW-IZLT-OQQG-S3TL` (80 bits)."""
     digest = base64.b32encode(hashlib.sha256(public_key).digest()).decode().rstrip("=")

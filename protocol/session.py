@@ -21,7 +21,9 @@ Every frame is an ordinary psymesh frame whose map carries two more envelope key
 
 Requests are answered concurrently, so frames of different requests interleave. Each
 request gets any number of frames with `end: false`, then exactly one with `end: true`;
-an `error` frame is always final. A malformed request (unknown type, invalid fields)
+an `error` frame is always final. A server that refuses the whole session (a peer it
+does not serve) sends one `error` frame with no `rid` and closes the stream; the client
+raises it as a RemoteError for every open request. A malformed request (unknown type, invalid fields)
 is refused with an `error` for its `rid` alone; a malformed *frame* (undecodable, no
 integer `rid`, ids out of order) breaks the session, like any psymesh stream. At most
 `max_open` requests may be open at once; the server refuses the excess with `busy`.
@@ -44,7 +46,7 @@ from typing import Any
 from pydantic import Field
 
 from psymesh.protocol.common import Error
-from psymesh.protocol.errors import ErrorCode, ProtocolError, PsymeshError
+from psymesh.protocol.errors import ErrorCode, ProtocolError, PsymeshError, RemoteError
 from psymesh.protocol.framing import DEFAULT_MAX_FRAME_SIZE, FrameDecoder, encode_frame
 from psymesh.protocol.messages import Message, decode_map, from_map, pack
 
@@ -135,6 +137,10 @@ class _Side:
             return None
         obj = decode_map(body)
         rid = obj.pop("rid", None)
+        if rid is None and obj.get("type") == Error.type and isinstance(self, SessionClient):
+            refusal = from_map(obj)  # the server refuses the whole session (e.g. unknown_peer)
+            assert isinstance(refusal, Error)
+            raise refusal.to_exception()
         if not isinstance(rid, int) or isinstance(rid, bool) or not 1 <= rid <= _MAX_RID:
             raise ProtocolError("a session frame needs an integer 'rid' of at least 1")
         obj["rid"] = rid
@@ -174,7 +180,8 @@ class SessionClient(_Side):
         return self._encode(SessionCancel(), {"rid": rid}) if rid in self._open else b""
 
     def next_reply(self) -> Reply | None:
-        """The next frame for one of our requests, or None if more bytes are needed."""
+        """The next frame for one of our requests, or None if more bytes are needed.
+        RemoteError if the server refused the whole session."""
         self._check()
         try:
             obj = self._next_map()
@@ -190,6 +197,9 @@ class SessionClient(_Side):
                 raise ProtocolError("an 'error' frame must end its request")
         except ProtocolError as exc:
             raise self._fail(exc) from None
+        except RemoteError as exc:
+            self._error = ProtocolError(f"the server refused the session: {exc.message}", code=exc.code)
+            raise
         if end:
             self._open.discard(rid)
         return Reply(rid, message, end)

@@ -11,6 +11,9 @@ Submitter (one `SubmitterTask` per delegated task), phases:
        │  <── busy/rate_limited: retry at        │ <── events (stored, exactly once by seq)
        │  <── forbidden, unknown_peer, ...       │ session lost: task.attach{after_seq} again
        └──────────── refused: finish here ───────┴── not_found / forbidden ...: finish here
+       │
+       └─ canceled by the app while a submit may be on its way: recalling
+            task.submit (harmless if it arrived) ─> task.accepted ─> task.cancel ─> done
 
 Executor (one `EventFeed` per follow request): sends the task's stored events above
 the client's `after_seq`, in order, and ends the answer with the final one.
@@ -30,6 +33,7 @@ from psymesh.protocol.tasks import (
     TaskAccepted,
     TaskAck,
     TaskAttach,
+    TaskCancel,
     TaskEvent,
     TaskSpec,
     TaskState,
@@ -49,6 +53,7 @@ class Phase(StrEnum):
     UNSENT = "unsent"          # in the outbox; no executor has said it holds it
     FOLLOWING = "following"    # accepted; its events are mirrored until the final one
     ACKING = "acking"          # the final event is stored here; the executor may forget it once told
+    RECALLING = "recalling"    # canceled here before acceptance: make sure the executor cancels it too
     DONE = "done"
 
 
@@ -62,9 +67,11 @@ class Accepted:
 
 @dataclass(frozen=True)
 class Record:
-    """Store this event durably (INSERT-or-ignore on task and seq), then tell watchers."""
+    """Store this event durably (INSERT-or-ignore on task and seq), then tell watchers.
+    `local`: written here (the task ended on this side), not received from the executor."""
 
     event: TaskEvent
+    local: bool = False
 
 
 @dataclass(frozen=True)
@@ -91,8 +98,11 @@ class SubmitterTask:
         self.last_seq = last_seq
         self.last_state = last_state
         self._backoff = 0.0
+        self._recall_accepted = False
         if acked:
             self.phase = Phase.DONE
+        elif last_state is TaskState.CANCELED and not accepted:
+            self.phase = Phase.RECALLING
         elif last_state is not None and last_state.terminal:
             self.phase = Phase.ACKING
         else:
@@ -110,6 +120,10 @@ class SubmitterTask:
             return TaskAttach(task_id=self.task_id, after_seq=self.last_seq)
         if self.phase is Phase.ACKING:
             return TaskAck(task_id=self.task_id, upto_seq=self.last_seq)
+        if self.phase is Phase.RECALLING:
+            if self._recall_accepted:
+                return TaskCancel(task_id=self.task_id, reason="canceled before delivery")
+            return TaskSubmit(spec=self.spec)
         return None
 
     def receive(self, message: Message, now: float) -> list[Action]:
@@ -118,13 +132,16 @@ class SubmitterTask:
             if message.status.task_id != self.task_id:
                 raise ProtocolError("the executor accepted another task")
             self._backoff = 0.0
+            if self.phase is Phase.RECALLING:
+                self._recall_accepted = True  # it holds the task: now cancel it there
+                return []
             if self.phase is Phase.UNSENT:
                 self.phase = Phase.FOLLOWING
             return [Accepted(message.status)]
         if isinstance(message, TaskEvent):
             return self._on_event(message)
         if isinstance(message, TaskStatus):
-            if self.phase is Phase.ACKING:
+            if self.phase in (Phase.ACKING, Phase.RECALLING):
                 self.phase = Phase.DONE
                 return [Done()]
             return []
@@ -152,8 +169,8 @@ class SubmitterTask:
         if code in (ErrorCode.BUSY, ErrorCode.RATE_LIMITED, ErrorCode.UNAVAILABLE, ErrorCode.TIMEOUT,
                     ErrorCode.CANCELED, ErrorCode.INTERNAL):
             return [self._retry(now, error.retry_after)]
-        if self.phase is Phase.ACKING:
-            self.phase = Phase.DONE  # e.g. not_found: the executor already forgot it
+        if self.phase in (Phase.ACKING, Phase.RECALLING):
+            self.phase = Phase.DONE  # e.g. not_found or refused: the executor holds nothing to cancel or ack
             return [Done()]
         if code == ErrorCode.NOT_FOUND:
             return self._finish(now, ErrorCode.NOT_FOUND, "the executor no longer holds this task")
@@ -165,11 +182,17 @@ class SubmitterTask:
         """The session under our request died: try again after a backoff."""
         return [self._retry(now, None)]
 
-    def cancel_unsent(self, now: float) -> list[Action]:
-        """The app canceled a task no executor has accepted: it ends here, canceled."""
+    def cancel_unsent(self, now: float, *, maybe_sent: bool) -> list[Action]:
+        """The app canceled a task no executor has accepted: it ends here, canceled. If a submit
+        may be on its way (`maybe_sent`), the machine then recalls it: resubmits (harmless if it
+        arrived) and cancels it on the executor, so it does not run there unseen."""
         if self.phase is not Phase.UNSENT:
             raise ProtocolError("only a task no executor holds can be canceled locally")
-        return self._finish(now, ErrorCode.CANCELED, "canceled before delivery", state=TaskState.CANCELED)
+        actions = self._finish(now, ErrorCode.CANCELED, "canceled before delivery", state=TaskState.CANCELED)
+        if maybe_sent:
+            self.phase = Phase.RECALLING
+            return [a for a in actions if not isinstance(a, Done)]
+        return actions
 
     def _retry(self, now: float, retry_after: float | None) -> RetryAt:
         self._backoff = min(RETRY_MAX_S, max(RETRY_MIN_S, self._backoff * 2))
@@ -192,7 +215,7 @@ class SubmitterTask:
                                     at=now, data=data))
         self.last_seq, self.last_state = events[-1].seq, events[-1].state
         self.phase = Phase.DONE
-        return [*(Record(e) for e in events), Done()]
+        return [*(Record(e, local=True) for e in events), Done()]
 
 
 class EventFeed:

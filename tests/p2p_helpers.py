@@ -12,7 +12,8 @@ import trio
 
 from psymesh.node.framed import FramedStream
 from psymesh.node.p2p import P2PNode, P2PStream
-from psymesh.node.ping import serve_ping
+from psymesh.protocol.common import Ping, Pong
+from psymesh.protocol.messages import expect
 
 PING = "/psymesh/test-ping/1.0.0"
 
@@ -25,7 +26,11 @@ def new_node(seed: bytes | None = None, **kwargs: Any) -> P2PNode:
 
 
 async def ping_handler(stream: P2PStream) -> None:
-    await serve_ping(FramedStream(stream))
+    """Answer every Ping on the stream until the peer closes it."""
+    framed = FramedStream(stream)
+    while (message := await framed.receive()) is not None:
+        ping = expect(message, Ping)
+        await framed.send(Pong(seq=ping.seq, payload=ping.payload))
 
 
 @asynccontextmanager

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import anyio
 import pytest
+from waiting import wait_until
 
 from psymesh.agent.testmodel import tiny_model_path
 from psymesh.node.client import Client
@@ -304,12 +305,10 @@ async def test_cancel_while_the_task_is_on_its_way_reaches_the_home(tmp_path: Pa
             finally:
                 home.proc.send_signal(signal.SIGCONT)
         async with home.client() as h:
-            with anyio.fail_after(20):
-                while True:
-                    [held] = [t for t in (await h.tasks()).executing if t["task_id"] == "t-late"]
-                    if held["state"] == "canceled":
-                        break
-                    await anyio.sleep(0.1)
+            async def canceled_at_home() -> bool:
+                return [t["state"] for t in (await h.tasks()).executing if t["task_id"] == "t-late"] == ["canceled"]
+
+            await wait_until(canceled_at_home, "home to hold t-late, canceled", timeout=20)
         assert _tool_runs(plugin_log)["done w0"] == 0
     finally:
         await phone.stop()

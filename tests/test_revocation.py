@@ -25,7 +25,7 @@ from conftest import pair, run_nodes
 from psymesh.agent.tools import tool_from_function
 from psymesh.node.client import Client, TaskHandle
 from psymesh.node.daemon import Node
-from psymesh.node.tasks import ExecutorLimits
+from psymesh.node.gate import QueueLimits
 from psymesh.protocol.errors import ErrorCode, RemoteError
 from psymesh.protocol.limits import Limits
 from psymesh.protocol.manifest import revocation
@@ -91,31 +91,15 @@ def _audit_rows(home: Node, phone: Node) -> list[dict]:
     return home.audit.query(peer_id=phone.identity.peer_id, limit=10_000)
 
 
-def _count_resend_rounds(phone: Node, monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Count the submitter's resend-loop rounds (each one re-follows whatever is resumable)."""
-    rounds = [0]
-    deliver = phone.submitter._deliver_pending
-
-    async def counted() -> None:
-        rounds[0] += 1
-        await deliver()
-
-    monkeypatch.setattr(phone.submitter, "_deliver_pending", counted)
-    return rounds
-
-
-async def _assert_leaves_home_alone(home: Node, phone: Node, rounds: list[int]) -> None:
-    """Nothing of the phone's follows, re-attaches to or resends to home any more, and home
-    hears nothing from it over several rounds of the submitter's loop."""
+async def _assert_leaves_home_alone(home: Node, phone: Node) -> None:
+    """Nothing of the phone's follows, re-attaches to or resends to home any more, not even
+    after it resumes its outbox as it does at start, and home hears nothing from it."""
     home_id, submitter = home.identity.peer_id, phone.submitter
-    await wait_until(lambda: not submitter._following, "the phone's followers to stop")
+    await wait_until(lambda: submitter.following == 0, "the phone's task drivers to stop")
     assert submitter.outbox.resumable(home_id) == [] and submitter.outbox.pending(home_id) == []
     before = _audit_rows(home, phone)
-    for _ in range(3):
-        seen = rounds[0]
-        submitter.wake()
-        await wait_until(lambda: rounds[0] > seen, "another round of the resend loop")
-    assert not submitter._following
+    submitter.resume()
+    assert submitter.following == 0
     assert _audit_rows(home, phone) == before
 
 
@@ -142,7 +126,6 @@ async def test_a_revoked_phone_ends_its_tasks_at_once_and_stops_calling_home(
         home, phone = h_nodes["home"], p_nodes["phone"]
         await _pair(home, phone)
         _long_running(home)
-        rounds = _count_resend_rounds(phone, monkeypatch)
         async with Client(phone.home.path) as c:
             working = await c.delegate("home", tool="test.held")
             asking = await c.delegate("home", goal="Send the weekly report.")
@@ -166,7 +149,7 @@ async def test_a_revoked_phone_ends_its_tasks_at_once_and_stops_calling_home(
             [home_peer] = await c.peers()
             assert home_peer["revoked_us_at"] is not None and home_peer["received"] == []
 
-            await _assert_leaves_home_alone(home, phone, rounds)
+            await _assert_leaves_home_alone(home, phone)
             await _assert_refuses_new_work_locally(home, phone, c, asking)
         # home's side is as before: its tasks for the phone were canceled, the phone is refused
         assert {home.executor.store.get(t.id).state for t in (working, asking)} == {TaskState.CANCELED}
@@ -191,8 +174,7 @@ async def test_notices_that_must_change_nothing(tmp_path: Path) -> None:
         async with Client(phone.home.path) as c:
             task = await c.delegate("home", tool="test.held")
             await _reach(task, TaskState.WORKING)
-            assert await home._tell_subject(phone.identity.peer_id, stale, "a stale notice", timeout=5)
-            for bad in (for_other.sign(home.identity.private_key), unsigned):
+            for bad in (stale, for_other.sign(home.identity.private_key), unsigned):
                 assert not await home._tell_subject(phone.identity.peer_id, bad, "a bad notice", timeout=5)
             peer = phone.trust.get(home.identity.peer_id)
             assert peer.revoked_us_at is None and peer.received == held
@@ -200,7 +182,7 @@ async def test_notices_that_must_change_nothing(tmp_path: Path) -> None:
             await task.cancel()  # still home's to cancel: the phone was not cut off
             _ended_with(await _events(task), TaskState.CANCELED, ErrorCode.CANCELED)
         rows = phone.audit.query(peer_id=home.identity.peer_id, limit=100)
-        assert [r["allowed"] for r in rows if r["operation"] == "manifest.revoke"] == [False]
+        assert [r["allowed"] for r in rows if r["operation"] == "manifest.revoke"] == [False, False, False]
 
 
 # --------------------------------------------------------------------------- without the notice
@@ -212,7 +194,6 @@ async def test_a_phone_that_misses_the_notice_learns_from_homes_refusal(
         home, phone = h_nodes["home"], p_nodes["phone"]
         await _pair(home, phone)
         _long_running(home)
-        rounds = _count_resend_rounds(phone, monkeypatch)
 
         async def lost(peer_id: str, message: Any, what: str, *, timeout: float) -> bool:
             return False  # the notice never reaches the phone
@@ -229,7 +210,7 @@ async def test_a_phone_that_misses_the_notice_learns_from_homes_refusal(
             for task in (working, asking):
                 outcome = _ended_with(await _events(task), TaskState.FAILED, ErrorCode.UNKNOWN_PEER)
                 assert outcome.message.startswith("home refused this node:") and "revoked" in outcome.message
-            await _assert_leaves_home_alone(home, phone, rounds)
+            await _assert_leaves_home_alone(home, phone)
             # one refusal taught the phone for all its tasks there (a follower already on its way may add one)
             denied = [r for r in _audit_rows(home, phone) if not r["allowed"]]
             assert 1 <= len(denied) <= 2 and {r["code"] for r in denied} == {"unknown_peer"}
@@ -243,7 +224,7 @@ async def test_a_phone_that_was_off_when_revoked_learns_when_it_comes_back(tmp_p
         async with _run_phone(tmp_path) as p_nodes:
             phone = p_nodes["phone"]
             await _pair(home, phone)
-            home.executor.limits = ExecutorLimits(max_queue=1, busy_retry_after=0.2)
+            home.gate.queue_limits = QueueLimits(max_queue=1, busy_retry_after=0.2)
             async with Client(phone.home.path) as c:
                 running = await c.delegate("home", tool="test.held")
                 await _reach(running, TaskState.WORKING)
@@ -261,7 +242,7 @@ async def test_a_phone_that_was_off_when_revoked_learns_when_it_comes_back(tmp_p
                 queued_events = await _events(c.task(queued.id))
                 _ended_with(running_events, TaskState.FAILED, ErrorCode.UNKNOWN_PEER)
                 _ended_with(queued_events, TaskState.REJECTED, ErrorCode.UNKNOWN_PEER)
-                await wait_until(lambda: not phone.submitter._following, "the phone's followers to stop")
+                await wait_until(lambda: phone.submitter.following == 0, "the phone's followers to stop")
                 assert phone.trust.get(home.identity.peer_id).revoked_us_at is not None
                 with pytest.raises(RemoteError) as err:
                     await c.delegate("home", tool="system.info")

@@ -14,6 +14,7 @@ from psymesh.protocol.tasks import (
     TaskAccepted,
     TaskAck,
     TaskAttach,
+    TaskCancel,
     TaskEvent,
     TaskKind,
     TaskSpec,
@@ -104,10 +105,24 @@ def test_an_ack_the_executor_no_longer_needs_is_done() -> None:
 
 def test_cancel_before_delivery_ends_it_canceled() -> None:
     task = SubmitterTask(SPEC)
-    actions = task.cancel_unsent(3.0)
+    actions = task.cancel_unsent(3.0, maybe_sent=False)
     assert [a.event.state for a in actions if isinstance(a, Record)] == [TaskState.SUBMITTED, TaskState.CANCELED]
+    assert actions[-1] == Done() and task.next_request() is None
     with pytest.raises(ProtocolError):
-        SubmitterTask(SPEC, accepted=True).cancel_unsent(3.0)
+        SubmitterTask(SPEC, accepted=True).cancel_unsent(3.0, maybe_sent=False)
+
+
+def test_a_submit_that_may_be_on_its_way_is_recalled_from_the_executor() -> None:
+    task = SubmitterTask(SPEC)
+    actions = task.cancel_unsent(3.0, maybe_sent=True)
+    assert Done() not in actions and task.phase is Phase.RECALLING
+    assert task.next_request() == TaskSubmit(spec=SPEC)  # harmless if the first one arrived
+    assert task.receive(TaskAccepted(status=status(), created=False), 4.0) == []
+    assert task.next_request() == TaskCancel(task_id="t1", reason="canceled before delivery")
+    assert task.receive(status(TaskState.CANCELED, 2), 4.0) == [Done()]
+    # after a restart, the outbox row (canceled here, never accepted) brings the recall back
+    again = SubmitterTask(SPEC, last_seq=2, last_state=TaskState.CANCELED)
+    assert again.phase is Phase.RECALLING
 
 
 def test_an_early_end_of_answer_means_ask_again() -> None:

@@ -19,6 +19,8 @@ import anyio
 import pytest
 
 import psymesh
+from waiting import wait_until
+from psymesh.protocol.session import SessionEnd
 from conftest import run_nodes
 from psymesh.agent.testmodel import tiny_model_path
 from psymesh.agent.tools import ToolContext, tool_from_function
@@ -29,7 +31,7 @@ from psymesh.node.framed import FramedStream
 from psymesh.node.home import NodeHome
 from psymesh.node.models import ModelRegistry
 from psymesh.node.process import DaemonProcess, pair_homes
-from psymesh.node.tasks import ExecutorLimits
+from psymesh.node.gate import QueueLimits
 from psymesh.node.taskstore import TaskNotFound
 from psymesh.protocol import ids
 from psymesh.protocol.errors import ErrorCode, RemoteError
@@ -264,17 +266,15 @@ async def test_full_queue_answers_busy_and_loses_no_accepted_task(tmp_path: Path
     async with _mesh(tmp_path, "home") as nodes:
         await _pair_all(nodes, "home")
         home, phone = nodes["home"], nodes["phone"]
-        home.executor.limits = ExecutorLimits(max_queue=2, busy_retry_after=0.2)
+        home.gate.queue_limits = QueueLimits(max_queue=2, busy_retry_after=0.2)
         _register(home, held, "test.held")
         async with Client(phone.home.path) as c:
             first = [await c.delegate("home", tool="test.held", args={"tag": f"a{i}"}) for i in range(2)]
             assert all(t.accepted for t in first)
             # Straight onto the wire: the executor itself refuses with BUSY and a retry hint.
-            stream = await phone.open_peer_stream("home", ids.TASK)
             spec = TaskSpec(id="t-direct", kind="tool", tool="test.held", args={"tag": "direct"})
             with pytest.raises(RemoteError) as err:
-                await FramedStream(stream).request(TaskSubmit(spec=spec), TaskAccepted)
-            await stream.aclose()
+                await phone.sessions.request(home.identity.peer_id, TaskSubmit(spec=spec), TaskAccepted)
             assert err.value.code is ErrorCode.BUSY and err.value.retry_after and err.value.retry_after > 0
             with pytest.raises(TaskNotFound):
                 home.executor.store.get("t-direct")
@@ -342,9 +342,7 @@ async def test_500_tasks_at_once_all_complete_in_bounded_memory(tmp_path: Path) 
         assert home.executor.store.queue_depth() == 0
         assert grown < 96 * 1024 * 1024, f"RSS grew by {grown / 2**20:.0f} MiB for 500 tasks"
         # nothing keyed by task id is left behind in memory once tasks are done and fetched
-        with anyio.fail_after(10):
-            while phone.submitter._following:
-                await anyio.sleep(0.05)
+        await wait_until(lambda: phone.submitter.following == 0, "every driver to finish", timeout=10)
         assert len(home.executor._running) == 0
         assert len(home.executor._changed) == 0 and len(phone.submitter.changed) == 0
 
@@ -394,11 +392,11 @@ async def test_failover_to_another_home_before_acceptance(tmp_path: Path) -> Non
         first, second = sorted(("home-a", "home-b"), key=lambda n: nodes[n].identity.peer_id)
         async with Client(nodes["phone"].home.path) as c:
             # First choice busy: the task goes to the second one.
-            nodes[first].executor.limits = ExecutorLimits(max_queue=0)
+            nodes[first].gate.queue_limits = QueueLimits(max_queue=0)
             busy = await c.delegate(tool="system.info")
             assert busy.accepted and busy.target_name == second
             assert (await busy.result())["profile"] == "home"
-            nodes[first].executor.limits = ExecutorLimits()
+            nodes[first].gate.queue_limits = QueueLimits()
             picked = await c.delegate(tool="system.info")
             assert picked.target_name == first
             await picked.result()
@@ -427,22 +425,20 @@ async def test_a_finished_task_missing_only_its_ack_gets_acked(tmp_path: Path) -
             task = await c.delegate("home", tool="system.info")
             await task.result()
         last = home.executor.store.get(task.id).last_seq
+        home_id = home.identity.peer_id
         for after in (last, last + 5):  # a client may also hold a bogus cursor
-            stream = await phone.open_peer_stream("home", ids.TASK)
-            framed = FramedStream(stream)
             with anyio.fail_after(5):
-                await framed.send(TaskAttach(task_id=task.id, after_seq=after))
-                status = await framed.request(TaskAck(task_id=task.id, upto_seq=last), TaskStatus)
-            await stream.aclose()
+                async with phone.sessions.stream(home_id, TaskAttach(task_id=task.id, after_seq=after)) as replies:
+                    answer = [m async for m in replies]
+                status = await phone.sessions.request(home_id, TaskAck(task_id=task.id, upto_seq=last), TaskStatus)
+            assert [type(m) for m in answer] == [SessionEnd]  # "nothing more", at once
             assert status.state is TaskState.COMPLETED and status.acked_seq == last
         # The same state as the phone's own follower sees it after such a crash: it must
         # just acknowledge (the executor keeps an unacknowledged task for days).
         phone.db.execute("UPDATE outbox_tasks SET acked_seq = 0 WHERE id = ?", (task.id,))
         home.db.execute("UPDATE exec_tasks SET acked_seq = 0 WHERE id = ?", (task.id,))
-        phone.submitter.wake()
-        with anyio.fail_after(5):
-            while home.executor.store.get(task.id).acked_seq != last:
-                await anyio.sleep(0.05)
+        phone.submitter.resume()  # what it does at start after such a crash
+        await wait_until(lambda: home.executor.store.get(task.id).acked_seq == last, "the ack", timeout=5)
         assert phone.submitter.outbox.get(task.id).acked_seq == last
 
 
@@ -453,7 +449,7 @@ async def test_tasks_that_end_on_the_phone_do_not_keep_calling_the_home(tmp_path
     async with _mesh(tmp_path, "home") as nodes:
         await _pair_all(nodes, "home")
         home, phone = nodes["home"], nodes["phone"]
-        home.executor.limits = ExecutorLimits(max_queue=0, busy_retry_after=0.2)  # everything is BUSY
+        home.gate.queue_limits = QueueLimits(max_queue=0, busy_retry_after=0.2)  # everything is BUSY
         async with Client(phone.home.path) as c:
             refused = await c.delegate("home", tool="system.info")
             dropped = await c.delegate("home", tool="system.info")
@@ -464,7 +460,7 @@ async def test_tasks_that_end_on_the_phone_do_not_keep_calling_the_home(tmp_path
             assert err.value.code is ErrorCode.CANCELED
             async with Client(home.home.path) as h:  # the owner withdraws system.info, then frees the queue
                 await h.grant("phone", ["task.infer"], limits=ROOMY)
-            home.executor.limits = ExecutorLimits()
+            home.gate.queue_limits = QueueLimits()
             with anyio.fail_after(10), pytest.raises(RemoteError) as err:
                 await refused.result()
             assert err.value.code is ErrorCode.FORBIDDEN
@@ -513,7 +509,7 @@ async def test_the_phone_forgets_finished_tasks_after_the_retention_period(tmp_p
             task = await c.delegate("home", tool="system.info")
             await task.result()
             assert len((await c.tasks()).submitted) == 1
-            phone.submitter.RETENTION_S, phone.submitter.PURGE_EVERY_S = 0.2, 0.1  # instead of a week
+            phone.submitter.set_retention(0.2, 0.1)  # instead of a week
             with anyio.fail_after(10):
                 while (await c.tasks()).submitted:
                     await anyio.sleep(0.1)

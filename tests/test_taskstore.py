@@ -383,13 +383,13 @@ def test_outbox_survives_restart_and_purges_by_age(tmp_path: Path, store: Execut
     store.submit(spec(), PHONE)
     run_to_completion(store, "t1", "x")
     for e in store.events_after("t1", 0, limit=2):
-        box.record_event(e)
+        box.record_event(e, target=PC)
     box.conn.close()
 
     box = Outbox(open_db(path))
     assert [(t.id, t.last_seq) for t in box.resumable()] == [("t1", 2)]  # re-attach after 2
     for e in store.events_after("t1", box.last_seq("t1")):
-        assert box.record_event(e, now=T0 + 10)
+        assert box.record_event(e, target=PC, now=T0 + 10)
     assert [t.state for t in box.list(states=[S.COMPLETED])] == [S.COMPLETED]
     assert box.list(states=[S.WORKING]) == []
     assert box.purge(T0 + 50, retention_s=100) == 0

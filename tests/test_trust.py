@@ -142,7 +142,9 @@ async def test_revocation_closes_an_open_connection_and_refuses_what_follows(tmp
         async with Client(phone.home.path) as p:
             with pytest.raises(RemoteError) as info:
                 await p.ping("home", count=1)
-        assert info.value.code == ErrorCode.UNKNOWN_PEER
+        # the phone took home's notice: it knows, and does not even dial (home would refuse it)
+        assert info.value.code == ErrorCode.FORBIDDEN and "revoked this node" in info.value.message
+        assert not home.gate.allow_connection(phone.identity.peer_id)
 
 
 async def test_rate_limit_refuses_with_retry_after(tmp_path: Path) -> None:

@@ -1,0 +1,357 @@
+"""The executor: runs the tasks paired peers delegate to this node.
+
+    session door (admitted) ──> TaskExecutor.handle(call)
+        task.submit{follow}  store durably, queue, answer `task.accepted`, then stream
+                             the task's events on the same request until the final one
+        task.attach          stream events above `after_seq` until the final one
+        task.ack / cancel / input / list / caps        one reply each
+    workers (N)  ──> gate.recheck ──> tool | infer | agent ──> event log ──> followers
+
+Durability: a task is written before `task.accepted` leaves; every event is numbered
+and stored before it is sent; after a restart unfinished work is requeued. Who sends
+what next on a follow request is `protocol.taskflow.EventFeed`; admission (capability,
+rate, queue limits) happened at the door before `handle` runs.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import anyio
+import anyio.abc
+import anyio.lowlevel
+
+from psymesh.agent.tools import ToolContext, ToolRegistry, invoke
+from psymesh.node.gate import Gate
+from psymesh.node.logs import fields
+from psymesh.node.models import ModelPool
+from psymesh.node.notify import Notifier
+from psymesh.node.session import Call
+from psymesh.node.taskstore import ExecutorStore, TaskRecord
+from psymesh.node.trust import TrustStore
+from psymesh.protocol.errors import ErrorCode, ProtocolError, PsymeshError
+from psymesh.protocol.messages import Message
+from psymesh.protocol.taskflow import EventFeed
+from psymesh.protocol.tasks import (
+    EventKind,
+    TaskAccepted,
+    TaskAck,
+    TaskAttach,
+    TaskCancel,
+    TaskCaps,
+    TaskCapsReply,
+    TaskInput,
+    TaskKind,
+    TaskList,
+    TaskListReply,
+    TaskState,
+    TaskStatus,
+    TaskSubmit,
+)
+
+log = logging.getLogger("psymesh.tasks")
+
+
+class Emit(Protocol):
+    async def __call__(self, kind: EventKind, data: dict[str, Any] | None = None,
+                       new_state: TaskState | None = None) -> None: ...
+
+
+class Ask(Protocol):
+    async def __call__(self, question: str, data: dict[str, Any]) -> dict[str, Any]: ...
+
+
+class AgentRunner(Protocol):
+    """Runs an `agent` task: `emit` appends events, `ask` moves the task to input-required
+    until the submitter answers (task.input). Returns the task's result."""
+
+    async def __call__(self, rec: TaskRecord, emit: Emit, ask: Ask) -> Any: ...
+
+
+@dataclass(frozen=True)
+class ExecutorLimits:
+    workers: int = 4                 # tasks run at once on this node (a model still runs one at a time)
+    retention_s: float = 7 * 86400   # finished tasks kept for a submitter that has not fetched them
+    token_flush_s: float = 0.05      # after the first, token deltas are batched into one event per interval
+
+
+class _Answer:
+    """A task waiting in input-required for its submitter's answer."""
+
+    def __init__(self) -> None:
+        self.event = anyio.Event()
+        self.data: dict[str, Any] = {}
+
+
+class TaskExecutor:
+    """Runs tasks paired peers delegate to this node."""
+
+    def __init__(self, *, store: ExecutorStore, gate: Gate, trust: TrustStore, tools: ToolRegistry,
+                 models: ModelPool, profile: str, share_dir: str | None, limits: ExecutorLimits | None = None,
+                 agent_runner: AgentRunner | None = None) -> None:
+        self.store = store
+        self.gate = gate
+        self.trust = trust
+        self.tools = tools
+        self.models = models
+        self.profile = profile
+        self.share_dir = share_dir
+        self.limits = limits or ExecutorLimits()
+        self.agent_runner = agent_runner
+        self._inputs: dict[str, _Answer] = {}
+        self._changed = Notifier()
+        self._running: dict[str, tuple[anyio.CancelScope, ToolContext]] = {}
+        self._send, self._receive = anyio.create_memory_object_stream[str](math.inf)
+
+    # -- lifecycle -------------------------------------------------------------------
+    async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        recovered = self.store.recover(time.time())
+        for rec in recovered:
+            self._send.send_nowait(rec.id)
+        if recovered:
+            log.info("requeued %d unfinished task(s) after restart", len(recovered))
+        async with anyio.create_task_group() as tg:
+            for _ in range(self.limits.workers):
+                tg.start_soon(self._worker)
+            tg.start_soon(self._housekeeping)
+            task_status.started()
+
+    async def _housekeeping(self) -> None:
+        """Fail queued tasks whose deadline passed (every second); forget old finished ones (every minute)."""
+        last_purge = 0.0
+        while True:
+            await anyio.sleep(1.0)
+            for rec in self.store.expire(time.time()):
+                self._changed.notify(rec.id)
+            if time.monotonic() - last_purge >= 60:
+                self.store.purge(time.time(), self.limits.retention_s)
+                last_purge = time.monotonic()
+
+    # -- requests (already admitted by the gate) -------------------------------------------
+    async def handle(self, call: Call) -> Message:
+        request, peer_id = call.request, call.peer_id
+        if isinstance(request, TaskSubmit):
+            record, created = self.store.submit(request.spec, peer_id)
+            if created:
+                log.info("accepted %s task %s from %s", request.spec.kind.value, request.spec.id, peer_id,
+                         extra=fields(task=request.spec.id))
+                self._send.send_nowait(request.spec.id)
+            accepted = TaskAccepted(status=record.status(), created=created)
+            if not request.follow:
+                return accepted
+            await call.send(accepted)
+            return await self._follow(call, record.id, 0)
+        if isinstance(request, TaskAttach):
+            self.store.get(request.task_id, submitter=peer_id)  # NOT_FOUND for someone else's task
+            return await self._follow(call, request.task_id, request.after_seq)
+        if isinstance(request, TaskAck):
+            return self.store.mark_fetched(request.task_id, request.upto_seq, peer_id).status()
+        if isinstance(request, TaskCancel):
+            self.store.get(request.task_id, submitter=peer_id)
+            return self._cancel(request.task_id, request.reason)
+        if isinstance(request, TaskInput):
+            return self._answer(request.task_id, peer_id, dict(request.data))
+        if isinstance(request, TaskList):
+            recs = self.store.list(submitter=peer_id, states=request.states, limit=request.limit)
+            return TaskListReply(tasks=[r.status() for r in recs])
+        if isinstance(request, TaskCaps):
+            return self.caps()
+        raise ProtocolError(f"{request.type!r} is not a task request", code=ErrorCode.BAD_REQUEST)
+
+    async def _follow(self, call: Call, task_id: str, after_seq: int) -> Message:
+        """Send the task's events above `after_seq` as they are stored; the final one ends the answer."""
+        feed = EventFeed(task_id, after_seq)
+        while True:
+            events = self.store.events_after(task_id, feed.sent)
+            ended = not events and self.store.get(task_id).terminal
+            frames, final = feed.receive(events, task_ended=ended)
+            if frames:
+                await call.send(*frames)
+            if final is not None:
+                return final
+            if not events:  # nothing new since the reads above (no await between): wait for news
+                await self._changed.wait(task_id)
+
+    def caps(self) -> TaskCapsReply:
+        return TaskCapsReply(tools=self.tools.names(profile=self.profile), models=self.models.registry.names(),
+                             queue_depth=self.store.queue_depth())
+
+    def _cancel(self, task_id: str, reason: str = "") -> TaskStatus:
+        record = self.store.cancel(task_id, reason or "canceled by the submitter")
+        running = self._running.get(task_id)
+        if running is not None:
+            running[1].cancel()   # a sync tool sees it at its next check()
+            running[0].cancel()
+        self._changed.notify(task_id)
+        return record.status()
+
+    def cancel_for(self, peer_id: str, reason: str) -> int:
+        """Revocation: stop everything a peer has queued or running here."""
+        recs = self.store.list(submitter=peer_id, states=[TaskState.SUBMITTED, TaskState.WORKING,
+                                                          TaskState.INPUT_REQUIRED])
+        for rec in recs:
+            self._cancel(rec.id, reason)
+        return len(recs)
+
+    # -- running tasks ------------------------------------------------------------------
+    async def _worker(self) -> None:
+        async for task_id in self._receive:
+            try:
+                await self._execute(task_id)
+            except Exception:  # a bug in one task must not stop the worker
+                log.exception("task %s crashed its worker", task_id)
+                self._fail(task_id, ErrorCode.INTERNAL, "the executor failed; see its log")
+
+    def _emit(self, task_id: str, kind: EventKind, data: dict[str, Any] | None = None,
+              new_state: TaskState | None = None) -> bool:
+        """Append an event unless the task already ended (e.g. canceled meanwhile)."""
+        try:
+            self.store.append_event(task_id, kind, data, new_state)
+        except ProtocolError:
+            return False
+        self._changed.notify(task_id)
+        return True
+
+    def _fail(self, task_id: str, code: ErrorCode, message: str) -> None:
+        self._emit(task_id, EventKind.ERROR, {"code": code.value, "message": message})
+
+    async def _execute(self, task_id: str) -> None:
+        rec = self.store.get(task_id)
+        if rec.terminal:
+            return  # canceled or expired while queued
+        decision = self.gate.recheck(rec.submitter, rec.spec)  # the grant may have changed while it waited
+        if not decision.allowed:
+            code = decision.code.value if decision.code else "forbidden"
+            self._emit(task_id, EventKind.STATE, {"code": code, "reason": decision.reason}, TaskState.REJECTED)
+            return
+        now = time.time()
+        peer = self.trust.get(rec.submitter)
+        max_runtime = peer.granted.limits.max_runtime_s if peer and peer.granted else None
+        deadline = rec.deadline
+        if max_runtime:
+            deadline = min(deadline or math.inf, now + max_runtime)
+        if deadline is not None and deadline <= now:
+            self._fail(task_id, ErrorCode.TIMEOUT, "the task's deadline passed before it could start")
+            return
+        if not self._emit(task_id, EventKind.STATE, {}, TaskState.WORKING):
+            return
+        ctx = ToolContext(share_dir=None if self.share_dir is None else Path(self.share_dir),
+                          profile=self.profile, peer_id=rec.submitter,
+                          deadline=None if deadline in (None, math.inf) else deadline)
+        with anyio.CancelScope() as scope:
+            self._running[task_id] = (scope, ctx)
+            try:
+                with anyio.move_on_after(math.inf if deadline is None else deadline - time.time()) as timer:
+                    result = await self._run_kind(rec, ctx, decision.max_tokens)
+                if timer.cancel_called:
+                    ctx.cancel()
+                    self._fail(task_id, ErrorCode.TIMEOUT, "the task ran past its deadline")
+                    return
+                self._emit(task_id, EventKind.RESULT, {"result": result})
+            except PsymeshError as exc:
+                self._fail(task_id, exc.code, exc.message)
+            except anyio.get_cancelled_exc_class():
+                if not scope.cancel_called:  # the node is shutting down, not a cancel of this task:
+                    ctx.cancel()             # requeue it now, so a clean stop is not counted as a crash
+                    self._emit(task_id, EventKind.REQUEUED, {"reason": "executor shut down"})
+                raise
+            finally:
+                self._running.pop(task_id, None)
+        if scope.cancel_called:
+            log.info("task %s canceled while running", task_id)
+
+    async def _run_kind(self, rec: TaskRecord, ctx: ToolContext, max_tokens: int | None) -> Any:
+        spec = rec.spec
+        if spec.kind is TaskKind.TOOL:
+            assert spec.tool is not None
+            tool = self.tools.get(spec.tool)
+            if not tool.offered_on(self.profile):
+                raise PsymeshError(f"tool {spec.tool!r} is not offered on a {self.profile} node",
+                                   code=ErrorCode.NOT_FOUND)
+            return await invoke(tool, spec.args, ctx)
+        if spec.kind is TaskKind.INFER:
+            return await self._infer(rec, max_tokens)
+        if self.agent_runner is None:
+            raise PsymeshError("this node runs no agent loop", code=ErrorCode.NOT_FOUND)
+
+        async def emit(kind: EventKind, data: dict[str, Any] | None = None, new_state: TaskState | None = None) -> None:
+            self._emit(rec.id, kind, data, new_state)
+
+        async def ask(question: str, data: dict[str, Any]) -> dict[str, Any]:
+            return await self._ask(rec.id, question, data)
+
+        return await self.agent_runner(rec, emit, ask)
+
+    async def _ask(self, task_id: str, question: str, data: dict[str, Any]) -> dict[str, Any]:
+        """Move the task to input-required and wait for the submitter's `task.input`.
+        The task's deadline (and cancel) still apply while it waits."""
+        waiter = _Answer()
+        self._inputs[task_id] = waiter
+        try:
+            self._emit(task_id, EventKind.STATE, {"question": question, **data}, TaskState.INPUT_REQUIRED)
+            await waiter.event.wait()
+        finally:
+            self._inputs.pop(task_id, None)
+        self._emit(task_id, EventKind.STATE, {"answer": waiter.data}, TaskState.WORKING)
+        return waiter.data
+
+    def _answer(self, task_id: str, peer_id: str, data: dict[str, Any]) -> TaskStatus:
+        record = self.store.get(task_id, submitter=peer_id)
+        waiter = self._inputs.get(task_id)
+        if waiter is None or waiter.event.is_set():
+            raise PsymeshError(f"task {task_id} is {record.state.value}, not waiting for input",
+                               code=ErrorCode.CONFLICT)
+        waiter.data = data
+        waiter.event.set()
+        return record.status()
+
+    async def _infer(self, rec: TaskRecord, ceiling: int | None) -> dict[str, Any]:
+        from psymesh.agent.chatformat import ChatMessage, render_prompt
+        from psymesh.agent.runtime import Completion
+
+        spec = rec.spec
+        assert spec.model is not None
+        worker = await self.models.get(spec.model)
+        if spec.prompt is not None:
+            messages = [ChatMessage.user(spec.prompt)]
+        else:
+            messages = [ChatMessage(role=m.role, content=m.content, name=m.name) for m in spec.messages or []]
+        params = spec.params
+        prompt = render_prompt(messages, thinking=bool(params.get("thinking", False)),
+                               template=worker.chat_template)
+        max_tokens = spec.max_tokens or 256
+        if ceiling is not None:
+            max_tokens = min(max_tokens, ceiling)
+        kwargs: dict[str, Any] = {k: params[k] for k in ("temperature", "top_k", "top_p", "min_p", "seed", "grammar",
+                                                         "stop") if k in params}
+        if params.get("ban_bytes"):  # random-weight test models: keep output valid UTF-8
+            kwargs["logit_bias"] = {i: -100.0 for i in range(128, 256)}
+
+        pending: list[str] = []
+        last_flush = -math.inf  # the first token goes out at once; batching starts after it
+        completion: Completion | None = None
+        stream = worker.stream(prompt, max_tokens=max_tokens, **kwargs)
+        try:
+            async for piece in stream:
+                if isinstance(piece, Completion):
+                    completion = piece
+                    break
+                pending.append(piece)
+                if time.monotonic() - last_flush >= self.limits.token_flush_s:
+                    self._emit(rec.id, EventKind.TOKEN, {"text": "".join(pending)})
+                    pending.clear()
+                    last_flush = time.monotonic()
+                    # The model may run ahead of us: then this loop never waits for it and,
+                    # without a checkpoint, would keep the whole node (streams too) from running.
+                    await anyio.lowlevel.checkpoint()
+        finally:
+            await stream.aclose()  # type: ignore[attr-defined]
+        if pending:
+            self._emit(rec.id, EventKind.TOKEN, {"text": "".join(pending)})
+        assert completion is not None
+        return {"text": completion.text, "finish_reason": completion.finish_reason,
+                "usage": {"prompt_tokens": completion.prompt_tokens, "completion_tokens": completion.tokens}}
