@@ -135,15 +135,20 @@ class TaskExecutor:
     async def handle(self, call: Call) -> Message:
         request, peer_id = call.request, call.peer_id
         if isinstance(request, TaskSubmit):
-            record, created = self.store.submit(request.spec, peer_id)
+            record, created = self.store.submit(request.spec, peer_id)  # durable before the answer
+            accepted = TaskAccepted(status=record.status(), created=created)
             if created:
                 log.info("accepted %s task %s from %s", request.spec.kind.value, request.spec.id, peer_id,
                          extra=fields(task=request.spec.id))
-                self._send.send_nowait(request.spec.id)
-            accepted = TaskAccepted(status=record.status(), created=created)
             if not request.follow:
+                if created:
+                    self._send.send_nowait(record.id)
                 return accepted
-            await call.send(accepted)
+            try:  # the answer leaves before a worker takes the task (and the CPU)
+                await call.send(accepted)
+            finally:
+                if created:
+                    self._send.send_nowait(record.id)
             return await self._follow(call, record.id, 0)
         if isinstance(request, TaskAttach):
             self.store.get(request.task_id, submitter=peer_id)  # NOT_FOUND for someone else's task

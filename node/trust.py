@@ -10,6 +10,7 @@ we learned it from its signed notice or its refusal). Only pairing again clears 
 """
 from __future__ import annotations
 
+import functools
 import json
 import sqlite3
 import time
@@ -55,7 +56,10 @@ def _encode_manifest(m: Manifest | None) -> bytes | None:
     return None if m is None else msgpack.packb(m.model_dump(mode="python"), use_bin_type=True)
 
 
+@functools.lru_cache(maxsize=256)
 def _decode_manifest(blob: bytes | None) -> Manifest | None:
+    """Manifests are read on every request and change rarely: decode (and validate) each
+    stored blob once. Safe to share: a Manifest is frozen."""
     return None if blob is None else Manifest.model_validate(msgpack.unpackb(blob, raw=False))
 
 
