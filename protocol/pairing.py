@@ -1,15 +1,21 @@
 """Pairing two nodes with a short code: invites, and the sans-IO `/psymesh/pair/1.0.0` exchange.
 
-The home PC makes a one-time invite; its code (`7-chisel-molecule`) is read aloud or
+The home PC makes a one-time invite; its code (`4817-chisel-molecule`) is read aloud or
 carried inside a compact invite string (`psymesh1:...`, also shown as a QR code). The
-number is the *nameplate*: it only picks which open invite is meant (as in
-magic-wormhole) and is not secret. The two words are the secret, 16 bits, which is
-enough because the code is only ever used as a SPAKE2 password: a guess can be tested
-only by running the protocol against the inviter, and the invite dies after
-`MAX_ATTEMPTS` runs that fail.
+number is the *nameplate*: it picks which open invite is meant (as in magic-wormhole).
+The two words are the PAKE secret, 16 bits, which is enough because the code is only
+ever used as a SPAKE2 password: a guess can be tested only by running the protocol
+against the inviter, and the invite dies after `MAX_ATTEMPTS` runs that fail.
+
+Only a run that names the invite's nameplate can spend one of its attempts, so the
+nameplate is drawn at random (1-9999) and the inviter gives nothing away about which
+nameplates exist: a hello for a nameplate with no open invite gets a *decoy* run (a PAKE
+reply for a random password) that fails at key confirmation exactly like a wrong code.
+A stranger who wants to burn an invite must find its number by running whole pairing
+attempts, which the node rate-limits (`psymesh.protocol.strangers`).
 
     joiner (A)                                   inviter (B)
-    pair.hello   {nameplate, pake: X}     ->     finds the invite, charges one attempt
+    pair.hello   {nameplate, pake: X}     ->     finds the invite (charges one attempt) or a decoy
                                           <-     pair.pake    {pake: Y}
     pair.confirm {mac_A, joiner info}     ->     wrong mac: `error` bad_code (attempt stays spent)
                                           <-     pair.welcome {mac_B, inviter info, signed manifest}
@@ -59,6 +65,12 @@ INVITE_PREFIX = "psymesh1:"
 DEFAULT_INVITE_TTL = 600.0
 MAX_ATTEMPTS = 3
 MAX_NAMEPLATE = 9999
+# Every pairing message fits in 8 KiB (the largest: a welcome with 16 maximal addresses and
+# a manifest is ~5 KiB), so a pairing stream refuses bigger frames before buffering them.
+PAIR_MAX_FRAME = 8 * 1024
+PAIR_STEP_TIMEOUT_S = 5.0   # each pairing message must arrive this soon after the last
+PAIR_RUN_TIMEOUT_S = 15.0   # and a whole run take no longer
+WRONG_CODE = f"wrong pairing code; check it (an invite is cancelled after {MAX_ATTEMPTS} wrong codes)"
 VERIFY_WORDS = 4
 _MAX_INVITE_TEXT = 4096
 _MAX_ADDRS = 16
@@ -70,7 +82,7 @@ Entropy = Callable[[int], bytes]
 
 
 class PairingCode(BaseModel):
-    """`7-chisel-molecule`: a nameplate number, then an even and an odd PGP word."""
+    """`4817-chisel-molecule`: a nameplate number, then an even and an odd PGP word."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -201,18 +213,21 @@ def new_invite(
     taken: Collection[int] = (),
     rng: random.Random | None = None,
 ) -> Invite:
-    """A fresh invite on the lowest nameplate not in `taken` (the nameplates of the node's
-    open invites), so the number people read stays short. `rng` defaults to the OS CSPRNG;
-    tests pass a seeded `random.Random`."""
+    """A fresh invite on a random nameplate not in `taken` (the nameplates of the node's
+    open invites): a number nobody can predict, so that only someone who was given the
+    code can spend the invite's attempts. `rng` defaults to the OS CSPRNG; tests pass a
+    seeded `random.Random`."""
     if grant not in PRESETS:
         raise PsymeshError(f"unknown grant preset {grant!r} (known: {', '.join(sorted(PRESETS))})",
                            code=ErrorCode.BAD_REQUEST)
     if ttl <= 0:
         raise PsymeshError("an invite needs a positive lifetime", code=ErrorCode.BAD_REQUEST)
-    nameplate = next((n for n in range(1, MAX_NAMEPLATE + 1) if n not in taken), None)
-    if nameplate is None:
+    if len(set(taken)) >= MAX_NAMEPLATE:
         raise PsymeshError("too many open invites", code=ErrorCode.CONFLICT)
     rng = rng or secrets.SystemRandom()
+    nameplate = rng.randint(1, MAX_NAMEPLATE)
+    while nameplate in taken:
+        nameplate = rng.randint(1, MAX_NAMEPLATE)
     return Invite(
         id=f"{rng.getrandbits(64):016x}",
         code=PairingCode.generate(nameplate, rng),
@@ -570,12 +585,14 @@ class PairingInviter(_PairingMachine):
 
     def _on_hello(self, msg: PairHello, now: float) -> list[Message]:
         invite = self._find_invite(msg.nameplate)
-        if invite is None:
-            raise PsymeshError(f"no open invite with number {msg.nameplate}; check the code", code=ErrorCode.NOT_FOUND)
-        invite.check_usable(now)
-        invite.record_failure()
-        self.invite = invite
-        self._spake = SPAKE2_B(invite.code.password, idA=self.remote_peer_id.encode(),
+        if invite is not None:
+            invite.check_usable(now)
+            invite.record_failure()
+            self.invite = invite
+            password = invite.code.password
+        else:  # a decoy: no invite has this number, and the joiner must not learn that here
+            password = b"decoy " + (self._entropy or secrets.token_bytes)(16)
+        self._spake = SPAKE2_B(password, idA=self.remote_peer_id.encode(),
                                idB=self.local_peer_id.encode(), **self._spake_kwargs())
         msg_b = self._spake.start()
         key = _finish(self._spake, msg.pake)
@@ -584,11 +601,10 @@ class PairingInviter(_PairingMachine):
         return [PairPake(pake=msg_b)]
 
     def _on_confirm(self, msg: PairConfirm, now: float) -> list[Message]:
-        assert self._keys is not None and self.invite is not None
-        if not hmac.compare_digest(msg.mac, self._keys.joiner_mac):
-            left = self.invite.attempts_left
-            raise PsymeshError(f"wrong pairing code ({left} attempt{'s' if left != 1 else ''} left)",
-                               code=ErrorCode.BAD_CODE, details={"attempts_left": left})
+        assert self._keys is not None
+        if not hmac.compare_digest(msg.mac, self._keys.joiner_mac) or self.invite is None:
+            # the same words for a wrong code and for a decoy: nothing says which it was
+            raise PsymeshError(WRONG_CODE, code=ErrorCode.BAD_CODE)
         self.invite.check_usable(now, need_attempt=False)
         self.invite.record_success()
         manifest = preset(self.invite.grant, self.local_peer_id, self.remote_peer_id, now,

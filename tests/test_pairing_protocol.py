@@ -19,6 +19,9 @@ from psymesh.protocol.manifest import PRESETS, Operation, check, preset
 from psymesh.protocol.messages import Message, pack, unpack
 from psymesh.protocol.pairing import (
     MAX_ATTEMPTS,
+    MAX_NAMEPLATE,
+    PAIR_MAX_FRAME,
+    WRONG_CODE,
     Invite,
     InviteState,
     PairConfirm,
@@ -35,6 +38,7 @@ from psymesh.protocol.pairing import (
     parse_code,
     parse_invite,
 )
+from psymesh.protocol.strangers import PairingGuard, StrangerLimits
 from psymesh.protocol.wordlist import EVEN, ODD
 
 NOW = 1_700_000_000.0
@@ -208,7 +212,7 @@ def test_wrong_code_fails_on_both_sides_and_costs_an_attempt() -> None:
 
     assert isinstance(inviter_error, PsymeshError) and inviter_error.code is ErrorCode.BAD_CODE
     assert isinstance(joiner_error, RemoteError) and joiner_error.code is ErrorCode.BAD_CODE
-    assert "2 attempts left" in joiner_error.message
+    assert joiner_error.message == WRONG_CODE and not joiner_error.details
     assert joiner.state is PairState.FAILED and inviter.state is PairState.FAILED
     assert joiner.result is None and inviter.result is None
     assert invite.attempts_left == MAX_ATTEMPTS - 1 and not invite.used
@@ -255,11 +259,43 @@ def test_invite_expiring_during_the_run_is_refused() -> None:
     assert info.value.code is ErrorCode.EXPIRED and not invite.used
 
 
-def test_unknown_nameplate() -> None:
+def other_nameplate(invite: Invite) -> int:
+    return invite.nameplate % MAX_NAMEPLATE + 1
+
+
+def test_an_unknown_nameplate_gets_a_decoy_that_fails_like_a_wrong_code_and_charges_nothing() -> None:
+    """A stranger must not learn which numbers have an invite, nor spend an invite's
+    attempts without its number: the decoy run looks exactly like a wrong code."""
     invite = make_invite()
-    other = PairingCode(nameplate=invite.nameplate + 1, words=invite.code.words)
-    joiner_error, _ = converse(joiner_for(other), inviter_for(Invites(invite)))
-    assert joiner_error is not None and joiner_error.code is ErrorCode.NOT_FOUND
+    store = Invites(invite)
+    wrong = converse(joiner_for(wrong_code(invite.code), seed=1), inviter_for(store, seed=2))
+    wrong_bytes = converse.last_wire.bytes_seen  # type: ignore[attr-defined]
+    guessed = PairingCode(nameplate=other_nameplate(invite), words=wrong_code(invite.code).words)
+    decoy = converse(joiner_for(guessed, seed=1), inviter_for(store, seed=2))
+    decoy_bytes = converse.last_wire.bytes_seen  # type: ignore[attr-defined]
+
+    assert [(type(e), e.code, e.message, e.details) for e in decoy if e] == \
+        [(type(e), e.code, e.message, e.details) for e in wrong if e]
+    assert len(decoy_bytes) == len(wrong_bytes)  # the same messages, the same sizes
+    assert invite.attempts_left == MAX_ATTEMPTS - 1  # the wrong code cost one; the decoy none
+    for seed in range(10 * MAX_ATTEMPTS):  # any number of decoys: the invite still works
+        converse(joiner_for(PairingCode(nameplate=other_nameplate(invite), words=invite.code.words), seed=seed),
+                 inviter_for(store))
+    assert converse(joiner_for(invite.code), inviter_for(store)) == (None, None)
+
+
+@settings(max_examples=30, deadline=None)
+@given(nameplate=st.integers(1, MAX_NAMEPLATE), secret=st.binary(min_size=2, max_size=2))
+def test_any_guess_without_the_invites_number_fails_and_costs_it_nothing(nameplate: int, secret: bytes) -> None:
+    invite = make_invite()
+    guess = PairingCode.from_bytes(nameplate, secret)
+    joiner_error, inviter_error = converse(joiner_for(guess), inviter_for(Invites(invite)))
+    if guess == invite.code:
+        assert (joiner_error, inviter_error) == (None, None)
+        return
+    assert joiner_error is not None and joiner_error.code is ErrorCode.BAD_CODE
+    assert joiner_error.message == WRONG_CODE
+    assert invite.attempts_left == MAX_ATTEMPTS - (nameplate == invite.nameplate)
 
 
 def test_a_relay_between_two_noise_sessions_fails_key_confirmation() -> None:
@@ -410,10 +446,17 @@ def test_typos_in_codes_are_caught_before_any_attempt(text: str, hint: str) -> N
     assert info.value.code is ErrorCode.BAD_REQUEST and hint in info.value.message
 
 
-def test_new_invite_takes_the_lowest_free_nameplate_and_is_deterministic_with_a_seed() -> None:
+def test_new_invite_draws_a_random_free_nameplate_and_is_deterministic_with_a_seed() -> None:
     a = new_invite(NOW, rng=random.Random(5), taken={1, 2, 4})
     b = new_invite(NOW, rng=random.Random(5), taken={1, 2, 4})
-    assert a.nameplate == 3 and a == b
+    assert a == b
+    drawn = {new_invite(NOW, rng=random.Random(seed)).nameplate for seed in range(200)}
+    assert len(drawn) > 150 and min(drawn) >= 1 and max(drawn) <= MAX_NAMEPLATE  # not 1, 2, 3...
+    crowded = set(range(1, MAX_NAMEPLATE + 1)) - {4242}
+    assert new_invite(NOW, rng=random.Random(5), taken=crowded).nameplate == 4242
+    with pytest.raises(PsymeshError) as info:
+        new_invite(NOW, taken=crowded | {4242})
+    assert info.value.code is ErrorCode.CONFLICT
     assert (a.attempts_left, a.used, a.expires_at, a.grant) == (MAX_ATTEMPTS, False, NOW + 600, "phone")
     with pytest.raises(PsymeshError) as info:
         new_invite(NOW, grant="root")
@@ -529,3 +572,103 @@ def test_an_inviter_fed_any_pake_bytes_fails_cleanly(pake: bytes) -> None:
         return
     with pytest.raises(PsymeshError):  # a lucky element still cannot pass key confirmation
         inviter.receive(PairConfirm(mac=bytes(32), info=PHONE_INFO), NOW)
+
+
+# ---------------------------------------------------------------------------- limits for strangers
+
+
+@pytest.mark.parametrize("grant", sorted(PRESETS))
+def test_the_largest_pairing_messages_fit_the_pairing_frame_limit(grant: str) -> None:
+    """A pairing stream refuses frames over PAIR_MAX_FRAME; every real message must fit."""
+    largest = PeerInfo(name="n" * 64, role="r" * 32, addrs=tuple("/" + "a" * 255 for _ in range(16)))
+    manifest = preset(grant, HOME, PHONE, NOW, 10**9).sign(HOME_KEY)
+    for message in (PairHello(nameplate=MAX_NAMEPLATE, pake=bytes(128)), PairPake(pake=bytes(128)),
+                    PairConfirm(mac=bytes(32), info=largest),
+                    PairWelcome(mac=bytes(32), info=largest, manifest=manifest)):
+        assert len(Channel(PAIR_MAX_FRAME).send(message)) <= PAIR_MAX_FRAME + 4
+
+
+LIMITS = StrangerLimits(pair_runs=3, pair_runs_per_ip=2, hellos_per_minute=6, hellos_per_ip_per_minute=4,
+                        hellos_per_peer_per_minute=2)
+
+
+def refusal(guard: PairingGuard, peer: str, ip: str, now: float) -> ErrorCode | None:
+    try:
+        guard.start(peer, ip, now)
+    except PsymeshError as exc:
+        assert exc.retry_after is not None and exc.retry_after > 0
+        return exc.code
+    return None
+
+
+def test_pairing_runs_at_once_are_capped_per_ip_and_node_wide_and_come_back() -> None:
+    guard = PairingGuard(LIMITS.model_copy(update={"hellos_per_minute": 100, "hellos_per_ip_per_minute": 100}))
+    assert [refusal(guard, f"p{i}", "10.0.0.1", NOW) for i in range(3)] == [None, None, ErrorCode.BUSY]
+    assert refusal(guard, "q", "10.0.0.2", NOW) is None
+    assert refusal(guard, "r", "10.0.0.3", NOW) is ErrorCode.BUSY  # 3 runs at once, node-wide
+    guard.finish("10.0.0.1")
+    assert refusal(guard, "r", "10.0.0.3", NOW) is None
+    for ip in ("10.0.0.1", "10.0.0.2", "10.0.0.3"):
+        guard.finish(ip)
+    assert guard.running() == 0
+
+
+def test_one_address_cannot_spend_the_budget_of_the_others() -> None:
+    """A burning loop from one IP with fresh keys is stopped by its per-IP budget; what it
+    was refused spends nothing node-wide, so a joiner elsewhere still gets in."""
+    guard = PairingGuard(LIMITS)
+    outcomes = []
+    for i in range(50):  # fresh keys every time, as fast as it likes
+        outcomes.append(refusal(guard, f"fresh-{i}", "10.6.6.6", NOW + i * 0.01))
+        if outcomes[-1] is None:
+            guard.finish("10.6.6.6")
+    assert outcomes.count(None) == LIMITS.hellos_per_ip_per_minute
+    assert set(outcomes) == {None, ErrorCode.RATE_LIMITED}
+    assert refusal(guard, "the-phone", "10.0.0.7", NOW + 1) is None
+
+
+def test_many_addresses_together_are_held_to_the_node_wide_budget_and_it_refills() -> None:
+    guard = PairingGuard(LIMITS)
+    admitted = 0
+    for i in range(40):
+        if refusal(guard, f"k{i}", f"10.1.{i}.1", NOW) is None:
+            admitted += 1
+            guard.finish(f"10.1.{i}.1")
+    assert admitted == LIMITS.hellos_per_minute
+    assert refusal(guard, "later", "10.2.0.1", NOW + 60) is None
+
+
+def test_one_key_is_held_to_its_own_budget() -> None:
+    guard = PairingGuard(LIMITS)
+    codes = []
+    for i in range(3):
+        codes.append(refusal(guard, "same-key", f"10.3.{i}.1", NOW))
+        if codes[-1] is None:
+            guard.finish(f"10.3.{i}.1")
+    assert codes == [None, None, ErrorCode.RATE_LIMITED]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 5), st.integers(0, 30), st.floats(0, 5), st.booleans()), max_size=80))
+def test_whatever_strangers_do_the_guard_keeps_its_bounds(events: list[tuple[int, int, float, bool]]) -> None:
+    """Any interleaving of starts and finishes from any IPs and keys: never more runs at
+    once than allowed, never more admitted hellos in a minute than the node-wide budget
+    (GCRA: the burst, plus one per interval), and per IP likewise."""
+    guard = PairingGuard(LIMITS)
+    now, running, admitted = NOW, [], []
+    for ip_n, peer_n, dt, finish in events:
+        now += dt
+        if finish and running:
+            guard.finish(running.pop(0))
+            continue
+        ip = f"10.9.0.{ip_n}"
+        if refusal(guard, f"peer{peer_n}", ip, now) is None:
+            running.append(ip)
+            admitted.append((now, ip))
+        assert guard.running() == len(running) <= LIMITS.pair_runs
+        assert max((running.count(x) for x in set(running)), default=0) <= LIMITS.pair_runs_per_ip
+    for start, _ in admitted:
+        window = [a for a in admitted if start <= a[0] < start + 60]
+        assert len(window) <= 2 * LIMITS.hellos_per_minute
+        for ip in {a[1] for a in window}:
+            assert sum(a[1] == ip for a in window) <= 2 * LIMITS.hellos_per_ip_per_minute
