@@ -64,14 +64,58 @@ libp2p 0.8.1 defects measured on this machine, and what this module does about e
    `STREAM_OPEN_TIMEOUT_S` and drops that connection, so the next attempt dials afresh
    (tests/test_liveness.py freezes a relayed connection to check).
 
+Found in an adversarial pass by an unpaired stranger (items 14-18). A *stranger* is a
+peer that `set_admission`'s `is_paired` says no to; fresh keys cost nothing, so every
+limit on strangers counts all of them together (and per IP address), never per peer id.
+`psymesh.protocol.strangers.StrangerLimits` holds the numbers (config.toml `[strangers]`).
+
+14. yamux does not enforce its own receive window: data past it is logged ("peer exceeded
+   receive window") and buffered anyway, and a DATA frame of up to 16 MiB is read whole
+   before anything looks at it. A stream nobody reads (its protocol negotiation pending,
+   or its handler busy) grows without bound: 2 connections x 10 such streams took a node
+   past 1 GB. And `muxer_opt` cannot replace yamux: `MuxerMultistream.new_conn` builds
+   libp2p's own `Yamux` whatever it is given. `_MuxerSelect` (swapped onto the upgrader)
+   turns each new Yamux into `_BoundedYamux`, which refuses, *before reading it*, a DATA
+   frame that would take the connection's unread bytes over its budget (a stranger's
+   `buffer_bytes`, a paired peer's `PAIRED_BUFFER_BYTES`) and closes the connection, as
+   go-yamux does on a window violation. It also drops a reset stream's unread data at once
+   (libp2p kept it 60-90 s for a reader that can never come).
+15. Before a connection's muxer runs, multistream-select reads a message of whatever length
+   the peer announces (a varint), in up to 101 reads of up to that many bytes each, for up
+   to 10 s; anyone who reaches the port, no key needed, made a node grow by 130 MB with one
+   TCP connection. `_HandshakeBudget` caps what a new inbound connection may send before its
+   muxer exists (`HANDSHAKE_BYTES`; a real handshake is ~2 KiB), and inbound connections
+   still handshaking are capped (`handshakes`, `handshakes_per_ip`): excess ones are closed.
+16. The same unbounded read negotiates every inbound *stream* (10 s, then the handler), and
+   its bytes leave yamux's buffers for the reader's, so (14) does not bound them. Inbound
+   streams are negotiated here instead (`_negotiate`): messages of at most
+   `MAX_NEGOTIATION_MESSAGE` bytes, at most `MAX_PROPOSALS` proposals, `NEGOTIATE_TIMEOUT_S`.
+   `ls` is answered `na`: nobody is told the list of protocols.
+17. Nothing caps the streams a peer opens on one connection: yamux accepts every SYN and the
+   swarm starts a task for each; the resource manager's only stream limit (10,000 for the
+   whole node) *queues* the excess on a semaphore, so one peer could starve all others.
+   `_on_inbound_stream` resets a stream at once when its connection already has `streams`
+   open (a stranger) or `PAIRED_STREAMS` (a paired peer). Unpaired inbound connections are
+   capped too (`connections`, `connections_per_ip`), checked when Noise has proved the key,
+   before any muxer exists (concurrent handshakes can overshoot by at most `handshakes`).
+18. libp2p serves its own identify (every listen address, every protocol id, the version),
+   identify push and ping to anyone. Every inbound stream's protocol, libp2p's own
+   included, is now put to `may_open(peer_id, protocol)` (the daemon's one rule, which also
+   audits refusals) and answered `na` when refused. And libp2p *runs* identify on every
+   connection it dials (in a trio system task, outside any task group): psymesh needs none
+   of what it learns, so `_Host` does not, and a psymesh peer is never asked for it.
+
 Kept as is: libp2p's resource manager allows each peer 10 new connections per second
 (burst 50); connections over that are closed right after the handshake, so the dialer's
-`connect()` may succeed and its first stream fail (UNAVAILABLE).
+`connect()` may succeed and its first stream fail (UNAVAILABLE). Outbound connections (ones
+this node dials, such as a joiner's to an inviter) get (14) but not (15): they are to a
+peer we chose.
 """
 from __future__ import annotations
 
 import logging
 import socket
+from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
@@ -79,25 +123,33 @@ import anyio
 import anyio.abc
 import multiaddr
 import sniffio
+import trio
 from libp2p import new_host
 from libp2p.abc import IMuxedConn, INetConn, INetStream, IRawConnection, ISecureConn, ReadWriteCloser
 from libp2p.crypto.ed25519 import create_new_key_pair as ed25519_key_pair
 from libp2p.crypto.keys import KeyPair
 from libp2p.crypto.x25519 import create_new_key_pair as x25519_key_pair
+from libp2p.host.basic_host import BasicHost
 from libp2p.custom_types import TProtocol
 from libp2p.network.auto_connector import AutoConnector
 from libp2p.network.config import ConnectionConfig
 from libp2p.network.connection.raw_connection import RawConnection
+from libp2p.io.exceptions import IOException
+from libp2p.io.utils import read_exactly
 from libp2p.network.swarm import Swarm
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
+from libp2p.rcmgr import Direction
 from libp2p.security.exceptions import HandshakeFailure
 from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
 from libp2p.security.noise.transport import Transport as NoiseTransport
+from libp2p.stream_muxer.muxer_multistream import MuxerMultistream
 from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
-from libp2p.stream_muxer.yamux.yamux import Yamux
+from libp2p.stream_muxer.yamux.yamux import Yamux, YamuxStream
+from libp2p.utils.varint import encode_uvarint
 
 from psymesh.protocol.errors import ErrorCode, ProtocolError, PsymeshError
+from psymesh.protocol.strangers import StrangerLimits
 
 log = logging.getLogger(__name__)
 
@@ -109,8 +161,19 @@ CLOSE_TIMEOUT_S = 2.0
 # before the connection is taken for dead (13).
 STREAM_OPEN_TIMEOUT_S = 10.0
 SHUTDOWN_TIMEOUT_S = 5.0
+# What a paired peer's connection may hold (14, 17): generous, it is trusted with tasks.
+PAIRED_STREAMS = 1024
+PAIRED_BUFFER_BYTES = 64 * 1024 * 1024
+# (15) Bytes a new inbound connection may send before its muxer runs.
+HANDSHAKE_BYTES = 64 * 1024
+# (16) Inbound stream negotiation (multistream-select 1.0, listener side).
+MULTISTREAM = "/multistream/1.0.0"
+MAX_NEGOTIATION_MESSAGE = 512
+MAX_PROPOSALS = 8
+NEGOTIATE_TIMEOUT_S = 5.0
 
 PeerFilter = Callable[[str], bool]
+StreamFilter = Callable[[str, str], bool]  # (peer id, protocol) -> may that peer open it?
 
 
 class P2PStream:
@@ -178,25 +241,34 @@ class P2PNode:
             raise PsymeshError("an Ed25519 seed is 32 bytes", code=ErrorCode.BAD_REQUEST)
         self._listen = [_parse_multiaddr(a) for a in listen_addrs]
         self._allow_peer = allow_peer
+        self._admission = _Admission()
+        self._open_streams: Counter[IMuxedConn] = Counter()  # (17) inbound streams per connection
         key_pair = ed25519_key_pair(bytes(seed))
         self._host = new_host(
             key_pair=key_pair,
             # (1) Noise only: the default also accepts plaintext, secio and TLS.
-            sec_opt={TProtocol(NOISE_PROTOCOL_ID): _PeerFilteringNoise(key_pair, self._peer_allowed)},
+            sec_opt={TProtocol(NOISE_PROTOCOL_ID): _PeerFilteringNoise(key_pair, self._connection_allowed)},
             muxer_opt={TProtocol(YAMUX_PROTOCOL_ID): Yamux},
             # (2) one connection per peer: dial_peer returns at once instead of waiting 250 ms.
             connection_config=ConnectionConfig(max_connections_per_peer=1),
             listen_addrs=self._listen,
             enable_mDNS=False,
         )
+        if type(self._host) is not BasicHost:
+            raise RuntimeError(f"node/p2p.py is written against libp2p 0.8.1's BasicHost, not {type(self._host)!r}")
+        self._host.__class__ = _Host  # (18) no identify of the peers we dial
         swarm = self._host.get_network()
         if type(swarm) is not Swarm:
             raise RuntimeError(f"node/p2p.py is written against libp2p 0.8.1's Swarm, not {type(swarm)!r}")
         swarm.__class__ = _Swarm  # (4) same object and state, fixed inbound handler
+        swarm.admission = self._admission  # (15)
         swarm.auto_connector = _NoAutoConnect(swarm)  # (9)
+        muxers = swarm.upgrader.muxer_multistream
+        muxers.__class__ = _MuxerSelect  # (14) every new yamux connection becomes a _BoundedYamux
+        muxers.admission = self._admission
         self._swarm: _Swarm = swarm
-        # (3, 7) one choke point for every inbound stream: peer filter + exception containment
-        self._negotiate_and_handle = swarm.common_stream_handler  # BasicHost._swarm_stream_handler
+        # (3, 7, 16, 17, 18) one choke point for every inbound stream: peer filter, stream cap,
+        # bounded negotiation, who may open what, exception containment
         swarm.set_stream_handler(self._on_inbound_stream)
         self.peer_id = str(self._host.get_id())
         self._tg: anyio.abc.TaskGroup | None = None  # set while serving
@@ -260,6 +332,32 @@ class P2PNode:
             closing.cancel_scope.cancel()
         await self._host.close()
 
+    # -- admission -------------------------------------------------------------------
+    def set_admission(self, *, is_paired: PeerFilter, may_open: StreamFilter, limits: StrangerLimits) -> None:
+        """Who is a stranger (`is_paired` says no), which protocols each peer may open
+        (`may_open`, asked for every inbound stream, libp2p's own protocols included; it
+        records its refusals), and how much strangers together may cost (14-18). Call
+        before `run()`. Until then every peer counts as paired and may open anything."""
+        self._admission.is_paired = is_paired
+        self._admission.may_open = may_open
+        self._admission.limits = limits
+
+    def _connection_allowed(self, peer_id: str, ip: str | None) -> bool:
+        """Asked when Noise has proved an inbound peer's key (7, 17)."""
+        if not self._peer_allowed(peer_id):
+            log.info("refused a connection from %s (peer not allowed)", peer_id)
+            return False
+        if self._admission.paired(peer_id):
+            return True
+        limits = self._admission.limits
+        strangers = [_remote_ip(c.muxed_conn) for c in self._live_connections()
+                     if c.direction == Direction.INBOUND and not self._admission.paired(str(c.muxed_conn.peer_id))]
+        if len(strangers) >= limits.connections or strangers.count(ip) >= limits.connections_per_ip:
+            log.info("refused a connection from %s at %s: %d unpaired connections open (%d from there)",
+                     peer_id, ip, len(strangers), strangers.count(ip))
+            return False
+        return True
+
     # -- handlers --------------------------------------------------------------------
     def set_handler(self, protocol: str, handler: Handler) -> None:
         """Serve `protocol`. The stream is closed when `handler` returns and reset if it raises;
@@ -279,11 +377,54 @@ class P2PNode:
             await _reset_quietly(stream)
             await self.disconnect(peer)
             return
+        conn = stream.muxed_conn
+        cap = PAIRED_STREAMS if self._admission.paired(peer) else self._admission.limits.streams
+        if self._open_streams[conn] >= cap:  # (17) refused, never queued
+            log.debug("reset a stream from %s: %d streams already open on its connection", peer, cap)
+            await _reset_quietly(stream)
+            return
+        self._open_streams[conn] += 1
         try:
-            await self._negotiate_and_handle(stream)
+            await self._negotiate_and_handle(stream, peer)
+        except _NegotiationFailed as exc:
+            log.debug("reset a stream from %s: %s", peer, exc)
+            await _reset_quietly(stream)
         except Exception:
             log.exception("handler for %s from %s failed; the stream is reset", stream.get_protocol(), peer)
             await _reset_quietly(stream)
+        finally:
+            self._open_streams[conn] -= 1
+            if not self._open_streams[conn]:
+                del self._open_streams[conn]
+
+    async def _negotiate_and_handle(self, stream: INetStream, peer: str) -> None:
+        """(16, 18) multistream-select, listener side, bounded; then the protocol's handler.
+        A protocol we serve but `peer` may not open is answered like one we do not serve."""
+        handlers = self._host.get_mux().handlers
+        with anyio.move_on_after(NEGOTIATE_TIMEOUT_S) as negotiation:
+            await _write_multistream_message(stream, MULTISTREAM)
+            if await _read_multistream_message(stream) != MULTISTREAM:
+                raise _NegotiationFailed("not multistream-select 1.0")
+            for _ in range(MAX_PROPOSALS):
+                proposal = await _read_multistream_message(stream)
+                handler = handlers.get(TProtocol(proposal))
+                if handler is not None and self._admission.may_open(peer, proposal):
+                    await _write_multistream_message(stream, proposal)
+                    break
+                await _write_multistream_message(stream, "na")
+            else:
+                raise _NegotiationFailed(f"no protocol agreed after {MAX_PROPOSALS} proposals")
+        if negotiation.cancelled_caught:
+            raise _NegotiationFailed(f"no protocol agreed within {NEGOTIATE_TIMEOUT_S:.0f} s")
+        stream.set_protocol(TProtocol(proposal))
+        await handler(stream)
+
+    def remote_ip(self, peer_id: str) -> str | None:
+        """The IP address of `peer_id`'s open connection (None without one)."""
+        for conn in self._swarm.get_connections(_parse_peer_id(peer_id)):
+            if not conn.is_closed and (ip := _remote_ip(conn.muxed_conn)) is not None:
+                return ip
+        return None
 
     def _peer_allowed(self, peer_id: str) -> bool:
         if self._allow_peer is None:
@@ -393,10 +534,11 @@ class P2PNode:
 
 
 class _PeerFilteringNoise(NoiseTransport):
-    """Noise whose responder refuses peers that `allow` rejects, right after the handshake
-    proves who they are (7): the connection closes before any muxer or stream exists."""
+    """Noise whose responder refuses peers that `allow(peer_id, ip)` rejects, right after the
+    handshake proves who they are (7, 17): the connection closes before any muxer or stream
+    exists. It hands the connection's handshake budget on to the muxer selection (15)."""
 
-    def __init__(self, key_pair: KeyPair, allow: PeerFilter) -> None:
+    def __init__(self, key_pair: KeyPair, allow: Callable[[str, str | None], bool]) -> None:
         # The Noise static key is per process: libp2p signs it with the identity key.
         super().__init__(key_pair, noise_privkey=x25519_key_pair().private_key)
         self._allow = allow
@@ -404,23 +546,158 @@ class _PeerFilteringNoise(NoiseTransport):
     async def secure_inbound(self, conn: IRawConnection) -> ISecureConn:
         secured = await super().secure_inbound(conn)
         peer = str(secured.get_remote_peer())
-        if not self._allow(peer):
-            log.info("refused a connection from %s (peer not allowed)", peer)
+        address = conn.get_remote_address()
+        if not self._allow(peer, address[0] if address else None):
             await _close_quietly(secured)
             raise HandshakeFailure(f"peer {peer} is not allowed")
+        budget = getattr(conn, "stream", None)
+        if isinstance(budget, _HandshakeBudget):
+            secured.handshake_budget = budget  # type: ignore[attr-defined]  # lifted by _MuxerSelect
         return secured
+
+
+class _Host(BasicHost):
+    """(18) libp2p 0.8.1's BasicHost, minus the identify it starts on every connection it dials."""
+
+    def _schedule_identify(self, peer_id: ID, *, reason: str) -> None:
+        return
+
+
+class _Admission:
+    """Who is a stranger, who may open what, and what strangers may cost (14-18): one per
+    P2PNode, shared with its swarm, muxers and inbound streams. Also counts the inbound
+    connections still in their handshake, per IP (15)."""
+
+    def __init__(self) -> None:
+        self.is_paired: PeerFilter = _anyone
+        self.may_open: StreamFilter = _anything
+        self.limits = StrangerLimits()
+        self.handshaking: Counter[str | None] = Counter()
+
+    def paired(self, peer_id: str) -> bool:
+        try:
+            return bool(self.is_paired(peer_id))
+        except Exception:
+            log.exception("is_paired(%s) failed; treating the peer as a stranger", peer_id)
+            return False
+
+    def buffer_budget(self, peer_id: str) -> int:
+        return PAIRED_BUFFER_BYTES if self.paired(peer_id) else self.limits.buffer_bytes
+
+    def start_handshake(self, ip: str | None) -> bool:
+        limits = self.limits
+        if self.handshaking.total() >= limits.handshakes or self.handshaking[ip] >= limits.handshakes_per_ip:
+            return False
+        self.handshaking[ip] += 1
+        return True
+
+    def end_handshake(self, ip: str | None) -> None:
+        self.handshaking[ip] -= 1
+        if not self.handshaking[ip]:
+            del self.handshaking[ip]
+
+
+def _anyone(_: str) -> bool:
+    return True
+
+
+def _anything(_: str, __: str) -> bool:
+    return True
+
+
+class _HandshakeBudget(ReadWriteCloser):
+    """(15) A new inbound TCP connection that may send at most `limit` bytes until `lift()`
+    (called when its muxer exists); past that its reads fail and the upgrade is abandoned.
+    Each read also asks for no more than what is left, so a huge announced length cannot
+    make libp2p allocate a huge receive buffer."""
+
+    def __init__(self, inner: ReadWriteCloser, limit: int) -> None:
+        self._inner = inner
+        self._left: int | None = limit
+
+    def lift(self) -> None:
+        self._left = None
+
+    async def read(self, n: int | None = None) -> bytes:
+        if self._left is None:
+            return await self._inner.read(n)
+        if self._left <= 0:
+            raise IOException(f"the peer sent more than {HANDSHAKE_BYTES} bytes before its muxer started")
+        data = await self._inner.read(self._left if n is None else min(n, self._left))
+        self._left -= len(data)
+        return data
+
+    async def write(self, data: bytes) -> None:
+        await self._inner.write(data)
+
+    async def close(self) -> None:
+        await self._inner.close()
+
+    def get_remote_address(self) -> tuple[str, int] | None:
+        return self._inner.get_remote_address()
+
+
+class _MuxerSelect(MuxerMultistream):
+    """(14, 15) The upgrader's muxer selection: every new Yamux becomes a `_BoundedYamux`,
+    and the handshake budget of the connection comes off (the muxer bounds what follows).
+    P2PNode swaps it in as the class of the upgrader's selector and sets `admission`."""
+
+    admission: _Admission
+
+    async def new_conn(self, conn: ISecureConn, peer_id: ID) -> IMuxedConn:
+        muxed = await super().new_conn(conn, peer_id)
+        if (budget := getattr(conn, "handshake_budget", None)) is not None:
+            budget.lift()
+        if type(muxed) is not Yamux:
+            raise RuntimeError(f"node/p2p.py bounds libp2p 0.8.1's Yamux, not {type(muxed)!r}")
+        muxed.__class__ = _BoundedYamux
+        muxed.admission = self.admission
+        return muxed
+
+
+class _BoundedYamux(Yamux):
+    """(14) libp2p's Yamux, same state, with a budget for the unread bytes of a connection.
+    `_read_data_body` is where libp2p reads every DATA frame's body: it is refused before
+    any of it is read when it would take the unread bytes over the budget, by raising the
+    one exception that `handle_incoming` answers by closing the connection (its data-body
+    timeout, `trio.TooSlowError`)."""
+
+    admission: _Admission
+
+    async def _read_data_body(self, length: int) -> bytes:
+        unread = sum(len(buffer) for buffer in self.stream_buffers.values())
+        if unread + length > self.admission.limits.buffer_bytes:  # past a stranger's budget: ask who it is
+            budget = self.admission.buffer_budget(str(self.peer_id))
+            if unread + length > budget:
+                log.info("closing the connection of %s: a %d-byte frame on top of %d unread bytes "
+                         "exceeds its %d-byte budget", self.peer_id, length, unread, budget)
+                raise trio.TooSlowError
+        return await super()._read_data_body(length)
+
+    def _finalize_stream_locked(self, stream: YamuxStream, *, fully_closed: bool) -> None:
+        if stream.reset_received and (buffer := self.stream_buffers.get(stream.stream_id)):
+            buffer.clear()  # nobody can read a reset stream: drop its data now, not in 60-90 s
+        super()._finalize_stream_locked(stream, fully_closed=fully_closed)
+
+
+class _NegotiationFailed(Exception):
+    """An inbound stream agreed on no protocol (16): it is reset, quietly."""
 
 
 class _Swarm(Swarm):
     """libp2p 0.8.1's Swarm with defect (4) fixed, plus a hook run before explicit dials (8, 10, 11).
-    P2PNode swaps it in as the class of the swarm `new_host()` built (it adds no state)."""
+    P2PNode swaps it in as the class of the swarm `new_host()` built, and sets `admission` (15)."""
+
+    admission: _Admission
 
     async def _do_handle_inbound_connection(
         self, read_write_closer: ReadWriteCloser, maddr: multiaddr.Multiaddr, failure_event: Any
     ) -> None:
-        """Upstream's TCP path with one change: the last line waits for *this* connection to
-        close, not for the swarm to stop, so the caller returns the `_inbound_limiter` slot
-        and the task ends when the peer goes away. (The task must live while the connection
+        """Upstream's TCP path with two changes. The handshake is bounded (15): a connection
+        may send `HANDSHAKE_BYTES` before its muxer runs, and only so many may be handshaking
+        at once (per IP and in all). And the last line waits for *this* connection to close,
+        not for the swarm to stop (4), so the caller returns the `_inbound_limiter` slot and
+        the task ends when the peer goes away. (The task must live while the connection
         does: `trio.serve_listeners` closes the socket when it returns.)"""
         if isinstance(read_write_closer, IMuxedConn):  # QUIC/WebTransport: psymesh enables neither
             await super()._do_handle_inbound_connection(read_write_closer, maddr, failure_event)
@@ -430,13 +707,22 @@ class _Swarm(Swarm):
             log.debug("inbound connection from %s denied by the IP gate", remote)
             await _close_quietly(read_write_closer)
             return
-        raw_conn = RawConnection(read_write_closer, False)
-        try:
-            muxed_conn = await self.upgrade_inbound_raw_conn(raw_conn, maddr)
-        except Exception as exc:  # refused peer, failed handshake, limits: already logged upstream
-            log.debug("inbound connection on %s failed: %s", maddr, _reason(exc))
-            await _close_quietly(raw_conn)
+        address = read_write_closer.get_remote_address()
+        ip = address[0] if address else None
+        if not self.admission.start_handshake(ip):
+            log.info("closed a new connection from %s: too many connections still handshaking", ip)
+            await _close_quietly(read_write_closer)
             return
+        try:
+            raw_conn = RawConnection(_HandshakeBudget(read_write_closer, HANDSHAKE_BYTES), False)
+            try:
+                muxed_conn = await self.upgrade_inbound_raw_conn(raw_conn, maddr)
+            except Exception as exc:  # refused peer, failed handshake, limits: already logged
+                log.debug("inbound connection on %s failed: %s", maddr, _reason(exc))
+                await _close_quietly(raw_conn)
+                return
+        finally:
+            self.admission.end_handshake(ip)
         await _muxer_of(muxed_conn).event_closed.wait()
 
     def prepare_dial(self, peer_id: ID, *, new_address: bool = False) -> None:
@@ -464,6 +750,47 @@ class _NoAutoConnect(AutoConnector):
 # -- helpers ---------------------------------------------------------------------------
 def _muxer(conn: INetConn) -> Yamux:
     return _muxer_of(conn.muxed_conn)
+
+
+def _remote_ip(muxed_conn: IMuxedConn) -> str | None:
+    address = muxed_conn.get_remote_address()
+    return address[0] if address else None
+
+
+def _multistream_message(text: str) -> bytes:
+    body = text.encode() + b"\n"
+    return encode_uvarint(len(body)) + body
+
+
+async def _write_multistream_message(stream: INetStream, text: str) -> None:
+    try:
+        await stream.write(_multistream_message(text))
+    except Exception as exc:
+        raise _NegotiationFailed(f"stream gone during negotiation ({_reason(exc)})") from None
+
+
+async def _read_multistream_message(stream: INetStream) -> str:
+    """(16) One multistream-select message, at most MAX_NEGOTIATION_MESSAGE bytes, read
+    exactly (never past it: the protocol's first bytes may follow in the same frame)."""
+    try:
+        length = 0
+        for shift in (0, 7):  # MAX_NEGOTIATION_MESSAGE needs at most 2 varint bytes
+            byte = (await read_exactly(stream, 1))[0]
+            length |= (byte & 0x7F) << shift
+            if not byte & 0x80:
+                break
+        else:
+            raise _NegotiationFailed("negotiation message too long")
+        if not 0 < length <= MAX_NEGOTIATION_MESSAGE:
+            raise _NegotiationFailed(f"a {length}-byte negotiation message (the limit is {MAX_NEGOTIATION_MESSAGE})")
+        body = await read_exactly(stream, length)
+    except _NegotiationFailed:
+        raise
+    except Exception as exc:  # reset, EOF, a dead connection
+        raise _NegotiationFailed(f"stream ended during negotiation ({_reason(exc)})") from None
+    if not body.endswith(b"\n"):
+        raise _NegotiationFailed("negotiation message without its newline")
+    return body[:-1].decode("utf-8", "replace")
 
 
 def _muxer_of(muxed_conn: IMuxedConn) -> Yamux:

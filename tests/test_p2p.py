@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
+import tracemalloc
 
 import anyio
 import pytest
@@ -29,11 +30,14 @@ from libp2p.stream_muxer.yamux.yamux import Yamux
 from multiaddr import Multiaddr
 
 from p2p_helpers import PING, all_trio_tasks, new_node, running, unused_port
+from stranger_client import Stranger, delim, flood_before_handshake
+from waiting import wait_until
 from psymesh.node.framed import FramedStream
-from psymesh.node.p2p import P2PNode, P2PStream
+from psymesh.node.p2p import MAX_PROPOSALS, P2PNode, P2PStream
 from psymesh.protocol.common import Ping, Pong
 from psymesh.protocol.errors import ErrorCode, ProtocolError, PsymeshError
 from psymesh.protocol.identity import peer_id_from_public_key
+from psymesh.protocol.strangers import StrangerLimits
 
 OTHER = "/psymesh/test-other/1.0.0"
 
@@ -310,3 +314,199 @@ def test_wildcard_listen_addresses_become_dialable_ones() -> None:
     got = expand_wildcard([f"/ip4/0.0.0.0/tcp/4001/p2p/{pid}", f"/ip4/127.0.0.1/tcp/4001/p2p/{pid}"],
                           ["192.168.1.20", "127.0.0.1"])
     assert got == [f"/ip4/192.168.1.20/tcp/4001/p2p/{pid}", f"/ip4/127.0.0.1/tcp/4001/p2p/{pid}"]
+
+
+# -- 14-18: what an unpaired stranger can make a node hold ---------------------------------
+# The attacker is tests/stranger_client.py: Noise with a fresh key, then yamux frames it
+# writes itself (so it can ignore flow control). The node under test has an admission
+# policy: `paired` peers get the large limits, everyone else the stranger limits.
+SINK = "/psymesh/test-sink/1.0.0"
+LIBP2P_OWN = ("/ipfs/id/1.0.0", "/ipfs/id/push/1.0.0", "/ipfs/ping/1.0.0")
+
+
+class Policy:
+    """is_paired / may_open for a node under test, recording what it was asked."""
+
+    def __init__(self, *, open_to_strangers: tuple[str, ...] = (PING, SINK)) -> None:
+        self.paired: set[str] = set()
+        self.open_to_strangers = open_to_strangers
+        self.refused: list[tuple[str, str]] = []
+
+    def is_paired(self, peer_id: str) -> bool:
+        return peer_id in self.paired
+
+    def may_open(self, peer_id: str, protocol: str) -> bool:
+        if peer_id in self.paired or protocol in self.open_to_strangers:
+            return True
+        self.refused.append((peer_id, protocol))
+        return False
+
+
+def guarded_node(policy: Policy, **limits: int) -> P2PNode:
+    """A node whose SINK handler holds its stream open without reading it."""
+    node = new_node()
+    node.set_admission(is_paired=policy.is_paired, may_open=policy.may_open, limits=StrangerLimits(**limits))
+
+    async def sink(stream: P2PStream) -> None:
+        await anyio.sleep_forever()
+
+    node.set_handler(SINK, sink)
+    return node
+
+
+def unread_bytes(node: P2PNode) -> int:
+    return sum(len(b) for c in node._live_connections() for b in c.muxed_conn.stream_buffers.values())
+
+
+@pytest.mark.anyio
+async def test_14_unread_data_past_a_strangers_budget_closes_its_connection() -> None:
+    """0.8.1 buffered everything a peer sent to a stream nobody read (windows unenforced)."""
+    node, friend = guarded_node(Policy(), buffer_bytes=128 * 1024), new_node()
+    async with running(node, friend):
+        async with Stranger.connect(node.addrs()[0], node.peer_id) as s:
+            stream = await s.open(SINK)
+            assert await stream.negotiated()
+            sent = 0
+            with anyio.fail_after(10):
+                while not s.closed.is_set() and sent < 8 * 1024 * 1024:
+                    await stream.send(b"x" * 65536)
+                    sent += 65536
+                    assert unread_bytes(node) <= 128 * 1024
+                await s.closed.wait()
+            assert sent < 1024 * 1024  # cut off near the budget, not after megabytes
+        assert (await ping(friend, node.addrs()[0], seq=1)).seq == 1  # the node is fine
+
+
+@pytest.mark.anyio
+async def test_14_a_reset_streams_unread_data_is_dropped_at_once() -> None:
+    policy = Policy()
+    node = guarded_node(policy)
+    held: list[P2PStream] = []
+
+    async def hold(stream: P2PStream) -> None:
+        held.append(stream)
+        await anyio.sleep_forever()
+
+    node.set_handler(OTHER, hold)
+    policy.open_to_strangers += (OTHER,)
+    async with running(node):
+        async with Stranger.connect(node.addrs()[0], node.peer_id) as s:
+            stream = await s.open(OTHER)
+            assert await stream.negotiated()
+            await stream.send(b"y" * 100_000)
+            await wait_until(lambda: unread_bytes(node) == 100_000 and held, "the data to be buffered")
+            await held[0].reset()
+            assert unread_bytes(node) == 0  # 0.8.1 kept it for 60-90 s
+
+
+@pytest.mark.anyio
+async def test_15_a_keyless_client_announcing_a_huge_message_is_cut_off_at_once() -> None:
+    """0.8.1 read whatever a pre-handshake multistream message announced (+130 MB for one
+    TCP connection announcing 16 MB) for up to 10 s."""
+    node, friend = guarded_node(Policy()), new_node()
+    async with running(node, friend):
+        tracemalloc.start()
+        try:
+            await flood_before_handshake(node.addrs()[0], seconds=20, announce=16_000_000)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert peak < 4 * 1024 * 1024, peak  # 0.8.1: a 16 MB receive buffer at the first read
+        await wait_until(lambda: not node._admission.handshaking, "the handshake slot to come back")
+        assert (await ping(friend, node.addrs()[0], seq=2)).seq == 2
+
+
+@pytest.mark.anyio
+async def test_15_connections_still_handshaking_are_capped_per_ip() -> None:
+    node, friend = guarded_node(Policy(), handshakes_per_ip=3), new_node()
+    async with running(node, friend):
+        host, port = node.addrs()[0].split("/")[2], int(node.addrs()[0].split("/")[4])
+        silent = [await anyio.connect_tcp(host, port, local_host="127.0.0.2") for _ in range(3)]
+        await wait_until(lambda: node._admission.handshaking["127.0.0.2"] == 3, "3 handshakes in progress")
+        extra = await anyio.connect_tcp(host, port, local_host="127.0.0.2")
+        with anyio.fail_after(5):  # closed at once: EOF, not the 10 s upgrade timeout
+            with pytest.raises((anyio.EndOfStream, anyio.BrokenResourceError)):
+                await extra.receive()
+        assert (await ping(friend, node.addrs()[0], seq=3)).seq == 3  # another address gets in
+        for sock in [*silent, extra]:
+            await sock.aclose()
+        await wait_until(lambda: not node._admission.handshaking, "the handshake slots to come back")
+
+
+@pytest.mark.anyio
+async def test_16_stream_negotiation_is_bounded_and_lists_nothing() -> None:
+    """0.8.1 read a stream's multistream message of any announced length, for 10 s."""
+    node = guarded_node(Policy())
+    async with running(node):
+        async with Stranger.connect(node.addrs()[0], node.peer_id) as s:
+            huge = await s.open(None, first_data=b"\x13/multistream/1.0.0\n" + b"\x80\x80\x40")  # 1 MiB announced
+            with anyio.fail_after(2):
+                await huge.ended()
+            assert huge.reset
+            listing = await s.open("ls")
+            assert await listing.read_delim() == "/multistream/1.0.0"
+            assert await listing.read_delim() == "na"  # nobody is told what this node serves
+            unknown = await s.open(None, first_data=b"\x13/multistream/1.0.0\n" + b"".join(
+                delim(f"/nope/{i}") for i in range(MAX_PROPOSALS + 1)))
+            with anyio.fail_after(2):
+                await unknown.ended()
+            assert unknown.reset
+            assert await (await s.open(PING)).negotiated()  # the connection is still fine
+
+
+@pytest.mark.anyio
+async def test_17_streams_per_connection_are_capped_and_the_excess_refused_not_queued() -> None:
+    policy = Policy()
+    node = guarded_node(policy, streams=2)
+    async with running(node):
+        async with Stranger.connect(node.addrs()[0], node.peer_id) as s:
+            streams = [await s.open(SINK) for _ in range(5)]
+            with anyio.fail_after(5):
+                outcomes = [await st.negotiated() for st in streams]
+            assert sorted(outcomes) == [False, False, False, True, True]
+            assert all(st.reset for st, ok in zip(streams, outcomes) if not ok)
+        async with Stranger.connect(node.addrs()[0], node.peer_id) as s:  # a fresh key: a fresh connection
+            policy.paired.add(s.peer_id)
+            streams = [await s.open(SINK) for _ in range(5)]
+            with anyio.fail_after(5):
+                assert [await st.negotiated() for st in streams] == [True] * 5  # a paired peer gets more
+
+
+@pytest.mark.anyio
+async def test_17_unpaired_connections_are_capped_per_ip_and_in_all() -> None:
+    node = guarded_node(Policy(), connections=3, connections_per_ip=2)
+    addr = node.addrs
+    async with running(node):
+        async with Stranger.connect(addr()[0], node.peer_id), Stranger.connect(addr()[0], node.peer_id):
+            with anyio.fail_after(10), pytest.raises(Exception):
+                async with Stranger.connect(addr()[0], node.peer_id):  # a third from 127.0.0.1
+                    pass
+            async with Stranger.connect(addr()[0], node.peer_id, source="127.0.0.2"):
+                with anyio.fail_after(10), pytest.raises(Exception):
+                    async with Stranger.connect(addr()[0], node.peer_id, source="127.0.0.3"):  # a 4th in all
+                        pass
+        await wait_until(lambda: not node._live_connections(), "the node to see them go")
+        async with Stranger.connect(addr()[0], node.peer_id) as s:  # room again once they left
+            assert await (await s.open(PING)).negotiated()
+
+
+@pytest.mark.anyio
+async def test_18_libp2ps_own_protocols_are_put_to_the_policy_and_identify_is_not_run() -> None:
+    """0.8.1 answered identify (every listen address, every protocol), identify push and
+    ping to anyone, and ran identify itself on every connection it dialed."""
+    policy = Policy()
+    node, friend = guarded_node(policy, streams=8), new_node()
+    async with running(node, friend):
+        async with Stranger.connect(node.addrs()[0], node.peer_id) as s:
+            for protocol in LIBP2P_OWN:
+                assert not await (await s.open(protocol)).negotiated(), protocol
+            assert await (await s.open(PING)).negotiated()
+        assert [p for _, p in policy.refused] == list(LIBP2P_OWN)
+        policy.refused.clear()
+        assert (await ping(friend, node.addrs()[0], seq=5)).seq == 5  # it dialed: 0.8.1 would identify now
+        assert not friend._host._identify_inflight and not friend._host._identify_tasks
+        assert policy.refused == []
+        policy.paired.add(friend.peer_id)
+        async with Stranger.connect(node.addrs()[0], node.peer_id) as s:
+            policy.paired.add(s.peer_id)
+            assert await (await s.open("/ipfs/id/1.0.0")).negotiated()  # paired peers may
