@@ -61,6 +61,7 @@ from psymesh.protocol.manifest import (
 )
 from psymesh.protocol.common import Ping, Pong
 from psymesh.protocol.messages import Message
+from psymesh.protocol.pairing import PAIR_MAX_FRAME
 from psymesh.protocol.session import MAX_OPEN_REQUESTS
 from psymesh.protocol.tasks import TaskAck, TaskAttach, TaskCancel, TaskCaps, TaskCapsReply, TaskInput, TaskList, TaskSpec, TaskSubmit
 
@@ -102,7 +103,9 @@ class Node:
 
     # -- wiring ---------------------------------------------------------------
     def _register_services(self) -> None:
-        self.inbound(ids.PAIR, self.pairing.serve)
+        self._served: set[str] = set()
+        self.p2p.set_admission(is_paired=self._is_paired, may_open=self._may_open, limits=self.config.strangers)
+        self.inbound(ids.PAIR, self.pairing.serve, max_frame_size=PAIR_MAX_FRAME)
         self.inbound(ids.SESSION, self._serve_session)
         self.services: dict[type[Message], Service] = {
             **{t: self.executor.handle for t in (TaskSubmit, TaskAttach, TaskAck, TaskCancel, TaskInput, TaskList,
@@ -131,13 +134,17 @@ class Node:
         for request_type, handler in routes.items():
             self.control.route(request_type, handler)
 
-    def inbound(self, protocol: str, handler: InboundHandler) -> None:
+    def inbound(self, protocol: str, handler: InboundHandler, *, max_frame_size: int | None = None) -> None:
         """Serve `protocol` on the p2p host with framing and typed error replies. The gate
         decides first who may open it (`Gate.admit_stream`: anyone may pair, paired peers
-        open sessions, and each request on a session passes the door again)."""
+        open sessions, and each request on a session passes the door again); a refusal is
+        answered with its typed error (`unknown_peer`: pair first). Frames over
+        `max_frame_size` (default: the node's) are refused before they are buffered."""
+        self._served.add(protocol)
+        frame_limit = max_frame_size or self.config.max_frame_size
 
         async def on_stream(stream: P2PStream) -> None:
-            framed = FramedStream(stream, self.config.max_frame_size)
+            framed = FramedStream(stream, frame_limit)
             try:
                 self.gate.admit_stream(stream.remote_peer_id, protocol)
                 await handler(framed, stream.remote_peer_id)
@@ -150,6 +157,27 @@ class Node:
                     await stream.aclose()
 
         self.p2p.set_handler(protocol, on_stream)
+
+    def _may_open(self, peer_id: str, protocol: str) -> bool:
+        """Asked by the p2p host while it negotiates every inbound stream. `Gate.admit_stream`
+        is the rule, and audits what it refuses: for a psymesh service it is applied in
+        `inbound()`, where the refusal can be answered with a typed error; for libp2p's own
+        protocols (identify, identify push, ping) here, where a refusal is a plain `na`."""
+        if protocol in self._served:
+            return True
+        try:
+            self.gate.admit_stream(peer_id, protocol)
+        except PsymeshError:
+            return False
+        return True
+
+    def _is_paired(self, peer_id: str) -> bool:
+        """Paired and not revoked: the peers the p2p host holds to the larger limits."""
+        try:
+            self.gate.paired(peer_id)
+        except PsymeshError:
+            return False
+        return True
 
     # -- lifecycle ------------------------------------------------------------
     async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:

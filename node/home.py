@@ -37,6 +37,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from psymesh.protocol.errors import ErrorCode, PsymeshError
 from psymesh.protocol.framing import DEFAULT_MAX_FRAME_SIZE
 from psymesh.protocol.identity import fingerprint, peer_id_from_public_key
+from psymesh.protocol.strangers import StrangerLimits
 
 Profile = Literal["home", "phone"]
 # Unix socket paths are limited to 108 bytes (sun_path); leave room for the NUL.
@@ -163,6 +164,9 @@ class NodeConfig(BaseModel):
     # (listen = ["/ip4/0.0.0.0/tcp/4001"]). Port 0 picks a free port at start.
     listen: list[str] = Field(default_factory=lambda: ["/ip4/127.0.0.1/tcp/0"])
     max_frame_size: int = Field(default=DEFAULT_MAX_FRAME_SIZE, ge=1024, le=64 * 1024 * 1024)
+    # What peers this node has not paired with may make it hold or try ([strangers] table):
+    # connections, streams, unread bytes, pairing runs and hellos. docs/security.md.
+    strangers: StrangerLimits = Field(default_factory=StrangerLimits)
     mdns: bool = False  # never on unless turned on: multicast leaves the machine
     static_peers: list[str] = Field(default_factory=list)
     share_dir: str | None = None  # files.* tools serve only inside this directory

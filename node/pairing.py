@@ -4,6 +4,12 @@ control API. The cryptography and state machines are in `psymesh.protocol.pairin
 
 Open invites live in the daemon's memory: a restart cancels them all, which is the
 safe failure (the owner makes a new code).
+
+A run from a stranger is admitted by `PairingGuard` (runs at once, hellos per IP,
+node-wide and per peer id), reads frames of at most `PAIR_MAX_FRAME` bytes (the daemon
+serves the protocol with that limit), and must send each message within
+`PAIR_STEP_TIMEOUT_S` and finish within `PAIR_RUN_TIMEOUT_S`: a stranger cannot hold a
+run, or the memory of one, for long.
 """
 from __future__ import annotations
 
@@ -23,6 +29,9 @@ from psymesh.protocol import ids
 from psymesh.protocol.errors import ErrorCode, PsymeshError
 from psymesh.protocol.manifest import Manifest, preset
 from psymesh.protocol.pairing import (
+    PAIR_MAX_FRAME,
+    PAIR_RUN_TIMEOUT_S,
+    PAIR_STEP_TIMEOUT_S,
     Invite,
     InviteState,
     PairingInviter,
@@ -33,9 +42,9 @@ from psymesh.protocol.pairing import (
     new_invite,
     parse_invite,
 )
+from psymesh.protocol.strangers import PairingGuard
 
 log = logging.getLogger("psymesh.pair")
-PAIRING_TIMEOUT_S = 60.0
 
 PushManifest = Callable[[str, Manifest], Awaitable[None]]
 
@@ -49,11 +58,17 @@ class PairingService:
         self.trust = trust
         self.push_manifest = push_manifest
         self._invites: dict[int, Invite] = {}
+        self.guard = PairingGuard(config.strangers)
         self._changed: dict[str, anyio.Event] = {}          # invite id -> set after each pairing run
         self._paired: dict[str, c.PairedReply] = {}         # invite id -> outcome, for the waiting CLI
 
     def _info(self) -> PeerInfo:
         return PeerInfo(name=self.config.name, role=self.config.profile, addrs=tuple(self.p2p.addrs()))
+
+    def _open_invite(self, nameplate: int) -> Invite | None:
+        """The open invite with this number, or None (the inviter then runs a decoy)."""
+        invite = self._invites.get(nameplate)
+        return invite if invite is not None and invite.state(time.time()) is InviteState.OPEN else None
 
     def _open_nameplates(self, now: float) -> set[int]:
         for n in [n for n, inv in self._invites.items() if inv.state(now) is not InviteState.OPEN]:
@@ -96,15 +111,26 @@ class PairingService:
 
     async def serve(self, framed: FramedStream, remote_peer_id: str) -> None:
         """Inbound pairing run. Any PsymeshError is sent to the joiner by the caller."""
+        ip = self.p2p.remote_ip(remote_peer_id) or "unknown"
+        self.guard.start(remote_peer_id, ip, time.monotonic())
+        try:
+            await self._run_inviter(framed, remote_peer_id)
+        finally:
+            self.guard.finish(ip)
+
+    async def _run_inviter(self, framed: FramedStream, remote_peer_id: str) -> None:
         machine = PairingInviter(local_peer_id=self.identity.peer_id, remote_peer_id=remote_peer_id,
                                  info=self._info(), signing_key=self.identity.private_key,
-                                 find_invite=self._invites.get)
+                                 find_invite=self._open_invite)
         try:
-            with anyio.fail_after(PAIRING_TIMEOUT_S):
+            with anyio.fail_after(PAIR_RUN_TIMEOUT_S):
                 while machine.state is not PairState.DONE:
-                    for out in machine.receive(await framed.receive_required(), time.time()):
+                    with anyio.fail_after(PAIR_STEP_TIMEOUT_S):
+                        message = await framed.receive_required()
+                    for out in machine.receive(message, time.time()):
                         await framed.send(out)
         except TimeoutError:
+            self._notify(machine.invite)
             raise PsymeshError("pairing took too long; start again", code=ErrorCode.TIMEOUT) from None
         except PsymeshError as exc:
             log.info("pairing with %s failed: %s", remote_peer_id, exc.message, extra=fields(code=exc.code.value))
@@ -128,11 +154,11 @@ class PairingService:
         if ticket.peer_id == self.identity.peer_id:
             raise PsymeshError("that invite is from this node itself", code=ErrorCode.BAD_REQUEST)
         stream = await self.p2p.open_stream_any(ticket.peer_id, ticket.addrs, ids.PAIR, who="the inviter")
-        framed = FramedStream(stream, self.config.max_frame_size)
+        framed = FramedStream(stream, PAIR_MAX_FRAME)
         try:
             joiner = PairingJoiner(ticket.code, local_peer_id=self.identity.peer_id,
                                    remote_peer_id=stream.remote_peer_id, info=self._info())
-            with anyio.fail_after(PAIRING_TIMEOUT_S):
+            with anyio.fail_after(PAIR_RUN_TIMEOUT_S):
                 await framed.send(joiner.start())
                 while joiner.state is not PairState.DONE:
                     for out in joiner.receive(await framed.receive_required()):
