@@ -36,7 +36,6 @@ from psymesh.protocol.manifest import (
     Manifest,
     ManifestPush,
     ManifestRevoke,
-    Operation,
     check,
     verify_from_issuer,
     verify_grant,
@@ -45,6 +44,7 @@ from psymesh.protocol.messages import Message
 from psymesh.protocol.tasks import TaskSpec, TaskSubmit
 
 log = logging.getLogger("psymesh.gate")
+RECHECK = "task.start"  # the audit row of a queued task re-checked as it starts (not a wire request)
 
 
 class QueueGauge(Protocol):
@@ -121,7 +121,7 @@ class Gate:
         cover it? Returns the decision (denied ones too, for the executor to report);
         writes its own audit row."""
         now = self.clock()
-        what = f"task.start {task_operation(spec).required()}"
+        what = task_operation(spec).required()
         try:
             grant = _grant_of(self.paired(peer_id))
             decision = check(grant, task_operation(spec), local_peer_id=self.local_peer_id,
@@ -129,11 +129,11 @@ class Gate:
         except PsymeshError as exc:
             decision = Decision(False, exc.code, exc.message)
         if decision.allowed:
-            self.audit.record(peer_id, ids.TASK, what, True, now=now)
+            self.audit.record(peer_id, RECHECK, what, True, now=now)
         else:
             error = decision.error()
             assert error is not None
-            self._record(peer_id, ids.TASK, what, error, now)
+            self._record(peer_id, RECHECK, what, error, now)
         return decision
 
     def _check_queue(self, peer_id: str, grant: Manifest) -> None:
@@ -156,25 +156,6 @@ class Gate:
         if retry_after is not None:
             raise PsymeshError(f"over {rpm} requests per minute; retry in {retry_after:.1f} s",
                                code=ErrorCode.RATE_LIMITED, retry_after=retry_after)
-
-    def authorize(self, peer_id: str, protocol: str, operation: Operation | None, *,
-                  label: str | None = None) -> Decision:
-        """(Being replaced by `admit()`: kept until the task service moves onto sessions.)"""
-        now = self.clock()
-        what = label or (operation.required() if operation else protocol.split("/")[2])
-        try:
-            grant = _grant_of(self.paired(peer_id))
-            if operation is None:
-                decision = verify_grant(grant, local_peer_id=self.local_peer_id, remote_peer_id=peer_id, now=now)
-            else:
-                decision = check(grant, operation, local_peer_id=self.local_peer_id, remote_peer_id=peer_id, now=now)
-            decision.raise_if_denied()
-            self._charge(peer_id, grant, now)
-        except PsymeshError as exc:
-            self._record(peer_id, protocol, what, exc, now)
-            raise
-        self.audit.record(peer_id, protocol, what, True, now=now)
-        return decision
 
     # -- peers, connections, streams -------------------------------------------------
     def paired(self, peer_id: str) -> Peer:

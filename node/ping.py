@@ -9,7 +9,6 @@ from psymesh.node.session import OutboundSession
 from psymesh.protocol.common import Ping, Pong
 from psymesh.protocol.control import PingReply
 from psymesh.protocol.errors import ProtocolError
-from psymesh.protocol.messages import expect
 
 
 async def measure_ping(session: OutboundSession, peer_id: str, count: int, payload_size: int,

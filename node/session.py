@@ -27,7 +27,6 @@ from psymesh.protocol.common import Error
 from psymesh.protocol.errors import (
     ConnectionLost,
     ErrorCode,
-    NetworkError,
     NetworkTimeout,
     ProtocolError,
     PsymeshError,

@@ -13,7 +13,6 @@ or resend) and over several rounds of its resend loop, not by sleeping and hopin
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 

@@ -27,13 +27,11 @@ from psymesh.agent.tools import ToolContext, tool_from_function
 from psymesh.node.client import Client, TaskHandle
 from psymesh.node.daemon import Node
 from psymesh.node.db import open_db
-from psymesh.node.framed import FramedStream
 from psymesh.node.home import NodeHome
 from psymesh.node.models import ModelRegistry
 from psymesh.node.process import DaemonProcess, pair_homes
 from psymesh.node.gate import QueueLimits
 from psymesh.node.taskstore import TaskNotFound
-from psymesh.protocol import ids
 from psymesh.protocol.errors import ErrorCode, RemoteError
 from psymesh.protocol.limits import Limits
 from psymesh.protocol.tasks import (

@@ -19,7 +19,10 @@ from psymesh.node.gate import Gate
 from psymesh.node.home import NodeHome
 from psymesh.node.trust import TrustStore
 from psymesh.protocol.errors import ErrorCode, PsymeshError, RemoteError
-from psymesh.protocol.manifest import Operation, new_manifest
+from psymesh.protocol import ids
+from psymesh.protocol.common import Ping
+from psymesh.protocol.manifest import Operation, check, new_manifest
+from psymesh.protocol.tasks import TaskAttach, TaskSpec, TaskSubmit
 from psymesh.protocol.pairing import parse_invite
 
 pytestmark = pytest.mark.anyio
@@ -217,16 +220,36 @@ MATRIX = [
 
 
 @pytest.mark.parametrize("cap, op, allowed", MATRIX, ids=[f"{c}->{o.required()}" for c, o, _ in MATRIX])
-def test_permission_matrix(gate_world, cap: str, op: Operation, allowed: bool) -> None:
+def test_capability_matrix(gate_world, cap: str, op: Operation, allowed: bool) -> None:
+    """What a capability covers, judged on the grant as the gate reads it from the trust store
+    (services that have no wire request yet, like messaging and web, included)."""
+    _, grant, phone_id, clock, trust, _ = gate_world
+    grant(cap)
+    granted = trust.get(phone_id).granted
+    decision = check(granted, op, local_peer_id=granted.issuer, remote_peer_id=phone_id, now=clock[0])
+    assert decision.allowed is allowed
+    if not allowed:
+        assert decision.code is ErrorCode.FORBIDDEN
+
+
+def submit(tool: str, args: dict | None = None) -> TaskSubmit:
+    return TaskSubmit(spec=TaskSpec(id=f"t-{tool}-{time.monotonic_ns()}", kind="tool", tool=tool, args=args or {}))
+
+
+@pytest.mark.parametrize("cap, tool, allowed", [("tool:files.*", "files.read", True),
+                                                ("tool:files.*", "system.info", False),
+                                                ("tool:system.info", "system.info", True)])
+def test_the_door_decides_and_audits_each_request(gate_world, cap: str, tool: str, allowed: bool) -> None:
     gate, grant, phone_id, _, _, audit = gate_world
     grant(cap)
     if allowed:
-        assert gate.authorize(phone_id, "/psymesh/task/1.0.0", op).allowed
+        assert gate.admit(phone_id, ids.SESSION, submit(tool)).allowed
     else:
         with pytest.raises(PsymeshError) as info:
-            gate.authorize(phone_id, "/psymesh/task/1.0.0", op)
-        assert info.value.code in (ErrorCode.FORBIDDEN,)
-    assert audit.query()[-1]["allowed"] is allowed
+            gate.admit(phone_id, ids.SESSION, submit(tool))
+        assert info.value.code is ErrorCode.FORBIDDEN
+    [row] = audit.query()
+    assert (row["protocol"], row["operation"], row["allowed"]) == (ids.SESSION, f"tool:{tool}", allowed)
 
 
 def test_tampered_manifest_signature_is_refused(gate_world) -> None:
@@ -237,47 +260,48 @@ def test_tampered_manifest_signature_is_refused(gate_world) -> None:
         peer.granted.capabilities[0].model_copy(update={"name": "tool:*"}),)})
     trust.set_granted(phone_id, widened)  # same signature, more capabilities
     with pytest.raises(PsymeshError) as info:
-        gate.authorize(phone_id, "/psymesh/task/1.0.0", Operation.tool_call("files.read"))
+        gate.admit(phone_id, ids.SESSION, submit("files.read"))
     assert info.value.code == ErrorCode.FORBIDDEN and "signature" in info.value.message
 
 
 def test_expired_manifest_is_refused(gate_world) -> None:
     gate, grant, phone_id, clock, _, _ = gate_world
-    grant("msg.send", ttl=60)
-    assert gate.authorize(phone_id, "/psymesh/msg/1.0.0", Operation(name="msg.send")).allowed
+    grant("tool:*", ttl=60)
+    assert gate.admit(phone_id, ids.SESSION, Ping(seq=1)).allowed
     clock[0] += 61
     with pytest.raises(PsymeshError) as info:
-        gate.authorize(phone_id, "/psymesh/msg/1.0.0", Operation(name="msg.send"))
+        gate.admit(phone_id, ids.SESSION, Ping(seq=2))
     assert info.value.code == ErrorCode.EXPIRED
 
 
 def test_rate_limit_recovers_after_retry_after(gate_world) -> None:
     gate, grant, phone_id, clock, _, _ = gate_world
-    grant("msg.send", requests_per_minute=2)
-    op = Operation(name="msg.send")
-    gate.authorize(phone_id, "p", op)
-    gate.authorize(phone_id, "p", op)
+    grant("tool:*", requests_per_minute=2)
+    gate.admit(phone_id, ids.SESSION, Ping(seq=1))
+    gate.admit(phone_id, ids.SESSION, submit("system.info"))
     with pytest.raises(PsymeshError) as info:
-        gate.authorize(phone_id, "p", op)
+        gate.admit(phone_id, ids.SESSION, Ping(seq=3))
     assert info.value.code == ErrorCode.RATE_LIMITED
+    # what follows a task it already holds is part of that task: not charged, not refused
+    assert gate.admit(phone_id, ids.SESSION, TaskAttach(task_id="t")).allowed
     clock[0] += info.value.retry_after + 0.01
-    assert gate.authorize(phone_id, "p", op).allowed
+    assert gate.admit(phone_id, ids.SESSION, Ping(seq=4)).allowed
 
 
 def test_payload_limit(gate_world) -> None:
     gate, grant, phone_id, _, _, _ = gate_world
     grant("tool:files.*", max_payload_bytes=1000)
     with pytest.raises(PsymeshError) as info:
-        gate.authorize(phone_id, "p", Operation.tool_call("files.read", payload_bytes=5000))
+        gate.admit(phone_id, ids.SESSION, submit("files.read", {"path": "x" * 5000}))
     assert info.value.code == ErrorCode.TOO_LARGE
 
 
 def test_revoked_peer_is_unknown(gate_world) -> None:
     gate, grant, phone_id, _, trust, _ = gate_world
-    grant("msg.send")
+    grant("tool:*")
     trust.revoke(phone_id)
     with pytest.raises(PsymeshError) as info:
-        gate.authorize(phone_id, "p", Operation(name="msg.send"))
+        gate.admit(phone_id, ids.SESSION, Ping(seq=1))
     assert info.value.code == ErrorCode.UNKNOWN_PEER
 
 

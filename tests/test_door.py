@@ -1,0 +1,178 @@
+"""The one door, table-driven: every request message of every service, sent over a real
+session by peers in every standing (a stranger, paired without the capability, with an
+expired grant, revoked, allowed), with the answer and the audit row each one leaves.
+And a session killed under a running task: the task completes exactly once."""
+from __future__ import annotations
+
+import time
+from collections import Counter
+from pathlib import Path
+
+import anyio
+import pytest
+
+from conftest import pair, run_nodes
+from waiting import wait_until
+from psymesh.agent.tools import tool_from_function
+from psymesh.node.client import Client
+from psymesh.node.daemon import Node
+from psymesh.protocol import ids
+from psymesh.protocol.admission import REQUESTS
+from psymesh.protocol.common import Error, Ping
+from psymesh.protocol.errors import NetworkError
+from psymesh.protocol.manifest import ManifestPush, ManifestRevoke, revocation
+from psymesh.protocol.messages import Message
+from psymesh.protocol.tasks import (
+    EventKind,
+    TaskAck,
+    TaskAttach,
+    TaskCancel,
+    TaskCaps,
+    TaskInput,
+    TaskList,
+    TaskSpec,
+    TaskSubmit,
+)
+
+pytestmark = pytest.mark.anyio
+OK = "ok"  # allowed: the service answered (whatever it said)
+
+
+def requests_from(peer: Node, home: Node, n: int) -> dict[type[Message], Message]:
+    """One request of every type the door knows, as `peer` would send it to `home`."""
+    grant_to_home = peer.trust.get(home.identity.peer_id).granted
+    assert grant_to_home is not None  # pairing gave home a grant back
+    notice = revocation(peer.identity.peer_id, home.identity.peer_id, grant_to_home, now=time.time())
+    return {
+        TaskSubmit: TaskSubmit(spec=TaskSpec(id=f"door-{n}", kind="tool", tool="system.info")),
+        TaskAttach: TaskAttach(task_id="nobodys-task"),
+        TaskAck: TaskAck(task_id="nobodys-task", upto_seq=1),
+        TaskCancel: TaskCancel(task_id="nobodys-task"),
+        TaskInput: TaskInput(task_id="nobodys-task", data={"approve": True}),
+        TaskList: TaskList(),
+        TaskCaps: TaskCaps(),
+        Ping: Ping(seq=n),
+        ManifestPush: ManifestPush(manifest=grant_to_home),
+        ManifestRevoke: notice.sign(peer.identity.private_key),
+    }
+
+
+# What each standing is answered, per rule ("capability", "grant", "issuer"): an error code,
+# or OK when the door let it through. Issuer-signed messages need only a pairing.
+EXPECTED = {
+    "nocap": {"capability": "forbidden", "grant": OK, "issuer": OK},
+    "expired": {"capability": "expired", "grant": "expired", "issuer": OK},
+    "revoked": {"capability": "unknown_peer", "grant": "unknown_peer", "issuer": "unknown_peer"},
+    "allowed": {"capability": OK, "grant": OK, "issuer": OK},
+}
+
+
+async def ask(peer: Node, home: Node, request: Message) -> str:
+    """Send one request on `peer`'s session to `home`; the error code it got, or OK."""
+    try:
+        async with peer.sessions.stream(home.identity.peer_id, request) as replies:
+            first = [m async for m in replies][0]
+    except NetworkError as exc:
+        return f"network:{exc.code.value}"
+    except Exception as exc:  # a refusal of the whole session arrives as RemoteError
+        return getattr(getattr(exc, "code", None), "value", repr(exc))
+    return first.code if isinstance(first, Error) and first.code in (
+        "forbidden", "expired", "unknown_peer", "rate_limited", "bad_request") else OK
+
+
+def last_row(home: Node, peer: Node) -> dict:
+    """The door's row for the peer's latest request (a task it let in may add a task.start row)."""
+    rows = home.audit.query(peer_id=peer.identity.peer_id, limit=10)
+    return [r for r in rows if r["protocol"] == ids.SESSION][-1]
+
+
+async def test_every_request_of_every_service_against_every_standing(tmp_path: Path) -> None:
+    names = ("home", "nocap", "expired", "revoked", "allowed", "stranger")
+    async with run_nodes(tmp_path, *names) as nodes:
+        home = nodes["home"]
+        for name in ("nocap", "expired", "revoked", "allowed"):
+            await pair(home.home.path, nodes[name].home.path)
+        async with Client(home.home.path) as h:
+            await h.grant("nocap", ["msg.send"])
+            await h.grant("expired", ["tool:*"], expires_s=60)
+            await h.grant("allowed", ["tool:*"])
+            await h.grant("revoked", ["tool:*"])
+        # revoked without being told (its notice lost): it may still call, and hears unknown_peer
+        home.trust.revoke(nodes["revoked"].identity.peer_id)
+        home.gate.clock = lambda: time.time() + 120  # the expired grant is out of date now
+        await nodes["stranger"].p2p.connect(home.p2p.addrs()[0])
+
+        for standing, expected in EXPECTED.items():
+            peer = nodes[standing]
+            requests = requests_from(peer, home, n=len(standing))
+            for i, (kind, request) in enumerate(sorted(requests.items(), key=lambda kv: kv[0] is ManifestRevoke)):
+                rule = REQUESTS[kind]
+                want = expected[rule.need.value]
+                got = await ask(peer, home, request)
+                assert got == want, (standing, kind.__name__, got)
+                row = last_row(home, peer)
+                assert row["protocol"] == ids.SESSION and row["allowed"] is (want == OK), (standing, kind, row)
+                assert row["code"] == (None if want == OK else want)
+
+        # A stranger reaches no session at all: each attempt is one refused, audited stream.
+        stranger = nodes["stranger"]
+        before = len(home.audit.query(peer_id=stranger.identity.peer_id, limit=1000))
+        for request in requests_from(nodes["allowed"], home, n=99).values():
+            assert await ask(stranger, home, request) == "unknown_peer"
+        rows = home.audit.query(peer_id=stranger.identity.peer_id, limit=1000)
+        assert len(rows) - before == len(REQUESTS)
+        assert {(r["protocol"], r["allowed"], r["code"]) for r in rows} == {(ids.SESSION, False, "unknown_peer")}
+
+
+async def test_every_message_the_node_serves_has_a_row_in_the_door_table(tmp_path: Path) -> None:
+    async with run_nodes(tmp_path, "home") as nodes:
+        served = set(nodes["home"].services)
+    assert served == set(REQUESTS), "a service whose requests are not in protocol/admission.py skips the door"
+
+
+async def test_a_revoked_peer_that_was_told_is_refused_at_the_connection(tmp_path: Path) -> None:
+    async with run_nodes(tmp_path, "home", "phone") as nodes:
+        home, phone = nodes["home"], nodes["phone"]
+        await pair(home.home.path, phone.home.path)
+        async with Client(home.home.path) as h:
+            await h.revoke("phone")
+        assert home.trust.get(phone.identity.peer_id).revocation_told_at is not None
+        assert not home.gate.allow_connection(phone.identity.peer_id)
+        # even a phone that ignored the notice gets no connection, so no session, no request
+        phone.trust.conn.execute("UPDATE peers SET revoked_us_at = NULL")
+        with pytest.raises(Exception):
+            await phone.p2p.connect(home.p2p.addrs()[0])
+            await phone.sessions.request(home.identity.peer_id, Ping(seq=1), Message)
+
+
+async def test_a_session_killed_under_a_running_task_completes_it_exactly_once(tmp_path: Path) -> None:
+    runs: Counter[str] = Counter()
+    release = anyio.Event()
+
+    async def slow(tag: str) -> dict:
+        runs[tag] += 1
+        await release.wait()
+        return {"tag": tag}
+
+    async with run_nodes(tmp_path, "home", "phone") as nodes:
+        home, phone = nodes["home"], nodes["phone"]
+        await pair(home.home.path, phone.home.path)
+        home.tools.register(tool_from_function(slow, "test.slow"))
+        async with Client(home.home.path) as h:
+            await h.grant("phone", ["tool:test.*"])
+        async with Client(phone.home.path) as c:
+            task = await c.delegate("home", tool="test.slow", args={"tag": "once"})
+            await wait_until(lambda: runs["once"] == 1, "the task to start on home")
+            [first] = phone.sessions.sessions()
+            await phone.p2p.disconnect(home.identity.peer_id)  # the connection dies mid-task
+            await wait_until(lambda: not first.alive, "the phone to notice the dead session")
+            release.set()
+            with anyio.fail_after(20):
+                assert await task.result() == {"tag": "once"}
+            events = [ev async for ev in task.events()]
+        assert runs == Counter({"once": 1})
+        assert [e.seq for e in events] == list(range(1, len(events) + 1))  # each event once, in order
+        assert [e.kind for e in events].count(EventKind.RESULT) == 1
+        [again] = phone.sessions.sessions()
+        assert again is not first  # the driver redialled and re-attached on a new session
+        await wait_until(lambda: home.executor.store.get(task.id).acked_seq == len(events), "home to get the ack")
