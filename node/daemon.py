@@ -46,7 +46,7 @@ from psymesh.node.trust import TrustStore
 from psymesh.protocol import control as c
 from psymesh.protocol import ids
 from psymesh.protocol.identity import is_peer_id
-from psymesh.protocol.errors import ErrorCode, ProtocolError, PsymeshError
+from psymesh.protocol.errors import ErrorCode, PsymeshError
 from psymesh.protocol.manifest import (
     PRESETS,
     Manifest,
@@ -57,7 +57,6 @@ from psymesh.protocol.manifest import (
     check,
     new_manifest,
     revocation,
-    verify_from_issuer,
 )
 from psymesh.protocol.common import Ping, Pong
 from psymesh.protocol.messages import Message
