@@ -40,15 +40,14 @@ from psymesh.agent.chatformat import (
     ToolCall,
     ToolSpec,
     parse_reply,
-    render_prefix,
     render_prompt,
 )
+from psymesh.agent.generate import GenerationParams, complete
 from psymesh.agent.tools import Tool, ToolContext, ToolError, ToolRegistry, invoke
 from psymesh.protocol.errors import ErrorCode, PsymeshError
 
 if TYPE_CHECKING:  # llama_cpp is heavy to import: only LlamaAgentModel needs it, at run time
-    from psymesh.agent.grammar import ThinkMode
-    from psymesh.agent.runtime import Completion, ModelWorker
+    from psymesh.agent.runtime import ModelWorker
 
 __all__ = [
     "AgentConfig",
@@ -125,52 +124,23 @@ class ScriptedModel:
 
 @dataclass
 class LlamaAgentModel:
-    """A real model behind a :class:`ModelWorker`.
+    """A real model behind a :class:`ModelWorker`, asked through :func:`agent.generate.complete`.
 
-    Prompts are rendered with the GGUF's chat template when it has one; the system
-    turn with the tool block is passed as the cacheable prefix, so each step
-    evaluates only the conversation. With `grammar=True` decoding is constrained
-    (``agent.grammar``) so the reply is always a well-formed call to an offered tool
-    or a plain answer. `logit_bias` is passed through (random-weight test models
-    use it to stay within ASCII).
+    That renders the prompt with the GGUF's chat template and passes the system turn with
+    the tool block as the cacheable prefix, so each step evaluates only the conversation.
+    `params.tool_grammar` constrains decoding so the reply is always a well-formed call to
+    an offered tool or a plain answer. The loop's `thinking` replaces `params.thinking`.
     """
 
     worker: ModelWorker
-    grammar: bool = False
-    max_tokens: int = 512
-    temperature: float = 0.7
-    top_k: int = 20
-    top_p: float = 0.8
-    seed: int | None = None
-    max_calls: int = 1                 # calls per reply in grammar mode
-    max_think_chars: int = 512         # reasoning bound in grammar mode
-    max_string_chars: int = 256        # string argument bound in grammar mode
-    logit_bias: Mapping[int, float] | None = None
-    last: Completion | None = field(default=None, init=False)
-    _grammars: dict[tuple[str, ...], str] = field(default_factory=dict, init=False, repr=False)
+    params: GenerationParams = field(default_factory=lambda: GenerationParams(max_tokens=512))
 
     async def reply(self, messages: Sequence[ChatMessage], tools: Sequence[ToolSpec], *,
                     thinking: bool = False) -> str:
-        template = self.worker.chat_template
-        prompt = render_prompt(messages, tools, thinking=thinking, template=template)
-        opened = prompt.rstrip().endswith("<think>")  # the generation prompt left a think block open
-        done = await self.worker.complete(
-            prompt, prefix=render_prefix(messages, tools, template=template) or None,
-            grammar=self._grammar(tools, "bounded" if opened else "none") if self.grammar else None,
-            max_tokens=self.max_tokens, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
-            seed=self.seed, logit_bias=self.logit_bias)
-        self.last = done
-        return "<think>\n" + done.text if opened else done.text
-
-    def _grammar(self, tools: Sequence[ToolSpec], think: ThinkMode) -> str:
-        from psymesh.agent.grammar import tool_call_grammar
-
-        key = (think, *(t.model_dump_json() for t in tools))
-        if key not in self._grammars:
-            self._grammars[key] = tool_call_grammar(tools, max_calls=self.max_calls, think=think,
-                                                    max_think_chars=self.max_think_chars,
-                                                    max_string_chars=self.max_string_chars)
-        return self._grammars[key]
+        params = self.params if self.params.thinking == thinking else self.params.model_copy(
+            update={"thinking": thinking})
+        done = await complete(self.worker, messages, tools=tools, params=params)
+        return "<think>\n" + done.text if done.opened_think else done.text
 
 
 def tool_call_text(name: str, arguments: Mapping[str, Any] | None = None) -> str:

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from psymesh.agent.generate import GenerationParams, ToolGrammar
 from psymesh.agent.loop import AgentConfig, AgentEvent, AgentResult, Confirm, LlamaAgentModel, run_agent
 from psymesh.agent.tools import ToolContext, ToolRegistry
 from psymesh.node.home import NodeConfig, NodeHome
@@ -20,10 +21,12 @@ from psymesh.node.models import ModelPool, ModelRegistry
 from psymesh.protocol.errors import ErrorCode, PsymeshError
 from psymesh.protocol.tasks import EventKind
 
+if TYPE_CHECKING:
+    from psymesh.agent.runtime import ModelWorker
+
 # What a delegating peer may set, and the most it may ask for. A peer never sets the
 # system prompt: that is where the node's own rules live.
 PEER_MAX_STEPS = 32
-RANDOM_WEIGHT_SAFE = {i: -100.0 for i in range(128, 256)}  # keeps random-weight test models in ASCII
 
 TaskEmit = Callable[..., Awaitable[None]]
 Ask = Callable[[str, dict[str, Any]], Awaitable[dict[str, Any]]]
@@ -95,11 +98,13 @@ def pick_model(registry: ModelRegistry, requested: str | None, default: str | No
     return names[0]
 
 
-def llama_model(worker: Any, params: Mapping[str, Any]) -> LlamaAgentModel:
-    return LlamaAgentModel(
-        worker, grammar=bool(params.get("grammar", True)), max_tokens=int(params.get("max_tokens", 512)),
-        temperature=float(params.get("temperature", 0.7)), seed=params.get("seed"),
-        logit_bias=RANDOM_WEIGHT_SAFE if params.get("ban_bytes") else None)
+def llama_model(worker: ModelWorker, params: Mapping[str, Any]) -> LlamaAgentModel:
+    """The agent's model with a run's params (a peer's already checked by peer_params):
+    grammar-constrained tool calls unless `grammar` is false."""
+    return LlamaAgentModel(worker, GenerationParams(
+        max_tokens=int(params.get("max_tokens", 512)), temperature=float(params.get("temperature", 0.7)),
+        seed=params.get("seed"), ban_bytes=bool(params.get("ban_bytes", False)),
+        tool_grammar=ToolGrammar() if params.get("grammar", True) else None))
 
 
 def task_event(ev: AgentEvent) -> tuple[EventKind, dict[str, Any]] | None:

@@ -14,6 +14,7 @@ import pytest
 from psymesh.agent.builtin_tools import default_registry
 from psymesh.agent.chatformat import ToolCall
 from psymesh.agent.device import NO_NETWORK, STORAGE_FULL, DeviceState, wifi_off_inbox_full
+from psymesh.agent.generate import GenerationParams, ToolGrammar
 from psymesh.agent.loop import (
     AgentConfig,
     AgentError,
@@ -359,8 +360,8 @@ async def test_real_model_with_grammar_runs_the_loop(tmp_path_factory: pytest.Te
     lights: dict[str, bool] = {}
     rec = Recorder()
     async with ModelWorker(ModelSettings(path=path, n_ctx=8192, n_threads=2)) as worker:
-        model = LlamaAgentModel(worker, grammar=True, max_tokens=400, temperature=1.0, seed=3,
-                                max_string_chars=16, logit_bias=bias)
+        model = LlamaAgentModel(worker, GenerationParams(max_tokens=400, temperature=1.0, seed=3, logit_bias=bias,
+                                                         tool_grammar=ToolGrammar(max_string_chars=16)))
         with anyio.fail_after(60):
             result = await run_agent("Turn the lights on.", model=model, tools=small_registry(lights),
                                      ctx=ToolContext(), profile="home", config=AgentConfig(max_steps=3),

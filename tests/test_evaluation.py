@@ -208,14 +208,16 @@ def test_missing_case_file_is_a_typed_error(tmp_path: Path) -> None:
 @pytest.mark.anyio
 async def test_harness_runs_a_real_model(cases: list[EvalCase], tmp_path_factory: pytest.TempPathFactory) -> None:
     """The tiny random-weight GGUF scores near zero, but every reply is scored, none is malformed."""
+    from psymesh.agent.generate import GenerationParams, ToolGrammar
     from psymesh.agent.loop import LlamaAgentModel
     from psymesh.agent.runtime import ModelSettings, ModelWorker
     from psymesh.agent.testmodel import tiny_model_path
 
     path = tiny_model_path(tmp_path_factory.getbasetemp() / "models")
     async with ModelWorker(ModelSettings(path=path, n_ctx=8192, n_threads=2)) as worker:
-        model = LlamaAgentModel(worker, grammar=True, max_tokens=120, temperature=1.0, seed=1, max_string_chars=16,
-                                logit_bias={t: float("-inf") for t in range(128, 256)})
+        model = LlamaAgentModel(worker, GenerationParams(
+            max_tokens=120, temperature=1.0, seed=1, tool_grammar=ToolGrammar(max_string_chars=16),
+            logit_bias={t: float("-inf") for t in range(128, 256)}))
         report = await evaluate(cases[:3], model)
     assert report.total == 3 and all(r.reply for r in report.results)
     assert not [r for r in report.results if r.reason.startswith(("malformed", "model error"))]

@@ -1,0 +1,260 @@
+"""One way to ask the model: chat messages (and tools) in, text deltas and a typed result out.
+
+Infer tasks, agent steps and (next) an OpenAI-compatible endpoint all need the same
+four things, and each doing them itself is how they drift apart:
+
+* the prompt, rendered with the GGUF's chat template (or the built-in Qwen3.5 one);
+* the cacheable prefix: the system turn with the tool block. A qwen35 hybrid model's
+  recurrent state can only be reused at that exact boundary (``agent.runtime`` keeps a
+  snapshot of it), so every caller passes it, and every caller gets the saving;
+* parameters, as one typed :class:`GenerationParams`. Untrusted ones (a peer's infer
+  task) come in through :meth:`GenerationParams.from_untrusted`, which takes only the
+  keys a peer may set and names every bad value in a BAD_REQUEST;
+* with tools, the reply parsed (``chatformat.parse_reply``), its calls part of the
+  result; :class:`ToolGrammar` constrains decoding so that they always parse.
+
+llama_cpp is imported only when a model actually runs (through the worker, or the
+grammar builder), so the agent loop and scripted models stay cheap to import.
+"""
+from __future__ import annotations
+
+import functools
+from collections.abc import AsyncGenerator, Mapping, Sequence
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from psymesh.agent.chatformat import (
+    ChatMessage,
+    ParsedReply,
+    ToolCall,
+    ToolSpec,
+    parse_reply,
+    render_prefix,
+    render_prompt,
+)
+from psymesh.protocol.errors import ErrorCode, PsymeshError
+
+if TYPE_CHECKING:
+    from psymesh.agent.grammar import ThinkMode
+    from psymesh.agent.runtime import Completion, ModelWorker
+
+__all__ = [
+    "FinishReason",
+    "Generation",
+    "GenerationError",
+    "GenerationParams",
+    "Piece",
+    "TextDelta",
+    "ToolGrammar",
+    "Usage",
+    "complete",
+    "generate",
+]
+
+# "tool_calls": the model stopped after asking for tools (only with tools, as in OpenAI's API).
+FinishReason = Literal["stop", "length", "cancelled", "tool_calls"]
+
+# Token ids 128-255 are stray UTF-8 bytes in the byte-level test vocabulary: a random-weight
+# model that samples them writes invalid UTF-8. -100 is "never" for any real logit.
+_BAN_BYTES = {t: -100.0 for t in range(128, 256)}
+
+# What a peer may set in an infer task's params. Not logit_bias: its token ids index
+# straight into llama.cpp's candidate array, and which ids mean what is ours to know.
+_PEER_KEYS = ("temperature", "top_k", "top_p", "min_p", "seed", "grammar", "stop", "thinking", "ban_bytes")
+
+
+class GenerationError(PsymeshError):
+    """A generation request that cannot run as asked (bad parameters, a grammar without tools)."""
+
+    default_code = ErrorCode.BAD_REQUEST
+
+
+class ToolGrammar(BaseModel):
+    """Constrain decoding (``agent.grammar``) to well-formed calls of the offered tools,
+    or a plain answer unless `require_call`. The bounds are what guarantee a babbling
+    model still reaches the end of the grammar."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    require_call: bool = False
+    max_calls: int = Field(default=1, ge=1)            # calls per reply
+    max_think_chars: int = Field(default=512, ge=1)    # reasoning, when the prompt opened <think>
+    max_string_chars: int = Field(default=256, ge=1)   # each string argument
+
+
+class GenerationParams(BaseModel):
+    """How to sample one reply. `temperature=0` is greedy; `seed=None` draws a fresh seed.
+
+    `grammar` is GBNF text for the whole reply; `tool_grammar` builds one from the tools
+    instead (give at most one). `thinking` opens a ``<think>`` block in the generation
+    prompt. `ban_bytes` keeps random-weight test models to ASCII; `logit_bias` adds to
+    chosen tokens' logits (trusted callers only: see :meth:`from_untrusted`).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    max_tokens: int = Field(default=256, ge=1)
+    temperature: float = Field(default=0.7, ge=0, allow_inf_nan=False)
+    top_k: int = Field(default=20, ge=0)               # 0: off
+    top_p: float = Field(default=0.8, gt=0, le=1)      # 1: off
+    min_p: float = Field(default=0.0, ge=0, le=1)      # 0: off
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    grammar: str | None = None
+    tool_grammar: ToolGrammar | None = None
+    thinking: bool = False
+    ban_bytes: bool = False
+    logit_bias: dict[int, float] = Field(default_factory=dict)
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _one_stop(cls, v: Any) -> Any:
+        return (v,) if isinstance(v, str) else v  # OpenAI allows one string or a list
+
+    @model_validator(mode="after")
+    def _one_grammar(self) -> GenerationParams:
+        if self.grammar is not None and self.tool_grammar is not None:
+            raise ValueError("give grammar or tool_grammar, not both")
+        return self
+
+    @classmethod
+    def from_untrusted(cls, params: Mapping[str, Any], *, max_tokens: int) -> GenerationParams:
+        """A peer's sampling params: only the keys a peer may set (others are ignored, so a
+        newer peer's extras do no harm), each type-checked; a bad one is the peer's
+        BAD_REQUEST, naming every problem."""
+        picked = {k: params[k] for k in _PEER_KEYS if k in params}
+        try:
+            return cls.model_validate({**picked, "max_tokens": max_tokens})
+        except ValidationError as exc:
+            problems = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'params'}: {e['msg']}"
+                                 for e in exc.errors(include_url=False))
+            raise GenerationError(f"bad generation params: {problems}") from None
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    """The next piece of the reply's text, as decoded."""
+
+    text: str
+
+
+@dataclass(frozen=True)
+class Usage:
+    """Model tokens. `prompt_tokens_cached` of the prompt were not evaluated again: restored
+    from the prefix cache, or kept from the previous request in the context."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    prompt_tokens_cached: int = 0
+
+
+@dataclass(frozen=True)
+class Generation:
+    """The finished reply. `text` is exactly the streamed deltas joined.
+
+    `opened_think`: the generation prompt opened a ``<think>`` block, so `text` starts
+    inside it (``"<think>\\n" + text`` parses on its own). `reply` is the parsed text when
+    tools were given (None otherwise: plain text is not searched for calls).
+    """
+
+    text: str
+    finish_reason: FinishReason
+    usage: Usage
+    opened_think: bool = False
+    reply: ParsedReply | None = None
+
+    @property
+    def tool_calls(self) -> tuple[ToolCall, ...]:
+        return tuple(self.reply.tool_calls) if self.reply is not None else ()
+
+
+Piece = TextDelta | Generation
+
+
+async def generate(
+    worker: ModelWorker,
+    messages: Sequence[ChatMessage],
+    *,
+    tools: Sequence[ToolSpec] | None = None,
+    params: GenerationParams = GenerationParams(),
+) -> AsyncGenerator[Piece, None]:
+    """Stream the model's next assistant turn: :class:`TextDelta` pieces, then one
+    :class:`Generation`. Close the generator (``contextlib.aclosing``) to stop early:
+    the worker then drops the request between tokens.
+
+    `tools` are announced in the system turn and, when given (even empty), the reply is
+    parsed against them. Raises GenerationError / ChatFormatError for a request that
+    cannot run, and the worker's ModelError family for one that failed.
+    """
+    offered = tuple(tools) if tools is not None else ()
+    template = worker.chat_template
+    prompt = render_prompt(messages, offered, thinking=params.thinking, template=template)
+    prefix = render_prefix(messages, offered, template=template)
+    opened = prompt.rstrip().endswith("<think>")
+    grammar = params.grammar
+    if params.tool_grammar is not None:
+        if tools is None:
+            raise GenerationError("tool_grammar needs tools (an empty list allows only an answer)")
+        grammar = _tool_grammar(tuple(t.model_dump_json() for t in offered), "bounded" if opened else "none",
+                                params.tool_grammar)
+    stream = worker.stream(
+        prompt, prefix=prefix or None, max_tokens=params.max_tokens, grammar=grammar, stop=params.stop,
+        temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, min_p=params.min_p,
+        seed=params.seed, logit_bias=_logit_bias(params, worker.info.n_vocab))
+    async with aclosing(stream) as events:  # type: ignore[type-var]  # stream() is an async generator
+        async for event in events:
+            if isinstance(event, str):
+                yield TextDelta(event)
+            else:
+                yield _finished(event, tools, opened)
+                return
+
+
+async def complete(
+    worker: ModelWorker,
+    messages: Sequence[ChatMessage],
+    *,
+    tools: Sequence[ToolSpec] | None = None,
+    params: GenerationParams = GenerationParams(),
+) -> Generation:
+    """The whole reply at once (arguments as :func:`generate`)."""
+    async with aclosing(generate(worker, messages, tools=tools, params=params)) as pieces:
+        async for piece in pieces:
+            if isinstance(piece, Generation):
+                return piece
+    raise GenerationError("the model worker ended a request without a result", code=ErrorCode.INTERNAL)
+
+
+def _finished(done: Completion, tools: Sequence[ToolSpec] | None, opened: bool) -> Generation:
+    reply = parse_reply(done.text, tools, in_think=opened) if tools is not None else None
+    reason: FinishReason = done.finish_reason
+    if reason == "stop" and reply is not None and reply.tool_calls:
+        reason = "tool_calls"
+    return Generation(text=done.text, finish_reason=reason, opened_think=opened, reply=reply,
+                      usage=Usage(prompt_tokens=done.prompt_tokens, completion_tokens=done.tokens,
+                                  prompt_tokens_cached=done.prompt_tokens_reused))
+
+
+def _logit_bias(params: GenerationParams, n_vocab: int) -> dict[int, float]:
+    bias = {**_BAN_BYTES, **params.logit_bias} if params.ban_bytes else dict(params.logit_bias)
+    bad = sorted(t for t in bias if not 0 <= t < n_vocab)
+    if bad:  # llama.cpp would index its candidate array with them unchecked
+        raise GenerationError(f"logit_bias token ids outside the vocabulary (0..{n_vocab - 1}): {bad[:5]}")
+    return bias
+
+
+@functools.lru_cache(maxsize=32)
+def _tool_grammar(tools_json: tuple[str, ...], think: ThinkMode, rules: ToolGrammar) -> str:
+    """GBNF for these tools, cached: an agent asks with the same tools at every step, and
+    building the grammar (JSON-schema conversion) costs more than parsing the key."""
+    from psymesh.agent.grammar import tool_call_grammar
+
+    try:
+        return tool_call_grammar([ToolSpec.model_validate_json(t) for t in tools_json], think=think,
+                                 require_call=rules.require_call, max_calls=rules.max_calls,
+                                 max_think_chars=rules.max_think_chars, max_string_chars=rules.max_string_chars)
+    except ValueError as exc:  # e.g. require_call without tools
+        raise GenerationError(f"cannot build the tool grammar: {exc}") from None
