@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from contextlib import aclosing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -315,37 +316,30 @@ class TaskExecutor:
         return record.status()
 
     async def _infer(self, rec: TaskRecord, ceiling: int | None) -> dict[str, Any]:
-        from psymesh.agent.chatformat import ChatMessage, render_prompt
-        from psymesh.agent.runtime import Completion
+        from psymesh.agent.chatformat import ChatMessage
+        from psymesh.agent.generate import Generation, GenerationParams, generate
 
         spec = rec.spec
         assert spec.model is not None
+        max_tokens = spec.max_tokens or 256
+        if ceiling is not None:
+            max_tokens = min(max_tokens, ceiling)
+        params = GenerationParams.from_untrusted(spec.params, max_tokens=max_tokens)  # BAD_REQUEST before loading
         worker = await self.models.get(spec.model)
         if spec.prompt is not None:
             messages = [ChatMessage.user(spec.prompt)]
         else:
             messages = [ChatMessage(role=m.role, content=m.content, name=m.name) for m in spec.messages or []]
-        params = spec.params
-        prompt = render_prompt(messages, thinking=bool(params.get("thinking", False)),
-                               template=worker.chat_template)
-        max_tokens = spec.max_tokens or 256
-        if ceiling is not None:
-            max_tokens = min(max_tokens, ceiling)
-        kwargs: dict[str, Any] = {k: params[k] for k in ("temperature", "top_k", "top_p", "min_p", "seed", "grammar",
-                                                         "stop") if k in params}
-        if params.get("ban_bytes"):  # random-weight test models: keep output valid UTF-8
-            kwargs["logit_bias"] = {i: -100.0 for i in range(128, 256)}
 
         pending: list[str] = []
         last_flush = -math.inf  # the first token goes out at once; batching starts after it
-        completion: Completion | None = None
-        stream = worker.stream(prompt, max_tokens=max_tokens, **kwargs)
-        try:
-            async for piece in stream:
-                if isinstance(piece, Completion):
-                    completion = piece
+        result: Generation | None = None
+        async with aclosing(generate(worker, messages, params=params)) as pieces:
+            async for piece in pieces:
+                if isinstance(piece, Generation):
+                    result = piece
                     break
-                pending.append(piece)
+                pending.append(piece.text)
                 if time.monotonic() - last_flush >= self.limits.token_flush_s:
                     self._emit(rec.id, EventKind.TOKEN, {"text": "".join(pending)})
                     pending.clear()
@@ -353,10 +347,9 @@ class TaskExecutor:
                     # The model may run ahead of us: then this loop never waits for it and,
                     # without a checkpoint, would keep the whole node (streams too) from running.
                     await anyio.lowlevel.checkpoint()
-        finally:
-            await stream.aclose()  # type: ignore[attr-defined]
         if pending:
             self._emit(rec.id, EventKind.TOKEN, {"text": "".join(pending)})
-        assert completion is not None
-        return {"text": completion.text, "finish_reason": completion.finish_reason,
-                "usage": {"prompt_tokens": completion.prompt_tokens, "completion_tokens": completion.tokens}}
+        assert result is not None
+        return {"text": result.text, "finish_reason": result.finish_reason,
+                "usage": {"prompt_tokens": result.usage.prompt_tokens,
+                          "completion_tokens": result.usage.completion_tokens}}
