@@ -510,3 +510,20 @@ async def test_18_libp2ps_own_protocols_are_put_to_the_policy_and_identify_is_no
         async with Stranger.connect(node.addrs()[0], node.peer_id) as s:
             policy.paired.add(s.peer_id)
             assert await (await s.open("/ipfs/id/1.0.0")).negotiated()  # paired peers may
+
+
+@pytest.mark.anyio
+async def test_19_small_messages_do_not_each_cost_a_window_update() -> None:
+    """0.8.1's yamux answered every read with a WINDOW_UPDATE frame: one more encrypted frame
+    per message, both ways, on a request/response stream. Now, as go-yamux, only once half
+    the window is used."""
+    a, b = new_node(), new_node()
+    async with running(a, b):
+        stream = await a.open_stream(b.addrs()[0], PING)
+        framed = FramedStream(stream)
+        for seq in range(100):
+            assert (await framed.request(Ping(seq=seq, payload=b"x" * 32), Pong)).seq == seq
+        yamux_stream = stream._stream.muxed_stream
+        assert yamux_stream._window_update_bytes_read_only == 0
+        assert yamux_stream.recv_window > 0  # the window was not used up: nothing was owed
+        await framed.aclose()
