@@ -1,16 +1,21 @@
 """Delegated tasks: what a script pays per task, and how fast tokens stream back.
 
 1. Latency of a no-op tool task, SDK `delegate()` -> `result()`, through two real
-   daemons (phone -> home) on 127.0.0.1, against a plain HTTP/1.1 request to a local
-   server running the same no-op (keep-alive, TCP_NODELAY on both ends: the fair
-   baseline; without NODELAY HTTP pays ~40 ms of delayed ACK). The psymesh figure
-   is everything a task is: the control socket, a durable outbox row, a new stream
-   to the home, the executor's SQLite log (accepted/working/result), the worker
-   queue, the mirrored events and the ack, and a watch on the control socket.
+   daemons (phone -> home) on 127.0.0.1, against two baselines measured in the same
+   run: a plain HTTP/1.1 request to a local server running the same no-op
+   (keep-alive, TCP_NODELAY on both ends: the fair baseline; without NODELAY HTTP
+   pays ~40 ms of delayed ACK), and psymesh's own round trip on the open session
+   between the same two daemons (`psymesh ping`, timed inside the phone daemon).
+   The task figure is everything a task is: the control socket, a durable outbox
+   row, the request on the session, the door (admission, audit row), the executor's
+   SQLite log (accepted/working/result), the worker, the events mirrored on the
+   phone, and a watch on the control socket; the ack follows off the critical path.
 2. Streamed tokens: an infer task on a tiny random-weight qwen35 model; the rate of
-   `token` events (and characters) the phone's app receives. The executor batches
-   token deltas into one event per `token_flush_s` (50 ms); an in-process pair with
-   batching off shows what the event pipeline itself carries.
+   `token` events (and characters) the phone's app receives, and the first token's
+   latency against the same model called in process (`agent.generate`, no mesh).
+   The executor sends the first token at once, then batches deltas into one event
+   per `token_flush_s` (50 ms); an in-process pair with batching off shows what the
+   event pipeline itself carries.
 
 The no-op tool is a plugin (`bench.noop`), installed for the child daemons the way
 pip would (a dist-info with an entry point, on PYTHONPATH).
@@ -26,11 +31,12 @@ import http.client
 import json
 import os
 import socket
+import statistics
 import tempfile
 import textwrap
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import anyio
@@ -120,6 +126,7 @@ def bench_http(runs: int) -> list[float]:
 class MeshFigures:
     accepted_ms: list[float]   # delegate() returned: the home holds the task durably
     result_ms: list[float]     # result() returned
+    rtt_ms: list[float] = field(default_factory=list)  # ping round trips on the open session
     first_token_ms: float = 0.0
     token_events: int = 0
     token_chars: int = 0
@@ -182,9 +189,32 @@ async def bench_mesh(runs: int, max_tokens: int, model: Path, tmp: Path) -> Mesh
                 if i >= WARMUP:
                     figures.accepted_ms.append((accepted - t) * 1000)
                     figures.result_ms.append((time.perf_counter() - t) * 1000)
+            figures.rtt_ms = (await c.ping("home", count=min(1000, runs * 5))).rtts_ms
             await stream_tokens(c, 64, MeshFigures([], []))  # load the model first
             await stream_tokens(c, max_tokens, figures)
     return figures
+
+
+async def first_token_in_process(max_tokens: int, model: Path) -> float:
+    """Time to the first token with the same model called here, no mesh: the floor."""
+    from psymesh.agent.chatformat import ChatMessage
+    from psymesh.agent.generate import GenerationParams, TextDelta, generate
+    from psymesh.agent.runtime import ModelSettings, ModelWorker
+
+    worker = ModelWorker(ModelSettings(path=model, n_ctx=8192, n_threads=1))
+    await worker.start()
+    params = GenerationParams(max_tokens=max_tokens, **PARAMS)
+    try:
+        samples = []
+        for _ in range(6):  # the first run loads and warms up, as the daemon's did
+            start = time.perf_counter()
+            async for piece in generate(worker, [ChatMessage.user("Count.")], params=params):
+                if isinstance(piece, TextDelta) and piece.text:
+                    samples.append((time.perf_counter() - start) * 1000)
+                    break
+        return statistics.median(samples[1:])
+    finally:
+        await worker.aclose()
 
 
 async def bench_unbatched(max_tokens: int, model: Path, tmp: Path) -> MeshFigures:
@@ -231,26 +261,32 @@ def main() -> None:
         http_ms = bench_http(args.runs * 10)
         mesh = anyio.run(bench_mesh, args.runs, args.tokens, model, tmp / "daemons", backend="trio")
         raw = anyio.run(bench_unbatched, args.tokens, model, tmp / "inproc", backend="trio")
+        floor_ms = anyio.run(first_token_in_process, args.tokens, model, backend="trio")
 
-    http_ = summarize(http_ms)
+    http_, rtt = summarize(http_ms), summarize(mesh.rtt_ms)
     accepted, result = summarize(mesh.accepted_ms), summarize(mesh.result_ms)
-    print(f"No-op tool task, 127.0.0.1, {args.runs} psymesh tasks / {len(http_ms)} HTTP requests, sequential\n")
-    print(f"{'path':<52}{'median ms':>11}{'p99 ms':>10}")
-    print(f"{'HTTP/1.1 keep-alive POST, TCP_NODELAY both ends':<52}{http_[0]:>11.3f}{http_[1]:>10.3f}")
-    print(f"{'psymesh delegate() returns (home holds it durably)':<52}{accepted[0]:>11.3f}{accepted[1]:>10.3f}")
-    print(f"{'psymesh delegate() -> result()':<52}{result[0]:>11.3f}{result[1]:>10.3f}")
-    print(f"\nratio psymesh task / HTTP request   median {result[0] / http_[0]:.1f}x   "
-          f"p99 {result[1] / http_[1]:.1f}x")
+    print(f"No-op tool task, 127.0.0.1, {args.runs} psymesh tasks / {len(http_ms)} HTTP requests / "
+          f"{len(mesh.rtt_ms)} session round trips, sequential\n")
+    print(f"{'path':<56}{'median ms':>11}{'p99 ms':>10}")
+    print(f"{'HTTP/1.1 keep-alive POST, TCP_NODELAY both ends':<56}{http_[0]:>11.3f}{http_[1]:>10.3f}")
+    print(f"{'psymesh round trip on the open session (ping)':<56}{rtt[0]:>11.3f}{rtt[1]:>10.3f}")
+    print(f"{'psymesh delegate() returns (home holds it durably)':<56}{accepted[0]:>11.3f}{accepted[1]:>10.3f}")
+    print(f"{'psymesh delegate() -> result()':<56}{result[0]:>11.3f}{result[1]:>10.3f}")
+    print(f"\ndelegate() -> result()  / session round trip   median {result[0] / rtt[0]:5.1f}x   (target <= 3x)")
+    print(f"delegate() -> result()  / HTTP request         median {result[0] / http_[0]:5.1f}x   (target <= 10x)")
+    print(f"delegate() accepted     / session round trip   median {accepted[0] / rtt[0]:5.1f}x   (target <= 1.5x)")
+    print(f"delegate() -> result()  p99 / median                  {result[1] / result[0]:5.1f}x   (target <= 2x)")
 
     print(f"\nStreamed tokens, infer task on the tiny qwen35 model (max_tokens {args.tokens}, 1 thread)\n")
     print(f"{'pipeline':<40}{'token events/s':>15}{'tokens/s':>10}{'chars/s':>10}{'1st token ms':>14}")
-    for name, f in (("daemons, 50 ms batching (default)", mesh), ("in-process, batching off", raw)):
+    for name, f in (("daemons, 50 ms batching (default)", mesh), ("in-process nodes, batching off", raw)):
         span = max(f.stream_s, 1e-9)
         print(f"{name:<40}{f.token_events / span:>15.0f}{f.completion_tokens / span:>10.0f}"
               f"{f.token_chars / span:>10.0f}{f.first_token_ms:>14.1f}")
-    print(f"\n({mesh.token_events} events carried {mesh.completion_tokens} tokens with batching, "
+    print(f"{'the model called in process, no mesh':<40}{'':>15}{'':>10}{'':>10}{floor_ms:>14.1f}")
+    print(f"\nfirst token through two daemons - in process: {mesh.first_token_ms - floor_ms:+.1f} ms (target <= +5 ms)")
+    print(f"({mesh.token_events} events carried {mesh.completion_tokens} tokens with batching, "
           f"{raw.token_events} events for {raw.completion_tokens} tokens without)")
-
 
 if __name__ == "__main__":
     main()
