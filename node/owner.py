@@ -1,0 +1,197 @@
+"""What the node's owner asks over the control socket: one handler per control request.
+
+The daemon (node/daemon.py) wires the services and the p2p door; this module is the
+owner's side of it. Handlers reach the services through the `Node` they serve, and
+each returns one reply (or sends several itself and returns None, see ControlServer).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import anyio
+
+import psymesh
+from psymesh.node.control import ControlServer, Handler
+from psymesh.node.framed import FramedStream
+from psymesh.node.ping import measure_ping
+from psymesh.protocol import control as c
+from psymesh.protocol.errors import ErrorCode, PsymeshError
+from psymesh.protocol.identity import is_peer_id
+from psymesh.protocol.manifest import PRESETS, Operation, check, new_manifest
+from psymesh.protocol.messages import Message
+from psymesh.protocol.tasks import TaskSpec
+
+if TYPE_CHECKING:
+    from psymesh.node.daemon import Node
+
+log = logging.getLogger("psymesh.node")
+
+
+class Owner:
+    """The control API's handlers for one node."""
+
+    def __init__(self, node: Node) -> None:
+        self.node = node
+
+    def serve_on(self, control: ControlServer) -> None:
+        routes: dict[type[Message], Handler] = {
+            c.StatusRequest: self._status,
+            c.PingRequest: self._ping,
+            c.ShutdownRequest: self._shutdown,
+            c.PairInviteRequest: self.node.pairing.create_invite,
+            c.PairJoinRequest: self.node.pairing.join,
+            c.PeersRequest: self._peers,
+            c.GrantRequest: self._grant,
+            c.RevokeRequest: self._revoke,
+            c.AuditRequest: self._audit,
+            c.TaskSubmitRequest: self._task_submit,
+            c.TaskInputRequest: self._task_input,
+            c.OffersRequest: self._offers,
+            c.TaskWatchRequest: self._task_watch,
+            c.TaskCancelRequest: self._task_cancel,
+            c.TaskListRequest: self._task_list,
+        }
+        for request_type, handler in routes.items():
+            control.route(request_type, handler)
+
+    async def _status(self, req: c.StatusRequest, _: FramedStream) -> c.StatusReply:
+        return c.StatusReply(
+            peer_id=self.node.identity.peer_id,
+            fingerprint=self.node.identity.fingerprint,
+            name=self.node.config.name,
+            profile=self.node.config.profile,
+            version=psymesh.__version__,
+            addrs=self.node.p2p.addrs(),
+            uptime_s=round(time.monotonic() - self.node.started_at, 3),
+            connected_peers=[c.ConnectedPeer(peer_id=p["peer_id"], addrs=p.get("addrs", []))
+                             for p in self.node.p2p.connected_peers()],
+        )
+
+    async def _ping(self, req: c.PingRequest, _: FramedStream) -> c.PingReply:
+        """Round trips on the session to the peer (the first one opens it: `connect_ms`)."""
+        if req.peer.startswith("/"):
+            peer_id = await self.node.p2p.connect(req.peer)
+        else:
+            peer_id = self.node.trust.resolve(req.peer).peer_id
+        start = time.perf_counter()
+        session = await self.node.sessions.session(peer_id)
+        connect_ms = (time.perf_counter() - start) * 1000
+        with anyio.fail_after(30):
+            return await measure_ping(session, peer_id, req.count, req.payload_size, connect_ms)
+
+    async def _shutdown(self, req: c.ShutdownRequest, framed: FramedStream) -> None:
+        log.info("shutdown requested over the control socket")
+        await framed.send(c.Ok())  # answer first: cancelling the root scope ends this connection too
+        self.node.stop()
+    async def _peers(self, req: c.PeersRequest, _: FramedStream) -> c.PeersReply:
+        connected = {p["peer_id"] for p in self.node.p2p.connected_peers()}
+        return c.PeersReply(peers=[{**p.as_dict(), "connected": p.peer_id in connected}
+                                   for p in self.node.trust.list(include_revoked=req.include_revoked)])
+
+    async def _grant(self, req: c.GrantRequest, _: FramedStream) -> c.PeerReply:
+        peer = self.node.trust.resolve(req.peer)
+        if peer.revoked:
+            raise PsymeshError(f"{peer.name} was revoked; pair again first", code=ErrorCode.UNKNOWN_PEER)
+        if req.preset_limits is not None and req.preset_limits not in PRESETS:
+            raise PsymeshError(f"unknown preset {req.preset_limits!r}", code=ErrorCode.BAD_REQUEST)
+        if req.limits is not None:
+            limits = req.limits
+        elif req.preset_limits:
+            limits = PRESETS[req.preset_limits][1]
+        else:
+            limits = peer.granted.limits if peer.granted else None
+        manifest = new_manifest(self.node.identity.peer_id, peer.peer_id, req.capabilities, now=time.time(),
+                                ttl=req.expires_s, limits=limits).sign(self.node.identity.private_key)
+        self.node.trust.set_granted(peer.peer_id, manifest)
+        log.info("grant to %s is now: %s", peer.name, ", ".join(manifest.grants()))
+        delivered = await self.node.push_manifest(peer.peer_id, manifest)
+        updated = self.node.trust.get(peer.peer_id)
+        assert updated is not None
+        return c.PeerReply(peer={**updated.as_dict(), "delivered": delivered})
+
+    async def _revoke(self, req: c.RevokeRequest, _: FramedStream) -> c.PeerReply:
+        """Takes effect at once: the trust store says no to the next request, the peer is told
+        (a signed notice, so it stops following its tasks here and submitting new ones; at most
+        2 s, and a peer that misses it is told when it next calls, and meanwhile learns from the
+        refusal of its requests), and open connections (with their streams) are closed now.
+        Once it took the notice, it is refused already at the connection."""
+        peer = self.node.trust.resolve(req.peer)
+        self.node.trust.revoke(peer.peer_id)
+        self.node.audit.record(peer.peer_id, "control", "revoke", True, reason="revoked by the owner")
+        await self.node._tell_revoked(peer.peer_id)
+        await self.node.p2p.disconnect(peer.peer_id)
+        canceled = self.node.executor.cancel_for(peer.peer_id, "the submitter was revoked")
+        log.info("revoked %s (%s): %d queued or running task(s) canceled", peer.name, peer.peer_id, canceled)
+        updated = self.node.trust.get(peer.peer_id)
+        assert updated is not None
+        return c.PeerReply(peer=updated.as_dict())
+
+    async def _audit(self, req: c.AuditRequest, _: FramedStream) -> c.AuditReply:
+        peer_id = req.peer if req.peer is None or is_peer_id(req.peer) else self.node.trust.resolve(req.peer).peer_id
+        return c.AuditReply(rows=self.node.audit.query(peer_id=peer_id, limit=req.limit, denied_only=req.denied_only))
+
+    async def _task_submit(self, req: c.TaskSubmitRequest, _: FramedStream) -> c.TaskSubmitted:
+        try:
+            spec = TaskSpec.model_validate(req.spec)
+        except ValueError as exc:
+            raise PsymeshError(f"invalid task: {exc}", code=ErrorCode.BAD_REQUEST) from None
+        target, accepted = await self.node.submitter.submit(spec, req.to, self.node.offers)
+        peer = self.node.trust.get(target)
+        return c.TaskSubmitted(task_id=spec.id, target=target, target_name=peer.name if peer else target,
+                               accepted=accepted)
+
+    async def _task_input(self, req: c.TaskInputRequest, _: FramedStream) -> c.Ok:
+        await self.node.submitter.respond(req.task_id, req.data)
+        return c.Ok()
+
+    async def _offers(self, req: c.OffersRequest, _: FramedStream) -> c.OffersReply:
+        """Paired peers whose grant to us covers `operation` and that answer now."""
+        try:
+            op = Operation(name=req.operation)
+        except ValueError as exc:
+            raise PsymeshError(f"unknown operation {req.operation!r}: {exc}", code=ErrorCode.BAD_REQUEST) from None
+        found: list[dict] = []
+        for peer in self.node.trust.list(include_revoked=False):
+            grant = peer.received
+            if grant is None or not check(grant, op, local_peer_id=peer.peer_id, remote_peer_id=self.node.identity.peer_id,
+                                          now=time.time()).allowed:
+                continue
+            with anyio.move_on_after(5):
+                try:
+                    caps = await self.node.offers(peer.peer_id)
+                except PsymeshError:
+                    continue
+                found.append({"peer_id": peer.peer_id, "name": peer.name, "models": caps.models,
+                              "tools": caps.tools, "queue_depth": caps.queue_depth})
+        return c.OffersReply(offers=found)
+
+    async def _task_watch(self, req: c.TaskWatchRequest, framed: FramedStream) -> c.Ok:
+        outbox, sent = self.node.submitter.outbox, req.after_seq
+        outbox.get(req.task_id)  # NOT_FOUND for a task this node never delegated
+        while True:
+            events = outbox.events_after(req.task_id, sent)
+            for ev in events:
+                await framed.send(ev)
+                sent = ev.seq
+            if events:
+                continue  # more may have come while we were sending
+            task = outbox.get(req.task_id)
+            if task.terminal and sent >= task.last_seq:
+                return c.Ok()
+            await self.node.submitter.changed.wait(req.task_id)  # no await since the reads: nothing is missed
+
+    async def _task_cancel(self, req: c.TaskCancelRequest, _: FramedStream) -> c.Ok:
+        await self.node.submitter.cancel(req.task_id)
+        return c.Ok()
+
+    async def _task_list(self, req: c.TaskListRequest, _: FramedStream) -> c.TaskListReply:
+        names = {p.peer_id: p.name for p in self.node.trust.list()}
+        submitted = [{"task_id": t.id, "kind": t.spec.kind.value, "target": names.get(t.target, t.target),
+                      "state": t.state.value, "accepted": t.accepted, "events": t.last_seq,
+                      "created_at": t.created_at, "updated_at": t.updated_at}
+                     for t in self.node.submitter.outbox.list()[-req.limit:]]
+        executing = [{**r.status().model_dump(mode="json"), "submitter": names.get(r.submitter, r.submitter)}
+                     for r in self.node.executor.store.list(limit=req.limit)]
+        return c.TaskListReply(submitted=submitted, executing=executing)
