@@ -114,17 +114,17 @@ Found while making a delegated task cost fewer round trips (19):
    the environment already says otherwise), which restores go-yamux's hysteresis: on a
    session, ~12% less CPU per delegated task and 0.72 -> 0.62 ms per in-process round trip.
 
-19. Every disconnect is recorded in the auto-connector's backoff table (peer id -> time),
-   which only the auto-connector's own loop prunes, and (9) removed that loop: a stranger
-   with a fresh key per connection grew the node for good (~2.8 KB per connection, with
-   the resource manager's buckets). `_NoAutoConnect` records nothing: it dials nobody.
+20. (the stranger pass, continued) Every disconnect is recorded in the auto-connector's
+   backoff table (peer id -> time), which only the auto-connector's own loop prunes, and
+   (9) removed that loop: a stranger with a fresh key per connection grew the node for
+   good, one entry per key. `_NoAutoConnect` records nothing: it dials nobody.
 
 Kept as is: libp2p's resource manager allows each peer 10 new connections per second
 (burst 50); connections over that are closed right after the handshake, so the dialer's
 `connect()` may succeed and its first stream fail (UNAVAILABLE). It keeps a token bucket
-per peer id for that, at most 1,000 of them (least recently used go first): bounded. Outbound connections (ones
-this node dials, such as a joiner's to an inviter) get (14) but not (15): they are to a
-peer we chose.
+per peer id for that, at most 1,000 of them (least recently used go first): bounded.
+Outbound connections (ones this node dials, such as a joiner's to an inviter) get (14)
+but not (15): they are to a peer we chose.
 """
 from __future__ import annotations
 
@@ -756,7 +756,7 @@ class _Swarm(Swarm):
 
 class _NoAutoConnect(AutoConnector):
     """(9) The swarm's auto-connector, minus the dialing: no background task, no dials,
-    and (19) no backoff table of disconnected peers, which only that task pruned."""
+    and (20) no backoff table of disconnected peers, which only that task pruned."""
 
     async def run_background_task(self, nursery: Any) -> None:
         return

@@ -527,3 +527,19 @@ async def test_19_small_messages_do_not_each_cost_a_window_update() -> None:
         assert yamux_stream._window_update_bytes_read_only == 0
         assert yamux_stream.recv_window > 0  # the window was not used up: nothing was owed
         await framed.aclose()
+
+
+@pytest.mark.anyio
+async def test_20_fresh_keys_leave_nothing_behind_in_the_swarm() -> None:
+    """0.8.1 remembered every disconnected peer in a table that only the (removed)
+    auto-connector loop pruned: one entry per fresh key, for good."""
+    node = guarded_node(Policy())
+    async with running(node):
+        for i in range(30):
+            async with Stranger.connect(node.addrs()[0], node.peer_id, source=f"127.0.0.{2 + i % 3}") as s:
+                assert await (await s.open(PING)).negotiated()
+        await wait_until(lambda: not node._live_connections(), "the strangers' connections to close")
+        swarm = node._swarm
+        assert swarm.auto_connector._recent_disconnects == {}
+        assert len(swarm.peerstore.peer_ids()) <= 1 and not node._open_streams
+        assert not node._admission.handshaking
