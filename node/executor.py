@@ -145,15 +145,17 @@ class TaskExecutor:
                 if created:
                     self._send.send_nowait(record.id)
                 return accepted
-            try:  # the answer leaves before a worker takes the task (and the CPU)
-                await call.send(accepted)
+            feed = EventFeed(record.id, 0)
+            frames, final = feed.receive(self.store.events_after(record.id, 0), task_ended=record.terminal)
+            try:  # the answer (with the events so far) leaves before a worker takes the task and the CPU
+                await call.send(accepted, *frames)
             finally:
                 if created:
                     self._send.send_nowait(record.id)
-            return await self._follow(call, record.id, 0)
+            return final or await self._follow(call, feed)
         if isinstance(request, TaskAttach):
             self.store.get(request.task_id, submitter=peer_id)  # NOT_FOUND for someone else's task
-            return await self._follow(call, request.task_id, request.after_seq)
+            return await self._follow(call, EventFeed(request.task_id, request.after_seq))
         if isinstance(request, TaskAck):
             return self.store.mark_fetched(request.task_id, request.upto_seq, peer_id).status()
         if isinstance(request, TaskCancel):
@@ -168,9 +170,9 @@ class TaskExecutor:
             return self.caps()
         raise ProtocolError(f"{request.type!r} is not a task request", code=ErrorCode.BAD_REQUEST)
 
-    async def _follow(self, call: Call, task_id: str, after_seq: int) -> Message:
-        """Send the task's events above `after_seq` as they are stored; the final one ends the answer."""
-        feed = EventFeed(task_id, after_seq)
+    async def _follow(self, call: Call, feed: EventFeed) -> Message:
+        """Send the task's events as they are stored; the final one ends the answer."""
+        task_id = feed.task_id
         while True:
             events = self.store.events_after(task_id, feed.sent)
             ended = not events and self.store.get(task_id).terminal

@@ -121,8 +121,10 @@ class TaskSubmitter:
         # it, the driver delivers it again after the restart (a harmless resubmit).
         self.outbox.add(candidates[0], spec)
         last: PsymeshError | None = None
+        task = self.outbox.get(spec.id)
         for target in candidates:  # fail over before acceptance; after it, the task stays put
-            task = self.outbox.retarget(spec.id, target)
+            if target != task.target:
+                task = self.outbox.retarget(spec.id, target)
             first = _FirstAnswer()
             self._drive(task, first)
             await first.done.wait()
