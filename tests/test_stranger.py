@@ -209,7 +209,7 @@ async def test_a_burning_loop_cannot_stop_the_rightful_joiner(tmp_path: Path) ->
         assert set(outcomes) <= {"rate_limited", "bad_code", "busy"}, outcomes
         assert home.pairing.guard.running() == 0  # every run's slot came back
         async with Client(home.home.path) as h:
-            assert [x["name"] for x in await h.peers()] == ["my-phone"]
+            assert [x.name for x in await h.peers()] == ["my-phone"]
 
 
 # ---------------------------------------------------------------------------- 3. what a stranger reaches
@@ -234,9 +234,9 @@ async def test_a_stranger_can_open_only_pairing_and_every_refusal_is_audited(tmp
         refusal = answered[ids.SESSION]
         assert isinstance(refusal, Error) and refusal.code == ErrorCode.UNKNOWN_PEER.value
         async with Client(home.home.path) as h:
-            rows = [r for r in await h.audit(denied_only=True) if r["peer_id"] == s.peer_id]
-        assert sorted(r["protocol"] for r in rows) == sorted((ids.SESSION, *LIBP2P_OWN))
-        assert all(r["code"] == "unknown_peer" for r in rows)
+            rows = [r for r in await h.audit(denied_only=True) if r.peer_id == s.peer_id]
+        assert sorted(r.protocol for r in rows) == sorted((ids.SESSION, *LIBP2P_OWN))
+        assert all(r.code == "unknown_peer" for r in rows)
 
 
 async def test_the_stranger_limits_are_small_by_default() -> None:
