@@ -36,6 +36,8 @@ from psymesh.node.logs import fields
 from psymesh.node.p2p import P2PNode, P2PStream
 from psymesh.node.pairing import PairingService
 from psymesh.node.liveness import Liveness
+from psymesh.node.messaging import Messaging
+from psymesh.node.msgstore import MessageStore
 from psymesh.node.models import ModelPool, ModelRegistry
 from psymesh.node.owner import Owner
 from psymesh.node.session import Call, SessionPool, serve_session
@@ -48,6 +50,7 @@ from psymesh.protocol.errors import ErrorCode, PsymeshError
 from psymesh.protocol.manifest import Manifest, ManifestOk, ManifestPush, ManifestRevoke, revocation
 from psymesh.protocol.common import Ping, Pong
 from psymesh.protocol.messages import Message
+from psymesh.protocol.messaging import MsgSend
 from psymesh.protocol.pairing import PAIR_MAX_FRAME
 from psymesh.protocol.session import MAX_OPEN_REQUESTS
 from psymesh.protocol.tasks import TaskAck, TaskAttach, TaskCancel, TaskCaps, TaskCapsReply, TaskInput, TaskList, TaskSubmit
@@ -84,6 +87,7 @@ class Node:
                                                                   self.config.share_dir, self.config.agent_model))
         self.submitter = TaskSubmitter(local_peer_id=self.identity.peer_id, outbox=Outbox(self.db), trust=self.trust,
                                        sessions=self.sessions)
+        self.messaging = Messaging(self.identity, MessageStore(self.db), self.trust, self.sessions)
         self._root: anyio.CancelScope | None = None
         self._tg: anyio.abc.TaskGroup | None = None
         self._register_services()
@@ -100,6 +104,7 @@ class Node:
             Ping: self._pong,
             ManifestPush: self._receive_grant,
             ManifestRevoke: self._receive_revocation,
+            MsgSend: self.messaging.receive,
         }
         Owner(self).serve_on(self.control)
 
@@ -158,6 +163,7 @@ class Node:
                 await tg.start(self.sessions.run)
                 await tg.start(self.executor.run)
                 await tg.start(self.submitter.run)
+                await tg.start(self.messaging.run)
                 await tg.start(self.control.serve)
                 tg.start_soon(self._watch_signals, tg.cancel_scope)
                 log.info("node %s (%s) listening on %s", self.identity.peer_id, self.config.profile,

@@ -26,6 +26,7 @@ from psymesh.protocol.common import Ping
 from psymesh.protocol.errors import ErrorCode, PsymeshError
 from psymesh.protocol.manifest import ManifestPush, ManifestRevoke, Operation
 from psymesh.protocol.messages import Message
+from psymesh.protocol.messaging import MsgSend
 from psymesh.protocol.tasks import (
     TaskAck,
     TaskAttach,
@@ -64,6 +65,7 @@ REQUESTS: Mapping[type[Message], Rule] = {
     Ping: Rule("ping", Need.GRANT),
     ManifestPush: Rule("manifest", Need.ISSUER, charged=False),
     ManifestRevoke: Rule("manifest", Need.ISSUER, charged=False),
+    MsgSend: Rule("msg", Need.CAPABILITY),
 }
 
 
@@ -78,6 +80,8 @@ def operation_for(request: Message) -> Operation | None:
     """The operation a `capability` request asks the manifest about (None for the others)."""
     if isinstance(request, TaskSubmit):
         return task_operation(request.spec)
+    if isinstance(request, MsgSend):
+        return request.letter.operation()
     return None
 
 

@@ -22,6 +22,7 @@ from psymesh.protocol.common import Error, Ping
 from psymesh.protocol.errors import NetworkError
 from psymesh.protocol.manifest import ManifestPush, ManifestRevoke, revocation
 from psymesh.protocol.messages import Message
+from psymesh.protocol.messaging import Letter, MsgSend
 from psymesh.protocol.tasks import (
     EventKind,
     TaskAck,
@@ -54,6 +55,8 @@ def requests_from(peer: Node, home: Node, n: int) -> dict[type[Message], Message
         Ping: Ping(seq=n),
         ManifestPush: ManifestPush(manifest=grant_to_home),
         ManifestRevoke: notice.sign(peer.identity.private_key),
+        MsgSend: MsgSend(letter=Letter(id=f"door-{n}", sender=peer.identity.peer_id, recipient=home.identity.peer_id,
+                                       tseq=n, text="hello", at=int(time.time() * 1000)).sign(peer.identity.private_key)),
     }
 
 
@@ -93,9 +96,9 @@ async def test_every_request_of_every_service_against_every_standing(tmp_path: P
         for name in ("nocap", "expired", "revoked", "allowed"):
             await pair(home.home.path, nodes[name].home.path)
         async with Client(home.home.path) as h:
-            await h.grant("nocap", ["msg.send"])
+            await h.grant("nocap", ["tool:nothing.here"])
             await h.grant("expired", ["tool:*"], expires_s=60)
-            await h.grant("allowed", ["tool:*"])
+            await h.grant("allowed", ["tool:*", "msg.send"])
             await h.grant("revoked", ["tool:*"])
         # revoked without being told (its notice lost): it may still call, and hears unknown_peer
         home.trust.revoke(nodes["revoked"].identity.peer_id)

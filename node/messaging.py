@@ -1,0 +1,178 @@
+"""Messaging on the node: letters out (one courier per recipient) and in (the door's
+`msg.send` service), on the sessions every other request uses.
+
+    send(to, text) ─> outbox (signed, numbered in its thread) ─> courier(recipient)
+        courier: up to WINDOW letters in flight on the session; receipt -> delivered;
+                 busy / unreachable -> retry with backoff; refused for good -> refused,
+                 and a withdrawn stub goes in its place so its thread is not held
+    msg.send (admitted by the door) ─> check_letter ─> inbox (exactly once) ─> receipt
+        released letters wake `follow()` (the app's inbox stream)
+"""
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import anyio
+import anyio.abc
+
+from psymesh.node.home import Identity
+from psymesh.node.msgstore import MessageStore, OutState, Received, Sent
+from psymesh.node.notify import Notifier
+from psymesh.node.session import Call, SessionPool
+from psymesh.node.trust import TrustStore
+from psymesh.protocol.errors import ErrorCode, NetworkError, ProtocolError, PsymeshError, RemoteError
+from psymesh.protocol.messages import Message
+from psymesh.protocol.messaging import Letter, LetterKind, MsgReceipt, MsgSend, check_letter
+from psymesh.protocol.tasks import JsonMap
+
+log = logging.getLogger("psymesh.msg")
+
+WINDOW = 64            # letters in flight to one recipient
+RETRY_MIN_S = 0.2
+RETRY_MAX_S = 30.0
+_RETRYABLE = frozenset({ErrorCode.BUSY, ErrorCode.RATE_LIMITED, ErrorCode.UNAVAILABLE, ErrorCode.TIMEOUT,
+                        ErrorCode.INTERNAL, ErrorCode.CANCELED})
+_INBOX = "inbox"       # the Notifier key for "letters were released"
+
+
+class Messaging:
+    def __init__(self, identity: Identity, store: MessageStore, trust: TrustStore, sessions: SessionPool) -> None:
+        self.identity = identity
+        self.store = store
+        self.trust = trust
+        self.sessions = sessions
+        self.changed = Notifier()   # _INBOX: letters released; letter id: its outbox row changed
+        self._couriers: dict[str, anyio.Event] = {}   # recipient -> "more letters" wake-up
+        self._tg: anyio.abc.TaskGroup | None = None
+
+    async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        async with anyio.create_task_group() as tg:
+            self._tg = tg
+            for recipient in self.store.recipients_pending():  # after a restart
+                self._wake(recipient)
+            task_status.started()
+            await anyio.sleep_forever()
+
+    # -- sending ---------------------------------------------------------------------------
+    def send(self, to: str, text: str = "", *, body: JsonMap | None = None, thread: str = "main",
+             kind: LetterKind = LetterKind.SEND, reply_to: str | None = None, group: str | None = None,
+             letter_id: str | None = None) -> Letter:
+        """Write, sign and store a letter for `to` (a paired peer's name or id); a courier
+        delivers it. Returns at once: the letter is durable here."""
+        peer = self.trust.resolve(to)
+        peer.refuse_if_revoked_us()
+        existing = self.store.sent(letter_id) if letter_id else None
+        if existing is not None:  # a script resending the same letter: it is already on its way
+            return existing.letter
+
+        def make(tseq: int) -> Letter:
+            return Letter(id=letter_id or uuid.uuid4().hex, sender=self.identity.peer_id, recipient=peer.peer_id,
+                          thread=thread, tseq=tseq, kind=kind, text=text, body=body or {}, at=int(time.time() * 1000),
+                          reply_to=reply_to, group=group).sign(self.identity.private_key)
+
+        letter = self.store.write(make, peer.peer_id, thread)
+        self._wake(peer.peer_id)
+        return letter
+
+    def _wake(self, recipient: str) -> None:
+        wake = self._couriers.get(recipient)
+        if wake is not None:
+            wake.set()
+            return
+        if self._tg is None:
+            raise PsymeshError("messaging is not running", code=ErrorCode.UNAVAILABLE)
+        self._couriers[recipient] = anyio.Event()
+        self._tg.start_soon(self._courier, recipient)
+
+    async def _courier(self, recipient: str) -> None:
+        """Deliver `recipient`'s pending letters, WINDOW at a time, until none is left."""
+        backoff = 0.0
+        try:
+            while True:
+                self._couriers[recipient] = anyio.Event()
+                letters = self.store.pending(recipient, limit=WINDOW)
+                if not letters:
+                    return
+                retry_after: list[float] = []
+                async with anyio.create_task_group() as tg:
+                    for letter in letters:
+                        tg.start_soon(self._deliver, letter, retry_after)
+                if any(retry_after):  # the recipient is away or busy: wait (new letters wait too)
+                    backoff = min(RETRY_MAX_S, max(RETRY_MIN_S, backoff * 2, max(retry_after)))
+                    await anyio.sleep(backoff)
+                elif not retry_after:
+                    backoff = 0.0
+        finally:
+            self._couriers.pop(recipient, None)  # (no await since the last read: no letter is missed)
+
+    async def _deliver(self, letter: Letter, retry_after: list[float]) -> None:
+        """Hand one letter over (or, for a refused one, the stub that keeps its thread going).
+        Appends to `retry_after` when the courier should try again later."""
+        sent = self.store.sent(letter.id)
+        stub = sent is not None and sent.state is OutState.REFUSED
+        wire = letter.stub().sign(self.identity.private_key) if stub else letter
+        try:
+            await self.sessions.request(letter.recipient, MsgSend(letter=wire), MsgReceipt, timeout=30)
+        except RemoteError as exc:
+            if exc.code in _RETRYABLE:
+                retry_after.append(exc.retry_after or RETRY_MIN_S)
+            elif stub:  # the recipient takes nothing from us now: no thread of ours is held there
+                self.store.stub_done(letter.id)
+            else:
+                log.info("letter %s refused by %s: %s", letter.id, letter.recipient, exc.message)
+                self.store.refused(letter.id, exc.code.value, exc.message)
+                self.changed.notify(letter.id)
+                retry_after.append(0.0)  # its stub goes in the next round, at once
+            return
+        except (NetworkError, ProtocolError, TimeoutError) as exc:
+            log.debug("letter %s to %s: %s", letter.id, letter.recipient, exc)
+            retry_after.append(RETRY_MIN_S)
+            return
+        except PsymeshError as exc:  # e.g. the peer revoked us: it stays pending, the app sees why
+            log.info("letter %s to %s cannot leave: %s", letter.id, letter.recipient, exc.message)
+            retry_after.append(RETRY_MAX_S)
+            return
+        if stub:
+            self.store.stub_done(letter.id)
+        else:
+            self.store.delivered(letter.id)
+            self.changed.notify(letter.id)
+
+    async def wait_sent(self, letter_id: str) -> Sent:
+        """Until the letter is delivered or refused."""
+        while True:
+            sent = self.store.sent(letter_id)
+            if sent is None:
+                raise PsymeshError(f"no letter {letter_id!r} was sent from here", code=ErrorCode.NOT_FOUND)
+            if sent.state is not OutState.PENDING:
+                return sent
+            await self.changed.wait(letter_id)
+
+    # -- receiving (a door service) ----------------------------------------------------------
+    async def receive(self, call: Call) -> Message:
+        request = call.request
+        assert isinstance(request, MsgSend)
+        check_letter(request.letter, sender=call.peer_id, local_peer_id=self.identity.peer_id)
+        if self.store.store(request.letter):
+            self.changed.notify(_INBOX)
+        return MsgReceipt(id=request.letter.id)
+
+    async def follow(self, after: int = 0, *, live: bool = True) -> AsyncIterator[Received]:
+        """Released letters numbered above `after`, in order (withdrawn stubs skipped), then,
+        if `live`, each one as it is released."""
+        cursor = after
+        while True:
+            batch = self.store.released_after(cursor)
+            for received in batch:
+                cursor = received.release_seq or cursor
+                if not received.letter.withdrawn:
+                    yield received
+            if batch:
+                continue
+            if not live:
+                return
+            await self.changed.wait(_INBOX)
+

@@ -1,0 +1,180 @@
+"""Durable letters in the node's SQLite database: the outbox (ours, until a receipt) and
+the inbox (theirs, released to the app in thread order).
+
+    outbox: letter written and signed -> pending -> delivered (receipt) | refused (+ stub sent)
+    inbox:  stored on arrival (INSERT-or-ignore by id: a resend is dropped) -> released
+            to the app when every earlier letter of its (sender, thread) is released;
+            `release_seq` numbers released letters 1, 2, 3 ... across the inbox, so an app
+            follows with a cursor and sees each letter once
+
+Both sides commit before they answer (a receipt leaves only after the INSERT commits;
+a letter leaves the outbox only after its receipt is recorded), so a SIGKILL of either
+node loses nothing and duplicates nothing.
+"""
+from __future__ import annotations
+
+import sqlite3
+import time
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Protocol
+
+from psymesh.node.db import ensure_schema, transaction
+from psymesh.protocol.messaging import Letter, releasable
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS msg_outbox (
+    id          TEXT PRIMARY KEY,
+    recipient   TEXT NOT NULL,
+    thread      TEXT NOT NULL,
+    tseq        INTEGER NOT NULL,
+    letter      BLOB NOT NULL,          -- the signed letter, as JSON
+    state       TEXT NOT NULL,          -- pending | delivered | refused
+    code        TEXT,                   -- why it was refused
+    reason      TEXT NOT NULL DEFAULT '',
+    stub_sent   INTEGER NOT NULL DEFAULT 0,
+    created_at  REAL NOT NULL,
+    updated_at  REAL NOT NULL,
+    UNIQUE (recipient, thread, tseq)
+);
+CREATE INDEX IF NOT EXISTS msg_outbox_pending ON msg_outbox(recipient, state);
+CREATE TABLE IF NOT EXISTS msg_inbox (
+    id           TEXT NOT NULL,
+    sender       TEXT NOT NULL,
+    thread       TEXT NOT NULL,
+    tseq         INTEGER NOT NULL,
+    letter       BLOB NOT NULL,
+    received_at  REAL NOT NULL,
+    release_seq  INTEGER,               -- NULL while held (an earlier letter of its thread is missing)
+    PRIMARY KEY (sender, id),
+    UNIQUE (sender, thread, tseq)
+);
+CREATE UNIQUE INDEX IF NOT EXISTS msg_inbox_release ON msg_inbox(release_seq);
+"""
+
+
+class LetterMaker(Protocol):
+    """Builds the signed letter for a tseq (the store picks the number inside its transaction)."""
+
+    def __call__(self, tseq: int) -> Letter: ...
+
+
+class OutState(StrEnum):
+    PENDING = "pending"
+    DELIVERED = "delivered"
+    REFUSED = "refused"
+
+
+@dataclass(frozen=True)
+class Sent:
+    letter: Letter
+    state: OutState
+    code: str | None
+    reason: str
+    stub_sent: bool
+
+
+@dataclass(frozen=True)
+class Received:
+    letter: Letter
+    received_at: float
+    release_seq: int | None
+
+
+class MessageStore:
+    def __init__(self, conn: sqlite3.Connection) -> None:
+        self.conn = conn
+        ensure_schema(conn, SCHEMA)
+
+    # -- outbox ----------------------------------------------------------------------------
+    def next_tseq(self, recipient: str, thread: str) -> int:
+        row = self.conn.execute("SELECT MAX(tseq) FROM msg_outbox WHERE recipient = ? AND thread = ?",
+                                (recipient, thread)).fetchone()
+        return (row[0] or 0) + 1
+
+    def write(self, make: LetterMaker, recipient: str, thread: str, now: float | None = None) -> Letter:
+        """Number, sign (via `make(tseq)`) and store a letter in one transaction."""
+        now = time.time() if now is None else now
+        with transaction(self.conn):
+            letter = make(self.next_tseq(recipient, thread))
+            self.conn.execute(
+                "INSERT INTO msg_outbox (id, recipient, thread, tseq, letter, state, created_at, updated_at)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (letter.id, recipient, thread, letter.tseq, letter.model_dump_json(), OutState.PENDING.value,
+                 now, now))
+        return letter
+
+    def pending(self, recipient: str, limit: int = 256) -> list[Letter]:
+        """Letters for `recipient` awaiting a receipt (refused ones whose stub is due too), oldest first."""
+        rows = self.conn.execute(
+            "SELECT letter, state FROM msg_outbox WHERE recipient = ? AND"
+            " (state = 'pending' OR (state = 'refused' AND stub_sent = 0)) ORDER BY rowid LIMIT ?",
+            (recipient, limit)).fetchall()
+        return [Letter.model_validate_json(r["letter"]) for r in rows]
+
+    def recipients_pending(self) -> list[str]:
+        rows = self.conn.execute("SELECT DISTINCT recipient FROM msg_outbox WHERE state = 'pending' OR"
+                                 " (state = 'refused' AND stub_sent = 0)").fetchall()
+        return [r[0] for r in rows]
+
+    def delivered(self, letter_id: str, now: float | None = None) -> None:
+        """A receipt came back for the letter."""
+        self.conn.execute("UPDATE msg_outbox SET state = 'delivered', updated_at = ? WHERE id = ? AND state = 'pending'",
+                          (time.time() if now is None else now, letter_id))
+
+    def stub_done(self, letter_id: str) -> None:
+        """The stub that replaces a refused letter was taken (or can never be): nothing left to send."""
+        self.conn.execute("UPDATE msg_outbox SET stub_sent = 1 WHERE id = ?", (letter_id,))
+
+    def refused(self, letter_id: str, code: str, reason: str, now: float | None = None) -> None:
+        self.conn.execute("UPDATE msg_outbox SET state = 'refused', code = ?, reason = ?, updated_at = ?"
+                          " WHERE id = ? AND state = 'pending'", (code, reason[:500],
+                                                                  time.time() if now is None else now, letter_id))
+
+    def sent(self, letter_id: str) -> Sent | None:
+        row = self.conn.execute("SELECT * FROM msg_outbox WHERE id = ?", (letter_id,)).fetchone()
+        if row is None:
+            return None
+        return Sent(Letter.model_validate_json(row["letter"]), OutState(row["state"]), row["code"], row["reason"],
+                    bool(row["stub_sent"]))
+
+    def outbox(self, limit: int = 100) -> list[Sent]:
+        rows = self.conn.execute("SELECT id FROM msg_outbox ORDER BY rowid DESC LIMIT ?", (limit,)).fetchall()
+        return [s for r in reversed(rows) if (s := self.sent(r[0])) is not None]
+
+    # -- inbox -----------------------------------------------------------------------------
+    def store(self, letter: Letter, now: float | None = None) -> list[Received]:
+        """Keep a letter that arrived (a resend is ignored) and release what it completes:
+        the letters, in order, that the app may now see."""
+        now = time.time() if now is None else now
+        with transaction(self.conn):
+            self.conn.execute(
+                "INSERT OR IGNORE INTO msg_inbox (id, sender, thread, tseq, letter, received_at)"
+                " VALUES (?, ?, ?, ?, ?, ?)",
+                (letter.id, letter.sender, letter.thread, letter.tseq, letter.model_dump_json(), now))
+            released_upto = self.conn.execute(
+                "SELECT COALESCE(MAX(tseq), 0) FROM msg_inbox WHERE sender = ? AND thread = ?"
+                " AND release_seq IS NOT NULL", (letter.sender, letter.thread)).fetchone()[0]
+            held = [r[0] for r in self.conn.execute(
+                "SELECT tseq FROM msg_inbox WHERE sender = ? AND thread = ? AND release_seq IS NULL",
+                (letter.sender, letter.thread))]
+            go = releasable(held, released_upto)
+            if not go:
+                return []
+            base = self.conn.execute("SELECT COALESCE(MAX(release_seq), 0) FROM msg_inbox").fetchone()[0]
+            for i, tseq in enumerate(go, start=1):
+                self.conn.execute("UPDATE msg_inbox SET release_seq = ? WHERE sender = ? AND thread = ? AND tseq = ?",
+                                  (base + i, letter.sender, letter.thread, tseq))
+        return self.released_after(base, limit=len(go))
+
+    def released_after(self, cursor: int, limit: int = 500) -> list[Received]:
+        """Released letters numbered above `cursor`, in release order (withdrawn stubs included:
+        the reader skips them, but they advance its cursor)."""
+        rows = self.conn.execute(
+            "SELECT letter, received_at, release_seq FROM msg_inbox WHERE release_seq > ? ORDER BY release_seq"
+            " LIMIT ?", (cursor, limit)).fetchall()
+        return [Received(Letter.model_validate_json(r["letter"]), r["received_at"], r["release_seq"]) for r in rows]
+
+    def held(self) -> int:
+        return self.conn.execute("SELECT COUNT(*) FROM msg_inbox WHERE release_seq IS NULL").fetchone()[0]
+

@@ -1,0 +1,147 @@
+"""Agent-to-agent letters between real daemons on loopback: signed, receipted, exactly once,
+in order within a thread, held for a recipient that is away, refused (and audited) for a
+sender without `msg.send`."""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import anyio
+import pytest
+
+from conftest import pair, run_nodes
+from waiting import wait_until
+from psymesh.node.client import Client
+from psymesh.node.daemon import Node
+from psymesh.node.db import open_db
+from psymesh.node.home import NodeHome
+from psymesh.node.msgstore import MessageStore, OutState
+from psymesh.protocol import ids
+from psymesh.protocol.errors import ErrorCode, PsymeshError
+from psymesh.protocol.limits import Limits
+from psymesh.protocol.messaging import Letter, MsgReceipt, MsgSend, releasable
+
+pytestmark = pytest.mark.anyio
+ROOMY = Limits(requests_per_minute=100_000)
+
+
+async def inbox(node: Node, count: int, timeout: float = 20) -> list[Letter]:
+    """The first `count` letters the app sees, in release order."""
+    got: list[Letter] = []
+    with anyio.fail_after(timeout):
+        async for received in node.messaging.follow():
+            got.append(received.letter)
+            if len(got) == count:
+                return got
+    return got
+
+
+def threads_in_order(letters: list[Letter]) -> bool:
+    seen: dict[tuple[str, str], int] = {}
+    for letter in letters:
+        key = (letter.sender, letter.thread)
+        if letter.tseq != seen.get(key, 0) + 1:
+            return False
+        seen[key] = letter.tseq
+    return True
+
+
+async def test_letters_arrive_once_in_order_with_receipts(tmp_path: Path) -> None:
+    async with run_nodes(tmp_path, "home", "phone") as nodes:
+        home, phone = nodes["home"], nodes["phone"]
+        await pair(home.home.path, phone.home.path)
+        async with Client(home.home.path) as h:
+            await h.grant("phone", ["msg.send"], limits=ROOMY)
+        sent = [phone.messaging.send("home", f"note {i}", thread=f"t{i % 3}", body={"i": i}) for i in range(60)]
+        got = await inbox(home, 60)
+        assert sorted(letter.id for letter in got) == sorted(letter.id for letter in sent)
+        assert threads_in_order(got)
+        assert all(letter.sender == phone.identity.peer_id and letter.signature_valid() for letter in got)
+        for letter in sent:
+            with anyio.fail_after(10):
+                assert (await phone.messaging.wait_sent(letter.id)).state is OutState.DELIVERED
+        # a resend of a letter it already holds is answered, and dropped
+        again = await phone.sessions.request(home.identity.peer_id, MsgSend(letter=sent[0]), MsgReceipt)
+        assert again.id == sent[0].id
+        assert len(home.messaging.store.released_after(0)) == 60
+        rows = [r for r in home.audit.query(peer_id=phone.identity.peer_id, limit=1000) if r["operation"] == "msg.send"]
+        assert len(rows) == 61 and all(r["allowed"] and r["protocol"] == ids.SESSION for r in rows)
+
+
+async def test_a_recipient_that_is_away_gets_its_letters_when_it_is_back(tmp_path: Path) -> None:
+    home_dir = tmp_path / "home"
+    async with run_nodes(tmp_path, "phone") as nodes:
+        phone = nodes["phone"]
+        async with run_nodes(tmp_path, "home") as h:
+            await pair(h["home"].home.path, phone.home.path)
+        # home is down now: letters wait in the phone's outbox, in order
+        letters = [phone.messaging.send("home", f"while you were out {i}", thread="away") for i in range(20)]
+        await wait_until(lambda: phone.messaging.store.pending(letters[0].recipient) != [], "the courier to try")
+        assert all(phone.messaging.store.sent(x.id).state is OutState.PENDING for x in letters)
+        async with anyio.create_task_group() as tg:
+            home = Node(NodeHome(home_dir))  # the same home, back on a new port
+            await tg.start(home.run)
+            phone.trust.set_addrs(home.identity.peer_id, home.p2p.addrs())
+            got = await inbox(home, 20, timeout=60)
+            assert [x.id for x in got] == [x.id for x in letters]
+            tg.cancel_scope.cancel()
+
+
+async def test_a_sender_without_msg_send_is_refused_and_audited(tmp_path: Path) -> None:
+    async with run_nodes(tmp_path, "home", "phone") as nodes:
+        home, phone = nodes["home"], nodes["phone"]
+        await pair(home.home.path, phone.home.path)
+        async with Client(home.home.path) as h:
+            await h.grant("phone", ["tool:system.info"])  # no msg.send
+        letter = phone.messaging.send("home", "let me in", thread="x")
+        with anyio.fail_after(20):
+            refused = await phone.messaging.wait_sent(letter.id)
+        assert refused.state is OutState.REFUSED and refused.code == ErrorCode.FORBIDDEN.value
+        await wait_until(lambda: phone.messaging.store.pending(home.identity.peer_id) == [],
+                         "the courier to give the letter (and its stub) up")
+        assert home.messaging.store.released_after(0) == []
+        denied = [r for r in home.audit.query(peer_id=phone.identity.peer_id, denied_only=True, limit=100)
+                  if r["operation"] == "msg.send"]
+        assert denied and {r["code"] for r in denied} == {"forbidden"}
+        # and a stranger cannot send at all
+        with pytest.raises(PsymeshError) as info:
+            home.messaging.send("nobody", "hi")
+        assert info.value.code is ErrorCode.UNKNOWN_PEER
+
+
+async def test_a_refused_letter_does_not_hold_its_thread(tmp_path: Path) -> None:
+    """A letter over the grant's payload limit is refused; its withdrawn stub keeps the
+    thread going, so the letters after it are released in order."""
+    async with run_nodes(tmp_path, "home", "phone") as nodes:
+        home, phone = nodes["home"], nodes["phone"]
+        await pair(home.home.path, phone.home.path)
+        async with Client(home.home.path) as h:
+            await h.grant("phone", ["msg.send"], limits=Limits(max_payload_bytes=1000, requests_per_minute=10_000))
+        first = phone.messaging.send("home", "short", thread="t")
+        big = phone.messaging.send("home", "x" * 5000, thread="t")
+        last = phone.messaging.send("home", "after the big one", thread="t")
+        got = await inbox(home, 2)
+        assert [x.id for x in got] == [first.id, last.id]
+        with anyio.fail_after(10):
+            assert (await phone.messaging.wait_sent(big.id)).code == ErrorCode.TOO_LARGE.value
+
+
+def test_the_inbox_holds_a_letter_until_its_predecessor_arrives(tmp_path: Path) -> None:
+    store = MessageStore(open_db(tmp_path / "db"))
+    from psymesh.protocol.identity import peer_id_from_public_key
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    key, other = Ed25519PrivateKey.generate(), Ed25519PrivateKey.generate()
+    sender = peer_id_from_public_key(key.public_key().public_bytes_raw())
+    me = peer_id_from_public_key(other.public_key().public_bytes_raw())
+
+    def letter(tseq: int) -> Letter:
+        return Letter(id=f"l{tseq}", sender=sender, recipient=me, thread="t", tseq=tseq, text=str(tseq),
+                      at=int(time.time() * 1000), body={"pi": 3.14}).sign(key)
+
+    assert store.store(letter(2)) == [] and store.held() == 1
+    assert store.store(letter(3)) == []
+    released = store.store(letter(1))
+    assert [r.letter.tseq for r in released] == [1, 2, 3] and [r.release_seq for r in released] == [1, 2, 3]
+    assert store.store(letter(2)) == [] and len(store.released_after(0)) == 3  # a resend changes nothing
+    assert releasable([5, 3, 4, 7], 2) == [3, 4, 5]
