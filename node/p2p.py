@@ -97,7 +97,8 @@ limit on strangers counts all of them together (and per IP address), never per p
    `_on_inbound_stream` resets a stream at once when its connection already has `streams`
    open (a stranger) or `PAIRED_STREAMS` (a paired peer). Unpaired inbound connections are
    capped too (`connections`, `connections_per_ip`), checked when Noise has proved the key,
-   before any muxer exists (concurrent handshakes can overshoot by at most `handshakes`).
+   before any muxer exists (concurrent handshakes can overshoot by at most `handshakes`),
+   and closed once they have been open `connection_s` without pairing.
 18. libp2p serves its own identify (every listen address, every protocol id, the version),
    identify push and ping to anyone. Every inbound stream's protocol, libp2p's own
    included, is now put to `may_open(peer_id, protocol)` (the daemon's one rule, which also
@@ -740,7 +741,22 @@ class _Swarm(Swarm):
                 return
         finally:
             self.admission.end_handshake(ip)
-        await _muxer_of(muxed_conn).event_closed.wait()
+        await self._serve_connection(muxed_conn)
+
+    async def _serve_connection(self, muxed_conn: IMuxedConn) -> None:
+        """Until the connection closes (4); an unpaired one is closed after `connection_s`
+        (17): a pairing run takes seconds, and a stranger must not camp on the few slots."""
+        muxer, peer = _muxer_of(muxed_conn), str(muxed_conn.peer_id)
+        while not muxer.event_closed.is_set():
+            with anyio.move_on_after(self.admission.limits.connection_s):
+                await muxer.event_closed.wait()
+            if not muxer.event_closed.is_set() and not self.admission.paired(peer):
+                log.info("closing the connection of %s: unpaired for %.0f s", peer, self.admission.limits.connection_s)
+                for conn in self.get_connections(muxed_conn.peer_id):
+                    if conn.muxed_conn is muxed_conn:
+                        await _close_quietly(conn)
+                await _close_quietly(muxed_conn)
+                return
 
     def prepare_dial(self, peer_id: ID, *, new_address: bool = False) -> None:
         """Before a dial someone asked for: forget a recent failure to reach the peer (8),

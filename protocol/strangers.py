@@ -34,13 +34,14 @@ class StrangerLimits(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     # connections (checked when the Noise handshake has proved the key, before any stream)
-    connections: int = Field(default=8, ge=1, le=1024)          # unpaired inbound connections at once
-    connections_per_ip: int = Field(default=4, ge=1, le=1024)   # ... from one IP address
+    connections: int = Field(default=16, ge=1, le=1024)         # unpaired inbound connections at once
+    connections_per_ip: int = Field(default=2, ge=1, le=1024)   # ... from one IP address
+    connection_s: float = Field(default=60.0, ge=1.0, le=3600.0)  # how long one may stay unpaired
     handshakes: int = Field(default=16, ge=1, le=1024)          # inbound connections still handshaking (anyone)
     handshakes_per_ip: int = Field(default=4, ge=1, le=1024)
     # streams and bytes on one unpaired connection
     streams: int = Field(default=2, ge=1, le=64)                # inbound streams open at once
-    buffer_bytes: int = Field(default=256 * KiB, ge=64 * KiB, le=16 * 1024 * KiB)  # unread bytes held
+    buffer_bytes: int = Field(default=128 * KiB, ge=64 * KiB, le=16 * 1024 * KiB)  # unread bytes held
     # pairing runs (one `pair.hello` each)
     pair_runs: int = Field(default=4, ge=1, le=64)              # at once, node-wide
     pair_runs_per_ip: int = Field(default=2, ge=1, le=64)

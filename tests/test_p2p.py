@@ -543,3 +543,17 @@ async def test_20_fresh_keys_leave_nothing_behind_in_the_swarm() -> None:
         assert swarm.auto_connector._recent_disconnects == {}
         assert len(swarm.peerstore.peer_ids()) <= 1 and not node._open_streams
         assert not node._admission.handshaking
+
+
+@pytest.mark.anyio
+async def test_17_an_unpaired_connection_is_closed_after_a_while_a_paired_one_is_not() -> None:
+    policy = Policy()
+    node = guarded_node(policy, connection_s=1)
+    async with running(node):
+        async with Stranger.connect(node.addrs()[0], node.peer_id) as stranger, \
+                Stranger.connect(node.addrs()[0], node.peer_id, source="127.0.0.2") as friend:
+            policy.paired.add(friend.peer_id)
+            with anyio.fail_after(5):
+                await stranger.closed.wait()  # a stranger cannot camp on a slot
+            assert not friend.closed.is_set()
+            assert await (await friend.open(SINK)).negotiated()
