@@ -13,7 +13,7 @@ if TYPE_CHECKING:
 from psymesh.protocol.channel import Channel
 from psymesh.protocol.common import Error
 from psymesh.protocol.errors import ErrorCode, ProtocolError, PsymeshError
-from psymesh.protocol.framing import DEFAULT_MAX_FRAME_SIZE, encode_frame
+from psymesh.protocol.framing import DEFAULT_MAX_FRAME_SIZE, HEADER, encode_frame
 from psymesh.protocol.messages import M, Message, expect, pack
 
 READ_CHUNK = 65536
@@ -39,14 +39,18 @@ class FramedStream:
         await self.stream.send_all(self.channel.send(message))
 
     async def receive(self) -> Message | None:
-        """The next message, or None when the peer closed the stream cleanly."""
+        """The next message, or None when the peer closed the stream cleanly. Reads are no
+        bigger than one whole frame, so with a small frame limit (pairing: 8 KiB) a peer's
+        bytes wait in the transport's flow control, not here: at most two frames' worth
+        is ever buffered."""
+        read_size = min(READ_CHUNK, self.channel.max_frame_size + HEADER.size)
         while True:
             message = self.channel.next_message()
             if message is not None:
                 return message
             if self.channel.eof:
                 return None
-            self.channel.receive_data(await self.stream.receive_some(READ_CHUNK))
+            self.channel.receive_data(await self.stream.receive_some(read_size))
 
     async def receive_required(self) -> Message:
         message = await self.receive()

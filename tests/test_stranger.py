@@ -248,7 +248,36 @@ async def test_the_stranger_limits_are_small_by_default() -> None:
 
     connection_objects = 96 * 1024  # measured: ~85 KB per connection with 2 streams, both ends in process
     limits = StrangerLimits()
-    per_stream = (MAX_PROPOSALS + 1) * MAX_NEGOTIATION_MESSAGE + PAIR_MAX_FRAME
+    per_stream = (MAX_PROPOSALS + 1) * MAX_NEGOTIATION_MESSAGE + 2 * (PAIR_MAX_FRAME + 4)  # FramedStream's reads
     per_connection = limits.buffer_bytes + limits.streams * per_stream + connection_objects
     held = limits.handshakes * HANDSHAKE_BYTES + (limits.connections + limits.handshakes) * per_connection
     assert held < RSS_BOUND, held
+
+
+async def test_a_small_frame_limit_also_bounds_what_framing_reads_ahead() -> None:
+    """A pairing stream's frames are at most 8 KiB, so it reads at most one frame at a time:
+    a peer's surplus waits in yamux's flow control (bounded per connection), not in memory here."""
+    from psymesh.node.framed import FramedStream
+    from psymesh.protocol.channel import Channel
+    from psymesh.protocol.pairing import PAIR_MAX_FRAME, PairPake
+
+    class Recorder:
+        def __init__(self, data: bytes) -> None:
+            self.data, self.asked = data, []
+
+        async def receive_some(self, max_bytes: int = 65536) -> bytes:
+            self.asked.append(max_bytes)
+            chunk, self.data = self.data[:max_bytes], self.data[max_bytes:]
+            return chunk
+
+        async def send_all(self, data: bytes) -> None: ...
+
+        async def aclose(self) -> None: ...
+
+    wire = b"".join(Channel().send(PairPake(pake=bytes(100))) for _ in range(500))
+    stream = Recorder(wire)
+    framed = FramedStream(stream, PAIR_MAX_FRAME)
+    for _ in range(500):
+        assert isinstance(await framed.receive(), PairPake)
+        assert framed.channel._decoder.buffered <= 2 * (PAIR_MAX_FRAME + 4)
+    assert max(stream.asked) == PAIR_MAX_FRAME + 4
