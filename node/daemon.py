@@ -53,7 +53,7 @@ from psymesh.protocol.messages import Message
 from psymesh.protocol.messaging import MsgSend
 from psymesh.protocol.pairing import PAIR_MAX_FRAME
 from psymesh.protocol.session import MAX_OPEN_REQUESTS
-from psymesh.protocol.tasks import TaskAck, TaskAttach, TaskCancel, TaskCaps, TaskCapsReply, TaskInput, TaskList, TaskSubmit
+from psymesh.protocol.tasks import TaskAck, TaskAcks, TaskAttach, TaskCancel, TaskCaps, TaskCapsReply, TaskInput, TaskList, TaskSubmit
 
 log = logging.getLogger("psymesh.node")
 
@@ -99,8 +99,8 @@ class Node:
         self.inbound(ids.PAIR, self.pairing.serve, max_frame_size=PAIR_MAX_FRAME)
         self.inbound(ids.SESSION, self._serve_session)
         self.services: dict[type[Message], Service] = {
-            **{t: self.executor.handle for t in (TaskSubmit, TaskAttach, TaskAck, TaskCancel, TaskInput, TaskList,
-                                                 TaskCaps)},
+            **{t: self.executor.handle for t in (TaskSubmit, TaskAttach, TaskAck, TaskAcks, TaskCancel, TaskInput,
+                                                 TaskList, TaskCaps)},
             Ping: self._pong,
             ManifestPush: self._receive_grant,
             ManifestRevoke: self._receive_revocation,

@@ -32,7 +32,7 @@ from psymesh.node.logs import fields
 from psymesh.node.models import ModelPool
 from psymesh.node.notify import Notifier
 from psymesh.node.session import Call
-from psymesh.node.taskstore import ExecutorStore, TaskRecord
+from psymesh.node.taskstore import ExecutorStore, TaskNotFound, TaskRecord
 from psymesh.node.trust import TrustStore
 from psymesh.protocol.errors import ErrorCode, ProtocolError, PsymeshError
 from psymesh.protocol.messages import Message
@@ -41,6 +41,8 @@ from psymesh.protocol.tasks import (
     EventKind,
     TaskAccepted,
     TaskAck,
+    TaskAcked,
+    TaskAcks,
     TaskAttach,
     TaskCancel,
     TaskCaps,
@@ -158,6 +160,15 @@ class TaskExecutor:
             return await self._follow(call, EventFeed(request.task_id, request.after_seq))
         if isinstance(request, TaskAck):
             return self.store.mark_fetched(request.task_id, request.upto_seq, peer_id).status()
+        if isinstance(request, TaskAcks):
+            acked = 0
+            for ack in request.acks:
+                try:
+                    self.store.mark_fetched(ack.task_id, ack.upto_seq, peer_id)
+                    acked += 1
+                except TaskNotFound:
+                    pass  # forgotten already, or not this peer's
+            return TaskAcked(acked=acked)
         if isinstance(request, TaskCancel):
             self.store.get(request.task_id, submitter=peer_id)
             return self._cancel(request.task_id, request.reason)

@@ -30,10 +30,13 @@ from psymesh.node.taskstore import Outbox, OutboxTask, TaskNotFound
 from psymesh.node.trust import TrustStore
 from psymesh.protocol.admission import task_operation
 from psymesh.protocol.common import Error
-from psymesh.protocol.errors import ErrorCode, NetworkError, ProtocolError, PsymeshError, RemoteError
+from psymesh.protocol.errors import ConnectionLost, ErrorCode, NetworkError, ProtocolError, PsymeshError, RemoteError
+from psymesh.protocol.messages import Message
 from psymesh.protocol.manifest import check
 from psymesh.protocol.taskflow import Accepted, Action, Done, Phase, Record, RetryAt, SubmitterTask
 from psymesh.protocol.tasks import (
+    TaskAck,
+    TaskAcks,
     TaskCancel,
     TaskCapsReply,
     TaskInput,
@@ -61,7 +64,20 @@ class _FirstAnswer:
             self.done.set()
 
 
+class _AckBatch:
+    """Acks for one executor, sent together once the batch is ACK_DELAY_S old."""
+
+    def __init__(self) -> None:
+        self.acks: list[TaskAck] = []
+        self.done = anyio.Event()
+        self.reply: Message | None = None          # task.acked, or the executor's error
+        self.failure: NetworkError | ProtocolError | None = None
+
+
 class TaskSubmitter:
+    #: A finished task's ack waits this long for others to the same executor: off the path of
+    #: the next task (it costs the executor a request, a door decision and an audit row).
+    ACK_DELAY_S = 0.05
 
     def __init__(self, *, local_peer_id: str, outbox: Outbox, trust: TrustStore, sessions: SessionPool) -> None:
         self.local_peer_id = local_peer_id
@@ -70,6 +86,7 @@ class TaskSubmitter:
         self.sessions = sessions
         self.changed = Notifier()       # per task id: a new event was mirrored
         self._drivers: dict[str, anyio.CancelScope] = {}
+        self._acks: dict[str, _AckBatch] = {}   # executor -> the batch being filled
         self._tg: anyio.abc.TaskGroup | None = None
         self.retention_s = 7 * 86400.0   # finished tasks (and their events) are kept this long for the app
         self.purge_every_s = 3600.0
@@ -205,19 +222,23 @@ class TaskSubmitter:
                         await anyio.sleep(not_before - time.time())
                     actions: list[Action] = []
                     try:
-                        async with self.sessions.stream(target, request) as replies:
-                            async for message in replies:
-                                if first is not None and isinstance(message, Error):
-                                    return report(False, message.to_exception())  # submit() decides
-                                if isinstance(message, Error) and message.code == ErrorCode.UNKNOWN_PEER:
-                                    # not this task alone: every task there, and new ones, for good
-                                    exc = message.to_exception()
-                                    return self.revoked_by(target, exc.code, self._refusal(target, exc))
-                                actions = machine.receive(message, time.time())
-                                self._apply(task_id, actions, target)
-                                if first is not None and machine.phase is not Phase.UNSENT:
-                                    report(True)
-                                    first = None
+                        if isinstance(request, TaskAck):  # batched with others to the same executor
+                            actions = machine.receive(await self._ack(target, request), time.time())
+                            self._apply(task_id, actions, target)
+                        else:
+                            async with self.sessions.stream(target, request) as replies:
+                                async for message in replies:
+                                    if first is not None and isinstance(message, Error):
+                                        return report(False, message.to_exception())  # submit() decides
+                                    if isinstance(message, Error) and message.code == ErrorCode.UNKNOWN_PEER:
+                                        # not this task alone: every task there, and new ones, for good
+                                        exc = message.to_exception()
+                                        return self.revoked_by(target, exc.code, self._refusal(target, exc))
+                                    actions = machine.receive(message, time.time())
+                                    self._apply(task_id, actions, target)
+                                    if first is not None and machine.phase is not Phase.UNSENT:
+                                        report(True)
+                                        first = None
                     except (NetworkError, ProtocolError) as exc:
                         log.debug("task %s: %s to %s failed: %s", task_id, request.type, target, exc)
                         if first is not None:
@@ -232,6 +253,36 @@ class TaskSubmitter:
                 report(False, PsymeshError("the submitter stopped", code=ErrorCode.UNAVAILABLE))
             if self._drivers.get(task_id) is scope:
                 del self._drivers[task_id]
+
+    async def _ack(self, target: str, ack: TaskAck) -> Message:
+        """Join the batch of acks going to `target`; its answer (task.acked or an error)."""
+        batch = self._acks.get(target)
+        if batch is None:
+            batch = self._acks[target] = _AckBatch()
+            assert self._tg is not None
+            self._tg.start_soon(self._send_acks, target, batch)
+        batch.acks.append(ack)
+        await batch.done.wait()
+        if batch.failure is not None:
+            raise batch.failure
+        assert batch.reply is not None
+        return batch.reply
+
+    async def _send_acks(self, target: str, batch: _AckBatch) -> None:
+        try:
+            await anyio.sleep(self.ACK_DELAY_S)
+            del self._acks[target]  # later acks start the next batch
+            async with self.sessions.stream(target, TaskAcks(acks=batch.acks)) as replies:
+                async for message in replies:
+                    batch.reply = message
+        except (NetworkError, ProtocolError) as exc:
+            batch.failure = exc
+        finally:
+            if batch.reply is None and batch.failure is None:
+                batch.failure = ConnectionLost("the acks got no answer")
+            if self._acks.get(target) is batch:
+                del self._acks[target]
+            batch.done.set()
 
     def _apply(self, task_id: str, actions: list[Action], target: str | None = None) -> None:
         """Carry out the machine's actions; `target` is the executor the frame came from."""

@@ -20,6 +20,7 @@ through `next_state`, so the database can never hold an impossible history.
 """
 from __future__ import annotations
 
+import functools
 import json
 import sqlite3
 import time
@@ -185,7 +186,9 @@ def _event(row: sqlite3.Row) -> TaskEvent:
     )
 
 
+@functools.lru_cache(maxsize=1024)
 def _spec(text: str) -> TaskSpec:
+    """(Cached: a task's row is read many times while it runs, and a TaskSpec is frozen.)"""
     return TaskSpec.model_validate_json(text)
 
 

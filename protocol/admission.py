@@ -29,6 +29,7 @@ from psymesh.protocol.messages import Message
 from psymesh.protocol.messaging import MsgSend
 from psymesh.protocol.tasks import (
     TaskAck,
+    TaskAcks,
     TaskAttach,
     TaskCancel,
     TaskCaps,
@@ -58,6 +59,7 @@ REQUESTS: Mapping[type[Message], Rule] = {
     TaskSubmit: Rule("task", Need.CAPABILITY, starts_task=True),
     TaskAttach: Rule("task", Need.GRANT, charged=False),
     TaskAck: Rule("task", Need.GRANT, charged=False),
+    TaskAcks: Rule("task", Need.GRANT, charged=False),
     TaskCancel: Rule("task", Need.GRANT, charged=False),
     TaskInput: Rule("task", Need.GRANT, charged=False),
     TaskList: Rule("task", Need.GRANT),

@@ -32,6 +32,7 @@ from psymesh.protocol.tasks import (
     EventKind,
     TaskAccepted,
     TaskAck,
+    TaskAcked,
     TaskAttach,
     TaskCancel,
     TaskEvent,
@@ -140,6 +141,9 @@ class SubmitterTask:
             return [Accepted(message.status)]
         if isinstance(message, TaskEvent):
             return self._on_event(message)
+        if isinstance(message, TaskAcked) and self.phase is Phase.ACKING:
+            self.phase = Phase.DONE  # (one of a batch of acks)
+            return [Done()]
         if isinstance(message, TaskStatus):
             if self.phase in (Phase.ACKING, Phase.RECALLING):
                 self.phase = Phase.DONE

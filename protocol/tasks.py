@@ -421,6 +421,19 @@ class TaskAck(Message):
     upto_seq: int = Field(ge=0, le=_INT64[1])
 
 
+class TaskAcks(Message):
+    """Several acks in one request (a submitter batches them off its hot path). Tasks the
+    executor no longer holds are skipped. Reply: `task.acked` with how many it took."""
+
+    type = "task.acks"
+    acks: Annotated[list[TaskAck], Field(min_length=1, max_length=MAX_LIST)]
+
+
+class TaskAcked(Message):
+    type = "task.acked"
+    acked: int = Field(ge=0)
+
+
 class TaskList(Message):
     """The submitter's own tasks, oldest first, optionally only in `states`."""
 

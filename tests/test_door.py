@@ -26,6 +26,7 @@ from psymesh.protocol.messaging import Letter, MsgSend
 from psymesh.protocol.tasks import (
     EventKind,
     TaskAck,
+    TaskAcks,
     TaskAttach,
     TaskCancel,
     TaskCaps,
@@ -48,6 +49,7 @@ def requests_from(peer: Node, home: Node, n: int) -> dict[type[Message], Message
         TaskSubmit: TaskSubmit(spec=TaskSpec(id=f"door-{n}", kind="tool", tool="system.info")),
         TaskAttach: TaskAttach(task_id="nobodys-task"),
         TaskAck: TaskAck(task_id="nobodys-task", upto_seq=1),
+        TaskAcks: TaskAcks(acks=[TaskAck(task_id="nobodys-task", upto_seq=1)]),
         TaskCancel: TaskCancel(task_id="nobodys-task"),
         TaskInput: TaskInput(task_id="nobodys-task", data={"approve": True}),
         TaskList: TaskList(),
