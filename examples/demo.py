@@ -92,7 +92,7 @@ async def allowed_and_refused(d: Demo) -> None:
     async with d.home.client() as home:
         rows = await home.audit(limit=3)
     con.print("home audit log (last 3): " + "; ".join(
-        f"{r['operation']} {'allowed' if r['allowed'] else r['code']}" for r in rows))
+        f"{r.operation} {'allowed' if r.allowed else r.code}" for r in rows))
 
 
 async def delegate_tasks(d: Demo) -> None:

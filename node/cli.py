@@ -21,7 +21,9 @@ from psymesh.node.client import Client
 from psymesh.node.db import storage_error
 from psymesh.node.home import NodeHome
 from psymesh.node.output import Output
+from psymesh.protocol import control as c
 from psymesh.protocol.errors import ErrorCode, PsymeshError
+from psymesh.protocol.limits import Limits
 
 T = TypeVar("T")
 
@@ -306,20 +308,67 @@ def peers(home: str | None, out: Output, active: bool) -> None:
         async with Client(home) as client:
             return await client.peers(include_revoked=not active)
 
-    rows = run_async(go)
+    rows: list[c.PeerView] = run_async(go)
 
     def human(con: Any) -> None:
         if not rows:
             con.print("no paired peers; pair one with: psymesh pair invite")
             return
-        table = Table("name", "role", "peer id", "state", "may ask us", "we may ask")
+        table = Table("name", "role", "peer id", "state", "may ask us", "its limits", "we may ask")
         for p in rows:
-            state = "[red]revoked[/red]" if p["revoked_at"] else ("connected" if p.get("connected") else "paired")
-            table.add_row(p["name"], p["role"], p["peer_id"][:20] + "…", state,
-                          "\n".join(p["granted"]) or "-", "\n".join(p["received"]) or "-")
+            state = "[red]revoked[/red]" if p.revoked_at else ("connected" if p.connected else "paired")
+            table.add_row(p.name, p.role, p.peer_id[:20] + "…", state, "\n".join(p.granted) or "-",
+                          limits_text(p.granted_limits) if p.granted else "-", "\n".join(p.received) or "-")
         con.print(table)
 
     out.data(rows, human)
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale and n % scale == 0:
+            return f"{n // scale} {unit}"
+    return f"{n} B"
+
+
+LIMIT_WORDS = {  # how `psymesh peers` shows each limit
+    "requests_per_minute": lambda v: f"{v} req/min",
+    "concurrent_tasks": lambda v: f"{v} at once",
+    "max_runtime_s": lambda v: f"{v} s/task",
+    "max_payload_bytes": lambda v: f"{_size(v)} payload",
+}
+
+
+def limits_text(limits: Limits) -> str:
+    """One line per limit the grant sets; `none` when it sets none (the node's own limits apply)."""
+    values = limits.model_dump()
+    return "\n".join(LIMIT_WORDS[k](v) for k, v in values.items() if v is not None) or "none"
+
+
+def parse_limits(text: str) -> dict[str, int | None]:
+    """`requests_per_minute=600,concurrent_tasks=8` (and `NAME=none` to clear one) -> changes,
+    checked against `Limits`; a bad spelling is a BAD_REQUEST saying which part and why."""
+    changes: dict[str, int | None] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, sep, value = part.partition("=")
+        name, value = name.strip(), value.strip()
+        if not sep or not name or not value:
+            raise PsymeshError(f"--limits: {part!r} is not NAME=NUMBER or NAME=none, e.g. concurrent_tasks=8",
+                               code=ErrorCode.BAD_REQUEST)
+        if value.lower() == "none":
+            changes[name] = None
+        else:
+            try:
+                changes[name] = int(value)
+            except ValueError:
+                raise PsymeshError(f"--limits: {name}={value}: not a whole number (or none)",
+                                   code=ErrorCode.BAD_REQUEST) from None
+    if not changes:
+        raise PsymeshError("--limits: no limits given, e.g. --limits concurrent_tasks=8", code=ErrorCode.BAD_REQUEST)
+    try:
+        return c.check_limit_changes(changes)
+    except ValueError as exc:
+        raise PsymeshError(f"--limits: {exc}", code=ErrorCode.BAD_REQUEST) from None
 
 
 @main.command()
@@ -327,19 +376,31 @@ def peers(home: str | None, out: Output, active: bool) -> None:
 @click.argument("peer")
 @click.argument("capabilities", nargs=-1, required=True)
 @click.option("--expires", type=Duration(), default=None, help="Grant lifetime (default: until revoked).")
-@click.option("--limits", "preset_limits", default=None, help="Take rate/concurrency limits from a preset.")
+@click.option("--preset-limits", "preset_limits", default=None, metavar="PRESET",
+              help="Start from a preset's limits (phone, messaging) instead of the current grant's.")
+@click.option("--limits", "limits_spec", default=None, metavar="NAME=N,...",
+              help="Set single limits over those: requests_per_minute, concurrent_tasks, max_runtime_s, "
+                   "max_payload_bytes; NAME=none clears one. E.g. requests_per_minute=600,concurrent_tasks=8")
 def grant(home: str | None, out: Output, peer: str, capabilities: tuple[str, ...], expires: float | None,
-          preset_limits: str | None) -> None:
-    """Replace what PEER may ask of this node, e.g. `psymesh grant phone tool:files.* msg.send`."""
+          preset_limits: str | None, limits_spec: str | None) -> None:
+    """Replace what PEER may ask of this node, e.g. `psymesh grant phone tool:files.* msg.send`.
 
-    async def go() -> Any:
+    Its limits stay those of the current grant unless --preset-limits or --limits change them."""
+    set_limits = parse_limits(limits_spec) if limits_spec is not None else None
+
+    async def go() -> c.PeerReply:
         async with Client(home) as client:
-            return await client.grant(peer, list(capabilities), expires_s=expires, preset_limits=preset_limits)
+            return await client.grant(peer, list(capabilities), expires_s=expires, preset_limits=preset_limits,
+                                      set_limits=set_limits)
 
-    p = run_async(go)
-    out.data(p, lambda con: con.print(
-        f"{p['name']} may now ask: {', '.join(p['granted'])}"
-        + ("" if p.get("delivered") else "  (not reachable now: it will see the new grant when next told)")))
+    r = run_async(go)
+
+    def human(con: Any) -> None:
+        con.print(f"{r.peer.name} may now ask: {', '.join(r.peer.granted)}"
+                  + ("" if r.delivered else "  (not reachable now: it will see the new grant when next told)"))
+        con.print("limits: " + limits_text(r.peer.granted_limits).replace("\n", ", "))
+
+    out.data(r, human)
 
 
 @main.command()
@@ -352,8 +413,9 @@ def revoke(home: str | None, out: Output, peer: str) -> None:
         async with Client(home) as client:
             return await client.revoke(peer)
 
-    p = run_async(go)
-    out.data(p, lambda con: con.print(f"revoked {p['name']} ({p['peer_id']})"))
+    r = run_async(go)
+    out.data(r, lambda con: con.print(f"revoked {r.peer.name} ({r.peer.peer_id})"
+                                      + ("" if r.delivered else "  (not reachable now: it is told when it next calls)")))
 
 
 @main.command()
@@ -368,14 +430,14 @@ def audit(home: str | None, out: Output, peer: str | None, limit: int, denied: b
         async with Client(home) as client:
             return await client.audit(peer=peer, limit=limit, denied_only=denied)
 
-    rows = run_async(go)
+    rows: list[c.AuditRow] = run_async(go)
 
     def human(con: Any) -> None:
         table = Table("time", "peer", "operation", "decision", "reason")
         for r in rows:
-            verdict = "[green]allowed[/green]" if r["allowed"] else f"[red]{r['code']}[/red]"
-            table.add_row(time.strftime("%m-%d %H:%M:%S", time.localtime(r["ts"])), r["peer_id"][:16] + "…",
-                          r["operation"], verdict, r["reason"])
+            verdict = "[green]allowed[/green]" if r.allowed else f"[red]{escape(r.code or 'denied')}[/red]"
+            table.add_row(time.strftime("%m-%d %H:%M:%S", time.localtime(r.ts)), r.peer_id[:16] + "…",
+                          escape(r.operation), verdict, escape(r.reason))
         con.print(table if rows else "no audit entries")
 
     out.data(rows, human)
@@ -528,16 +590,20 @@ def task_list(home: str | None, out: Output, limit: int) -> None:
         async with Client(home) as client:
             return await client.tasks(limit)
 
-    r = run_async(go)
+    r: c.TaskListReply = run_async(go)
+
+    def table(title: str, who: str) -> Table:
+        return Table("task", "kind", who, "state", "events", title=title, title_justify="left")
 
     def human(con: Any) -> None:
-        for title, rows, who in (("delegated by this node", r.submitted, "target"),
-                                 ("run by this node for others", r.executing, "submitter")):
-            table = Table("task", "kind", who, "state", "events", title=title, title_justify="left")
-            for t in rows:
-                table.add_row(t["task_id"], t["kind"], t.get(who, ""), t["state"],
-                              str(t.get("events", t.get("last_seq", ""))))
-            con.print(table if rows else f"{title}: none")
+        submitted = table("delegated by this node", "target")
+        for s in r.submitted:
+            submitted.add_row(s.task_id, s.kind.value, s.target, s.state.value, str(s.events))
+        con.print(submitted if r.submitted else "delegated by this node: none")
+        executing = table("run by this node for others", "submitter")
+        for e in r.executing:
+            executing.add_row(e.task_id, e.kind.value, e.submitter, e.state.value, str(e.last_seq))
+        con.print(executing if r.executing else "run by this node for others: none")
 
     out.data(r, human)
 
@@ -682,7 +748,7 @@ def agent_run(home: str | None, out: Output, goal: str, model_name: str | None, 
     if model_name:
         params["model"] = model_name
 
-    async def remote_offers() -> list[dict]:
+    async def remote_offers() -> list[c.Offer]:
         try:
             async with Client(home) as client:
                 return await client.offers(operation="task.agent")
@@ -695,7 +761,7 @@ def agent_run(home: str | None, out: Output, goal: str, model_name: str | None, 
         local = frozenset(registry.names())
         # No model named and none here: the task needs "a model", which only a remote may have.
         needed = frozenset([model_name]) if model_name else (frozenset() if local else frozenset(["(any model)"]))
-        remote_models = frozenset(m for o in offers for m in o["models"]) if offers and model_name else None
+        remote_models = frozenset(m for o in offers for m in o.models) if offers and model_name else None
         decision = decide(DelegationInputs(
             profile=config.profile, force={"never": "local", "always": "remote"}.get(delegate),  # type: ignore[arg-type]
             remote_available=bool(offers), needed_models=needed, local_models=local, remote_models=remote_models,

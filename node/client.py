@@ -22,18 +22,18 @@ import socket
 import stat
 import struct
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
-from collections.abc import Callable
 from typing import Any, TypeVar
 
 import anyio
 import anyio.abc
+from pydantic import ValidationError
 
 from psymesh.node.framed import AnyioByteStream, FramedStream
 from psymesh.node.home import SOCKET_DIR_ADVICE, NodeHome, check_private_dir, os_error
 from psymesh.protocol import control as c
-from psymesh.protocol.errors import ErrorCode, PsymeshError
+from psymesh.protocol.errors import ErrorCode, PsymeshError, RemoteError
 from psymesh.protocol.framing import DEFAULT_MAX_FRAME_SIZE
 from psymesh.protocol.limits import Limits
 from psymesh.protocol.messages import Message, expect
@@ -133,11 +133,16 @@ class Client:
             await framed.aclose()
 
     async def request(self, message: Message, reply_type: type[R]) -> R:
-        """Send one control request and return its reply; `error` replies raise RemoteError."""
+        """Send one control request and return its reply. An `error` reply raises: a
+        NetworkError (ConnectError, NetworkTimeout, ConnectionLost) when the daemon could not
+        reach the peer, which may work later; a RemoteError when the request was refused."""
         if self._framed is None:
             raise PsymeshError("use `async with Client(...)` (or await client.__aenter__()) first")
         async with self._lock:
-            return await self._framed.request(message, reply_type)
+            try:
+                return await self._framed.request(message, reply_type)
+            except RemoteError as exc:
+                raise c.raised(exc) from None
 
     # -- node ---------------------------------------------------------------
     async def status(self) -> c.StatusReply:
@@ -176,19 +181,28 @@ class Client:
         `grant` optionally gives the inviter a preset (e.g. "messaging") in return."""
         return await self.request(c.PairJoinRequest(invite=invite, address=address, grant=grant), c.PairedReply)
 
-    async def peers(self, *, include_revoked: bool = True) -> list[dict]:
+    async def peers(self, *, include_revoked: bool = True) -> list[c.PeerView]:
         return (await self.request(c.PeersRequest(include_revoked=include_revoked), c.PeersReply)).peers
 
     async def grant(self, peer: str, capabilities: list[str], *, expires_s: float | None = None,
-                    preset_limits: str | None = None, limits: Limits | None = None) -> dict:
+                    preset_limits: str | None = None, limits: Limits | None = None,
+                    set_limits: Mapping[str, int | None] | None = None) -> c.PeerReply:
         """Replace what `peer` may ask of this node (capabilities in CLI spelling, e.g. "tool:files.*").
-        Limits: `limits` if given, else a preset's (`preset_limits`), else the current grant's."""
-        req = c.GrantRequest(peer=peer, capabilities=capabilities, expires_s=expires_s, preset_limits=preset_limits,
-                             limits=limits)
-        return (await self.request(req, c.PeerReply)).peer
+        Limits: `limits` if given, else a preset's (`preset_limits`), else the current grant's;
+        then each of `set_limits` (e.g. `{"concurrent_tasks": 8, "max_runtime_s": None}`)
+        replaces one of them, None meaning no limit from the grant. Unknown names or values
+        out of range raise PsymeshError (bad_request) before anything is sent."""
+        try:
+            req = c.GrantRequest(peer=peer, capabilities=capabilities, expires_s=expires_s,
+                                 preset_limits=preset_limits, limits=limits, set_limits=dict(set_limits or {}))
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            raise PsymeshError(f"invalid grant: {first['msg'].removeprefix('Value error, ')}",
+                               code=ErrorCode.BAD_REQUEST) from None
+        return await self.request(req, c.PeerReply)
 
-    async def revoke(self, peer: str) -> dict:
-        return (await self.request(c.RevokeRequest(peer=peer), c.PeerReply)).peer
+    async def revoke(self, peer: str) -> c.PeerReply:
+        return await self.request(c.RevokeRequest(peer=peer), c.PeerReply)
 
     # -- delegated tasks ---------------------------------------------------------
     async def delegate(
@@ -225,7 +239,7 @@ class Client:
         reply = await self.request(c.TaskSubmitRequest(to=to, spec=spec), c.TaskSubmitted)
         return TaskHandle(self, reply)
 
-    async def offers(self, operation: str = "task.agent") -> list[dict]:
+    async def offers(self, operation: str = "task.agent") -> list[c.Offer]:
         """Paired peers that would take `operation` now, with their models and tools."""
         return (await self.request(c.OffersRequest(operation=operation), c.OffersReply)).offers
 
@@ -236,7 +250,8 @@ class Client:
     async def tasks(self, limit: int = 100) -> c.TaskListReply:
         return await self.request(c.TaskListRequest(limit=limit), c.TaskListReply)
 
-    async def audit(self, *, peer: str | None = None, limit: int = 100, denied_only: bool = False) -> list[dict]:
+    async def audit(self, *, peer: str | None = None, limit: int = 100,
+                    denied_only: bool = False) -> list[c.AuditRow]:
         return (await self.request(c.AuditRequest(peer=peer, limit=limit, denied_only=denied_only), c.AuditReply)).rows
 
 

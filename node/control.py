@@ -1,10 +1,11 @@
 """The local control API server: the daemon's Unix socket, one task per client connection.
 
-Requests are dispatched by message class to handlers registered by the daemon's
-services. A handler returns one reply, or sends several itself (streaming) and
-returns None. A handler's PsymeshError becomes an `error` reply, and so does a
-failing database (mapped by node/db.py to what happened and what to do); any other
-exception is logged and becomes `internal` — the connection and the daemon live on.
+Requests are dispatched by message class to handlers registered by the daemon
+(node/owner.py). A handler returns one reply, or sends several itself (streaming) and
+returns None. A handler's PsymeshError becomes an `error` reply (one that is the
+network failing says so: protocol/control.py `error_reply`), and so does a failing
+database (mapped by node/db.py to what happened and what to do); any other exception
+is logged and becomes `internal` — the connection and the daemon live on.
 
 Who may connect is decided by where the socket lives: a directory only the owner
 may enter (the home, or a per-user runtime dir; see NodeHome.socket_path), created
@@ -28,6 +29,8 @@ import anyio.abc
 from psymesh.node.db import storage_error
 from psymesh.node.framed import AnyioByteStream, FramedStream
 from psymesh.node.home import SOCKET_DIR_ADVICE, ensure_private_dir
+from psymesh.protocol import control as c
+from psymesh.protocol.common import Error
 from psymesh.protocol.errors import ErrorCode, ProtocolError, PsymeshError
 from psymesh.protocol.messages import Message
 
@@ -117,18 +120,16 @@ class ControlServer:
                         return
 
     async def _dispatch(self, request: Message, framed: FramedStream) -> Message | None:
-        from psymesh.protocol.common import Error
-
         handler = self._handlers.get(type(request))
         if handler is None:
             return Error.of(ErrorCode.BAD_REQUEST, f"the control API has no request {request.type!r}")
         try:
             return await handler(request, framed)
         except PsymeshError as exc:
-            return Error.from_exception(exc)
+            return c.error_reply(exc)
         except sqlite3.Error as exc:
             log.error("control request %s: %s", request.type, exc)
-            return Error.from_exception(storage_error(exc, None))
+            return c.error_reply(storage_error(exc, None))
         except Exception:
             log.exception("control request %s failed", request.type)
             return Error.of(ErrorCode.INTERNAL, f"{request.type} failed inside the daemon; see its log")

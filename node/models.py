@@ -16,7 +16,7 @@ import anyio
 from psymesh.agent.runtime import ModelSettings, ModelWorker
 from psymesh.node.db import ensure_schema
 from psymesh.node.home import ensure_private_dir, tighten
-from psymesh.protocol.errors import ErrorCode, PsymeshError
+from psymesh.protocol.errors import ConnectError, ErrorCode, PsymeshError
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS models (
@@ -126,8 +126,7 @@ def pull_model(repo_id: str, quant: str, dest: Path) -> Path:
     try:  # fail in seconds, not after the hub client's minute of retries
         socket.create_connection((url.hostname or "", url.port or 443), timeout=5).close()
     except OSError as exc:
-        raise PsymeshError(f"cannot reach the model hub at {endpoint} ({exc.strerror or exc}); {manual}",
-                           code=ErrorCode.UNAVAILABLE) from None
+        raise ConnectError(f"cannot reach the model hub at {endpoint} ({exc.strerror or exc}); {manual}") from None
     try:
         files = list_repo_files(repo_id)
     except Exception as exc:  # the hub client raises many types (HTTP, offline mode, auth)

@@ -2,6 +2,11 @@
 
 Scripts can always parse stdout of a `--json` command: it holds exactly one JSON
 document (an object, a list — `[]` when empty — or {"error": {...}} on failure).
+
+A failure is one line on stderr, and exit status 1. The network failing (a NetworkError:
+a peer or a server that could not be reached or stopped answering) reads apart from a
+refusal, its JSON error says `"network": <how>`, and when it was the daemon that could
+not reach a peer, the line ends with what to check next.
 """
 from __future__ import annotations
 
@@ -14,7 +19,10 @@ from pydantic import BaseModel
 from rich.console import Console
 from rich.markup import escape
 
-from psymesh.protocol.errors import PsymeshError
+from psymesh.protocol.control import network_kind
+from psymesh.protocol.errors import NetworkError, PsymeshError
+
+PEER_NEXT_STEP = "is its daemon running and reachable? try again later, or see: psymesh peers"
 
 
 def to_data(obj: Any) -> Any:
@@ -47,7 +55,17 @@ class Output:
         self.err.print(f"[yellow]warning:[/yellow] {escape(message)}")
 
     def error(self, exc: PsymeshError) -> None:
+        network = isinstance(exc, NetworkError)
         if self.json_mode:
-            self.data({"error": {"code": exc.code.value, "message": exc.message}})
+            error: dict[str, Any] = {"code": exc.code.value, "message": exc.message}
+            if network:
+                error["network"] = network_kind(exc)
+            self.data({"error": error})
         code = escape(f"[{exc.code.value}]")
-        self.err.print(f"[red]error[/red] {code}: {escape(exc.message)}")
+        if network:
+            message = " ".join(exc.message.split())  # one line, whatever the transport said
+            if "network" in exc.details:  # the daemon said so: it could not reach a peer
+                message += f"; {PEER_NEXT_STEP}"
+            self.err.print(f"[red]network error[/red] {code}: {escape(message)}")
+        else:
+            self.err.print(f"[red]error[/red] {code}: {escape(exc.message)}")

@@ -17,8 +17,9 @@ from psymesh.node.control import ControlServer, Handler
 from psymesh.node.framed import FramedStream
 from psymesh.node.ping import measure_ping
 from psymesh.protocol import control as c
-from psymesh.protocol.errors import ErrorCode, PsymeshError
+from psymesh.protocol.errors import ErrorCode, NetworkTimeout, PsymeshError
 from psymesh.protocol.identity import is_peer_id
+from psymesh.protocol.limits import Limits
 from psymesh.protocol.manifest import PRESETS, Operation, check, new_manifest
 from psymesh.protocol.messages import Message
 from psymesh.protocol.tasks import TaskSpec
@@ -27,6 +28,8 @@ if TYPE_CHECKING:
     from psymesh.node.daemon import Node
 
 log = logging.getLogger("psymesh.node")
+
+PING_TIMEOUT_S = 30.0  # all of `psymesh ping`'s round trips
 
 
 class Owner:
@@ -78,30 +81,40 @@ class Owner:
         start = time.perf_counter()
         session = await self.node.sessions.session(peer_id)
         connect_ms = (time.perf_counter() - start) * 1000
-        with anyio.fail_after(30):
-            return await measure_ping(session, peer_id, req.count, req.payload_size, connect_ms)
+        try:
+            with anyio.fail_after(PING_TIMEOUT_S):
+                return await measure_ping(session, peer_id, req.count, req.payload_size, connect_ms)
+        except TimeoutError:
+            raise NetworkTimeout(f"{req.peer} did not answer {req.count} ping(s) within {PING_TIMEOUT_S:g} s") from None
 
     async def _shutdown(self, req: c.ShutdownRequest, framed: FramedStream) -> None:
         log.info("shutdown requested over the control socket")
         await framed.send(c.Ok())  # answer first: cancelling the root scope ends this connection too
         self.node.stop()
+
+    def _connected(self) -> set[str]:
+        return {p["peer_id"] for p in self.node.p2p.connected_peers()}
+
     async def _peers(self, req: c.PeersRequest, _: FramedStream) -> c.PeersReply:
-        connected = {p["peer_id"] for p in self.node.p2p.connected_peers()}
-        return c.PeersReply(peers=[{**p.as_dict(), "connected": p.peer_id in connected}
+        connected = self._connected()
+        return c.PeersReply(peers=[p.view(connected=p.peer_id in connected)
                                    for p in self.node.trust.list(include_revoked=req.include_revoked)])
 
     async def _grant(self, req: c.GrantRequest, _: FramedStream) -> c.PeerReply:
+        """A new signed grant replaces the old one, and the peer is handed it (best effort)."""
         peer = self.node.trust.resolve(req.peer)
         if peer.revoked:
             raise PsymeshError(f"{peer.name} was revoked; pair again first", code=ErrorCode.UNKNOWN_PEER)
         if req.preset_limits is not None and req.preset_limits not in PRESETS:
-            raise PsymeshError(f"unknown preset {req.preset_limits!r}", code=ErrorCode.BAD_REQUEST)
+            raise PsymeshError(f"unknown preset {req.preset_limits!r} (known: {', '.join(sorted(PRESETS))})",
+                               code=ErrorCode.BAD_REQUEST)
         if req.limits is not None:
-            limits = req.limits
+            base = req.limits
         elif req.preset_limits:
-            limits = PRESETS[req.preset_limits][1]
+            base = PRESETS[req.preset_limits][1]
         else:
-            limits = peer.granted.limits if peer.granted else None
+            base = peer.granted.limits if peer.granted else Limits()
+        limits = req.limits_over(base)
         manifest = new_manifest(self.node.identity.peer_id, peer.peer_id, req.capabilities, now=time.time(),
                                 ttl=req.expires_s, limits=limits).sign(self.node.identity.private_key)
         self.node.trust.set_granted(peer.peer_id, manifest)
@@ -109,7 +122,7 @@ class Owner:
         delivered = await self.node.push_manifest(peer.peer_id, manifest)
         updated = self.node.trust.get(peer.peer_id)
         assert updated is not None
-        return c.PeerReply(peer={**updated.as_dict(), "delivered": delivered})
+        return c.PeerReply(peer=updated.view(connected=updated.peer_id in self._connected()), delivered=delivered)
 
     async def _revoke(self, req: c.RevokeRequest, _: FramedStream) -> c.PeerReply:
         """Takes effect at once: the trust store says no to the next request, the peer is told
@@ -126,11 +139,12 @@ class Owner:
         log.info("revoked %s (%s): %d queued or running task(s) canceled", peer.name, peer.peer_id, canceled)
         updated = self.node.trust.get(peer.peer_id)
         assert updated is not None
-        return c.PeerReply(peer=updated.as_dict())
+        return c.PeerReply(peer=updated.view(connected=updated.peer_id in self._connected()), delivered=updated.revocation_told_at is not None)
 
     async def _audit(self, req: c.AuditRequest, _: FramedStream) -> c.AuditReply:
         peer_id = req.peer if req.peer is None or is_peer_id(req.peer) else self.node.trust.resolve(req.peer).peer_id
-        return c.AuditReply(rows=self.node.audit.query(peer_id=peer_id, limit=req.limit, denied_only=req.denied_only))
+        rows = self.node.audit.query(peer_id=peer_id, limit=req.limit, denied_only=req.denied_only)
+        return c.AuditReply(rows=[c.AuditRow.model_validate(r) for r in rows])
 
     async def _task_submit(self, req: c.TaskSubmitRequest, _: FramedStream) -> c.TaskSubmitted:
         try:
@@ -152,7 +166,7 @@ class Owner:
             op = Operation(name=req.operation)
         except ValueError as exc:
             raise PsymeshError(f"unknown operation {req.operation!r}: {exc}", code=ErrorCode.BAD_REQUEST) from None
-        found: list[dict] = []
+        found: list[c.Offer] = []
         for peer in self.node.trust.list(include_revoked=False):
             grant = peer.received
             if grant is None or not check(grant, op, local_peer_id=peer.peer_id, remote_peer_id=self.node.identity.peer_id,
@@ -163,8 +177,8 @@ class Owner:
                     caps = await self.node.offers(peer.peer_id)
                 except PsymeshError:
                     continue
-                found.append({"peer_id": peer.peer_id, "name": peer.name, "models": caps.models,
-                              "tools": caps.tools, "queue_depth": caps.queue_depth})
+                found.append(c.Offer(peer_id=peer.peer_id, name=peer.name, models=caps.models, tools=caps.tools,
+                                     queue_depth=caps.queue_depth))
         return c.OffersReply(offers=found)
 
     async def _task_watch(self, req: c.TaskWatchRequest, framed: FramedStream) -> c.Ok:
@@ -188,10 +202,10 @@ class Owner:
 
     async def _task_list(self, req: c.TaskListRequest, _: FramedStream) -> c.TaskListReply:
         names = {p.peer_id: p.name for p in self.node.trust.list()}
-        submitted = [{"task_id": t.id, "kind": t.spec.kind.value, "target": names.get(t.target, t.target),
-                      "state": t.state.value, "accepted": t.accepted, "events": t.last_seq,
-                      "created_at": t.created_at, "updated_at": t.updated_at}
+        submitted = [c.SubmittedTaskView(task_id=t.id, kind=t.spec.kind, target=names.get(t.target, t.target),
+                                         state=t.state, accepted=t.accepted, events=t.last_seq,
+                                         created_at=t.created_at, updated_at=t.updated_at)
                      for t in self.node.submitter.outbox.list()[-req.limit:]]
-        executing = [{**r.status().model_dump(mode="json"), "submitter": names.get(r.submitter, r.submitter)}
+        executing = [c.ExecutingTaskView(**r.status().model_dump(), submitter=names.get(r.submitter, r.submitter))
                      for r in self.node.executor.store.list(limit=req.limit)]
         return c.TaskListReply(submitted=submitted, executing=executing)

@@ -19,7 +19,9 @@ from dataclasses import dataclass
 import msgpack
 
 from psymesh.node.db import ensure_schema, transaction
+from psymesh.protocol.control import PeerView
 from psymesh.protocol.errors import ErrorCode, PsymeshError
+from psymesh.protocol.limits import Limits
 from psymesh.protocol.manifest import Manifest
 
 SCHEMA = """
@@ -93,21 +95,23 @@ class Peer:
             raise PsymeshError(f"{self.name} revoked this node's access at {when}; pair again to use it",
                                code=ErrorCode.FORBIDDEN)
 
-    def as_dict(self) -> dict:
-        return {
-            "peer_id": self.peer_id,
-            "name": self.name,
-            "role": self.role,
-            "addrs": self.addrs,
-            "paired_at": self.paired_at,
-            "revoked_at": self.revoked_at,
-            "granted": self.granted.grants() if self.granted else [],
-            "granted_expires": self.granted.expires if self.granted else None,
-            "granted_limits": self.granted.limits.model_dump(exclude_none=True) if self.granted else {},
-            "received": self.received.grants() if self.received else [],
-            "received_expires": self.received.expires if self.received else None,
-            "revoked_us_at": self.revoked_us_at,
-        }
+    def view(self, *, connected: bool = False) -> PeerView:
+        """This peer as the control API shows it to the owner (`connected`: the p2p host knows)."""
+        return PeerView(
+            peer_id=self.peer_id,
+            name=self.name,
+            role=self.role,
+            addrs=self.addrs,
+            paired_at=self.paired_at,
+            revoked_at=self.revoked_at,
+            granted=self.granted.grants() if self.granted else [],
+            granted_expires=self.granted.expires if self.granted else None,
+            granted_limits=self.granted.limits if self.granted else Limits(),
+            received=self.received.grants() if self.received else [],
+            received_expires=self.received.expires if self.received else None,
+            revoked_us_at=self.revoked_us_at,
+            connected=connected,
+        )
 
 
 class TrustStore:

@@ -2,13 +2,42 @@
 
 The control API is how the CLI and scripts drive their own daemon. Every request
 gets exactly one reply (or an `error`), except streaming requests, which say so.
+
+Replies are typed all the way down: a list in a reply holds `View`s (a peer, an audit
+row, a task, an offer) with named, typed fields, so the SDK hands out attributes and
+the CLI prints them without guessing shapes; `--json` prints their `model_dump`.
+
+An `error` reply for a failure of the network (the daemon could not reach a peer, or
+lost it mid-request) says so in `details["network"]` (see `error_reply`), so the SDK
+raises it as the NetworkError it was, apart from refusals (RemoteError).
 """
 from __future__ import annotations
 
-from pydantic import Field
+from collections.abc import Mapping
 
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from psymesh.protocol.common import Error
+from psymesh.protocol.errors import (
+    ConnectError,
+    ConnectionLost,
+    ErrorCode,
+    NetworkError,
+    NetworkTimeout,
+    ProtocolError,
+    PsymeshError,
+    RemoteError,
+)
 from psymesh.protocol.limits import Limits
 from psymesh.protocol.messages import Message
+from psymesh.protocol.tasks import TaskKind, TaskState
+
+
+class View(BaseModel):
+    """One item inside a control reply (never sent alone). Frozen and typed; keys it does
+    not know are ignored, so a newer daemon may add fields without breaking an older SDK."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
 
 
 class StatusRequest(Message):
@@ -107,20 +136,67 @@ class PeersRequest(Message):
     include_revoked: bool = True
 
 
+class PeerView(View):
+    """A paired peer as its owner sees it: who it is, what each side may ask of the other."""
+
+    peer_id: str
+    name: str
+    role: str
+    addrs: list[str] = Field(default_factory=list)
+    paired_at: float
+    revoked_at: float | None = None       # we revoked it
+    granted: list[str] = Field(default_factory=list)   # what it may ask of us (CLI spelling)
+    granted_expires: float | None = None
+    granted_limits: Limits = Limits()     # the numbers of that grant (None: no limit from the grant)
+    received: list[str] = Field(default_factory=list)  # what we may ask of it
+    received_expires: float | None = None
+    revoked_us_at: float | None = None    # it revoked us
+    connected: bool = False               # a connection to it is open now
+
+
 class PeersReply(Message):
     type = "control.peers_reply"
-    peers: list[dict] = Field(default_factory=list)
+    peers: list[PeerView] = Field(default_factory=list)
 
 
 class GrantRequest(Message):
-    """Replace the grant to `peer` with these capabilities (CLI spelling, e.g. `tool:files.*`)."""
+    """Replace the grant to `peer` with these capabilities (CLI spelling, e.g. `tool:files.*`).
+
+    Its limits: `limits` if given, else the preset `preset_limits`'s, else the current
+    grant's; then each of `set_limits` replaces one of them (None: no limit from the grant)."""
 
     type = "control.grant"
     peer: str
     capabilities: list[str] = Field(min_length=1, max_length=128)
     expires_s: float | None = Field(default=None, gt=0)
-    preset_limits: str | None = None  # take limits from a preset (default: keep the current limits)
-    limits: Limits | None = None      # explicit limits (rate, concurrent tasks, ...); wins over preset_limits
+    preset_limits: str | None = None
+    limits: Limits | None = None
+    set_limits: dict[str, int | None] = Field(default_factory=dict)
+
+    @field_validator("set_limits")
+    @classmethod
+    def _limits_exist_and_fit(cls, changes: dict[str, int | None]) -> dict[str, int | None]:
+        return check_limit_changes(changes)
+
+    def limits_over(self, base: Limits) -> Limits:
+        """`base` with `set_limits` applied, one limit at a time."""
+        return Limits.model_validate({**base.model_dump(), **self.set_limits})
+
+
+def check_limit_changes(changes: Mapping[str, int | None]) -> dict[str, int | None]:
+    """`changes` as a dict if each names a field of `Limits` and fits it (None clears it);
+    else ValueError naming the first that does not, in the words a person typed it."""
+    known = list(Limits.model_fields)
+    for name in changes:
+        if name not in Limits.model_fields:
+            raise ValueError(f"unknown limit {name!r} (known: {', '.join(known)})")
+    try:
+        Limits.model_validate(changes)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        name = str(first["loc"][0]) if first.get("loc") else "limits"
+        raise ValueError(f"{name}={changes.get(name)}: {first['msg'][:1].lower()}{first['msg'][1:]}") from None
+    return dict(changes)
 
 
 class RevokeRequest(Message):
@@ -129,8 +205,12 @@ class RevokeRequest(Message):
 
 
 class PeerReply(Message):
+    """The peer after a grant or a revocation. `delivered`: the peer took the news now (its
+    new grant, or the revocation notice); if not, it learns it when it next calls."""
+
     type = "control.peer"
-    peer: dict
+    peer: PeerView
+    delivered: bool = False
 
 
 class AuditRequest(Message):
@@ -140,9 +220,22 @@ class AuditRequest(Message):
     denied_only: bool = False
 
 
+class AuditRow(View):
+    """One decision of the gate (or of the owner, e.g. a revocation), oldest first in a reply."""
+
+    id: int
+    ts: float
+    peer_id: str
+    protocol: str
+    operation: str
+    allowed: bool
+    code: str | None = None  # the ErrorCode of a refusal
+    reason: str = ""
+
+
 class AuditReply(Message):
     type = "control.audit_reply"
-    rows: list[dict] = Field(default_factory=list)
+    rows: list[AuditRow] = Field(default_factory=list)
 
 
 # -- delegated tasks (control API) -----------------------------------------------
@@ -184,11 +277,37 @@ class TaskListRequest(Message):
     limit: int = Field(default=100, ge=1, le=1000)
 
 
+class SubmittedTaskView(View):
+    """A task this node delegated, from its durable mirror."""
+
+    task_id: str
+    kind: TaskKind
+    target: str          # the executing peer's name (its id if it is no longer paired)
+    state: TaskState
+    accepted: bool       # the target holds it (False: still queued here for delivery)
+    events: int          # events mirrored so far
+    created_at: float
+    updated_at: float
+
+
+class ExecutingTaskView(View):
+    """A task this node runs for a peer."""
+
+    task_id: str
+    kind: TaskKind
+    submitter: str       # the submitting peer's name (its id if it is no longer paired)
+    state: TaskState
+    last_seq: int        # events in the task's log
+    acked_seq: int       # events the submitter confirmed it stored
+    created_at: float
+    updated_at: float
+    deadline: float | None = None
+
+
 class TaskListReply(Message):
     type = "control.task_list_reply"
-    submitted: list[dict] = Field(default_factory=list)  # tasks this node delegated
-    executing: list[dict] = Field(default_factory=list)  # tasks this node runs for others
-
+    submitted: list[SubmittedTaskView] = Field(default_factory=list)  # tasks this node delegated
+    executing: list[ExecutingTaskView] = Field(default_factory=list)  # tasks this node runs for others
 
 
 class TaskInputRequest(Message):
@@ -206,6 +325,56 @@ class OffersRequest(Message):
     operation: str = "task.agent"
 
 
+class Offer(View):
+    """A paired peer that would take the operation now, and what it has for it."""
+
+    peer_id: str
+    name: str
+    models: list[str] = Field(default_factory=list)
+    tools: list[str] = Field(default_factory=list)
+    queue_depth: int = 0  # tasks waiting there
+
+
 class OffersReply(Message):
     type = "control.offers_reply"
-    offers: list[dict] = Field(default_factory=list)  # {peer_id, name, models, tools, queue_depth}
+    offers: list[Offer] = Field(default_factory=list)
+
+
+# -- errors: the network failing vs a refusal ----------------------------------------
+
+# details["network"] of an `error` reply -> the NetworkError the SDK raises for it
+NETWORK_FAILURES: dict[str, type[NetworkError]] = {
+    "connect": ConnectError,
+    "timeout": NetworkTimeout,
+    "lost": ConnectionLost,
+    "network": NetworkError,
+}
+
+
+def network_kind(exc: PsymeshError) -> str | None:
+    """How the network failed, if `exc` is the network failing rather than a refusal.
+
+    The transport (node/p2p.py, node/framed.py) reports a stream it could not open, or
+    that closed or went silent under a request, as a ProtocolError coded `unavailable` or
+    `timeout`; those count as the network too."""
+    for kind, cls in NETWORK_FAILURES.items():
+        if isinstance(exc, cls):
+            return kind
+    if isinstance(exc, ProtocolError) and exc.code in (ErrorCode.UNAVAILABLE, ErrorCode.TIMEOUT):
+        return "timeout" if exc.code is ErrorCode.TIMEOUT else "network"
+    return None
+
+
+def error_reply(exc: PsymeshError) -> Error:
+    """The `error` reply for what a control request raised inside the daemon."""
+    kind = network_kind(exc)
+    reply = Error.from_exception(exc)
+    return reply if kind is None else reply.model_copy(update={"details": {**reply.details, "network": kind}})
+
+
+def raised(exc: RemoteError) -> PsymeshError:
+    """What the SDK raises for an `error` reply: the NetworkError the daemon met, or the refusal."""
+    cls = NETWORK_FAILURES.get(str(exc.details.get("network")))
+    if cls is None:
+        return exc
+    return cls(exc.message, code=exc.code, retry_after=exc.retry_after, details=exc.details)

@@ -6,11 +6,21 @@ Public API for scripts::
     async with psymesh.Client(home="~/.psymesh-home") as node:
         print(await node.status())
 """
-from psymesh.protocol.errors import ErrorCode, ProtocolError, PsymeshError, RemoteError
+from psymesh.protocol.errors import (
+    ConnectError,
+    ConnectionLost,
+    ErrorCode,
+    NetworkError,
+    NetworkTimeout,
+    ProtocolError,
+    PsymeshError,
+    RemoteError,
+)
 
 __version__ = "0.1.0"
 
-__all__ = ["Client", "ErrorCode", "ProtocolError", "PsymeshError", "RemoteError", "__version__"]
+__all__ = ["Client", "ConnectError", "ConnectionLost", "ErrorCode", "NetworkError", "NetworkTimeout", "ProtocolError",
+           "PsymeshError", "RemoteError", "__version__"]
 
 
 def __getattr__(name: str):  # the SDK pulls in anyio; import it only when asked for

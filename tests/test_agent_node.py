@@ -215,9 +215,9 @@ async def test_offers_list_the_homes_that_would_run_an_agent(tmp_path: Path, tin
             with pytest.raises(RemoteError) as bad:
                 await phone.offers("task.teleport")
 
-    assert [(o["name"], o["peer_id"], o["models"]) for o in offers] == [
+    assert [(o.name, o.peer_id, o.models) for o in offers] == [
         ("home", nodes["home"].identity.peer_id, ["tiny"])]
-    assert "system.info" in offers[0]["tools"] and offers[0]["queue_depth"] == 0
+    assert "system.info" in offers[0].tools and offers[0].queue_depth == 0
     assert bad.value.code is ErrorCode.BAD_REQUEST
 
 
@@ -264,7 +264,7 @@ async def test_agent_run_delegates_from_a_phone_daemon(tmp_path: Path, tiny_mode
         assert result["stopped"] in ("final", "max_steps") and 1 <= result["steps"] <= 2
         async with Client(phone.home) as client:
             listed = (await client.tasks()).submitted
-        assert [(t["task_id"], t["kind"], t["target"], t["state"]) for t in listed] == [
+        assert [(t.task_id, t.kind, t.target, t.state) for t in listed] == [
             (result["task_id"], "agent", "home", "completed")]
     finally:
         await phone.stop()

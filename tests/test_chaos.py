@@ -152,8 +152,8 @@ async def _all_acknowledged(home: DaemonProcess, ids: set[str]) -> None:
     with anyio.fail_after(20):
         while True:
             async with home.client() as h:
-                held = {t["task_id"]: t for t in (await h.tasks(limit=1000)).executing if t["task_id"] in ids}
-            if all(t["acked_seq"] == t["last_seq"] for t in held.values()):
+                held = {t.task_id: t for t in (await h.tasks(limit=1000)).executing if t.task_id in ids}
+            if all(t.acked_seq == t.last_seq for t in held.values()):
                 return
             await anyio.sleep(0.1)
 
@@ -296,7 +296,7 @@ async def test_cancel_while_the_task_is_on_its_way_reaches_the_home(tmp_path: Pa
                                                  task_id="t-late"))
                 async with phone.client() as c2:
                     with anyio.fail_after(10):
-                        while not any(t["task_id"] == "t-late" for t in (await c2.tasks()).submitted):
+                        while not any(t.task_id == "t-late" for t in (await c2.tasks()).submitted):
                             await anyio.sleep(0.05)
                     await c2.task("t-late").cancel()
                     with pytest.raises(RemoteError) as err:
@@ -306,7 +306,7 @@ async def test_cancel_while_the_task_is_on_its_way_reaches_the_home(tmp_path: Pa
                 home.proc.send_signal(signal.SIGCONT)
         async with home.client() as h:
             async def canceled_at_home() -> bool:
-                return [t["state"] for t in (await h.tasks()).executing if t["task_id"] == "t-late"] == ["canceled"]
+                return [t.state for t in (await h.tasks()).executing if t.task_id == "t-late"] == ["canceled"]
 
             await wait_until(canceled_at_home, "home to hold t-late, canceled", timeout=20)
         assert _tool_runs(plugin_log)["done w0"] == 0

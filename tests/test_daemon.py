@@ -14,8 +14,9 @@ import pytest
 
 from conftest import pair, run_nodes
 from psymesh.node.client import Client, DaemonNotRunning
+from psymesh.node.home import NodeHome
 from psymesh.node.process import DaemonProcess
-from psymesh.protocol.errors import ErrorCode, RemoteError
+from psymesh.protocol.errors import ErrorCode, NetworkError, RemoteError
 
 pytestmark = pytest.mark.anyio
 
@@ -39,13 +40,16 @@ async def test_ping_unreachable_peer_is_a_clear_error(tmp_path: Path) -> None:
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    ghost = NodeHome(tmp_path / "ghost").init().peer_id  # a valid id nobody serves
     async with run_nodes(tmp_path, "phone") as nodes:
-        ghost = nodes["phone"].identity.peer_id  # any valid id; nothing listens there
         async with Client(nodes["phone"].home.path) as phone:
-            with pytest.raises(RemoteError) as info:
+            with pytest.raises(NetworkError) as info:  # the network failed: not a refusal
                 await phone.ping(f"/ip4/127.0.0.1/tcp/{port}/p2p/{ghost}", count=1)
-            assert info.value.code in (ErrorCode.UNAVAILABLE, ErrorCode.BAD_REQUEST)
-            assert (await phone.status()).peer_id == ghost  # still serving
+            assert info.value.code is ErrorCode.UNAVAILABLE and f"tcp/{port}" in info.value.message
+            with pytest.raises(RemoteError) as refused:  # our own id is a request that makes no sense
+                await phone.ping(f"/ip4/127.0.0.1/tcp/{port}/p2p/{nodes['phone'].identity.peer_id}", count=1)
+            assert refused.value.code is ErrorCode.BAD_REQUEST
+            assert (await phone.status()).name == "phone"  # still serving
 
 
 async def test_garbage_on_the_control_socket_is_answered_and_survived(tmp_path: Path) -> None:

@@ -104,7 +104,7 @@ async def test_many_quiet_tasks_share_one_liveness_ping(tmp_path: Path) -> None:
                 for t in tasks:
                     assert await t.result() == {"done": True}
             quiet_s = anyio.current_time() - started  # the grant runs 2 at a time: ~3 rounds of 3.5 s
-            pings = [r for r in await h.audit(limit=1000) if r["operation"] == "ping"]
+            pings = [r for r in await h.audit(limit=1000) if r.operation == "ping"]
         # One probe a quiet second for the home, shared by all six followers (each on its own
         # would make it about six times as many).
         assert 1 <= len(pings) <= quiet_s + 3, (len(pings), quiet_s)

@@ -40,3 +40,10 @@ def test_pull_offline_names_the_file_to_fetch_by_hand(tmp_path: Path) -> None:
     assert err["code"] == "unavailable"
     assert "Q4_K_M" in err["message"] and "qvac/BotPsy-0.8B-GGUF" in err["message"]
     assert "psymesh model add" in err["message"] and "Traceback" not in r.stderr
+    assert err["network"] == "connect"  # the network failed us: not a refusal
+    human = cli(tmp_path / "h", "model", "pull", "qvac/BotPsy-0.8B-GGUF", "--file", "Q4_K_M",
+                env={"HF_ENDPOINT": "http://127.0.0.1:9"})
+    [hint, line] = human.stderr.strip().splitlines()  # what it tried; then one line naming its own next step
+    assert hint.startswith("fetching the Q4_K_M GGUF")
+    assert human.returncode == 1 and line.startswith("network error [unavailable]: cannot reach the model hub")
+    assert line.endswith("psymesh model add NAME /path/to/that.gguf")

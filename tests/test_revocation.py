@@ -112,7 +112,7 @@ async def _assert_refuses_new_work_locally(home: Node, phone: Node, client: Clie
         await task.respond({"approve": True})
     assert err.value.code is ErrorCode.FORBIDDEN and "revoked" in err.value.message
     assert not await client.offers("task.agent")  # home offers nothing to a node it revoked
-    assert (await client.tasks()).submitted[-1]["state"] in ("failed", "rejected")
+    assert (await client.tasks()).submitted[-1].state in ("failed", "rejected")
     assert _audit_rows(home, phone) == before
 
 
@@ -134,7 +134,7 @@ async def test_a_revoked_phone_ends_its_tasks_at_once_and_stops_calling_home(
             async with Client(home.home.path) as h:
                 with anyio.fail_after(10):
                     revoked = await h.revoke("phone")
-            assert revoked["revoked_at"] is not None
+            assert revoked.peer.revoked_at is not None
             # home waited for the phone to take the notice: both tasks have ended there already
             assert all(phone.submitter.outbox.get(t.id).terminal for t in (working, asking))
             for task in (working, asking):
@@ -143,10 +143,10 @@ async def test_a_revoked_phone_ends_its_tasks_at_once_and_stops_calling_home(
                 with pytest.raises(RemoteError) as err:
                     await task.result()
                 assert err.value.code is ErrorCode.FORBIDDEN
-            listed = {t["task_id"]: t["state"] for t in (await c.tasks()).submitted}
+            listed = {t.task_id: t.state for t in (await c.tasks()).submitted}
             assert listed == {working.id: "failed", asking.id: "failed"}
             [home_peer] = await c.peers()
-            assert home_peer["revoked_us_at"] is not None and home_peer["received"] == []
+            assert home_peer.revoked_us_at is not None and home_peer.received == []
 
             await _assert_leaves_home_alone(home, phone)
             await _assert_refuses_new_work_locally(home, phone, c, asking)

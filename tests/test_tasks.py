@@ -122,8 +122,8 @@ async def test_tool_tasks_end_to_end(tmp_path: Path) -> None:
             assert err.value.code is ErrorCode.FORBIDDEN and "share dir" in err.value.message
 
             listed = await phone.tasks()
-        assert [t["state"] for t in listed.submitted] == ["completed", "completed", "failed"]
-        assert all(t["target"] == "home" for t in listed.submitted)
+        assert [t.state for t in listed.submitted] == ["completed", "completed", "failed"]
+        assert all(t.target == "home" for t in listed.submitted)
 
 
 @pytest.mark.anyio
@@ -492,7 +492,7 @@ async def test_sdk_delegates_from_asyncio_to_daemon_processes(tmp_path: Path, ti
             _assert_log(events, TaskState.COMPLETED)
             text = "".join(ev.data["text"] for ev in events if ev.kind is EventKind.TOKEN)
             assert text and text == (await chat.result())["text"]
-            assert [t["state"] for t in (await node.tasks()).submitted] == ["completed", "completed"]
+            assert [t.state for t in (await node.tasks()).submitted] == ["completed", "completed"]
     finally:
         assert await phone.stop() == 0
         assert await home.stop() == 0

@@ -50,11 +50,11 @@ async def test_full_pairing_both_sides_agree(tmp_path: Path) -> None:
         # the trust stores on both sides, read through the control API
         async with Client(home.home.path) as c:
             [p] = await c.peers()
-        assert p["peer_id"] == phone.identity.peer_id and p["role"] == "home" or p["role"] in ("home", "phone")
-        assert "task.infer" in p["granted"] and p["received"] == ["msg.send", "msg.ask"]
+        assert p.peer_id == phone.identity.peer_id and p.role == "home" or p.role in ("home", "phone")
+        assert "task.infer" in p.granted and p.received == ["msg.send", "msg.ask"]
         async with Client(phone.home.path) as c:
             [h] = await c.peers()
-        assert h["peer_id"] == home.identity.peer_id and h["granted"] == ["msg.send", "msg.ask"]
+        assert h.peer_id == home.identity.peer_id and h.granted == ["msg.send", "msg.ask"]
 
 
 def _wrong(code: str) -> str:
@@ -95,7 +95,7 @@ async def test_invite_cannot_be_reused_after_success(tmp_path: Path) -> None:
                 await t.pair_join(inv.invite)
         assert info.value.code == ErrorCode.BAD_CODE  # a used invite's number gets a decoy
         async with Client(nodes["home"].home.path) as h:
-            assert [x["name"] for x in await h.peers()] == ["phone"]
+            assert [x.name for x in await h.peers()] == ["phone"]
 
 
 async def test_expired_invite_is_refused(tmp_path: Path) -> None:
@@ -127,7 +127,7 @@ async def test_unpaired_peer_reaches_only_pairing_and_is_audited(tmp_path: Path)
         assert info.value.code == ErrorCode.UNKNOWN_PEER
         async with Client(nodes["home"].home.path) as h:
             rows = await h.audit(denied_only=True)
-        assert rows[-1]["peer_id"] == nodes["stranger"].identity.peer_id and rows[-1]["code"] == "unknown_peer"
+        assert rows[-1].peer_id == nodes["stranger"].identity.peer_id and rows[-1].code == "unknown_peer"
 
 
 async def test_revocation_closes_an_open_connection_and_refuses_what_follows(tmp_path: Path) -> None:
@@ -139,7 +139,7 @@ async def test_revocation_closes_an_open_connection_and_refuses_what_follows(tmp
         assert home.identity.peer_id in [x["peer_id"] for x in phone.p2p.connected_peers()]
         async with Client(home.home.path) as h:
             revoked = await h.revoke("phone")
-        assert revoked["revoked_at"] is not None
+        assert revoked.peer.revoked_at is not None
         with anyio.fail_after(5):  # the open connection is gone at once, on both sides
             while phone.identity.peer_id in [x["peer_id"] for x in home.p2p.connected_peers()] or \
                     home.identity.peer_id in [x["peer_id"] for x in phone.p2p.connected_peers()]:
@@ -168,11 +168,11 @@ async def test_grant_change_reaches_the_subject(tmp_path: Path) -> None:
         await pair(nodes["home"].home.path, nodes["phone"].home.path)
         async with Client(nodes["home"].home.path) as h:
             updated = await h.grant("phone", ["tool:files.read", "msg.send"], expires_s=3600)
-        assert updated["granted"] == ["tool:files.read", "msg.send"] and updated["delivered"]
+        assert updated.peer.granted == ["tool:files.read", "msg.send"] and updated.delivered
         async with Client(nodes["phone"].home.path) as p:
             [home_peer] = await p.peers()
-        assert home_peer["received"] == ["tool:files.read", "msg.send"]
-        assert home_peer["received_expires"] is not None
+        assert home_peer.received == ["tool:files.read", "msg.send"]
+        assert home_peer.received_expires is not None
 
 
 # -- the gate on its own, over a real trust store: the permission matrix -----------------
@@ -315,7 +315,7 @@ def test_a_peer_that_revoked_us_gives_us_nothing_until_we_pair_again(tmp_path: P
     assert trust.revoked_us(home.peer_id, now=1_700_000_100) and not trust.revoked_us(home.peer_id)
     peer = trust.get(home.peer_id)
     assert peer.received is None and peer.revoked_us_at == 1_700_000_100 and not peer.revoked
-    assert peer.as_dict()["revoked_us_at"] == 1_700_000_100 and peer.as_dict()["received"] == []
+    assert peer.view().revoked_us_at == 1_700_000_100 and peer.view().received == []
     with pytest.raises(PsymeshError) as info:
         peer.refuse_if_revoked_us()
     assert info.value.code is ErrorCode.FORBIDDEN and "home revoked this node's access" in info.value.message
@@ -353,11 +353,11 @@ async def test_cli_trust_commands(tmp_path: Path) -> None:
         assert peers.returncode == 0, peers.stderr
         assert json.loads(peers.stdout)[0]["name"] == "phone"
         g = await anyio.to_thread.run_sync(cli, "grant", "phone", "msg.send", "--expires", "1h", "--json")
-        assert json.loads(g.stdout)["granted"] == ["msg.send"]
+        assert json.loads(g.stdout)["peer"]["granted"] == ["msg.send"]
         bad = await anyio.to_thread.run_sync(cli, "grant", "phone", "no.such.capability", "--json")
         assert bad.returncode == 1 and json.loads(bad.stdout)["error"]["code"] == "bad_request"
         r = await anyio.to_thread.run_sync(cli, "revoke", "phone", "--json")
-        assert json.loads(r.stdout)["revoked_at"]
+        assert json.loads(r.stdout)["peer"]["revoked_at"]
         a = await anyio.to_thread.run_sync(cli, "audit", "--json")
         assert any(row["operation"] == "revoke" for row in json.loads(a.stdout))
         unknown = await anyio.to_thread.run_sync(cli, "revoke", "nobody", "--json")
