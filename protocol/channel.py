@@ -7,6 +7,8 @@
 
 After a ProtocolError the channel is broken for good (like h11's ERROR state):
 further use raises the same error, so a half-parsed stream is never trusted.
+`FrameReader` is that rule with the framing, shared with the session ends
+(`protocol/session.py`), which read envelope keys before the message.
 """
 from __future__ import annotations
 
@@ -15,16 +17,26 @@ from psymesh.protocol.framing import DEFAULT_MAX_FRAME_SIZE, FrameDecoder, encod
 from psymesh.protocol.messages import Message, pack, unpack
 
 
-class Channel:
+class FrameReader:
+    """Bytes in, whole frame bodies out; broken for good after a ProtocolError."""
+
     def __init__(self, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE) -> None:
         self.max_frame_size = max_frame_size
         self._decoder = FrameDecoder(max_frame_size)
         self._error: ProtocolError | None = None
         self.eof = False
 
+    @property
+    def broken(self) -> bool:
+        return self._error is not None
+
     def _check(self) -> None:
         if self._error is not None:
             raise self._error
+
+    def _fail(self, exc: ProtocolError) -> ProtocolError:
+        self._error = exc
+        return exc
 
     def receive_data(self, data: bytes) -> None:
         """Feed bytes from the peer; b"" means the peer closed its side."""
@@ -34,24 +46,24 @@ class Channel:
             return
         self._decoder.feed(data)
 
+    def _next_body(self) -> bytes | None:
+        """The next whole frame body, or None if more bytes are needed (or the peer is done)."""
+        body = self._decoder.next_frame()
+        if body is None and self.eof and not self._decoder.at_frame_boundary():
+            raise ProtocolError("peer closed the stream in the middle of a frame")
+        return body
+
+
+class Channel(FrameReader):
     def next_message(self) -> Message | None:
         """The next whole message, or None if more bytes are needed (or the peer is done)."""
         self._check()
         try:
-            body = self._decoder.next_frame()
-            if body is None:
-                if self.eof and not self._decoder.at_frame_boundary():
-                    raise ProtocolError("peer closed the stream in the middle of a frame")
-                return None
-            return unpack(body)
+            body = self._next_body()
+            return None if body is None else unpack(body)
         except ProtocolError as exc:
-            self._error = exc
-            raise
+            raise self._fail(exc) from None
 
     def send(self, message: Message) -> bytes:
         self._check()
         return encode_frame(pack(message), self.max_frame_size)
-
-    @property
-    def broken(self) -> bool:
-        return self._error is not None

@@ -47,7 +47,8 @@ from pydantic import Field
 
 from psymesh.protocol.common import Error
 from psymesh.protocol.errors import ErrorCode, ProtocolError, PsymeshError, RemoteError
-from psymesh.protocol.framing import DEFAULT_MAX_FRAME_SIZE, FrameDecoder, encode_frame
+from psymesh.protocol.channel import FrameReader
+from psymesh.protocol.framing import DEFAULT_MAX_FRAME_SIZE, encode_frame
 from psymesh.protocol.messages import Message, decode_map, from_map, pack
 
 MAX_OPEN_REQUESTS = 256
@@ -98,42 +99,21 @@ class Refused:
     error: PsymeshError
 
 
-class _Side:
-    """Framing and the broken-for-good rule shared by both ends."""
+class _Side(FrameReader):
+    """Framing and the broken-for-good rule (from `FrameReader`), plus the open requests."""
 
     def __init__(self, max_frame_size: int, max_open: int) -> None:
-        self.max_frame_size = max_frame_size
+        super().__init__(max_frame_size)
         self.max_open = max_open
-        self._decoder = FrameDecoder(max_frame_size)
         self._open: set[int] = set()
-        self._error: ProtocolError | None = None
-        self.eof = False
 
     @property
     def open_requests(self) -> frozenset[int]:
         return frozenset(self._open)
 
-    @property
-    def broken(self) -> bool:
-        return self._error is not None
-
-    def receive_data(self, data: bytes) -> None:
-        """Feed bytes from the peer; b"" means it closed its side."""
-        self._check()
-        if not data:
-            self.eof = True
-            return
-        self._decoder.feed(data)
-
-    def _check(self) -> None:
-        if self._error is not None:
-            raise self._error
-
     def _next_map(self) -> dict[str, Any] | None:
-        body = self._decoder.next_frame()
+        body = self._next_body()
         if body is None:
-            if self.eof and not self._decoder.at_frame_boundary():
-                raise ProtocolError("the peer closed the session in the middle of a frame")
             return None
         obj = decode_map(body)
         rid = obj.pop("rid", None)
@@ -145,10 +125,6 @@ class _Side:
             raise ProtocolError("a session frame needs an integer 'rid' of at least 1")
         obj["rid"] = rid
         return obj
-
-    def _fail(self, exc: ProtocolError) -> ProtocolError:
-        self._error = exc
-        return exc
 
     def _encode(self, message: Message, envelope: dict[str, Any]) -> bytes:
         return encode_frame(pack(message, envelope), self.max_frame_size)

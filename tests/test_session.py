@@ -2,7 +2,9 @@
 streamed answers, cancel, a dead peer failing open requests, and a redial."""
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import AsyncIterator
 
 import anyio
 import pytest
@@ -62,13 +64,22 @@ def pool_for(client: P2PNode, watcher: Liveness | None = None) -> SessionPool:
     return SessionPool(open_stream, SESSION, 1 << 20, watcher)
 
 
-async def test_many_requests_share_one_stream_and_answer_concurrently() -> None:
-    server, client, door = new_node(), new_node(), Server()
+@contextlib.asynccontextmanager
+async def session_pair(door: Server) -> AsyncIterator[tuple[P2PNode, P2PNode, SessionPool]]:
+    """A server answering with `door` and a connected client with a running session pool."""
+    server, client = new_node(), new_node()
     serve(server, door)
     pool = pool_for(client)
     async with running(server, client), anyio.create_task_group() as tg:
         await tg.start(pool.run)
         await client.connect(server.addrs()[0])
+        yield server, client, pool
+        tg.cancel_scope.cancel()
+
+
+async def test_many_requests_share_one_stream_and_answer_concurrently() -> None:
+    door = Server()
+    async with session_pair(door) as (server, _, pool):
         results: dict[int, int] = {}
 
         async def one(i: int) -> None:
@@ -80,38 +91,26 @@ async def test_many_requests_share_one_stream_and_answer_concurrently() -> None:
         assert results == {i: i for i in range(50)}
         assert len(pool.sessions()) == 1
         assert sorted(c.rid for c in door.calls) == list(range(1, 51))  # one session, 50 request ids
-        tg.cancel_scope.cancel()
 
 
 async def test_a_streamed_answer_arrives_whole_and_in_order() -> None:
-    server, client, door = new_node(), new_node(), Server()
-    serve(server, door)
-    pool = pool_for(client)
-    async with running(server, client), anyio.create_task_group() as tg:
-        await tg.start(pool.run)
-        await client.connect(server.addrs()[0])
+    async with session_pair(Server()) as (server, _, pool):
         async with pool.stream(server.peer_id, Ping(seq=500, payload=b"stream")) as replies:
             got = [m async for m in replies]
         assert [m.seq for m in got[:-1]] == list(range(500)) and isinstance(got[-1], SessionEnd)
         with pytest.raises(RemoteError) as info:
             await pool.request(server.peer_id, Ping(seq=1, payload=b"refuse"), Pong)
         assert info.value.code is ErrorCode.FORBIDDEN
-        tg.cancel_scope.cancel()
 
 
 async def test_leaving_a_stream_early_cancels_the_work_on_the_server() -> None:
-    server, client, door = new_node(), new_node(), Server()
-    serve(server, door)
-    pool = pool_for(client)
-    async with running(server, client), anyio.create_task_group() as tg:
-        await tg.start(pool.run)
-        await client.connect(server.addrs()[0])
+    door = Server()
+    async with session_pair(door) as (server, _, pool):
         with anyio.move_on_after(0.2):
             await pool.request(server.peer_id, Ping(seq=1, payload=b"hang"), Pong)
         with anyio.fail_after(5):
             await door.canceled.wait()
         assert (await pool.request(server.peer_id, Ping(seq=7), Pong)).seq == 7  # the session lives on
-        tg.cancel_scope.cancel()
 
 
 async def test_a_peer_that_goes_away_fails_open_requests_and_the_next_request_redials() -> None:
