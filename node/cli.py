@@ -324,6 +324,42 @@ def peers(home: str | None, out: Output, active: bool) -> None:
     out.data(rows, human)
 
 
+
+@main.command()
+@command
+@click.option("--wait", "wait_s", type=click.FloatRange(0, 60), default=0, show_default=True, metavar="SECONDS",
+              help="Listen this many seconds more before listing.")
+def discover(home: str | None, out: Output, wait_s: float) -> None:
+    """Nodes seen on the LAN (mDNS) or at static addresses, paired or not, with fingerprints.
+
+    Compare a node's fingerprint with `psymesh id` on that device before pairing with it:
+    anyone on the LAN can announce anything, and pairing is what proves the key."""
+
+    async def go() -> Any:
+        async with Client(home) as client:
+            return await client.discovered(wait_s)
+
+    reply: c.DiscoverReply = run_async(go)
+    if not reply.mdns and not reply.static_peers:
+        out.hint("discovery is off: set mdns = true (and listen on the LAN) or static_peers in config.toml")
+    elif reply.mdns and not reply.announced:
+        out.hint("mdns is on, but this node listens on no LAN address, so it neither announces nor hears")
+
+    def human(con: Any) -> None:
+        if not reply.nodes:
+            con.print("no nodes seen yet" + ("; try: psymesh discover --wait 5" if reply.mdns else ""))
+            return
+        table = Table("name", "peer id", "fingerprint", "addresses", "via", "last seen")
+        now = time.time()
+        for n in reply.nodes:
+            table.add_row(f"[green]{escape(n.name)}[/green]" if n.name else "[dim]not paired[/dim]",
+                          n.peer_id[:20] + "…", n.fingerprint or "-", escape("\n".join(n.addrs)), n.source,
+                          f"{max(0.0, now - n.last_seen):.0f} s ago")
+        con.print(table)
+
+    out.data(reply.nodes, human)
+
+
 def _size(n: int) -> str:
     for unit, scale in (("MiB", 1 << 20), ("KiB", 1 << 10)):
         if n >= scale and n % scale == 0:

@@ -204,6 +204,12 @@ class Client:
     async def revoke(self, peer: str) -> c.PeerReply:
         return await self.request(c.RevokeRequest(peer=peer), c.PeerReply)
 
+    # -- discovery ---------------------------------------------------------------
+    async def discovered(self, wait_s: float = 0.0) -> c.DiscoverReply:
+        """Nodes seen on the LAN (mDNS) or at static addresses, paired or not, with fingerprints
+        (most recent first), after listening `wait_s` more seconds (at most 60)."""
+        return await self.request(c.DiscoverRequest(wait_s=wait_s), c.DiscoverReply)
+
     # -- delegated tasks ---------------------------------------------------------
     async def delegate(
         self,

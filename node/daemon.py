@@ -5,6 +5,7 @@
       ├── SessionPool.run      one outbound session per peer (+ a liveness watcher each)
       ├── TaskExecutor.run     recover unfinished tasks, N workers, expiry/purge housekeeping
       ├── TaskSubmitter.run    one driver per unfinished delegated task
+      ├── Discovery.run        mDNS (if configured), static peers; paired peers' addresses follow them
       ├── ControlServer.serve  local Unix socket for the CLI and scripts (handlers: node/owner.py)
       └── signal watcher       SIGINT/SIGTERM -> cancel the root scope -> clean shutdown
 
@@ -24,6 +25,7 @@ from collections.abc import Awaitable, Callable
 import anyio
 import anyio.abc
 
+from psymesh.discovery.service import Discovery
 from psymesh.node.agents import AgentTaskRunner, node_tools
 from psymesh.node.audit import AuditLog
 from psymesh.node.control import ControlServer
@@ -88,6 +90,8 @@ class Node:
         self.submitter = TaskSubmitter(local_peer_id=self.identity.peer_id, outbox=Outbox(self.db), trust=self.trust,
                                        sessions=self.sessions)
         self.messaging = Messaging(self.identity, MessageStore(self.db), self.trust, self.sessions)
+        self.discovery = Discovery(self.identity.peer_id, mdns=self.config.mdns, static_peers=self.config.static_peers,
+                                   host=self.p2p, peers=self.trust)
         self._root: anyio.CancelScope | None = None
         self._tg: anyio.abc.TaskGroup | None = None
         self._register_services()
@@ -164,6 +168,7 @@ class Node:
                 await tg.start(self.executor.run)
                 await tg.start(self.submitter.run)
                 await tg.start(self.messaging.run)
+                await tg.start(self.discovery.run)
                 await tg.start(self.control.serve)
                 tg.start_soon(self._watch_signals, tg.cancel_scope)
                 log.info("node %s (%s) listening on %s", self.identity.peer_id, self.config.profile,

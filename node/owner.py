@@ -55,6 +55,7 @@ class Owner:
             c.TaskWatchRequest: self._task_watch,
             c.TaskCancelRequest: self._task_cancel,
             c.TaskListRequest: self._task_list,
+            c.DiscoverRequest: self._discover,
         }
         for request_type, handler in routes.items():
             control.route(request_type, handler)
@@ -209,3 +210,6 @@ class Owner:
         executing = [c.ExecutingTaskView(**r.status().model_dump(), submitter=names.get(r.submitter, r.submitter))
                      for r in self.node.executor.store.list(limit=req.limit)]
         return c.TaskListReply(submitted=submitted, executing=executing)
+
+    async def _discover(self, req: c.DiscoverRequest, _: FramedStream) -> c.DiscoverReply:
+        return await self.node.discovery.discovered(req.wait_s)

@@ -14,6 +14,7 @@ raises it as the NetworkError it was, apart from refusals (RemoteError).
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -338,6 +339,40 @@ class Offer(View):
 class OffersReply(Message):
     type = "control.offers_reply"
     offers: list[Offer] = Field(default_factory=list)
+
+
+# -- discovery (control API) -----------------------------------------------------------
+
+
+class DiscoverRequest(Message):
+    """Nodes this node has seen on the LAN (mDNS) or reached at a static address, paired or
+    not. `wait_s`: listen that many seconds more first (a daemon just started has heard little)."""
+
+    type = "control.discover"
+    wait_s: float = Field(default=0.0, ge=0.0, le=60.0)
+
+
+class SeenNode(View):
+    """A node seen on the network. Its peer id and addresses are what it announced: the
+    fingerprint is for a person to compare with `psymesh id` on the device before pairing,
+    and pairing proves the key."""
+
+    peer_id: str
+    fingerprint: str | None = None   # None: not an Ed25519 peer id (another libp2p implementation)
+    addrs: list[str] = Field(default_factory=list)
+    source: Literal["mdns", "static"]
+    first_seen: float
+    last_seen: float
+    paired: bool = False             # paired and not revoked
+    name: str | None = None          # the paired peer's name
+
+
+class DiscoverReply(Message):
+    type = "control.discover_reply"
+    mdns: bool                                            # config `mdns`
+    announced: list[str] = Field(default_factory=list)    # what this node announces now (mDNS)
+    static_peers: int = 0                                 # config `static_peers` entries
+    nodes: list[SeenNode] = Field(default_factory=list)   # most recently seen first
 
 
 # -- errors: the network failing vs a refusal ----------------------------------------

@@ -1,0 +1,175 @@
+"""The discovery service: which nodes are around, and where paired peers are now.
+
+    Discovery.run()
+      ├── Mdns.run          announce, browse (config `mdns = true`; off by default)
+      ├── StaticPeers.run   dial and keep connected the config's `static_peers`
+      └── _follow           prove, then store, a paired peer's new addresses
+
+Every node seen lands in one bounded table (discovery/table.py), paired or not, which
+`psymesh discover` lists with fingerprints so a person can check a device before pairing.
+
+**Addresses follow the peer.** When a paired peer announces addresses the trust store
+does not hold (its DHCP lease changed, it roamed, it restarted on another port), the
+node dials one of them, and only once the Noise handshake there proves the peer's key
+does it replace the stored addresses, so the next request goes there without pairing
+again. An announcement is unauthenticated: anyone on the LAN can claim any peer id, so
+an address nobody proved never reaches the trust store, and a live connection to the
+peer is never dropped on an announcement's word. While one is open the change waits
+(if it is stale, the next request on it fails and drops it); a proof that failed is
+retried no sooner than `RETRY_S` later.
+
+This package imports nothing of node/: the daemon hands it the p2p host and the trust
+store, which fit the small protocols below.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+import anyio
+import anyio.abc
+
+from psymesh.discovery.mdns import Left, Mdns, MdnsEvent, Seen
+from psymesh.discovery.records import dialable, without_peer_id
+from psymesh.discovery.static import Dialer, StaticPeers, check_static_peers
+from psymesh.discovery.table import SeenTable, Sighting, Source
+from psymesh.protocol.control import DiscoverReply, SeenNode
+from psymesh.protocol.errors import PsymeshError
+from psymesh.protocol.identity import is_peer_id, peer_fingerprint
+
+log = logging.getLogger("psymesh.discovery")
+
+FOLLOW_S = 1.0         # how often pending address changes of paired peers are looked at again
+RETRY_S = 10.0         # after no announced address proved the peer, wait this long before trying again
+PROOF_TIMEOUT_S = 5.0  # one dial that proves a paired peer at an announced address
+MAX_PROOFS = 4         # announced addresses tried per attempt
+
+
+class Host(Dialer, Protocol):
+    """What discovery needs of the p2p host (node/p2p.py P2PNode)."""
+
+    def addrs(self) -> list[str]: ...
+
+
+class KnownPeer(Protocol):
+    """A paired peer as the trust store holds it (node/trust.py Peer)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def addrs(self) -> list[str]: ...
+
+    @property
+    def revoked(self) -> bool: ...
+
+
+class PeerBook(Protocol):
+    """The trust store (node/trust.py TrustStore), as far as addresses go."""
+
+    def get(self, peer_id: str) -> KnownPeer | None: ...
+
+    def set_addrs(self, peer_id: str, addrs: list[str]) -> None: ...
+
+
+class Discovery:
+    def __init__(self, peer_id: str, *, mdns: bool, static_peers: Sequence[str], host: Host, peers: PeerBook,
+                 clock: Callable[[], float] = time.time) -> None:
+        """BAD_REQUEST for a static peer that is not a dialable multiaddr with a peer id."""
+        self.peer_id = peer_id
+        self.host = host
+        self.peers = peers
+        self.clock = clock
+        self.table = SeenTable()
+        self.mdns = Mdns(peer_id, host.addrs) if mdns else None
+        self.static = StaticPeers(check_static_peers(static_peers, peer_id), host, self._reached)
+        self._pending: set[str] = set()   # paired peers whose announced addresses are not followed yet
+        self._retry_at: dict[str, float] = {}
+        self._wake = anyio.Event()
+
+    async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Reports started at once: mDNS probing takes seconds and the node need not wait for it."""
+        async with anyio.create_task_group() as tg:
+            if self.mdns is not None:
+                await tg.start(self.mdns.run, self._on_mdns)
+            await tg.start(self.static.run)
+            tg.start_soon(self._follow)
+            task_status.started()
+
+    # -- what is seen ----------------------------------------------------------------
+    def _on_mdns(self, event: MdnsEvent) -> None:
+        if isinstance(event, Left):
+            self.table.forget(event.peer_id, "mdns")
+            return
+        announcement = event.announcement
+        if announcement.peer_id == self.peer_id:
+            return  # our own announcement, heard back
+        self._saw(announcement.peer_id, announcement.addrs, "mdns")
+
+    def _reached(self, peer_id: str, addr: str) -> None:
+        """A static peer answered at `addr`: the dial proved it, so a paired one is stored there."""
+        self.table.saw(peer_id, (addr,), "static", self.clock())
+        peer = self.peers.get(peer_id)
+        if peer is not None and not peer.revoked and addr not in peer.addrs:
+            self.peers.set_addrs(peer_id, [addr, *peer.addrs])
+
+    def _saw(self, peer_id: str, addrs: tuple[str, ...], source: Source) -> None:
+        self.table.saw(peer_id, addrs, source, self.clock())
+        self._pending.add(peer_id)
+        self._retry_at.pop(peer_id, None)  # a new announcement deserves a new try
+        self._wake.set()
+
+    # -- addresses follow the peer ----------------------------------------------------
+    async def _follow(self) -> None:
+        while True:
+            with anyio.move_on_after(FOLLOW_S):
+                await self._wake.wait()
+            self._wake = anyio.Event()
+            connected = {p["peer_id"] for p in self.host.connected_peers()}
+            for peer_id in sorted(self._pending):
+                if await self._follow_one(peer_id, connected):
+                    self._pending.discard(peer_id)
+                    self._retry_at.pop(peer_id, None)
+
+    async def _follow_one(self, peer_id: str, connected: set[str]) -> bool:
+        """True when there is nothing (more) to do for `peer_id`'s latest announcement."""
+        seen = self.table.get(peer_id)
+        peer = self.peers.get(peer_id)
+        if seen is None or peer is None or peer.revoked:
+            return True  # gone, or not paired: nothing to follow
+        stored = {without_peer_id(a) for a in peer.addrs}
+        new = [a for a in seen.addrs if dialable(a)]
+        if not new or all(without_peer_id(a) in stored for a in new):
+            return True
+        if peer_id in connected or self.clock() < self._retry_at.get(peer_id, 0.0):
+            return False
+        for addr in new[:MAX_PROOFS]:
+            try:
+                with anyio.fail_after(PROOF_TIMEOUT_S):
+                    await self.host.connect(addr)  # Noise proves the key behind `addr` is the peer's
+            except (PsymeshError, TimeoutError) as exc:
+                log.info("%s announced %s, which did not prove it: %s", peer.name, addr, exc)
+                continue
+            self.peers.set_addrs(peer_id, [addr, *(a for a in new if a != addr)])
+            log.info("%s (%s) is now at %s", peer.name, peer_id, " ".join(new))
+            return True
+        self._retry_at[peer_id] = self.clock() + RETRY_S
+        return False
+
+    # -- the owner's view ---------------------------------------------------------------
+    async def discovered(self, wait_s: float = 0.0) -> DiscoverReply:
+        """Every node seen, most recent first; after listening `wait_s` more seconds if asked."""
+        if wait_s > 0:
+            await anyio.sleep(wait_s)
+        return DiscoverReply(mdns=self.mdns is not None, announced=self.mdns.announced if self.mdns else [],
+                             static_peers=len(self.static.peers), nodes=[self._view(s) for s in self.table.all()])
+
+    def _view(self, seen: Sighting) -> SeenNode:
+        peer = self.peers.get(seen.peer_id)
+        paired = peer is not None and not peer.revoked
+        return SeenNode(peer_id=seen.peer_id,
+                        fingerprint=peer_fingerprint(seen.peer_id) if is_peer_id(seen.peer_id) else None,
+                        addrs=list(seen.addrs), source=seen.source, first_seen=seen.first_seen,
+                        last_seen=seen.last_seen, paired=paired, name=peer.name if paired and peer else None)
