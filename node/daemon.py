@@ -29,7 +29,7 @@ from psymesh.discovery.service import Discovery
 from psymesh.node.agents import AgentTaskRunner, node_tools
 from psymesh.node.audit import AuditLog
 from psymesh.node.control import ControlServer
-from psymesh.node.db import open_db
+from psymesh.node.db import Checkpointer, open_db
 from psymesh.node.executor import TaskExecutor
 from psymesh.node.framed import FramedStream
 from psymesh.node.gate import Gate
@@ -70,7 +70,7 @@ class Node:
         self.home = home
         self.identity = home.init()
         self.config = config or home.load_config()
-        self.db = open_db(home.db_path)
+        self.db = open_db(home.db_path, background_checkpoints=True)
         self.started_at = time.monotonic()
         self.trust = TrustStore(self.db)
         self.audit = AuditLog(self.db)
@@ -163,6 +163,7 @@ class Node:
             async with anyio.create_task_group() as tg:
                 self._root = tg.cancel_scope
                 self._tg = tg
+                await tg.start(Checkpointer(self.home.db_path).run)
                 await tg.start(self.p2p.run)
                 await tg.start(self.sessions.run)
                 await tg.start(self.executor.run)

@@ -13,13 +13,19 @@ replaced or recreated: only its owner decides to move it aside.
 """
 from __future__ import annotations
 
+import logging
 import os
 import sqlite3
 import stat
 from pathlib import Path
 
+import anyio
+import anyio.abc
+
 from psymesh.node.home import os_error, tighten
 from psymesh.protocol.errors import ErrorCode, PsymeshError
+
+log = logging.getLogger("psymesh.db")
 
 # Primary result codes (the low byte of sqlite3.Error.sqlite_errorcode).
 _SQLITE_PERM, _SQLITE_BUSY, _SQLITE_LOCKED, _SQLITE_READONLY = 3, 5, 6, 8
@@ -78,9 +84,13 @@ def _private_db_file(path: Path) -> None:
         os.close(fd)
 
 
-def open_db(path: Path | str) -> sqlite3.Connection:
+def open_db(path: Path | str, *, background_checkpoints: bool = False) -> sqlite3.Connection:
     """Open (creating if needed) a database tuned for a small always-on daemon.
-    Every failure is a StorageError naming the file and the fix (see `storage_error`)."""
+    Every failure is a StorageError naming the file and the fix (see `storage_error`).
+
+    `background_checkpoints`: this connection never checkpoints the WAL itself (a
+    checkpoint syncs the database file: a stall of milliseconds in the middle of some
+    request); the owner runs `Checkpointer` beside it instead."""
     path = Path(path)
     conn: sqlite3.Connection | None = None
     try:
@@ -89,6 +99,8 @@ def open_db(path: Path | str) -> sqlite3.Connection:
         conn.row_factory = sqlite3.Row
         conn.execute("PRAGMA journal_mode=WAL")  # reads the header: a file that is no database fails here
         conn.execute("PRAGMA synchronous=NORMAL")  # durable across process crashes; WAL fsyncs at checkpoint
+        if background_checkpoints:
+            conn.execute("PRAGMA wal_autocheckpoint=0")
         conn.execute("PRAGMA foreign_keys=ON")
         conn.execute("PRAGMA busy_timeout=10000")
         conn.execute("SELECT count(*) FROM sqlite_master").fetchone()  # the schema page must be readable too
@@ -119,3 +131,29 @@ class transaction:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         self.conn.execute("ROLLBACK" if exc_type else "COMMIT")
+
+
+class Checkpointer:
+    """Copies the WAL back into the database every `every_s` seconds, on a thread of its own
+    with its own connection (PASSIVE: it never blocks the daemon's readers or writer), so
+    the daemon's connection can run with `wal_autocheckpoint=0` and never stall on it."""
+
+    def __init__(self, path: Path, every_s: float = 2.0) -> None:
+        self.path = path
+        self.every_s = every_s
+
+    async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        while True:
+            await anyio.sleep(self.every_s)
+            try:
+                await anyio.to_thread.run_sync(self._checkpoint)
+            except (sqlite3.Error, OSError) as exc:  # a full disk, say: the WAL grows; the node keeps serving
+                log.warning("WAL checkpoint failed: %s", storage_error(exc, self.path).message)
+
+    def _checkpoint(self) -> None:
+        conn = sqlite3.connect(str(self.path), timeout=1.0, isolation_level=None)
+        try:
+            conn.execute("PRAGMA wal_checkpoint(PASSIVE)")
+        finally:
+            conn.close()
