@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from psymesh.agent.generate import GenerationParams, ToolGrammar
-from psymesh.agent.loop import AgentConfig, AgentEvent, AgentResult, Confirm, LlamaAgentModel, run_agent
+from psymesh.agent.loop import AgentConfig, AgentEvent, AgentResult, Confirm, Emit, LlamaAgentModel, run_agent
 from psymesh.agent.tools import ToolContext, ToolRegistry
 from psymesh.node.home import NodeConfig, NodeHome
 from psymesh.node.models import ModelPool, ModelRegistry
@@ -139,8 +139,6 @@ class AgentTaskRunner:
 
     async def __call__(self, rec: Any, emit: TaskEmit, ask: Ask | None = None) -> dict[str, Any]:
         spec = rec.spec
-        params = peer_params(spec.params)
-        worker = await self.models.get(pick_model(self.models.registry, params.get("model"), self.default_model))
         confirm: Confirm | None = None
         if ask is not None:
             async def confirm(call: Any, tool: Any) -> bool:
@@ -153,10 +151,26 @@ class AgentTaskRunner:
             if mapped is not None:
                 await emit(mapped[0], mapped[1])
 
-        ctx = ToolContext(share_dir=Path(self.share_dir) if self.share_dir else None, profile=self.profile,
-                          peer_id=rec.submitter, deadline=rec.deadline)
-        run = await run_agent(spec.goal, model=llama_model(worker, params), tools=self.tools, ctx=ctx,
-                              profile=self.profile, config=agent_config(params, from_peer=True),
+        return await self.run(spec.goal, spec.params, peer_id=rec.submitter, deadline=rec.deadline,
                               confirm=confirm, emit=on_event)
+
+    async def run(self, goal: str, params: Mapping[str, Any], *, peer_id: str, deadline: float | None,
+                  tools: ToolRegistry | None = None, confirm: Confirm | None = None,
+                  emit: Emit | None = None) -> dict[str, Any]:
+        """One agent run for a peer: its params checked and clamped, with this node's
+        tools (or `tools`, a subset), until `deadline` (Unix s). An `agent` task and an
+        `msg.ask` letter (node/answering.py) both come here."""
+        params = peer_params(params)
+        worker = await self.models.get(pick_model(self.models.registry, params.get("model"), self.default_model))
+        ctx = ToolContext(share_dir=Path(self.share_dir) if self.share_dir else None, profile=self.profile,
+                          peer_id=peer_id, deadline=deadline)
+        run = await run_agent(goal, model=llama_model(worker, params), tools=self.tools if tools is None else tools,
+                              ctx=ctx, profile=self.profile, config=agent_config(params, from_peer=True),
+                              confirm=confirm, emit=emit)
         return result_of(run)
+
+
+def granted_tools(tools: ToolRegistry, allows: Callable[[str], bool]) -> ToolRegistry:
+    """The tools whose names `allows` (e.g. those a peer's grant covers as `tool:` operations)."""
+    return ToolRegistry(t for t in tools if allows(t.name))
 

@@ -139,10 +139,14 @@ class Client:
         if self._framed is None:
             raise PsymeshError("use `async with Client(...)` (or await client.__aenter__()) first")
         async with self._lock:
-            try:
-                return await self._framed.request(message, reply_type)
-            except RemoteError as exc:
-                raise c.raised(exc) from None
+            return await self._request_on(self._framed, message, reply_type)
+
+    @staticmethod
+    async def _request_on(framed: FramedStream, message: Message, reply_type: type[R]) -> R:
+        try:
+            return await framed.request(message, reply_type)
+        except RemoteError as exc:
+            raise c.raised(exc) from None
 
     # -- node ---------------------------------------------------------------
     async def status(self) -> c.StatusReply:
@@ -259,6 +263,94 @@ class Client:
     async def audit(self, *, peer: str | None = None, limit: int = 100,
                     denied_only: bool = False) -> list[c.AuditRow]:
         return (await self.request(c.AuditRequest(peer=peer, limit=limit, denied_only=denied_only), c.AuditReply)).rows
+
+    # -- messages between agents -------------------------------------------------------
+    async def send(self, to: str, text: str = "", *, body: Mapping[str, Any] | None = None, thread: str = "main",
+                   letter_id: str | None = None) -> c.SentLetter:
+        """Write a letter to `to` (a paired peer's name or id). It is durable here when this
+        returns (state `pending`); the node delivers it, exactly once, in order within
+        `thread`, retrying while the peer is away. Passing the same `letter_id` again
+        returns the same letter. See `letter()` for its state later."""
+        reply = await self.request(_checked(c.MsgSendRequest, to=to, text=text, body=dict(body or {}), thread=thread,
+                                              letter_id=letter_id), c.MsgSentReply)
+        return reply.letter
+
+    async def letter(self, letter_id: str, *, wait: bool = False) -> c.SentLetter:
+        """A sent letter's state (`pending`, `delivered`, `refused` with code and reason);
+        with `wait`, once it is no longer pending."""
+        if wait:  # may take long: a connection of its own
+            framed = await self._open()
+            try:
+                return (await self._request_on(framed, _checked(c.MsgStatusRequest, id=letter_id, wait=True),
+                                               c.MsgSentReply)).letter
+            finally:
+                await framed.aclose()
+        return (await self.request(_checked(c.MsgStatusRequest, id=letter_id), c.MsgSentReply)).letter
+
+    async def inbox(self, after: int = 0, *, follow: bool = True, limit: int | None = None
+                    ) -> AsyncIterator[c.InboxLetter]:
+        """Letters from peers, in the order the node released them (within a thread, the
+        order they were written), each once: `async for m in node.inbox(): ...`.
+
+        Live by default (it waits for the next letter); `follow=False` ends after the last
+        one held now. Resume after a restart with `after` = the last `m.seq` handled."""
+        framed = await self._open()  # a stream of its own
+        try:
+            await framed.send(_checked(c.MsgInboxRequest, after=after, follow=follow, limit=limit))
+            while True:
+                message = await framed.receive_required()
+                if isinstance(message, c.Ok):
+                    return
+                yield expect(message, c.InboxLetter)
+        finally:
+            await framed.aclose()
+
+    async def ask(self, to: str, question: str, *, thread: str = "main", params: Mapping[str, Any] | None = None,
+                  timeout: float = 120.0) -> c.InboxLetter:
+        """Ask `to`'s agent (it needs `msg.ask` from us) and return its answer letter: the
+        answer's `text`, and in `body` `ok`, `steps`, `stopped` and the `tool_calls` it made
+        (or `error`). `params`: agent params the peer lets us set (max_steps, seed, ...).
+        A refused ask raises its RemoteError at once; no answer within `timeout` raises
+        TIMEOUT (NetworkTimeout if the ask never reached the peer)."""
+        framed = await self._open()  # may take long: a connection of its own
+        try:
+            reply = await self._request_on(framed, _checked(c.MsgAskRequest, to=to, text=question, thread=thread,
+                                                             params=dict(params or {}), timeout_s=timeout),
+                                           c.MsgAnswerReply)
+        finally:
+            await framed.aclose()
+        return reply.answer
+
+    # -- groups ----------------------------------------------------------------------------
+    async def group_create(self, name: str, members: list[str] | None = None) -> c.GroupView:
+        """A named list of paired peers (names or ids), kept by this node only."""
+        return (await self.request(_checked(c.GroupCreateRequest, name=name, members=members or []), c.GroupReply)).group
+
+    async def group_add(self, name: str, members: list[str]) -> c.GroupView:
+        return (await self.request(_checked(c.GroupAddRequest, name=name, members=members), c.GroupReply)).group
+
+    async def group_remove(self, name: str, members: list[str]) -> c.GroupView:
+        return (await self.request(_checked(c.GroupRemoveRequest, name=name, members=members), c.GroupReply)).group
+
+    async def groups(self) -> list[c.GroupView]:
+        return (await self.request(c.GroupListRequest(), c.GroupsReply)).groups
+
+    async def group_send(self, name: str, text: str = "", *, body: Mapping[str, Any] | None = None
+                         ) -> list[c.SentLetter]:
+        """One letter to each member of group `name` (thread `group:<name>`), as `send()` would."""
+        reply = await self.request(_checked(c.GroupSendRequest, name=name, text=text, body=dict(body or {})), c.GroupSentReply)
+        return reply.letters
+
+
+def _checked(cls: type[R], **fields: Any) -> R:
+    """A request built from a caller's arguments: a value out of bounds (a thread name
+    too long, a group name with a space) is a BAD_REQUEST naming it, before anything is sent."""
+    try:
+        return cls(**fields)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first.get("loc", ())) or cls.type
+        raise PsymeshError(f"invalid {where}: {first['msg']}", code=ErrorCode.BAD_REQUEST) from None
 
 
 def new_task_id() -> str:

@@ -5,6 +5,8 @@
       ├── SessionPool.run      one outbound session per peer (+ a liveness watcher each)
       ├── TaskExecutor.run     recover unfinished tasks, N workers, expiry/purge housekeeping
       ├── TaskSubmitter.run    one driver per unfinished delegated task
+      ├── Messaging.run        one courier per recipient with letters to deliver
+      ├── Answering.run        peers' asks answered by the agent, one at a time (node/answering.py)
       ├── Discovery.run        mDNS (if configured), static peers; paired peers' addresses follow them
       ├── ControlServer.serve  local Unix socket for the CLI and scripts (handlers: node/owner.py)
       └── signal watcher       SIGINT/SIGTERM -> cancel the root scope -> clean shutdown
@@ -27,12 +29,14 @@ import anyio.abc
 
 from psymesh.discovery.service import Discovery
 from psymesh.node.agents import AgentTaskRunner, node_tools
+from psymesh.node.answering import Answering
 from psymesh.node.audit import AuditLog
 from psymesh.node.control import ControlServer
 from psymesh.node.db import Checkpointer, open_db
 from psymesh.node.executor import TaskExecutor
 from psymesh.node.framed import FramedStream
 from psymesh.node.gate import Gate
+from psymesh.node.groups import Groups
 from psymesh.node.home import NodeConfig, NodeHome
 from psymesh.node.logs import fields
 from psymesh.node.p2p import P2PNode, P2PStream
@@ -83,13 +87,16 @@ class Node:
         self.pairing = PairingService(self.identity, self.config, self.p2p, self.trust, self.push_manifest)
         self.models = ModelPool(ModelRegistry(self.db))
         self.tools = node_tools(home, self.config)
+        self.agents = AgentTaskRunner(self.models, self.tools, self.config.profile, self.config.share_dir,
+                                      self.config.agent_model)
         self.executor = TaskExecutor(store=executor_store, gate=self.gate, trust=self.trust, tools=self.tools, models=self.models,
                                      profile=self.config.profile, share_dir=self.config.share_dir,
-                                     agent_runner=AgentTaskRunner(self.models, self.tools, self.config.profile,
-                                                                  self.config.share_dir, self.config.agent_model))
+                                     agent_runner=self.agents)
         self.submitter = TaskSubmitter(local_peer_id=self.identity.peer_id, outbox=Outbox(self.db), trust=self.trust,
                                        sessions=self.sessions)
         self.messaging = Messaging(self.identity, MessageStore(self.db), self.trust, self.sessions)
+        self.groups = Groups(self.db, self.trust, self.messaging)
+        self.answering = Answering(self.db, self.messaging, self.trust, self.agents, self.tools, self.identity.peer_id)
         self.discovery = Discovery(self.identity.peer_id, mdns=self.config.mdns, static_peers=self.config.static_peers,
                                    host=self.p2p, peers=self.trust)
         self._root: anyio.CancelScope | None = None
@@ -169,6 +176,7 @@ class Node:
                 await tg.start(self.executor.run)
                 await tg.start(self.submitter.run)
                 await tg.start(self.messaging.run)
+                await tg.start(self.answering.run)
                 await tg.start(self.discovery.run)
                 await tg.start(self.control.serve)
                 tg.start_soon(self._watch_signals, tg.cancel_scope)

@@ -175,6 +175,11 @@ class MessageStore:
             " LIMIT ?", (cursor, limit)).fetchall()
         return [Received(Letter.model_validate_json(r["letter"]), r["received_at"], r["release_seq"]) for r in rows]
 
+    def last_released(self) -> int:
+        """The highest `release_seq` so far (0 for an empty inbox): a reader that starts here
+        sees only letters released from now on."""
+        return self.conn.execute("SELECT COALESCE(MAX(release_seq), 0) FROM msg_inbox").fetchone()[0]
+
     def held(self) -> int:
         return self.conn.execute("SELECT COUNT(*) FROM msg_inbox WHERE release_seq IS NULL").fetchone()[0]
 

@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import logging
 import time
+from contextlib import aclosing
 from typing import TYPE_CHECKING
 
 import anyio
 
 import psymesh
 from psymesh.node.control import ControlServer, Handler
+from psymesh.node.answering import ask_body, wait_answer
 from psymesh.node.framed import FramedStream
+from psymesh.node.msgstore import OutState, Received, Sent
 from psymesh.node.ping import measure_ping
 from psymesh.protocol import control as c
 from psymesh.protocol.errors import ErrorCode, NetworkTimeout, PsymeshError
@@ -22,6 +25,7 @@ from psymesh.protocol.identity import is_peer_id
 from psymesh.protocol.limits import Limits
 from psymesh.protocol.manifest import PRESETS, Operation, check, new_manifest
 from psymesh.protocol.messages import Message
+from psymesh.protocol.messaging import Letter, LetterKind
 from psymesh.protocol.tasks import TaskSpec
 
 if TYPE_CHECKING:
@@ -56,6 +60,15 @@ class Owner:
             c.TaskCancelRequest: self._task_cancel,
             c.TaskListRequest: self._task_list,
             c.DiscoverRequest: self._discover,
+            c.MsgSendRequest: self._msg_send,
+            c.MsgStatusRequest: self._msg_status,
+            c.MsgInboxRequest: self._msg_inbox,
+            c.MsgAskRequest: self._msg_ask,
+            c.GroupCreateRequest: self._group_create,
+            c.GroupAddRequest: self._group_add,
+            c.GroupRemoveRequest: self._group_remove,
+            c.GroupListRequest: self._group_list,
+            c.GroupSendRequest: self._group_send,
         }
         for request_type, handler in routes.items():
             control.route(request_type, handler)
@@ -213,3 +226,102 @@ class Owner:
 
     async def _discover(self, req: c.DiscoverRequest, _: FramedStream) -> c.DiscoverReply:
         return await self.node.discovery.discovered(req.wait_s)
+
+    # -- messages between agents -------------------------------------------------------
+    def _name(self, peer_id: str) -> str:
+        peer = self.node.trust.get(peer_id)
+        return peer.name if peer else peer_id
+
+    def _sent(self, sent: Sent) -> c.SentLetter:
+        letter = sent.letter
+        return c.SentLetter(id=letter.id, recipient=letter.recipient, recipient_name=self._name(letter.recipient),
+                            thread=letter.thread, tseq=letter.tseq, kind=letter.kind, group=letter.group,
+                            state=sent.state.value, code=sent.code, reason=sent.reason)
+
+    def _written(self, letter: Letter) -> c.SentLetter:
+        sent = self.node.messaging.store.sent(letter.id)
+        assert sent is not None  # just written (or written before, with the same id)
+        return self._sent(sent)
+
+    def _inbox_letter(self, received: Received) -> c.InboxLetter:
+        letter = received.letter
+        assert received.release_seq is not None
+        return c.InboxLetter(seq=received.release_seq, id=letter.id, sender=letter.sender,
+                             sender_name=self._name(letter.sender), thread=letter.thread, tseq=letter.tseq,
+                             kind=letter.kind, text=letter.text, body=letter.body, at=letter.at,
+                             received_at=received.received_at, reply_to=letter.reply_to, group=letter.group)
+
+    async def _msg_send(self, req: c.MsgSendRequest, _: FramedStream) -> c.MsgSentReply:
+        letter = self.node.messaging.send(req.to, req.text, body=req.body, thread=req.thread,
+                                          letter_id=req.letter_id)
+        return c.MsgSentReply(letter=self._written(letter))
+
+    async def _msg_status(self, req: c.MsgStatusRequest, _: FramedStream) -> c.MsgSentReply:
+        messaging = self.node.messaging
+        sent = await messaging.wait_sent(req.id) if req.wait else messaging.store.sent(req.id)
+        if sent is None:
+            raise PsymeshError(f"no letter {req.id!r} was sent from here", code=ErrorCode.NOT_FOUND)
+        return c.MsgSentReply(letter=self._sent(sent))
+
+    async def _msg_inbox(self, req: c.MsgInboxRequest, framed: FramedStream) -> c.Ok:
+        count = 0
+        async with aclosing(self.node.messaging.follow(req.after, live=req.follow)) as letters:
+            async for received in letters:
+                await framed.send(self._inbox_letter(received))
+                count += 1
+                if req.limit is not None and count >= req.limit:
+                    break
+        return c.Ok()
+
+    async def _msg_ask(self, req: c.MsgAskRequest, _: FramedStream) -> c.MsgAnswerReply:
+        """Send the ask, then wait for its answer letter; a refusal of the ask ends the wait
+        at once (its code and reason), and so does `timeout_s` (the ask stays sent: a late
+        answer lands in the inbox)."""
+        messaging = self.node.messaging
+        after = messaging.store.last_released()
+        ask = messaging.send(req.to, req.text, body=ask_body(req.params), thread=req.thread, kind=LetterKind.ASK)
+        answer: Received | None = None
+        refused: Sent | None = None
+        with anyio.move_on_after(req.timeout_s):
+            async with anyio.create_task_group() as tg:
+                async def answered() -> None:
+                    nonlocal answer
+                    answer = await wait_answer(messaging, ask, after)
+                    tg.cancel_scope.cancel()
+
+                async def delivered() -> None:
+                    nonlocal refused
+                    sent = await messaging.wait_sent(ask.id)
+                    if sent.state is OutState.REFUSED:
+                        refused = sent
+                        tg.cancel_scope.cancel()
+
+                tg.start_soon(answered)
+                tg.start_soon(delivered)
+        if refused is not None:
+            raise PsymeshError(f"{self._name(ask.recipient)} refused the ask: {refused.reason}",
+                               code=ErrorCode(refused.code) if refused.code else ErrorCode.FORBIDDEN)
+        if answer is None:
+            state = self._written(ask).state
+            why = (f"no answer from {self._name(ask.recipient)} within {req.timeout_s:g} s (the ask is {state}; "
+                   "a late answer lands in the inbox, see: psymesh msg inbox)")
+            if state == OutState.PENDING:  # it never got there: the network, not the agent
+                raise NetworkTimeout(why)
+            raise PsymeshError(why, code=ErrorCode.TIMEOUT)
+        return c.MsgAnswerReply(ask=self._written(ask), answer=self._inbox_letter(answer))
+
+    async def _group_create(self, req: c.GroupCreateRequest, _: FramedStream) -> c.GroupReply:
+        return c.GroupReply(group=self.node.groups.create(req.name, req.members))
+
+    async def _group_add(self, req: c.GroupAddRequest, _: FramedStream) -> c.GroupReply:
+        return c.GroupReply(group=self.node.groups.add(req.name, req.members))
+
+    async def _group_remove(self, req: c.GroupRemoveRequest, _: FramedStream) -> c.GroupReply:
+        return c.GroupReply(group=self.node.groups.remove(req.name, req.members))
+
+    async def _group_list(self, req: c.GroupListRequest, _: FramedStream) -> c.GroupsReply:
+        return c.GroupsReply(groups=self.node.groups.list())
+
+    async def _group_send(self, req: c.GroupSendRequest, _: FramedStream) -> c.GroupSentReply:
+        letters = self.node.groups.send(req.name, req.text, body=req.body)
+        return c.GroupSentReply(group=req.name, letters=[self._written(letter) for letter in letters])

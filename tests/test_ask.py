@@ -1,0 +1,124 @@
+"""Asks: a paired peer's `ask` letter goes to the node's agent, which answers with the
+tools the asker's grant covers, and the answer comes back as a letter in the same thread.
+
+Real in-process daemons on loopback; the agent runs either the generated tiny qwen35
+GGUF under the tool-call grammar (what a user gets) or, where the test is about what the
+agent may touch, a scripted model in its place (the same runner, tools and checks).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import anyio
+import pytest
+
+from conftest import pair, run_nodes
+from waiting import wait_until
+from psymesh.agent.loop import ScriptedModel, tool_call_text
+from psymesh.agent.testmodel import tiny_model_path
+from psymesh.agent.tools import tool_from_function
+from psymesh.node import agents
+from psymesh.node.answering import answer_id
+from psymesh.node.client import Client
+from psymesh.protocol.errors import ErrorCode, RemoteError
+from psymesh.protocol.limits import Limits
+from psymesh.protocol.messaging import LetterKind
+
+pytestmark = pytest.mark.anyio
+MODEL = {"n_ctx": 16384, "n_threads": 1}
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_model_path(tmp_path_factory.getbasetemp() / "models")
+
+
+class _Notes:
+    """An irreversible tool on home that remembers what it really did."""
+
+    def __init__(self) -> None:
+        self.sent: list[str] = []
+
+    def send(self, text: str) -> dict:
+        """Send a note to the family (cannot be undone)."""
+        self.sent.append(text)
+        return {"sent": text}
+
+
+async def test_an_ask_is_answered_with_the_tools_the_asker_may_use(
+        tmp_path: Path, tiny_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    async with run_nodes(tmp_path, "home", "phone", profiles={"phone": "phone"}) as nodes:
+        home, phone = nodes["home"], nodes["phone"]
+        await pair(home.home.path, phone.home.path, grant="phone")
+        notes = _Notes()
+        home.tools.register(tool_from_function(notes.send, "notes.send", irreversible=True))
+        home.models.registry.add("tiny", tiny_model, **MODEL)
+        model = ScriptedModel([tool_call_text("system.info"), tool_call_text("notes.send", {"text": "home by 6"}),
+                               "Home runs psymesh; I did not send the note: nobody could say yes."])
+        monkeypatch.setattr(agents, "llama_model", lambda worker, params: model)
+        async with Client(home.home.path) as h:
+            await h.grant("phone", ["msg.ask", "tool:system.info", "tool:notes.*"], limits=Limits(max_runtime_s=60))
+        async with Client(phone.home.path) as p:
+            answer = await p.ask("home", "What are you, and tell the family I am home by 6.", thread="evening",
+                                 timeout=60)
+            asks = [m async for m in p.inbox(follow=False)]
+
+        assert answer.kind is LetterKind.ANSWER and answer.thread == "evening" and answer.sender_name == "home"
+        assert answer.text == "Home runs psymesh; I did not send the note: nobody could say yes."
+        assert [m.id for m in asks] == [answer.id]  # the answer is an ordinary letter in the phone's inbox
+        body = answer.body
+        assert body["ok"] is True and body["stopped"] == "final" and body["steps"] == 3
+        assert [(c["name"], c["status"]) for c in body["tool_calls"]] == [("system.info", "ok"),
+                                                                          ("notes.send", "unconfirmed")]
+        assert notes.sent == []  # irreversible: nobody at home said yes, so it never ran
+        offered = {spec.name for spec in model.seen[0][1]}
+        assert offered == {"system.info", "notes.send"}  # files.* is home's too, but not the phone's to use
+
+        [ask] = [r.letter for r in home.messaging.store.released_after(0)]
+        assert ask.kind is LetterKind.ASK and answer.reply_to == ask.id and answer.id == answer_id(ask)
+        # answering the same ask again (a restart before it was noted as done) sends nothing new
+        again = await home.answering.answer(ask)
+        assert again is not None and again.id == answer.id and model.remaining == 0
+        assert [s.letter.id for s in home.messaging.store.outbox()] == [answer.id]
+
+
+async def test_an_ask_is_answered_by_the_generated_model(tmp_path: Path, tiny_model: Path) -> None:
+    async with run_nodes(tmp_path, "home", "phone", profiles={"phone": "phone"}) as nodes:
+        await pair(nodes["home"].home.path, nodes["phone"].home.path, grant="phone")
+        nodes["home"].models.registry.add("tiny", tiny_model, **MODEL)
+        async with Client(nodes["phone"].home.path) as phone:
+            answer = await phone.ask("home", "Show system info.", params={"seed": 26, "ban_bytes": True,
+                                                                          "max_steps": 2}, timeout=120)
+
+    assert answer.kind is LetterKind.ANSWER and answer.reply_to and answer.thread == "main"
+    assert answer.body["ok"] is True and 1 <= answer.body["steps"] <= 2  # the asker's limit held
+    assert answer.body["stopped"] in ("final", "max_steps") and answer.text == answer.body["answer"] != ""
+    assert all(c["name"] in ("system.info", "files.list", "files.read", "files.search")
+               for c in answer.body["tool_calls"])  # only what the phone preset grants
+
+
+async def test_an_ask_without_msg_ask_is_refused_at_once(tmp_path: Path, tiny_model: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    async with run_nodes(tmp_path, "home", "phone", profiles={"phone": "phone"}) as nodes:
+        home = nodes["home"]
+        await pair(home.home.path, nodes["phone"].home.path, grant="phone")
+        model = ScriptedModel([])
+        monkeypatch.setattr(agents, "llama_model", lambda worker, params: model)
+        async with Client(home.home.path) as h:
+            await h.grant("phone", ["msg.send"])
+        async with Client(nodes["phone"].home.path) as phone:
+            with anyio.fail_after(30), pytest.raises(RemoteError) as info:
+                await phone.ask("home", "Delete everything.", timeout=600)
+            # its withdrawn stub (a `send`, so msg.send) keeps the thread going before msg.send goes
+            await wait_until(lambda: nodes["phone"].messaging.store.pending(home.identity.peer_id) == [],
+                             "the refused ask's stub to be taken")
+            # bad params are the asker's bad request, answered as such
+            async with Client(home.home.path) as h:
+                await h.grant("phone", ["msg.ask"])
+            failed = await phone.ask("home", "Hello?", params={"max_steps": "lots"}, timeout=60)
+        got = [r.letter for r in home.messaging.store.released_after(0) if not r.letter.withdrawn]
+
+    assert info.value.code is ErrorCode.FORBIDDEN and "msg.ask" in info.value.message
+    assert [x.text for x in got] == ["Hello?"]  # only the allowed ask got in
+    assert failed.body == {"ok": False, "error": {"code": "bad_request", "message": failed.text}}
+    assert "max_steps" in failed.text and model.seen == []  # the agent never ran for either
