@@ -5,6 +5,8 @@
       ├── SessionPool.run      one outbound session per peer (+ a liveness watcher each)
       ├── TaskExecutor.run     recover unfinished tasks, N workers, expiry/purge housekeeping
       ├── TaskSubmitter.run    one driver per unfinished delegated task
+      ├── Mailbox.run          mail held for peers that named this node: expiry housekeeping
+      ├── MailOwner.run        our mail key to every peer; our mail fetched from our mailbox
       ├── Messaging.run        one courier per recipient with letters to deliver
       ├── Answering.run        peers' asks answered by the agent, one at a time (node/answering.py)
       ├── Discovery.run        mDNS (if configured), static peers; paired peers' addresses follow them
@@ -42,6 +44,8 @@ from psymesh.node.logs import fields
 from psymesh.node.p2p import P2PNode, P2PStream
 from psymesh.node.pairing import PairingService
 from psymesh.node.liveness import Liveness
+from psymesh.node.mailbox import Mailbox, MailStore
+from psymesh.node.mailclient import MailOwner, MailSender
 from psymesh.node.messaging import Messaging
 from psymesh.node.msgstore import MessageStore
 from psymesh.node.models import ModelPool, ModelRegistry
@@ -56,6 +60,7 @@ from psymesh.protocol.errors import ErrorCode, PsymeshError
 from psymesh.protocol.manifest import Manifest, ManifestOk, ManifestPush, ManifestRevoke, revocation
 from psymesh.protocol.common import Ping, Pong
 from psymesh.protocol.messages import Message
+from psymesh.protocol.mailbox import MailAck, MailDeposit, MailFetch, MailKeyPush
 from psymesh.protocol.messaging import MsgSend
 from psymesh.protocol.pairing import PAIR_MAX_FRAME
 from psymesh.protocol.session import MAX_OPEN_REQUESTS
@@ -79,7 +84,9 @@ class Node:
         self.trust = TrustStore(self.db)
         self.audit = AuditLog(self.db)
         executor_store = ExecutorStore(self.db)
-        self.gate = Gate(self.identity.peer_id, self.trust, self.audit, queue=executor_store)
+        mail_store = MailStore(self.db)
+        self.mailbox = Mailbox(self.identity.peer_id, mail_store, self.trust, self.config.mail)
+        self.gate = Gate(self.identity.peer_id, self.trust, self.audit, queue=executor_store, mailbox=self.mailbox)
         self.p2p = P2PNode(self.identity.seed, self.config.listen, allow_peer=self.gate.allow_connection)
         self.control = ControlServer(home.socket_path, self.config.max_frame_size)
         self.sessions = SessionPool(self.open_peer_stream, ids.SESSION, self.config.max_frame_size,
@@ -94,7 +101,11 @@ class Node:
                                      agent_runner=self.agents)
         self.submitter = TaskSubmitter(local_peer_id=self.identity.peer_id, outbox=Outbox(self.db), trust=self.trust,
                                        sessions=self.sessions)
-        self.messaging = Messaging(self.identity, MessageStore(self.db), self.trust, self.sessions)
+        self.messaging = Messaging(self.identity, MessageStore(self.db), self.trust, self.sessions,
+                                   mail=MailSender(self.identity.peer_id, mail_store, self.trust, self.sessions,
+                                                   self.mailbox), grace_s=self.config.mail.grace_s)
+        self.mail = MailOwner(home, self.identity, self.config.mailbox, mail_store, self.trust, self.sessions,
+                              self._door, self.messaging)
         self.groups = Groups(self.db, self.trust, self.messaging)
         self.answering = Answering(self.db, self.messaging, self.trust, self.agents, self.tools, self.identity.peer_id)
         self.discovery = Discovery(self.identity.peer_id, mdns=self.config.mdns, static_peers=self.config.static_peers,
@@ -116,6 +127,10 @@ class Node:
             ManifestPush: self._receive_grant,
             ManifestRevoke: self._receive_revocation,
             MsgSend: self.messaging.receive,
+            MailKeyPush: self.mailbox.receive_key,
+            MailDeposit: self.mailbox.deposit,
+            MailFetch: self.mailbox.fetch,
+            MailAck: self.mailbox.ack,
         }
         Owner(self).serve_on(self.control)
 
@@ -176,6 +191,8 @@ class Node:
                 await tg.start(self.executor.run)
                 await tg.start(self.submitter.run)
                 await tg.start(self.messaging.run)
+                await tg.start(self.mailbox.run)
+                await tg.start(self.mail.run)
                 await tg.start(self.answering.run)
                 await tg.start(self.discovery.run)
                 await tg.start(self.control.serve)
@@ -239,9 +256,10 @@ class Node:
         await serve_session(framed.stream, peer_id, self._door, max_frame_size=self.config.max_frame_size,
                             max_open=MAX_OPEN_REQUESTS)
 
-    async def _door(self, call: Call) -> Message:
-        """Every request of every peer: admitted (and audited) by the gate, then served."""
-        self.gate.admit(call.peer_id, ids.SESSION, call.request)
+    async def _door(self, call: Call, via: str = ids.SESSION) -> Message:
+        """Every request of every peer: admitted (and audited) by the gate, then served.
+        `via`: how it came (a session; or a letter handed over by our mailbox, as its sender's)."""
+        self.gate.admit(call.peer_id, via, call.request)
         return await self.services[type(call.request)](call)
 
     async def _pong(self, call: Call) -> Message:

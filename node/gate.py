@@ -4,10 +4,13 @@
     2. the request is one this node serves (protocol/admission) bad_request
     3. by its rule:
        issuer      the manifest it carries is from the sender, to us, signed      forbidden
+                   (a mail key: the sender's own, signed)
        grant       we issued the peer a grant, ours, for it, signed, in date       forbidden / expired
        capability  ... and a capability covers this exact request, payload within  forbidden / too_large
     4. charged requests: within the grant's request rate       rate_limited (retry_after)
     5. requests that start a task: within the queue limits     busy (retry_after)
+       deposits of mail: the recipient named this node its mailbox, and the sender's
+       share of it has room                                    forbidden / too_large / busy
 
 The first failure wins; nothing runs for a denied request. Every decision, allowed or
 denied, is exactly one row in the audit log. The remote peer id comes from the Noise
@@ -31,6 +34,7 @@ from psymesh.protocol import ids
 from psymesh.protocol.admission import Need, label, operation_for, rule_for, task_operation
 from psymesh.protocol.errors import ErrorCode, PsymeshError
 from psymesh.protocol.limits import RateLimiter
+from psymesh.protocol.mailbox import MailDeposit, MailKeyPush, verify_mail_key
 from psymesh.protocol.manifest import (
     Decision,
     Manifest,
@@ -57,6 +61,12 @@ class QueueGauge(Protocol):
     def holds(self, peer_id: str, task_id: str) -> bool: ...
 
 
+class MailDesk(Protocol):
+    """The mailbox's own admission of a deposit (node/mailbox.py answers): raises, saying why."""
+
+    def admit_deposit(self, sender: str, deposit: MailDeposit) -> None: ...
+
+
 @dataclass(frozen=True)
 class QueueLimits:
     max_queue: int = 256             # unfinished tasks held for all peers
@@ -67,12 +77,13 @@ class QueueLimits:
 class Gate:
     def __init__(self, local_peer_id: str, trust: TrustStore, audit: AuditLog, *,
                  queue: QueueGauge | None = None, queue_limits: QueueLimits | None = None,
-                 clock: Callable[[], float] = time.time) -> None:
+                 mailbox: MailDesk | None = None, clock: Callable[[], float] = time.time) -> None:
         self.local_peer_id = local_peer_id
         self.trust = trust
         self.audit = audit
         self.queue = queue
         self.queue_limits = queue_limits or QueueLimits()
+        self.mailbox = mailbox
         self.clock = clock
         self.rate = RateLimiter()
 
@@ -92,6 +103,9 @@ class Gate:
     def _decide(self, peer_id: str, request: Message, now: float) -> Decision:
         peer = self.paired(peer_id)
         rule = rule_for(request)
+        if rule.need is Need.ISSUER and isinstance(request, MailKeyPush):
+            verify_mail_key(request.key, sender=peer_id)
+            return Decision(True)
         if rule.need is Need.ISSUER:
             assert isinstance(request, (ManifestPush, ManifestRevoke))
             signed = request.manifest if isinstance(request, ManifestPush) else request
@@ -112,6 +126,11 @@ class Gate:
             if self.queue is not None and self.queue.holds(peer_id, request.spec.id):
                 return decision  # a resubmit of a task it holds here: already counted
             self._check_queue(peer_id, grant)
+        if rule.holds_mail:
+            assert isinstance(request, MailDeposit)
+            if self.mailbox is None:
+                raise PsymeshError("this node keeps no mailbox", code=ErrorCode.UNAVAILABLE)
+            self.mailbox.admit_deposit(peer_id, request)
         if rule.charged:
             self._charge(peer_id, grant, now)
         return decision

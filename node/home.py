@@ -37,6 +37,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from psymesh.protocol.errors import ErrorCode, PsymeshError
 from psymesh.protocol.framing import DEFAULT_MAX_FRAME_SIZE
 from psymesh.protocol.identity import fingerprint, peer_id_from_public_key
+from psymesh.protocol.mailbox import MailSettings
 from psymesh.protocol.strangers import StrangerLimits
 
 Profile = Literal["home", "phone"]
@@ -44,7 +45,7 @@ Profile = Literal["home", "phone"]
 _MAX_SOCKET_PATH = 100
 # What psymesh itself keeps in a home. `init()` tightens these and no others, so a home
 # that also holds the owner's own files (say `--home ~`) keeps their modes.
-_STATE_FILES = ("config.toml", "config.tmp", "control.sock", "daemon.log",
+_STATE_FILES = ("config.toml", "config.tmp", "control.sock", "daemon.log", "mail.key",
                 "node.db", "node.db-wal", "node.db-shm", "node.db-journal",
                 "device.db", "device.db-wal", "device.db-shm", "device.db-journal")
 _STATE_TREES = ("models",)
@@ -179,6 +180,12 @@ class NodeConfig(BaseModel):
     # as long again, its connection dropped and redialed): bounds how long a home PC that
     # lost power can stall a phone. Longer saves a phone's battery.
     liveness_probe_s: float = Field(default=20.0, ge=1.0, le=3600.0)
+    # The paired peer (name or id) that holds this node's letters while it is offline
+    # (protocol/mailbox.py): a phone names its home PC. None: senders keep them.
+    mailbox: str | None = None
+    # [mail]: how long a sender waits before using a recipient's mailbox; what this node,
+    # as a mailbox, holds for each sender and for how long.
+    mail: MailSettings = Field(default_factory=MailSettings)
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,9 @@
     send(to, text) ─> outbox (signed, numbered in its thread) ─> courier(recipient)
         courier: up to WINDOW letters in flight on the session; receipt -> delivered;
                  busy / unreachable -> retry with backoff; refused for good -> refused,
-                 and a withdrawn stub goes in its place so its thread is not held
+                 and a withdrawn stub goes in its place so its thread is not held;
+                 unreachable for longer than `grace_s` -> sealed and left at the
+                 recipient's mailbox, if it named one (node/mailclient.py) -> deposited
     msg.send (admitted by the door) ─> check_letter ─> inbox (exactly once) ─> receipt
         released letters wake `follow()` (the app's inbox stream)
 """
@@ -14,6 +16,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from typing import Protocol
 
 import anyio
 import anyio.abc
@@ -38,12 +41,22 @@ _RETRYABLE = frozenset({ErrorCode.BUSY, ErrorCode.RATE_LIMITED, ErrorCode.UNAVAI
 _INBOX = "inbox"       # the Notifier key for "letters were released"
 
 
+class MailDrop(Protocol):
+    async def deposit(self, letter: Letter) -> bool:
+        """Leave `letter` at its recipient's mailbox: True once held there, False if the
+        recipient named no mailbox we can use. A refusal or a network failure raises."""
+
+
 class Messaging:
-    def __init__(self, identity: Identity, store: MessageStore, trust: TrustStore, sessions: SessionPool) -> None:
+    def __init__(self, identity: Identity, store: MessageStore, trust: TrustStore, sessions: SessionPool,
+                 mail: MailDrop | None = None, grace_s: float = 5.0) -> None:
         self.identity = identity
         self.store = store
         self.trust = trust
         self.sessions = sessions
+        self.mail = mail
+        self.grace_s = grace_s      # unreachable this long: letters go to the recipient's mailbox
+        self._away: dict[str, float] = {}  # recipient -> when it was first found unreachable
         self.changed = Notifier()   # _INBOX: letters released; letter id: its outbox row changed
         self._couriers: dict[str, anyio.Event] = {}   # recipient -> "more letters" wake-up
         self._tg: anyio.abc.TaskGroup | None = None
@@ -107,6 +120,7 @@ class Messaging:
                     backoff = 0.0
         finally:
             self._couriers.pop(recipient, None)  # (no await since the last read: no letter is missed)
+            self._away.pop(recipient, None)
 
     async def _deliver(self, letter: Letter, retry_after: list[float]) -> None:
         """Hand one letter over (or, for a refused one, the stub that keeps its thread going).
@@ -129,20 +143,41 @@ class Messaging:
             return
         except (NetworkError, ProtocolError, TimeoutError) as exc:
             log.debug("letter %s to %s: %s", letter.id, letter.recipient, exc)
-            retry_after.append(RETRY_MIN_S)
+            away = self._away.setdefault(letter.recipient, time.monotonic())
+            if time.monotonic() - away < self.grace_s or not await self._deposit(letter, wire, stub):
+                retry_after.append(RETRY_MIN_S)
             return
         except PsymeshError as exc:  # e.g. the peer revoked us: it stays pending, the app sees why
             log.info("letter %s to %s cannot leave: %s", letter.id, letter.recipient, exc.message)
             retry_after.append(RETRY_MAX_S)
             return
+        self._away.pop(letter.recipient, None)
         if stub:
             self.store.stub_done(letter.id)
         else:
             self.store.delivered(letter.id)
             self.changed.notify(letter.id)
 
+    async def _deposit(self, letter: Letter, wire: Letter, stub: bool) -> bool:
+        """Leave `wire` (the letter, or its stub) at the recipient's mailbox. False if it
+        named none we can use or the mailbox did not take it: the letter stays pending."""
+        if self.mail is None:
+            return False
+        try:
+            if not await self.mail.deposit(wire):
+                return False
+        except (PsymeshError, TimeoutError) as exc:
+            log.info("letter %s for %s: its mailbox did not take it: %s", letter.id, letter.recipient, exc)
+            return False
+        if stub:
+            self.store.stub_done(letter.id)
+        else:
+            self.store.deposited(letter.id)
+            self.changed.notify(letter.id)
+        return True
+
     async def wait_sent(self, letter_id: str) -> Sent:
-        """Until the letter is delivered or refused."""
+        """Until the letter is delivered, deposited at the recipient's mailbox, or refused."""
         while True:
             sent = self.store.sent(letter_id)
             if sent is None:
@@ -159,6 +194,13 @@ class Messaging:
         if self.store.store(request.letter):
             self.changed.notify(_INBOX)
         return MsgReceipt(id=request.letter.id)
+
+    def withdrawn(self, letter: Letter) -> None:
+        """A letter that came by another way (its recipient's mailbox) and that our door
+        refused for good: keep its place in its thread with a withdrawn stub, so the letters
+        after it are released (on the direct way its sender sends the stub)."""
+        if self.store.store(letter.stub()):
+            self.changed.notify(_INBOX)
 
     async def follow(self, after: int = 0, *, live: bool = True) -> AsyncIterator[Received]:
         """Released letters numbered above `after`, in order (withdrawn stubs skipped), then,

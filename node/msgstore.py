@@ -2,6 +2,8 @@
 the inbox (theirs, released to the app in thread order).
 
     outbox: letter written and signed -> pending -> delivered (receipt) | refused (+ stub sent)
+            | deposited (the recipient's mailbox holds it, sealed: handing it over is the
+            mailbox's job now)
     inbox:  stored on arrival (INSERT-or-ignore by id: a resend is dropped) -> released
             to the app when every earlier letter of its (sender, thread) is released;
             `release_seq` numbers released letters 1, 2, 3 ... across the inbox, so an app
@@ -29,7 +31,7 @@ CREATE TABLE IF NOT EXISTS msg_outbox (
     thread      TEXT NOT NULL,
     tseq        INTEGER NOT NULL,
     letter      BLOB NOT NULL,          -- the signed letter, as JSON
-    state       TEXT NOT NULL,          -- pending | delivered | refused
+    state       TEXT NOT NULL,          -- pending | delivered | refused | deposited
     code        TEXT,                   -- why it was refused
     reason      TEXT NOT NULL DEFAULT '',
     stub_sent   INTEGER NOT NULL DEFAULT 0,
@@ -63,6 +65,7 @@ class OutState(StrEnum):
     PENDING = "pending"
     DELIVERED = "delivered"
     REFUSED = "refused"
+    DEPOSITED = "deposited"
 
 
 @dataclass(frozen=True)
@@ -120,6 +123,11 @@ class MessageStore:
     def delivered(self, letter_id: str, now: float | None = None) -> None:
         """A receipt came back for the letter."""
         self.conn.execute("UPDATE msg_outbox SET state = 'delivered', updated_at = ? WHERE id = ? AND state = 'pending'",
+                          (time.time() if now is None else now, letter_id))
+
+    def deposited(self, letter_id: str, now: float | None = None) -> None:
+        """The recipient's mailbox holds the letter (its receipt came back)."""
+        self.conn.execute("UPDATE msg_outbox SET state = 'deposited', updated_at = ? WHERE id = ? AND state = 'pending'",
                           (time.time() if now is None else now, letter_id))
 
     def stub_done(self, letter_id: str) -> None:

@@ -9,12 +9,14 @@ serves has one, so a new service cannot skip the door by accident.
     capability   a grant of ours, in date, with a capability covering `operation()`
     grant        a grant of ours, in date (peer-level requests: ping, task.attach)
     issuer       nothing of ours: the message carries a manifest (or a revocation) the
-                 *sender* issued to *us*, validly signed (manifest.push, manifest.revoke)
+                 *sender* issued to *us*, validly signed (manifest.push, manifest.revoke),
+                 or the sender's own mail key, signed by it (mail.key)
 
 `charged` requests spend one unit of the grant's `requests_per_minute`. The messages
 that follow a task already admitted (attach, ack, cancel, input) are not charged:
 one task counts as one request. `starts_task` rows are also held to the queue
-limits (the grant's `concurrent_tasks` and the node's own).
+limits (the grant's `concurrent_tasks` and the node's own); `holds_mail` rows to the
+mailbox's (the recipient named this node; the sender's share of it).
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from psymesh.protocol.common import Ping
+from psymesh.protocol.mailbox import MailAck, MailDeposit, MailFetch, MailKeyPush
 from psymesh.protocol.errors import ErrorCode, PsymeshError
 from psymesh.protocol.manifest import ManifestPush, ManifestRevoke, Operation
 from psymesh.protocol.messages import Message
@@ -53,6 +56,7 @@ class Rule:
     need: Need
     charged: bool = True
     starts_task: bool = False
+    holds_mail: bool = False
 
 
 REQUESTS: Mapping[type[Message], Rule] = {
@@ -68,6 +72,10 @@ REQUESTS: Mapping[type[Message], Rule] = {
     ManifestPush: Rule("manifest", Need.ISSUER, charged=False),
     ManifestRevoke: Rule("manifest", Need.ISSUER, charged=False),
     MsgSend: Rule("msg", Need.CAPABILITY),
+    MailKeyPush: Rule("mail", Need.ISSUER, charged=False),
+    MailDeposit: Rule("mail", Need.CAPABILITY, holds_mail=True),
+    MailFetch: Rule("mail", Need.GRANT),
+    MailAck: Rule("mail", Need.GRANT, charged=False),
 }
 
 
@@ -84,6 +92,8 @@ def operation_for(request: Message) -> Operation | None:
         return task_operation(request.spec)
     if isinstance(request, MsgSend):
         return request.letter.operation()
+    if isinstance(request, MailDeposit):
+        return request.operation()
     return None
 
 

@@ -14,6 +14,8 @@ Capabilities, with their CLI spelling (`parse_capability`):
     tool:PATTERN                                        call a tool; PATTERN is a glob (`files.*`)
     web.fetch[:domains=PATTERN[,PATTERN...]]            fetch from these hosts (default: any)
     web.search   msg.send   msg.ask   relay
+    mail.deposit                                        leave sealed letters here for a peer that
+                                                        named this node its mailbox (protocol/mailbox.py)
 
 Domain patterns: `example.com` matches that host only; `*.example.com` matches every
 subdomain at any depth (`a.example.com`, `a.b.example.com`) but not `example.com`
@@ -64,6 +66,7 @@ _PARAMS: dict[str, frozenset[str]] = {
     "msg.send": frozenset(),
     "msg.ask": frozenset(),
     "relay": frozenset(),
+    "mail.deposit": frozenset(),
 }
 KINDS: frozenset[str] = frozenset(_PARAMS)
 
@@ -439,7 +442,7 @@ def new_manifest(
 PRESETS: dict[str, tuple[tuple[str, ...], Limits]] = {
     "phone": (
         ("task.infer", "task.agent", "tool:system.info", "tool:files.*", "web.fetch", "web.search",
-         "msg.send", "msg.ask"),
+         "msg.send", "msg.ask", "mail.deposit"),
         Limits(requests_per_minute=60, concurrent_tasks=2, max_runtime_s=600, max_payload_bytes=1024 * 1024),
     ),
     "messaging": (

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import anyio
 import pytest
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
 from conftest import pair, run_nodes
 from waiting import wait_until
@@ -20,6 +21,7 @@ from psymesh.protocol import ids
 from psymesh.protocol.admission import REQUESTS
 from psymesh.protocol.common import Error, Ping
 from psymesh.protocol.errors import NetworkError
+from psymesh.protocol.mailbox import MailAck, MailDeposit, MailFetch, MailKey, MailKeyPush
 from psymesh.protocol.manifest import ManifestPush, ManifestRevoke, revocation
 from psymesh.protocol.messages import Message
 from psymesh.protocol.messaging import Letter, MsgSend
@@ -59,6 +61,13 @@ def requests_from(peer: Node, home: Node, n: int) -> dict[type[Message], Message
         ManifestRevoke: notice.sign(peer.identity.private_key),
         MsgSend: MsgSend(letter=Letter(id=f"door-{n}", sender=peer.identity.peer_id, recipient=home.identity.peer_id,
                                        tseq=n, text="hello", at=int(time.time() * 1000)).sign(peer.identity.private_key)),
+        # the peer names home its mailbox (before it deposits for itself there, and fetches)
+        MailKeyPush: MailKeyPush(key=MailKey(owner=peer.identity.peer_id, mailbox=home.identity.peer_id, serial=n,
+                                             public=X25519PrivateKey.generate().public_key().public_bytes_raw())
+                                 .sign(peer.identity.private_key)),
+        MailDeposit: MailDeposit(recipient=peer.identity.peer_id, ref=bytes(16), sealed=bytes(64)),
+        MailFetch: MailFetch(),
+        MailAck: MailAck(upto=0),
     }
 
 
@@ -100,7 +109,7 @@ async def test_every_request_of_every_service_against_every_standing(tmp_path: P
         async with Client(home.home.path) as h:
             await h.grant("nocap", ["tool:nothing.here"])
             await h.grant("expired", ["tool:*"], expires_s=60)
-            await h.grant("allowed", ["tool:*", "msg.send"])
+            await h.grant("allowed", ["tool:*", "msg.send", "mail.deposit"])
             await h.grant("revoked", ["tool:*"])
         # revoked without being told (its notice lost): it may still call, and hears unknown_peer
         home.trust.revoke(nodes["revoked"].identity.peer_id)

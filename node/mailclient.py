@@ -1,0 +1,277 @@
+"""Using mailboxes: a sender leaving sealed letters at a recipient's mailbox, and a node
+(a phone) collecting its own mail from the mailbox it named.
+
+    MailSender.deposit(letter)   the courier's fallback once the recipient has been
+                                 unreachable for `[mail] grace_s`: seal the signed letter to
+                                 the recipient's mail key, hand it to the mailbox the key
+                                 names (or keep it here, if that is us)
+    MailOwner.run()
+      ├── publisher   our mail key and mailbox (config `mailbox`), signed, to every paired
+      │               peer: at start, when it changes, and to peers paired since (a rescan
+      │               every RESCAN_S; a peer that did not answer is retried with backoff)
+      └── fetcher     while the mailbox can be reached, one `mail.fetch` open on it: each
+                      item is opened, checked, and admitted through this node's own door as
+                      the sender's `msg.send` (audited `mailbox`), stored in the inbox
+                      (which drops a letter it holds), then acknowledged so the mailbox
+                      deletes it. A crash between storing and acknowledging re-delivers;
+                      the inbox drops the duplicate.
+
+The mail key is an X25519 key of its own (`<home>/mail.key`, 0600), not the identity key:
+the mailbox and the peers see only its public half, and it can change without a new
+identity.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import os
+import time
+from typing import Protocol
+
+import anyio
+import anyio.abc
+from anyio.streams.memory import MemoryObjectReceiveStream
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+
+from psymesh.node.home import Identity, NodeHome, os_error
+from psymesh.node.mailbox import Mailbox, MailStore
+from psymesh.node.messaging import Messaging
+from psymesh.node.session import Call, SessionPool
+from psymesh.node.trust import TrustStore
+from psymesh.protocol.errors import ErrorCode, PsymeshError
+from psymesh.protocol.mailbox import (
+    VIA_MAILBOX,
+    MailAck,
+    MailAcked,
+    MailDeposit,
+    MailFetch,
+    MailItem,
+    MailKey,
+    MailKeyOk,
+    MailKeyPush,
+    MailReceipt,
+    mail_ref,
+    seal,
+    unseal,
+)
+from psymesh.protocol.messages import Message, expect
+from psymesh.protocol.messaging import Letter, MsgSend
+from psymesh.protocol.session import SessionEnd
+
+log = logging.getLogger("psymesh.mail")
+
+# Refusals that may pass later (a letter's, or the mailbox's): try again, never give up.
+_AGAIN = frozenset({ErrorCode.BUSY, ErrorCode.RATE_LIMITED, ErrorCode.UNAVAILABLE, ErrorCode.TIMEOUT,
+                    ErrorCode.INTERNAL, ErrorCode.CANCELED, ErrorCode.BAD_FRAME})
+
+
+class MailDoor(Protocol):
+    async def __call__(self, call: Call, via: str) -> Message:
+        """Admit `call.request` as from `call.peer_id` (audited as arriving `via`) and serve it."""
+
+
+def load_mail_secret(home: NodeHome) -> X25519PrivateKey:
+    """The node's X25519 mail key, created on first use in `<home>/mail.key` (mode 0600)."""
+    path = home.private_file("mail.key")
+    try:
+        raw = path.read_bytes()
+        if raw:
+            if len(raw) != 32:
+                raise PsymeshError(f"{path} is not a 32-byte X25519 key", code=ErrorCode.BAD_REQUEST)
+            return X25519PrivateKey.from_private_bytes(raw)
+        secret = X25519PrivateKey.generate()
+        fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW)
+        with os.fdopen(fd, "wb") as f:
+            f.write(secret.private_bytes_raw())
+            f.flush()
+            os.fsync(f.fileno())
+        return secret
+    except OSError as exc:
+        raise os_error(exc, path) from None
+
+
+async def _no_frames(rid: int, messages: tuple[Message, ...]) -> None:
+    raise AssertionError("msg.send is answered with one frame")
+
+
+class MailSender:
+    """Letters for a recipient that cannot be reached, left at the mailbox it named."""
+
+    def __init__(self, local_peer_id: str, store: MailStore, trust: TrustStore, sessions: SessionPool,
+                 mailbox: Mailbox) -> None:
+        self.local_peer_id = local_peer_id
+        self.store = store
+        self.trust = trust
+        self.sessions = sessions
+        self.mailbox = mailbox
+
+    async def deposit(self, letter: Letter) -> bool:
+        """Seal `letter` to its recipient and leave it at the recipient's mailbox: True once the
+        mailbox holds it; False if the recipient named no mailbox we can use (none, itself, or
+        a node we are not paired with). A refusal or a network failure raises."""
+        key = self.store.key_of(letter.recipient)
+        if key is None or key.mailbox is None or key.mailbox == letter.recipient:
+            return False
+        sealed, ref = seal(letter, key), mail_ref(letter)
+        if key.mailbox == self.local_peer_id:  # we are its mailbox: keep it here
+            self.mailbox.hold(self.local_peer_id, letter.recipient, ref, sealed)
+            return True
+        box = self.trust.get(key.mailbox)
+        if box is None or box.revoked or box.revoked_us_at is not None:
+            return False
+        await self.sessions.request(key.mailbox, MailDeposit(recipient=letter.recipient, ref=ref, sealed=sealed),
+                                    MailReceipt)
+        return True
+
+
+class MailOwner:
+    """This node's own mail: its key published, its mail fetched (start with `tg.start`)."""
+
+    RESCAN_S = 5.0            # how often peers are checked for one that lacks our key, and config re-read
+    PUSH_RETRY_MAX_S = 900.0  # the longest between two attempts to hand a silent peer our key
+    FETCH_WAIT_S = 300.0      # one fetch stays open this long, then the next is sent
+    RETRY_MIN_S, RETRY_MAX_S = 0.5, 30.0
+    REFUSED_RETRY_S = 900.0   # the mailbox refused us (revoked, no grant): ask seldom
+
+    def __init__(self, home: NodeHome, identity: Identity, mailbox: str | None, store: MailStore,
+                 trust: TrustStore, sessions: SessionPool, door: MailDoor, inbox: Messaging) -> None:
+        self.home = home
+        self.identity = identity
+        self.mailbox = mailbox     # config `mailbox`: a paired peer's name or id
+        self.store = store
+        self.trust = trust
+        self.sessions = sessions
+        self.door = door
+        self.inbox = inbox
+        self._told: dict[str, int] = {}                   # peer -> serial of ours it took
+        self._retry: dict[str, tuple[float, float]] = {}  # peer -> (next attempt, backoff)
+        self._after: dict[str, int] = {}                  # mailbox -> last item taken from it
+
+    @functools.cached_property
+    def secret(self) -> X25519PrivateKey:
+        return load_mail_secret(self.home)
+
+    async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._publish_forever)
+            tg.start_soon(self._fetch_forever)
+            task_status.started()
+
+    # -- our key ---------------------------------------------------------------------------
+    def current_key(self) -> MailKey | None:
+        """The mail key we publish (signed, stored), made anew when the mailbox or the key
+        changed; None when we never named a mailbox."""
+        box = self._mailbox_id()
+        held = self.store.key_of(self.identity.peer_id)
+        if held is None and box is None:
+            return None
+        public = self.secret.public_key().public_bytes_raw()
+        if held is not None and held.mailbox == box and held.public == public:
+            return held
+        serial = max(int(time.time() * 1000), held.serial + 1 if held is not None else 0)
+        key = MailKey(owner=self.identity.peer_id, public=public, mailbox=box, serial=serial)
+        self.store.put_key(key.sign(self.identity.private_key))
+        log.info("mail key %d: mailbox %s", serial, box)
+        return self.store.key_of(self.identity.peer_id)
+
+    def _mailbox_id(self) -> str | None:
+        if self.mailbox is None:
+            return None
+        try:
+            peer = self.trust.resolve(self.mailbox)
+        except PsymeshError as exc:  # not paired yet: named again at the next rescan
+            log.debug("mailbox %r: %s", self.mailbox, exc.message)
+            return None
+        return None if peer.revoked or peer.revoked_us_at is not None else peer.peer_id
+
+    async def _publish_forever(self) -> None:
+        while True:
+            key = self.current_key()
+            if key is not None:
+                now = anyio.current_time()
+                due = [p.peer_id for p in self.trust.list(include_revoked=False)
+                       if p.revoked_us_at is None and self._told.get(p.peer_id) != key.serial
+                       and self._retry.get(p.peer_id, (0.0, 0.0))[0] <= now]
+                async with anyio.create_task_group() as tg:
+                    for peer_id in due:
+                        tg.start_soon(self._tell, peer_id, key)
+            await anyio.sleep(self.RESCAN_S)
+
+    async def _tell(self, peer_id: str, key: MailKey) -> None:
+        try:
+            await self.sessions.request(peer_id, MailKeyPush(key=key), MailKeyOk, timeout=10)
+        except PsymeshError as exc:
+            backoff = min(self.PUSH_RETRY_MAX_S, max(self.RESCAN_S, 2 * self._retry.get(peer_id, (0.0, 0.0))[1]))
+            self._retry[peer_id] = (anyio.current_time() + backoff, backoff)
+            log.debug("could not hand %s our mail key: %s", peer_id, exc)
+            return
+        self._told[peer_id] = key.serial
+        self._retry.pop(peer_id, None)
+
+    # -- our mail --------------------------------------------------------------------------
+    async def _fetch_forever(self) -> None:
+        delay = 0.0
+        while True:
+            key = self.store.key_of(self.identity.peer_id)
+            if key is None or key.mailbox is None:
+                await anyio.sleep(self.RESCAN_S)
+                continue
+            try:
+                await self._fetch(key.mailbox)
+                delay = 0.0
+                continue
+            except PsymeshError as exc:
+                if exc.code in _AGAIN:
+                    delay = max(exc.retry_after or 0.0, min(self.RETRY_MAX_S, max(self.RETRY_MIN_S, delay * 2)))
+                else:
+                    delay = self.REFUSED_RETRY_S
+                log.debug("mail from %s: %s (again in %.1f s)", key.mailbox, exc, delay)
+            await anyio.sleep(delay)
+
+    async def _fetch(self, box: str) -> None:
+        """One `mail.fetch` on the mailbox: take each item in order, acknowledging behind."""
+        send_ack, receive_ack = anyio.create_memory_object_stream[int](math.inf)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._acknowledge, box, receive_ack)
+            with send_ack:
+                request = MailFetch(after=self._after.get(box, 0), wait_s=self.FETCH_WAIT_S)
+                async with self.sessions.stream(box, request) as replies:
+                    async for reply in replies:
+                        if isinstance(reply, SessionEnd):
+                            break
+                        item = expect(reply, MailItem)
+                        await self._take(item)
+                        self._after[box] = item.seq
+                        send_ack.send_nowait(item.seq)
+
+    async def _acknowledge(self, box: str, acks: MemoryObjectReceiveStream[int]) -> None:
+        """Acknowledge the latest item taken, one `mail.ack` at a time: a burst of items
+        costs a few acks, not one each."""
+        async with acks:
+            async for upto in acks:
+                while True:
+                    try:
+                        upto = acks.receive_nowait()
+                    except (anyio.WouldBlock, anyio.EndOfStream):
+                        break
+                await self.sessions.request(box, MailAck(upto=upto), MailAcked)
+
+    async def _take(self, item: MailItem) -> None:
+        """Open one item and admit its letter through our door, as its sender's `msg.send`.
+        An item that does not open or check is dropped; a letter the door refuses for good
+        keeps its place in its thread (a withdrawn stub), so the letters after it are not
+        held. A refusal that may pass later raises: the item is taken again then."""
+        try:
+            letter = unseal(item.sealed, self.secret, recipient=self.identity.peer_id, sender=item.sender,
+                            ref=item.ref)
+        except PsymeshError as exc:
+            log.warning("mail item %d from %s dropped: %s", item.seq, item.sender, exc.message)
+            return
+        try:
+            await self.door(Call(letter.sender, item.seq, MsgSend(letter=letter), _no_frames), VIA_MAILBOX)
+        except PsymeshError as exc:
+            if exc.code in _AGAIN:
+                raise
+            log.info("letter %s from %s, from the mailbox, refused: %s", letter.id, letter.sender, exc.message)
+            self.inbox.withdrawn(letter)
