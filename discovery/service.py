@@ -8,18 +8,23 @@
 Every node seen lands in one bounded table (discovery/table.py), paired or not, which
 `psymesh discover` lists with fingerprints so a person can check a device before pairing.
 
-**Addresses follow the peer.** When a paired peer announces addresses the trust store
+**Addresses follow the peer.** When a paired peer announces an address the trust store
 does not hold (its DHCP lease changed, it roamed, it restarted on another port), the
-node dials one of them, and only once the Noise handshake there proves the peer's key
-does it replace the stored addresses, so the next request goes there without pairing
-again. An announcement is unauthenticated: anyone on the LAN can claim any peer id, so
-an address nobody proved never reaches the trust store, and a live connection to the
-peer is never dropped on an announcement's word. While one is open the change waits
-(if it is stale, the next request on it fails and drops it); a proof that failed is
-retried no sooner than `RETRY_S` later.
+node stores it first in the peer's list, so the next request goes there without pairing
+again, but only once the peer is proven to be there: an announcement is unauthenticated,
+anyone on the LAN can claim any peer id. Without a connection to the peer, the node
+dials the announced addresses until the Noise handshake at one proves the peer's key.
+With one open, its remote IP vouches if it is an announced address's (the peer
+authenticated from there); a connection from elsewhere is left over from the old
+address, or the announcement lies, so the node pings the peer on it and drops it (then
+dials the new addresses) only if no answer comes in `PROBE_TIMEOUT_S`: a live connection
+is never dropped on an announcement's word. A check that did not move the peer is
+repeated no sooner than `RETRY_S` later. Older addresses stay behind the new ones (at
+most `MAX_STORED`), so a lie can cost a failed dial but never push out an address that
+works.
 
-This package imports nothing of node/: the daemon hands it the p2p host and the trust
-store, which fit the small protocols below.
+This package imports nothing of node/: the daemon hands it the p2p host, the trust
+store and a way to ping a peer, which fit the small protocols below.
 """
 from __future__ import annotations
 
@@ -31,11 +36,11 @@ from typing import Protocol
 import anyio
 import anyio.abc
 
-from psymesh.discovery.mdns import Left, Mdns, MdnsEvent, Seen
+from psymesh.discovery.mdns import Left, Mdns, MdnsEvent
 from psymesh.discovery.records import dialable, without_peer_id
 from psymesh.discovery.static import Dialer, StaticPeers, check_static_peers
 from psymesh.discovery.table import SeenTable, Sighting, Source
-from psymesh.protocol.control import DiscoverReply, SeenNode
+from psymesh.protocol.control import DiscoverReply, SeenNode, network_kind
 from psymesh.protocol.errors import PsymeshError
 from psymesh.protocol.identity import is_peer_id, peer_fingerprint
 
@@ -44,13 +49,24 @@ log = logging.getLogger("psymesh.discovery")
 FOLLOW_S = 1.0         # how often pending address changes of paired peers are looked at again
 RETRY_S = 10.0         # after no announced address proved the peer, wait this long before trying again
 PROOF_TIMEOUT_S = 5.0  # one dial that proves a paired peer at an announced address
+PROBE_TIMEOUT_S = 5.0  # a paired peer's answer on a connection the announcement says is stale
 MAX_PROOFS = 4         # announced addresses tried per attempt
+MAX_STORED = 8         # addresses kept per paired peer
 
 
 class Host(Dialer, Protocol):
     """What discovery needs of the p2p host (node/p2p.py P2PNode)."""
 
     def addrs(self) -> list[str]: ...
+
+    async def disconnect(self, peer_id: str) -> None: ...
+
+
+class Probe(Protocol):
+    """One request to a paired peer over its session (the daemon sends a `ping`): returns
+    if the peer answered, even with a refusal; raises if the network failed."""
+
+    async def __call__(self, peer_id: str) -> object: ...
 
 
 class KnownPeer(Protocol):
@@ -76,11 +92,12 @@ class PeerBook(Protocol):
 
 class Discovery:
     def __init__(self, peer_id: str, *, mdns: bool, static_peers: Sequence[str], host: Host, peers: PeerBook,
-                 clock: Callable[[], float] = time.time) -> None:
+                 probe: Probe, clock: Callable[[], float] = time.time) -> None:
         """BAD_REQUEST for a static peer that is not a dialable multiaddr with a peer id."""
         self.peer_id = peer_id
         self.host = host
         self.peers = peers
+        self.probe = probe
         self.clock = clock
         self.table = SeenTable()
         self.mdns = Mdns(peer_id, host.addrs) if mdns else None
@@ -94,8 +111,8 @@ class Discovery:
         async with anyio.create_task_group() as tg:
             if self.mdns is not None:
                 await tg.start(self.mdns.run, self._on_mdns)
+                tg.start_soon(self._follow)
             await tg.start(self.static.run)
-            tg.start_soon(self._follow)
             task_status.started()
 
     # -- what is seen ----------------------------------------------------------------
@@ -112,8 +129,8 @@ class Discovery:
         """A static peer answered at `addr`: the dial proved it, so a paired one is stored there."""
         self.table.saw(peer_id, (addr,), "static", self.clock())
         peer = self.peers.get(peer_id)
-        if peer is not None and not peer.revoked and addr not in peer.addrs:
-            self.peers.set_addrs(peer_id, [addr, *peer.addrs])
+        if peer is not None and not peer.revoked and without_peer_id(addr) not in {without_peer_id(a) for a in peer.addrs}:
+            self._store(peer_id, peer, addr, [addr])
 
     def _saw(self, peer_id: str, addrs: tuple[str, ...], source: Source) -> None:
         self.table.saw(peer_id, addrs, source, self.clock())
@@ -127,13 +144,12 @@ class Discovery:
             with anyio.move_on_after(FOLLOW_S):
                 await self._wake.wait()
             self._wake = anyio.Event()
-            connected = {p["peer_id"] for p in self.host.connected_peers()}
             for peer_id in sorted(self._pending):
-                if await self._follow_one(peer_id, connected):
+                if await self._follow_one(peer_id):
                     self._pending.discard(peer_id)
                     self._retry_at.pop(peer_id, None)
 
-    async def _follow_one(self, peer_id: str, connected: set[str]) -> bool:
+    async def _follow_one(self, peer_id: str) -> bool:
         """True when there is nothing (more) to do for `peer_id`'s latest announcement."""
         seen = self.table.get(peer_id)
         peer = self.peers.get(peer_id)
@@ -143,8 +159,21 @@ class Discovery:
         new = [a for a in seen.addrs if dialable(a)]
         if not new or all(without_peer_id(a) in stored for a in new):
             return True
-        if peer_id in connected or self.clock() < self._retry_at.get(peer_id, 0.0):
+        ip = self.host.remote_ip(peer_id)
+        if ip is not None:  # connected: the connection's own address may vouch for the announcement
+            vouched = [a for a in new if a.split("/")[2] == ip]
+            if vouched:
+                self._store(peer_id, peer, vouched[0], new)
+                return True
+        if self.clock() < self._retry_at.get(peer_id, 0.0):
             return False
+        if ip is not None:  # connected elsewhere: stale (the peer moved), or the announcement lies
+            if await self._answers(peer_id):
+                self._retry_at[peer_id] = self.clock() + RETRY_S
+                return False
+            log.info("%s announced %s and no longer answers on its connection from %s; dropping that connection",
+                     peer.name, " ".join(new), ip)
+            await self.host.disconnect(peer_id)
         for addr in new[:MAX_PROOFS]:
             try:
                 with anyio.fail_after(PROOF_TIMEOUT_S):
@@ -152,11 +181,31 @@ class Discovery:
             except (PsymeshError, TimeoutError) as exc:
                 log.info("%s announced %s, which did not prove it: %s", peer.name, addr, exc)
                 continue
-            self.peers.set_addrs(peer_id, [addr, *(a for a in new if a != addr)])
-            log.info("%s (%s) is now at %s", peer.name, peer_id, " ".join(new))
+            self._store(peer_id, peer, addr, new)
             return True
         self._retry_at[peer_id] = self.clock() + RETRY_S
         return False
+
+    async def _answers(self, peer_id: str) -> bool:
+        """Whether `peer_id` answers on its open connection within PROBE_TIMEOUT_S."""
+        try:
+            with anyio.fail_after(PROBE_TIMEOUT_S):
+                await self.probe(peer_id)
+        except TimeoutError:
+            return False
+        except PsymeshError as exc:
+            return network_kind(exc) is None  # a refusal is an answer too
+        return True
+
+    def _store(self, peer_id: str, peer: KnownPeer, proven: str, announced: list[str]) -> None:
+        """The proven address first, then the rest of the announcement, then what was stored
+        before (a stale one costs a failed dial after the new ones; a lie cannot push out
+        a good one), at most MAX_STORED."""
+        addrs: dict[str, str] = {}
+        for addr in (proven, *announced, *peer.addrs):
+            addrs.setdefault(without_peer_id(addr), addr)
+        self.peers.set_addrs(peer_id, list(addrs.values())[:MAX_STORED])
+        log.info("%s (%s) is now at %s", peer.name, peer_id, " ".join(announced))
 
     # -- the owner's view ---------------------------------------------------------------
     async def discovered(self, wait_s: float = 0.0) -> DiscoverReply:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import random
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Protocol
 
 import anyio
 import anyio.abc
@@ -38,7 +38,7 @@ class Dialer(Protocol):
 
     async def connect(self, addr: str) -> str: ...
 
-    def connected_peers(self) -> list[dict[str, Any]]: ...
+    def remote_ip(self, peer_id: str) -> str | None: ...  # None: no open connection to the peer
 
 
 def backoff_s(failures: int, jitter: float) -> float:
@@ -78,13 +78,10 @@ class StaticPeers:
                 tg.start_soon(self._keep, addr, peer_id)
             task_status.started()
 
-    def _connected(self, peer_id: str) -> bool:
-        return any(p["peer_id"] == peer_id for p in self.host.connected_peers())
-
     async def _keep(self, addr: str, peer_id: str) -> None:
         failures = 0
         while True:
-            if not self._connected(peer_id):
+            if self.host.remote_ip(peer_id) is None:
                 try:
                     with anyio.fail_after(DIAL_TIMEOUT_S):
                         await self.host.connect(addr)

@@ -109,7 +109,8 @@ class Node:
         self.groups = Groups(self.db, self.trust, self.messaging)
         self.answering = Answering(self.db, self.messaging, self.trust, self.agents, self.tools, self.identity.peer_id)
         self.discovery = Discovery(self.identity.peer_id, mdns=self.config.mdns, static_peers=self.config.static_peers,
-                                   host=self.p2p, peers=self.trust)
+                                   host=self.p2p, peers=self.trust,
+                                   probe=lambda peer_id: self.sessions.request(peer_id, Ping(seq=0), Pong))
         self._root: anyio.CancelScope | None = None
         self._tg: anyio.abc.TaskGroup | None = None
         self._register_services()
