@@ -5,13 +5,16 @@ the phone, back on, gets each letter exactly once, in order, admitted by its own
 mailbox forgets what was acknowledged. Per-sender limits and expiry, with an injected clock."""
 from __future__ import annotations
 
+import hashlib
 import time
 from pathlib import Path
 
 import anyio
+import msgpack
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+from cryptography.hazmat.primitives.hpke import AEAD, KDF, KEM, Suite
 
 from conftest import pair, run_nodes
 from waiting import wait_until
@@ -229,6 +232,12 @@ def test_a_mail_key_is_signed_by_its_owner_and_binds_what_it_seals(tmp_path: Pat
     sealed = seal(letter, key)
     assert len(sealed) == len(seal(letter, key)) and sealed != seal(letter, key)  # a fresh ephemeral key each time
     item = MailItem(seq=1, sender=other_id, ref=mail_ref(letter), at=0.0, sealed=sealed)
+    # docs/protocol.md §5.6, byte for byte: plain RFC 9180 with the documented info opens it
+    ref = hashlib.sha256(letter.signature).digest()[:16]
+    info = b"psymesh/mail/v1\x00" + b"".join(len(p).to_bytes(2, "big") + p
+                                             for p in (owner_id.encode(), other_id.encode(), ref))
+    plain = Suite(KEM.X25519, KDF.HKDF_SHA256, AEAD.CHACHA20_POLY1305).decrypt(sealed, secret, info=info)
+    assert Letter.model_validate(msgpack.unpackb(plain)) == letter and ref == item.ref
     assert unseal(item.sealed, secret, recipient=owner_id, sender=other_id, ref=item.ref) == letter
     tampered = sealed[:-1] + bytes([sealed[-1] ^ 1])
     for bad in ({"sealed": tampered}, {"ref": bytes(16)}, {"recipient": other_id}):
