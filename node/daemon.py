@@ -5,10 +5,10 @@
       ├── SessionPool.run      one outbound session per peer (+ a liveness watcher each)
       ├── TaskExecutor.run     recover unfinished tasks, N workers, expiry/purge housekeeping
       ├── TaskSubmitter.run    one driver per unfinished delegated task
-      ├── Mailbox.run          mail held for peers that named this node: expiry housekeeping
-      ├── MailOwner.run        our mail key to every peer; our mail fetched from our mailbox
       ├── Messaging.run        one courier per recipient with letters to deliver
       ├── Answering.run        peers' asks answered by the agent, one at a time (node/answering.py)
+      ├── Mailbox.run          mail held for peers that named this node: expiry housekeeping
+      ├── MailOwner.run        our mail key to every peer; our mail fetched from our mailbox
       ├── Discovery.run        mDNS (if configured), static peers; paired peers' addresses follow them
       ├── ControlServer.serve  local Unix socket for the CLI and scripts (handlers: node/owner.py)
       └── signal watcher       SIGINT/SIGTERM -> cancel the root scope -> clean shutdown
@@ -192,9 +192,9 @@ class Node:
                 await tg.start(self.executor.run)
                 await tg.start(self.submitter.run)
                 await tg.start(self.messaging.run)
+                await tg.start(self.answering.run)
                 await tg.start(self.mailbox.run)
                 await tg.start(self.mail.run)
-                await tg.start(self.answering.run)
                 await tg.start(self.discovery.run)
                 await tg.start(self.control.serve)
                 tg.start_soon(self._watch_signals, tg.cancel_scope)
