@@ -1,1 +1,2 @@
-"""psymesh.discovery: how nodes find each other: static peers, mDNS (namespaced tests only), relays."""
+"""psymesh.discovery: how nodes find each other on a LAN: libp2p mDNS (off unless configured) and
+static peers, and how a paired peer's stored addresses follow it (service.py). Imports only protocol/."""

@@ -6,6 +6,7 @@ The namespace tests need root and a kernel that allows network namespaces; where
 is missing they are skipped, saying which (checked when they run)."""
 from __future__ import annotations
 
+import ast
 import contextlib
 import functools
 import json
@@ -47,8 +48,10 @@ from psymesh.node.db import open_db
 from psymesh.node.home import NodeConfig, NodeHome
 from psymesh.node.process import DaemonProcess
 from psymesh.node.trust import TrustStore
+from psymesh.protocol import control as c
 from psymesh.protocol.errors import ErrorCode, NetworkTimeout, ProtocolError, PsymeshError
 from psymesh.protocol.identity import peer_id_from_public_key
+from psymesh.protocol.messages import pack, unpack
 from waiting import wait_until
 
 PEER = peer_id_from_public_key(bytes(range(32)))
@@ -142,6 +145,24 @@ def test_only_tcp_addresses_on_a_real_ip_are_dialable() -> None:
                 addr("192.168.1.20", 70000), f"/ip4/192.168.1.20/udp/4001/quic-v1/p2p/{PEER}",
                 f"/ip6/192.168.1.20/tcp/4001/p2p/{PEER}", "/ip4/192.168.1.20/tcp/4001", f"/dns4/home/tcp/1/p2p/{PEER}"):
         assert not dialable(bad), bad
+
+
+def test_the_discovery_package_imports_only_protocol_of_ours() -> None:
+    """The daemon hands discovery the p2p host and the trust store; it never reaches into node/."""
+    for path in (Path(__file__).parent.parent / "discovery").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module] if isinstance(node, ast.ImportFrom) and node.module else [])
+            for name in names:
+                assert not name.startswith(("psymesh.node", "psymesh.agent", "libp2p")), f"{path.name} imports {name}"
+
+
+def test_the_discover_reply_survives_the_wire_as_itself() -> None:
+    reply = c.DiscoverReply(mdns=True, announced=[addr("192.168.1.2")], static_peers=1, nodes=[
+        c.SeenNode(peer_id=PEER, fingerprint="MMG4-2KLG-YQZW-NEIS", addrs=[addr("192.168.1.20")], source="mdns",
+                   first_seen=1.0, last_seen=2.0, paired=True, name="home")])
+    again = unpack(pack(reply))
+    assert again == reply and type(again) is c.DiscoverReply and again.nodes[0].source == "mdns"
 
 
 # ------------------------------------------------------------------------- the seen table
