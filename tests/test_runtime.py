@@ -16,6 +16,8 @@ import anyio
 import pytest
 from llama_cpp import LlamaGrammar
 
+from waiting import wait_until
+
 from psymesh.agent.chatformat import ChatMessage, ToolSpec, parse_reply, render_prefix, render_prompt
 from psymesh.agent.grammar import tool_call_grammar
 from psymesh.agent.runtime import (
@@ -70,14 +72,6 @@ def _settings(path: Path, **kw: object) -> ModelSettings:
 def _free(worker: ModelWorker) -> dict[int, float]:
     """Logit bias for free-running generation: ASCII only and no end of generation."""
     return {**NO_HIGH_BYTES, **{t: float("-inf") for t in worker.info.eog_token_ids}}
-
-
-async def _wait_for(predicate, what: str) -> None:  # type: ignore[no-untyped-def]
-    for _ in range(500):  # bounded: 5 s
-        if predicate():
-            return
-        await anyio.sleep(0.01)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 # --------------------------------------------------------------------------- loading
@@ -255,7 +249,7 @@ async def test_cancelling_the_consumer_stops_generation(model_path: Path) -> Non
                                             temperature=1.0, seed=1, logit_bias=_free(worker))) as gen:
             async for _ in gen:
                 break
-        await _wait_for(lambda: worker.stats.cancelled == 2, "the second cancellation")
+        await wait_until(lambda: worker.stats.cancelled == 2, "the second cancellation", timeout=5)
         assert worker.stats.generated_tokens < 2 * 3500
 
 
@@ -286,7 +280,7 @@ async def test_full_queue_rejects_with_busy(model_path: Path) -> None:
             first = worker.generate("<|im_start|>user\na<|im_end|>\n", **long)
             await first.__anext__()  # running on the worker thread
             tg.start_soon(functools.partial(worker.complete, "<|im_start|>user\nb<|im_end|>\n", **long))  # queued
-            await _wait_for(lambda: worker.pending == 1, "the queued request")
+            await wait_until(lambda: worker.pending == 1, "the queued request", timeout=5)
             with pytest.raises(WorkerBusy) as e:
                 await worker.complete("<|im_start|>user\nc<|im_end|>\n", max_tokens=4)
             assert e.value.code == ErrorCode.BUSY
@@ -369,9 +363,9 @@ async def test_closing_fails_queued_requests_and_refuses_new_ones(model_path: Pa
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(request, "running")
-        await _wait_for(lambda: worker.stats.requests == 1, "the first request to start")
+        await wait_until(lambda: worker.stats.requests == 1, "the first request to start", timeout=5)
         tg.start_soon(request, "queued")
-        await _wait_for(lambda: worker.pending == 1, "the second request to queue")
+        await wait_until(lambda: worker.pending == 1, "the second request to queue", timeout=5)
         await worker.aclose()
     assert isinstance(outcomes["queued"], WorkerClosed)
     assert isinstance(outcomes["running"], Completion)  # cut short ("cancelled") unless it had just finished
@@ -415,7 +409,7 @@ async def test_works_under_asyncio(model_path: Path) -> None:
 
 
 async def _until_idle(worker: ModelWorker) -> None:
-    await _wait_for(lambda: worker.stats.cancelled == 1, "the abandoned stream to be cancelled")
+    await wait_until(lambda: worker.stats.cancelled == 1, "the abandoned stream to be cancelled", timeout=5)
 
 
 @pytest.mark.anyio
