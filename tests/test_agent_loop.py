@@ -233,7 +233,7 @@ async def test_step_budget(device: DeviceState) -> None:
 
 class StallingModel:
     async def reply(self, messages, tools, *, thinking=False) -> str:  # type: ignore[no-untyped-def]
-        await anyio.sleep(60)
+        await anyio.sleep(60)  # the stall is the behaviour under test: the run's deadline must cut it
         return "too late"
 
 
@@ -244,7 +244,7 @@ async def test_deadline_stops_a_stalled_model_and_a_stalled_tool() -> None:
     @reg.tool("slow.wait")
     async def wait() -> str:
         """Wait a long time."""
-        await anyio.sleep(60)
+        await anyio.sleep(60)  # a tool that takes long is the behaviour under test
         return "done"
 
     rec = Recorder()

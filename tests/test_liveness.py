@@ -56,7 +56,7 @@ async def test_phone_recovers_from_a_silently_dead_connection(tmp_path: Path) ->
     phone_home.save_config(phone_home.load_config().model_copy(update={"liveness_probe_s": 1.0}))
 
     async def slow() -> dict:
-        await anyio.sleep(3)
+        await anyio.sleep(3)  # a task that takes time: the connection dies while it runs
         return {"done": True}
 
     async with run_nodes(tmp_path, "home", "phone", profiles={"phone": "phone"}) as nodes, \
@@ -89,7 +89,7 @@ async def test_many_quiet_tasks_share_one_liveness_ping(tmp_path: Path) -> None:
     phone_home.save_config(phone_home.load_config().model_copy(update={"liveness_probe_s": 1.0}))
 
     async def quiet() -> dict:
-        await anyio.sleep(3.5)
+        await anyio.sleep(3.5)  # the quiet time is the behaviour under test: pings are counted over it
         return {"done": True}
 
     async with run_nodes(tmp_path, "home", "phone", profiles={"phone": "phone"}) as nodes:

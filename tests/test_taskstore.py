@@ -285,7 +285,7 @@ def test_sigkill_mid_write_leaves_a_consistent_log(db_path: Path, tmp_path: Path
                                 stdout=subprocess.PIPE, text=True)
         try:
             assert proc.stdout is not None and proc.stdout.readline() == "writing\n"
-            time.sleep(pause)
+            time.sleep(pause)  # the behaviour under test: SIGKILL at a different point of the writing each round
         finally:
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait(timeout=30)

@@ -63,7 +63,7 @@ def make_registry() -> ToolRegistry:
     @reg.tool("notes.wipe", irreversible=True, profiles={"home"})
     async def wipe(confirm: bool) -> str:
         """Delete every note."""
-        await anyio.sleep(0)
+        await anyio.sleep(0)  # a checkpoint, not a wait: a truly async tool yields to the loop
         return f"wiped={confirm}"
 
     return reg
@@ -252,7 +252,7 @@ async def test_deadline_stops_a_sync_tool_through_its_context() -> None:
         try:
             for _ in range(2000):  # bounded: at most ~20 s even if nothing stops it
                 ctx.check()
-                time.sleep(0.01)
+                time.sleep(0.01)  # a sync tool that takes time is the behaviour under test
         except ToolError:
             stopped.set()
             raise
