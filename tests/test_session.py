@@ -106,8 +106,10 @@ async def test_a_streamed_answer_arrives_whole_and_in_order() -> None:
 async def test_leaving_a_stream_early_cancels_the_work_on_the_server() -> None:
     door = Server()
     async with session_pair(door) as (server, _, pool):
-        with anyio.move_on_after(0.2):
-            await pool.request(server.peer_id, Ping(seq=1, payload=b"hang"), Pong)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(pool.request, server.peer_id, Ping(seq=1, payload=b"hang"), Pong)
+            await wait_until(lambda: len(door.calls) == 1, "the hanging request to reach the server")
+            tg.cancel_scope.cancel()  # the client leaves it
         with anyio.fail_after(5):
             await door.canceled.wait()
         assert (await pool.request(server.peer_id, Ping(seq=7), Pong)).seq == 7  # the session lives on
