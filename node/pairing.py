@@ -51,8 +51,9 @@ PushManifest = Callable[[str, Manifest], Awaitable[None]]
 
 class PairingService:
     def __init__(self, identity: Identity, config: NodeConfig, p2p: P2PNode, trust: TrustStore,
-                 push_manifest: PushManifest) -> None:
+                 push_manifest: PushManifest, clock: Callable[[], float] = time.time) -> None:
         self.identity = identity
+        self.clock = clock  # wall time: when invites expire and grants are issued (a test moves it)
         self.config = config
         self.p2p = p2p
         self.trust = trust
@@ -68,7 +69,7 @@ class PairingService:
     def _open_invite(self, nameplate: int) -> Invite | None:
         """The open invite with this number, or None (the inviter then runs a decoy)."""
         invite = self._invites.get(nameplate)
-        return invite if invite is not None and invite.state(time.time()) is InviteState.OPEN else None
+        return invite if invite is not None and invite.state(self.clock()) is InviteState.OPEN else None
 
     def _open_nameplates(self, now: float) -> set[int]:
         for n in [n for n, inv in self._invites.items() if inv.state(now) is not InviteState.OPEN]:
@@ -77,7 +78,7 @@ class PairingService:
 
     # -- inviter ------------------------------------------------------------------
     async def create_invite(self, req: c.PairInviteRequest, framed: FramedStream) -> c.PairInviteReply:
-        now = time.time()
+        now = self.clock()
         invite = new_invite(now, ttl=req.ttl_s, grant=req.grant, name=req.name,
                             grant_ttl=int(req.grant_ttl_s) if req.grant_ttl_s else None,
                             taken=self._open_nameplates(now))
@@ -94,7 +95,7 @@ class PairingService:
     async def _outcome(self, invite: Invite) -> c.PairedReply:
         """Wait until the invite is used (-> the pairing) or dies (-> its error)."""
         while True:
-            now = time.time()
+            now = self.clock()
             state = invite.state(now)
             if state is InviteState.USED:
                 return self._paired.pop(invite.id)
@@ -127,7 +128,7 @@ class PairingService:
                 while machine.state is not PairState.DONE:
                     with anyio.fail_after(PAIR_STEP_TIMEOUT_S):
                         message = await framed.receive_required()
-                    for out in machine.receive(message, time.time()):
+                    for out in machine.receive(message, self.clock()):
                         await framed.send(out)
         except TimeoutError:
             self._notify(machine.invite)
@@ -172,7 +173,7 @@ class PairingService:
         assert result is not None
         granted_back = None
         if req.grant:
-            granted_back = preset(req.grant, self.identity.peer_id, result.peer_id, time.time()).sign(
+            granted_back = preset(req.grant, self.identity.peer_id, result.peer_id, self.clock()).sign(
                 self.identity.private_key)
         peer = self.trust.add(result.peer_id, name=result.name, role=result.role, addrs=list(result.addrs),
                               granted=granted_back, received=result.manifest)

@@ -12,6 +12,7 @@ import anyio
 import pytest
 
 from conftest import pair, run_nodes
+from waiting import wait_until
 from psymesh.node.audit import AuditLog
 from psymesh.node.client import Client
 from psymesh.node.db import open_db
@@ -38,9 +39,7 @@ async def test_full_pairing_both_sides_agree(tmp_path: Path) -> None:
                     seen["home"] = await c.pair_invite_and_wait(lambda inv: seen.setdefault("invite", inv),
                                                                 name="my-phone")
             tg.start_soon(inviter)
-            with anyio.fail_after(10):
-                while "invite" not in seen:
-                    await anyio.sleep(0.01)
+            await wait_until(lambda: "invite" in seen, "the inviter to show its invite", timeout=10)
             async with Client(phone.home.path) as c:
                 seen["phone"] = await c.pair_join(seen["invite"].invite, grant="messaging")
         assert seen["home"].verification == seen["phone"].verification
@@ -102,7 +101,7 @@ async def test_expired_invite_is_refused(tmp_path: Path) -> None:
     async with run_nodes(tmp_path, "home", "phone") as nodes:
         async with Client(nodes["home"].home.path) as h, Client(nodes["phone"].home.path) as p:
             inv = await h.pair_invite(ttl_s=0.5)
-            await anyio.sleep(0.7)
+            nodes["home"].pairing.clock = lambda: time.time() + 0.7  # the invite's 0.5 s are over
             with pytest.raises(RemoteError) as info:
                 await p.pair_join(inv.invite)
         assert info.value.code in (ErrorCode.EXPIRED, ErrorCode.BAD_CODE)  # a decoy, once it is gone
@@ -140,10 +139,12 @@ async def test_revocation_closes_an_open_connection_and_refuses_what_follows(tmp
         async with Client(home.home.path) as h:
             revoked = await h.revoke("phone")
         assert revoked.peer.revoked_at is not None
-        with anyio.fail_after(5):  # the open connection is gone at once, on both sides
-            while phone.identity.peer_id in [x["peer_id"] for x in home.p2p.connected_peers()] or \
-                    home.identity.peer_id in [x["peer_id"] for x in phone.p2p.connected_peers()]:
-                await anyio.sleep(0.02)
+
+        def gone_on_both_sides() -> bool:
+            return phone.identity.peer_id not in [x["peer_id"] for x in home.p2p.connected_peers()] and \
+                home.identity.peer_id not in [x["peer_id"] for x in phone.p2p.connected_peers()]
+
+        await wait_until(gone_on_both_sides, "the open connection to be gone at once, on both sides", timeout=5)
         async with Client(phone.home.path) as p:
             with pytest.raises(RemoteError) as info:
                 await p.ping("home", count=1)
