@@ -73,7 +73,7 @@ class Mdns:
         self.peer_id = peer_id
         self._host_addrs = host_addrs
         self.check_s = check_s
-        self.announced: list[str] = []  # what the current announcement says (empty: none)
+        self.announced: list[str] = []  # what this node announces (or is registering) now; empty: nothing
 
     async def run(self, on_event: Callable[[MdnsEvent], None], *,
                   task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
@@ -146,16 +146,20 @@ class Mdns:
                 await anyio.sleep(self.check_s)
                 continue
             said_nothing = False
+            self.announced = addrs
             try:
-                session = await anyio.to_thread.run_sync(_Session.open, ipv4s, addrs, on_change)
+                # Shielded: a session that opened is closed below even if the node stops meanwhile
+                # (registering probes the name for ~2 s; the stop waits that long at most).
+                with anyio.CancelScope(shield=True):
+                    session = await anyio.to_thread.run_sync(_Session.open, ipv4s, addrs, on_change)
             except Exception as exc:  # zeroconf's errors (sockets, multicast membership) at its boundary
+                self.announced = []
                 delay = min(OPEN_RETRY_MAX_S, self.check_s * 2 ** failures)
                 failures += 1
                 log.warning("mDNS could not start on %s (%s); retrying in %.0f s", ", ".join(ipv4s), exc, delay)
                 await anyio.sleep(delay)
                 continue
             failures = 0
-            self.announced = addrs
             log.info("mDNS: announcing %s", " ".join(addrs))
             try:
                 while advertised(self._host_addrs(), self.peer_id) == addrs:

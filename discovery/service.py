@@ -19,9 +19,9 @@ authenticated from there); a connection from elsewhere is left over from the old
 address, or the announcement lies, so the node pings the peer on it and drops it (then
 dials the new addresses) only if no answer comes in `PROBE_TIMEOUT_S`: a live connection
 is never dropped on an announcement's word. A check that did not move the peer is
-repeated no sooner than `RETRY_S` later. Older addresses stay behind the new ones (at
-most `MAX_STORED`), so a lie can cost a failed dial but never push out an address that
-works.
+repeated `RETRY_S` later, at most `MAX_CHECKS` times per announcement. Older addresses
+stay behind the new ones (at most `MAX_STORED`), so a lie can cost a failed dial but
+never push out an address that works.
 
 This package imports nothing of node/: the daemon hands it the p2p host, the trust
 store and a way to ping a peer, which fit the small protocols below.
@@ -47,7 +47,8 @@ from psymesh.protocol.identity import is_peer_id, peer_fingerprint
 log = logging.getLogger("psymesh.discovery")
 
 FOLLOW_S = 1.0         # how often pending address changes of paired peers are looked at again
-RETRY_S = 10.0         # after no announced address proved the peer, wait this long before trying again
+RETRY_S = 10.0         # after a check that did not move the peer, wait this long before the next
+MAX_CHECKS = 6         # then wait for the peer's next announcement
 PROOF_TIMEOUT_S = 5.0  # one dial that proves a paired peer at an announced address
 PROBE_TIMEOUT_S = 5.0  # a paired peer's answer on a connection the announcement says is stale
 MAX_PROOFS = 4         # announced addresses tried per attempt
@@ -104,6 +105,7 @@ class Discovery:
         self.static = StaticPeers(check_static_peers(static_peers, peer_id), host, self._reached)
         self._pending: set[str] = set()   # paired peers whose announced addresses are not followed yet
         self._retry_at: dict[str, float] = {}
+        self._checks: dict[str, int] = {}     # checks that did not move a pending peer, per announcement
         self._wake = anyio.Event()
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
@@ -135,7 +137,8 @@ class Discovery:
     def _saw(self, peer_id: str, addrs: tuple[str, ...], source: Source) -> None:
         self.table.saw(peer_id, addrs, source, self.clock())
         self._pending.add(peer_id)
-        self._retry_at.pop(peer_id, None)  # a new announcement deserves a new try
+        self._retry_at.pop(peer_id, None)  # a new announcement deserves new tries
+        self._checks.pop(peer_id, None)
         self._wake.set()
 
     # -- addresses follow the peer ----------------------------------------------------
@@ -148,6 +151,7 @@ class Discovery:
                 if await self._follow_one(peer_id):
                     self._pending.discard(peer_id)
                     self._retry_at.pop(peer_id, None)
+                    self._checks.pop(peer_id, None)
 
     async def _follow_one(self, peer_id: str) -> bool:
         """True when there is nothing (more) to do for `peer_id`'s latest announcement."""
@@ -169,8 +173,7 @@ class Discovery:
             return False
         if ip is not None:  # connected elsewhere: stale (the peer moved), or the announcement lies
             if await self._answers(peer_id):
-                self._retry_at[peer_id] = self.clock() + RETRY_S
-                return False
+                return self._later(peer_id, peer.name)
             log.info("%s announced %s and no longer answers on its connection from %s; dropping that connection",
                      peer.name, " ".join(new), ip)
             await self.host.disconnect(peer_id)
@@ -183,8 +186,16 @@ class Discovery:
                 continue
             self._store(peer_id, peer, addr, new)
             return True
+        return self._later(peer_id, peer.name)
+
+    def _later(self, peer_id: str, name: str) -> bool:
+        """Check `peer_id`'s announcement again in RETRY_S; after MAX_CHECKS, only once it changes."""
+        self._checks[peer_id] = checks = self._checks.get(peer_id, 0) + 1
         self._retry_at[peer_id] = self.clock() + RETRY_S
-        return False
+        if checks < MAX_CHECKS:
+            return False
+        log.info("%s is not where it announced itself after %d checks; waiting for a new announcement", name, checks)
+        return True
 
     async def _answers(self, peer_id: str) -> bool:
         """Whether `peer_id` answers on its open connection within PROBE_TIMEOUT_S."""

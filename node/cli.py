@@ -343,7 +343,8 @@ def discover(home: str | None, out: Output, wait_s: float) -> None:
     if not reply.mdns and not reply.static_peers:
         out.hint("discovery is off: set mdns = true (and listen on the LAN) or static_peers in config.toml")
     elif reply.mdns and not reply.announced:
-        out.hint("mdns is on, but this node listens on no LAN address, so it neither announces nor hears")
+        out.hint("mdns is on, but this node announces nothing: it listens on no LAN address (listen = "
+                 "[\"/ip4/0.0.0.0/tcp/4001\"]), or mDNS could not start (see the daemon's log)")
 
     def human(con: Any) -> None:
         if not reply.nodes:

@@ -39,7 +39,7 @@ from psymesh.discovery.records import (
     parse_announcement,
     txt_strings,
 )
-from psymesh.discovery.service import RETRY_S, Discovery
+from psymesh.discovery.service import MAX_CHECKS, RETRY_S, Discovery
 from psymesh.discovery.static import BACKOFF_MAX_S, backoff_s, check_static_peers
 from psymesh.discovery.table import SeenTable
 from psymesh.node.client import Client
@@ -276,6 +276,12 @@ async def test_an_announcement_nobody_proves_never_reaches_the_trust_store(follo
     now[0] += RETRY_S
     assert not await discovery._follow_one(PEER)
     assert len(host.dialed) == 2 and trust.get(PEER).addrs == [addr("192.168.1.20")]
+    for _ in range(MAX_CHECKS - 3):
+        now[0] += RETRY_S
+        assert not await discovery._follow_one(PEER)
+    now[0] += RETRY_S
+    assert await discovery._follow_one(PEER)  # MAX_CHECKS: given up until the next announcement
+    assert len(host.dialed) == MAX_CHECKS and trust.get(PEER).addrs == [addr("192.168.1.20")]
 
 
 @pytest.mark.anyio
