@@ -16,6 +16,13 @@ if command -v dpkg >/dev/null 2>&1 && ! dpkg -s libgmp-dev >/dev/null 2>&1; then
   $SUDO apt-get update -qq && $SUDO apt-get install -y -qq libgmp-dev
 fi
 
+# The discovery tests run daemons in network namespaces of their own (ip netns, veth), so that mDNS
+# multicast never touches a real interface; they need iproute2's `ip` (and root, else they skip, saying so).
+if [ "$(id -u)" -eq 0 ] && ! command -v ip >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
+  echo "installing iproute2 (the discovery tests create network namespaces)" >&2
+  apt-get update -qq && apt-get install -y -qq iproute2
+fi
+
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip setuptools wheel
 # llama-cpp-python has no wheels on the index: it builds from source (~5 min once; pip caches the wheel).
