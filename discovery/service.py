@@ -39,7 +39,7 @@ import anyio.abc
 from psymesh.discovery.mdns import Left, Mdns, MdnsEvent
 from psymesh.discovery.records import dialable, without_peer_id
 from psymesh.discovery.static import Dialer, StaticPeers, check_static_peers
-from psymesh.discovery.table import SeenTable, Sighting, Source
+from psymesh.discovery.table import SeenTable, Sighting
 from psymesh.protocol.control import DiscoverReply, SeenNode, network_kind
 from psymesh.protocol.errors import PsymeshError
 from psymesh.protocol.identity import is_peer_id, peer_fingerprint
@@ -122,10 +122,14 @@ class Discovery:
         if isinstance(event, Left):
             self.table.forget(event.peer_id, "mdns")
             return
-        announcement = event.announcement
-        if announcement.peer_id == self.peer_id:
+        peer_id = event.announcement.peer_id
+        if peer_id == self.peer_id:
             return  # our own announcement, heard back
-        self._saw(announcement.peer_id, announcement.addrs, "mdns")
+        self.table.saw(peer_id, event.announcement.addrs, "mdns", self.clock())
+        self._pending.add(peer_id)
+        self._retry_at.pop(peer_id, None)  # a new announcement deserves new tries
+        self._checks.pop(peer_id, None)
+        self._wake.set()
 
     def _reached(self, peer_id: str, addr: str) -> None:
         """A static peer answered at `addr`: the dial proved it, so a paired one is stored there."""
@@ -133,13 +137,6 @@ class Discovery:
         peer = self.peers.get(peer_id)
         if peer is not None and not peer.revoked and without_peer_id(addr) not in {without_peer_id(a) for a in peer.addrs}:
             self._store(peer_id, peer, addr, [addr])
-
-    def _saw(self, peer_id: str, addrs: tuple[str, ...], source: Source) -> None:
-        self.table.saw(peer_id, addrs, source, self.clock())
-        self._pending.add(peer_id)
-        self._retry_at.pop(peer_id, None)  # a new announcement deserves new tries
-        self._checks.pop(peer_id, None)
-        self._wake.set()
 
     # -- addresses follow the peer ----------------------------------------------------
     async def _follow(self) -> None:
