@@ -55,7 +55,7 @@ def work(tag: str, ms: int = 400, *, ctx: ToolContext) -> dict:
     end = time.monotonic() + ms / 1000
     while time.monotonic() < end:
         ctx.check()
-        time.sleep(0.01)
+        time.sleep(0.01)  # a tool that takes time is the behaviour under test
     log("done")
     return {"tag": tag, "pid": os.getpid()}
 
@@ -147,15 +147,23 @@ def _tool_runs(log: Path) -> Counter[str]:
     return Counter(" ".join(line.split()[:2]) for line in log.read_text().splitlines())
 
 
+def _unfinished_runs(log: Path, pid: int) -> Counter[str]:
+    """Runs the process `pid` started and has not finished (tag -> how many)."""
+    lines = [line.split() for line in log.read_text().splitlines()]
+    started = Counter(tag for what, tag, by in lines if what == "start" and by == str(pid))
+    done = Counter(tag for what, tag, by in lines if what == "done" and by == str(pid))
+    return started - done
+
+
 async def _all_acknowledged(home: DaemonProcess, ids: set[str]) -> None:
     """Wait until the executor knows the phone holds every event (then it may forget the tasks)."""
-    with anyio.fail_after(20):
-        while True:
-            async with home.client() as h:
-                held = {t.task_id: t for t in (await h.tasks(limit=1000)).executing if t.task_id in ids}
-            if all(t.acked_seq == t.last_seq for t in held.values()):
-                return
-            await anyio.sleep(0.1)
+
+    async def acknowledged() -> bool:
+        async with home.client() as h:
+            held = [t for t in (await h.tasks(limit=1000)).executing if t.task_id in ids]
+        return all(t.acked_seq == t.last_seq for t in held)
+
+    await wait_until(acknowledged, "the home to know the phone holds every event", timeout=20)
 
 
 def _logs_match(home: Path, phone: Path, seen: dict[str, list[TaskEvent]]) -> None:
@@ -192,10 +200,10 @@ async def test_home_killed_mid_tasks_every_task_completes_once(tmp_path: Path, p
                 async with anyio.create_task_group() as tg:
                     for task_id in kinds:
                         tg.start_soon(watch, task_id)
-                    for _ in range(ROUNDS):
-                        await anyio.sleep(rng.uniform(0.3, 0.8))
+                    for _ in range(ROUNDS):  # the behaviour under test: kills at random moments
+                        await anyio.sleep(rng.uniform(0.3, 0.8))  # while tasks run
                         home.kill()
-                        await anyio.sleep(rng.uniform(0.0, 0.3))
+                        await anyio.sleep(rng.uniform(0.0, 0.3))  # and a random time down
                         await home.start()
         assert set(seen) == set(kinds)
         runs = _tool_runs(plugin_log)
@@ -203,8 +211,14 @@ async def test_home_killed_mid_tasks_every_task_completes_once(tmp_path: Path, p
             _check_history(seen[task_id], what, runs)
         requeued = sum(1 for evs in seen.values() for e in evs if e.kind is EventKind.REQUEUED)
         assert requeued >= 1, "no crash hit a running task: the test proved nothing"
-        await anyio.sleep(1.0)
-        assert _tool_runs(plugin_log) == runs  # and no task runs again later
+        # And no task runs again later: the home holds every one as finished (a finished task
+        # is never run again), and no run its live process started is still going (runs in
+        # killed processes cannot come back).
+        async with home.client() as h:
+            held = {t.task_id: t.state for t in (await h.tasks(limit=1000)).executing if t.task_id in kinds}
+        assert all(state.terminal for state in held.values()), held
+        assert home.proc is not None and not _unfinished_runs(plugin_log, home.proc.pid)
+        assert _tool_runs(plugin_log) == runs
         await _all_acknowledged(home, set(kinds))
     finally:
         await phone.stop()
@@ -238,7 +252,7 @@ async def test_phone_killed_mid_tasks_gets_every_event_once(tmp_path: Path, plug
                 async with anyio.create_task_group() as tg:
                     for task_id in kinds:
                         tg.start_soon(follow, task_id)
-                    await anyio.sleep(rng.uniform(0.3, 0.8))
+                    await anyio.sleep(rng.uniform(0.3, 0.8))  # the behaviour under test: a kill at a random moment
                     phone.kill()
                 await phone.start()
             async with anyio.create_task_group() as tg:  # after the last restart: to the end
@@ -264,10 +278,19 @@ async def test_phone_killed_while_handing_a_task_over_still_delivers_it(tmp_path
         assert home.proc is not None
         home.proc.send_signal(signal.SIGSTOP)
         try:
-            async with phone.client() as c:
-                with anyio.move_on_after(1.5) as waited:
+            returned: list[bool] = []
+            async with phone.client() as c, phone.client() as c2, anyio.create_task_group() as tg:
+                async def submit() -> None:
                     await c.delegate("home", tool="chaos.work", args={"tag": "w0", "ms": 50}, task_id="t-handover")
-            assert waited.cancel_called, "the submit should hang while the home is frozen"
+                    returned.append(True)
+
+                async def in_the_outbox() -> bool:
+                    return any(t.task_id == "t-handover" for t in (await c2.tasks()).submitted)
+
+                tg.start_soon(submit)
+                await wait_until(in_the_outbox, "the phone to hold t-handover in its outbox", timeout=10)
+                assert not returned, "the submit should hang while the home is frozen"
+                tg.cancel_scope.cancel()
             phone.kill()
         finally:
             home.proc.send_signal(signal.SIGCONT)
@@ -295,9 +318,10 @@ async def test_cancel_while_the_task_is_on_its_way_reaches_the_home(tmp_path: Pa
                 tg.start_soon(lambda: c.delegate("home", tool="chaos.work", args={"tag": "w0", "ms": 5000},
                                                  task_id="t-late"))
                 async with phone.client() as c2:
-                    with anyio.fail_after(10):
-                        while not any(t.task_id == "t-late" for t in (await c2.tasks()).submitted):
-                            await anyio.sleep(0.05)
+                    async def in_the_outbox() -> bool:
+                        return any(t.task_id == "t-late" for t in (await c2.tasks()).submitted)
+
+                    await wait_until(in_the_outbox, "the phone to hold t-late in its outbox", timeout=10)
                     await c2.task("t-late").cancel()
                     with pytest.raises(RemoteError) as err:
                         await c2.task("t-late").result()
@@ -323,9 +347,7 @@ async def test_clean_stop_mid_task_requeues_without_counting_a_crash(tmp_path: P
     try:
         async with phone.client() as c:
             task = await c.delegate("home", tool="chaos.work", args={"tag": "w0", "ms": 3000})
-            with anyio.fail_after(30):
-                while "start w0" not in plugin_log.read_text():
-                    await anyio.sleep(0.05)
+            await wait_until(lambda: "start w0" in plugin_log.read_text(), "the tool to start on the home", timeout=30)
             assert await home.stop() == 0
             await home.start()
             with anyio.fail_after(60):
