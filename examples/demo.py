@@ -183,9 +183,77 @@ async def ping_both_ways(d: Demo) -> None:
                   f"{r.min_ms:.3f} / {r.median_ms:.3f} / {r.max_ms:.3f} ms  ({len(r.rtts_ms)} x 32 B)")
 
 
+async def exchange_letters(d: Demo) -> None:
+    step("Letters between the phone and home: signed, stored before the receipt, in order within a thread")
+    async with d.phone.client() as phone, d.home.client() as home:
+        for text in ("Leaving work now.", "Shall I get milk? (todo.txt says so)"):
+            sent = await phone.send("home", text, thread="evening")
+            con.print(f"phone -> home: {text!r}  (letter {sent.id[:8]}, thread {sent.thread} #{sent.tseq})")
+        got = await _inbox(home, 2)
+        reply = await home.send("phone", "Yes please, and see you at 7.", thread="evening")
+        for m in got:
+            con.print(f" home inbox #{m.seq}: from {m.sender_name} ({m.thread} #{m.tseq}): {escape(m.text)}")
+        state = (await home.letter(reply.id, wait=True)).state
+        [answer] = await _inbox(phone, 1)
+        con.print(f"home -> phone: {answer.text!r}  ({state}: the phone's receipt came back)")
+
+
+async def _inbox(client, count: int, after: int = 0, timeout: float = 60):  # type: ignore[no-untyped-def]
+    """The next `count` letters in `client`'s inbox after `after` (live: they may still be on their way)."""
+    got = []
+    with anyio.fail_after(timeout):
+        async for m in client.inbox(after):
+            got.append(m)
+            if len(got) == count:
+                break
+    return got
+
+
+async def letter_to_a_sleeping_phone(d: Demo) -> None:
+    step("A letter to a sleeping phone: held for it, delivered when it wakes")
+    async with d.phone.client() as phone:
+        seen = [m.seq async for m in phone.inbox(follow=False)]
+    async with d.home.client() as home:  # the phone hands home its mail key within 5 s of pairing
+        with anyio.move_on_after(30):
+            while not any(r.operation == "mail.key" and r.allowed for r in await home.audit(peer="phone", limit=500)):
+                await anyio.sleep(0.2)
+    con.print(" home: holds the phone's mail key (the phone's config names home as its mailbox)")
+    code = await d.phone.stop()
+    con.print(f"phone: off (exited with status {code})")
+    async with d.home.client() as home:
+        sent = await home.send("phone", "The parcel came; it is on your desk.", thread="evening")
+        con.print(f" home -> phone: letter {sent.id[:8]}, written while the phone is off: {sent.state}")
+        with anyio.move_on_after(30):
+            sent = await home.letter(sent.id, wait=True)
+        if sent.state == "deposited":
+            con.print(escape(f" home: letter {sent.id[:8]} is deposited: unreachable past [mail] grace_s (5 s), so "
+                             "it is sealed to the phone's\n       mail key and kept in home's mailbox until the "
+                             "phone fetches it"))
+        else:
+            con.print(f" home: still {sent.state}; home's courier keeps retrying it directly")
+    await d.phone.start()
+    con.print("phone: on again (a new process, a new port)")
+    async with d.phone.client() as phone:
+        [woke] = await _inbox(phone, 1, after=max(seen, default=0))
+    con.print(f"phone inbox #{woke.seq}: from {woke.sender_name}: {escape(woke.text)}")
+
+
+async def ask_home(d: Demo) -> None:
+    step("The phone asks home's agent a question (msg.ask); the answer comes back as a letter")
+    con.print("(home's generated model: random weights, so the words are gibberish; the tools it may use are\n"
+              " the ones the phone's grant covers, and it stops at the phone's max_steps)")
+    async with d.phone.client() as phone:
+        answer = await phone.ask("home", "What machine are you running on?", thread="questions",
+                                 params={"max_steps": 2, "seed": 13, "ban_bytes": True}, timeout=120)
+    calls = [(c["name"], c["status"]) for c in answer.body.get("tool_calls", [])]
+    con.print(f"phone: answer in thread {answer.thread}, reply to {answer.reply_to[:8] if answer.reply_to else '-'}"
+              f", after {answer.body.get('steps')} step(s), tool calls {calls}")
+    con.print(f"   {escape(answer.text[:80])!r}...")
+
+
 STEPS: list[Callable[[Demo], Awaitable[None]]] = [
     start_nodes, pair_by_code, ping_both_ways, allowed_and_refused, delegate_tasks,
-    agent_on_the_phone, agent_delegated_home,
+    agent_on_the_phone, agent_delegated_home, exchange_letters, letter_to_a_sleeping_phone, ask_home,
 ]
 
 
@@ -206,6 +274,8 @@ def prepare_nodes(work: Path) -> list[str]:
         node = NodeHome(work / name)
         node.init(profile=name, name=name)  # type: ignore[arg-type]
         ModelRegistry(open_db(node.db_path)).add("tiny", model, n_ctx=16384, n_threads=1)
+    phone = NodeHome(work / "phone")  # home keeps the phone's letters while it sleeps
+    phone.save_config(phone.load_config().model_copy(update={"mailbox": "home"}))
     return ["--share", str(share)]
 
 
