@@ -139,7 +139,7 @@ async def paired_ping(friend: DaemonProcess, peer_id: str) -> None:
                 return
             except RemoteError as exc:
                 assert exc.code == ErrorCode.RATE_LIMITED and exc.retry_after, exc
-                await anyio.sleep(exc.retry_after)
+                await anyio.sleep(exc.retry_after)  # kept: the node (another process, its own clock) says when
     raise AssertionError("the paired peer's pings kept being refused")
 
 
