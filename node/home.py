@@ -19,6 +19,7 @@ others could read may already be copied, so it is refused, not quietly fixed.
 from __future__ import annotations
 
 import errno
+import functools
 import hashlib
 import os
 import stat
@@ -194,17 +195,19 @@ class Identity:
 
     seed: bytes
 
-    @property
+    # Derived once: every letter signed or checked reads them (a key load and a base58
+    # encode each time cost a tenth of a daemon's time in bench/messaging.py).
+    @functools.cached_property
     def private_key(self) -> Ed25519PrivateKey:
         return Ed25519PrivateKey.from_private_bytes(self.seed)
 
-    @property
+    @functools.cached_property
     def public_key(self) -> bytes:
         return self.private_key.public_key().public_bytes(
             serialization.Encoding.Raw, serialization.PublicFormat.Raw
         )
 
-    @property
+    @functools.cached_property
     def peer_id(self) -> str:
         return peer_id_from_public_key(self.public_key)
 

@@ -254,6 +254,8 @@ class Owner:
     async def _msg_send(self, req: c.MsgSendRequest, _: FramedStream) -> c.MsgSentReply:
         letter = self.node.messaging.send(req.to, req.text, body=req.body, thread=req.thread,
                                           letter_id=req.letter_id)
+        if req.letter_id is None:  # just written: pending (no second read of the row on a hot path)
+            return c.MsgSentReply(letter=self._sent(Sent(letter, OutState.PENDING, None, "", False)))
         return c.MsgSentReply(letter=self._written(letter))
 
     async def _msg_status(self, req: c.MsgStatusRequest, _: FramedStream) -> c.MsgSentReply:
