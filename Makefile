@@ -21,6 +21,7 @@ bench: $(STAMP)
 	$(PY) bench/rtt.py
 	$(PY) bench/delegate.py
 	$(PY) bench/inference.py
+	$(PY) bench/messaging.py
 
 clean:
 	rm -rf .venv .pytest_cache .hypothesis build *.egg-info .demo .bench
