@@ -84,13 +84,13 @@ class Answering:
 
     async def answer(self, ask: Letter) -> Letter | None:
         """Run the agent on `ask` and send what it says (or why it could not); None if the
-        asker is no longer paired (nothing is sent to a peer we unpaired or revoked)."""
+        asker is no longer paired, or revoked us (nothing is sent to it)."""
         done = self.messaging.store.sent(answer_id(ask))
         if done is not None:
             return done.letter
         peer = self.trust.get(ask.sender)
-        if peer is None or peer.revoked or peer.granted is None:
-            log.info("ask %s from %s dropped: no longer paired", ask.id, ask.sender)
+        if peer is None or peer.revoked or peer.granted is None or peer.revoked_us_at is not None:
+            log.info("ask %s from %s dropped: no longer paired both ways", ask.id, ask.sender)
             return None
         grant = peer.granted
         try:
@@ -106,8 +106,12 @@ class Answering:
             log.exception("ask %s from %s failed", ask.id, peer.name)
             body = {"ok": False, "error": {"code": ErrorCode.INTERNAL.value, "message": type(exc).__name__}}
             text = "internal error"
-        return self.messaging.send(ask.sender, text, body=body, thread=ask.thread, kind=LetterKind.ANSWER,
-                                   reply_to=ask.id, letter_id=answer_id(ask))
+        try:
+            return self.messaging.send(ask.sender, text, body=body, thread=ask.thread, kind=LetterKind.ANSWER,
+                                       reply_to=ask.id, letter_id=answer_id(ask))
+        except PsymeshError as exc:  # unpaired, or it revoked us, while the agent ran
+            log.info("answer to ask %s from %s not sent: %s", ask.id, peer.name, exc.message)
+            return None
 
     async def _run(self, ask: Letter, grant: Manifest) -> JsonMap:
         params = ask.body.get("params", {})

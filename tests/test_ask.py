@@ -122,3 +122,24 @@ async def test_an_ask_without_msg_ask_is_refused_at_once(tmp_path: Path, tiny_mo
     assert [x.text for x in got] == ["Hello?"]  # only the allowed ask got in
     assert failed.body == {"ok": False, "error": {"code": "bad_request", "message": failed.text}}
     assert "max_steps" in failed.text and model.seen == []  # the agent never ran for either
+
+
+async def test_an_asker_that_revoked_us_meanwhile_gets_nothing_and_the_node_lives_on(
+        tmp_path: Path, tiny_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    async with run_nodes(tmp_path, "home", "phone", profiles={"phone": "phone"}) as nodes:
+        home, phone = nodes["home"], nodes["phone"]
+        await pair(home.home.path, phone.home.path, grant="phone")
+        home.models.registry.add("tiny", tiny_model, **MODEL)
+        model = ScriptedModel(["First answer.", "Never sent."])
+        monkeypatch.setattr(agents, "llama_model", lambda worker, params: model)
+        async with Client(phone.home.path) as p:
+            first = await p.ask("home", "Still there?", timeout=60)
+            await p.revoke("home")  # home is told (a signed notice), so it writes nothing more to the phone
+        [ask] = [r.letter for r in home.messaging.store.released_after(0)]
+        await wait_until(lambda: home.trust.get(phone.identity.peer_id).revoked_us_at is not None,
+                         "home to take the revocation notice")
+        again = ask.model_copy(update={"id": "another-ask"})  # as if it were still waiting its turn
+        assert await home.answering.answer(again) is None and model.remaining == 1  # the agent did not run
+        assert first.text == "First answer."
+        async with Client(home.home.path) as h:  # home goes on serving
+            assert (await h.status()).name == "home"
