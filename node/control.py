@@ -31,7 +31,7 @@ from psymesh.node.framed import AnyioByteStream, FramedStream
 from psymesh.node.home import SOCKET_DIR_ADVICE, ensure_private_dir
 from psymesh.protocol import control as c
 from psymesh.protocol.common import Error
-from psymesh.protocol.errors import ErrorCode, ProtocolError, PsymeshError
+from psymesh.protocol.errors import ConnectionLost, ErrorCode, ProtocolError, PsymeshError
 from psymesh.protocol.messages import Message
 
 log = logging.getLogger("psymesh.control")
@@ -116,7 +116,7 @@ class ControlServer:
                 if reply is not None:
                     try:
                         await framed.send(reply)
-                    except ProtocolError:
+                    except (ProtocolError, ConnectionLost):  # too large to send, or the client left
                         return
 
     async def _dispatch(self, request: Message, framed: FramedStream) -> Message | None:

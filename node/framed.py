@@ -2,6 +2,8 @@
 
 Works over a libp2p stream (via `node.p2p.P2PStream`) and over the local control
 socket (anyio), because both are adapted to the tiny `ByteStream` protocol below.
+A stream that ends under a request is the network failing (`ConnectionLost`, and
+`NetworkTimeout` for no answer in time), not a broken protocol.
 """
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ if TYPE_CHECKING:
 
 from psymesh.protocol.channel import Channel
 from psymesh.protocol.common import Error
-from psymesh.protocol.errors import ErrorCode, ProtocolError, PsymeshError
+from psymesh.protocol.errors import ConnectionLost, NetworkTimeout, PsymeshError
 from psymesh.protocol.framing import DEFAULT_MAX_FRAME_SIZE, HEADER, encode_frame
 from psymesh.protocol.messages import M, Message, expect, pack
 
@@ -23,7 +25,8 @@ class ByteStream(Protocol):
     async def receive_some(self, max_bytes: int = READ_CHUNK) -> bytes:
         """Up to max_bytes; b"" at end of stream."""
 
-    async def send_all(self, data: bytes) -> None: ...
+    async def send_all(self, data: bytes) -> None:
+        """All of `data`; ConnectionLost if the stream is gone."""
 
     async def aclose(self) -> None: ...
 
@@ -55,7 +58,7 @@ class FramedStream:
     async def receive_required(self) -> Message:
         message = await self.receive()
         if message is None:
-            raise ProtocolError("the peer closed the stream before replying", code=ErrorCode.UNAVAILABLE)
+            raise ConnectionLost("the peer closed the stream before replying")
         return message
 
     async def request(self, message: Message, reply_type: type[M]) -> M:
@@ -78,7 +81,7 @@ class FramedStream:
 async def request_once(stream: ByteStream, message: Message, reply_type: type[M], *,
                        max_frame_size: int = DEFAULT_MAX_FRAME_SIZE, timeout: float = 30.0) -> M:
     """One request and its reply on a freshly opened stream, which is closed afterwards
-    (even on cancellation). No reply within `timeout` seconds is a TIMEOUT error."""
+    (even on cancellation). No reply within `timeout` seconds is a NetworkTimeout."""
     import anyio
 
     framed = FramedStream(stream, max_frame_size)
@@ -86,7 +89,7 @@ async def request_once(stream: ByteStream, message: Message, reply_type: type[M]
         with anyio.fail_after(timeout):
             return await framed.request(message, reply_type)
     except TimeoutError:
-        raise ProtocolError(f"no answer to {message.type} within {timeout:.0f} s", code=ErrorCode.TIMEOUT) from None
+        raise NetworkTimeout(f"no answer to {message.type} within {timeout:.0f} s") from None
     finally:
         with anyio.CancelScope(shield=True):
             await stream.aclose()
@@ -112,7 +115,7 @@ class AnyioByteStream:
         try:
             await self._stream.send(data)
         except (anyio.ClosedResourceError, anyio.BrokenResourceError, ConnectionError) as exc:
-            raise ProtocolError(f"stream closed: {exc}", code=ErrorCode.UNAVAILABLE) from None
+            raise ConnectionLost(f"stream closed: {exc}") from None
 
     async def aclose(self) -> None:
         await self._stream.aclose()

@@ -1,7 +1,10 @@
 """psymesh's only contact with py-libp2p (pinned 0.8.1): a Noise + yamux host over TCP.
 
 Everything else in psymesh sees `P2PNode` and `P2PStream` (a `node.framed.ByteStream`),
-speaks anyio, and catches only psymesh errors: libp2p types and exceptions stop here.
+speaks anyio, and catches only psymesh errors: libp2p types and exceptions stop here. The
+network failing is mapped here to `NetworkError`s (as httpcore maps its transport's errors):
+a peer that cannot be dialed, or a stream that cannot be opened, is a `ConnectError`; a
+stream that dies under a write is `ConnectionLost`. Codes stay `unavailable`.
 libp2p is trio-native, so this module runs on anyio's trio backend only.
 
 libp2p 0.8.1 defects measured on this machine, and what this module does about each
@@ -165,7 +168,7 @@ from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
 from libp2p.stream_muxer.yamux.yamux import Yamux, YamuxStream
 from libp2p.utils.varint import encode_uvarint
 
-from psymesh.protocol.errors import ErrorCode, ProtocolError, PsymeshError
+from psymesh.protocol.errors import ConnectError, ConnectionLost, ErrorCode, ProtocolError, PsymeshError
 from psymesh.protocol.strangers import StrangerLimits
 
 log = logging.getLogger(__name__)
@@ -217,13 +220,11 @@ class P2PStream:
         if not data:
             return
         if self._closed:
-            raise ProtocolError(f"stream {self.protocol} to {self.remote_peer_id} is closed",
-                                code=ErrorCode.UNAVAILABLE)
+            raise ConnectionLost(f"stream {self.protocol} to {self.remote_peer_id} is closed")
         try:
             await self._stream.write(data)
         except Exception as exc:
-            raise ProtocolError(f"stream {self.protocol} to {self.remote_peer_id} is gone: {_reason(exc)}",
-                                code=ErrorCode.UNAVAILABLE) from exc
+            raise ConnectionLost(f"stream {self.protocol} to {self.remote_peer_id} is gone: {_reason(exc)}") from exc
 
     async def aclose(self) -> None:
         """Half-close gracefully (the peer reads EOF after what we sent). Idempotent, never raises."""
@@ -486,14 +487,13 @@ class P2PNode:
                 # its network, and TCP will not notice for many minutes. Drop the connection
                 # so the next attempt dials afresh instead of waiting on it again.
                 await self.disconnect(str(peer_id))
-            raise ProtocolError(f"cannot open {protocol} to {peer_id}: {reason}",
-                                code=ErrorCode.UNAVAILABLE) from exc
+            raise ConnectError(f"cannot open {protocol} to {peer_id}: {reason}") from exc
         return P2PStream(stream, protocol)
 
     async def open_stream_any(self, peer_id: str, addrs: Sequence[str], protocol: str, *,
                               who: str | None = None) -> P2PStream:
         """Open `protocol` to `peer_id` through the first of `addrs` that works (with no
-        addresses: an open connection or the peerstore's). UNAVAILABLE names `who` and why."""
+        addresses: an open connection or the peerstore's). The ConnectError names `who` and why."""
         targets = [a if "/p2p/" in a else f"{a}/p2p/{peer_id}" for a in addrs] or [peer_id]
         last: PsymeshError | None = None
         for target in targets:
@@ -501,8 +501,7 @@ class P2PNode:
                 return await self.open_stream(target, protocol)
             except PsymeshError as exc:
                 last = exc
-        raise ProtocolError(f"{who or peer_id} is unreachable: {last.message if last else ''}",
-                            code=ErrorCode.UNAVAILABLE)
+        raise ConnectError(f"{who or peer_id} is unreachable: {last.message if last else ''}")
 
     async def _dial(self, info: PeerInfo, addr: str) -> None:
         self._require_running()
@@ -512,7 +511,7 @@ class P2PNode:
         try:
             await self._host.connect(info)
         except Exception as exc:
-            raise ProtocolError(f"cannot connect to {addr}: {_reason(exc)}", code=ErrorCode.UNAVAILABLE) from exc
+            raise ConnectError(f"cannot connect to {addr}: {_reason(exc)}") from exc
 
     # -- peers -----------------------------------------------------------------------
     def connected_peers(self) -> list[dict[str, Any]]:

@@ -114,7 +114,7 @@ async def serve_session(stream: ByteStream, peer_id: str, door: Door, *, max_fra
                         await write(server.reply(event.rid, Error.from_exception(event.error)))
                 if not data:
                     break
-        except ProtocolError as exc:  # a broken session is closed; the client opens a new one
+        except (ProtocolError, ConnectionLost) as exc:  # broken or gone: closed; the client opens a new one
             log.info("session from %s broken: %s", peer_id, exc.message)
         finally:
             tg.cancel_scope.cancel()  # the client is gone: nobody will read the answers

@@ -23,10 +23,8 @@ from psymesh.protocol.common import Error
 from psymesh.protocol.errors import (
     ConnectError,
     ConnectionLost,
-    ErrorCode,
     NetworkError,
     NetworkTimeout,
-    ProtocolError,
     PsymeshError,
     RemoteError,
 )
@@ -545,16 +543,12 @@ NETWORK_FAILURES: dict[str, type[NetworkError]] = {
 
 
 def network_kind(exc: PsymeshError) -> str | None:
-    """How the network failed, if `exc` is the network failing rather than a refusal.
-
-    The transport (node/p2p.py, node/framed.py) reports a stream it could not open, or
-    that closed or went silent under a request, as a ProtocolError coded `unavailable` or
-    `timeout`; those count as the network too."""
+    """How the network failed, if `exc` is the network failing rather than a refusal. The
+    transport (node/p2p.py, node/framed.py) raises its failures as NetworkErrors, so the
+    class alone says it: a ProtocolError, whatever its code, is never the network."""
     for kind, cls in NETWORK_FAILURES.items():
         if isinstance(exc, cls):
             return kind
-    if isinstance(exc, ProtocolError) and exc.code in (ErrorCode.UNAVAILABLE, ErrorCode.TIMEOUT):
-        return "timeout" if exc.code is ErrorCode.TIMEOUT else "network"
     return None
 
 

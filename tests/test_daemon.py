@@ -13,10 +13,11 @@ import anyio
 import pytest
 
 from conftest import pair, run_nodes
+from waiting import wait_until
 from psymesh.node.client import Client, DaemonNotRunning
 from psymesh.node.home import NodeHome
 from psymesh.node.process import DaemonProcess
-from psymesh.protocol.errors import ErrorCode, NetworkError, RemoteError
+from psymesh.protocol.errors import ConnectError, ErrorCode, RemoteError
 
 pytestmark = pytest.mark.anyio
 
@@ -43,7 +44,7 @@ async def test_ping_unreachable_peer_is_a_clear_error(tmp_path: Path) -> None:
     ghost = NodeHome(tmp_path / "ghost").init().peer_id  # a valid id nobody serves
     async with run_nodes(tmp_path, "phone") as nodes:
         async with Client(nodes["phone"].home.path) as phone:
-            with pytest.raises(NetworkError) as info:  # the network failed: not a refusal
+            with pytest.raises(ConnectError) as info:  # the network failed (a dial): not a refusal
                 await phone.ping(f"/ip4/127.0.0.1/tcp/{port}/p2p/{ghost}", count=1)
             assert info.value.code is ErrorCode.UNAVAILABLE and f"tcp/{port}" in info.value.message
             with pytest.raises(RemoteError) as refused:  # our own id is a request that makes no sense
@@ -78,10 +79,9 @@ async def test_daemon_process_shuts_down_cleanly_on_signal(tmp_path: Path, signu
     status = await node.start()
     port = int(status.addrs[0].split("/tcp/")[1].split("/")[0])
     assert node.proc is not None
-    node.proc.send_signal(signum)
-    with anyio.fail_after(15):
-        while node.proc.poll() is None:
-            await anyio.sleep(0.05)
+    proc = node.proc
+    proc.send_signal(signum)
+    await wait_until(lambda: proc.poll() is not None, "the daemon to exit", timeout=15)
     assert node.proc.returncode == 0, node.log_tail()
     assert not node.client().socket_path.exists()
     with socket.socket() as s:  # the listening port is closed
@@ -145,10 +145,9 @@ async def test_log_json_lines_and_node_stop(tmp_path: Path) -> None:
     stop = subprocess.run([sys.executable, "-m", "psymesh", "node", "stop", "--home", str(tmp_path / "home"),
                            "--json"], capture_output=True, text=True, timeout=60)
     assert stop.returncode == 0 and json.loads(stop.stdout) == {"stopped": True}
-    assert node.proc is not None
-    with anyio.fail_after(15):
-        while node.proc.poll() is None:
-            await anyio.sleep(0.05)
+    proc = node.proc
+    assert proc is not None
+    await wait_until(lambda: proc.poll() is not None, "the daemon to exit", timeout=15)
     assert node.proc.returncode == 0
     lines = [json.loads(line) for line in node.log_tail(50).splitlines() if line.strip()]
     assert any(entry["msg"].startswith("node 12D3KooW") and entry["level"] == "info" for entry in lines)
