@@ -16,6 +16,7 @@ a daemon as one user for another user's home, so a root-owned listener is not ou
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import socket
@@ -23,6 +24,7 @@ import stat
 import struct
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -62,6 +64,15 @@ def _peer_uid_pid(sock: socket.socket) -> tuple[int, int] | None:
     return uid, pid
 
 
+MAX_IDLE_CONNECTIONS = 4
+
+
+@dataclass
+class _Lease:
+    framed: FramedStream
+    clean: bool = False  # the request ended as the protocol says: the connection can serve another
+
+
 class Client:
     def __init__(
         self,
@@ -75,6 +86,7 @@ class Client:
         self.max_frame_size = max_frame_size
         self._framed: FramedStream | None = None
         self._lock = anyio.Lock()
+        self._idle: list[FramedStream] = []  # side connections a finished long request handed back
 
     def _not_running(self, reason: str) -> DaemonNotRunning:
         return DaemonNotRunning(f"no psymesh daemon is listening at {self.socket_path} ({reason}); "
@@ -120,6 +132,21 @@ class Client:
             raise
         return FramedStream(AnyioByteStream(raw), self.max_frame_size)
 
+    @contextlib.asynccontextmanager
+    async def _side(self) -> AsyncIterator["_Lease"]:
+        """A control connection for one long request (a watch, a wait): an idle one when there
+        is one, handed back for the next when its request ended cleanly (`lease.clean`), closed
+        otherwise. Each `result()` would otherwise connect (and check the socket's owner) anew."""
+        lease = _Lease(self._idle.pop() if self._idle else await self._open())
+        try:
+            yield lease
+        finally:
+            if lease.clean and len(self._idle) < MAX_IDLE_CONNECTIONS:
+                self._idle.append(lease.framed)
+            else:
+                with anyio.CancelScope(shield=True):
+                    await lease.framed.aclose()
+
     async def __aenter__(self) -> "Client":
         self._framed = await self._open()
         return self
@@ -128,6 +155,9 @@ class Client:
         await self.aclose()
 
     async def aclose(self) -> None:
+        idle, self._idle = self._idle, []
+        for framed in idle:
+            await framed.aclose()
         if self._framed is not None:
             framed, self._framed = self._framed, None
             await framed.aclose()
@@ -373,16 +403,14 @@ class TaskHandle:
 
     async def events(self, after_seq: int = 0) -> AsyncIterator[TaskEvent]:
         """Every event after `after_seq`, in order, live until the task ends."""
-        framed = await self._client._open()
-        try:
-            await framed.send(c.TaskWatchRequest(task_id=self.id, after_seq=after_seq))
+        async with self._client._side() as lease:
+            await lease.framed.send(c.TaskWatchRequest(task_id=self.id, after_seq=after_seq))
             while True:
-                message = await framed.receive_required()
+                message = await lease.framed.receive_required()
                 if isinstance(message, c.Ok):
+                    lease.clean = True
                     return
                 yield expect(message, TaskEvent)
-        finally:
-            await framed.aclose()
 
     async def outcome(self) -> Outcome:
         last: TaskEvent | None = None
