@@ -61,7 +61,7 @@ from psymesh.protocol.manifest import Manifest, ManifestOk, ManifestPush, Manife
 from psymesh.protocol.common import Ping, Pong
 from psymesh.protocol.messages import Message
 from psymesh.protocol.mailbox import MailAck, MailDeposit, MailFetch, MailKeyPush
-from psymesh.protocol.messaging import MsgSend
+from psymesh.protocol.messaging import MsgSend, MsgSendMany
 from psymesh.protocol.pairing import PAIR_MAX_FRAME
 from psymesh.protocol.session import MAX_OPEN_REQUESTS
 from psymesh.protocol.tasks import TaskAck, TaskAcks, TaskAttach, TaskCancel, TaskCaps, TaskCapsReply, TaskInput, TaskList, TaskSubmit
@@ -102,6 +102,7 @@ class Node:
         self.submitter = TaskSubmitter(local_peer_id=self.identity.peer_id, outbox=Outbox(self.db), trust=self.trust,
                                        sessions=self.sessions)
         self.messaging = Messaging(self.identity, MessageStore(self.db), self.trust, self.sessions,
+                                   door=self.gate.admit_each,
                                    mail=MailSender(self.identity.peer_id, mail_store, self.trust, self.sessions,
                                                    self.mailbox), grace_s=self.config.mail.grace_s)
         self.mail = MailOwner(home, self.identity, self.config.mailbox, mail_store, self.trust, self.sessions,
@@ -128,6 +129,7 @@ class Node:
             ManifestPush: self._receive_grant,
             ManifestRevoke: self._receive_revocation,
             MsgSend: self.messaging.receive,
+            MsgSendMany: self.messaging.receive_many,
             MailKeyPush: self.mailbox.receive_key,
             MailDeposit: self.mailbox.deposit,
             MailFetch: self.mailbox.fetch,

@@ -23,11 +23,12 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 from psymesh.node.audit import AuditLog
+from psymesh.node.db import transaction
 from psymesh.node.logs import fields
 from psymesh.node.trust import Peer, TrustStore
 from psymesh.protocol import ids
@@ -99,6 +100,26 @@ class Gate:
             raise
         self.audit.record(peer_id, service, what, True, now=now)
         return decision
+
+    def admit_each(self, peer_id: str, service: str, requests: Sequence[Message]) -> list[PsymeshError | None]:
+        """The items of a batch the door already let in (`msg.send_many`: each letter as its
+        `msg.send`), each decided exactly as if it had come alone: same checks, one unit
+        charged, one audit row. Returns, per item, None (allowed) or why it was refused;
+        one refusal does not refuse the rest. The rows are written in one transaction."""
+        now = self.clock()
+        out: list[PsymeshError | None] = []
+        with transaction(self.audit.conn):
+            for request in requests:
+                what = label(request)
+                try:
+                    self._decide(peer_id, request, now)
+                except PsymeshError as exc:
+                    self._record(peer_id, service, what, exc, now)
+                    out.append(exc)
+                    continue
+                self.audit.record(peer_id, service, what, True, now=now)
+                out.append(None)
+        return out
 
     def _decide(self, peer_id: str, request: Message, now: float) -> Decision:
         peer = self.paired(peer_id)

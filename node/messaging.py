@@ -2,12 +2,15 @@
 `msg.send` service), on the sessions every other request uses.
 
     send(to, text) ─> outbox (signed, numbered in its thread) ─> courier(recipient)
-        courier: up to WINDOW letters in flight on the session; receipt -> delivered;
+        courier: up to WINDOW letters in flight on the session, BATCH to a `msg.send_many`;
+                 its receipts recorded in one transaction: stored -> delivered;
                  busy / unreachable -> retry with backoff; refused for good -> refused,
                  and a withdrawn stub goes in its place so its thread is not held;
                  unreachable for longer than `grace_s` -> sealed and left at the
                  recipient's mailbox, if it named one (node/mailclient.py) -> deposited
     msg.send (admitted by the door) ─> check_letter ─> inbox (exactly once) ─> receipt
+    msg.send_many (the envelope admitted by the door, then each letter as its msg.send)
+        ─> check_letter each ─> the accepted ones stored in one transaction ─> receipts
         released letters wake `follow()` (the app's inbox stream)
 """
 from __future__ import annotations
@@ -15,7 +18,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Protocol
 
 import anyio
@@ -26,19 +29,38 @@ from psymesh.node.msgstore import MessageStore, OutState, Received, Sent
 from psymesh.node.notify import Notifier
 from psymesh.node.session import Call, SessionPool
 from psymesh.node.trust import TrustStore
+from psymesh.protocol import ids
 from psymesh.protocol.errors import ErrorCode, NetworkError, ProtocolError, PsymeshError, RemoteError
 from psymesh.protocol.messages import Message
-from psymesh.protocol.messaging import Letter, LetterKind, MsgReceipt, MsgSend, check_letter
+from psymesh.protocol.messaging import (
+    Letter,
+    LetterKind,
+    LetterResult,
+    MsgReceipt,
+    MsgReceipts,
+    MsgSend,
+    MsgSendMany,
+    ReceiptStatus,
+    check_letter,
+)
 from psymesh.protocol.tasks import JsonMap
 
 log = logging.getLogger("psymesh.msg")
 
-WINDOW = 64            # letters in flight to one recipient
+WINDOW = 256           # letters in flight to one recipient ...
+BATCH = 64             # ... at most this many in one msg.send_many ...
+BATCH_BYTES = 1 << 20  # ... and this much text and body (a frame holds 4 MiB; one big letter goes alone)
 RETRY_MIN_S = 0.2
 RETRY_MAX_S = 30.0
 _RETRYABLE = frozenset({ErrorCode.BUSY, ErrorCode.RATE_LIMITED, ErrorCode.UNAVAILABLE, ErrorCode.TIMEOUT,
                         ErrorCode.INTERNAL, ErrorCode.CANCELED})
 _INBOX = "inbox"       # the Notifier key for "letters were released"
+
+
+class LetterDoor(Protocol):
+    def __call__(self, peer_id: str, service: str, requests: Sequence[Message]) -> list[PsymeshError | None]:
+        """Admit each letter of a batch as the `msg.send` it stands for (the gate's
+        `admit_each`): per letter, None or why it was refused."""
 
 
 class MailDrop(Protocol):
@@ -49,8 +71,9 @@ class MailDrop(Protocol):
 
 class Messaging:
     def __init__(self, identity: Identity, store: MessageStore, trust: TrustStore, sessions: SessionPool,
-                 mail: MailDrop | None = None, grace_s: float = 5.0) -> None:
+                 door: LetterDoor, mail: MailDrop | None = None, grace_s: float = 5.0) -> None:
         self.identity = identity
+        self.door = door
         self.store = store
         self.trust = trust
         self.sessions = sessions
@@ -101,18 +124,18 @@ class Messaging:
         self._tg.start_soon(self._courier, recipient)
 
     async def _courier(self, recipient: str) -> None:
-        """Deliver `recipient`'s pending letters, WINDOW at a time, until none is left."""
+        """Deliver `recipient`'s pending letters, WINDOW at a time in batches, until none is left."""
         backoff = 0.0
         try:
             while True:
                 self._couriers[recipient] = anyio.Event()
-                letters = self.store.pending(recipient, limit=WINDOW)
-                if not letters:
+                pending = self.store.pending(recipient, limit=WINDOW)
+                if not pending:
                     return
                 retry_after: list[float] = []
                 async with anyio.create_task_group() as tg:
-                    for letter in letters:
-                        tg.start_soon(self._deliver, letter, retry_after)
+                    for batch in _batches(pending):
+                        tg.start_soon(self._deliver, recipient, batch, retry_after)
                 if any(retry_after):  # the recipient is away or busy: wait (new letters wait too)
                     backoff = min(RETRY_MAX_S, max(RETRY_MIN_S, backoff * 2, max(retry_after)))
                     await anyio.sleep(backoff)
@@ -122,41 +145,65 @@ class Messaging:
             self._couriers.pop(recipient, None)  # (no await since the last read: no letter is missed)
             self._away.pop(recipient, None)
 
-    async def _deliver(self, letter: Letter, retry_after: list[float]) -> None:
-        """Hand one letter over (or, for a refused one, the stub that keeps its thread going).
+    async def _deliver(self, recipient: str, batch: list[Sent], retry_after: list[float]) -> None:
+        """Hand a batch over (a refused letter as the stub that keeps its thread going).
         Appends to `retry_after` when the courier should try again later."""
-        sent = self.store.sent(letter.id)
-        stub = sent is not None and sent.state is OutState.REFUSED
-        wire = letter.stub().sign(self.identity.private_key) if stub else letter
+        stubs = [sent.state is OutState.REFUSED for sent in batch]
+        wire = [sent.letter.stub().sign(self.identity.private_key) if stub else sent.letter
+                for sent, stub in zip(batch, stubs)]
         try:
-            await self.sessions.request(letter.recipient, MsgSend(letter=wire), MsgReceipt, timeout=30)
+            reply = await self.sessions.request(recipient, MsgSendMany(letters=wire), MsgReceipts, timeout=30)
         except RemoteError as exc:
             if exc.code in _RETRYABLE:
                 retry_after.append(exc.retry_after or RETRY_MIN_S)
-            elif stub:  # the recipient takes nothing from us now: no thread of ours is held there
-                self.store.stub_done(letter.id)
-            else:
-                log.info("letter %s refused by %s: %s", letter.id, letter.recipient, exc.message)
-                self.store.refused(letter.id, exc.code.value, exc.message)
-                self.changed.notify(letter.id)
-                retry_after.append(0.0)  # its stub goes in the next round, at once
-            return
+                return
+            # the envelope refused for good: each letter is, as it would have been alone
+            results = [LetterResult.refused(letter.id, exc) for letter in wire]
         except (NetworkError, ProtocolError, TimeoutError) as exc:
-            log.debug("letter %s to %s: %s", letter.id, letter.recipient, exc)
-            away = self._away.setdefault(letter.recipient, time.monotonic())
-            if time.monotonic() - away < self.grace_s or not await self._deposit(letter, wire, stub):
+            log.debug("%d letter(s) to %s: %s", len(batch), recipient, exc)
+            away = self._away.setdefault(recipient, time.monotonic())
+            if time.monotonic() - away < self.grace_s:
                 retry_after.append(RETRY_MIN_S)
+                return
+            for sent, letter, stub in zip(batch, wire, stubs):
+                if not await self._deposit(sent.letter, letter, stub):
+                    retry_after.append(RETRY_MIN_S)
             return
-        except PsymeshError as exc:  # e.g. the peer revoked us: it stays pending, the app sees why
-            log.info("letter %s to %s cannot leave: %s", letter.id, letter.recipient, exc.message)
+        except PsymeshError as exc:  # e.g. the peer revoked us: they stay pending, the app sees why
+            log.info("%d letter(s) to %s cannot leave: %s", len(batch), recipient, exc.message)
             retry_after.append(RETRY_MAX_S)
             return
-        self._away.pop(letter.recipient, None)
-        if stub:
-            self.store.stub_done(letter.id)
         else:
-            self.store.delivered(letter.id)
-            self.changed.notify(letter.id)
+            self._away.pop(recipient, None)
+            results = reply.results
+            if [r.id for r in results] != [letter.id for letter in wire]:
+                log.warning("%s answered a batch with receipts for other letters; resending", recipient)
+                retry_after.append(RETRY_MIN_S)
+                return
+        self._settle(batch, stubs, results, retry_after)
+
+    def _settle(self, batch: list[Sent], stubs: list[bool], results: list[LetterResult],
+                retry_after: list[float]) -> None:
+        """Record what each letter's receipt said, all in one transaction."""
+        delivered: list[str] = []
+        stubs_done: list[str] = []
+        refused: list[tuple[str, str, str]] = []
+        for sent, stub, result in zip(batch, stubs, results):
+            letter = sent.letter
+            code = result.code or ErrorCode.INTERNAL  # a refusal without a code: try again
+            if result.status is ReceiptStatus.STORED:
+                (stubs_done if stub else delivered).append(letter.id)
+            elif code in _RETRYABLE:
+                retry_after.append(result.retry_after or RETRY_MIN_S)
+            elif stub:  # the recipient takes nothing from us now: no thread of ours is held there
+                stubs_done.append(letter.id)
+            else:
+                log.info("letter %s refused by %s: %s", letter.id, letter.recipient, result.reason)
+                refused.append((letter.id, code.value, result.reason))
+                retry_after.append(0.0)  # its stub goes in the next round, at once
+        self.store.settle(delivered, stubs_done, refused)
+        for letter_id in delivered + [r[0] for r in refused]:
+            self.changed.notify(letter_id)
 
     async def _deposit(self, letter: Letter, wire: Letter, stub: bool) -> bool:
         """Leave `wire` (the letter, or its stub) at the recipient's mailbox. False if it
@@ -195,6 +242,30 @@ class Messaging:
             self.changed.notify(_INBOX)
         return MsgReceipt(id=request.letter.id)
 
+    async def receive_many(self, call: Call) -> Message:
+        """A batch: each letter admitted (the door let the envelope in) and checked on its own;
+        the accepted ones stored in one transaction; a receipt per letter, refused ones saying
+        why, so one bad letter refuses only itself."""
+        request = call.request
+        assert isinstance(request, MsgSendMany)
+        refusals = self.door(call.peer_id, ids.SESSION, [MsgSend(letter=letter) for letter in request.letters])
+        results: list[LetterResult] = []
+        accepted: list[Letter] = []
+        for letter, refusal in zip(request.letters, refusals):
+            if refusal is None:
+                try:
+                    check_letter(letter, sender=call.peer_id, local_peer_id=self.identity.peer_id)
+                except PsymeshError as exc:
+                    refusal = exc
+            if refusal is None:
+                accepted.append(letter)
+                results.append(LetterResult(id=letter.id))
+            else:
+                results.append(LetterResult.refused(letter.id, refusal))
+        if accepted and self.store.store_many(accepted):
+            self.changed.notify(_INBOX)
+        return MsgReceipts(results=results)
+
     def withdrawn(self, letter: Letter) -> None:
         """A letter that came by another way (its recipient's mailbox) and that our door
         refused for good: keep its place in its thread with a withdrawn stub, so the letters
@@ -218,3 +289,18 @@ class Messaging:
                 return
             await self.changed.wait(_INBOX)
 
+
+
+def _batches(pending: list[Sent]) -> Iterator[list[Sent]]:
+    """Oldest first, cut at BATCH letters or BATCH_BYTES of payload (a letter over that goes alone)."""
+    batch: list[Sent] = []
+    size = 0
+    for sent in pending:
+        weight = sent.letter.payload_bytes
+        if batch and (len(batch) == BATCH or size + weight > BATCH_BYTES):
+            yield batch
+            batch, size = [], 0
+        batch.append(sent)
+        size += weight
+    if batch:
+        yield batch

@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Protocol
+from collections.abc import Sequence
 
 from psymesh.node.db import ensure_schema, transaction
 from psymesh.protocol.messaging import Letter, releasable
@@ -107,23 +108,31 @@ class MessageStore:
                  now, now))
         return letter
 
-    def pending(self, recipient: str, limit: int = 256) -> list[Letter]:
+    def pending(self, recipient: str, limit: int = 256) -> list[Sent]:
         """Letters for `recipient` awaiting a receipt (refused ones whose stub is due too), oldest first."""
         rows = self.conn.execute(
-            "SELECT letter, state FROM msg_outbox WHERE recipient = ? AND"
+            "SELECT * FROM msg_outbox WHERE recipient = ? AND"
             " (state = 'pending' OR (state = 'refused' AND stub_sent = 0)) ORDER BY rowid LIMIT ?",
             (recipient, limit)).fetchall()
-        return [Letter.model_validate_json(r["letter"]) for r in rows]
+        return [_sent(row) for row in rows]
 
     def recipients_pending(self) -> list[str]:
         rows = self.conn.execute("SELECT DISTINCT recipient FROM msg_outbox WHERE state = 'pending' OR"
                                  " (state = 'refused' AND stub_sent = 0)").fetchall()
         return [r[0] for r in rows]
 
-    def delivered(self, letter_id: str, now: float | None = None) -> None:
-        """A receipt came back for the letter."""
-        self.conn.execute("UPDATE msg_outbox SET state = 'delivered', updated_at = ? WHERE id = ? AND state = 'pending'",
-                          (time.time() if now is None else now, letter_id))
+    def settle(self, delivered: Sequence[str] = (), stubs_done: Sequence[str] = (),
+               refused: Sequence[tuple[str, str, str]] = (), now: float | None = None) -> None:
+        """What a batch's receipts said, recorded in ONE transaction: letters delivered,
+        stubs taken (or never to be), letters refused for good as (id, code, reason)."""
+        now = time.time() if now is None else now
+        with transaction(self.conn):
+            self.conn.executemany("UPDATE msg_outbox SET state = 'delivered', updated_at = ?"
+                                  " WHERE id = ? AND state = 'pending'", [(now, i) for i in delivered])
+            self.conn.executemany("UPDATE msg_outbox SET stub_sent = 1 WHERE id = ?", [(i,) for i in stubs_done])
+            self.conn.executemany("UPDATE msg_outbox SET state = 'refused', code = ?, reason = ?, updated_at = ?"
+                                  " WHERE id = ? AND state = 'pending'",
+                                  [(code, reason[:500], now, i) for i, code, reason in refused])
 
     def deposited(self, letter_id: str, now: float | None = None) -> None:
         """The recipient's mailbox holds the letter (its receipt came back)."""
@@ -134,17 +143,9 @@ class MessageStore:
         """The stub that replaces a refused letter was taken (or can never be): nothing left to send."""
         self.conn.execute("UPDATE msg_outbox SET stub_sent = 1 WHERE id = ?", (letter_id,))
 
-    def refused(self, letter_id: str, code: str, reason: str, now: float | None = None) -> None:
-        self.conn.execute("UPDATE msg_outbox SET state = 'refused', code = ?, reason = ?, updated_at = ?"
-                          " WHERE id = ? AND state = 'pending'", (code, reason[:500],
-                                                                  time.time() if now is None else now, letter_id))
-
     def sent(self, letter_id: str) -> Sent | None:
         row = self.conn.execute("SELECT * FROM msg_outbox WHERE id = ?", (letter_id,)).fetchone()
-        if row is None:
-            return None
-        return Sent(Letter.model_validate_json(row["letter"]), OutState(row["state"]), row["code"], row["reason"],
-                    bool(row["stub_sent"]))
+        return None if row is None else _sent(row)
 
     def outbox(self, limit: int = 100) -> list[Sent]:
         rows = self.conn.execute("SELECT id FROM msg_outbox ORDER BY rowid DESC LIMIT ?", (limit,)).fetchall()
@@ -154,26 +155,36 @@ class MessageStore:
     def store(self, letter: Letter, now: float | None = None) -> list[Received]:
         """Keep a letter that arrived (a resend is ignored) and release what it completes:
         the letters, in order, that the app may now see."""
+        return self.store_many([letter], now)
+
+    def store_many(self, letters: Sequence[Letter], now: float | None = None) -> list[Received]:
+        """Keep a batch of letters in ONE transaction (resends, in the batch or from before,
+        are ignored) and release what they complete, thread by thread, in tseq order."""
         now = time.time() if now is None else now
+        threads = dict.fromkeys((letter.sender, letter.thread) for letter in letters)
+        released = 0
         with transaction(self.conn):
-            self.conn.execute(
+            self.conn.executemany(
                 "INSERT OR IGNORE INTO msg_inbox (id, sender, thread, tseq, letter, received_at)"
                 " VALUES (?, ?, ?, ?, ?, ?)",
-                (letter.id, letter.sender, letter.thread, letter.tseq, letter.model_dump_json(), now))
-            released_upto = self.conn.execute(
-                "SELECT COALESCE(MAX(tseq), 0) FROM msg_inbox WHERE sender = ? AND thread = ?"
-                " AND release_seq IS NOT NULL", (letter.sender, letter.thread)).fetchone()[0]
-            held = [r[0] for r in self.conn.execute(
-                "SELECT tseq FROM msg_inbox WHERE sender = ? AND thread = ? AND release_seq IS NULL",
-                (letter.sender, letter.thread))]
-            go = releasable(held, released_upto)
-            if not go:
-                return []
+                [(letter.id, letter.sender, letter.thread, letter.tseq, letter.model_dump_json(), now)
+                 for letter in letters])
             base = self.conn.execute("SELECT COALESCE(MAX(release_seq), 0) FROM msg_inbox").fetchone()[0]
-            for i, tseq in enumerate(go, start=1):
-                self.conn.execute("UPDATE msg_inbox SET release_seq = ? WHERE sender = ? AND thread = ? AND tseq = ?",
-                                  (base + i, letter.sender, letter.thread, tseq))
-        return self.released_after(base, limit=len(go))
+            for sender, thread in threads:
+                released_upto = self.conn.execute(
+                    "SELECT COALESCE(MAX(tseq), 0) FROM msg_inbox WHERE sender = ? AND thread = ?"
+                    " AND release_seq IS NOT NULL", (sender, thread)).fetchone()[0]
+                held = [r[0] for r in self.conn.execute(
+                    "SELECT tseq FROM msg_inbox WHERE sender = ? AND thread = ? AND release_seq IS NULL",
+                    (sender, thread))]
+                go = releasable(held, released_upto)
+                self.conn.executemany(
+                    "UPDATE msg_inbox SET release_seq = ? WHERE sender = ? AND thread = ? AND tseq = ?",
+                    [(base + released + i, sender, thread, tseq) for i, tseq in enumerate(go, start=1)])
+                released += len(go)
+        if not released:
+            return []
+        return self.released_after(base, limit=released)
 
     def released_after(self, cursor: int, limit: int = 500) -> list[Received]:
         """Released letters numbered above `cursor`, in release order (withdrawn stubs included:
@@ -191,3 +202,8 @@ class MessageStore:
     def held(self) -> int:
         return self.conn.execute("SELECT COUNT(*) FROM msg_inbox WHERE release_seq IS NULL").fetchone()[0]
 
+
+
+def _sent(row: sqlite3.Row) -> Sent:
+    return Sent(Letter.model_validate_json(row["letter"]), OutState(row["state"]), row["code"], row["reason"],
+                bool(row["stub_sent"]))

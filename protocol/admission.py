@@ -12,6 +12,11 @@ serves has one, so a new service cannot skip the door by accident.
                  *sender* issued to *us*, validly signed (manifest.push, manifest.revoke),
                  or the sender's own mail key, signed by it (mail.key)
 
+A batch (`msg.send_many`) is admitted twice over: the envelope by its own row (a grant in
+date, not charged), then each letter in it as the lone `msg.send` it stands for
+(`Gate.admit_each`): its capability checked by kind and payload, one unit charged, one
+audit row, a refusal refusing that letter only.
+
 `charged` requests spend one unit of the grant's `requests_per_minute`. The messages
 that follow a task already admitted (attach, ack, cancel, input) are not charged:
 one task counts as one request. `starts_task` rows are also held to the queue
@@ -29,7 +34,7 @@ from psymesh.protocol.mailbox import MailAck, MailDeposit, MailFetch, MailKeyPus
 from psymesh.protocol.errors import ErrorCode, PsymeshError
 from psymesh.protocol.manifest import ManifestPush, ManifestRevoke, Operation
 from psymesh.protocol.messages import Message
-from psymesh.protocol.messaging import MsgSend
+from psymesh.protocol.messaging import MsgSend, MsgSendMany
 from psymesh.protocol.tasks import (
     TaskAck,
     TaskAcks,
@@ -72,6 +77,7 @@ REQUESTS: Mapping[type[Message], Rule] = {
     ManifestPush: Rule("manifest", Need.ISSUER, charged=False),
     ManifestRevoke: Rule("manifest", Need.ISSUER, charged=False),
     MsgSend: Rule("msg", Need.CAPABILITY),
+    MsgSendMany: Rule("msg", Need.GRANT, charged=False),  # each letter: admitted as its MsgSend
     MailKeyPush: Rule("mail", Need.ISSUER, charged=False),
     MailDeposit: Rule("mail", Need.CAPABILITY, holds_mail=True),
     MailFetch: Rule("mail", Need.GRANT),

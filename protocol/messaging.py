@@ -17,6 +17,12 @@ A *letter* is written and signed by its sender, addressed to one peer:
 On the session (`/psymesh/session/1.0.0`):
 
     msg.send {letter}   -> msg.receipt {id, status: "stored"}   once the recipient holds it durably
+    msg.send_many {letters: 1..256}
+                        -> msg.receipts {results: [{id, status, code, reason, retry_after}]}
+                           one result per letter, in order: "stored" once the whole batch's
+                           accepted letters are committed (one transaction), or "refused" with
+                           the code a lone `msg.send` of that letter would have got, so one bad
+                           letter refuses only itself
 
 The sender keeps each letter in its outbox until a receipt comes back, resending with
 backoff while the recipient is away. A letter the recipient refuses for good (its grant
@@ -144,12 +150,47 @@ class MsgSend(Message):
 
 class ReceiptStatus(StrEnum):
     STORED = "stored"
+    REFUSED = "refused"
 
 
 class MsgReceipt(Message):
     type = "msg.receipt"
     id: LetterId
     status: ReceiptStatus = ReceiptStatus.STORED
+
+
+MAX_BATCH = 256
+
+
+class MsgSendMany(Message):
+    """Deliver up to MAX_BATCH letters at once (one frame, one admission pass, one transaction
+    on each side). Reply: `msg.receipts`, one result per letter in the same order."""
+
+    type = "msg.send_many"
+    letters: list[Letter] = Field(min_length=1, max_length=MAX_BATCH)
+
+
+class LetterResult(BaseModel):
+    """What became of one letter of a batch. A refused one carries the code (and, when it is
+    worth retrying, `retry_after`) that a lone `msg.send` would have got as its error."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+    id: LetterId
+    status: ReceiptStatus = ReceiptStatus.STORED
+    code: ErrorCode | None = None
+    reason: Annotated[str, Field(max_length=500)] = ""
+    retry_after: float | None = None
+
+    @classmethod
+    def refused(cls, letter_id: str, exc: PsymeshError) -> LetterResult:
+        return cls(id=letter_id, status=ReceiptStatus.REFUSED, code=exc.code, reason=exc.message[:500],
+                   retry_after=exc.retry_after)
+
+
+class MsgReceipts(Message):
+    type = "msg.receipts"
+    results: list[LetterResult] = Field(max_length=MAX_BATCH)
 
 
 # -- the receiver's ordering rule ------------------------------------------------------------

@@ -19,7 +19,16 @@ from psymesh.node.msgstore import MessageStore, OutState
 from psymesh.protocol import ids
 from psymesh.protocol.errors import ErrorCode, PsymeshError
 from psymesh.protocol.limits import Limits
-from psymesh.protocol.messaging import Letter, MsgReceipt, MsgSend, releasable
+from psymesh.protocol.messaging import (
+    Letter,
+    LetterKind,
+    MsgReceipt,
+    MsgReceipts,
+    MsgSend,
+    MsgSendMany,
+    ReceiptStatus,
+    releasable,
+)
 
 pytestmark = pytest.mark.anyio
 ROOMY = Limits(requests_per_minute=100_000)
@@ -126,6 +135,49 @@ async def test_a_refused_letter_does_not_hold_its_thread(tmp_path: Path) -> None
             assert (await phone.messaging.wait_sent(big.id)).code == ErrorCode.TOO_LARGE.value
 
 
+async def test_one_bad_letter_in_a_batch_refuses_only_itself(tmp_path: Path) -> None:
+    """A batch with a letter too large and an ask the grant does not allow: the others are
+    stored and receipted, each refused one gets its own result (and, from the courier, its
+    withdrawn stub), and the thread is released in order."""
+    async with run_nodes(tmp_path, "home", "phone") as nodes:
+        home, phone = nodes["home"], nodes["phone"]
+        await pair(home.home.path, phone.home.path)
+        async with Client(home.home.path) as h:
+            await h.grant("phone", ["msg.send"], limits=Limits(max_payload_bytes=1000, requests_per_minute=10_000))
+
+        def letter(tseq: int, text: str, kind: LetterKind = LetterKind.SEND) -> Letter:
+            return Letter(id=f"raw-{tseq}", sender=phone.identity.peer_id, recipient=home.identity.peer_id,
+                          thread="raw", tseq=tseq, kind=kind, text=text,
+                          at=int(time.time() * 1000)).sign(phone.identity.private_key)
+
+        # on the wire: one receipt per letter, in order, the refused ones saying why
+        batch = [letter(1, "one"), letter(2, "x" * 5000), letter(3, "may I?", LetterKind.ASK), letter(4, "four")]
+        reply = await phone.sessions.request(home.identity.peer_id, MsgSendMany(letters=batch), MsgReceipts)
+        assert [(r.id, r.status, r.code) for r in reply.results] == [
+            ("raw-1", ReceiptStatus.STORED, None), ("raw-2", ReceiptStatus.REFUSED, ErrorCode.TOO_LARGE),
+            ("raw-3", ReceiptStatus.REFUSED, ErrorCode.FORBIDDEN), ("raw-4", ReceiptStatus.STORED, None)]
+        assert [r.letter.id for r in home.messaging.store.released_after(0)] == ["raw-1"]  # 4 waits for 2, 3
+        rows = home.audit.query(peer_id=phone.identity.peer_id, limit=100)
+        assert [(r["operation"], r["allowed"], r["code"]) for r in rows[-5:]] == [
+            ("msg.send_many", True, None), ("msg.send", True, None), ("msg.send", False, "too_large"),
+            ("msg.ask", False, "forbidden"), ("msg.send", True, None)]
+
+        # through the courier: all four leave in one batch (send() returns before it runs)
+        first = phone.messaging.send("home", "short", thread="t")
+        big = phone.messaging.send("home", "x" * 5000, thread="t")
+        ask = phone.messaging.send("home", "may I?", thread="t", kind=LetterKind.ASK)
+        last = phone.messaging.send("home", "after the bad ones", thread="t")
+        got = await inbox(home, 3)
+        assert [x.id for x in got] == ["raw-1", first.id, last.id]
+        with anyio.fail_after(10):
+            assert (await phone.messaging.wait_sent(big.id)).code == ErrorCode.TOO_LARGE.value
+            assert (await phone.messaging.wait_sent(ask.id)).code == ErrorCode.FORBIDDEN.value
+            assert (await phone.messaging.wait_sent(last.id)).state is OutState.DELIVERED
+        await wait_until(lambda: phone.messaging.store.pending(home.identity.peer_id) == [], "the stubs to be taken")
+        stubs = [r.letter for r in home.messaging.store.released_after(0) if r.letter.thread == "t"]
+        assert [(x.tseq, x.withdrawn) for x in stubs] == [(1, False), (2, True), (3, True), (4, False)]
+
+
 def test_the_inbox_holds_a_letter_until_its_predecessor_arrives(tmp_path: Path) -> None:
     store = MessageStore(open_db(tmp_path / "db"))
     from psymesh.protocol.identity import peer_id_from_public_key
@@ -144,4 +196,8 @@ def test_the_inbox_holds_a_letter_until_its_predecessor_arrives(tmp_path: Path) 
     released = store.store(letter(1))
     assert [r.letter.tseq for r in released] == [1, 2, 3] and [r.release_seq for r in released] == [1, 2, 3]
     assert store.store(letter(2)) == [] and len(store.released_after(0)) == 3  # a resend changes nothing
+    # a batch, in one transaction: out of order, a resend inside it, a letter held behind a gap
+    batch = [letter(5), letter(4), letter(4), letter(7)]
+    assert [(r.letter.tseq, r.release_seq) for r in store.store_many(batch)] == [(4, 4), (5, 5)]
+    assert store.held() == 1
     assert releasable([5, 3, 4, 7], 2) == [3, 4, 5]
