@@ -17,8 +17,9 @@ denied, is exactly one row in the audit log. The remote peer id comes from the N
 session (libp2p), never from the request. Like syncthing's connection checks, the order
 is fixed and the list lives here only: the daemon calls `admit()` from one place (its
 session door), `admit_each()` for the letters of a batch the door let in (each as the
-`msg.send` it stands for, through the same checks), `admit_stream()` for every inbound stream, `allow_connection()` for every
-inbound connection, and `recheck()` when a queued task starts.
+`msg.send` it stands for, through the same checks), `admit_stream()` for every inbound
+stream, `allow_connection()` for every inbound connection, and `recheck()` when a queued
+task starts.
 """
 from __future__ import annotations
 
