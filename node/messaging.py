@@ -152,12 +152,16 @@ class Messaging:
         wire = [sent.letter.stub().sign(self.identity.private_key) if stub else sent.letter
                 for sent, stub in zip(batch, stubs)]
         try:
-            reply = await self.sessions.request(recipient, MsgSendMany(letters=wire), MsgReceipts, timeout=30)
+            if len(wire) == 1:  # alone: a plain msg.send (one decision at the door, not two)
+                receipt = await self.sessions.request(recipient, MsgSend(letter=wire[0]), MsgReceipt, timeout=30)
+                reply = MsgReceipts(results=[LetterResult(id=receipt.id)])
+            else:
+                reply = await self.sessions.request(recipient, MsgSendMany(letters=wire), MsgReceipts, timeout=30)
         except RemoteError as exc:
             if exc.code in _RETRYABLE:
                 retry_after.append(exc.retry_after or RETRY_MIN_S)
                 return
-            # the envelope refused for good: each letter is, as it would have been alone
+            # refused for good (a batch's envelope, or a lone letter): each letter is, as it would be alone
             results = [LetterResult.refused(letter.id, exc) for letter in wire]
         except (NetworkError, ProtocolError, TimeoutError) as exc:
             log.debug("%d letter(s) to %s: %s", len(batch), recipient, exc)
