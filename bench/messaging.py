@@ -18,7 +18,11 @@ one takes to reach a group of 20.
 
 Every letter is checked at the end: each arrived exactly once, in order.
 
-Usage: .venv/bin/python bench/messaging.py [--letters N] [--latency N] [--rounds N] [--members N]
+   With --senders K, K SDK connections send the burst at once, each in its own thread (as
+   K agents on the phone would): one connection waits a control round trip per letter, so
+   it measures send() as much as delivery.
+
+Usage: .venv/bin/python bench/messaging.py [--letters N] [--latency N] [--senders K] [--rounds N] [--members N]
 Every loop is bounded by these counts and by deadlines; the run takes about a minute.
 """
 from __future__ import annotations
@@ -71,28 +75,38 @@ async def two_daemons(tmp: Path) -> AsyncIterator[tuple[object, object]]:
         await home.stop()
 
 
-async def bench_pair(tmp: Path, letters: int, latency_runs: int, figures: Figures) -> None:
+async def bench_pair(tmp: Path, letters: int, latency_runs: int, figures: Figures, senders: int = 1) -> None:
     async with two_daemons(tmp) as (home, phone):
         async with phone.client() as p, home.client() as h:  # type: ignore[attr-defined]
             figures.rtt_ms = (await p.ping("home", count=min(1000, max(latency_runs, 100)))).rtts_ms
             inbox = h.inbox()
-            # (a) throughput
+            # (a) throughput: `senders` SDK connections, each its own thread, sending at once
+            share = [letters // senders + (k < letters % senders) for k in range(senders)]
             got: list[object] = []
-            start = time.perf_counter()
-            async with anyio.create_task_group() as tg:
-                async def read() -> None:
-                    async for m in inbox:
-                        got.append(m)
-                        if len(got) == letters:
-                            return
+            async with contextlib.AsyncExitStack() as stack:
+                clients = [p] + [await stack.enter_async_context(phone.client()) for _ in range(senders - 1)]
+                start = time.perf_counter()
+                async with anyio.create_task_group() as tg:
+                    async def read() -> None:
+                        async for m in inbox:
+                            got.append(m)
+                            if len(got) == letters:
+                                return
 
-                tg.start_soon(read)
-                for i in range(letters):
-                    await p.send("home", f"letter {i}", thread="burst")
-                figures.send_s = time.perf_counter() - start
-            figures.all_in_s = time.perf_counter() - start
+                    async def send(k: int) -> None:
+                        for i in range(share[k]):
+                            await clients[k].send("home", f"letter {i}", thread=f"burst{k}")
+
+                    tg.start_soon(read)
+                    async with anyio.create_task_group() as sending:
+                        for k in range(senders):
+                            sending.start_soon(send, k)
+                    figures.send_s = time.perf_counter() - start
+                figures.all_in_s = time.perf_counter() - start
             figures.letters = len(got)
-            check_once_in_order(got, [f"letter {i}" for i in range(letters)])
+            for k in range(senders):
+                check_once_in_order([m for m in got if m.thread == f"burst{k}"],  # type: ignore[attr-defined]
+                                    [f"letter {i}" for i in range(share[k])])
             # (b) latency, one letter at a time
             for i in range(latency_runs + 20):
                 t = time.perf_counter()
@@ -176,7 +190,7 @@ async def one_fanout(sender, nodes, r: int) -> float:  # type: ignore[no-untyped
 async def run(args: argparse.Namespace, tmp: Path) -> Figures:
     figures = Figures()
     with anyio.fail_after(DEADLINE_S):
-        await bench_pair(tmp / "pair", args.letters, args.latency, figures)
+        await bench_pair(tmp / "pair", args.letters, args.latency, figures, args.senders)
     with anyio.fail_after(DEADLINE_S):
         await bench_fanout(tmp / "fanout", args.members, args.rounds, figures)
     return figures
@@ -186,6 +200,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--letters", type=int, default=2000, help="letters in the throughput burst")
     ap.add_argument("--latency", type=int, default=300, help="letters timed one at a time")
+    ap.add_argument("--senders", type=int, default=1,
+                    help="SDK connections sending the burst at once (each its own thread)")
     ap.add_argument("--rounds", type=int, default=20, help="group sends timed (after a first, cold one)")
     ap.add_argument("--members", type=int, default=20, help="group members (in-process nodes)")
     args = ap.parse_args()
@@ -194,7 +210,8 @@ def main() -> None:
         f = anyio.run(run, args, Path(tmp_dir), backend="trio")
 
     rtt, lat = summarize(f.rtt_ms), summarize(f.latency_ms)
-    print(f"Letters between two daemons (phone -> home), 127.0.0.1, through the SDK on both ends\n")
+    print(f"Letters between two daemons (phone -> home), 127.0.0.1, through the SDK on both ends"
+          f" ({args.senders} sending connection(s))\n")
     print(f"throughput: {f.letters} letters in {f.all_in_s:.2f} s = {f.letters / f.all_in_s:,.0f} letters/s "
           f"end to end   (target >= 2,000/s)")
     print(f"            send() calls alone: {f.letters / f.send_s:,.0f} letters/s (durable in the outbox)\n")
