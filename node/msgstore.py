@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import sqlite3
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Protocol
-from collections.abc import Sequence
 
 from psymesh.node.db import ensure_schema, transaction
 from psymesh.protocol.messaging import Letter, releasable
