@@ -840,10 +840,16 @@ def _group_text(g: c.GroupView) -> str:
 @click.argument("members", nargs=-1)
 def group_create(home: str | None, out: Output, name: str, members: tuple[str, ...]) -> None:
     """Make group NAME of paired peers (names or ids). Only this node knows it."""
+    _group_change(home, out, lambda client: client.group_create(name, list(members)))
+
+
+def _group_change(home: str | None, out: Output,
+                  change: Callable[[Client], Awaitable[c.GroupView]]) -> None:
+    """Run one change to a group on the daemon and show the group as it now is."""
 
     async def go() -> c.GroupView:
         async with Client(home) as client:
-            return await client.group_create(name, list(members))
+            return await change(client)
 
     g = run_async(go)
     out.data(g, lambda con: con.print(escape(_group_text(g))))
@@ -855,13 +861,7 @@ def group_create(home: str | None, out: Output, name: str, members: tuple[str, .
 @click.argument("members", nargs=-1, required=True)
 def group_add(home: str | None, out: Output, name: str, members: tuple[str, ...]) -> None:
     """Add paired peers to group NAME."""
-
-    async def go() -> c.GroupView:
-        async with Client(home) as client:
-            return await client.group_add(name, list(members))
-
-    g = run_async(go)
-    out.data(g, lambda con: con.print(escape(_group_text(g))))
+    _group_change(home, out, lambda client: client.group_add(name, list(members)))
 
 
 @group.command("remove")
@@ -870,13 +870,7 @@ def group_add(home: str | None, out: Output, name: str, members: tuple[str, ...]
 @click.argument("members", nargs=-1, required=True)
 def group_remove(home: str | None, out: Output, name: str, members: tuple[str, ...]) -> None:
     """Take members out of group NAME."""
-
-    async def go() -> c.GroupView:
-        async with Client(home) as client:
-            return await client.group_remove(name, list(members))
-
-    g = run_async(go)
-    out.data(g, lambda con: con.print(escape(_group_text(g))))
+    _group_change(home, out, lambda client: client.group_remove(name, list(members)))
 
 
 @group.command("list")
