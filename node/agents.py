@@ -19,6 +19,7 @@ from psymesh.agent.tools import ToolContext, ToolRegistry
 from psymesh.node.home import NodeConfig, NodeHome
 from psymesh.node.models import ModelPool, ModelRegistry
 from psymesh.protocol.errors import ErrorCode, PsymeshError
+from psymesh.protocol.manifest import Manifest, Operation, check
 from psymesh.protocol.tasks import EventKind
 
 if TYPE_CHECKING:
@@ -137,7 +138,8 @@ class AgentTaskRunner:
         self.share_dir = share_dir
         self.default_model = default_model
 
-    async def __call__(self, rec: Any, emit: TaskEmit, ask: Ask | None = None) -> dict[str, Any]:
+    async def __call__(self, rec: Any, emit: TaskEmit, ask: Ask | None, tools: ToolRegistry) -> dict[str, Any]:
+        """A delegated `agent` task, with `tools`: those the submitter's grant covers."""
         spec = rec.spec
         confirm: Confirm | None = None
         if ask is not None:
@@ -152,7 +154,7 @@ class AgentTaskRunner:
                 await emit(mapped[0], mapped[1])
 
         return await self.run(spec.goal, spec.params, peer_id=rec.submitter, deadline=rec.deadline,
-                              confirm=confirm, emit=on_event)
+                              tools=tools, confirm=confirm, emit=on_event)
 
     async def run(self, goal: str, params: Mapping[str, Any], *, peer_id: str, deadline: float | None,
                   tools: ToolRegistry | None = None, confirm: Confirm | None = None,
@@ -170,7 +172,12 @@ class AgentTaskRunner:
         return result_of(run)
 
 
-def granted_tools(tools: ToolRegistry, allows: Callable[[str], bool]) -> ToolRegistry:
-    """The tools whose names `allows` (e.g. those a peer's grant covers as `tool:` operations)."""
-    return ToolRegistry(t for t in tools if allows(t.name))
+def granted_tools(tools: ToolRegistry, grant: Manifest | None, *, local_peer_id: str, peer_id: str,
+                  now: float) -> ToolRegistry:
+    """The tools `grant` lets `peer_id` call on this node, each checked as a `tool:` operation:
+    what an agent run for that peer (a delegated `agent` task, an `ask`) may be offered."""
+    if grant is None:
+        return ToolRegistry([])
+    return ToolRegistry(t for t in tools if check(grant, Operation.tool_call(t.name), local_peer_id=local_peer_id,
+                                                  remote_peer_id=peer_id, now=now).allowed)
 

@@ -36,7 +36,7 @@ from psymesh.node.msgstore import Received
 from psymesh.node.trust import TrustStore
 from psymesh.agent.tools import ToolRegistry
 from psymesh.protocol.errors import ErrorCode, PsymeshError
-from psymesh.protocol.manifest import Manifest, Operation, check
+from psymesh.protocol.manifest import Manifest, check
 from psymesh.protocol.messaging import Letter, LetterKind
 from psymesh.protocol.tasks import JsonMap
 
@@ -118,14 +118,11 @@ class Answering:
         if not isinstance(params, dict):
             raise PsymeshError("an ask's body.params must be a map of agent params", code=ErrorCode.BAD_REQUEST)
 
-        def allows(tool: str) -> bool:
-            return check(grant, Operation.tool_call(tool), local_peer_id=self.local_peer_id,
-                         remote_peer_id=ask.sender, now=time.time()).allowed
-
         max_runtime = grant.limits.max_runtime_s
         result = await self.agents.run(ask.text, params, peer_id=ask.sender,
                                        deadline=time.time() + max_runtime if max_runtime else None,
-                                       tools=granted_tools(self.tools, allows))
+                                       tools=granted_tools(self.tools, grant, local_peer_id=self.local_peer_id,
+                                                           peer_id=ask.sender, now=time.time()))
         return {"ok": True, **result}
 
 

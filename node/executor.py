@@ -27,6 +27,7 @@ import anyio.abc
 import anyio.lowlevel
 
 from psymesh.agent.tools import ToolContext, ToolRegistry, invoke
+from psymesh.node.agents import granted_tools
 from psymesh.node.gate import Gate
 from psymesh.node.logs import fields
 from psymesh.node.models import ModelPool
@@ -70,9 +71,10 @@ class Ask(Protocol):
 
 class AgentRunner(Protocol):
     """Runs an `agent` task: `emit` appends events, `ask` moves the task to input-required
-    until the submitter answers (task.input). Returns the task's result."""
+    until the submitter answers (task.input); `tools` are those the submitter's grant covers.
+    Returns the task's result."""
 
-    async def __call__(self, rec: TaskRecord, emit: Emit, ask: Ask) -> Any: ...
+    async def __call__(self, rec: TaskRecord, emit: Emit, ask: Ask, tools: ToolRegistry) -> Any: ...
 
 
 @dataclass(frozen=True)
@@ -303,7 +305,10 @@ class TaskExecutor:
         async def ask(question: str, data: dict[str, Any]) -> dict[str, Any]:
             return await self._ask(rec.id, question, data)
 
-        return await self.agent_runner(rec, emit, ask)
+        peer = self.trust.get(rec.submitter)  # (re-checked as the task started: the grant covers task.agent)
+        tools = granted_tools(self.tools, peer.granted if peer else None, local_peer_id=self.gate.local_peer_id,
+                              peer_id=rec.submitter, now=time.time())
+        return await self.agent_runner(rec, emit, ask, tools)
 
     async def _ask(self, task_id: str, question: str, data: dict[str, Any]) -> dict[str, Any]:
         """Move the task to input-required and wait for the submitter's `task.input`.

@@ -118,6 +118,12 @@ class _Notes:
         return {"sent": text}
 
 
+async def _grant_notes(home: Node) -> None:
+    """The phone preset plus home's notes tool (an agent task is offered only granted tools)."""
+    async with Client(home.home.path) as h:
+        await h.grant("phone", ["task.agent", "tool:system.info", "tool:notes.*"])
+
+
 def _scripted_home(node: Node, monkeypatch: pytest.MonkeyPatch, tiny_model: Path, replies: list[str]) -> _Notes:
     """Home's real AgentTaskRunner, with the model's replies fixed and an irreversible tool."""
     notes = _Notes()
@@ -137,6 +143,7 @@ async def test_irreversible_call_waits_for_the_phone_and_runs_once_approved(
     async with run_nodes(tmp_path, "home", "phone", profiles={"phone": "phone"}) as nodes:
         await pair(nodes["home"].home.path, nodes["phone"].home.path, grant="phone")
         notes = _scripted_home(nodes["home"], monkeypatch, tiny_model, [SEND, "Sent."])
+        await _grant_notes(nodes["home"])
         async with Client(nodes["phone"].home.path) as phone:
             handle = await phone.delegate("home", goal="Tell the family I am home by 6.")
             events: list[TaskEvent] = []
@@ -169,6 +176,7 @@ async def test_declined_call_never_runs(tmp_path: Path, tiny_model: Path, monkey
     async with run_nodes(tmp_path, "home", "phone", profiles={"phone": "phone"}) as nodes:
         await pair(nodes["home"].home.path, nodes["phone"].home.path, grant="phone")
         notes = _scripted_home(nodes["home"], monkeypatch, tiny_model, [SEND, "I did not send it."])
+        await _grant_notes(nodes["home"])
         async with Client(nodes["phone"].home.path) as phone:
             handle = await phone.delegate("home", goal="Tell the family I am home by 6.")
             with anyio.fail_after(30):
@@ -183,6 +191,32 @@ async def test_declined_call_never_runs(tmp_path: Path, tiny_model: Path, monkey
     assert result["tool_calls"] == [{"name": "notes.send", "arguments": {"text": "home by 6"}, "status": "declined"}]
     declined = [e.data for e in events if e.kind is EventKind.TOOL_RESULT]
     assert [(d["ok"], d["status"], d["error"]["code"]) for d in declined] == [(False, "declined", "forbidden")]
+
+
+@pytest.mark.anyio
+async def test_a_delegated_agent_is_offered_only_the_tools_its_submitter_was_granted(
+        tmp_path: Path, tiny_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """task.agent without tool:notes.*: the agent on home never sees notes.send, so the
+    model's call to it goes nowhere (and the phone is not even asked)."""
+    async with run_nodes(tmp_path, "home", "phone", profiles={"phone": "phone"}) as nodes:
+        await pair(nodes["home"].home.path, nodes["phone"].home.path, grant="phone")
+        notes = _scripted_home(nodes["home"], monkeypatch, tiny_model, [SEND, "Could not."])
+        offered: list[list[str]] = []
+        real_run = agents.run_agent
+
+        async def spy(goal: str, **kw: Any) -> Any:
+            offered.append(kw["tools"].names())
+            return await real_run(goal, **kw)
+
+        monkeypatch.setattr(agents, "run_agent", spy)
+        async with Client(nodes["phone"].home.path) as phone:
+            handle = await phone.delegate("home", goal="Tell the family I am home by 6.")
+            with anyio.fail_after(30):
+                result = await handle.result()
+            events = await _events(handle)
+    assert offered and "notes.send" not in offered[0] and "system.info" in offered[0]
+    assert notes.sent == [] and not any(e.state is TaskState.INPUT_REQUIRED for e in events)
+    assert all(c["status"] != "ok" for c in result["tool_calls"])
 
 
 @pytest.mark.anyio

@@ -50,7 +50,7 @@ def _long_running(home: Node) -> None:
         await anyio.sleep_forever()
         return {}
 
-    async def asks_forever(record: Any, emit: Any, ask: Any) -> Any:
+    async def asks_forever(record: Any, emit: Any, ask: Any, tools: Any) -> Any:
         return await ask("May I send the report?", {})
 
     home.tools.register(tool_from_function(held, "test.held"))
