@@ -17,6 +17,7 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from cryptography.hazmat.primitives.hpke import AEAD, KDF, KEM, Suite
 
 from conftest import pair, run_nodes
+from letters import inbox, threads_in_order
 from waiting import wait_until
 from psymesh.node.daemon import Node
 from psymesh.node.home import NodeHome
@@ -65,26 +66,6 @@ def held(node: Node, recipient: str) -> list[Held]:
 def knows_mailbox(node: Node, owner: str, mailbox: str) -> bool:
     key = node.mailbox.store.key_of(owner)
     return key is not None and key.mailbox == mailbox
-
-
-async def inbox(node: Node, count: int, timeout: float = 30) -> list[Letter]:
-    got: list[Letter] = []
-    with anyio.fail_after(timeout):
-        async for received in node.messaging.follow():
-            got.append(received.letter)
-            if len(got) == count:
-                return got
-    return got
-
-
-def in_thread_order(letters: list[Letter]) -> bool:
-    seen: dict[tuple[str, str], int] = {}
-    for letter in letters:
-        key = (letter.sender, letter.thread)
-        if letter.tseq != seen.get(key, 0) + 1:
-            return False
-        seen[key] = letter.tseq
-    return True
 
 
 async def test_mail_for_a_phone_that_is_off_is_held_sealed_and_handed_over_once(tmp_path: Path) -> None:
@@ -140,9 +121,9 @@ async def test_mail_for_a_phone_that_is_off_is_held_sealed_and_handed_over_once(
         async with anyio.create_task_group() as tg:
             phone = start_phone(NodeHome(ph.path))  # back on, same home, a new port
             await tg.start(phone.run)
-            got = await inbox(phone, 14)
+            got = await inbox(phone, 14, timeout=30)
             assert sorted(x.id for x in got) == sorted(x.id for x in sent + ours)
-            assert in_thread_order(got) and all(x.signature_valid() for x in got)
+            assert threads_in_order(got) and all(x.signature_valid() for x in got)
             assert [x.text for x in got if x.sender == laptop.identity.peer_id and x.thread == "t0"] == texts[0::2]
             await wait_until(lambda: held(home, phone_id) == [], "home to forget the mail the phone took")
             taken = [r for r in phone.audit.query(peer_id=laptop.identity.peer_id, limit=1000)

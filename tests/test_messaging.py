@@ -10,6 +10,7 @@ import anyio
 import pytest
 
 from conftest import pair, run_nodes
+from letters import inbox, threads_in_order
 from waiting import wait_until
 from psymesh.node.client import Client
 from psymesh.node.daemon import Node
@@ -32,27 +33,6 @@ from psymesh.protocol.messaging import (
 
 pytestmark = pytest.mark.anyio
 ROOMY = Limits(requests_per_minute=100_000)
-
-
-async def inbox(node: Node, count: int, timeout: float = 20) -> list[Letter]:
-    """The first `count` letters the app sees, in release order."""
-    got: list[Letter] = []
-    with anyio.fail_after(timeout):
-        async for received in node.messaging.follow():
-            got.append(received.letter)
-            if len(got) == count:
-                return got
-    return got
-
-
-def threads_in_order(letters: list[Letter]) -> bool:
-    seen: dict[tuple[str, str], int] = {}
-    for letter in letters:
-        key = (letter.sender, letter.thread)
-        if letter.tseq != seen.get(key, 0) + 1:
-            return False
-        seen[key] = letter.tseq
-    return True
 
 
 async def test_letters_arrive_once_in_order_with_receipts(tmp_path: Path) -> None:
