@@ -90,6 +90,15 @@ def _audit_rows(home: Node, phone: Node) -> list[dict]:
     return home.audit.query(peer_id=phone.identity.peer_id, limit=10_000)
 
 
+async def _working_and_asking(c: Client) -> tuple[TaskHandle, TaskHandle]:
+    """A tool task that runs (working) and an agent task waiting for a yes (input-required)."""
+    working = await c.delegate("home", tool="test.held")
+    asking = await c.delegate("home", goal="Send the weekly report.")
+    await _reach(working, TaskState.WORKING)
+    await _reach(asking, TaskState.INPUT_REQUIRED)
+    return working, asking
+
+
 async def _assert_leaves_home_alone(home: Node, phone: Node) -> None:
     """Nothing of the phone's follows, re-attaches to or resends to home any more, not even
     after it resumes its outbox as it does at start, and home hears nothing from it."""
@@ -119,17 +128,13 @@ async def _assert_refuses_new_work_locally(home: Node, phone: Node, client: Clie
 # --------------------------------------------------------------------------- the notice
 
 
-async def test_a_revoked_phone_ends_its_tasks_at_once_and_stops_calling_home(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_a_revoked_phone_ends_its_tasks_at_once_and_stops_calling_home(tmp_path: Path) -> None:
     async with _run_home(tmp_path) as h_nodes, _run_phone(tmp_path) as p_nodes:
         home, phone = h_nodes["home"], p_nodes["phone"]
         await _pair(home, phone)
         _long_running(home)
         async with Client(phone.home.path) as c:
-            working = await c.delegate("home", tool="test.held")
-            asking = await c.delegate("home", goal="Send the weekly report.")
-            await _reach(working, TaskState.WORKING)
-            await _reach(asking, TaskState.INPUT_REQUIRED)
+            working, asking = await _working_and_asking(c)
 
             async with Client(home.home.path) as h:
                 with anyio.fail_after(10):
@@ -199,10 +204,7 @@ async def test_a_phone_that_misses_the_notice_learns_from_homes_refusal(
 
         monkeypatch.setattr(home, "_tell_subject", lost)
         async with Client(phone.home.path) as c:
-            working = await c.delegate("home", tool="test.held")
-            asking = await c.delegate("home", goal="Send the weekly report.")
-            await _reach(working, TaskState.WORKING)
-            await _reach(asking, TaskState.INPUT_REQUIRED)
+            working, asking = await _working_and_asking(c)
             async with Client(home.home.path) as h:
                 await h.revoke("phone")
             # home closed the connection; the followers re-attach and are refused: unknown_peer
