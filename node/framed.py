@@ -14,7 +14,7 @@ if TYPE_CHECKING:
 
 from psymesh.protocol.channel import Channel
 from psymesh.protocol.common import Error
-from psymesh.protocol.errors import ConnectionLost, NetworkTimeout, PsymeshError
+from psymesh.protocol.errors import ConnectionLost, PsymeshError
 from psymesh.protocol.framing import DEFAULT_MAX_FRAME_SIZE, HEADER, encode_frame
 from psymesh.protocol.messages import M, Message, expect, pack
 
@@ -76,23 +76,6 @@ class FramedStream:
 
     async def aclose(self) -> None:
         await self.stream.aclose()
-
-
-async def request_once(stream: ByteStream, message: Message, reply_type: type[M], *,
-                       max_frame_size: int = DEFAULT_MAX_FRAME_SIZE, timeout: float = 30.0) -> M:
-    """One request and its reply on a freshly opened stream, which is closed afterwards
-    (even on cancellation). No reply within `timeout` seconds is a NetworkTimeout."""
-    import anyio
-
-    framed = FramedStream(stream, max_frame_size)
-    try:
-        with anyio.fail_after(timeout):
-            return await framed.request(message, reply_type)
-    except TimeoutError:
-        raise NetworkTimeout(f"no answer to {message.type} within {timeout:.0f} s") from None
-    finally:
-        with anyio.CancelScope(shield=True):
-            await stream.aclose()
 
 
 class AnyioByteStream:

@@ -7,10 +7,10 @@ state machines that are told the time instead of reading a clock:
     rate = RateLimiter()
     retry_after = rate.acquire(peer_id, now, per_minute=60)   # None = admitted
 
-    admission = Admission()
-    admission.admit(peer_id, manifest.limits, now)   # raises RATE_LIMITED / BUSY
-    ...run the task...
-    admission.release(peer_id)
+    slots = ConcurrencyLimiter()   # things at once per key (pairing runs per address, ...)
+
+The gate (node/gate.py) applies a grant's rate; its queue limits count the executor's
+unfinished tasks in SQLite, which survive a restart.
 
 The rate limiter is GCRA (the "virtual scheduling" form of a token bucket): one
 float per key, the theoretical arrival time of the next request, so memory does
@@ -18,11 +18,7 @@ not grow with the rate, and the refusal comes with an exact `retry_after`.
 """
 from __future__ import annotations
 
-import math
-
 from pydantic import BaseModel, ConfigDict, Field
-
-from psymesh.protocol.errors import ErrorCode, PsymeshError
 
 
 class Limits(BaseModel):
@@ -105,38 +101,3 @@ class ConcurrencyLimiter:
             del self._active[key]
         else:
             self._active[key] = count - 1
-
-
-class Admission:
-    """Rate limit and concurrency together, with the errors a peer is sent.
-
-    Concurrency is checked before the rate so a request refused as BUSY does not also
-    spend rate allowance; a request refused as RATE_LIMITED takes no slot.
-    """
-
-    def __init__(self, rate: RateLimiter | None = None, concurrency: ConcurrencyLimiter | None = None) -> None:
-        self.rate = rate or RateLimiter()
-        self.concurrency = concurrency or ConcurrencyLimiter()
-
-    def admit(self, key: str, limits: Limits, now: float) -> None:
-        """Take a slot for one request, or raise BUSY / RATE_LIMITED (with `retry_after`)."""
-        cap = limits.concurrent_tasks
-        if cap is not None and self.concurrency.active(key) >= cap:
-            raise PsymeshError(
-                f"{cap} task(s) already running for this peer; the limit is {cap}",
-                code=ErrorCode.BUSY,
-                details={"limit": cap},
-            )
-        if limits.requests_per_minute is not None:
-            retry_after = self.rate.acquire(key, now, per_minute=limits.requests_per_minute)
-            if retry_after is not None:
-                raise PsymeshError(
-                    f"over {limits.requests_per_minute} requests per minute; retry in {math.ceil(retry_after)} s",
-                    code=ErrorCode.RATE_LIMITED,
-                    retry_after=retry_after,
-                    details={"limit": limits.requests_per_minute},
-                )
-        self.concurrency.acquire(key, None)
-
-    def release(self, key: str) -> None:
-        self.concurrency.release(key)

@@ -517,7 +517,7 @@ def check(manifest: Manifest, operation: Operation, *, local_peer_id: str, remot
     3. a capability covers this exact request                         (FORBIDDEN, names the missing one)
     4. the payload is within the limit                                (TOO_LARGE)
 
-    Rate and concurrency limits need state: see `psymesh.protocol.limits.Admission`.
+    Rate and queue limits need state: the gate applies them (`node/gate.py`).
     """
     valid = verify_grant(manifest, local_peer_id=local_peer_id, remote_peer_id=remote_peer_id, now=now)
     if not valid.allowed:

@@ -3,8 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from psymesh.protocol.errors import ErrorCode, PsymeshError
-from psymesh.protocol.limits import Admission, ConcurrencyLimiter, Limits, RateLimiter
+from psymesh.protocol.limits import ConcurrencyLimiter, Limits, RateLimiter
 
 T0 = 1_000.0
 
@@ -54,28 +53,6 @@ def test_concurrency_counter() -> None:
     slots.release("p")
     with pytest.raises(RuntimeError):
         slots.release("p")
-
-
-def test_admission_raises_typed_errors_with_retry_after() -> None:
-    admission = Admission()
-    limits = Limits(requests_per_minute=2, concurrent_tasks=1)
-
-    admission.admit("phone", limits, T0)
-    with pytest.raises(PsymeshError) as busy:
-        admission.admit("phone", limits, T0)
-    assert busy.value.code is ErrorCode.BUSY
-    admission.release("phone")
-
-    admission.admit("phone", limits, T0 + 1)  # the BUSY refusal spent no allowance
-    admission.release("phone")
-    with pytest.raises(PsymeshError) as limited:
-        admission.admit("phone", limits, T0 + 2)
-    assert limited.value.code is ErrorCode.RATE_LIMITED
-    assert limited.value.retry_after == pytest.approx(28.0)
-    assert admission.concurrency.active("phone") == 0  # the refusal took no slot
-
-    admission.admit("phone", Limits(), T0 + 2)  # no limits in the manifest: admitted
-    admission.release("phone")
 
 
 def test_limits_reject_nonsense() -> None:
