@@ -74,6 +74,13 @@ class _AckBatch:
         self.failure: NetworkError | ProtocolError | None = None
 
 
+def _machine(task: OutboxTask) -> SubmitterTask:
+    """The conversation of `task` as its outbox row left it (after a restart, too)."""
+    return SubmitterTask(task.spec, accepted=task.accepted, last_seq=task.last_seq,
+                         last_state=task.state if task.last_seq else None,
+                         acked=task.terminal and task.acked_seq >= task.last_seq)
+
+
 class TaskSubmitter:
     #: A finished task's ack waits this long for others to the same executor: off the path of
     #: the next task (it costs the executor a request, a door decision and an audit row).
@@ -200,9 +207,7 @@ class TaskSubmitter:
                 first.settle(False, PsymeshError("a delivery is already under way", code=ErrorCode.BUSY))
             return
         scope = self._drivers[task.id] = anyio.CancelScope()
-        machine = SubmitterTask(task.spec, accepted=task.accepted, last_seq=task.last_seq, last_state=task.state
-                                if task.last_seq else None, acked=task.terminal and task.acked_seq >= task.last_seq)
-        self._tg.start_soon(self._driver, machine, task.target, scope, first)
+        self._tg.start_soon(self._driver, _machine(task), task.target, scope, first)
 
     async def _driver(self, machine: SubmitterTask, target: str, scope: anyio.CancelScope,
                       first: _FirstAnswer | None) -> None:
@@ -316,8 +321,7 @@ class TaskSubmitter:
         scope = self._drivers.pop(task.id, None)
         if scope is not None:
             scope.cancel()
-        machine = SubmitterTask(task.spec, accepted=task.accepted, last_seq=task.last_seq,
-                                last_state=task.state if task.last_seq else None)
+        machine = _machine(task)
         if machine.phase in (Phase.UNSENT, Phase.FOLLOWING):
             self._apply(task.id, machine.receive(Error.of(code, reason), time.time()))
         else:
