@@ -81,7 +81,7 @@ class Messaging:
         self.grace_s = grace_s      # unreachable this long: letters go to the recipient's mailbox
         self._away: dict[str, float] = {}  # recipient -> when it was first found unreachable
         self.changed = Notifier()   # _INBOX: letters released; letter id: its outbox row changed
-        self._couriers: dict[str, anyio.Event] = {}   # recipient -> "more letters" wake-up
+        self._couriers: set[str] = set()   # recipients with a courier at work (it re-reads the outbox each round)
         self._tg: anyio.abc.TaskGroup | None = None
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
@@ -114,13 +114,13 @@ class Messaging:
         return letter
 
     def _wake(self, recipient: str) -> None:
-        wake = self._couriers.get(recipient)
-        if wake is not None:
-            wake.set()
+        """Make sure a courier is at work for `recipient` (a running one finds the new letters
+        at its next read of the outbox)."""
+        if recipient in self._couriers:
             return
         if self._tg is None:
             raise PsymeshError("messaging is not running", code=ErrorCode.UNAVAILABLE)
-        self._couriers[recipient] = anyio.Event()
+        self._couriers.add(recipient)
         self._tg.start_soon(self._courier, recipient)
 
     async def _courier(self, recipient: str) -> None:
@@ -128,7 +128,6 @@ class Messaging:
         backoff = 0.0
         try:
             while True:
-                self._couriers[recipient] = anyio.Event()
                 pending = self.store.pending(recipient, limit=WINDOW)
                 if not pending:
                     return
@@ -142,7 +141,7 @@ class Messaging:
                 elif not retry_after:
                     backoff = 0.0
         finally:
-            self._couriers.pop(recipient, None)  # (no await since the last read: no letter is missed)
+            self._couriers.discard(recipient)  # (no await since the last read: no letter is missed)
             self._away.pop(recipient, None)
 
     async def _deliver(self, recipient: str, batch: list[Sent], retry_after: list[float]) -> None:
