@@ -34,7 +34,7 @@ from psymesh.node.db import transaction
 from psymesh.node.logs import fields
 from psymesh.node.trust import Peer, TrustStore
 from psymesh.protocol import ids
-from psymesh.protocol.admission import Need, label, operation_for, rule_for, task_operation
+from psymesh.protocol.admission import Need, operation_for, rule_for, task_operation
 from psymesh.protocol.errors import ErrorCode, PsymeshError
 from psymesh.protocol.limits import RateLimiter
 from psymesh.protocol.mailbox import MailDeposit, MailKeyPush, verify_mail_key
@@ -43,6 +43,7 @@ from psymesh.protocol.manifest import (
     Manifest,
     ManifestPush,
     ManifestRevoke,
+    Operation,
     check,
     verify_from_issuer,
     verify_grant,
@@ -93,15 +94,7 @@ class Gate:
     # -- requests ------------------------------------------------------------------
     def admit(self, peer_id: str, service: str, request: Message) -> Decision:
         """Allow `request` from `peer_id` (arrived on `service`) or raise; one audit row either way."""
-        now = self.clock()
-        what = label(request)
-        try:
-            decision = self._decide(peer_id, request, now)
-        except PsymeshError as exc:
-            self._record(peer_id, service, what, exc, now)
-            raise
-        self.audit.record(peer_id, service, what, True, now=now)
-        return decision
+        return self._admit_one(peer_id, service, request, self.clock())
 
     def admit_each(self, peer_id: str, service: str, requests: Sequence[Message]) -> list[PsymeshError | None]:
         """The items of a batch the door already let in (`msg.send_many`: each letter as its
@@ -112,18 +105,27 @@ class Gate:
         out: list[PsymeshError | None] = []
         with transaction(self.audit.conn):
             for request in requests:
-                what = label(request)
                 try:
-                    self._decide(peer_id, request, now)
+                    self._admit_one(peer_id, service, request, now)
                 except PsymeshError as exc:
-                    self._record(peer_id, service, what, exc, now)
                     out.append(exc)
                     continue
-                self.audit.record(peer_id, service, what, True, now=now)
                 out.append(None)
         return out
 
-    def _decide(self, peer_id: str, request: Message, now: float) -> Decision:
+    def _admit_one(self, peer_id: str, service: str, request: Message, now: float) -> Decision:
+        """One decision and its audit row, named by the capability it needed, else its type."""
+        operation = operation_for(request)
+        what = operation.required() if operation is not None else request.type
+        try:
+            decision = self._decide(peer_id, request, operation, now)
+        except PsymeshError as exc:
+            self._record(peer_id, service, what, exc, now)
+            raise
+        self.audit.record(peer_id, service, what, True, now=now)
+        return decision
+
+    def _decide(self, peer_id: str, request: Message, operation: Operation | None, now: float) -> Decision:
         peer = self.paired(peer_id)
         rule = rule_for(request)
         if rule.need is Need.ISSUER and isinstance(request, MailKeyPush):
@@ -138,7 +140,6 @@ class Gate:
                                    code=ErrorCode.CONFLICT)
             return Decision(True)
         grant = _grant_of(peer)
-        operation = operation_for(request)
         if rule.need is Need.CAPABILITY and operation is not None:
             decision = check(grant, operation, local_peer_id=self.local_peer_id, remote_peer_id=peer_id, now=now)
         else:

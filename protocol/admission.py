@@ -112,9 +112,3 @@ def task_operation(spec: TaskSpec) -> Operation:
     if spec.kind is TaskKind.INFER:
         return Operation.infer(spec.model, spec.max_tokens, payload_bytes=payload)
     return Operation(name="task.agent", payload_bytes=payload)
-
-
-def label(request: Message) -> str:
-    """How the audit log names the request: the capability it needed, else its type."""
-    operation = operation_for(request)
-    return operation.required() if operation is not None else request.type
