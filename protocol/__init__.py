@@ -10,7 +10,7 @@ from psymesh.protocol.framing import DEFAULT_MAX_FRAME_SIZE, FrameDecoder, encod
 from psymesh.protocol.messages import SCHEMA_VERSION, Message, pack, unpack, message_types
 from psymesh.protocol.channel import Channel
 # Import every message module so unpack() knows all types, whoever imported us.
-from psymesh.protocol import common, control, mailbox, messaging, pairing, session, tasks  # noqa: F401,E402
+from psymesh.protocol import common, control, mailbox, messaging, pairing, session, tasks, web  # noqa: F401,E402
 
 __all__ = [
     "Channel",

@@ -14,6 +14,8 @@ Capabilities, with their CLI spelling (`parse_capability`):
     tool:PATTERN                                        call a tool; PATTERN is a glob (`files.*`)
     web.fetch[:domains=PATTERN[,PATTERN...]]            fetch from these hosts (default: any)
     web.search   msg.send   msg.ask   relay
+    web.relay                                           forward web queries sealed to an exit
+                                                        (two-hop private web, protocol/web.py)
     mail.deposit                                        leave sealed letters here for a peer that
                                                         named this node its mailbox (protocol/mailbox.py)
 
@@ -63,6 +65,7 @@ _PARAMS: dict[str, frozenset[str]] = {
     "tool": frozenset(),
     "web.fetch": frozenset({"domains"}),
     "web.search": frozenset(),
+    "web.relay": frozenset(),
     "msg.send": frozenset(),
     "msg.ask": frozenset(),
     "relay": frozenset(),
