@@ -1,10 +1,20 @@
-"""Daemon logging: human lines by default, one JSON object per line with --log-json. Always stderr."""
+"""Daemon logging: human lines by default, one JSON object per line with --log-json.
+
+To stderr, where a terminal, journald (systemd) or a test's log file takes it; or, with
+`--log-file`, to a file rotated by size (5 MiB, 3 old ones kept): for service managers
+that keep stderr in a file that only grows (launchd) or nowhere (Termux:Boot).
+"""
 from __future__ import annotations
 
 import json
 import logging
+import logging.handlers
 import sys
 import time
+from pathlib import Path
+
+LOG_FILE_BYTES = 5 * 1024 * 1024
+LOG_FILE_KEEP = 3
 
 
 class JsonFormatter(logging.Formatter):
@@ -32,8 +42,10 @@ class HumanFormatter(logging.Formatter):
         return line
 
 
-def setup_logging(*, json_lines: bool = False, level: int = logging.INFO) -> None:
-    handler = logging.StreamHandler(sys.stderr)
+def setup_logging(*, json_lines: bool = False, level: int = logging.INFO, log_file: Path | None = None) -> None:
+    handler: logging.Handler = (logging.handlers.RotatingFileHandler(log_file, maxBytes=LOG_FILE_BYTES,
+                                                                     backupCount=LOG_FILE_KEEP)
+                                if log_file is not None else logging.StreamHandler(sys.stderr))
     handler.setFormatter(JsonFormatter() if json_lines else HumanFormatter())
     root = logging.getLogger()
     root.handlers[:] = [handler]
