@@ -243,12 +243,52 @@ def status(home: str | None, out: Output) -> None:
         con.print(f"peer id:     {st.peer_id}\nfingerprint: {st.fingerprint}")
         for a in st.addrs:
             con.print(f"listening:   {a}")
+        for line in _reachability_lines(st.reachability):
+            con.print(f"reachable:   {escape(line)}")
         table = Table("connected peer", "addresses")
         for p in st.connected_peers:
             table.add_row(p.name or p.peer_id, " ".join(p.addrs))
         con.print(table if st.connected_peers else "no connected peers")
 
     out.data(st, human)
+
+
+def _reachability_lines(reach: c.Reachability) -> list[str]:
+    """How peers reach this node, in words: proven addresses first, then relays, then the rest."""
+    now = time.time()
+    lines = [f"{a.addr} (dialed back by {a.by_name} {max(0.0, now - a.at):.0f} s ago)" for a in reach.confirmed]
+    lines += [f"{a} (through a relay)" for a in reach.relayed]
+    beyond = [a for a in reach.direct if not a.startswith(("/ip4/127.", "/ip6/::1/"))]
+    if not lines:
+        lines += [f"{a} (from where it routes; not yet confirmed: psymesh doctor)" for a in beyond]
+    if not lines:
+        lines.append("only from this machine, or over connections this node opens itself "
+                     "(listen on a LAN address, or keep a relay: docs/deploy.md)")
+    return lines
+
+
+@main.command()
+@command
+@click.option("--timeout", "timeout_s", type=click.FloatRange(1, 60), default=10, show_default=True,
+              metavar="SECONDS", help="How long the daemon may take to probe the peers.")
+def doctor(home: str | None, out: Output, timeout_s: float) -> None:
+    """Check this node: its home, disk, database, listen addresses, and each paired peer
+    (reachable? direct or relayed? its clock? can it dial back?). Exit status 1 if a check fails."""
+    from psymesh.node.doctor import failed, run_checks
+
+    checks = run_async(lambda: run_checks(NodeHome(home), timeout_s=timeout_s))
+    colors = {"ok": "green", "warn": "yellow", "fail": "red"}
+
+    def human(con: Any) -> None:
+        for check in checks:
+            con.print(f"[{colors[check.status]}]{check.status:<4}[/{colors[check.status]}] "
+                      f"{escape(check.name)}: {escape(check.detail)}")
+            if check.next_step:
+                con.print(f"       [dim]next:[/dim] {escape(check.next_step)}")
+
+    out.data({"ok": not failed(checks), "checks": checks}, human)
+    if failed(checks):
+        sys.exit(1)
 
 
 @main.command()

@@ -189,6 +189,11 @@ class Client:
     async def shutdown(self) -> None:
         await self.request(c.ShutdownRequest(), c.Ok)
 
+    async def doctor(self, timeout_s: float = 10.0, *, dialback: bool = True) -> c.DoctorReply:
+        """The daemon's view for `psymesh doctor`: its listen addresses, how it is reachable,
+        and each paired peer probed now (reachable? path, round trip, clock skew, dial-back)."""
+        return await self.request(c.DoctorRequest(timeout_s=timeout_s, dialback=dialback), c.DoctorReply)
+
     # -- pairing and trust -----------------------------------------------------
     async def pair_invite(self, *, name: str | None = None, grant: str = "phone", ttl_s: float = 600.0,
                           grant_ttl_s: float | None = None) -> c.PairInviteReply:

@@ -50,6 +50,8 @@ from psymesh.node.messaging import Messaging
 from psymesh.node.msgstore import MessageStore
 from psymesh.node.models import ModelPool, ModelRegistry
 from psymesh.node.owner import Owner
+from psymesh.node.ping import pong_time
+from psymesh.node.reach import Reach
 from psymesh.node.session import Call, SessionPool, serve_session
 from psymesh.node.submitter import TaskSubmitter
 from psymesh.node.taskstore import ExecutorStore, Outbox
@@ -59,6 +61,7 @@ from psymesh.protocol.identity import is_peer_id
 from psymesh.protocol.errors import ErrorCode, PsymeshError
 from psymesh.protocol.manifest import Manifest, ManifestOk, ManifestPush, ManifestRevoke, revocation
 from psymesh.protocol.common import Ping, Pong
+from psymesh.protocol.dialback import DialBack
 from psymesh.protocol.messages import Message
 from psymesh.protocol.mailbox import MailAck, MailDeposit, MailFetch, MailKeyPush
 from psymesh.protocol.messaging import MsgSend, MsgSendMany
@@ -91,6 +94,7 @@ class Node:
         self.control = ControlServer(home.socket_path, self.config.max_frame_size)
         self.sessions = SessionPool(self.open_peer_stream, ids.SESSION, self.config.max_frame_size,
                                     Liveness(self.config.liveness_probe_s, self.p2p.disconnect))
+        self.reach = Reach(self.p2p, self.sessions, self.trust)
         self.pairing = PairingService(self.identity, self.config, self.p2p, self.trust, self.push_manifest)
         self.models = ModelPool(ModelRegistry(self.db))
         self.tools = node_tools(home, self.config)
@@ -126,6 +130,7 @@ class Node:
             **{t: self.executor.handle for t in (TaskSubmit, TaskAttach, TaskAck, TaskAcks, TaskCancel, TaskInput,
                                                  TaskList, TaskCaps)},
             Ping: self._pong,
+            DialBack: self.reach.serve,
             ManifestPush: self._receive_grant,
             ManifestRevoke: self._receive_revocation,
             MsgSend: self.messaging.receive,
@@ -267,7 +272,7 @@ class Node:
 
     async def _pong(self, call: Call) -> Message:
         assert isinstance(call.request, Ping)
-        return Pong(seq=call.request.seq, payload=call.request.payload)
+        return Pong(seq=call.request.seq, payload=call.request.payload, time=pong_time())
 
     async def _receive_grant(self, call: Call) -> Message:
         """A paired issuer hands us the grant it holds for us (the door checked who issued it)."""

@@ -16,6 +16,7 @@ import anyio
 import psymesh
 from psymesh.node.control import ControlServer, Handler
 from psymesh.node.answering import ask_body, wait_answer
+from psymesh.node.doctor import diagnose
 from psymesh.node.framed import FramedStream
 from psymesh.node.msgstore import OutState, Received, Sent
 from psymesh.node.ping import measure_ping
@@ -45,6 +46,7 @@ class Owner:
     def serve_on(self, control: ControlServer) -> None:
         routes: dict[type[Message], Handler] = {
             c.StatusRequest: self._status,
+            c.DoctorRequest: self._doctor,
             c.PingRequest: self._ping,
             c.ShutdownRequest: self._shutdown,
             c.PairInviteRequest: self.node.pairing.create_invite,
@@ -84,7 +86,12 @@ class Owner:
             uptime_s=round(time.monotonic() - self.node.started_at, 3),
             connected_peers=[c.ConnectedPeer(peer_id=p["peer_id"], addrs=p.get("addrs", []))
                              for p in self.node.p2p.connected_peers()],
+            listen=list(self.node.config.listen),
+            reachability=self.node.reach.view(),
         )
+
+    async def _doctor(self, req: c.DoctorRequest, _: FramedStream) -> c.DoctorReply:
+        return await diagnose(self.node, req)
 
     async def _ping(self, req: c.PingRequest, _: FramedStream) -> c.PingReply:
         """Round trips on the session to the peer (the first one opens it: `connect_ms`)."""

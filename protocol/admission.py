@@ -7,7 +7,7 @@ serves has one, so a new service cannot skip the door by accident.
     need         what is checked (after "the peer is paired and not revoked")
     ──────────   ─────────────────────────────────────────────────────────────────
     capability   a grant of ours, in date, with a capability covering `operation()`
-    grant        a grant of ours, in date (peer-level requests: ping, task.attach)
+    grant        a grant of ours, in date (peer-level requests: ping, reach.dialback, task.attach)
     issuer       nothing of ours: the message carries a manifest (or a revocation) the
                  *sender* issued to *us*, validly signed (manifest.push, manifest.revoke),
                  or the sender's own mail key, signed by it (mail.key)
@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from psymesh.protocol.common import Ping
+from psymesh.protocol.dialback import DialBack
 from psymesh.protocol.mailbox import MailAck, MailDeposit, MailFetch, MailKeyPush
 from psymesh.protocol.errors import ErrorCode, PsymeshError
 from psymesh.protocol.manifest import ManifestPush, ManifestRevoke, Operation
@@ -74,6 +75,7 @@ REQUESTS: Mapping[type[Message], Rule] = {
     TaskList: Rule("task", Need.GRANT),
     TaskCaps: Rule("task", Need.GRANT),
     Ping: Rule("ping", Need.GRANT),
+    DialBack: Rule("reach", Need.GRANT),  # we connect to the asker's own IP only; charged like a ping
     ManifestPush: Rule("manifest", Need.ISSUER, charged=False),
     ManifestRevoke: Rule("manifest", Need.ISSUER, charged=False),
     MsgSend: Rule("msg", Need.CAPABILITY),

@@ -39,7 +39,12 @@ class Ping(Message):
 
 
 class Pong(Message):
+    """`time`: the responder's wall clock as it answered (Unix seconds), so the asker can
+    see how far apart their clocks are (grants and replay windows depend on them). Older
+    nodes send none (None)."""
+
     type = "pong"
     seq: int = Field(ge=0)
     payload: bytes = b""
+    time: float | None = None
 

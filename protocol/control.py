@@ -20,6 +20,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from psymesh.protocol.common import Error
+from psymesh.protocol.dialback import DialBackReply
 from psymesh.protocol.errors import (
     ConnectError,
     ConnectionLost,
@@ -52,6 +53,26 @@ class ConnectedPeer(Message):
     name: str | None = None
 
 
+class ConfirmedAddr(View):
+    """An address of ours a paired peer dialed back (`psymesh doctor`, protocol/dialback.py):
+    the IP it saw us at, and a port we listen on, reachable from where it is."""
+
+    addr: str
+    by: str        # the peer's id
+    by_name: str   # its name here
+    at: float      # when (Unix seconds)
+
+
+class Reachability(View):
+    """How peers can reach this node: at the addresses it listens on (`direct`; from where
+    they route), at ones a peer proved by dialing back (`confirmed`), through relays that
+    hold a reservation for it (`relayed`). All empty: only by connections it opens itself."""
+
+    direct: list[str] = Field(default_factory=list)
+    confirmed: list[ConfirmedAddr] = Field(default_factory=list)
+    relayed: list[str] = Field(default_factory=list)
+
+
 class StatusReply(Message):
     type = "control.status_reply"
     peer_id: str
@@ -62,6 +83,43 @@ class StatusReply(Message):
     addrs: list[str]
     uptime_s: float
     connected_peers: list[ConnectedPeer] = Field(default_factory=list)
+    listen: list[str] = Field(default_factory=list)  # config `listen`, as configured (port 0: any)
+    reachability: Reachability = Field(default_factory=Reachability)
+
+
+class DoctorRequest(Message):
+    """What the running daemon sees for `psymesh doctor`: its listen addresses, and each
+    paired peer probed now (reachable? by which path? its clock? can it dial us back?),
+    all within `timeout_s`."""
+
+    type = "control.doctor"
+    timeout_s: float = Field(default=10.0, gt=0, le=60)
+    dialback: bool = True
+
+
+ConnectionPath = Literal["direct", "relayed"]
+
+
+class PeerDiagnosis(View):
+    """One paired (not revoked) peer, probed by the daemon."""
+
+    peer_id: str
+    name: str
+    reachable: bool
+    path: ConnectionPath | None = None  # how the connection to it goes
+    rtt_ms: float | None = None
+    clock_skew_s: float | None = None  # its clock minus ours (>0: it runs ahead); None: not measured
+    error: str = ""                    # why it is unreachable, or why a probe failed
+    dialback: DialBackReply | None = None  # None: not asked (unreachable, or it refused)
+    dialback_error: str = ""           # why it would not dial back (e.g. its grant to us has no room)
+
+
+class DoctorReply(Message):
+    type = "control.doctor_reply"
+    listen: list[str]                  # config `listen`
+    addrs: list[str]                   # what the daemon listens on now
+    reachability: Reachability
+    peers: list[PeerDiagnosis] = Field(default_factory=list)
 
 
 class PingRequest(Message):

@@ -18,6 +18,7 @@ from psymesh.node.daemon import Node
 from psymesh.node.process import DaemonProcess
 from psymesh.protocol import control as c
 from psymesh.protocol.common import Error
+from psymesh.protocol.dialback import DialBackReply
 from psymesh.protocol.errors import (
     ConnectError,
     ConnectionLost,
@@ -83,6 +84,12 @@ def test_every_typed_reply_survives_the_wire_as_itself() -> None:
                                            state=TaskState.COMPLETED, last_seq=9, acked_seq=9, created_at=1.0,
                                            updated_at=2.0)]),
         c.OffersReply(offers=[c.Offer(peer_id="h", name="home", models=["tiny"], tools=["system.info"])]),
+        c.DoctorReply(listen=["/ip4/0.0.0.0/tcp/4001"], addrs=["/ip4/192.168.1.2/tcp/4001/p2p/x"],
+                      reachability=c.Reachability(
+                          direct=["/ip4/192.168.1.2/tcp/4001/p2p/x"], relayed=["/ip4/5.6.7.8/tcp/4001/p2p/r/p2p-circuit/p2p/x"],
+                          confirmed=[c.ConfirmedAddr(addr="/ip4/1.2.3.4/tcp/4001/p2p/x", by="p", by_name="phone", at=3.0)]),
+                      peers=[c.PeerDiagnosis(peer_id="p", name="phone", reachable=True, path="relayed", rtt_ms=9.5,
+                                             clock_skew_s=-1.25, dialback=DialBackReply(observed=None))]),
     ]
     for reply in replies:
         again = unpack(pack(reply))

@@ -20,6 +20,7 @@ from psymesh.node.daemon import Node
 from psymesh.protocol import ids
 from psymesh.protocol.admission import REQUESTS, Need
 from psymesh.protocol.common import Error, Ping
+from psymesh.protocol.dialback import DialBack
 from psymesh.protocol.errors import NetworkError
 from psymesh.protocol.mailbox import MailAck, MailDeposit, MailFetch, MailKey, MailKeyPush
 from psymesh.protocol.manifest import ManifestPush, ManifestRevoke, revocation
@@ -57,6 +58,7 @@ def requests_from(peer: Node, home: Node, n: int) -> dict[type[Message], Message
         TaskList: TaskList(),
         TaskCaps: TaskCaps(),
         Ping: Ping(seq=n),
+        DialBack: DialBack(ports=[1]),  # home connects to the peer's own IP only: 127.0.0.1:1, refused
         ManifestPush: ManifestPush(manifest=grant_to_home),
         ManifestRevoke: notice.sign(peer.identity.private_key),
         MsgSend: MsgSend(letter=Letter(id=f"door-{n}", sender=peer.identity.peer_id, recipient=home.identity.peer_id,
