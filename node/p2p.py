@@ -136,8 +136,10 @@ import logging
 import os
 import socket
 from collections import Counter
+import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
 
 import anyio
 import anyio.abc
@@ -146,6 +148,7 @@ import sniffio
 import trio
 from libp2p import new_host
 from libp2p.abc import IMuxedConn, INetConn, INetStream, IRawConnection, ISecureConn, ReadWriteCloser
+from libp2p.connection_types import ConnectionType
 from libp2p.crypto.ed25519 import create_new_key_pair as ed25519_key_pair
 from libp2p.crypto.keys import KeyPair
 from libp2p.crypto.x25519 import create_new_key_pair as x25519_key_pair
@@ -156,10 +159,16 @@ from libp2p.network.config import ConnectionConfig
 from libp2p.network.connection.raw_connection import RawConnection
 from libp2p.io.exceptions import IOException
 from libp2p.io.utils import read_exactly
+from libp2p.network.stream.exceptions import StreamEOF
 from libp2p.network.swarm import Swarm
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
 from libp2p.rcmgr import Direction
+from libp2p.relay.circuit_v2.pb.circuit_pb2 import HopMessage, Limit, StopMessage
+from libp2p.relay.circuit_v2.pb.circuit_pb2 import PeerId as CircuitPeer
+from libp2p.relay.circuit_v2.pb.circuit_pb2 import Reservation as CircuitReservation
+from libp2p.relay.circuit_v2.protocol_buffer import StatusCode
+from libp2p.relay.circuit_v2.utils import read_delimited_msg, write_delimited_msg
 from libp2p.security.exceptions import HandshakeFailure
 from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
 from libp2p.security.noise.transport import Transport as NoiseTransport
@@ -169,6 +178,7 @@ from libp2p.stream_muxer.yamux.yamux import Yamux, YamuxStream
 from libp2p.utils.varint import encode_uvarint
 
 from psymesh.protocol.errors import ConnectError, ConnectionLost, ErrorCode, ProtocolError, PsymeshError
+from psymesh.protocol.relay import CONNECT, HOP, RESERVE, STOP, RelayBook, RelaySettings
 from psymesh.protocol.strangers import StrangerLimits
 
 log = logging.getLogger(__name__)
@@ -192,9 +202,20 @@ MULTISTREAM = "/multistream/1.0.0"
 MAX_NEGOTIATION_MESSAGE = 512
 MAX_PROPOSALS = 8
 NEGOTIATE_TIMEOUT_S = 5.0
+# Circuit relay v2 (protocol/relay.py): how long one step (a HOP or STOP message, opening
+# the relay's stream) may take.
+RELAY_STEP_TIMEOUT_S = 10.0
+MAX_RELAY_ADDRS = 4  # relay addresses kept from one reservation (each makes one address of ours)
 
 PeerFilter = Callable[[str], bool]
 StreamFilter = Callable[[str, str], bool]  # (peer id, protocol) -> may that peer open it?
+Path = Literal["direct", "relayed"]
+
+
+class RelayAdmit(Protocol):
+    def __call__(self, peer_id: str, what: str) -> None:
+        """Return if `peer_id` may `what` (RESERVE, CONNECT of protocol/relay.py) at this relay;
+        else raise the PsymeshError that says why (the daemon's gate decides and audits)."""
 
 
 class P2PStream:
@@ -290,6 +311,12 @@ class P2PNode:
         # bounded negotiation, who may open what, exception containment
         swarm.set_stream_handler(self._on_inbound_stream)
         self.peer_id = str(self._host.get_id())
+        # circuit relay v2: reservations we hold at relays (relay id -> what it told us), and,
+        # once `serve_relay()` is called, our own relay's book and its gate
+        self._held: dict[str, _Held] = {}
+        self._book: RelayBook | None = None
+        self._relay_admit: RelayAdmit | None = None
+        self._host.set_stream_handler(TProtocol(STOP), self._serve_stop)
         self._tg: anyio.abc.TaskGroup | None = None  # set while serving
         self._listening = anyio.Event()
         self._stop = anyio.Event()
@@ -458,8 +485,30 @@ class P2PNode:
     def addrs(self) -> list[str]:
         """Dialable multiaddrs with the real port and `/p2p/<id>` (empty before `run()` listens).
         A wildcard listen address (0.0.0.0) is listed once per local IPv4 address, LAN first,
-        so that invites carry addresses a phone can actually dial."""
-        return expand_wildcard([str(a) for a in self._host.get_addrs()], local_ipv4_addresses())
+        so that invites carry addresses a phone can actually dial. Then, for each relay that
+        holds a reservation for us, our addresses through it (`.../p2p/RELAY/p2p-circuit/p2p/US`)."""
+        own = expand_wildcard([str(a) for a in self._host.get_addrs()], local_ipv4_addresses())
+        return own + self.relayed_addrs()
+
+    def relayed_addrs(self) -> list[str]:
+        """Our addresses through the relays holding a live reservation for us."""
+        now = time.time()
+        return [f"{addr}/p2p-circuit/p2p/{self.peer_id}" for relay, held in self._held.items()
+                if held.expires > now and self._connections(relay, direct=True) for addr in held.addrs]
+
+    def path(self, peer_id: str) -> Path | None:
+        """How we are connected to `peer_id` now: `direct` if any open connection is (new
+        streams take it), `relayed` if only through a relay, None if not at all."""
+        if self._connections(peer_id, direct=True):
+            return "direct"
+        return "relayed" if self._connections(peer_id, direct=False) else None
+
+    def _connections(self, peer_id: str, *, direct: bool) -> list[INetConn]:
+        try:
+            conns = self._swarm.get_connections(ID.from_base58(peer_id))
+        except Exception:
+            return []
+        return [c for c in conns if not c.is_closed and _is_relayed(c) is not direct]
 
     async def connect(self, addr: str) -> str:
         """Connect to `addr` (a multiaddr ending in /p2p/<id>); returns the peer id."""
@@ -493,8 +542,12 @@ class P2PNode:
     async def open_stream_any(self, peer_id: str, addrs: Sequence[str], protocol: str, *,
                               who: str | None = None) -> P2PStream:
         """Open `protocol` to `peer_id` through the first of `addrs` that works (with no
-        addresses: an open connection or the peerstore's). The ConnectError names `who` and why."""
-        targets = [a if "/p2p/" in a else f"{a}/p2p/{peer_id}" for a in addrs] or [peer_id]
+        addresses: an open connection or the peerstore's). The ConnectError names `who` and why.
+        An open connection is used first; then direct addresses are dialed before addresses
+        through a relay (a relayed connection is upgraded by `connect()`ing a direct address)."""
+        targets = sorted((_with_peer_id(a, peer_id) for a in addrs), key=_is_circuit) or [peer_id]
+        if targets[0] != peer_id and self.path(peer_id) is not None:
+            targets.insert(0, peer_id)
         last: PsymeshError | None = None
         for target in targets:
             try:
@@ -507,9 +560,16 @@ class P2PNode:
         self._require_running()
         if str(info.peer_id) == self.peer_id:
             raise ProtocolError("cannot connect to ourselves", code=ErrorCode.BAD_REQUEST)
+        if _is_circuit(addr):
+            if self.path(str(info.peer_id)) is None:  # any open connection will do
+                await self._dial_circuit(info.peer_id, addr)
+            return
         self._swarm.prepare_dial(info.peer_id, new_address=True)  # (8, 10, 11)
         try:
-            await self._host.connect(info)
+            if self.path(str(info.peer_id)) == "relayed":  # the swarm would reuse that: dial this address
+                await self._swarm.dial_addr(info.addrs[0], info.peer_id)
+            else:
+                await self._host.connect(info)
         except Exception as exc:
             raise ConnectError(f"cannot connect to {addr}: {_reason(exc)}") from exc
 
@@ -530,6 +590,272 @@ class P2PNode:
         if conns and self._tg is not None:
             await self._close_connections(conns, self._tg)
 
+    # -- circuit relay v2 (protocol/relay.py) ------------------------------------------
+    def serve_relay(self, settings: RelaySettings, admit: RelayAdmit) -> None:
+        """Relay for the peers `admit` lets through (the daemon's gate: paired, granted `relay`;
+        it audits every decision), within `settings`. Call before `run()`."""
+        self._book = RelayBook(settings)
+        self._relay_admit = admit
+        self._host.set_stream_handler(TProtocol(HOP), self._serve_hop)
+
+    async def reserve(self, relay: str, addrs: Sequence[str]) -> float:
+        """Hold a reservation at `relay` (a peer id, dialed directly at one of `addrs` unless
+        connected), so that peers reach us through it; returns its expiry (wall time): renew
+        before then. It also lapses when our connection to the relay closes. A refusal raises
+        the PsymeshError for it (forbidden: the relay has not granted us `relay`; busy: it is
+        full); an unreachable relay a ConnectError."""
+        relay_id = _parse_peer_id(relay)
+        self._require_running()
+        failures: list[str] = []
+        for addr in [_with_peer_id(a, relay) for a in addrs if not _is_circuit(a)]:
+            if self._connections(relay, direct=True):
+                break
+            try:
+                await self._dial(_peer_info(addr), addr)
+            except PsymeshError as exc:
+                failures.append(exc.message)
+        if not self._connections(relay, direct=True):
+            raise ConnectError(f"relay {relay} is unreachable: {'; '.join(failures) or 'no direct address'}")
+        try:
+            with anyio.fail_after(RELAY_STEP_TIMEOUT_S):
+                stream = await self._host.new_stream(relay_id, [TProtocol(HOP)])
+                try:
+                    await write_delimited_msg(stream, HopMessage(type=HopMessage.RESERVE))
+                    reply = await read_delimited_msg(stream, HopMessage)
+                finally:
+                    await _close_quietly(stream)
+        except Exception as exc:
+            raise ConnectError(f"relay {relay} did not answer the reservation: {_reason(exc)}") from exc
+        if reply.status != StatusCode.OK:
+            raise _refusal(reply.status, f"relay {relay} refused the reservation")
+        relay_addrs = [a for a in map(_bytes_to_addr, reply.reservation.addrs)
+                       if a is not None and a.endswith(f"/p2p/{relay}") and not _is_circuit(a)]
+        self._held[relay] = _Held(float(reply.reservation.expire), tuple(relay_addrs[:MAX_RELAY_ADDRS]))
+        log.info("reservation at relay %s until %s", relay, time.strftime("%H:%M:%S", time.localtime(reply.reservation.expire)))
+        return float(reply.reservation.expire)
+
+    def reservation(self, relay: str) -> float | None:
+        """When our reservation at `relay` expires; None if we hold none (or it lapsed, or
+        our connection to the relay closed, which ends it too)."""
+        held = self._held.get(relay)
+        if held is None or held.expires <= time.time() or not self._connections(relay, direct=True):
+            return None
+        return held.expires
+
+    async def drop_relayed(self, peer_id: str, *, idle_only: bool) -> bool:
+        """Close the relayed connections to `peer_id` when a direct one is open: only those
+        carrying no stream (`idle_only`), or all. True if any was closed."""
+        if not self._connections(peer_id, direct=True):
+            return False
+        relayed = [c for c in self._connections(peer_id, direct=False) if not (idle_only and c.get_streams())]
+        if relayed and self._tg is not None:
+            await self._close_connections(relayed, self._tg)
+        return bool(relayed)
+
+    def _circuit_limit(self) -> Limit:
+        assert self._book is not None
+        return Limit(duration=self._book.settings.circuit_duration_s, data=self._book.settings.circuit_bytes)
+
+    async def _serve_hop(self, stream: INetStream) -> None:
+        """One HOP request (RESERVE or CONNECT), answered with the spec's STATUS. The peer is
+        the one Noise proved (the message's own `peer` field is not asked who it is: 21)."""
+        peer = str(stream.muxed_conn.peer_id)
+        try:
+            with anyio.fail_after(RELAY_STEP_TIMEOUT_S):
+                request = await read_delimited_msg(stream, HopMessage)
+        except Exception as exc:
+            log.debug("a HOP request from %s failed: %s", peer, _reason(exc))
+            await _reset_quietly(stream)
+            return
+        try:
+            if _is_relayed(stream.muxed_conn):  # the spec: never reserve or connect over a circuit
+                await _hop_status(stream, StatusCode.PERMISSION_DENIED)
+            elif request.type == HopMessage.RESERVE:
+                await self._hop_reserve(stream, peer)
+            elif request.type == HopMessage.CONNECT:
+                await self._hop_connect(stream, peer, request)
+            else:
+                await _hop_status(stream, StatusCode.UNEXPECTED_MESSAGE)
+        finally:
+            await _close_quietly(stream)
+
+    async def _hop_reserve(self, stream: INetStream, peer: str) -> None:
+        assert self._book is not None and self._relay_admit is not None
+        try:
+            self._relay_admit(peer, RESERVE)
+            for other in [p for p in self._book.reservations if not self._connections(p, direct=True)]:
+                self._book.drop(other)  # a reservation lasts only while its peer stays connected
+            expires = self._book.reserve(peer, time.time())
+        except PsymeshError as exc:
+            log.info("refused a reservation to %s: %s", peer, exc.message)
+            await _hop_status(stream, _status_for(exc))
+            return
+        own = [a for a in self.addrs() if not _is_circuit(a)][:MAX_RELAY_ADDRS]
+        reservation = CircuitReservation(expire=int(expires), addrs=[multiaddr.Multiaddr(a).to_bytes() for a in own])
+        await _hop_status(stream, StatusCode.OK, reservation=reservation, limit=self._circuit_limit())
+
+    async def _hop_connect(self, stream: INetStream, source: str, request: HopMessage) -> None:
+        assert self._book is not None and self._relay_admit is not None
+        try:
+            target = ID(request.peer.id)
+            destination = target.to_base58()
+        except Exception:
+            await _hop_status(stream, StatusCode.MALFORMED_MESSAGE)
+            return
+        try:
+            self._relay_admit(source, CONNECT)
+            if not self._connections(destination, direct=True):
+                self._book.drop(destination)
+            self._book.open_circuit(destination, time.time())
+        except PsymeshError as exc:
+            log.info("refused a circuit from %s to %s: %s", source, destination, exc.message)
+            await _hop_status(stream, _status_for(exc))
+            return
+        try:
+            await self._open_circuit(stream, source, target)
+        finally:
+            self._book.close_circuit(destination)
+
+    async def _open_circuit(self, stream: INetStream, source: str, target: ID) -> None:
+        far: INetStream | None = None
+        try:
+            with anyio.fail_after(RELAY_STEP_TIMEOUT_S):
+                far = await self._host.new_stream(target, [TProtocol(STOP)])
+                await write_delimited_msg(far, StopMessage(type=StopMessage.CONNECT, limit=self._circuit_limit(),
+                                                           peer=CircuitPeer(id=_parse_peer_id(source).to_bytes())))
+                answer = await read_delimited_msg(far, StopMessage)
+            if answer.status != StatusCode.OK:
+                raise ConnectError(f"it answered {_status_name(answer.status)}")
+        except Exception as exc:
+            log.info("circuit from %s to %s failed: %s", source, target, _reason(exc))
+            if far is not None:
+                await _reset_quietly(far)
+            await _hop_status(stream, StatusCode.CONNECTION_FAILED)
+            return
+        await _hop_status(stream, StatusCode.OK, limit=self._circuit_limit())
+        await self._splice(stream, far, f"{source} -> {target}")
+
+    async def _splice(self, near: INetStream, far: INetStream, circuit: str) -> None:
+        """Forward bytes both ways until both ends closed (each end's close is passed on as
+        a half-close), one of them reset, or the circuit's time or bytes ran out (23): then
+        both ends are reset. Each circuit owns its two streams (22)."""
+        assert self._book is not None
+        settings = self._book.settings
+        left = [settings.circuit_bytes]
+        broken: list[str] = []
+
+        async def pump(src: INetStream, dst: INetStream, cancel: anyio.CancelScope) -> None:
+            while True:
+                try:
+                    data = await src.read(READ_CHUNK)
+                except StreamEOF:
+                    data = b""
+                except Exception as exc:
+                    broken.append(f"a side went away ({_reason(exc)})")
+                    cancel.cancel()
+                    return
+                if not data:  # (24) end of one direction: pass it on, keep the other
+                    try:
+                        await dst.close_write()
+                    except Exception as exc:
+                        log.debug("half-closing a circuit stream: %r", exc)
+                    return
+                left[0] -= len(data)
+                if left[0] < 0:
+                    broken.append(f"its {settings.circuit_bytes} bytes are used up")
+                    cancel.cancel()
+                    return
+                try:
+                    await dst.write(data)
+                except Exception as exc:
+                    broken.append(f"a side went away ({_reason(exc)})")
+                    cancel.cancel()
+                    return
+
+        with anyio.move_on_after(settings.circuit_duration_s) as timer:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(pump, near, far, tg.cancel_scope)
+                tg.start_soon(pump, far, near, tg.cancel_scope)
+        if timer.cancelled_caught:
+            broken.append(f"its {settings.circuit_duration_s} s are up")
+        if broken:
+            log.info("circuit %s reset: %s", circuit, broken[0])
+            await _reset_quietly(near)
+            await _reset_quietly(far)
+        else:
+            await _close_quietly(far)
+
+    async def _serve_stop(self, stream: INetStream) -> None:
+        """A relay that holds our reservation brings a peer's circuit: say OK, then serve the
+        connection over that stream as an inbound one, until it closes. Its own Noise
+        handshake proves the peer (the relay sees ciphertext only) and, like any inbound
+        connection, it is held to the limits for strangers (15, 17)."""
+        relay = str(stream.muxed_conn.peer_id)
+        if self.reservation(relay) is None:
+            log.info("refused a circuit from %s: we hold no reservation there", relay)
+            await _reset_quietly(stream)
+            return
+        try:
+            with anyio.fail_after(RELAY_STEP_TIMEOUT_S):
+                request = await read_delimited_msg(stream, StopMessage)
+                source = ID(request.peer.id)
+                if request.type != StopMessage.CONNECT:
+                    raise ValueError("not a CONNECT")
+                await write_delimited_msg(stream, StopMessage(type=StopMessage.STATUS, status=StatusCode.OK))
+        except Exception as exc:
+            log.debug("a circuit from relay %s failed: %s", relay, _reason(exc))
+            await _reset_quietly(stream)
+            return
+        circuit = multiaddr.Multiaddr(f"/p2p/{relay}/p2p-circuit/p2p/{source}")
+        ip = _remote_ip(stream.muxed_conn)
+        if not self._admission.start_handshake(ip):
+            log.info("refused a circuit from relay %s: too many connections still handshaking", relay)
+            await _reset_quietly(stream)
+            return
+        try:
+            raw = RawConnection(_HandshakeBudget(stream, HANDSHAKE_BYTES), False, ConnectionType.RELAYED, [circuit])
+            muxed = await self._swarm.upgrade_inbound_raw_conn(raw, circuit)
+        except Exception as exc:  # refused peer, failed handshake, limits: already logged
+            log.debug("a circuit from relay %s failed: %s", relay, _reason(exc))
+            await _reset_quietly(stream)
+            return
+        finally:
+            self._admission.end_handshake(ip)
+        await self._swarm._serve_connection(muxed)
+
+    async def _dial_circuit(self, target: ID, addr: str) -> None:
+        """Connect to `target` through the relay that `addr` names (`<relay>/p2p-circuit/p2p/<target>`):
+        a CONNECT on a HOP stream to the relay, then Noise and yamux over that stream, as
+        over a TCP socket. Everything that fails is a ConnectError saying why."""
+        relay_part = addr.partition("/p2p-circuit")[0]
+        relay_info = _peer_info(relay_part)
+        relay = str(relay_info.peer_id)
+        if relay in (self.peer_id, str(target)):
+            raise ConnectError(f"cannot connect to {addr}: a circuit through the node itself")
+        if not self._connections(relay, direct=True):
+            await self._dial(relay_info, relay_part)
+        try:
+            with anyio.fail_after(RELAY_STEP_TIMEOUT_S):
+                stream = await self._host.new_stream(relay_info.peer_id, [TProtocol(HOP)])
+        except Exception as exc:
+            raise ConnectError(f"relay {relay} does not relay for us: {_reason(exc)}") from exc
+        try:
+            with anyio.fail_after(RELAY_STEP_TIMEOUT_S):
+                await write_delimited_msg(stream, HopMessage(type=HopMessage.CONNECT,
+                                                             peer=CircuitPeer(id=target.to_bytes())))
+                reply = await read_delimited_msg(stream, HopMessage)
+            if reply.status != StatusCode.OK:
+                raise ConnectError(f"relay {relay} refused the circuit to {target}: {_status_name(reply.status)}")
+            raw = RawConnection(stream, True, ConnectionType.RELAYED, [multiaddr.Multiaddr(addr)])
+            with anyio.fail_after(RELAY_STEP_TIMEOUT_S):
+                await self._swarm.upgrade_outbound_raw_conn(raw, target)
+        except BaseException as exc:
+            with anyio.CancelScope(shield=True):
+                await _reset_quietly(stream)
+            if isinstance(exc, PsymeshError) or not isinstance(exc, Exception):
+                raise
+            raise ConnectError(f"cannot connect to {addr}: {_reason(exc)}") from exc
+
     def _live_connections(self) -> list[INetConn]:
         return [c for conns in self._swarm.connections.values() for c in conns if not c.is_closed]
 
@@ -548,6 +874,15 @@ class P2PNode:
     def _require_running(self) -> None:
         if self._tg is None or self._stop.is_set():
             raise PsymeshError("the p2p node is not running", code=ErrorCode.UNAVAILABLE)
+
+
+@dataclass(frozen=True)
+class _Held:
+    """A reservation we hold at a relay: until when, and the relay's own addresses (each
+    ending /p2p/<relay>), which make ours through it."""
+
+    expires: float
+    addrs: tuple[str, ...]
 
 
 class _PeerFilteringNoise(NoiseTransport):
@@ -827,6 +1162,73 @@ async def _read_multistream_message(stream: INetStream) -> str:
     if not body.endswith(b"\n"):
         raise _NegotiationFailed("negotiation message without its newline")
     return body[:-1].decode("utf-8", "replace")
+
+
+def _is_circuit(addr: str) -> bool:
+    return "/p2p-circuit" in addr
+
+
+def _with_peer_id(addr: str, peer_id: str) -> str:
+    """`addr` ending in /p2p/<peer id>: as it is if it names one (a circuit address names the
+    relay first, then its target), else with `peer_id`'s."""
+    parts = addr.rstrip("/").split("/")
+    return addr if len(parts) >= 3 and parts[-2] in ("p2p", "ipfs") else f"{addr}/p2p/{peer_id}"
+
+
+def _is_relayed(conn: INetConn | IMuxedConn) -> bool:
+    try:
+        return conn.get_connection_type() == ConnectionType.RELAYED
+    except Exception:
+        return False
+
+
+def _bytes_to_addr(data: bytes) -> str | None:
+    try:
+        return str(multiaddr.Multiaddr(bytes(data)))
+    except Exception:
+        return None
+
+
+def _status_name(status: int) -> str:
+    try:
+        return StatusCode(status).name.lower()
+    except ValueError:
+        return f"status {status}"
+
+
+def _status_for(exc: PsymeshError) -> StatusCode:
+    """A refusal of our relay (the gate's, or its book's) as the spec's status."""
+    if exc.code in (ErrorCode.UNKNOWN_PEER, ErrorCode.FORBIDDEN, ErrorCode.EXPIRED):
+        return StatusCode.PERMISSION_DENIED
+    if exc.code is ErrorCode.BUSY:
+        return StatusCode.RESOURCE_LIMIT_EXCEEDED
+    if exc.code is ErrorCode.NOT_FOUND:
+        return StatusCode.NO_RESERVATION
+    return StatusCode.CONNECTION_FAILED
+
+
+def _refusal(status: int, what: str) -> PsymeshError:
+    """A relay's status other than OK as the PsymeshError for it."""
+    reason = f"{what}: {_status_name(status)}"
+    if status == StatusCode.PERMISSION_DENIED:
+        return PsymeshError(f"{reason} (it has not granted this node `relay`)", code=ErrorCode.FORBIDDEN)
+    if status in (StatusCode.RESOURCE_LIMIT_EXCEEDED, StatusCode.RESERVATION_REFUSED):
+        return PsymeshError(reason, code=ErrorCode.BUSY)
+    return ConnectError(reason)
+
+
+async def _hop_status(stream: INetStream, status: StatusCode, *, reservation: CircuitReservation | None = None,
+                      limit: Limit | None = None) -> None:
+    message = HopMessage(type=HopMessage.STATUS, status=int(status))
+    if reservation is not None:
+        message.reservation.CopyFrom(reservation)
+    if limit is not None:
+        message.limit.CopyFrom(limit)
+    try:
+        with anyio.fail_after(RELAY_STEP_TIMEOUT_S):
+            await write_delimited_msg(stream, message)
+    except Exception as exc:
+        log.debug("sending a relay status: %s", _reason(exc))
 
 
 def _muxer_of(muxed_conn: IMuxedConn) -> Yamux:
