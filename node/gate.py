@@ -4,7 +4,7 @@
     2. the request is one this node serves (protocol/admission) bad_request
     3. by its rule:
        issuer      the manifest it carries is from the sender, to us, signed      forbidden
-                   (a mail key: the sender's own, signed)
+                   (a mail key, an address record: the sender's own, signed)
        grant       we issued the peer a grant, ours, for it, signed, in date       forbidden / expired
        capability  ... and a capability covers this exact request, payload within  forbidden / too_large
     4. charged requests: within the grant's request rate       rate_limited (retry_after)
@@ -18,8 +18,9 @@ session (libp2p), never from the request. Like syncthing's connection checks, th
 is fixed and the list lives here only: the daemon calls `admit()` from one place (its
 session door), `admit_each()` for the letters of a batch the door let in (each as the
 `msg.send` it stands for, through the same checks), `admit_stream()` for every inbound
-stream, `allow_connection()` for every inbound connection, and `recheck()` when a queued
-task starts.
+stream, `allow_connection()` for every inbound connection, `recheck()` when a queued
+task starts, and `admit_relay()` for each reservation and circuit asked of this node as
+a relay (protocol/relay.py: steps 1 and 3, the grant covering `relay`).
 """
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ from psymesh.node.db import transaction
 from psymesh.node.logs import fields
 from psymesh.node.trust import Peer, TrustStore
 from psymesh.protocol import ids
+from psymesh.protocol.addresses import AddrsPush
 from psymesh.protocol.admission import Need, operation_for, rule_for, task_operation
 from psymesh.protocol.errors import ErrorCode, PsymeshError
 from psymesh.protocol.limits import RateLimiter
@@ -49,6 +51,7 @@ from psymesh.protocol.manifest import (
     verify_grant,
 )
 from psymesh.protocol.messages import Message
+from psymesh.protocol.relay import HOP, STOP
 from psymesh.protocol.tasks import TaskSpec, TaskSubmit
 
 log = logging.getLogger("psymesh.gate")
@@ -130,6 +133,9 @@ class Gate:
         rule = rule_for(request)
         if rule.need is Need.ISSUER and isinstance(request, MailKeyPush):
             verify_mail_key(request.key, sender=peer_id)
+            return Decision(True)
+        if rule.need is Need.ISSUER and isinstance(request, AddrsPush):
+            request.record.verify(sender=peer_id)
             return Decision(True)
         if rule.need is Need.ISSUER:
             assert isinstance(request, (ManifestPush, ManifestRevoke))
@@ -218,16 +224,35 @@ class Gate:
     def admit_stream(self, peer_id: str, protocol: str) -> None:
         """May `peer_id` open `protocol`? Anyone may pair; only paired peers open a session
         (a revoked one too, until it knows: its requests are refused, one by one, with
-        `unknown_peer`, which is how it learns). Anything else is refused and audited."""
+        `unknown_peer`, which is how it learns), and only paired peers not revoked speak
+        circuit relay (each reservation and circuit is then `admit_relay`'s to decide; the
+        p2p host takes a circuit on STOP only from a relay holding our reservation).
+        Anything else is refused and audited."""
         if protocol == ids.PAIR:
             return
         peer = self.trust.get(peer_id)
         if peer is not None and protocol == ids.SESSION:
             return
+        if peer is not None and not peer.revoked and protocol in (HOP, STOP):
+            return
         state = "is not paired with this node" if peer is None else "may not open this protocol"
         exc = PsymeshError(f"peer {peer_id} {state}; pair first (psymesh pair join)", code=ErrorCode.UNKNOWN_PEER)
         self._record(peer_id, protocol, protocol, exc, self.clock())
         raise exc
+
+    def admit_relay(self, peer_id: str, what: str) -> None:
+        """May `peer_id` have `what` (protocol/relay.py RESERVE or CONNECT) of this node as a
+        relay? Paired, not revoked, and our grant to it covers `relay`, in date. Raises the
+        reason; one audit row either way (the relay's own limits come after, in node/p2p.py)."""
+        now = self.clock()
+        try:
+            grant = _grant_of(self.paired(peer_id))
+            check(grant, Operation(name="relay"), local_peer_id=self.local_peer_id, remote_peer_id=peer_id,
+                  now=now).raise_if_denied()
+        except PsymeshError as exc:
+            self._record(peer_id, HOP, what, exc, now)
+            raise
+        self.audit.record(peer_id, HOP, what, True, now=now)
 
     def _record(self, peer_id: str, service: str, what: str, exc: PsymeshError, now: float) -> None:
         self.audit.record(peer_id, service, what, False, exc.code.value, exc.message, now=now)

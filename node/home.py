@@ -39,6 +39,7 @@ from psymesh.protocol.errors import ErrorCode, PsymeshError
 from psymesh.protocol.framing import DEFAULT_MAX_FRAME_SIZE
 from psymesh.protocol.identity import fingerprint, peer_id_from_public_key
 from psymesh.protocol.mailbox import MailSettings
+from psymesh.protocol.relay import RelaySettings
 from psymesh.protocol.strangers import StrangerLimits
 
 Profile = Literal["home", "phone"]
@@ -187,6 +188,9 @@ class NodeConfig(BaseModel):
     # [mail]: how long a sender waits before using a recipient's mailbox; what this node,
     # as a mailbox, holds for each sender and for how long.
     mail: MailSettings = Field(default_factory=MailSettings)
+    # [relay]: relay for paired peers granted `relay` (off by default), and the relays this
+    # node keeps a reservation at, to be reached from anywhere (protocol/relay.py).
+    relay: RelaySettings = Field(default_factory=RelaySettings)
 
 
 @dataclass(frozen=True)
