@@ -120,6 +120,7 @@ class TrustStore:
         ensure_schema(conn, SCHEMA)
         _add_column(conn, "peers", "revoked_us_at REAL")  # databases made before they existed
         _add_column(conn, "peers", "revocation_told_at REAL")
+        _add_column(conn, "peers", "addrs_seq INTEGER")  # seq of the peer's own record the addrs came from
 
     @staticmethod
     def _peer(row: sqlite3.Row) -> Peer:
@@ -157,7 +158,8 @@ class TrustStore:
                 "INSERT INTO peers (peer_id, name, role, addrs, paired_at, revoked_at, granted, received) "
                 "VALUES (?, ?, ?, ?, ?, NULL, ?, ?) ON CONFLICT(peer_id) DO UPDATE SET name=excluded.name, "
                 "role=excluded.role, addrs=excluded.addrs, paired_at=excluded.paired_at, revoked_at=NULL, "
-                "granted=excluded.granted, received=excluded.received, revoked_us_at=NULL, revocation_told_at=NULL",
+                "granted=excluded.granted, received=excluded.received, revoked_us_at=NULL, revocation_told_at=NULL, "
+                "addrs_seq=NULL",
                 (peer_id, name, role, json.dumps(addrs), now, _encode_manifest(granted), _encode_manifest(received)),
             )
         peer = self.get(peer_id)
@@ -179,6 +181,15 @@ class TrustStore:
 
     def set_addrs(self, peer_id: str, addrs: list[str]) -> None:
         self._update(peer_id, "addrs", json.dumps(addrs))
+
+    def set_own_addrs(self, peer_id: str, addrs: list[str], seq: int) -> bool:
+        """The addresses a paired peer told us itself (protocol/addresses.py), in place of
+        those held, unless we hold some from a newer record of its own already (larger
+        `seq`). True if stored."""
+        with transaction(self.conn):
+            cur = self.conn.execute("UPDATE peers SET addrs = ?, addrs_seq = ? WHERE peer_id = ? AND "
+                                    "(addrs_seq IS NULL OR addrs_seq < ?)", (json.dumps(addrs), seq, peer_id, seq))
+        return cur.rowcount == 1
 
     def revoke(self, peer_id: str, now: float | None = None) -> None:
         self._update(peer_id, "revoked_at", time.time() if now is None else now)

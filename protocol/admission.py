@@ -10,7 +10,8 @@ serves has one, so a new service cannot skip the door by accident.
     grant        a grant of ours, in date (peer-level requests: ping, reach.dialback, task.attach)
     issuer       nothing of ours: the message carries a manifest (or a revocation) the
                  *sender* issued to *us*, validly signed (manifest.push, manifest.revoke),
-                 or the sender's own mail key, signed by it (mail.key)
+                 or the sender's own mail key or address record, signed by it (mail.key,
+                 addrs.push)
 
 A batch (`msg.send_many`) is admitted twice over: the envelope by its own row (a grant in
 date, not charged), then each letter in it as the lone `msg.send` it stands for
@@ -29,6 +30,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 
+from psymesh.protocol.addresses import AddrsPush
 from psymesh.protocol.common import Ping
 from psymesh.protocol.dialback import DialBack
 from psymesh.protocol.mailbox import MailAck, MailDeposit, MailFetch, MailKeyPush
@@ -84,6 +86,7 @@ REQUESTS: Mapping[type[Message], Rule] = {
     MailDeposit: Rule("mail", Need.CAPABILITY, holds_mail=True),
     MailFetch: Rule("mail", Need.GRANT),
     MailAck: Rule("mail", Need.GRANT, charged=False),
+    AddrsPush: Rule("addrs", Need.ISSUER, charged=False),
 }
 
 

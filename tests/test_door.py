@@ -18,6 +18,7 @@ from psymesh.agent.tools import tool_from_function
 from psymesh.node.client import Client
 from psymesh.node.daemon import Node
 from psymesh.protocol import ids
+from psymesh.protocol.addresses import AddrRecord, AddrsPush
 from psymesh.protocol.admission import REQUESTS, Need
 from psymesh.protocol.common import Error, Ping
 from psymesh.protocol.dialback import DialBack
@@ -74,6 +75,9 @@ def requests_from(peer: Node, home: Node, n: int) -> dict[type[Message], Message
         MailDeposit: MailDeposit(recipient=peer.identity.peer_id, ref=bytes(16), sealed=bytes(64)),
         MailFetch: MailFetch(),
         MailAck: MailAck(upto=0),
+        AddrsPush: AddrsPush(record=AddrRecord(peer_id=peer.identity.peer_id, seq=n,
+                                               addrs=(f"/ip4/127.0.0.1/tcp/1/p2p/{peer.identity.peer_id}",))
+                             .sign(peer.identity.private_key)),
     }
 
 
