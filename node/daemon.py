@@ -10,6 +10,7 @@
       ├── Mailbox.run          mail held for peers that named this node: expiry housekeeping
       ├── MailOwner.run        our mail key to every peer; our mail fetched from our mailbox
       ├── Discovery.run        mDNS (if configured), static peers; paired peers' addresses follow them
+      ├── Relaying.run         reservations at our relays; direct paths preferred; our addresses told (node/relay.py)
       ├── ControlServer.serve  local Unix socket for the CLI and scripts (handlers: node/owner.py)
       └── signal watcher       SIGINT/SIGTERM -> cancel the root scope -> clean shutdown
 
@@ -42,6 +43,7 @@ from psymesh.node.groups import Groups
 from psymesh.node.home import NodeConfig, NodeHome
 from psymesh.node.logs import fields
 from psymesh.node.p2p import P2PNode, P2PStream
+from psymesh.node.relay import Relaying
 from psymesh.node.pairing import PairingService
 from psymesh.node.liveness import Liveness
 from psymesh.node.mailbox import Mailbox, MailStore
@@ -57,6 +59,7 @@ from psymesh.node.submitter import TaskSubmitter
 from psymesh.node.taskstore import ExecutorStore, Outbox
 from psymesh.node.trust import TrustStore
 from psymesh.protocol import ids
+from psymesh.protocol.addresses import AddrsPush
 from psymesh.protocol.identity import is_peer_id
 from psymesh.protocol.errors import ErrorCode, PsymeshError
 from psymesh.protocol.manifest import Manifest, ManifestOk, ManifestPush, ManifestRevoke, revocation
@@ -93,7 +96,8 @@ class Node:
         self.p2p = P2PNode(self.identity.seed, self.config.listen, allow_peer=self.gate.allow_connection)
         self.control = ControlServer(home.socket_path, self.config.max_frame_size)
         self.sessions = SessionPool(self.open_peer_stream, ids.SESSION, self.config.max_frame_size,
-                                    Liveness(self.config.liveness_probe_s, self.p2p.disconnect))
+                                    Liveness(self.config.liveness_probe_s, self.p2p.disconnect), path=self.p2p.path)
+        self.relaying = Relaying(self.identity, self.config.relay, self.p2p, self.trust, self.sessions)
         self.reach = Reach(self.p2p, self.sessions, self.trust)
         self.pairing = PairingService(self.identity, self.config, self.p2p, self.trust, self.push_manifest)
         self.models = ModelPool(ModelRegistry(self.db))
@@ -124,6 +128,8 @@ class Node:
     def _register_services(self) -> None:
         self._served: set[str] = set()
         self.p2p.set_admission(is_paired=self._is_paired, may_open=self._may_open, limits=self.config.strangers)
+        if self.config.relay.enabled:
+            self.p2p.serve_relay(self.config.relay, self.gate.admit_relay)
         self.inbound(ids.PAIR, self.pairing.serve, max_frame_size=PAIR_MAX_FRAME)
         self.inbound(ids.SESSION, self._serve_session)
         self.services: dict[type[Message], Service] = {
@@ -139,6 +145,7 @@ class Node:
             MailDeposit: self.mailbox.deposit,
             MailFetch: self.mailbox.fetch,
             MailAck: self.mailbox.ack,
+            AddrsPush: self.relaying.receive,
         }
         Owner(self).serve_on(self.control)
 
@@ -203,6 +210,7 @@ class Node:
                 await tg.start(self.mailbox.run)
                 await tg.start(self.mail.run)
                 await tg.start(self.discovery.run)
+                await tg.start(self.relaying.run)
                 await tg.start(self.control.serve)
                 tg.start_soon(self._watch_signals, tg.cancel_scope)
                 log.info("node %s (%s) listening on %s", self.identity.peer_id, self.config.profile,

@@ -1,6 +1,7 @@
 """Sessions on the node: the IO shell around `protocol.session`, both ends.
 
-    SessionPool            one outbound session per peer, opened on first use and kept;
+    SessionPool            one outbound session per peer, opened on first use and kept
+                           (while relayed, only until a direct connection opens);
       .request(peer, msg)  one request, its one reply
       .stream(peer, msg)   one request, the frames that answer it, until `end`
     serve_session(...)     one inbound session: every request passes `door(call)`,
@@ -10,6 +11,12 @@ A session that dies (connection reset, the peer restarted, a liveness ping that 
 no answer) fails every request open on it with a `NetworkError`; the next request to
 that peer opens a new one, so callers that must not lose work (the task submitter)
 retry, and exactly-once stays the job of the task protocol (ids, numbered events).
+
+A session opened while the peer was reachable only through a relay gives way once a
+direct connection is open: the next request opens a new session (the p2p host opens
+new streams on the direct connection), and the old one is closed as soon as the
+requests still on it have ended (node/relay.py closes the relayed connection then, or
+after `overlap_s` at the latest).
 """
 from __future__ import annotations
 
@@ -135,6 +142,8 @@ class OutboundSession:
         self._dead: PsymeshError | None = None  # a NetworkError, or the server's refusal
         self.closed = anyio.Event()
         self.last_heard = anyio.current_time()
+        self.relayed = False   # opened while the peer was reachable through a relay only
+        self._retired = False  # replaced by a session on a direct connection: closes when idle
 
     @property
     def alive(self) -> bool:
@@ -182,11 +191,24 @@ class OutboundSession:
         """Take the session for dead now (a liveness ping got no answer)."""
         self._die(ConnectionLost(f"the session to {self.peer_id} died: {why}"))
 
+    async def retire(self) -> None:
+        """Take no new requests; close our end once the open ones have ended (now, if none)."""
+        self._retired = True
+        await self._close_if_idle()
+
+    async def _close_if_idle(self) -> None:
+        if self._retired and not self._client.open_requests:
+            self._die(ConnectionLost(f"the session to {self.peer_id} was replaced by a direct one"))
+            with anyio.CancelScope(shield=True):
+                await self._stream.aclose()
+
     @contextlib.asynccontextmanager
     async def open(self, message: Message) -> AsyncIterator[_Replies]:
         """Send `message`; yield its replies. Leaving early cancels the request on the server."""
         if self._dead is not None:
             raise self._dead
+        if self._retired:
+            raise ConnectionLost(f"the session to {self.peer_id} was replaced by a direct one")
         rid, data = self._client.request(message)
         send, receive = anyio.create_memory_object_stream[Reply](STREAM_BUFFER)
         self._inboxes[rid] = send
@@ -199,6 +221,7 @@ class OutboundSession:
             if self._dead is None and rid in self._client.open_requests:
                 with anyio.CancelScope(shield=True), contextlib.suppress(PsymeshError):
                     await self._write(self._client.cancel(rid))
+            await self._close_if_idle()
 
     async def request(self, message: Message, reply_type: type[M]) -> M:
         """One request on this session and its one reply (an `error` reply raises RemoteError)."""
@@ -250,15 +273,22 @@ class SessionWatcher(Protocol):
         """Run beside `session` until it ends (e.g. liveness pings)."""
 
 
+class PathOf(Protocol):
+    def __call__(self, peer_id: str) -> str | None:
+        """How we are connected to `peer_id`: "direct", "relayed" or None (node/p2p.py P2PNode.path)."""
+
+
 class SessionPool:
-    """One outbound session per peer, opened when first needed and reused until it dies.
-    Runs its sessions' reader tasks (and a watcher beside each) in its own task group
-    (start it with `tg.start`)."""
+    """One outbound session per peer, opened when first needed and reused until it dies, or
+    (`path` given) until a direct connection replaces the relayed one it runs on. Runs its
+    sessions' reader tasks (and a watcher beside each) in its own task group (start it with
+    `tg.start`)."""
 
     def __init__(self, open_stream: OpenStream, protocol: str, max_frame_size: int,
-                 watcher: SessionWatcher | None = None) -> None:
+                 watcher: SessionWatcher | None = None, path: PathOf | None = None) -> None:
         self._open_stream = open_stream
         self._watcher = watcher
+        self._path = path
         self._protocol = protocol
         self._max_frame_size = max_frame_size
         self._sessions: dict[str, OutboundSession] = {}
@@ -277,22 +307,30 @@ class SessionPool:
     async def session(self, peer_id: str) -> OutboundSession:
         """The live session to `peer_id`, opening one (dialing if needed) when there is none."""
         current = self._sessions.get(peer_id)
-        if current is not None and current.alive:
+        if current is not None and current.alive and not self._direct_now(current):
             return current
         lock = self._opening.setdefault(peer_id, anyio.Lock())
         async with lock:  # one dial at a time per peer: concurrent callers share it
             current = self._sessions.get(peer_id)
             if current is not None and current.alive:
-                return current
+                if not self._direct_now(current):
+                    return current
+                del self._sessions[peer_id]
+                await current.retire()
             if self._tg is None:
                 raise PsymeshError("the session pool is not running", code=ErrorCode.UNAVAILABLE)
             stream = await self._open_stream(peer_id, self._protocol)
             session = OutboundSession(peer_id, stream, self._max_frame_size)
+            session.relayed = self._path is not None and self._path(peer_id) == "relayed"
             self._sessions[peer_id] = session
             self._tg.start_soon(self._reader, session)
             if self._watcher is not None:
                 self._tg.start_soon(self._watcher.watch, session)
             return session
+
+    def _direct_now(self, session: OutboundSession) -> bool:
+        """Opened over a relay, and a direct connection to its peer is open now."""
+        return session.relayed and self._path is not None and self._path(session.peer_id) == "direct"
 
     async def _reader(self, session: OutboundSession) -> None:
         try:

@@ -306,7 +306,9 @@ def parse_invite(text: str, address: str | None = None) -> InviteTicket:
 
 def normalize_address(address: str) -> tuple[str, str | None]:
     """A multiaddr (or `host:port`, turned into one) without any `/p2p/<id>` suffix, and
-    that id. Only shape is checked here; the node's dialer parses it fully."""
+    that id. Only shape is checked here; the node's dialer parses it fully. An address
+    through a relay (`<relay>/p2p/<relay id>/p2p-circuit/p2p/<id>`) keeps the relay's id:
+    the suffix is the last `/p2p/<id>`, the target's."""
     text = address.strip()
     if not text or len(text) > 256 or not text.isprintable() or any(c.isspace() for c in text):
         raise PsymeshError(f"not an address: {address[:80]!r}", code=ErrorCode.BAD_REQUEST)
@@ -314,13 +316,13 @@ def normalize_address(address: str) -> tuple[str, str | None]:
         text = _host_port_to_multiaddr(text)
     parts = text.split("/")
     peer_id = None
-    if "p2p" in parts:
-        i = parts.index("p2p")
-        if i + 1 >= len(parts):
+    last = len(parts) - 1 - parts[::-1].index("p2p") if "p2p" in parts else None
+    if last is not None and "p2p-circuit" not in parts[last:]:  # (a relay's id, before /p2p-circuit, stays)
+        if last + 1 >= len(parts):
             raise PsymeshError(f"{address!r} ends in /p2p/ without a peer id", code=ErrorCode.BAD_REQUEST)
-        peer_id = parts[i + 1]
+        peer_id = parts[last + 1]
         public_key_from_peer_id(peer_id)
-        text = "/".join(parts[:i])
+        text = "/".join(parts[:last])
     if len(text) < 2:
         raise PsymeshError(f"{address!r} has no transport address", code=ErrorCode.BAD_REQUEST)
     return text, peer_id
