@@ -132,8 +132,9 @@ def judge_dialback(diagnosis: c.PeerDiagnosis) -> Check | None:
         return None
     reply = diagnosis.dialback
     if reply is None:
-        return warn(check, f"{name} would not dial back: {diagnosis.dialback_error or 'no answer'}",
-                    f"update psymesh on {name}, or ask its owner for a grant in date")
+        return warn(check, f"{name} did not dial back: {diagnosis.dialback_error or 'no answer'}",
+                    f"an older psymesh on {name} cannot (update it); a refusal needs a grant from {name} in "
+                    "date; else try again: psymesh doctor")
     if reply.observed is None:
         return warn(check, f"{name} reaches this node through a relay only, so it cannot try a direct connection",
                     "to be dialed directly, listen on an address it can route to (docs/deploy.md)")
@@ -229,20 +230,15 @@ def listening_match(configured: str, addrs: list[str]) -> str | None:
 
 
 async def diagnose(node: Node, request: c.DoctorRequest) -> c.DoctorReply:
-    """Probe every paired peer at once (at most PEERS_AT_ONCE in flight), all within the
-    request's timeout: a peer still unanswered then is reported unreachable."""
+    """Probe every paired peer at once (at most PEERS_AT_ONCE in flight), each within the
+    request's timeout: reaching it and its ping first, then its dial-back in what is left."""
     peers = node.trust.list(include_revoked=False)
     found: dict[str, c.PeerDiagnosis] = {}
     limiter = anyio.CapacityLimiter(PEERS_AT_ONCE)
 
     async def one(peer: Peer) -> None:
         async with limiter:
-            with anyio.move_on_after(request.timeout_s):
-                found[peer.peer_id] = await _diagnose_peer(node, peer, request.dialback)
-                return
-        found.setdefault(peer.peer_id, c.PeerDiagnosis(
-            peer_id=peer.peer_id, name=peer.name, reachable=False,
-            error=f"no answer within {request.timeout_s:g} s"))
+            found[peer.peer_id] = await _diagnose_peer(node, peer, request)
 
     async with anyio.create_task_group() as tg:
         for peer in peers:
@@ -251,27 +247,30 @@ async def diagnose(node: Node, request: c.DoctorRequest) -> c.DoctorReply:
                          peers=[found[p.peer_id] for p in peers])
 
 
-async def _diagnose_peer(node: Node, peer: Peer, dialback: bool) -> c.PeerDiagnosis:
-    base = {"peer_id": peer.peer_id, "name": peer.name}
-    try:
-        session = await node.sessions.session(peer.peer_id)  # dials if no session is open
-    except PsymeshError as exc:
-        return c.PeerDiagnosis(**base, reachable=False, error=exc.message)
-    path = node.reach.path(peer.peer_id)
-    try:
-        reading = await read_clock(session)
-    except NetworkError as exc:
-        return c.PeerDiagnosis(**base, reachable=False, path=path, error=exc.message)
-    except PsymeshError as exc:  # it answered, with a refusal (no grant of its to us in date)
-        return c.PeerDiagnosis(**base, reachable=True, path=path, error=f"it refused a ping: {exc.message}")
-    diagnosis = c.PeerDiagnosis(**base, reachable=True, path=path, rtt_ms=reading.rtt_ms,
-                                clock_skew_s=reading.skew_s)
-    if not dialback:
+async def _diagnose_peer(node: Node, peer: Peer, request: c.DoctorRequest) -> c.PeerDiagnosis:
+    deadline = anyio.current_time() + request.timeout_s
+    late = f"no answer within {request.timeout_s:g} s"
+    diagnosis = c.PeerDiagnosis(peer_id=peer.peer_id, name=peer.name, reachable=False, error=late)
+    with anyio.move_on_at(deadline):
+        try:
+            session = await node.sessions.session(peer.peer_id)  # dials if no session is open
+            path = node.reach.path(peer.peer_id)
+            reading = await read_clock(session)
+        except NetworkError as exc:
+            return diagnosis.model_copy(update={"error": exc.message, "path": node.reach.path(peer.peer_id)})
+        except PsymeshError as exc:  # it answered, with a refusal (no grant of its to us in date)
+            return diagnosis.model_copy(update={"reachable": True, "path": node.reach.path(peer.peer_id),
+                                                "error": f"it refused a ping: {exc.message}"})
+        diagnosis = c.PeerDiagnosis(peer_id=peer.peer_id, name=peer.name, reachable=True, path=path,
+                                    rtt_ms=reading.rtt_ms, clock_skew_s=reading.skew_s)
+    if not diagnosis.reachable or not request.dialback:
         return diagnosis
-    try:
-        return diagnosis.model_copy(update={"dialback": await node.reach.ask(peer.peer_id)})
-    except PsymeshError as exc:
-        return diagnosis.model_copy(update={"dialback_error": exc.message})
+    with anyio.move_on_at(deadline):
+        try:
+            return diagnosis.model_copy(update={"dialback": await node.reach.ask(peer.peer_id)})
+        except PsymeshError as exc:
+            return diagnosis.model_copy(update={"dialback_error": exc.message})
+    return diagnosis.model_copy(update={"dialback_error": late})
 
 
 # ====================================================================== the command's side

@@ -28,6 +28,7 @@ from psymesh.protocol.dialback import (
     dial_target,
     looks_like_libp2p,
 )
+from psymesh.protocol.errors import ErrorCode, PsymeshError
 from psymesh.protocol.messages import Message
 
 DIALBACKS_AT_ONCE = 2  # peers' dial-back requests this node works on at a time (the rest wait)
@@ -96,7 +97,7 @@ class Reach:
         as any request). What it reached is remembered, with it, as a confirmed address."""
         ports = tcp_ports(self.direct())[:MAX_PORTS]
         if not ports:
-            return DialBackReply(observed=None)
+            raise PsymeshError("this node listens on no TCP port a peer could dial", code=ErrorCode.UNAVAILABLE)
         reply = await self.sessions.request(peer_id, DialBack(ports=ports), DialBackReply,
                                             timeout=DIAL_TIMEOUT_S + 10)
         peer = self.trust.get(peer_id)
