@@ -115,20 +115,12 @@ class Reach:
         return [a for a in self.p2p.addrs() if CIRCUIT not in a]
 
     def relayed(self) -> list[str]:
-        """Our addresses through relays that hold a reservation for us.
-        HOOK (relay work): read from `P2PNode.relayed_addrs()` once the p2p layer has it;
-        until then this node holds no reservation, so none."""
-        relayed_addrs = getattr(self.p2p, "relayed_addrs", None)
-        return list(relayed_addrs()) if relayed_addrs is not None else []
+        """Our addresses through relays that hold a reservation for us (node/relay.py keeps them)."""
+        return self.p2p.relayed_addrs()
 
     def path(self, peer_id: str) -> c.ConnectionPath | None:
-        """How the connection to `peer_id` goes now; None without one.
-        HOOK (relay work): `P2PNode.path()` tells direct from relayed once the p2p layer makes
-        relayed connections; until then every open connection is a direct one."""
-        path = getattr(self.p2p, "path", None)
-        if path is not None:
-            return path(peer_id)
-        return "direct" if any(p["peer_id"] == peer_id for p in self.p2p.connected_peers()) else None
+        """How the connection to `peer_id` goes now (direct if any open one is); None without one."""
+        return self.p2p.path(peer_id)
 
     def view(self) -> c.Reachability:
         return c.Reachability(direct=self.direct(), relayed=self.relayed(),

@@ -16,6 +16,7 @@ import anyio
 import pytest
 
 from conftest import pair, run_nodes
+from waiting import wait_until
 from psymesh.node import doctor
 from psymesh.node.client import Client
 from psymesh.node.home import NodeHome
@@ -177,3 +178,37 @@ async def test_a_peer_whose_clock_runs_two_minutes_ahead_fails_the_clock_check(
     finally:
         await phone.stop()
         await home.stop()
+
+
+@pytest.mark.anyio
+async def test_status_lists_the_relayed_address_a_reservation_gives(tmp_path: Path) -> None:
+    from psymesh.node.cli import _reachability_lines
+    from psymesh.protocol.relay import RelaySettings
+
+    relay_home = NodeHome(tmp_path / "relay")
+    relay_id = relay_home.init(name="relay").peer_id
+    relay_home.save_config(relay_home.load_config().model_copy(update={"relay": RelaySettings(enabled=True)}))
+    home_home = NodeHome(tmp_path / "home")
+    home_home.init(name="home")
+    home_home.save_config(home_home.load_config().model_copy(update={"relay": RelaySettings(relays=[relay_id])}))
+    async with run_nodes(tmp_path, "relay", "home") as nodes:
+        relay, home = nodes["relay"], nodes["home"]
+        await pair(relay.home.path, home.home.path, grant="messaging")
+        async with Client(relay.home.path) as r, Client(home.home.path) as h:
+            await r.grant("home", ["relay"])
+            await wait_until(lambda: home.p2p.relayed_addrs(), "home's reservation at the relay", timeout=40)
+            reach = (await h.status()).reachability
+            assert reach.relayed == home.p2p.relayed_addrs() and reach.relayed[0].endswith(
+                f"/p2p/{relay_id}/p2p-circuit/p2p/{home.identity.peer_id}")
+            assert f"{reach.relayed[0]} (through a relay)" in _reachability_lines(reach)
+            [seen] = (await h.doctor()).peers
+            assert (seen.name, seen.reachable, seen.path) == ("relay", True, "direct")
+
+
+def test_a_peer_reached_through_a_relay_is_shown_so_and_cannot_dial_back() -> None:
+    relayed = c.PeerDiagnosis(peer_id="h", name="home", reachable=True, path="relayed", rtt_ms=80.0,
+                              clock_skew_s=0.1, dialback=DialBackReply(observed=None))
+    assert doctor.judge_peer(relayed).detail == "home is reachable (relayed, round trip 80.0 ms)"
+    verdict = doctor.judge_dialback(relayed)
+    assert verdict is not None and verdict.status == "warn" and "through a relay only" in verdict.detail
+    assert doctor.judge_dialback(relayed.model_copy(update={"reachable": False})) is None
