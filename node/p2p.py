@@ -123,6 +123,27 @@ Found while making a delegated task cost fewer round trips (19):
    (9) removed that loop: a stranger with a fresh key per connection grew the node for
    good, one entry per key. `_NoAutoConnect` records nothing: it dials nobody.
 
+Circuit relay v2 (protocol/relay.py: a paired node relays for peers it granted `relay`).
+psymesh uses libp2p's relay *wire format* (its HOP/STOP protobufs, length-delimited) and runs
+Noise + yamux over a relayed stream exactly as over a socket (the swarm's own upgrade), but
+not its relay *service* (`CircuitV2Protocol`) or *transport* (`CircuitV2Transport`, which also
+brings relay discovery, a DHT client and a performance tracker): the hop, the stop side and
+the dialing are `serve_relay()`, `reserve()`, `_serve_stop()` and `_dial_circuit()` here. Read
+in libp2p 0.8.1's relay source while building this (items 21-24; each test checks ours):
+
+21. The hop side takes the reserving peer's id from the RESERVE message's optional `peer`
+   field, not from the connection: any peer can make or refresh a reservation in another's
+   name. Ours takes the id Noise proved, and puts every reservation and circuit to the
+   daemon's gate (`RelayAdmit`), which decides and audits it.
+22. It keeps open circuits in one dict keyed by peer id (`_active_relays[source]` and
+   `[destination]`): a second circuit to the same peer overwrites the first's entry, and
+   whichever ends first closes the other's streams. Ours: each circuit owns its two streams.
+23. Its circuit duration is checked between reads only, so an idle circuit outlives it for
+   good. Ours: one deadline around the whole circuit and one byte budget for both ways.
+24. It takes the end of a yamux stream for an unexpected error (it catches mplex's EOF only):
+   every circuit's end is logged as an ERROR after three reads 0.2 and 0.4 s apart. Ours
+   passes an end on as a half-close and frees the circuit at once.
+
 Kept as is: libp2p's resource manager allows each peer 10 new connections per second
 (burst 50); connections over that are closed right after the handshake, so the dialer's
 `connect()` may succeed and its first stream fail (UNAVAILABLE). It keeps a token bucket

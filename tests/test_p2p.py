@@ -21,7 +21,11 @@ from libp2p.crypto.x25519 import create_new_key_pair as create_x25519_key_pair
 from libp2p.custom_types import TProtocol
 from libp2p.network.config import ConnectionConfig
 from libp2p.network.exceptions import SwarmException
+from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import info_from_p2p_addr
+from libp2p.relay.circuit_v2.pb.circuit_pb2 import HopMessage
+from libp2p.relay.circuit_v2.pb.circuit_pb2 import PeerId as CircuitPeer
+from libp2p.relay.circuit_v2.utils import read_delimited_msg, write_delimited_msg
 from libp2p.security.insecure.transport import PLAINTEXT_PROTOCOL_ID, InsecureTransport
 from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
 from libp2p.security.noise.transport import Transport as NoiseTransport
@@ -37,6 +41,7 @@ from psymesh.node.p2p import MAX_PROPOSALS, P2PNode, P2PStream
 from psymesh.protocol.common import Ping, Pong
 from psymesh.protocol.errors import ConnectError, ConnectionLost, ErrorCode, PsymeshError
 from psymesh.protocol.identity import peer_id_from_public_key
+from psymesh.protocol.relay import HOP, RelaySettings
 from psymesh.protocol.strangers import StrangerLimits
 
 OTHER = "/psymesh/test-other/1.0.0"
@@ -556,3 +561,124 @@ async def test_17_an_unpaired_connection_is_closed_after_a_while_a_paired_one_is
                 await stranger.closed.wait()  # a stranger cannot camp on a slot
             assert not friend.closed.is_set()
             assert await (await friend.open(SINK)).negotiated()
+
+
+# ------------------------------------------------------------- circuit relay v2 (21-24)
+def relay_node(**settings: object) -> P2PNode:
+    """A node that relays for anyone (the daemon puts each decision to its gate instead)."""
+    node = new_node()
+    node.serve_relay(RelaySettings(enabled=True, **settings), lambda peer_id, what: None)
+    return node
+
+
+async def relayed(relay: P2PNode, home: P2PNode, phone: P2PNode) -> str:
+    """Home reserves at the relay; the phone connects to home through it. Home's relayed address."""
+    await home.reserve(relay.peer_id, relay.addrs())
+    circuit = home.relayed_addrs()[0]
+    assert await phone.connect(circuit) == home.peer_id
+    return circuit
+
+
+@pytest.mark.anyio
+async def test_a_circuit_carries_noise_ciphertext_only_and_is_told_from_a_direct_path(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    relay, home, phone = relay_node(), new_node(), new_node()
+    forwarded = bytearray()
+    splice = relay._splice
+
+    async def recording_splice(near, far, circuit):  # the relay's own view of a circuit's bytes
+        for stream in (near, far):
+            read = stream.read
+
+            async def read_and_keep(n=None, read=read):
+                data = await read(n)
+                forwarded.extend(data)
+                return data
+            stream.read = read_and_keep
+        await splice(near, far, circuit)
+
+    monkeypatch.setattr(relay, "_splice", recording_splice)
+    async with running(relay, home, phone):
+        assert phone.path(home.peer_id) is None
+        await relayed(relay, home, phone)
+        assert phone.path(home.peer_id) == "relayed" and home.path(phone.peer_id) == "relayed"
+        framed = FramedStream(await phone.open_stream(home.peer_id, PING))
+        secret = b"PLAINTEXT-MARKER-" * 64
+        assert (await framed.request(Ping(seq=7, payload=secret), Pong)).payload == secret
+        await framed.aclose()
+        assert len(forwarded) > 2 * len(secret)   # it all went through the relay ...
+        assert b"PLAINTEXT-MARKER" not in forwarded  # ... as ciphertext
+        await phone.connect(home.addrs()[0])  # a direct address: dialed even though a circuit is open
+        assert phone.path(home.peer_id) == "direct"
+        assert await phone.drop_relayed(home.peer_id, idle_only=True)
+        assert (await ping(phone, home.peer_id)).seq == 0
+
+
+@pytest.mark.anyio
+async def test_21_a_reservation_is_for_the_peer_noise_proved_not_the_one_named() -> None:
+    relay, home, phone, other = relay_node(), new_node(), new_node(), new_node()
+    async with running(relay, home, phone, other):
+        await phone.connect(relay.addrs()[0])
+        await home.connect(relay.addrs()[0])
+        stream = await phone._host.new_stream(ID.from_base58(relay.peer_id), [TProtocol(HOP)])
+        await write_delimited_msg(stream, HopMessage(type=HopMessage.RESERVE,
+                                                     peer=CircuitPeer(id=ID.from_base58(home.peer_id).to_bytes())))
+        assert (await read_delimited_msg(stream, HopMessage)).status == 100  # OK ...
+        assert set(relay._book.reservations) == {phone.peer_id}  # ... for the phone, whatever it named
+        with pytest.raises(ConnectError, match="no_reservation"):
+            await other.connect(f"{relay.addrs()[0]}/p2p-circuit/p2p/{home.peer_id}")
+
+
+@pytest.mark.anyio
+async def test_22_two_circuits_into_one_peer_are_independent() -> None:
+    relay, home, phone, tablet = relay_node(), new_node(), new_node(), new_node()
+    async with running(relay, home, phone, tablet):
+        circuit = await relayed(relay, home, phone)
+        await tablet.connect(circuit)
+        assert relay._book.circuits == {home.peer_id: 2}
+        await phone.disconnect(home.peer_id)  # one circuit ends ...
+        await wait_until(lambda: relay._book.circuits == {home.peer_id: 1}, "the relay to free one circuit")
+        assert (await ping(tablet, home.peer_id, 3)).seq == 3  # ... the other carries on
+
+
+@pytest.mark.anyio
+async def test_23_a_circuit_ends_at_its_time_or_byte_limit_even_when_idle() -> None:
+    relay, home, phone = relay_node(circuit_duration_s=1), new_node(), new_node()
+    async with running(relay, home, phone):
+        await relayed(relay, home, phone)
+        await wait_until(lambda: phone.path(home.peer_id) is None, "the idle circuit to end", timeout=10)
+        assert relay._book.circuits == {}
+    relay, home, phone = relay_node(circuit_bytes=64 * 1024), new_node(), new_node()
+    async with running(relay, home, phone):
+        await relayed(relay, home, phone)
+        framed = FramedStream(await phone.open_stream(home.peer_id, PING))
+        with pytest.raises(PsymeshError):
+            for seq in range(10):  # 10 x 16 KiB through a circuit allowed 64 KiB
+                await framed.request(Ping(seq=seq, payload=os.urandom(16 * 1024)), Pong)
+        await wait_until(lambda: phone.path(home.peer_id) is None, "the spent circuit to end")
+
+
+@pytest.mark.anyio
+async def test_24_a_circuits_end_is_passed_on_and_frees_it_at_once(caplog: pytest.LogCaptureFixture) -> None:
+    relay, home, phone = relay_node(), new_node(), new_node()
+    async with running(relay, home, phone):
+        await relayed(relay, home, phone)
+        started = time.monotonic()
+        await phone.disconnect(home.peer_id)
+        await wait_until(lambda: home.path(phone.peer_id) is None and not relay._book.circuits, "the circuit to end")
+        assert time.monotonic() - started < 1.0
+    assert not [r for r in caplog.records if r.levelname == "ERROR" and "relay" in r.name]
+
+
+@pytest.mark.anyio
+async def test_a_stop_stream_from_a_relay_we_hold_no_reservation_at_is_refused() -> None:
+    relay, home, phone = relay_node(), new_node(), new_node()
+    async with running(relay, home, phone):
+        await phone.connect(relay.addrs()[0])
+        await home.connect(relay.addrs()[0])  # connected, but home reserved nothing there
+        with pytest.raises(ConnectError, match="no_reservation"):
+            await phone.connect(f"{relay.addrs()[0]}/p2p-circuit/p2p/{home.peer_id}")
+        relay._book.reservations[home.peer_id] = time.time() + 60  # the relay thinks otherwise ...
+        with pytest.raises(ConnectError, match="connection_failed"):  # ... home does not take the circuit
+            await phone.connect(f"{relay.addrs()[0]}/p2p-circuit/p2p/{home.peer_id}")
+        assert phone.path(home.peer_id) is None
