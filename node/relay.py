@@ -82,7 +82,7 @@ class Relaying:
                     expires = await self.p2p.reserve(relay.peer_id, relay.addrs)
                     renew_at = now + (expires - now) / 2
                     if failures:
-                        log.info("relay %s holds a reservation for this node again", name)
+                        log.info("relay %s holds a reservation for this node", name)
                 failures = 0
                 await anyio.sleep(TICK_S)
             except PsymeshError as exc:

@@ -8,11 +8,9 @@ from __future__ import annotations
 
 import ast
 import contextlib
-import functools
 import json
 import os
 import secrets
-import shutil
 import socket
 import subprocess
 import sys
@@ -27,6 +25,7 @@ from hypothesis import given, settings, strategies as st
 from zeroconf import DNSIncoming, DNSPointer, DNSText
 
 import mdns_peer
+from netns import netns_refusal
 from conftest import pair
 from psymesh.discovery.records import (
     MAX_ADDRS,
@@ -329,21 +328,6 @@ async def test_unpaired_and_revoked_nodes_are_listed_but_never_followed(follow) 
 # ------------------------------------------------------------- network namespaces of our own
 
 
-@functools.cache
-def _netns_refusal() -> str | None:
-    """Why this machine cannot give the tests network namespaces, or None if it can."""
-    if os.geteuid() != 0:
-        return "creating network namespaces (ip netns add) needs root"
-    if shutil.which("ip") is None:
-        return "iproute2's `ip` is not installed (apt-get install iproute2)"
-    probe = f"psyprobe{os.getpid()}"
-    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True, timeout=10)
-    if made.returncode != 0:
-        return f"the kernel refused a network namespace: {made.stderr.strip()}"
-    subprocess.run(["ip", "netns", "del", probe], capture_output=True, timeout=10)
-    return None
-
-
 @dataclass
 class Lan:
     """Two network namespaces joined by a veth pair: `a` (10.77.0.1, link `lana`) and `b`
@@ -364,7 +348,7 @@ class Lan:
 
 @pytest.fixture
 def lan() -> Iterator[Lan]:
-    if (reason := _netns_refusal()) is not None:
+    if (reason := netns_refusal()) is not None:
         pytest.skip(f"no network namespaces here: {reason}")
     tag = secrets.token_hex(3)
     net = Lan(f"psy{tag}a", f"psy{tag}b")

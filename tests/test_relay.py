@@ -9,20 +9,29 @@ task completing exactly once.
 """
 from __future__ import annotations
 
+import contextlib
+import textwrap
+from collections import Counter
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import anyio
 import pytest
 
 from conftest import pair, run_nodes
+from netns import Namespaces, NetnsDaemon, namespaces  # noqa: F401  (a fixture, used by name)
 from waiting import wait_until
 from psymesh.node.client import Client
 from psymesh.node.daemon import Node
 from psymesh.node.home import NodeHome
+from psymesh.node.process import DaemonProcess
 from psymesh.protocol.errors import ConnectError, ErrorCode, PsymeshError
+from psymesh.protocol.limits import Limits
 from psymesh.protocol.relay import CONNECT, HOP, RESERVE, RelaySettings
 
 pytestmark = pytest.mark.anyio
+ROOMY = Limits(requests_per_minute=10_000, concurrent_tasks=16, max_runtime_s=600, max_payload_bytes=1 << 20)
+MARKER = "PLAINTEXT-TASK-MARKER"
 
 
 def home_with(path: Path, name: str, relay: RelaySettings, profile: str = "home") -> NodeHome:
@@ -117,3 +126,140 @@ def invite_addrs(invite: str) -> tuple[str, ...]:
     from psymesh.protocol.pairing import parse_invite
 
     return parse_invite(invite).addrs
+
+
+# ------------------------------------------------------------- in network namespaces of our own
+
+PLUGIN = '''
+import os
+import time
+
+from psymesh.agent.tools import ToolContext, tool_from_function
+
+
+def work(tag: str, ms: int = 0, *, ctx: ToolContext) -> dict:
+    """Busy for `ms` milliseconds; logs its start and finish so the test can count runs."""
+    def log(what: str) -> None:
+        with open(os.environ["RELAY_TOOL_LOG"], "a") as f:
+            f.write(f"{what} {tag}\\n")
+    log("start")
+    end = time.monotonic() + ms / 1000
+    while time.monotonic() < end:
+        ctx.check()
+        time.sleep(0.01)  # a task still running while the path changes is the behaviour under test
+    log("done")
+    return {"tag": tag}
+
+
+TOOL = tool_from_function(work, "relaytest.work")
+'''
+
+
+@pytest.fixture
+def tool_log(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Install the `relaytest.work` tool plugin (a dist-info found through PYTHONPATH) for the
+    daemons this test starts; returns the log of its runs."""
+    site = tmp_path / "site"
+    dist = site / "relay_tool-1.0.dist-info"
+    dist.mkdir(parents=True)
+    (site / "relay_tool.py").write_text(textwrap.dedent(PLUGIN))
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: relay-tool\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text("[psymesh.tools]\nrelaytest = relay_tool:TOOL\n")
+    log = tmp_path / "tool-runs.log"
+    log.touch()
+    monkeypatch.setenv("PYTHONPATH", str(site))
+    monkeypatch.setenv("RELAY_TOOL_LOG", str(log))
+    return log
+
+
+@contextlib.asynccontextmanager
+async def daemons(*procs: DaemonProcess) -> AsyncIterator[None]:
+    async with anyio.create_task_group() as tg:
+        for proc in procs:
+            tg.start_soon(proc.start)
+    try:
+        yield
+    finally:
+        with anyio.CancelScope(shield=True):
+            for proc in procs:
+                if proc.running:
+                    await proc.stop()
+
+
+async def connection_to(client: Client, peer_id: str) -> list[str]:
+    """The transport addresses of the connections `client`'s node has open to `peer_id`."""
+    status = await client.status()
+    return [a for p in status.connected_peers if p.peer_id == peer_id for a in p.addrs]
+
+
+@pytest.mark.netns
+async def test_home_behind_a_relay_is_reached_through_it_then_directly(namespaces: Namespaces, tmp_path: Path,
+                                                                      tool_log: Path) -> None:
+    # Home and phone share no network; the relay has a link into each.
+    relay_ns, home_ns, phone_ns = namespaces.add("r"), namespaces.add("h"), namespaces.add("p")
+    namespaces.link(relay_ns, "10.71.1.1", home_ns, "10.71.1.2")
+    namespaces.link(relay_ns, "10.71.2.1", phone_ns, "10.71.2.2")
+    relay_id = home_with(tmp_path / "relay", "relay", RelaySettings(enabled=True)).init().peer_id
+    quick = {"direct_retry_s": 1.0, "overlap_s": 2.0}
+    home_with(tmp_path / "home", "home", RelaySettings(relays=[relay_id], **quick))
+    home_with(tmp_path / "phone", "phone", RelaySettings(**quick), profile="phone")
+    relay = NetnsDaemon(relay_ns, tmp_path / "relay", "relay")
+    home = NetnsDaemon(home_ns, tmp_path / "home", "home")
+    phone = NetnsDaemon(phone_ns, tmp_path / "phone", "phone", profile="phone")
+
+    async with daemons(relay, home, phone), relay.client() as r, home.client() as h, phone.client() as p:
+        home_id = (await h.status()).peer_id
+        await pair(relay.home, home.home, grant="messaging")
+        await pair(relay.home, phone.home, grant="messaging")
+        await r.grant("home", ["relay"])
+
+        async def relayed_addrs() -> list[str]:
+            return [a for a in (await h.status()).addrs if "/p2p-circuit/" in a]
+
+        await wait_until(relayed_addrs, "home's reservation at the relay", timeout=40)
+        invite = await h.pair_invite()
+
+        # The relay has not granted the phone `relay`: no way to home, and the refusal is audited.
+        with pytest.raises(ConnectError, match="permission_denied"):
+            await p.pair_join(invite.invite, grant="messaging")
+        refused = [row for row in await r.audit(peer="phone", denied_only=True) if row.operation == CONNECT]
+        assert refused and refused[-1].code == ErrorCode.FORBIDDEN.value
+
+        # Granted: the phone pairs with home through the relay (the invite carries home's
+        # relayed address), pings it and delegates to it.
+        await r.grant("phone", ["relay"])
+        await p.pair_join(invite.invite, grant="messaging")
+        await h.grant("phone", ["tool:relaytest.*"], limits=ROOMY)
+        assert len((await p.ping("home", count=3)).rtts_ms) == 3
+        first = await p.delegate("home", tool="relaytest.work", args={"tag": f"{MARKER}-1"})
+        assert await first.result() == {"tag": f"{MARKER}-1"}
+        assert all("/p2p-circuit/" in a for a in await connection_to(p, home_id))
+        assert [row for row in await r.audit(peer="phone") if row.operation == CONNECT][-1].allowed
+
+        # A task still running when a direct link appears ...
+        second = await p.delegate("home", tool="relaytest.work", args={"tag": f"{MARKER}-2", "ms": 3000})
+        await wait_until(lambda: f"start {MARKER}-2" in tool_log.read_text(), "the second task to start")
+        namespaces.link(home_ns, "10.71.3.1", phone_ns, "10.71.3.2")
+
+        # ... home tells the phone its new address, the phone dials it, the relayed connection closes.
+        async def direct_only() -> bool:
+            addrs = await connection_to(p, home_id)
+            return bool(addrs) and not any("/p2p-circuit/" in a for a in addrs)
+
+        await wait_until(direct_only, "the phone's connection to home to be direct only", timeout=30)
+        assert await second.result() == {"tag": f"{MARKER}-2"}
+
+        # Without the relay, the next task still gets through: it takes the direct path.
+        await relay.stop()
+        third = await p.delegate("home", tool="relaytest.work", args={"tag": f"{MARKER}-3"})
+        assert await third.result() == {"tag": f"{MARKER}-3"}
+        addrs = await connection_to(p, home_id)
+        assert addrs and all("/ip4/10.71.3.1/" in a for a in addrs), addrs
+
+    # Every task ran once and completed once, across the switch.
+    runs = Counter(tool_log.read_text().splitlines())
+    assert runs == {f"{what} {MARKER}-{n}": 1 for what in ("start", "done") for n in (1, 2, 3)}
+    # The relay carried every byte of the first task and none of its plaintext: not in its
+    # log, its database (audit rows included) or its write-ahead log.
+    relay_files = [relay.log_path, *(tmp_path / "relay").glob("node.db*")]
+    assert all(MARKER.encode() not in f.read_bytes() for f in relay_files)
