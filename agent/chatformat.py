@@ -12,6 +12,14 @@ Replies are parsed by :func:`parse_reply`, which never raises: whatever the mode
 wrote, the agent loop gets a :class:`ParsedReply` whose ``errors`` it can hand back
 to the model as observations. llama-cpp-python parses neither the Qwen3.5 XML form
 nor the Hermes JSON form of tool calls, hence this module.
+
+An assistant turn can also carry its ``raw`` text: the turn exactly as the model
+produced it (the generation prompt's opening, then every generated character).
+Where the template shows the turn whole (Qwen3.5: every turn after the last user
+query, i.e. each step of an agent run) the renderer writes it verbatim instead of
+re-rendering the parsed calls, so the next prompt starts with the previous prompt
+plus the reply, byte for byte, and the runtime can continue from the model state it
+already has instead of evaluating the conversation again.
 """
 from __future__ import annotations
 
@@ -27,7 +35,7 @@ from typing import Any, Literal
 import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from psymesh.protocol.errors import ErrorCode, PsymeshError
 
@@ -38,6 +46,7 @@ __all__ = [
     "Role",
     "ToolCall",
     "ToolSpec",
+    "generation_opening",
     "parse_reply",
     "render_prefix",
     "render_prompt",
@@ -66,6 +75,9 @@ TOOLS_INSTRUCTIONS = (
     "and do not tell the user about function calls\n</IMPORTANT>"
 )
 EMPTY_THINK = "<think>\n\n</think>\n\n"
+THINK_CLOSE = "\n</think>\n\n"  # how the template closes a thought: what a cut-short one is closed with
+TOOL_CALL_CLOSE = "</tool_call>"
+_ASSISTANT_HEADER = IM_START + "assistant\n"
 
 
 class ChatFormatError(PsymeshError):
@@ -126,7 +138,11 @@ class ToolSpec(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    """One turn. `reasoning` is an assistant's `<think>` text; tool turns carry the result."""
+    """One turn. `reasoning` is an assistant's `<think>` text; tool turns carry the result.
+
+    `raw` (assistant turns only) is the turn as the model wrote it, opening included
+    (see :func:`generation_opening`); content, reasoning and calls are its parse.
+    """
 
     model_config = ConfigDict(frozen=True)
 
@@ -136,6 +152,13 @@ class ChatMessage(BaseModel):
     tool_calls: tuple[ToolCall, ...] = ()
     tool_call_id: str | None = None
     name: str | None = None
+    raw: str | None = None
+
+    @model_validator(mode="after")
+    def _raw_is_an_assistant_turn(self) -> ChatMessage:
+        if self.raw is not None and self.role != "assistant":
+            raise ValueError("only an assistant turn has raw model text")
+        return self
 
     @classmethod
     def system(cls, content: str) -> ChatMessage:
@@ -147,8 +170,8 @@ class ChatMessage(BaseModel):
 
     @classmethod
     def assistant(cls, content: str = "", *, reasoning: str | None = None,
-                  tool_calls: Sequence[ToolCall] = ()) -> ChatMessage:
-        return cls(role="assistant", content=content, reasoning=reasoning, tool_calls=tuple(tool_calls))
+                  tool_calls: Sequence[ToolCall] = (), raw: str | None = None) -> ChatMessage:
+        return cls(role="assistant", content=content, reasoning=reasoning, tool_calls=tuple(tool_calls), raw=raw)
 
     @classmethod
     def tool(cls, call: ToolCall, content: str) -> ChatMessage:
@@ -179,9 +202,11 @@ class ParsedReply(BaseModel):
     tool_calls: list[ToolCall] = Field(default_factory=list)
     errors: list[str] = Field(default_factory=list)
 
-    def to_message(self) -> ChatMessage:
-        """The assistant turn to append to the history."""
-        return ChatMessage.assistant(self.content, reasoning=self.thinking or None, tool_calls=self.tool_calls)
+    def to_message(self, raw: str | None = None) -> ChatMessage:
+        """The assistant turn to append to the history; `raw`: the text this reply was
+        parsed from, as the model wrote it (:attr:`ChatMessage.raw`)."""
+        return ChatMessage.assistant(self.content, reasoning=self.thinking or None, tool_calls=self.tool_calls,
+                                     raw=raw)
 
 
 # --------------------------------------------------------------------------- rendering
@@ -213,6 +238,52 @@ def _compile_template(source: str) -> jinja2.Template:
 
 def _render_jinja(template: str, messages: Sequence[ChatMessage], tools: Sequence[ToolSpec], *,
                   thinking: bool, add_generation_prompt: bool) -> str:
+    """Render with the template; assistant turns with `raw` text go in verbatim where the
+    template shows them whole.
+
+    A template knows nothing of raw text, so each such turn is first rendered as a pair
+    of markers (reasoning and content). Where both come out in order after the turn's
+    ``<|im_start|>assistant\n``, the template shows the turn whole and that span is
+    replaced by the raw text; where the reasoning marker is missing (the template drops
+    the thinking of turns before the last user query), the turn is rendered again from
+    its parse, exactly as the template renders any turn.
+    """
+    verbatim = {i for i, m in enumerate(messages) if m.raw is not None}
+    while True:
+        probe = [_raw_markers(i) if i in verbatim else m for i, m in enumerate(messages)]
+        text = _render_jinja_plain(template, probe, tools, thinking=thinking,
+                                   add_generation_prompt=add_generation_prompt)
+        spliced: str | None = text
+        for i in sorted(verbatim):
+            spliced = _splice_raw(spliced, i, messages[i].raw or "")
+            if spliced is None:
+                verbatim.discard(i)
+                break
+        if spliced is not None:
+            return spliced
+
+
+def _raw_marker(kind: str, i: int) -> str:
+    return f"\u2063psymesh-raw-{kind}-{i}\u2063"
+
+
+def _raw_markers(i: int) -> ChatMessage:
+    return ChatMessage.assistant(_raw_marker("content", i), reasoning=_raw_marker("reasoning", i))
+
+
+def _splice_raw(text: str, i: int, raw: str) -> str | None:
+    """`text` with turn `i`'s marked span replaced by `raw`; None if the template did not
+    show that turn whole (its reasoning is missing, or the shape is not a ChatML turn)."""
+    at = text.find(_raw_marker("reasoning", i))
+    content = text.find(_raw_marker("content", i))
+    head = text.rfind(_ASSISTANT_HEADER, 0, at)
+    if at < 0 or content < at or head < 0:
+        return None
+    return text[:head + len(_ASSISTANT_HEADER)] + raw + text[content + len(_raw_marker("content", i)):]
+
+
+def _render_jinja_plain(template: str, messages: Sequence[ChatMessage], tools: Sequence[ToolSpec], *,
+                        thinking: bool, add_generation_prompt: bool) -> str:
     try:
         return _compile_template(template).render(
             messages=[m.to_template_dict() for m in messages],
@@ -270,6 +341,8 @@ def _render_builtin(messages: Sequence[ChatMessage], tools: Sequence[ToolSpec], 
                 raise ChatFormatError("a system message must come first")
         elif m.role == "user":
             out.append(IM_START + "user\n" + content + IM_END + "\n")
+        elif m.role == "assistant" and m.raw is not None and i > last_query:
+            out.append(_ASSISTANT_HEADER + m.raw + IM_END + "\n")  # the turn as the model wrote it
         elif m.role == "assistant":
             if m.reasoning is not None:
                 reasoning = m.reasoning
@@ -316,7 +389,9 @@ def render_prompt(
 
     `template` is a Jinja chat template (usually the GGUF's `tokenizer.chat_template`);
     without one the built-in Qwen3.5 renderer is used. With `thinking=False` the
-    generation prompt ends with an empty think block, as Qwen3 does.
+    generation prompt ends with an empty think block, as Qwen3 does. An assistant turn
+    with `raw` text is written verbatim wherever the template shows the turn whole
+    (with its thinking); elsewhere it is rendered from its parse like any other.
     """
     if not messages:
         raise ChatFormatError("no messages to render")
@@ -345,9 +420,19 @@ def neutralize_control_tokens(text: str) -> str:
 def _defanged(message: ChatMessage) -> ChatMessage:
     content = neutralize_control_tokens(message.content)
     reasoning = None if message.reasoning is None else neutralize_control_tokens(message.reasoning)
-    if content == message.content and reasoning == message.reasoning:
+    raw = None if message.raw is None else neutralize_control_tokens(message.raw)
+    if content == message.content and reasoning == message.reasoning and raw == message.raw:
         return message
-    return message.model_copy(update={"content": content, "reasoning": reasoning})
+    return message.model_copy(update={"content": content, "reasoning": reasoning, "raw": raw})
+
+
+def generation_opening(prompt: str) -> str:
+    """What the generation prompt already wrote of the assistant turn (after
+    ``<|im_start|>assistant\n``): ``<think>\n``, or the empty think block. The model
+    continues it, so the turn as the model saw it (:attr:`ChatMessage.raw`) is this
+    plus the generated text."""
+    at = prompt.rfind(_ASSISTANT_HEADER)
+    return prompt[at + len(_ASSISTANT_HEADER):] if at >= 0 else ""
 
 
 _PREFIX_SENTINEL = "\u2063psymesh-prefix-sentinel\u2063"
