@@ -10,6 +10,12 @@ All three run in the same session, on 127.0.0.1, each server in its own process:
 - HTTP/1.1: a stdlib server (keep-alive, TCP_NODELAY) answering POST with the body;
   the client keeps one connection (TCP_NODELAY). Without NODELAY this is ~44 ms here.
 - raw TCP: an echo server; blocking client with TCP_NODELAY. The floor.
+- through a relay (root only: it needs network namespaces of its own): home and phone in
+  namespaces with no route between them, a third daemon relaying (circuit relay v2) with
+  a veth link into each; the phone pings home through it. Then a direct veth link between
+  home and phone appears, the phone moves to it (node/relay.py), and the same pings run
+  direct, over the same kind of link, for the ratio. The target: relayed <= direct + one
+  relay hop (the relay forwards each ping and pong once more, in its own process).
 
 Usage: .venv/bin/python bench/rtt.py [--count N]
 """
@@ -17,7 +23,11 @@ from __future__ import annotations
 
 import argparse
 import http.client
+import os
+import secrets
+import shutil
 import socket
+import subprocess
 import tempfile
 import textwrap
 import time
@@ -125,6 +135,101 @@ async def bench_psymesh(count: int) -> tuple[list[float], float]:
             await home.stop()
 
 
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=10)
+
+
+async def bench_relayed(count: int) -> tuple[list[float], list[float]] | None:
+    """(relayed, direct) round trips between a home and a phone in network namespaces of
+    our own; None without root (or iproute2)."""
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        return None
+    from psymesh.node.home import NodeHome
+    from psymesh.node.process import DaemonProcess, pair_homes
+    from psymesh.protocol.limits import Limits
+    from psymesh.protocol.relay import RelaySettings
+
+    class NetnsDaemon(DaemonProcess):
+        def __init__(self, netns: str, home: Path, profile: str) -> None:
+            super().__init__(home, profile=profile, name=home.name, listen=["/ip4/0.0.0.0/tcp/0"])
+            self.netns = netns
+
+        def command(self) -> list[str]:
+            return ["ip", "netns", "exec", self.netns, *super().command()]
+
+    tag = secrets.token_hex(3)
+    spaces = {name: f"psyb{tag}{name[0]}" for name in ("relay", "home", "phone")}
+    made: list[str] = []
+    with tempfile.TemporaryDirectory(prefix="psymesh-bench-") as tmp:
+        try:
+            for ns in spaces.values():
+                _ip("netns", "add", ns)
+                made.append(ns)
+                _ip("-n", ns, "link", "set", "lo", "up")
+
+            def link(a: str, a_ip: str, b: str, b_ip: str) -> None:
+                _ip("link", "add", f"to{b}", "netns", spaces[a], "type", "veth", "peer", "name", f"to{a}",
+                    "netns", spaces[b])
+                for ns, dev, addr in ((spaces[a], f"to{b}", a_ip), (spaces[b], f"to{a}", b_ip)):
+                    _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
+                    _ip("-n", ns, "link", "set", dev, "up")
+
+            link("relay", "10.72.1.1", "home", "10.72.1.2")
+            link("relay", "10.72.2.1", "phone", "10.72.2.2")
+            homes = {name: NodeHome(Path(tmp) / name) for name in spaces}
+            for name, home in homes.items():
+                home.init(profile="phone" if name == "phone" else "home", name=name)
+            relay_id = homes["relay"].init().peer_id
+            settings = {"relay": RelaySettings(enabled=True), "home": RelaySettings(relays=[relay_id]),
+                        "phone": RelaySettings(direct_retry_s=1.0, overlap_s=1.0)}
+            for name, home in homes.items():
+                home.save_config(home.load_config().model_copy(update={"relay": settings[name]}))
+            procs = {name: NetnsDaemon(spaces[name], homes[name].path, "phone" if name == "phone" else "home")
+                     for name in spaces}
+            for proc in procs.values():
+                await proc.start()
+            relay, home, phone = procs["relay"].home, procs["home"].home, procs["phone"].home
+            await pair_homes(relay, home, grant="messaging")
+            await pair_homes(relay, phone, grant="messaging")
+            async with procs["relay"].client() as r, procs["home"].client() as h, procs["phone"].client() as p:
+                await r.grant("home", ["relay"])
+                await r.grant("phone", ["relay"])
+                home_id = (await h.status()).peer_id
+                with anyio.fail_after(60):  # home's reservation (it retries with a backoff)
+                    while not any("/p2p-circuit/" in a for a in (await h.status()).addrs):
+                        await anyio.sleep(0.1)
+                invite = await h.pair_invite()
+                await p.pair_join(invite.invite, grant="messaging")
+                await h.grant("phone", ["tool:system.info"], limits=Limits(requests_per_minute=1_000_000))
+
+                async def pings() -> list[float]:
+                    await p.ping("home", count=50)  # warm-up
+                    rtts: list[float] = []
+                    while len(rtts) < count:
+                        rtts += (await p.ping("home", count=min(1000, count - len(rtts)),
+                                              payload_size=len(PAYLOAD))).rtts_ms
+                    return rtts
+
+                async def paths() -> set[bool]:  # relayed? per connection to home
+                    status = await p.status()
+                    return {"/p2p-circuit/" in a for c in status.connected_peers if c.peer_id == home_id
+                            for a in c.addrs}
+
+                assert await paths() == {True}
+                relayed = await pings()
+                link("home", "10.72.3.1", "phone", "10.72.3.2")
+                with anyio.fail_after(60):  # home tells the phone its new address; the phone moves
+                    while await paths() != {False}:
+                        await anyio.sleep(0.1)
+                direct = await pings()
+            for proc in procs.values():
+                await proc.stop()
+            return relayed, direct
+        finally:
+            for ns in made:
+                subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=10)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--count", type=int, default=2000)
@@ -141,6 +246,18 @@ def main() -> None:
     print(f"\nratio psymesh/HTTP  median {mesh[0] / http_[0]:.2f}x   p99 {mesh[1] / http_[1]:.2f}x")
     print(f"ratio psymesh/TCP   median {mesh[0] / tcp[0]:.2f}x   p99 {mesh[1] / tcp[1]:.2f}x")
     print(f"(psymesh: opening the session, once per peer, dial included: {session_open_ms:.2f} ms)")
+    pair_ = anyio.run(bench_relayed, args.count, backend="trio")
+    if pair_ is None:
+        print("\nthrough a relay: skipped (it needs root, for network namespaces of its own)")
+        return
+    relayed, direct = summarize(pair_[0]), summarize(pair_[1])
+    print(f"\npsymesh between network namespaces (veth links), {args.count} round trips each")
+    print(f"{'path':<34}{'median ms':>11}{'p99 ms':>10}")
+    for name, (med, p99) in (("direct link", direct), ("through a relay (circuit v2)", relayed)):
+        print(f"{name:<34}{med:>11.3f}{p99:>10.3f}")
+    print(f"ratio relayed/direct  median {relayed[0] / direct[0]:.2f}x   p99 {relayed[1] / direct[1]:.2f}x")
+    print(f"the relay hop costs   median {relayed[0] - direct[0]:+.3f} ms a round trip "
+          f"(target: at most one more hop; raw TCP round trip here: {tcp[0]:.3f} ms)")
 
 
 if __name__ == "__main__":
