@@ -154,6 +154,7 @@ but not (15): they are to a peer we chose.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import socket
 from collections import Counter
@@ -226,6 +227,7 @@ NEGOTIATE_TIMEOUT_S = 5.0
 # Circuit relay v2 (protocol/relay.py): how long one step (a HOP or STOP message, opening
 # the relay's stream) may take.
 RELAY_STEP_TIMEOUT_S = 10.0
+DIRECT_FIRST_TIMEOUT_S = 5.0  # a direct address tried before a relayed one (open_stream_any)
 MAX_RELAY_ADDRS = 4  # relay addresses kept from one reservation (each makes one address of ours)
 
 PeerFilter = Callable[[str], bool]
@@ -565,14 +567,21 @@ class P2PNode:
         """Open `protocol` to `peer_id` through the first of `addrs` that works (with no
         addresses: an open connection or the peerstore's). The ConnectError names `who` and why.
         An open connection is used first; then direct addresses are dialed before addresses
-        through a relay (a relayed connection is upgraded by `connect()`ing a direct address)."""
+        through a relay, each for at most DIRECT_FIRST_TIMEOUT_S when a relay is there to fall
+        back on (a phone away from home would otherwise wait minutes for a LAN address's SYNs).
+        A relayed connection is upgraded by `connect()`ing a direct address."""
         targets = sorted((_with_peer_id(a, peer_id) for a in addrs), key=_is_circuit) or [peer_id]
         if targets[0] != peer_id and self.path(peer_id) is not None:
             targets.insert(0, peer_id)
+        fallback = any(map(_is_circuit, targets))
         last: PsymeshError | None = None
         for target in targets:
+            bounded = fallback and not _is_circuit(target) and target != peer_id
             try:
-                return await self.open_stream(target, protocol)
+                with anyio.fail_after(DIRECT_FIRST_TIMEOUT_S if bounded else math.inf):
+                    return await self.open_stream(target, protocol)
+            except TimeoutError:
+                last = ConnectError(f"no answer at {target} within {DIRECT_FIRST_TIMEOUT_S:g} s")
             except PsymeshError as exc:
                 last = exc
         raise ConnectError(f"{who or peer_id} is unreachable: {last.message if last else ''}")
