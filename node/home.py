@@ -35,6 +35,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from psymesh.node.bridgeconfig import McpServerConfig, ServeSettings
 from psymesh.protocol.errors import ErrorCode, PsymeshError
 from psymesh.protocol.framing import DEFAULT_MAX_FRAME_SIZE
 from psymesh.protocol.identity import fingerprint, peer_id_from_public_key
@@ -191,6 +192,10 @@ class NodeConfig(BaseModel):
     # [relay]: relay for paired peers granted `relay` (off by default), and the relays this
     # node keeps a reservation at, to be reached from anywhere (protocol/relay.py).
     relay: RelaySettings = Field(default_factory=RelaySettings)
+    # [serve.openai]: an OpenAI-compatible endpoint; [[mcp]]: MCP servers whose tools join
+    # this node's (node/bridgeconfig.py, docs/bridges.md).
+    serve: ServeSettings = Field(default_factory=ServeSettings)
+    mcp: list[McpServerConfig] = Field(default_factory=list)
 
 
 @dataclass(frozen=True)
