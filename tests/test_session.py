@@ -176,3 +176,42 @@ async def test_liveness_drops_a_session_whose_peer_stops_answering() -> None:
             await pool.request(server.peer_id, Ping(seq=1, payload=b"wait"), Pong, timeout=60)
         assert dropped == [server.peer_id]
         tg.cancel_scope.cancel()
+
+
+async def test_a_relayed_session_gives_way_to_a_direct_one_and_closes_once_idle() -> None:
+    """Reached through a relay at first; once a direct connection opens, new requests take a
+    new session on it, while a request still open on the relayed one finishes there."""
+    from psymesh.protocol.relay import RelaySettings
+
+    door, relay, server, client = Server(), new_node(), new_node(), new_node()
+    relay.serve_relay(RelaySettings(enabled=True), lambda peer_id, what: None)
+    serve(server, door)
+
+    async def open_stream(peer_id: str, protocol: str) -> ByteStream:
+        return await client.open_stream(peer_id, protocol)
+
+    pool = SessionPool(open_stream, SESSION, 1 << 20, path=client.path)
+    async with running(relay, server, client), anyio.create_task_group() as tg:
+        await tg.start(pool.run)
+        await server.reserve(relay.peer_id, relay.addrs())
+        await client.connect(server.relayed_addrs()[0])
+        first = await pool.session(server.peer_id)
+        assert first.relayed and await pool.request(server.peer_id, Ping(seq=1), Pong) == Pong(seq=1)
+
+        got: list[Pong] = []
+
+        async def long_request() -> None:  # a stream still open when the path changes
+            async with pool.stream(server.peer_id, Ping(seq=3, payload=b"stream")) as replies:
+                await wait_until(lambda: client.path(server.peer_id) == "direct", "the direct path")
+                got.extend([m async for m in replies if isinstance(m, Pong)])
+
+        tg.start_soon(long_request)
+        await wait_until(lambda: len(door.calls) == 2, "the long request to reach the server")
+        await client.connect(server.addrs()[0])
+        second = await pool.session(server.peer_id)
+        assert second is not first and not second.relayed
+        assert await pool.request(server.peer_id, Ping(seq=2), Pong) == Pong(seq=2)
+        await wait_until(lambda: len(got) == 3, "the relayed session's last request to finish")
+        await wait_until(lambda: first.closed.is_set(), "the relayed session to close once idle")
+        assert await client.drop_relayed(server.peer_id, idle_only=True)
+        tg.cancel_scope.cancel()
