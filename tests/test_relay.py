@@ -263,3 +263,34 @@ async def test_home_behind_a_relay_is_reached_through_it_then_directly(namespace
     # log, its database (audit rows included) or its write-ahead log.
     relay_files = [relay.log_path, *(tmp_path / "relay").glob("node.db*")]
     assert all(MARKER.encode() not in f.read_bytes() for f in relay_files)
+
+
+# ------------------------------------------------------------- address records (addrs.push)
+def test_an_address_record_is_its_peers_own_word() -> None:
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from psymesh.node.db import open_db
+    from psymesh.node.trust import TrustStore
+    from psymesh.protocol.addresses import AddrRecord
+    from psymesh.protocol.identity import peer_id_from_public_key
+
+    keys = [Ed25519PrivateKey.generate() for _ in range(2)]
+    alice, mallory = (peer_id_from_public_key(k.public_key().public_bytes_raw()) for k in keys)
+    addr = f"/ip4/10.0.0.7/tcp/4001/p2p/{alice}"
+    record = AddrRecord(peer_id=alice, addrs=(addr,), seq=5).sign(keys[0])
+    record.verify(sender=alice)
+    for bad, sender in ((record, mallory),  # someone else's record, passed on
+                        (record.model_copy(update={"addrs": (addr.replace("10.0.0.7", "10.0.0.8"),)}), alice),
+                        (AddrRecord(peer_id=alice, addrs=(f"/ip4/10.0.0.7/tcp/1/p2p/{mallory}",), seq=6)
+                         .sign(keys[0]), alice)):
+        with pytest.raises(PsymeshError) as info:
+            bad.verify(sender=sender)
+        assert info.value.code in (ErrorCode.FORBIDDEN, ErrorCode.BAD_REQUEST)
+    with pytest.raises(ValueError):
+        AddrRecord(peer_id=alice, addrs=(addr,), seq=1).sign(keys[1])
+
+    trust = TrustStore(open_db(":memory:"))
+    trust.add(alice, name="alice", role="home", addrs=["/ip4/192.168.1.2/tcp/4001"], granted=None, received=None)
+    assert trust.set_own_addrs(alice, [addr], 5) and trust.get(alice).addrs == [addr]
+    assert not trust.set_own_addrs(alice, ["/ip4/10.9.9.9/tcp/1"], 4)  # an older record changes nothing
+    assert trust.get(alice).addrs == [addr]
