@@ -334,25 +334,21 @@ class TaskExecutor:
         return record.status()
 
     async def _infer(self, rec: TaskRecord, ceiling: int | None) -> dict[str, Any]:
-        from psymesh.agent.chatformat import ChatMessage
-        from psymesh.agent.generate import Generation, GenerationParams, generate
+        from psymesh.agent.generate import Generation, generate
+        from psymesh.agent.infer import infer_inputs
 
         spec = rec.spec
         assert spec.model is not None
         max_tokens = spec.max_tokens or 256
         if ceiling is not None:
             max_tokens = min(max_tokens, ceiling)
-        params = GenerationParams.from_untrusted(spec.params, max_tokens=max_tokens)  # BAD_REQUEST before loading
+        inputs = infer_inputs(spec, max_tokens)  # BAD_REQUEST before loading
         worker = await self.models.get(spec.model)
-        if spec.prompt is not None:
-            messages = [ChatMessage.user(spec.prompt)]
-        else:
-            messages = [ChatMessage(role=m.role, content=m.content, name=m.name) for m in spec.messages or []]
 
         pending: list[str] = []
         last_flush = -math.inf  # the first token goes out at once; batching starts after it
         result: Generation | None = None
-        async with aclosing(generate(worker, messages, params=params)) as pieces:
+        async with aclosing(generate(worker, inputs.messages, tools=inputs.tools, params=inputs.params)) as pieces:
             async for piece in pieces:
                 if isinstance(piece, Generation):
                     result = piece
@@ -368,6 +364,10 @@ class TaskExecutor:
         if pending:
             self._emit(rec.id, EventKind.TOKEN, {"text": "".join(pending)})
         assert result is not None
-        return {"text": result.text, "finish_reason": result.finish_reason,
-                "usage": {"prompt_tokens": result.usage.prompt_tokens,
-                          "completion_tokens": result.usage.completion_tokens}}
+        out: dict[str, Any] = {"text": result.text, "finish_reason": result.finish_reason,
+                               "usage": {"prompt_tokens": result.usage.prompt_tokens,
+                                         "completion_tokens": result.usage.completion_tokens}}
+        if result.reply is not None:  # tools were offered: the reply as the model's parse of it
+            out["content"] = result.reply.content
+            out["tool_calls"] = [{"id": c.id, "name": c.name, "arguments": c.arguments} for c in result.tool_calls]
+        return out

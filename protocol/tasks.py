@@ -214,17 +214,52 @@ class TaskKind(StrEnum):
     AGENT = "agent"   # a goal for the executor's agent loop
 
 
+CallId = Annotated[str, Field(min_length=1, max_length=MAX_TASK_ID, pattern=r"^[\w.:-]+$")]
+MAX_TOOLS = 128              # tools offered in one infer task
+MAX_CALLS = 64               # tool calls in one assistant turn
+#: `tool_choice` words; any other value names one of the task's tools.
+TOOL_CHOICES = frozenset({"auto", "none", "required"})
+
+
+class ChatToolCall(Message):
+    """A tool call an assistant turn made (OpenAI's `tool_calls` item, arguments parsed)."""
+
+    id: CallId
+    name: Name
+    arguments: JsonMap = Field(default_factory=dict)
+
+
 class ChatMessage(Message):
-    """One chat turn of an infer task (OpenAI-style roles)."""
+    """One chat turn of an infer task (OpenAI-style roles). An assistant turn may carry
+    the `tool_calls` it made; a tool turn names the call it answers in `tool_call_id`."""
 
     role: Annotated[str, Field(pattern=r"^(system|user|assistant|tool)$")]
     content: Text
     name: Name | None = None
+    tool_calls: Annotated[list[ChatToolCall], Field(max_length=MAX_CALLS)] | None = None
+    tool_call_id: CallId | None = None
+
+    @model_validator(mode="after")
+    def _calls_fit_role(self) -> Self:
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only an assistant turn carries tool_calls")
+        if self.tool_call_id is not None and self.role != "tool":
+            raise ValueError("only a tool turn carries tool_call_id")
+        return self
+
+
+class ToolDef(Message):
+    """A function the model of an infer task may call: a name, what it does, and a JSON
+    schema (type object) of its arguments, as in OpenAI's `tools`."""
+
+    name: Name
+    description: Text = ""
+    parameters: JsonMap = Field(default_factory=lambda: {"type": "object", "properties": {}})
 
 
 _KIND_FIELDS: Mapping[TaskKind, frozenset[str]] = {
     TaskKind.TOOL: frozenset({"tool", "args"}),
-    TaskKind.INFER: frozenset({"model", "messages", "prompt", "max_tokens", "params"}),
+    TaskKind.INFER: frozenset({"model", "messages", "prompt", "max_tokens", "params", "tools", "tool_choice"}),
     TaskKind.AGENT: frozenset({"goal", "params"}),
 }
 _ALL_KIND_FIELDS = frozenset().union(*_KIND_FIELDS.values())
@@ -249,6 +284,8 @@ class TaskSpec(Message):
     messages: Annotated[list[ChatMessage], Field(max_length=MAX_MESSAGES)] | None = None
     prompt: Text | None = None
     max_tokens: Annotated[int, Field(ge=1, le=MAX_MAX_TOKENS)] | None = None
+    tools: Annotated[list[ToolDef], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Name | None = None   # auto (default with tools) | none | required | a tool's name
     # agent
     goal: Text | None = None
     # infer and agent: sampling / loop parameters (temperature, max_steps, ...)
@@ -268,6 +305,12 @@ class TaskSpec(Message):
                 raise ValueError("an infer task needs 'model'")
             if (self.messages is None) == (self.prompt is None):
                 raise ValueError("an infer task needs exactly one of 'messages' and 'prompt'")
+            if self.tool_choice == "required" and not self.tools:
+                raise ValueError("tool_choice 'required' needs tools")
+            if self.tool_choice is not None and self.tool_choice not in TOOL_CHOICES:
+                if not any(t.name == self.tool_choice for t in self.tools or ()):
+                    raise ValueError(f"tool_choice {self.tool_choice!r} is none of {sorted(TOOL_CHOICES)} "
+                                     "and no tool of the task")
         if self.kind is TaskKind.AGENT and not self.goal:
             raise ValueError("an agent task needs a non-empty 'goal'")
         if self.deadline is not None and self.timeout is not None:
