@@ -574,9 +574,13 @@ class P2PNode:
         if targets[0] != peer_id and self.path(peer_id) is not None:
             targets.insert(0, peer_id)
         fallback = any(map(_is_circuit, targets))
+        asked: set[str] = set()  # relays that answered: their other addresses would say the same
         last: PsymeshError | None = None
         for target in targets:
-            bounded = fallback and not _is_circuit(target) and target != peer_id
+            relay = _relay_of(target)
+            if relay in asked:
+                continue
+            bounded = fallback and relay is None and target != peer_id
             try:
                 with anyio.fail_after(DIRECT_FIRST_TIMEOUT_S if bounded else math.inf):
                     return await self.open_stream(target, protocol)
@@ -584,6 +588,8 @@ class P2PNode:
                 last = ConnectError(f"no answer at {target} within {DIRECT_FIRST_TIMEOUT_S:g} s")
             except PsymeshError as exc:
                 last = exc
+            if relay is not None and self._connections(relay, direct=True):
+                asked.add(relay)
         raise ConnectError(f"{who or peer_id} is unreachable: {last.message if last else ''}")
 
     async def _dial(self, info: PeerInfo, addr: str) -> None:
@@ -1196,6 +1202,14 @@ async def _read_multistream_message(stream: INetStream) -> str:
 
 def _is_circuit(addr: str) -> bool:
     return "/p2p-circuit" in addr
+
+
+def _relay_of(addr: str) -> str | None:
+    """The relay's peer id in a circuit address (None for any other address)."""
+    if not _is_circuit(addr):
+        return None
+    parts = addr.partition("/p2p-circuit")[0].split("/")
+    return parts[-1] if len(parts) >= 3 and parts[-2] in ("p2p", "ipfs") else None
 
 
 def _with_peer_id(addr: str, peer_id: str) -> str:
