@@ -4,9 +4,16 @@ Infer tasks, agent steps and (next) an OpenAI-compatible endpoint all need the s
 four things, and each doing them itself is how they drift apart:
 
 * the prompt, rendered with the GGUF's chat template (or the built-in Qwen3.5 one);
-* the cacheable prefix: the system turn with the tool block. A qwen35 hybrid model's
-  recurrent state can only be reused at that exact boundary (``agent.runtime`` keeps a
-  snapshot of it), so every caller passes it, and every caller gets the saving;
+* the cacheable prefix: the system turn with the tool block, shared by every
+  conversation. A qwen35 hybrid model's recurrent state can only be reused at exact
+  boundaries where ``agent.runtime`` saved it, so every caller names this one, and
+  every caller gets the saving. The rest of a conversation is reused when its history
+  is rendered as the model wrote it: :attr:`Generation.raw` is the assistant turn to
+  keep (``ParsedReply.to_message(raw=...)``);
+* the reply's shape: a thinking budget (:attr:`GenerationParams.max_think_tokens`:
+  the worker closes a thought that runs over) and, with tools, the end of the reply
+  right after its last allowed tool call (:attr:`GenerationParams.call_limit`), so a
+  caller acts on a call as soon as it is written;
 * parameters, as one typed :class:`GenerationParams`. Untrusted ones (a peer's infer
   task) come in through :meth:`GenerationParams.from_untrusted`, which takes only the
   keys a peer may set and names every bad value in a BAD_REQUEST;
@@ -27,6 +34,8 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from psymesh.agent.chatformat import (
+    THINK_CLOSE,
+    TOOL_CALL_CLOSE,
     ChatMessage,
     ParsedReply,
     ToolCall,
@@ -34,6 +43,7 @@ from psymesh.agent.chatformat import (
     parse_reply,
     render_prefix,
     render_prompt,
+    split_generation_prompt,
 )
 from psymesh.protocol.errors import ErrorCode, PsymeshError
 
@@ -63,7 +73,8 @@ _BAN_BYTES = {t: -100.0 for t in range(128, 256)}
 
 # What a peer may set in an infer task's params. Not logit_bias: its token ids index
 # straight into llama.cpp's candidate array, and which ids mean what is ours to know.
-_PEER_KEYS = ("temperature", "top_k", "top_p", "min_p", "seed", "grammar", "stop", "thinking", "ban_bytes")
+_PEER_KEYS = ("temperature", "top_k", "top_p", "min_p", "seed", "grammar", "stop", "thinking", "max_think_tokens",
+              "ban_bytes")
 
 
 class GenerationError(PsymeshError):
@@ -90,8 +101,12 @@ class GenerationParams(BaseModel):
 
     `grammar` is GBNF text for the whole reply; `tool_grammar` builds one from the tools
     instead (give at most one). `thinking` opens a ``<think>`` block in the generation
-    prompt. `ban_bytes` keeps random-weight test models to ASCII; `logit_bias` adds to
-    chosen tokens' logits (trusted callers only: see :meth:`from_untrusted`).
+    prompt; `max_think_tokens` caps it (the thought is then closed the way the template
+    closes one, and the model goes on to its answer). With tools, `call_limit` ends the
+    reply right after that many complete tool calls (None: the tool grammar's
+    `max_calls`, which is all it allows; without a grammar, no limit). `ban_bytes` keeps
+    random-weight test models to ASCII; `logit_bias` adds to chosen tokens' logits
+    (trusted callers only: see :meth:`from_untrusted`).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -106,6 +121,8 @@ class GenerationParams(BaseModel):
     grammar: str | None = None
     tool_grammar: ToolGrammar | None = None
     thinking: bool = False
+    max_think_tokens: int | None = Field(default=None, ge=1)
+    call_limit: int | None = Field(default=None, ge=1)
     ban_bytes: bool = False
     logit_bias: dict[int, float] = Field(default_factory=dict)
 
@@ -149,6 +166,12 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     prompt_tokens_cached: int = 0
+    prompt_seconds: float = 0.0      # until the first token could be sampled
+    generation_seconds: float = 0.0
+
+    @property
+    def prompt_tokens_evaluated(self) -> int:
+        return self.prompt_tokens - self.prompt_tokens_cached
 
 
 @dataclass(frozen=True)
@@ -156,8 +179,10 @@ class Generation:
     """The finished reply. `text` is exactly the streamed deltas joined.
 
     `opened_think`: the generation prompt opened a ``<think>`` block, so `text` starts
-    inside it (``"<think>\\n" + text`` parses on its own). `reply` is the parsed text when
-    tools were given (None otherwise: plain text is not searched for calls).
+    inside it (``"<think>\\n" + text`` parses on its own). `opening` is what the prompt
+    wrote of the assistant turn before the model went on, so :attr:`raw` is the turn as
+    the model saw it. `reply` is the parsed text when tools were given (None otherwise:
+    plain text is not searched for calls). `think_closed`: the thinking budget ran out.
     """
 
     text: str
@@ -165,6 +190,13 @@ class Generation:
     usage: Usage
     opened_think: bool = False
     reply: ParsedReply | None = None
+    opening: str = ""
+    think_closed: bool = False
+
+    @property
+    def raw(self) -> str:
+        """The assistant turn exactly as the model saw and wrote it, for the history."""
+        return self.opening + self.text
 
     @property
     def tool_calls(self) -> tuple[ToolCall, ...]:
@@ -189,10 +221,13 @@ async def generate(
     parsed against them. Raises GenerationError / ChatFormatError for a request that
     cannot run, and the worker's ModelError family for one that failed.
     """
+    from psymesh.agent.runtime import StopAfter, ThinkBudget
+
     offered = tuple(tools) if tools is not None else ()
     template = worker.chat_template
     prompt = render_prompt(messages, offered, thinking=params.thinking, template=template)
     prefix = render_prefix(messages, offered, template=template)
+    history, opening = split_generation_prompt(prompt)
     opened = prompt.rstrip().endswith("<think>")
     grammar = params.grammar
     if params.tool_grammar is not None:
@@ -200,16 +235,21 @@ async def generate(
             raise GenerationError("tool_grammar needs tools (an empty list allows only an answer)")
         grammar = _tool_grammar(tuple(t.model_dump_json() for t in offered), "bounded" if opened else "none",
                                 params.tool_grammar)
+    calls = params.call_limit or (params.tool_grammar.max_calls if params.tool_grammar is not None else None)
+    budget = params.max_think_tokens if opened else None
     stream = worker.stream(
-        prompt, prefix=prefix or None, max_tokens=params.max_tokens, grammar=grammar, stop=params.stop,
-        temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, min_p=params.min_p,
-        seed=params.seed, logit_bias=_logit_bias(params, worker.info.n_vocab))
+        prompt, prefix=prefix or None, checkpoint=history, max_tokens=params.max_tokens, grammar=grammar,
+        stop=params.stop, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
+        min_p=params.min_p, seed=params.seed, logit_bias=_logit_bias(params, worker.info.n_vocab),
+        think_budget=ThinkBudget(budget, THINK_CLOSE) if budget else None,
+        stop_after=StopAfter(TOOL_CALL_CLOSE, calls, after=THINK_CLOSE.strip() if opened else None)
+        if tools and calls else None)
     async with aclosing(stream) as events:  # type: ignore[type-var]  # stream() is an async generator
         async for event in events:
             if isinstance(event, str):
                 yield TextDelta(event)
             else:
-                yield _finished(event, tools, opened)
+                yield _finished(event, tools, opened, opening)
                 return
 
 
@@ -228,14 +268,16 @@ async def complete(
     raise GenerationError("the model worker ended a request without a result", code=ErrorCode.INTERNAL)
 
 
-def _finished(done: Completion, tools: Sequence[ToolSpec] | None, opened: bool) -> Generation:
+def _finished(done: Completion, tools: Sequence[ToolSpec] | None, opened: bool, opening: str) -> Generation:
     reply = parse_reply(done.text, tools, in_think=opened) if tools is not None else None
     reason: FinishReason = done.finish_reason
     if reason == "stop" and reply is not None and reply.tool_calls:
         reason = "tool_calls"
-    return Generation(text=done.text, finish_reason=reason, opened_think=opened, reply=reply,
+    return Generation(text=done.text, finish_reason=reason, opened_think=opened, reply=reply, opening=opening,
+                      think_closed=done.think_closed,
                       usage=Usage(prompt_tokens=done.prompt_tokens, completion_tokens=done.tokens,
-                                  prompt_tokens_cached=done.prompt_tokens_reused))
+                                  prompt_tokens_cached=done.prompt_tokens_reused,
+                                  prompt_seconds=done.prompt_seconds, generation_seconds=done.generation_seconds))
 
 
 def _logit_bias(params: GenerationParams, n_vocab: int) -> dict[int, float]:

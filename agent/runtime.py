@@ -8,30 +8,51 @@ receive its text pieces through a thread-safe queue; a consumer that goes away
 (cancelled, or stops iterating) sets the job's cancel flag, which the worker
 checks between tokens and between prompt batches.
 
-Prefix cache. Every turn of an agent conversation starts with the same system
-turn (persona + tool schemas, ~1.5k tokens). BotPsy is a Qwen3.5 *hybrid* model:
-gated-delta-net layers keep a recurrent state that cannot be truncated, so
-llama.cpp refuses to cut the context back to a shared prefix (``seq_rm`` in the
-middle fails) and llama-cpp-python's own prefix matching falls back to evaluating
-the whole prompt. What does work (verified: logits bit-identical to a fresh
-evaluation) is to evaluate the prefix on its own, snapshot the sequence state at
-exactly that boundary with ``llama_state_seq_get_data``, and restore it with
-``llama_state_seq_set_data`` before evaluating only the new suffix. We use the
-per-sequence state API rather than ``Llama.save_state``, which also copies a
-``n_batch x n_vocab`` float32 score buffer (0.5 GB for a 248k vocabulary).
-Also, when a prompt extends *everything* already in the context (a multi-step
-tool turn appends to the previous prompt and reply), the worker just continues:
-removing nothing past the end is allowed even for recurrent state.
+State reuse. Step k+1 of an agent run is step k's prompt, the reply the model just
+wrote, a tool result and a little template glue; re-evaluating all of it (~2.5k
+tokens by step 5, with a ~1.5k-token system turn) would cost the phone seconds per
+step. BotPsy is a Qwen3.5 *hybrid* model: its gated-delta-net layers keep a
+recurrent state that cannot be truncated, so llama.cpp refuses to cut the context
+back to a shared prefix (``seq_rm`` in the middle fails) and llama-cpp-python's own
+prefix matching falls back to evaluating the whole prompt. What does work (verified:
+logits bit-identical to a fresh evaluation) is to snapshot the sequence state at an
+exact token boundary with ``llama_state_seq_get_data`` and restore it with
+``llama_state_seq_set_data`` before evaluating only what follows. (The per-sequence
+state API, not ``Llama.save_state``, which also copies a ``n_batch x n_vocab`` float32
+score buffer: 0.5 GB for a 248k vocabulary.) So the worker keeps:
+
+* the *live* context: whatever the model evaluated last, prompt and reply. A prompt
+  that extends it (the next step of the same conversation) just continues;
+* *snapshots*, each the state after a known token sequence: the cacheable head a
+  caller names (`prefix`: the system turn with the tool block, shared by every
+  conversation), a conversation's `checkpoint` (its history, before the generation
+  prompt: what a retried step, or a reply that cannot be continued, falls back to),
+  and the end of a conversation, taken when another request is about to replace it
+  in the live context. They are kept in a byte budget and a count
+  (``ModelSettings.state_cache_bytes`` / ``_entries``) and dropped least recently
+  used first; a conversation's newer state supersedes its older ones, so several
+  conversations take turns without pushing each other out.
+
+A prompt is always evaluated as its fresh tokenisation, and the base it continues
+from is the longest state whose tokens are a *proper prefix* of those tokens. So
+reuse never changes what the model computes: a warm run and a cold one evaluate the
+same tokens and sample the same reply. It works across steps because the history
+renders each reply byte for byte as the model wrote it (``chatformat``'s raw turns)
+and a ChatML turn starts with a special token, which no BPE merge crosses. A model
+can sample a non-canonical tokenisation of its own text (a trained model seldom
+does; a random-weight test model writing ``<tool_call>`` byte by byte always does);
+then the end of that reply is not a prefix of the next prompt's tokens, is not kept,
+and the next step continues from the checkpoint before the reply instead.
 """
 from __future__ import annotations
 
 import codecs
 import ctypes
+import math
 import os
 import queue
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field, replace
@@ -54,6 +75,8 @@ __all__ = [
     "ModelSettings",
     "ModelWorker",
     "PromptTooLong",
+    "StopAfter",
+    "ThinkBudget",
     "WorkerBusy",
     "WorkerClosed",
     "WorkerStats",
@@ -107,7 +130,13 @@ def default_threads() -> int:
 
 
 class ModelSettings(BaseModel):
-    """How to load one model. `chat_template` overrides the GGUF's embedded template."""
+    """How to load one model. `chat_template` overrides the GGUF's embedded template.
+
+    `state_cache_bytes` / `state_cache_entries` bound the saved model states (see the
+    module docstring); a BotPsy-0.8B state costs ~19 MB of recurrent state plus ~12 KB
+    per token, so ~50 MB at 2.5k tokens. `reuse=False` evaluates every prompt from
+    scratch: the baseline that measurements and determinism checks compare against.
+    """
 
     model_config = ConfigDict(frozen=True)
 
@@ -116,7 +145,9 @@ class ModelSettings(BaseModel):
     n_threads: int | None = Field(None, ge=1)  # None: all cores but one (see default_threads)
     n_batch: int = Field(512, ge=1)
     chat_template: str | None = None
-    prefix_cache_size: int = Field(4, ge=0)  # prefix states kept (LRU); 0 disables the cache
+    state_cache_bytes: int = Field(256 * 2**20, ge=0)  # memory for saved states; 0 keeps none
+    state_cache_entries: int = Field(16, ge=0)  # saved states kept at most; 0 keeps none
+    reuse: bool = True
     max_pending: int = Field(32, ge=1)  # queued requests beyond which submit raises WorkerBusy
 
 
@@ -132,6 +163,29 @@ class ModelInfo:
 
 
 @dataclass(frozen=True)
+class StopAfter:
+    """End the generation right after the `count`-th `marker` in the generated text
+    (kept, and evaluated, so the model state matches the text). Occurrences count only
+    after `after` once it was written, if given: a reply that starts inside a thought
+    ends at its calls, not at a call it muses about."""
+
+    marker: str
+    count: int = 1
+    after: str | None = None
+
+
+@dataclass(frozen=True)
+class ThinkBudget:
+    """The generation starts inside an open thought; after `tokens` generated tokens
+    without `close` (its non-blank part: ``</think>``) the worker writes `close` itself
+    and lets the model go on to its answer. With a grammar, each forced token is
+    first checked against it, and a token the grammar refuses is left to sampling."""
+
+    tokens: int
+    close: str
+
+
+@dataclass(frozen=True)
 class Completion:
     """The outcome of one request. Token counts are model tokens."""
 
@@ -139,24 +193,33 @@ class Completion:
     tokens: int
     prompt_tokens: int
     finish_reason: FinishReason
-    prompt_tokens_reused: int = 0  # restored from the prefix cache or kept from the last turn
+    prompt_tokens_reused: int = 0  # not evaluated: continued from the live context or a saved state
     prompt_seconds: float = 0.0
     generation_seconds: float = 0.0
+    think_closed: bool = False  # the ThinkBudget ran out and the worker closed the thought
+
+    @property
+    def prompt_tokens_evaluated(self) -> int:
+        return self.prompt_tokens - self.prompt_tokens_reused
 
 
 @dataclass
 class WorkerStats:
-    """Cumulative counters; `prompt_tokens_reused` is what the caches saved."""
+    """Cumulative counters; `prompt_tokens_reused` is what state reuse saved."""
 
     requests: int = 0
     cancelled: int = 0
     prompt_tokens_evaluated: int = 0
     prompt_tokens_reused: int = 0
     generated_tokens: int = 0
-    prefix_hits: int = 0
-    prefix_misses: int = 0
-    continuation_hits: int = 0
-    prefix_cache_bytes: int = 0  # memory held by cached prefix states
+    continuation_hits: int = 0  # prompts that extended the live context
+    snapshot_hits: int = 0      # prompts that restored a saved state
+    misses: int = 0             # prompts evaluated from their first token
+    snapshots_saved: int = 0
+    snapshots_dropped: int = 0  # evicted (budget, count) or superseded
+    state_cache_bytes: int = 0  # memory held by saved states now
+    state_cache_entries: int = 0
+    think_closes: int = 0
 
 
 @dataclass(eq=False)
@@ -172,6 +235,9 @@ class _Job:
     min_p: float
     seed: int
     logit_bias: tuple[tuple[int, float], ...]
+    checkpoint: str | None = None
+    think_budget: ThinkBudget | None = None
+    stop_after: StopAfter | None = None
     out: queue.SimpleQueue[Any] = field(default_factory=queue.SimpleQueue)
     cancel: threading.Event = field(default_factory=threading.Event)
 
@@ -185,10 +251,32 @@ class _Call:
     cancel: threading.Event = field(default_factory=threading.Event)
 
 
+SnapshotKind = Literal["prefix", "conversation"]  # a head shared by conversations, or where one stood
+
+
 @dataclass(eq=False)
-class _PrefixState:
+class _Snapshot:
+    """The model state after `tokens`."""
+
+    tokens: tuple[int, ...]
     buf: Any  # ctypes uint8 array owned by us
     nbytes: int
+    kind: SnapshotKind
+
+    def starts(self, tokens: Sequence[int]) -> bool:
+        """Is this state's token sequence a proper prefix of `tokens`?"""
+        n = len(self.tokens)
+        return n < len(tokens) and tuple(tokens[:n]) == self.tokens
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """How to bring the context to the end of a prompt's `tokens`: continue the live
+    context (`base` None, `reused` > 0), restore `base`, or start from scratch."""
+
+    tokens: list[int]
+    reused: int
+    base: _Snapshot | None = None
 
 
 class _Cancelled(Exception):
@@ -229,6 +317,52 @@ class _StopScanner:
         return out
 
 
+class _Watch:
+    """The generated text so far, and the two rules that read it as it grows: when a
+    thought closed (for the ThinkBudget) and when the StopAfter marker count is reached."""
+
+    def __init__(self, budget: ThinkBudget | None, stop_after: StopAfter | None) -> None:
+        self.text = ""
+        self.budget = budget
+        self.close_marker = budget.close.strip() if budget else ""
+        self.thinking = budget is not None
+        self.think_tokens = 0
+        self.stop_after = stop_after
+        self.count_from = 0 if stop_after is not None and stop_after.after is None else -1
+        self.seen = 0      # markers counted so far
+        self.scanned = 0   # text before this index is counted
+
+    def add(self, piece: str, *, sampled: bool) -> bool:
+        """Take the next token's text; True when the StopAfter rule ends the generation here."""
+        self.text += piece
+        if self.thinking:
+            if self.close_marker in self.text:
+                self.thinking = False
+            elif sampled:
+                self.think_tokens += 1
+        rule = self.stop_after
+        if rule is None:
+            return False
+        if self.count_from < 0:
+            at = self.text.find(rule.after or "")
+            if at < 0:
+                return False
+            self.count_from = self.scanned = at + len(rule.after or "")
+        while (at := self.text.find(rule.marker, max(self.scanned, self.count_from))) >= 0:
+            self.seen += 1
+            self.scanned = at + len(rule.marker)
+        return self.seen >= rule.count
+
+    def over_budget(self) -> bool:
+        return self.budget is not None and self.thinking and self.think_tokens >= self.budget.tokens
+
+    def closing_text(self) -> str:
+        """The budget's close, without a leading newline the thought already ends with."""
+        assert self.budget is not None
+        close = self.budget.close
+        return close[1:] if close.startswith("\n") and self.text.endswith("\n") else close
+
+
 class ModelWorker:
     """One model, one thread, many async callers.
 
@@ -248,7 +382,9 @@ class ModelWorker:
         self._closed = False
         self._info: ModelInfo | None = None
         self._stats = WorkerStats()
-        self._prefix_cache: OrderedDict[tuple[int, ...], _PrefixState] = OrderedDict()
+        self._snapshots: list[_Snapshot] = []  # least recently used first
+        self._live_saved = True      # the live context is a snapshot already (or empty)
+        self._live_canonical = True  # its tokens are the fresh tokenisation of their text
         self._pieces: dict[int, bytes] = {}
 
     # ------------------------------------------------------------------ lifecycle
@@ -327,12 +463,18 @@ class ModelWorker:
         min_p: float = 0.0,
         seed: int | None = None,
         logit_bias: Mapping[int, float] | None = None,
+        checkpoint: str | None = None,
+        think_budget: ThinkBudget | None = None,
+        stop_after: StopAfter | None = None,
     ) -> AsyncIterator[str | Completion]:
         """Text pieces as they are decoded, then one final :class:`Completion`.
 
-        `prefix` is the stable head of `prompt` (see ``chatformat.render_prefix``);
-        its model state is cached and restored so only the rest is evaluated.
-        `grammar` is GBNF text (or a LlamaGrammar). `seed=None` draws a fresh seed.
+        `prefix` is the stable head of `prompt` shared with other conversations (see
+        ``chatformat.render_prefix``) and `checkpoint` the part of `prompt` before its
+        generation prompt: the states there are saved on the way (see the module
+        docstring). `grammar` is GBNF text (or a LlamaGrammar). `seed=None` draws a
+        fresh seed. `stop` strings end the text before them; `stop_after` ends it after
+        a marker; `think_budget` caps a thought the prompt opened.
         """
         if max_tokens < 1:
             raise ValueError("max_tokens must be >= 1")
@@ -342,6 +484,7 @@ class ModelWorker:
             temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
             seed=llama_cpp.LLAMA_DEFAULT_SEED if seed is None else seed & 0xFFFFFFFF,
             logit_bias=tuple((int(t), float(b)) for t, b in (logit_bias or {}).items()),
+            checkpoint=checkpoint or None, think_budget=think_budget, stop_after=stop_after,
         )
         return self._events(job)
 
@@ -434,7 +577,7 @@ class ModelWorker:
                 finally:
                     self._current = None
         finally:
-            self._prefix_cache.clear()
+            self._snapshots.clear()
             llm.close()
 
     def _load(self) -> Llama:
@@ -459,120 +602,194 @@ class ModelWorker:
         started = time.perf_counter()
         stats = self._stats
         stats.requests += 1
-        prefix_toks: list[int] = []
-        if job.prefix and job.prompt.startswith(job.prefix) and len(job.prompt) > len(job.prefix):
-            prefix_toks = self._tokenize(llm, job.prefix, first=True)
-            tokens = prefix_toks + self._tokenize(llm, job.prompt[len(job.prefix):], first=False)
-        else:
-            tokens = self._tokenize(llm, job.prompt, first=True)
-        if not tokens:
-            raise ModelError("empty prompt")
+        plan = self._plan(llm, job.prompt.encode("utf-8"))
+        tokens = plan.tokens
         room = llm.n_ctx() - len(tokens)
         if room < 1:
             raise PromptTooLong(f"prompt is {len(tokens)} tokens; the context holds {llm.n_ctx()}",
                                 details={"prompt_tokens": len(tokens), "n_ctx": llm.n_ctx()})
-        sampler = self._make_sampler(llm, job)  # before touching the context: a bad grammar fails cleanly
+        sampler, grammar = self._make_sampler(llm, job)  # before touching the context: a bad grammar fails cleanly
         try:
             try:
-                reused = self._prepare(llm, job, prefix_toks, tokens)
+                self._prepare(llm, job, plan)
             except _Cancelled:
                 stats.cancelled += 1
                 job.out.put(Completion("", 0, len(tokens), "cancelled"))
                 return
-            stats.prompt_tokens_reused += reused
-            stats.prompt_tokens_evaluated += len(tokens) - reused
+            stats.prompt_tokens_reused += plan.reused
+            stats.prompt_tokens_evaluated += len(tokens) - plan.reused
             prompt_done = time.perf_counter()
-            text, n_gen, reason = self._decode(llm, job, sampler, min(job.max_tokens, room))
+            text, n_gen, reason, closed = self._decode(llm, job, sampler, grammar, min(job.max_tokens, room))
         finally:
             llama_cpp.llama_sampler_free(sampler)
         stats.generated_tokens += n_gen
+        stats.think_closes += closed
         if reason == "cancelled":
             stats.cancelled += 1
         job.out.put(Completion(text=text, tokens=n_gen, prompt_tokens=len(tokens), finish_reason=reason,
-                               prompt_tokens_reused=reused, prompt_seconds=prompt_done - started,
-                               generation_seconds=time.perf_counter() - prompt_done))
+                               prompt_tokens_reused=plan.reused, prompt_seconds=prompt_done - started,
+                               generation_seconds=time.perf_counter() - prompt_done, think_closed=closed))
+
+    # ------------------------------------------------------------------ state reuse
+
+    @property
+    def _keeps_snapshots(self) -> bool:
+        s = self.settings
+        return s.reuse and s.state_cache_entries > 0 and s.state_cache_bytes > 0
 
     @staticmethod
-    def _tokenize(llm: Llama, text: str, *, first: bool) -> list[int]:
+    def _tokenize(llm: Llama, text: bytes, *, first: bool) -> list[int]:
         vocab = llama_cpp.llama_model_get_vocab(llm.model)
         add_bos = first and bool(llama_cpp.llama_vocab_get_add_bos(vocab))
-        return llm.tokenize(text.encode("utf-8"), add_bos=add_bos, special=True)
+        return llm.tokenize(text, add_bos=add_bos, special=True)
 
-    def _prepare(self, llm: Llama, job: _Job, prefix: list[int], tokens: list[int]) -> int:
-        """Bring the context to the end of `tokens`; return how many were reused."""
+    def _plan(self, llm: Llama, prompt: bytes) -> _Plan:
+        """The prompt's fresh tokens, and the longest state they extend."""
+        tokens = self._tokenize(llm, prompt, first=True)
+        if not tokens:
+            raise ModelError("empty prompt")
+        if not self.settings.reuse:
+            return _Plan(tokens, 0)
         n = llm.n_tokens
-        if 0 < n < len(tokens) and llm.input_ids[:n].tolist() == tokens[:n]:
-            self._stats.continuation_hits += 1
-            self._eval(llm, tokens[n:], job)
-            return n
-        if prefix and self.settings.prefix_cache_size:
-            key = tuple(prefix)
-            state = self._prefix_cache.get(key)
-            if state is not None and self._restore(llm, state, prefix):
-                self._prefix_cache.move_to_end(key)
-                self._stats.prefix_hits += 1
-                self._eval(llm, tokens[len(prefix):], job)
-                return len(prefix)
-            self._stats.prefix_misses += 1
-            self._forget_context(llm)
-            self._eval(llm, prefix, job)
-            self._remember(key, self._snapshot(llm))
-            self._eval(llm, tokens[len(prefix):], job)
-            return 0
-        self._forget_context(llm)
-        self._eval(llm, tokens, job)
-        return 0
+        live = n if self._live_canonical and 0 < n < len(tokens) and llm.input_ids[:n].tolist() == tokens[:n] else 0
+        best = max((s for s in self._snapshots if s.starts(tokens)), key=lambda s: len(s.tokens), default=None)
+        if best is not None and len(best.tokens) > live:
+            return _Plan(tokens, len(best.tokens), best)
+        return _Plan(tokens, live)
 
-    def _eval(self, llm: Llama, tokens: list[int], job: _Job) -> None:
+    def _prepare(self, llm: Llama, job: _Job, plan: _Plan) -> None:
+        """Bring the context to the end of the prompt, evaluating only what `plan` does
+        not reuse, and saving the states at the job's marks on the way."""
+        stats = self._stats
+        start = plan.reused
+        if start and plan.base is None:
+            stats.continuation_hits += 1
+        else:
+            self._save_live(llm, "conversation")  # another conversation may come back to it
+            if start and plan.base is not None and self._restore(llm, plan.base):
+                stats.snapshot_hits += 1
+            else:
+                stats.misses += 1
+                self._forget_context(llm)
+                start = 0
+        try:
+            for mark, kind in self._marks(llm, job, plan.tokens, start):
+                self._eval(llm, plan.tokens[start:mark], job)
+                self._save_live(llm, kind)
+                start = mark
+            self._eval(llm, plan.tokens[start:], job)
+        except _Cancelled:
+            self._forget_context(llm)  # stopped between batches, at no boundary worth keeping
+            raise
+
+    def _marks(self, llm: Llama, job: _Job, tokens: list[int], start: int) -> list[tuple[int, SnapshotKind]]:
+        """Token positions past `start` where the job's prefix and checkpoint end, if they
+        are boundaries of the prompt's tokens and not saved yet."""
+        if not self._keeps_snapshots:
+            return []
+        prompt = job.prompt.encode("utf-8")
+        marks: list[tuple[int, SnapshotKind]] = []
+        for text, kind in ((job.prefix, "prefix"), (job.checkpoint, "conversation")):
+            head = (text or "").encode("utf-8")
+            if not head or len(head) >= len(prompt) or not prompt.startswith(head):
+                continue
+            tail = self._tokenize(llm, prompt[len(head):], first=False)
+            at = len(tokens) - len(tail)
+            if start < at < len(tokens) and tokens[at:] == tail and \
+                    not any(s.tokens == tuple(tokens[:at]) for s in self._snapshots):
+                marks.append((at, kind))
+        return sorted(marks)
+
+    def _save_live(self, llm: Llama, kind: SnapshotKind) -> None:
+        """Save the live context's state (at a mark, or before it is replaced), unless it
+        is saved already or could never be continued (a non-canonical reply)."""
+        if self._live_saved or not llm.n_tokens or not self._live_canonical or not self._keeps_snapshots:
+            return
+        self._live_saved = True
+        size = llama_cpp.llama_state_seq_get_size(llm.ctx, 0)
+        if size > self.settings.state_cache_bytes:
+            return
+        tokens = tuple(llm.input_ids[:llm.n_tokens].tolist())
+        keep = []
+        for s in self._snapshots:  # a conversation's newer state supersedes its older ones
+            if s.tokens == tokens or (kind == s.kind == "conversation" and len(s.tokens) < len(tokens)
+                                      and tokens[:len(s.tokens)] == s.tokens):
+                self._stats.snapshots_dropped += 1
+            else:
+                keep.append(s)
+        self._snapshots = keep
+        self._evict(room_for=size)  # first, so the budget holds even while copying
+        buf = (ctypes.c_uint8 * size)()
+        n = llama_cpp.llama_state_seq_get_data(llm.ctx, buf, size, 0)
+        self._snapshots.append(_Snapshot(tokens, buf, int(n), kind))
+        self._stats.snapshots_saved += 1
+        self._count_snapshots()
+
+    def _evict(self, room_for: int) -> None:
+        """Drop the least recently used states until one of `room_for` bytes fits."""
+        s = self.settings
+        while self._snapshots and (len(self._snapshots) + 1 > s.state_cache_entries or
+                                   sum(x.nbytes for x in self._snapshots) + room_for > s.state_cache_bytes):
+            self._snapshots.pop(0)
+            self._stats.snapshots_dropped += 1
+
+    def _count_snapshots(self) -> None:
+        self._stats.state_cache_bytes = sum(s.nbytes for s in self._snapshots)
+        self._stats.state_cache_entries = len(self._snapshots)
+
+    def _restore(self, llm: Llama, snap: _Snapshot) -> bool:
+        """Make `snap` the live context and the most recently used state. It may have been
+        dropped a moment ago by saving the live context; it is in use, so it comes back."""
+        if snap in self._snapshots:
+            self._snapshots.remove(snap)
+        else:
+            self._evict(room_for=snap.nbytes)
+        self._forget_context(llm)
+        if llama_cpp.llama_state_seq_set_data(llm.ctx, snap.buf, snap.nbytes, 0) != snap.nbytes:
+            self._forget_context(llm)
+            self._stats.snapshots_dropped += 1
+            self._count_snapshots()
+            return False
+        self._snapshots.append(snap)
+        self._count_snapshots()
+        llm.input_ids[: len(snap.tokens)] = snap.tokens
+        llm.n_tokens = len(snap.tokens)
+        self._live_saved = True
+        return True
+
+    def _eval(self, llm: Llama, tokens: Sequence[int], job: _Job) -> None:
         step = self.settings.n_batch
         for i in range(0, len(tokens), step):
             if job.cancel.is_set():
                 raise _Cancelled
             llm.eval(tokens[i:i + step])
+            self._live_saved = False
 
-    @staticmethod
-    def _forget_context(llm: Llama) -> None:
+    def _forget_context(self, llm: Llama) -> None:
         llm.reset()
         llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(llm.ctx), True)
+        self._live_saved = self._live_canonical = True
+
+    # ------------------------------------------------------------------ sampling
 
     @staticmethod
-    def _snapshot(llm: Llama) -> _PrefixState:
-        size = llama_cpp.llama_state_seq_get_size(llm.ctx, 0)
-        buf = (ctypes.c_uint8 * size)()
-        n = llama_cpp.llama_state_seq_get_data(llm.ctx, buf, size, 0)
-        return _PrefixState(buf, int(n))
-
-    def _restore(self, llm: Llama, state: _PrefixState, prefix: list[int]) -> bool:
-        self._forget_context(llm)
-        if llama_cpp.llama_state_seq_set_data(llm.ctx, state.buf, state.nbytes, 0) != state.nbytes:
-            self._forget_context(llm)
-            return False
-        llm.input_ids[: len(prefix)] = prefix
-        llm.n_tokens = len(prefix)
-        return True
-
-    def _remember(self, key: tuple[int, ...], state: _PrefixState) -> None:
-        self._prefix_cache[key] = state
-        self._prefix_cache.move_to_end(key)
-        while len(self._prefix_cache) > self.settings.prefix_cache_size:
-            self._prefix_cache.popitem(last=False)
-        self._stats.prefix_cache_bytes = sum(s.nbytes for s in self._prefix_cache.values())
-
-    @staticmethod
-    def _make_sampler(llm: Llama, job: _Job) -> Any:
+    def _make_sampler(llm: Llama, job: _Job) -> tuple[Any, Any]:
+        """The sampler chain, and its grammar stage (None without a grammar) so that a
+        forced token can be checked against the grammar before it is accepted."""
         vocab = llama_cpp.llama_model_get_vocab(llm.model)
         chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
         add = llama_cpp.llama_sampler_chain_add
+        grammar = None
         try:
             if job.logit_bias:
                 biases = (llama_cpp.llama_logit_bias * len(job.logit_bias))(
                     *(llama_cpp.llama_logit_bias(t, b) for t, b in job.logit_bias))
                 add(chain, llama_cpp.llama_sampler_init_logit_bias(llm.n_vocab(), len(job.logit_bias), biases))
             if job.grammar:
-                g = llama_cpp.llama_sampler_init_grammar(vocab, job.grammar.encode("utf-8"), b"root")
-                if not g:
+                grammar = llama_cpp.llama_sampler_init_grammar(vocab, job.grammar.encode("utf-8"), b"root")
+                if not grammar:
                     raise GrammarError("llama.cpp rejected the GBNF grammar")
-                add(chain, g)
+                add(chain, grammar)  # the chain owns it now; the pointer stays valid while the chain lives
             if job.temperature <= 0:
                 add(chain, llama_cpp.llama_sampler_init_greedy())
             else:
@@ -587,7 +804,17 @@ class ModelWorker:
         except BaseException:
             llama_cpp.llama_sampler_free(chain)
             raise
-        return chain
+        return chain, grammar
+
+    @staticmethod
+    def _grammar_allows(grammar: Any, token: int) -> bool:
+        """Would the grammar accept `token` next? (Accepting one it refuses aborts llama.cpp.)"""
+        if grammar is None:
+            return True
+        data = (llama_cpp.llama_token_data * 1)(llama_cpp.llama_token_data(token, 0.0, 0.0))
+        candidates = llama_cpp.llama_token_data_array(data, 1, -1, False)
+        llama_cpp.llama_sampler_apply(grammar, ctypes.byref(candidates))
+        return math.isfinite(data[0].logit)
 
     def _piece(self, llm: Llama, token: int) -> bytes:
         piece = self._pieces.get(token)
@@ -595,10 +822,26 @@ class ModelWorker:
             piece = self._pieces[token] = llm.detokenize([token])
         return piece
 
-    def _decode(self, llm: Llama, job: _Job, sampler: Any, limit: int) -> tuple[str, int, FinishReason]:
+    def _canonical(self, llm: Llama, tokens: list[int]) -> bool:
+        """Are generated `tokens` what tokenising their text gives? Only then can a later
+        prompt's tokens extend them (control tokens are spelled out, as in a prompt)."""
+        return not tokens or self._tokenize(llm, llm.detokenize(tokens, special=True), first=False) == tokens
+
+    def _decode(self, llm: Llama, job: _Job, sampler: Any, grammar: Any,
+                limit: int) -> tuple[str, int, FinishReason, bool]:
+        """Sample up to `limit` tokens: (text, tokens, finish reason, thought closed by the budget).
+
+        Every token but a final one is evaluated (the state then stands for the prompt
+        and the reply); a final token is too when it completes the StopAfter marker, so
+        that the state ends where the text does.
+        """
         vocab = llama_cpp.llama_model_get_vocab(llm.model)
         utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
         scanner = _StopScanner(job.stop)
+        watch = _Watch(job.think_budget, job.stop_after)
+        forced: list[int] = []
+        evaluated: list[int] = []
+        closed = False
         parts: list[str] = []
         n_gen = 0
         reason: FinishReason = "length"
@@ -607,24 +850,41 @@ class ModelWorker:
             if job.cancel.is_set():
                 reason = "cancelled"
                 break
-            token = llama_cpp.llama_sampler_sample(sampler, llm.ctx, -1)
-            if llama_cpp.llama_vocab_is_eog(vocab, token):
-                reason = "stop"
-                break
+            sampled = not (forced and self._grammar_allows(grammar, forced[0]))
+            if sampled:
+                forced.clear()
+                token = llama_cpp.llama_sampler_sample(sampler, llm.ctx, -1)
+                if llama_cpp.llama_vocab_is_eog(vocab, token):
+                    reason = "stop"
+                    break
+            else:
+                token = forced.pop(0)
+                llama_cpp.llama_sampler_accept(sampler, token)
+                closed = True
             n_gen += 1
-            out, stopped = scanner.feed(utf8.decode(self._piece(llm, token)))
+            text = utf8.decode(self._piece(llm, token))
+            ended = watch.add(text, sampled=sampled)
+            out, stopped = scanner.feed(text)
             if out:
                 parts.append(out)
                 job.out.put(out)
             if stopped:
                 reason = "stop"
                 break
-            if n_gen < limit:
-                llm.eval([token])  # the last token is never needed: it would only feed a next step
+            if n_gen < limit or ended:  # a final token is evaluated only to keep the state at a marker
+                llm.eval([token])
+                evaluated.append(token)
+            if ended:
+                reason = "stop"
+                break
+            if not forced and watch.over_budget():
+                forced = self._tokenize(llm, watch.closing_text().encode("utf-8"), first=False)
+        self._live_saved = self._live_saved and not evaluated
+        self._live_canonical = self._canonical(llm, evaluated)
         if not stopped and reason != "cancelled":  # a stop string drops what is held back
             tail, _ = scanner.feed(utf8.decode(b"", final=True))
             tail += scanner.flush()
             if tail:
                 parts.append(tail)
                 job.out.put(tail)
-        return "".join(parts), n_gen, reason
+        return "".join(parts), n_gen, reason, closed

@@ -96,7 +96,7 @@ async def test_deltas_add_up_to_the_text_and_usage_counts_model_tokens(model_pat
         # Another question under the same system turn: only the new part is evaluated.
         other = [CHAT[0], ChatMessage.user("And in Oslo?")]
         again = await complete(worker, other, params=params)
-        assert again.usage.prompt_tokens_cached == n_prefix and worker.stats.prefix_hits == 1
+        assert again.usage.prompt_tokens_cached == n_prefix and worker.stats.snapshot_hits == 1
         assert again.usage.prompt_tokens == len(await worker.tokenize(
             render_prompt(other, thinking=False, template=worker.chat_template)))
 
@@ -158,14 +158,20 @@ def test_bad_params_are_typed_errors() -> None:
         GenerationParams(temprature=0.5)  # type: ignore[call-arg]  # a typo is not silently ignored
     assert GenerationParams(stop="\n").stop == ("\n",)
 
-    peer = {"temperature": 0.2, "stop": ["</s>"], "seed": 9, "logit_bias": {"7": 50}, "future_knob": 1}
+    for knob in ("max_think_tokens", "call_limit"):
+        with pytest.raises(ValidationError):
+            GenerationParams(**{knob: 0})  # type: ignore[arg-type]
+
+    peer = {"temperature": 0.2, "stop": ["</s>"], "seed": 9, "logit_bias": {"7": 50}, "future_knob": 1,
+            "max_think_tokens": 64, "call_limit": 3}
     got = GenerationParams.from_untrusted(peer, max_tokens=32)
     assert (got.temperature, got.stop, got.seed, got.max_tokens) == (0.2, ("</s>",), 9, 32)
     assert got.logit_bias == {}  # a peer cannot bias token ids
+    assert (got.max_think_tokens, got.call_limit) == (64, None)  # it may cap thinking; how replies end is ours
     with pytest.raises(GenerationError) as bad:
-        GenerationParams.from_untrusted({"temperature": "hot", "top_p": 2}, max_tokens=8)
+        GenerationParams.from_untrusted({"temperature": "hot", "top_p": 2, "max_think_tokens": -1}, max_tokens=8)
     assert bad.value.code is ErrorCode.BAD_REQUEST
-    assert "temperature" in bad.value.message and "top_p" in bad.value.message
+    assert all(k in bad.value.message for k in ("temperature", "top_p", "max_think_tokens"))
 
 
 @pytest.mark.anyio

@@ -306,14 +306,14 @@ async def test_prefix_cache_restores_state_and_evaluates_only_the_suffix(model_p
         stats = worker.stats
     assert n_prefix > 1000  # the tool block dominates the prompt
     assert (first.prompt_tokens_reused, second.prompt_tokens_reused) == (0, n_prefix)
-    assert (stats.prefix_misses, stats.prefix_hits) == (1, 2)
+    assert (stats.misses, stats.snapshot_hits) == (1, 2)
     assert stats.prompt_tokens_reused == 2 * n_prefix
     assert stats.prompt_tokens_evaluated == first.prompt_tokens + 2 * (second.prompt_tokens - n_prefix)
     assert third.text == second.text
 
-    async with ModelWorker(_settings(model_path, prefix_cache_size=0)) as fresh:
+    async with ModelWorker(_settings(model_path, reuse=False)) as fresh:
         uncached = await fresh.complete(turn2, prefix=prefix, **kw)
-        assert fresh.stats.prompt_tokens_reused == 0
+        assert fresh.stats.prompt_tokens_reused == fresh.stats.snapshots_saved == 0
     assert uncached.text == second.text  # a restored prefix state behaves like a fresh evaluation
 
 
