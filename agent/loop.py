@@ -22,6 +22,18 @@ damage or spinning:
 
 Every step is reported through an async ``emit(AgentEvent)`` callback, so the
 CLI, the SDK and delegated tasks all show the same progress.
+
+At phone speed. Each reply goes into the history as the model wrote it
+(``ChatMessage.raw``), so step k+1's prompt is step k's prompt, the reply, the
+tool result and a little template glue, byte for byte, and the runtime evaluates
+only the new part (``AgentResult.usage`` says how many tokens each step evaluated).
+A thought is capped at ``AgentConfig.max_think_tokens`` (the runtime closes it and
+the model goes on to act). A real model's reply ends right after its last allowed
+tool call (``GenerationParams.call_limit``, by default the tool grammar's one call):
+the worker watches the text as it streams and stops there, so an irreversible call
+is put to ``confirm`` (and its ``tool_call`` event goes out) as soon as it is
+written, with no tokens generated after it. Calls are then handled in order, as
+before: a reply is acted on only once it is complete.
 """
 from __future__ import annotations
 
@@ -29,7 +41,7 @@ import json
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 import anyio
 import anyio.lowlevel
@@ -41,6 +53,7 @@ from psymesh.agent.chatformat import (
     ToolSpec,
     parse_reply,
     render_prompt,
+    split_generation_prompt,
 )
 from psymesh.agent.generate import GenerationParams, complete
 from psymesh.agent.tools import Tool, ToolContext, ToolError, ToolRegistry, invoke
@@ -59,7 +72,10 @@ __all__ = [
     "Emit",
     "EventKind",
     "LlamaAgentModel",
+    "ModelReply",
     "ScriptedModel",
+    "StepModel",
+    "StepUsage",
     "StopReason",
     "ToolCallRecord",
     "default_system_prompt",
@@ -96,11 +112,58 @@ class AgentModel(Protocol):
                     thinking: bool = False) -> str: ...
 
 
+@dataclass(frozen=True)
+class StepUsage:
+    """What one step cost the model: prompt tokens, how many of them were evaluated
+    (the rest were reused from the model state the runtime kept), tokens generated,
+    and the seconds until the first token and for the reply."""
+
+    prompt_tokens: int = 0
+    prompt_tokens_evaluated: int = 0
+    completion_tokens: int = 0
+    prompt_seconds: float = 0.0
+    generation_seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class ModelReply:
+    """One step's reply: `text` as for :meth:`AgentModel.reply`; `raw` the assistant turn
+    exactly as the model saw and wrote it (None: render the parse), kept in the history
+    so the next prompt extends this one; `usage` what it cost (None: unknown)."""
+
+    text: str
+    raw: str | None = None
+    usage: StepUsage | None = None
+
+
+@runtime_checkable
+class StepModel(Protocol):
+    """A model that also answers with a :class:`ModelReply` and takes the run's thinking
+    budget. The loop prefers this; a plain :class:`AgentModel` still works (its turns
+    are rendered from their parse, and its usage is unknown)."""
+
+    async def step(self, messages: Sequence[ChatMessage], tools: Sequence[ToolSpec], *,
+                   thinking: bool, max_think_tokens: int | None) -> ModelReply: ...
+
+
+_OPEN_THINK = "<think>\n"
+
+
+def _joined(opening: str, text: str) -> str:
+    """The turn as written: the generation prompt's `opening`, then `text`, which (per
+    the AgentModel contract) repeats a ``<think>`` the opening already wrote."""
+    if opening.endswith(_OPEN_THINK) and text.startswith(_OPEN_THINK):
+        return opening[:-len(_OPEN_THINK)] + text
+    return opening + text
+
+
 class ScriptedModel:
     """Fixed replies, in order: for tests and demos. Records what it was shown.
 
     `seen` holds each request's (messages, tools); `prompts` the same rendered
     with the built-in Qwen3.5 renderer, i.e. exactly what a real model would read.
+    Its replies go into the history as written (:attr:`ModelReply.raw`), as a real
+    model's do.
     """
 
     def __init__(self, replies: Iterable[str]) -> None:
@@ -114,12 +177,18 @@ class ScriptedModel:
 
     async def reply(self, messages: Sequence[ChatMessage], tools: Sequence[ToolSpec], *,
                     thinking: bool = False) -> str:
+        return (await self.step(messages, tools, thinking=thinking, max_think_tokens=None)).text
+
+    async def step(self, messages: Sequence[ChatMessage], tools: Sequence[ToolSpec], *,
+                   thinking: bool, max_think_tokens: int | None) -> ModelReply:
         if self.remaining <= 0:
             raise AgentError(f"the scripted model ran out of replies after {len(self.seen)}",
                              code=ErrorCode.INTERNAL)
-        self.prompts.append(render_prompt(messages, tools, thinking=thinking))
+        prompt = render_prompt(messages, tools, thinking=thinking)
+        self.prompts.append(prompt)
         self.seen.append((tuple(messages), tuple(tools)))
-        return self._replies[len(self.seen) - 1]
+        text = self._replies[len(self.seen) - 1]
+        return ModelReply(text, raw=_joined(split_generation_prompt(prompt)[1], text))
 
 
 @dataclass
@@ -127,9 +196,10 @@ class LlamaAgentModel:
     """A real model behind a :class:`ModelWorker`, asked through :func:`agent.generate.complete`.
 
     That renders the prompt with the GGUF's chat template and passes the system turn with
-    the tool block as the cacheable prefix, so each step evaluates only the conversation.
-    `params.tool_grammar` constrains decoding so the reply is always a well-formed call to
-    an offered tool or a plain answer. The loop's `thinking` replaces `params.thinking`.
+    the tool block as the cacheable prefix; the reply comes back with its raw text, so
+    each step evaluates only what is new. `params.tool_grammar` constrains decoding so
+    the reply is always a well-formed call to an offered tool or a plain answer. The
+    loop's `thinking` and `max_think_tokens` replace the params' own.
     """
 
     worker: ModelWorker
@@ -137,10 +207,17 @@ class LlamaAgentModel:
 
     async def reply(self, messages: Sequence[ChatMessage], tools: Sequence[ToolSpec], *,
                     thinking: bool = False) -> str:
-        params = self.params if self.params.thinking == thinking else self.params.model_copy(
-            update={"thinking": thinking})
+        return (await self.step(messages, tools, thinking=thinking,
+                                max_think_tokens=self.params.max_think_tokens)).text
+
+    async def step(self, messages: Sequence[ChatMessage], tools: Sequence[ToolSpec], *,
+                   thinking: bool, max_think_tokens: int | None) -> ModelReply:
+        params = self.params.model_copy(update={"thinking": thinking, "max_think_tokens": max_think_tokens})
         done = await complete(self.worker, messages, tools=tools, params=params)
-        return "<think>\n" + done.text if done.opened_think else done.text
+        u = done.usage
+        return ModelReply(_OPEN_THINK + done.text if done.opened_think else done.text, raw=done.raw,
+                          usage=StepUsage(u.prompt_tokens, u.prompt_tokens_evaluated, u.completion_tokens,
+                                          u.prompt_seconds, u.generation_seconds))
 
 
 def tool_call_text(name: str, arguments: Mapping[str, Any] | None = None) -> str:
@@ -162,6 +239,9 @@ class AgentConfig:
     deadline_s: float | None = None
     repeat_limit: int = 2              # failures in a row of one identical call before it is blocked
     thinking: bool = False
+    # A thought longer than this is closed for the model (None: no cap). At ~15 tokens/s
+    # on a phone, 256 tokens is ~17 s of thinking per step.
+    max_think_tokens: int | None = 256
     system_prompt: str | None = None   # None: default_system_prompt(profile)
     max_observation_chars: int = 4000  # longer tool results are cut, with a note
 
@@ -172,6 +252,7 @@ class AgentConfig:
             (self.repeat_limit < 1, "repeat_limit must be >= 1"),
             (self.deadline_s is not None and not self.deadline_s >= 0, "deadline_s must be >= 0"),
             (self.max_observation_chars < 200, "max_observation_chars must be >= 200"),
+            (self.max_think_tokens is not None and self.max_think_tokens < 1, "max_think_tokens must be >= 1"),
         ) if bad]
         if problems:
             raise AgentError("bad agent config: " + "; ".join(problems))
@@ -202,11 +283,14 @@ class ToolCallRecord:
 
 @dataclass(frozen=True)
 class AgentResult:
+    """How a run ended. `usage` has one entry per step whose model reported it."""
+
     answer: str
     steps: int
     tool_calls: list[ToolCallRecord]
     stopped: StopReason
     transcript: list[ChatMessage]
+    usage: list[StepUsage] = field(default_factory=list)
 
 
 Confirm = Callable[[ToolCall, Tool], Awaitable[bool]]
@@ -274,6 +358,7 @@ class _Run:
         system = config.system_prompt if config.system_prompt is not None else default_system_prompt(profile)
         self.messages: list[ChatMessage] = [ChatMessage.system(system), ChatMessage.user(goal)]
         self.records: list[ToolCallRecord] = []
+        self.usage: list[StepUsage] = []
         self.step = 0
         self.failures: dict[str, int] = {}      # signature -> failures in a row, nothing succeeding between
         self.last_error: dict[str, str] = {}
@@ -298,12 +383,14 @@ class _Run:
             self.step += 1
             await self.emit("step", max_steps=self.config.max_steps)
             try:
-                text = await self.model.reply(self.messages, self.specs, thinking=self.config.thinking)
+                said = await self.ask()
             except PsymeshError as exc:
                 await self.emit("error", code=exc.code.value, message=exc.message, source="model")
                 raise
-            reply = parse_reply(text, self.specs)
-            self.messages.append(reply.to_message())
+            if said.usage is not None:
+                self.usage.append(said.usage)
+            reply = parse_reply(said.text, self.specs)
+            self.messages.append(reply.to_message(raw=said.raw))
             if reply.thinking:
                 await self.emit("thinking", text=reply.thinking)
             if reply.content:
@@ -320,6 +407,12 @@ class _Run:
         last = next((r for r in reversed(self.records) if not r.ok), None)
         why = f"; the last failure was {last.call.name}: {last.error['message']}" if last and last.error else ""
         return "max_steps", f"I stopped after {self.config.max_steps} steps without finishing{why}."
+
+    async def ask(self) -> ModelReply:
+        if isinstance(self.model, StepModel):
+            return await self.model.step(self.messages, self.specs, thinking=self.config.thinking,
+                                         max_think_tokens=self.config.max_think_tokens)
+        return ModelReply(await self.model.reply(self.messages, self.specs, thinking=self.config.thinking))
 
     async def handle(self, call: ToolCall) -> None:
         sig = _signature(call)
@@ -437,4 +530,4 @@ async def run_agent(
         answer = f"I ran out of time after {time.monotonic() - started:.1f} s, at step {run.step}, before finishing."
     await run.emit("final", answer=answer, stopped=stopped, steps=run.step)
     return AgentResult(answer=answer, steps=run.step, tool_calls=run.records, stopped=stopped,
-                       transcript=run.messages)
+                       transcript=run.messages, usage=run.usage)

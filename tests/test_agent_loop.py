@@ -30,6 +30,7 @@ from psymesh.agent.runtime import ModelSettings, ModelWorker
 from psymesh.agent.testmodel import special_token_ids, tiny_model_path
 from psymesh.agent.tools import Tool, ToolContext, ToolRegistry
 from psymesh.protocol.errors import ErrorCode
+from trained import canonical_bias
 
 NOW = datetime(2025, 6, 2, 9, 30)
 PHONE = ToolContext(profile="phone")
@@ -316,8 +317,42 @@ async def test_events_stream_every_step_in_order(device: DeviceState) -> None:
     assert model.prompts[0].endswith("<|im_start|>assistant\n<think>\n")  # thinking reached the prompt
 
 
+@pytest.mark.anyio
+@pytest.mark.parametrize("thinking", [True, False])
+async def test_each_prompt_is_the_last_one_plus_the_reply_as_written(device: DeviceState, thinking: bool) -> None:
+    """The history keeps every reply byte for byte (its raw text), so each step's prompt
+    extends the one before: what lets the runtime evaluate only the new tokens."""
+    think = "<think>\nChecking.\n</think>\n\n" if thinking else ""
+    replies = [think + "Checking Wi-Fi.  \n\n" + tool_call_text("wifi.set", {"enabled": "true"}),
+               think + tool_call_text("wifi.status"), think + "Wi-Fi is on."]
+    model = ScriptedModel(replies)
+    result = await run_agent("Turn Wi-Fi on.", model=model, tools=phone_tools(device), ctx=PHONE, profile="phone",
+                             config=AgentConfig(thinking=thinking))
+    assert result.stopped == "final" and [r.status for r in result.tool_calls] == ["ok", "ok"]
+    for before, reply, after in zip(model.prompts, replies, model.prompts[1:]):
+        written = reply.removeprefix("<think>\n")  # the prompt opened the thought the reply repeats
+        assert after.startswith(before + written + "<|im_end|>\n")
+    assert [m.raw is not None for m in result.transcript if m.role == "assistant"] == [True] * 3
+    assert result.usage == []  # a scripted model costs nothing
+
+
+class PlainModel:
+    """Only the AgentModel protocol: text in, text out (as evaluation harnesses write them)."""
+
+    async def reply(self, messages, tools, *, thinking=False) -> str:  # type: ignore[no-untyped-def]
+        return "Nothing to do."
+
+
+@pytest.mark.anyio
+async def test_a_model_with_only_reply_still_runs(device: DeviceState) -> None:
+    result = await run_agent("Hi.", model=PlainModel(), tools=phone_tools(device), ctx=PHONE, profile="phone")
+    assert (result.stopped, result.answer) == ("final", "Nothing to do.")
+    assert result.transcript[-1].raw is None and result.usage == []
+
+
 def test_config_is_validated() -> None:
-    for bad in ({"max_steps": 0}, {"repeat_limit": 0}, {"deadline_s": -1}, {"deadline_s": float("nan")}):
+    for bad in ({"max_steps": 0}, {"repeat_limit": 0}, {"deadline_s": -1}, {"deadline_s": float("nan")},
+                {"max_think_tokens": 0}):
         with pytest.raises(AgentError, match="bad agent config") as err:
             AgentConfig(**bad)  # type: ignore[arg-type]
         assert err.value.code is ErrorCode.BAD_REQUEST
@@ -354,9 +389,10 @@ def small_registry(lights: dict[str, bool]) -> ToolRegistry:
 async def test_real_model_with_grammar_runs_the_loop(tmp_path_factory: pytest.TempPathFactory,
                                                      template: str | None) -> None:
     path = tiny_model_path(tmp_path_factory.getbasetemp() / "models", chat_template=template)
-    tool_call_token = special_token_ids()["<tool_call>"]
-    # Random weights: keep to ASCII, and favour opening a call so the run takes several steps.
-    bias = {**{t: float("-inf") for t in range(128, 256)}, tool_call_token: 10.0}
+    # Random weights: keep to ASCII, spell text as a trained model would (so each reply can be
+    # continued, see tests/trained.py), and favour opening a call so the run takes several steps.
+    bias = {**{t: float("-inf") for t in range(128, 256)}, **canonical_bias(path),
+            special_token_ids()["<tool_call>"]: 100.0}
     lights: dict[str, bool] = {}
     rec = Recorder()
     async with ModelWorker(ModelSettings(path=path, n_ctx=8192, n_threads=2)) as worker:
@@ -373,8 +409,14 @@ async def test_real_model_with_grammar_runs_the_loop(tmp_path_factory: pytest.Te
     assert all(r.call.name in ("lights.set", "notes.add") for r in result.tool_calls)
     assert len(result.tool_calls) >= result.steps - 1
     assert stats.requests == result.steps
-    assert stats.prefix_hits + stats.continuation_hits == result.steps - 1  # later steps reuse the cache
-    assert stats.prompt_tokens_reused > 1000  # at least the system turn with the tool block, every time
+    # Each later step continues the model state of the one before: its raw reply is in the history.
+    assert stats.continuation_hits == result.steps - 1 and stats.misses == 1
+    assert len(result.usage) == result.steps
+    assert result.usage[0].prompt_tokens_evaluated == result.usage[0].prompt_tokens > 1000
+    for before, now in zip(result.usage, result.usage[1:]):
+        reused = now.prompt_tokens - now.prompt_tokens_evaluated
+        assert reused == before.prompt_tokens + before.completion_tokens  # the whole previous prompt and reply
+        assert now.prompt_tokens_evaluated < 120  # the tool result and the template's glue
 
 
 @pytest.mark.anyio
