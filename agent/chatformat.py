@@ -46,10 +46,10 @@ __all__ = [
     "Role",
     "ToolCall",
     "ToolSpec",
-    "generation_opening",
     "parse_reply",
     "render_prefix",
     "render_prompt",
+    "split_generation_prompt",
 ]
 
 Role = Literal["system", "user", "assistant", "tool"]
@@ -141,7 +141,7 @@ class ChatMessage(BaseModel):
     """One turn. `reasoning` is an assistant's `<think>` text; tool turns carry the result.
 
     `raw` (assistant turns only) is the turn as the model wrote it, opening included
-    (see :func:`generation_opening`); content, reasoning and calls are its parse.
+    (see :func:`split_generation_prompt`); content, reasoning and calls are its parse.
     """
 
     model_config = ConfigDict(frozen=True)
@@ -426,13 +426,16 @@ def _defanged(message: ChatMessage) -> ChatMessage:
     return message.model_copy(update={"content": content, "reasoning": reasoning, "raw": raw})
 
 
-def generation_opening(prompt: str) -> str:
-    """What the generation prompt already wrote of the assistant turn (after
-    ``<|im_start|>assistant\n``): ``<think>\n``, or the empty think block. The model
-    continues it, so the turn as the model saw it (:attr:`ChatMessage.raw`) is this
-    plus the generated text."""
+def split_generation_prompt(prompt: str) -> tuple[str, str]:
+    """(history, opening): the prompt is the history, ``<|im_start|>assistant\n``, then
+    the opening the generation prompt already wrote of the assistant turn (``<think>\n``,
+    or the empty think block). The model continues the opening, so the turn as the
+    model saw it (:attr:`ChatMessage.raw`) is the opening plus the generated text; the
+    history is where the runtime keeps a checkpoint of the conversation."""
     at = prompt.rfind(_ASSISTANT_HEADER)
-    return prompt[at + len(_ASSISTANT_HEADER):] if at >= 0 else ""
+    if at < 0:
+        return prompt, ""
+    return prompt[:at], prompt[at + len(_ASSISTANT_HEADER):]
 
 
 _PREFIX_SENTINEL = "\u2063psymesh-prefix-sentinel\u2063"

@@ -23,10 +23,10 @@ from psymesh.agent.chatformat import (
     ParsedReply,
     ToolCall,
     ToolSpec,
-    generation_opening,
     parse_reply,
     render_prefix,
     render_prompt,
+    split_generation_prompt,
 )
 from psymesh.protocol.errors import ErrorCode
 
@@ -181,8 +181,9 @@ def test_raw_turns_make_each_prompt_extend_the_last(template: str | None, thinki
     byte for byte, which is what lets the runtime continue instead of re-evaluating."""
     history = [ChatMessage.system("S"), ChatMessage.user("alarm at 7, then tell me")]
     prompt = first = render_prompt(history, TOOLS, thinking=thinking, template=template)
-    opening = generation_opening(prompt)
+    history_part, opening = split_generation_prompt(prompt)
     assert opening == ("<think>\n" if thinking else EMPTY_THINK)
+    assert prompt == history_part + "<|im_start|>assistant\n" + opening
     for reply_text in (_RAW_REPLY, "It is set, with vibration.  \n"):
         generated = ("Fine.\n</think>\n\n" if thinking else "") + reply_text
         reply = parse_reply(opening + generated, TOOLS)
@@ -200,7 +201,7 @@ def test_raw_turns_make_each_prompt_extend_the_last(template: str | None, thinki
             assert following.startswith(first[:first.rindex("<|im_start|>assistant")])
             assert "<|im_start|>assistant\nIt is set, with vibration.<|im_end|>" in following
             assert "<parameter=vibrate>\nTrue\n" in following
-        prompt, opening = following, generation_opening(following)
+        prompt, opening = following, split_generation_prompt(following)[1]
 
 
 def test_raw_text_is_defanged_and_belongs_to_assistant_turns() -> None:
