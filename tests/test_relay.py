@@ -266,7 +266,7 @@ async def test_home_behind_a_relay_is_reached_through_it_then_directly(namespace
 
 
 # ------------------------------------------------------------- address records (addrs.push)
-def test_an_address_record_is_its_peers_own_word() -> None:
+def test_an_address_record_is_its_peers_own_word(tmp_path: Path) -> None:
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
     from psymesh.node.db import open_db
@@ -289,7 +289,7 @@ def test_an_address_record_is_its_peers_own_word() -> None:
     with pytest.raises(ValueError):
         AddrRecord(peer_id=alice, addrs=(addr,), seq=1).sign(keys[1])
 
-    trust = TrustStore(open_db(":memory:"))
+    trust = TrustStore(open_db(tmp_path / "node.db"))
     trust.add(alice, name="alice", role="home", addrs=["/ip4/192.168.1.2/tcp/4001"], granted=None, received=None)
     assert trust.set_own_addrs(alice, [addr], 5) and trust.get(alice).addrs == [addr]
     assert not trust.set_own_addrs(alice, ["/ip4/10.9.9.9/tcp/1"], 4)  # an older record changes nothing
