@@ -40,6 +40,7 @@ from psymesh.protocol.framing import DEFAULT_MAX_FRAME_SIZE
 from psymesh.protocol.limits import Limits
 from psymesh.protocol.messages import Message, expect
 from psymesh.protocol.tasks import Outcome, TaskEvent
+from psymesh.protocol.web import DEFAULT_PAGE_CHARS, WebFetch, WebPage, WebResults, WebSearch
 
 R = TypeVar("R", bound=Message)
 
@@ -355,6 +356,35 @@ class Client:
         finally:
             await framed.aclose()
         return reply.answer
+
+    # -- web queries -------------------------------------------------------------------------
+    async def web_search(self, query: str, *, limit: int = 5, via: str | None = None, relay: str | None = None,
+                         hops: int | None = None) -> WebResults:
+        """Search the web through a trusted exit (this node opens no connection to the web).
+        `via`: the exit; `relay` or `hops=2`: sealed through a relay, so the exit never learns
+        who asked. Results are untrusted text."""
+        reply = await self.web_query(search=query, limit=limit, via=via, relay=relay, hops=hops)
+        assert reply.results is not None
+        return reply.results
+
+    async def web_fetch(self, url: str, *, max_chars: int = DEFAULT_PAGE_CHARS, via: str | None = None,
+                        relay: str | None = None, hops: int | None = None) -> WebPage:
+        """Fetch `url`'s readable text through a trusted exit (see web_search)."""
+        reply = await self.web_query(url=url, max_chars=max_chars, via=via, relay=relay, hops=hops)
+        assert reply.page is not None
+        return reply.page
+
+    async def web_query(self, *, search: str | None = None, url: str | None = None, limit: int = 5,
+                        max_chars: int = DEFAULT_PAGE_CHARS, via: str | None = None, relay: str | None = None,
+                        hops: int | None = None) -> c.WebQueryReply:
+        """A search (`search`) or a fetch (`url`), and the way it went (exit, relay)."""
+        if (search is None) == (url is None):
+            raise PsymeshError("give a search or a url, not both", code=ErrorCode.BAD_REQUEST)
+        query = (_checked(WebSearch, query=search, limit=limit) if search is not None
+                 else _checked(WebFetch, url=url, max_chars=max_chars))
+        request = _checked(c.WebQueryRequest, search=query if isinstance(query, WebSearch) else None,
+                           fetch=query if isinstance(query, WebFetch) else None, via=via, relay=relay, hops=hops)
+        return await self.request(request, c.WebQueryReply)
 
     # -- groups ----------------------------------------------------------------------------
     async def group_create(self, name: str, members: list[str] | None = None) -> c.GroupView:

@@ -58,6 +58,9 @@ from psymesh.node.session import Call, SessionPool, serve_session
 from psymesh.node.submitter import TaskSubmitter
 from psymesh.node.taskstore import ExecutorStore, Outbox
 from psymesh.node.trust import TrustStore
+from psymesh.node.web import WebKeys, WebRouter
+from psymesh.node.webserve import WebServer
+from psymesh.node.webtools import web_tools
 from psymesh.protocol import ids
 from psymesh.protocol.addresses import AddrsPush
 from psymesh.protocol.identity import is_peer_id
@@ -70,6 +73,7 @@ from psymesh.protocol.mailbox import MailAck, MailDeposit, MailFetch, MailKeyPus
 from psymesh.protocol.messaging import MsgSend, MsgSendMany
 from psymesh.protocol.pairing import PAIR_MAX_FRAME
 from psymesh.protocol.session import MAX_OPEN_REQUESTS
+from psymesh.protocol.web import WebAnswer, WebFetch, WebKeyPush, WebRelay, WebRequest, WebSealed, WebSearch
 from psymesh.protocol.tasks import TaskAck, TaskAcks, TaskAttach, TaskCancel, TaskCaps, TaskCapsReply, TaskInput, TaskList, TaskSubmit
 
 log = logging.getLogger("psymesh.node")
@@ -99,9 +103,17 @@ class Node:
                                     Liveness(self.config.liveness_probe_s, self.p2p.disconnect), path=self.p2p.path)
         self.relaying = Relaying(self.identity, self.config.relay, self.p2p, self.trust, self.sessions)
         self.reach = Reach(self.p2p, self.sessions, self.trust)
-        self.pairing = PairingService(self.identity, self.config, self.p2p, self.trust, self.push_manifest)
+        self.web = WebServer(self.config.web.exit, home, self.identity.private_key, self.identity.peer_id,
+                             gate=self.gate, audit=self.audit, trust=self.trust, sessions=self.sessions)
+        self.pairing = PairingService(self.identity, self.config, self.p2p, self.trust, self.push_manifest,
+                                      welcome=self.web.hand_key)
         self.models = ModelPool(ModelRegistry(self.db))
+        self.web_router = WebRouter(self.config.web, self.identity.peer_id, self.trust, self.sessions,
+                                    WebKeys(self.db))
         self.tools = node_tools(home, self.config)
+        if self.config.web.exit.exit or self.config.profile == "phone" or self.config.web.via:
+            for tool in web_tools(self._web_for_agent):
+                self.tools.register(tool)
         self.agents = AgentTaskRunner(self.models, self.tools, self.config.profile, self.config.share_dir,
                                       self.config.agent_model)
         self.executor = TaskExecutor(store=executor_store, gate=self.gate, trust=self.trust, tools=self.tools, models=self.models,
@@ -146,6 +158,11 @@ class Node:
             MailFetch: self.mailbox.fetch,
             MailAck: self.mailbox.ack,
             AddrsPush: self.relaying.receive,
+            WebSearch: self.web.serve,
+            WebFetch: self.web.serve,
+            WebSealed: self.web.serve_sealed,
+            WebRelay: self.web.relay,
+            WebKeyPush: self.web_router.keys.receive,
         }
         Owner(self).serve_on(self.control)
 
@@ -211,6 +228,7 @@ class Node:
                 await tg.start(self.mail.run)
                 await tg.start(self.discovery.run)
                 await tg.start(self.relaying.run)
+                await tg.start(self.web.run)
                 await tg.start(self.control.serve)
                 tg.start_soon(self._watch_signals, tg.cancel_scope)
                 log.info("node %s (%s) listening on %s", self.identity.peer_id, self.config.profile,
@@ -306,6 +324,14 @@ class Node:
         if await self._tell_subject(peer_id, notice.sign(self.identity.private_key), "its revocation",
                                     timeout=self.REVOCATION_NOTICE_S):
             self.trust.revocation_told(peer_id)
+
+    # -- web queries ----------------------------------------------------------------------
+    async def _web_for_agent(self, request: WebRequest, peer_id: str | None) -> WebAnswer:
+        """An agent's web.search / web.fetch: run here if we are an exit (for `peer_id`, held to
+        its grant), else sent through our route (the node's own agent only)."""
+        if self.config.web.exit.exit:
+            return await self.web.answer(request, peer_id)
+        return await self.web_router.query(request, self.web_router.route(request))
 
     # -- delegated tasks ----------------------------------------------------------------
     async def offers(self, peer_id: str) -> TaskCapsReply:

@@ -52,6 +52,8 @@ from psymesh.protocol.manifest import (
 )
 from psymesh.protocol.messages import Message
 from psymesh.protocol.relay import HOP, STOP
+from psymesh.protocol.oblivious import verify_exit_key
+from psymesh.protocol.web import WebKeyPush
 from psymesh.protocol.tasks import TaskSpec, TaskSubmit
 
 log = logging.getLogger("psymesh.gate")
@@ -136,6 +138,9 @@ class Gate:
             return Decision(True)
         if rule.need is Need.ISSUER and isinstance(request, AddrsPush):
             request.record.verify(sender=peer_id)
+            return Decision(True)
+        if rule.need is Need.ISSUER and isinstance(request, WebKeyPush):
+            verify_exit_key(request.key, exit=peer_id, now=now)
             return Decision(True)
         if rule.need is Need.ISSUER:
             assert isinstance(request, (ManifestPush, ManifestRevoke))

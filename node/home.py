@@ -42,6 +42,7 @@ from psymesh.protocol.identity import fingerprint, peer_id_from_public_key
 from psymesh.protocol.mailbox import MailSettings
 from psymesh.protocol.relay import RelaySettings
 from psymesh.protocol.strangers import StrangerLimits
+from psymesh.node.websettings import WebSettings
 
 Profile = Literal["home", "phone"]
 # Unix socket paths are limited to 108 bytes (sun_path); leave room for the NUL.
@@ -196,6 +197,9 @@ class NodeConfig(BaseModel):
     # this node's (node/bridgeconfig.py, docs/bridges.md).
     serve: ServeSettings = Field(default_factory=ServeSettings)
     mcp: list[McpServerConfig] = Field(default_factory=list)
+    # [web]: where this node's web queries go (a trusted exit, one or two hops); [web.exit]:
+    # serving other peers' queries, with the exit's address and size policy (node/webexit.py).
+    web: WebSettings = Field(default_factory=WebSettings)
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ from psymesh.protocol.manifest import PRESETS, Operation, check, new_manifest
 from psymesh.protocol.messages import Message
 from psymesh.protocol.messaging import Letter, LetterKind
 from psymesh.protocol.tasks import TaskSpec
+from psymesh.protocol.web import WebResults
 
 if TYPE_CHECKING:
     from psymesh.node.daemon import Node
@@ -71,6 +72,7 @@ class Owner:
             c.GroupRemoveRequest: self._group_remove,
             c.GroupListRequest: self._group_list,
             c.GroupSendRequest: self._group_send,
+            c.WebQueryRequest: self._web,
         }
         for request_type, handler in routes.items():
             control.route(request_type, handler)
@@ -334,3 +336,13 @@ class Owner:
     async def _group_send(self, req: c.GroupSendRequest, _: FramedStream) -> c.GroupSentReply:
         letters = self.node.groups.send(req.name, req.text, body=req.body)
         return c.GroupSentReply(group=req.name, letters=[self._written(letter) for letter in letters])
+
+    async def _web(self, req: c.WebQueryRequest, _: FramedStream) -> c.WebQueryReply:
+        request = req.search or req.fetch
+        assert request is not None  # the request model holds exactly one
+        router = self.node.web_router
+        route = router.route(request, via=req.via, relay=req.relay, hops=req.hops)
+        answer = await router.query(request, route)
+        if isinstance(answer, WebResults):
+            return c.WebQueryReply(results=answer, exit=route.exit, relay=route.relay)
+        return c.WebQueryReply(page=answer, exit=route.exit, relay=route.relay)

@@ -47,17 +47,20 @@ from psymesh.protocol.strangers import PairingGuard
 log = logging.getLogger("psymesh.pair")
 
 PushManifest = Callable[[str, Manifest], Awaitable[None]]
+Welcome = Callable[[str], Awaitable[object]]  # a peer just paired (either side): hand it what it needs from us
 
 
 class PairingService:
     def __init__(self, identity: Identity, config: NodeConfig, p2p: P2PNode, trust: TrustStore,
-                 push_manifest: PushManifest, clock: Callable[[], float] = time.time) -> None:
+                 push_manifest: PushManifest, welcome: Welcome | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
         self.identity = identity
         self.clock = clock  # wall time: when invites expire and grants are issued (a test moves it)
         self.config = config
         self.p2p = p2p
         self.trust = trust
         self.push_manifest = push_manifest
+        self.welcome = welcome
         self._invites: dict[int, Invite] = {}
         self.guard = PairingGuard(config.strangers)
         self._changed: dict[str, anyio.Event] = {}          # invite id -> set after each pairing run
@@ -145,6 +148,8 @@ class PairingService:
                                                 verification=result.verification, granted=result.manifest.grants())
         self._notify(invite)
         log.info("paired with %s (%s); verification: %s", result.name, result.peer_id, result.verification)
+        if self.welcome is not None:
+            await self.welcome(result.peer_id)
 
     # -- joiner --------------------------------------------------------------------
     async def join(self, req: c.PairJoinRequest, _: FramedStream) -> c.PairedReply:
@@ -179,6 +184,8 @@ class PairingService:
                               granted=granted_back, received=result.manifest)
         if granted_back is not None:
             await self.push_manifest(result.peer_id, granted_back)
+        if self.welcome is not None:
+            await self.welcome(result.peer_id)
         log.info("paired with %s (%s); verification: %s", result.name, result.peer_id, result.verification)
         return c.PairedReply(peer_id=peer.peer_id, name=peer.name, role=peer.role, verification=result.verification,
                              granted=granted_back.grants() if granted_back else [], received=result.manifest.grants())

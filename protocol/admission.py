@@ -10,13 +10,15 @@ serves has one, so a new service cannot skip the door by accident.
     grant        a grant of ours, in date (peer-level requests: ping, reach.dialback, task.attach)
     issuer       nothing of ours: the message carries a manifest (or a revocation) the
                  *sender* issued to *us*, validly signed (manifest.push, manifest.revoke),
-                 or the sender's own mail key or address record, signed by it (mail.key,
-                 addrs.push)
+                 or the sender's own mail key, address record or exit key, signed by it
+                 (mail.key, addrs.push, web.key)
 
 A batch (`msg.send_many`) is admitted twice over: the envelope by its own row (a grant in
 date, not charged), then each letter in it as the lone `msg.send` it stands for
 (`Gate.admit_each`): its capability checked by kind and payload, one unit charged, one
-audit row, a refusal refusing that letter only.
+audit row, a refusal refusing that letter only. A sealed web query (`web.sealed`) likewise:
+the envelope by a grant in date, not charged; what it holds, once the exit opened it, as the
+`web.search` / `web.fetch` it is, by the grant of the relay that brought it.
 
 `charged` requests spend one unit of the grant's `requests_per_minute`. The messages
 that follow a task already admitted (attach, ack, cancel, input) are not charged:
@@ -38,6 +40,7 @@ from psymesh.protocol.errors import ErrorCode, PsymeshError
 from psymesh.protocol.manifest import ManifestPush, ManifestRevoke, Operation
 from psymesh.protocol.messages import Message
 from psymesh.protocol.messaging import MsgSend, MsgSendMany
+from psymesh.protocol.web import WebFetch, WebKeyPush, WebRelay, WebSealed, WebSearch
 from psymesh.protocol.tasks import (
     TaskAck,
     TaskAcks,
@@ -87,6 +90,11 @@ REQUESTS: Mapping[type[Message], Rule] = {
     MailFetch: Rule("mail", Need.GRANT),
     MailAck: Rule("mail", Need.GRANT, charged=False),
     AddrsPush: Rule("addrs", Need.ISSUER, charged=False),
+    WebSearch: Rule("web", Need.CAPABILITY),
+    WebFetch: Rule("web", Need.CAPABILITY),
+    WebRelay: Rule("web", Need.CAPABILITY),
+    WebSealed: Rule("web", Need.GRANT, charged=False),  # what it holds: admitted as its WebSearch/WebFetch
+    WebKeyPush: Rule("web", Need.ISSUER, charged=False),
 }
 
 
@@ -103,7 +111,7 @@ def operation_for(request: Message) -> Operation | None:
         return task_operation(request.spec)
     if isinstance(request, MsgSend):
         return request.letter.operation()
-    if isinstance(request, MailDeposit):
+    if isinstance(request, (MailDeposit, WebSearch, WebFetch, WebRelay)):
         return request.operation()
     return None
 

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from typing import Annotated
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from psymesh.protocol.common import Error
 from psymesh.protocol.dialback import DialBackReply
@@ -33,6 +33,7 @@ from psymesh.protocol.limits import Limits
 from psymesh.protocol.messages import Message
 from psymesh.protocol.messaging import LetterId, LetterKind, Thread
 from psymesh.protocol.tasks import TaskKind, TaskState
+from psymesh.protocol.web import WebFetch, WebPage, WebResults, WebSearch
 
 
 class View(BaseModel):
@@ -527,6 +528,35 @@ class MsgAnswerReply(Message):
     type = "control.msg_answer"
     ask: SentLetter
     answer: InboxLetter
+
+
+class WebQueryRequest(Message):
+    """Run one web query through a trusted exit: exactly one of `search` / `fetch`. `via`
+    names the exit, `relay` the relay (two hops); unset, the node's `[web]` config and its
+    grants decide (see node/web.py)."""
+
+    type = "control.web"
+    search: WebSearch | None = None
+    fetch: WebFetch | None = None
+    via: str | None = Field(default=None, max_length=256)
+    relay: str | None = Field(default=None, max_length=256)
+    hops: Literal[1, 2] | None = None
+
+    @model_validator(mode="after")
+    def _one(self) -> "WebQueryRequest":
+        if (self.search is None) == (self.fetch is None):
+            raise ValueError("a web query is exactly one of search or fetch")
+        return self
+
+
+class WebQueryReply(Message):
+    """The answer (`results` for a search, `page` for a fetch), and the way it went."""
+
+    type = "control.web_reply"
+    results: WebResults | None = None
+    page: WebPage | None = None
+    exit: str
+    relay: str | None = None
 
 
 class GroupMember(View):

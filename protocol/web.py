@@ -12,6 +12,7 @@ phone's own grant (`web.search`; `web.fetch:domains=...`, checked again on every
 Two hops (Oblivious HTTP, RFC 9458, is the model): the phone seals the same request to the
 exit's HPKE key (`protocol/oblivious.py`) and hands it to a *relay* peer:
 
+    web.key    {key}                   -> web.key_ok                      exit -> each paired peer
     web.relay  {exit, sealed}          -> web.sealed_reply {sealed}      phone -> relay
     web.sealed {sealed}                -> web.sealed_reply {sealed}      relay -> exit
 
@@ -29,6 +30,7 @@ from psymesh.protocol.errors import PsymeshError
 from psymesh.protocol.identity import public_key_from_peer_id
 from psymesh.protocol.manifest import Operation
 from psymesh.protocol.messages import Message
+from psymesh.protocol.oblivious import ExitKey
 
 MAX_QUERY_CHARS = 512
 MAX_URL_CHARS = 2048
@@ -145,3 +147,15 @@ class WebSealedReply(Message):
     type = "web.sealed_reply"
     sealed: bytes = Field(min_length=1, max_length=MAX_SEALED_BYTES)
 
+
+
+class WebKeyPush(Message):
+    """An exit hands a paired peer its HPKE key, signed by its identity key (at start and
+    with every grant it issues), so the peer can seal queries to it through a relay."""
+
+    type = "web.key"
+    key: ExitKey
+
+
+class WebKeyOk(Message):
+    type = "web.key_ok"

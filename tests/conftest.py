@@ -18,8 +18,10 @@ import anyio
 
 
 @contextlib.asynccontextmanager
-async def run_nodes(tmp_path: Path, *names: str, profiles: dict[str, str] | None = None) -> AsyncIterator[dict]:
-    """Run in-process daemons (one per name) under one task group; cancel them all on exit."""
+async def run_nodes(tmp_path: Path, *names: str, profiles: dict[str, str] | None = None,
+                    configs: dict[str, dict] | None = None) -> AsyncIterator[dict]:
+    """Run in-process daemons (one per name) under one task group; cancel them all on exit.
+    `configs[name]`: config.toml fields to set on that node (as NodeConfig values)."""
     from psymesh.node.daemon import Node
     from psymesh.node.home import NodeHome
 
@@ -29,7 +31,8 @@ async def run_nodes(tmp_path: Path, *names: str, profiles: dict[str, str] | None
         for name in names:
             home = NodeHome(tmp_path / name)
             home.init(profile=profiles.get(name, "home"), name=name)  # type: ignore[arg-type]
-            config = home.load_config().model_copy(update={"listen": ["/ip4/127.0.0.1/tcp/0"]})
+            update = {"listen": ["/ip4/127.0.0.1/tcp/0"], **(configs or {}).get(name, {})}
+            config = home.load_config().model_copy(update=update)
             node = Node(home, config)
             await tg.start(node.run)
             nodes[name] = node
@@ -40,3 +43,11 @@ async def run_nodes(tmp_path: Path, *names: str, profiles: dict[str, str] | None
 
 
 from psymesh.node.process import pair_homes as pair  # noqa: E402  (tests say `pair(home, phone)`)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A generated GGUF in the BotPsy chat format (psymesh.agent.testmodel), made once per run."""
+    from psymesh.agent.testmodel import tiny_model_path
+
+    return tiny_model_path(tmp_path_factory.getbasetemp() / "models")

@@ -24,7 +24,6 @@ import pytest
 
 from conftest import pair, run_nodes
 from psymesh.agent.loop import ScriptedModel, tool_call_text
-from psymesh.agent.testmodel import tiny_model_path
 from psymesh.agent.tools import tool_from_function
 from psymesh.node import agents
 from psymesh.node.client import Client, TaskHandle
@@ -40,11 +39,6 @@ REPO = Path(__file__).resolve().parent.parent
 MODEL = {"n_ctx": 16384, "n_threads": 1}
 # Random weights: with this goal and seed the grammar-constrained model calls system.info.
 GOAL, CALLING_SEED = "Show system info.", 26
-
-
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tiny_model_path(tmp_path_factory.getbasetemp() / "models")
 
 
 async def _events(handle: TaskHandle) -> list[TaskEvent]:

@@ -15,7 +15,6 @@ import pytest
 from conftest import pair, run_nodes
 from waiting import wait_until
 from psymesh.agent.loop import ScriptedModel, tool_call_text
-from psymesh.agent.testmodel import tiny_model_path
 from psymesh.agent.tools import tool_from_function
 from psymesh.node import agents
 from psymesh.node.answering import answer_id
@@ -26,11 +25,6 @@ from psymesh.protocol.messaging import LetterKind
 
 pytestmark = pytest.mark.anyio
 MODEL = {"n_ctx": 16384, "n_threads": 1}
-
-
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tiny_model_path(tmp_path_factory.getbasetemp() / "models")
 
 
 class _Notes:

@@ -23,7 +23,6 @@ import anyio
 import pytest
 from waiting import wait_until
 
-from psymesh.agent.testmodel import tiny_model_path
 from psymesh.node.client import Client
 from psymesh.node.db import open_db
 from psymesh.node.models import ModelRegistry
@@ -78,11 +77,6 @@ def plugin_log(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setenv("PYTHONPATH", str(site))
     monkeypatch.setenv("CHAOS_TOOL_LOG", str(log))
     return log
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tiny_model_path(tmp_path_factory.mktemp("models"))
 
 
 def _free_port() -> int:

@@ -40,6 +40,9 @@ from psymesh.protocol.tasks import (
     TaskSubmit,
 )
 
+from psymesh.protocol.oblivious import ExitSecret
+from psymesh.protocol.web import WebFetch, WebKeyPush, WebRelay, WebSealed, WebSearch
+
 pytestmark = pytest.mark.anyio
 OK = "ok"  # allowed: the service answered (whatever it said)
 
@@ -78,7 +81,17 @@ def requests_from(peer: Node, home: Node, n: int) -> dict[type[Message], Message
         AddrsPush: AddrsPush(record=AddrRecord(peer_id=peer.identity.peer_id, seq=n,
                                                addrs=(f"/ip4/127.0.0.1/tcp/1/p2p/{peer.identity.peer_id}",))
                              .sign(peer.identity.private_key)),
+        # home is no web exit: once let in, these are answered `unavailable` by the service
+        WebSearch: WebSearch(query="door"),
+        WebFetch: WebFetch(url="http://127.0.0.1:1/door"),
+        WebSealed: WebSealed(sealed=bytes(64)),
+        WebRelay: WebRelay(exit=STRANGER_ID, sealed=bytes(64)),   # an exit home is not paired with
+        WebKeyPush: WebKeyPush(key=ExitSecret.generate(1).public(peer.identity.private_key, peer.identity.peer_id,
+                                                                  now=time.time(), ttl_s=3600)),
     }
+
+
+STRANGER_ID = "12D3KooWRpx9AHSGygNZvwDQB6XaVnnA3CXTGFgmHNYLwQbaGAGy"  # nobody's: no node here has this key
 
 
 # What each standing is answered, per rule ("capability", "grant", "issuer"): an error code,
@@ -122,7 +135,7 @@ async def test_every_request_of_every_service_against_every_standing(tmp_path: P
         async with Client(home.home.path) as h:
             await h.grant("nocap", ["tool:nothing.here"])
             await h.grant("expired", ["tool:*"], expires_s=60)
-            await h.grant("allowed", ["tool:*", "msg.send", "mail.deposit"])
+            await h.grant("allowed", ["tool:*", "msg.send", "mail.deposit", "web.search", "web.fetch", "web.relay"])
             await h.grant("revoked", ["tool:*"])
         # revoked without being told (its notice lost): it may still call, and hears unknown_peer
         home.trust.revoke(nodes["revoked"].identity.peer_id)

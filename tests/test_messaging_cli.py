@@ -12,7 +12,6 @@ import pytest
 
 from conftest import pair, run_nodes
 from psymesh.agent.loop import ScriptedModel
-from psymesh.agent.testmodel import tiny_model_path
 from psymesh.node import agents
 from psymesh.node.client import Client
 from psymesh.node.db import open_db
@@ -24,11 +23,6 @@ from psymesh.protocol.messaging import LetterKind
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL = {"n_ctx": 16384, "n_threads": 1}
-
-
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tiny_model_path(tmp_path_factory.getbasetemp() / "models")
 
 
 def _command(home: Path, *args: str) -> list[str]:

@@ -22,7 +22,6 @@ import psymesh
 from waiting import wait_until
 from psymesh.protocol.session import SessionEnd
 from conftest import run_nodes
-from psymesh.agent.testmodel import tiny_model_path
 from psymesh.agent.tools import ToolContext, tool_from_function
 from psymesh.node.client import Client, TaskHandle
 from psymesh.node.daemon import Node
@@ -50,11 +49,6 @@ CAPS = ["task.infer", "tool:system.info", "tool:files.*", "tool:test.*"]
 # Load tests need more than the phone preset's 60 requests/min and 2 unfinished tasks.
 ROOMY = Limits(requests_per_minute=100_000, concurrent_tasks=64, max_runtime_s=600, max_payload_bytes=1 << 20)
 GREEDY = {"ban_bytes": True, "seed": 1, "temperature": 0}
-
-
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tiny_model_path(tmp_path_factory.mktemp("models"))
 
 
 def _mesh(tmp_path: Path, *homes: str,

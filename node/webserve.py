@@ -1,0 +1,201 @@
+"""The serving side of private web queries: this node as an *exit* and as a *relay*.
+
+    web.search / web.fetch   a paired peer's own query (one hop): the door admitted it by the
+                             peer's grant; the exit runs it (node/webexit.py) and answers
+    web.sealed               a query sealed to our exit key, forwarded by a relay: the door
+                             admitted the envelope (the relay holds a grant of ours); we open
+                             it, admit what is inside by the *relay's* grant through the same
+                             door (as `msg.send_many` admits each letter), run it, and seal the
+                             answer (or the refusal) so only the asker can read it
+    web.relay                a paired peer hands us a sealed query for an exit we are paired
+                             with: we pass it on and pass the sealed answer back, blind
+
+Every query an exit runs is one more row in its audit log (`web.exit`: what was asked, for
+whom, the outcome), beside the door's admission row. A relayed query's row names the relay:
+the exit never learns who asked.
+
+The exit's HPKE key (protocol/oblivious.py) lives in the home, 0600; its public half, signed
+by our identity key, goes to every paired peer at start and with every grant we hand out, so
+a phone holds it before it needs it (fetching it at query time would tell the exit when the
+phone is about to ask).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from contextlib import AsyncExitStack
+
+import anyio
+import anyio.abc
+
+from psymesh.node.audit import AuditLog
+from psymesh.node.gate import Gate
+from psymesh.node.home import NodeHome
+from psymesh.node.session import Call, SessionPool
+from psymesh.node.trust import TrustStore
+from psymesh.node.webexit import ExitSettings, WebExit
+from psymesh.protocol.common import Error
+from psymesh.protocol.errors import ErrorCode, PsymeshError
+from psymesh.protocol.manifest import Operation, check
+from psymesh.protocol.messages import Message, pack, unpack
+from psymesh.protocol.oblivious import ExitKey, ExitSecret, Gateway
+from psymesh.protocol.web import (
+    WebAnswer,
+    WebFetch,
+    WebKeyOk,
+    WebKeyPush,
+    WebRelay,
+    WebRequest,
+    WebSealed,
+    WebSealedReply,
+    WebSearch,
+)
+
+log = logging.getLogger("psymesh.web")
+
+EXIT_KEY_FILE = "web-exit.key"
+EXIT_KEY_TTL_S = 30 * 86400.0
+OUTCOME = "web.exit"          # the audit service of an exit's outcome rows
+SEALED = "web.sealed"         # the audit service of a sealed query's inner admission
+KEY_PUSH_TIMEOUT_S = 10.0
+
+class WebServer:
+    """This node's exit (when `[web.exit] exit = true`) and relay (always: the door decides)."""
+
+    def __init__(self, settings: ExitSettings, home: NodeHome, identity_key: object, peer_id: str, *,
+                 gate: Gate, audit: AuditLog, trust: TrustStore, sessions: SessionPool,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.settings = settings
+        self.peer_id = peer_id
+        self.gate = gate
+        self.audit = audit
+        self.trust = trust
+        self.sessions = sessions
+        self.clock = clock
+        self._exit: WebExit | None = None
+        self._secret: ExitSecret | None = None
+        self._key: ExitKey | None = None
+        self._gateway: Gateway | None = None
+        if settings.exit:
+            self._secret = _load_secret(home)
+            self._key = self._secret.public(identity_key, peer_id, now=clock(), ttl_s=EXIT_KEY_TTL_S)  # type: ignore[arg-type]
+            self._gateway = Gateway({self._secret.key_id: self._secret})
+
+    @property
+    def key(self) -> ExitKey | None:
+        """Our signed exit key, if we are an exit."""
+        return self._key
+
+    async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Hold the exit's HTTP client open for the node's life; hand every paired peer our key."""
+        async with AsyncExitStack() as stack:
+            if self.settings.exit:
+                self._exit = await stack.enter_async_context(WebExit(self.settings))
+            task_status.started()
+            if self._key is not None:
+                async with anyio.create_task_group() as tg:
+                    for peer in self.trust.list(include_revoked=False):
+                        tg.start_soon(self.hand_key, peer.peer_id)
+            await anyio.sleep_forever()
+
+    async def hand_key(self, peer_id: str) -> bool:
+        """Give `peer_id` our signed exit key (best effort: it comes again when we next start)."""
+        if self._key is None:
+            return False
+        try:
+            with anyio.fail_after(KEY_PUSH_TIMEOUT_S):
+                await self.sessions.request(peer_id, WebKeyPush(key=self._key), WebKeyOk,
+                                            timeout=KEY_PUSH_TIMEOUT_S)
+            return True
+        except (PsymeshError, TimeoutError) as exc:
+            log.info("could not hand %s our exit key: %s", peer_id, exc)
+            return False
+
+    # -- one hop ----------------------------------------------------------------------
+    async def serve(self, call: Call) -> Message:
+        """A paired peer's own web.search / web.fetch (admitted by its grant at the door)."""
+        request = call.request
+        assert isinstance(request, (WebSearch, WebFetch))
+        return await self.answer(request, call.peer_id)
+
+    async def answer(self, request: WebRequest, peer_id: str | None) -> WebAnswer:
+        """Run `request` for `peer_id` (None: this node's owner, held to nothing but the exit's
+        own policy); one outcome row in the audit log."""
+        exit_ = self._exit
+        if exit_ is None:
+            raise PsymeshError("this node is not a web exit ([web.exit] exit = true turns it on)",
+                               code=ErrorCode.UNAVAILABLE)
+        what = f"search {request.query!r}" if isinstance(request, WebSearch) else f"fetch {request.url}"
+        now = self.clock()
+        try:
+            if isinstance(request, WebSearch):
+                answer: WebAnswer = await exit_.search(request)
+            else:
+                answer = await exit_.fetch(request, host_allowed=self._hosts_for(peer_id))
+        except PsymeshError as exc:
+            self.audit.record(peer_id or self.peer_id, OUTCOME, what[:300], False, exc.code.value, exc.message,
+                              now=now)
+            raise
+        self.audit.record(peer_id or self.peer_id, OUTCOME, what[:300], True, now=now)
+        return answer
+
+    def _hosts_for(self, peer_id: str | None) -> Callable[[str], bool]:
+        """Every hop of a fetch (redirects too) is held to the peer's `web.fetch` domains."""
+        if peer_id is None:
+            return lambda host: True
+
+        def allowed(host: str) -> bool:
+            peer = self.trust.get(peer_id)
+            if peer is None or peer.granted is None:
+                return False
+            try:
+                op = Operation(name="web.fetch", domain=host)
+            except ValueError:
+                return False
+            return check(peer.granted, op, local_peer_id=self.peer_id, remote_peer_id=peer_id,
+                         now=self.clock()).allowed
+        return allowed
+
+    # -- two hops: the exit's part ----------------------------------------------------------
+    async def serve_sealed(self, call: Call) -> Message:
+        """A query sealed to our key, brought by a relay (`call.peer_id`)."""
+        assert isinstance(call.request, WebSealed)
+        if self._gateway is None:
+            raise PsymeshError("this node is not a web exit ([web.exit] exit = true turns it on)",
+                               code=ErrorCode.UNAVAILABLE)
+        body, sealer = self._gateway.open(call.request.sealed, now=self.clock())
+        try:
+            inner = unpack(body)
+            if not isinstance(inner, (WebSearch, WebFetch)):
+                raise PsymeshError(f"{inner.type!r} cannot be sent sealed", code=ErrorCode.BAD_REQUEST)
+            self.gate.admit(call.peer_id, SEALED, inner)
+            answer: Message = await self.answer(inner, call.peer_id)
+        except PsymeshError as exc:
+            answer = Error.from_exception(exc)
+        return WebSealedReply(sealed=sealer.seal(pack(answer)))
+
+    # -- two hops: the relay's part ----------------------------------------------------------
+    async def relay(self, call: Call) -> Message:
+        """Pass a sealed query to the exit it names (one we are paired with) and its answer back."""
+        request = call.request
+        assert isinstance(request, WebRelay)
+        exit_peer = self.trust.get(request.exit)
+        if exit_peer is None or exit_peer.revoked:
+            raise PsymeshError(f"this relay is not paired with exit {request.exit}", code=ErrorCode.NOT_FOUND)
+        if request.exit == call.peer_id:
+            raise PsymeshError("a relayed query must go to another peer than the asker", code=ErrorCode.BAD_REQUEST)
+        return await self.sessions.request(request.exit, WebSealed(sealed=request.sealed), WebSealedReply,
+                                           timeout=self.settings.timeout_s * (self.settings.max_redirects + 1) + 5)
+
+
+def _load_secret(home: NodeHome) -> ExitSecret:
+    """The exit key kept in the home (0600), made on first use."""
+    path = home.private_file(EXIT_KEY_FILE)
+    data = path.read_bytes()
+    if data:
+        return ExitSecret.from_bytes(data)
+    secret = ExitSecret.generate(key_id=1)
+    path.write_bytes(secret.to_bytes())
+    return secret
+
