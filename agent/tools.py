@@ -54,6 +54,7 @@ __all__ = [
     "ToolSpec",
     "invoke",
     "load_entry_points",
+    "schema_for_prompt",
     "tool_from_function",
 ]
 
@@ -241,7 +242,12 @@ _FORMAT_HINTS = {"date": "YYYY-MM-DD", "date-time": "YYYY-MM-DDTHH:MM", "time": 
 def prompt_schema(model: type[BaseModel]) -> dict[str, Any]:
     """The plain JSON schema of `model` for the model prompt: refs inlined, optionals
     collapsed, only type/properties/required/description/enum/items and bounds kept."""
-    raw = model.model_json_schema()
+    return schema_for_prompt(model.model_json_schema())
+
+
+def schema_for_prompt(raw: Mapping[str, Any]) -> dict[str, Any]:
+    """An object's JSON schema from elsewhere (an MCP server's `inputSchema`) cleaned as
+    :func:`prompt_schema` cleans ours."""
     out = _clean(raw, raw.get("$defs", {}))
     out["type"] = "object"
     out.setdefault("properties", {})
