@@ -227,6 +227,59 @@ def _service_change(home: str | None, out: Output, platform_name: str | None, dr
     out.data(data, human)
 
 
+# -- bridges: HTTP faces for apps of other ecosystems (docs/bridges.md) -----------------------
+
+
+@main.group()
+def serve() -> None:
+    """Serve this node's models to apps that speak another API (OpenAI)."""
+
+
+@serve.command("openai")
+@command
+@click.option("--host", default=None, help="Address to bind (default: [serve.openai] host, 127.0.0.1).")
+@click.option("--port", type=click.IntRange(0, 65535), default=None,
+              help="Port (default: [serve.openai] port, 8080; 0: any free port, logged at start).")
+@click.option("--api-key", envvar="PSYMESH_OPENAI_API_KEY", default=None,
+              help="Key clients must send as `Authorization: Bearer KEY` (also $PSYMESH_OPENAI_API_KEY; a command "
+                   "line is visible to other local users, a key file is not).")
+@click.option("--api-key-file", type=click.Path(dir_okay=False, exists=True), default=None,
+              help="A file holding the key.")
+@click.option("--save", is_flag=True, help="Also write these settings to config.toml ([serve.openai] enabled), so "
+                                           "`node start` serves the endpoint from now on.")
+@click.option("--log-json", is_flag=True, help="Log one JSON object per line (stderr).")
+def serve_openai(home: str | None, out: Output, host: str | None, port: int | None, api_key: str | None,
+                 api_key_file: str | None, save: bool, log_json: bool) -> None:
+    """Run the node in the foreground with its OpenAI-compatible endpoint on, until SIGINT/SIGTERM.
+
+    Models are this node's (`tiny`) and, as `PEER/MODEL` (`home/tiny`), those of paired
+    peers that granted this node task.infer. A daemon already running for this home keeps
+    running without it: stop it first, or set [serve.openai] enabled = true and restart it.
+    """
+    from pydantic import SecretStr
+
+    from psymesh.node.daemon import Node
+    from psymesh.node.logs import setup_logging
+
+    node_home = NodeHome(home)
+    node_home.init()
+    config = node_home.load_config()
+    given = {"host": host, "port": port,
+             "api_key_file": str(Path(api_key_file).resolve()) if api_key_file else None}
+    settings = config.serve.openai.model_copy(
+        update={"enabled": True, **{k: v for k, v in given.items() if v is not None}})
+    if save:
+        if api_key:
+            raise PsymeshError("--save keeps no key given on the command line; put it in a file (mode 0600) and "
+                               "use --api-key-file", code=ErrorCode.BAD_REQUEST)
+        node_home.save_config(config.model_copy(update={"serve": config.serve.model_copy(update={"openai": settings})}))
+    if api_key:
+        settings = settings.model_copy(update={"api_key": SecretStr(api_key)})
+    config = config.model_copy(update={"serve": config.serve.model_copy(update={"openai": settings})})
+    setup_logging(json_lines=log_json or config.log_json)
+    run_async(Node(node_home, config).run)
+
+
 @main.command()
 @command
 def status(home: str | None, out: Output) -> None:

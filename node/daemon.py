@@ -3,8 +3,10 @@
     Node.run()
       ├── P2PNode.run          libp2p host (Noise + yamux over TCP), our protocol handlers
       ├── SessionPool.run      one outbound session per peer (+ a liveness watcher each)
+      ├── McpTools.run         [[mcp]] servers' tools mounted as mcp.NAME.*, restarted when they die
       ├── TaskExecutor.run     recover unfinished tasks, N workers, expiry/purge housekeeping
       ├── TaskSubmitter.run    one driver per unfinished delegated task
+      ├── OpenAIEndpoint.run   [serve.openai]: an OpenAI-compatible HTTP endpoint (node/openai_api.py)
       ├── Messaging.run        one courier per recipient with letters to deliver
       ├── Answering.run        peers' asks answered by the agent, one at a time (node/answering.py)
       ├── Mailbox.run          mail held for peers that named this node: expiry housekeeping
@@ -26,6 +28,7 @@ import logging
 import signal
 import time
 from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
 
 import anyio
 import anyio.abc
@@ -42,6 +45,7 @@ from psymesh.node.gate import Gate
 from psymesh.node.groups import Groups
 from psymesh.node.home import NodeConfig, NodeHome
 from psymesh.node.logs import fields
+from psymesh.node.mcp_tools import McpTools
 from psymesh.node.p2p import P2PNode, P2PStream
 from psymesh.node.relay import Relaying
 from psymesh.node.pairing import PairingService
@@ -75,6 +79,9 @@ from psymesh.protocol.pairing import PAIR_MAX_FRAME
 from psymesh.protocol.session import MAX_OPEN_REQUESTS
 from psymesh.protocol.web import WebAnswer, WebFetch, WebKeyPush, WebRelay, WebRequest, WebSealed, WebSearch
 from psymesh.protocol.tasks import TaskAck, TaskAcks, TaskAttach, TaskCancel, TaskCaps, TaskCapsReply, TaskInput, TaskList, TaskSubmit
+
+if TYPE_CHECKING:
+    from psymesh.node.openai_api import OpenAIEndpoint
 
 log = logging.getLogger("psymesh.node")
 
@@ -111,7 +118,7 @@ class Node:
         self.web_router = WebRouter(self.config.web, self.identity.peer_id, self.trust, self.sessions,
                                     WebKeys(self.db))
         self.tools = node_tools(home, self.config)
-        if self.config.web.exit.exit or self.config.profile == "phone" or self.config.web.via:
+        if self.config.web.exit.enabled or self.config.profile == "phone" or self.config.web.via:
             for tool in web_tools(self._web_for_agent):
                 self.tools.register(tool)
         self.agents = AgentTaskRunner(self.models, self.tools, self.config.profile, self.config.share_dir,
@@ -132,6 +139,14 @@ class Node:
         self.discovery = Discovery(self.identity.peer_id, mdns=self.config.mdns, static_peers=self.config.static_peers,
                                    host=self.p2p, peers=self.trust,
                                    probe=lambda peer_id: self.sessions.request(peer_id, Ping(seq=0), Pong))
+        # Bridges (docs/bridges.md): MCP servers' tools join self.tools; apps speaking OpenAI's API get
+        # this node's models, and its paired homes' (imported only when on: it brings an HTTP server).
+        self.mcp = McpTools(self.config.mcp, self.tools, home.path)
+        self.openai: OpenAIEndpoint | None = None
+        if self.config.serve.openai.enabled:
+            from psymesh.node.openai_api import OpenAIEndpoint
+
+            self.openai = OpenAIEndpoint(self, self.config.serve.openai)
         self._root: anyio.CancelScope | None = None
         self._tg: anyio.abc.TaskGroup | None = None
         self._register_services()
@@ -220,8 +235,11 @@ class Node:
                 await tg.start(Checkpointer(self.home.db_path).run)
                 await tg.start(self.p2p.run)
                 await tg.start(self.sessions.run)
+                await tg.start(self.mcp.run)  # before the executor requeues tasks that may call MCP tools
                 await tg.start(self.executor.run)
                 await tg.start(self.submitter.run)
+                if self.openai is not None:
+                    await tg.start(self.openai.run)
                 await tg.start(self.messaging.run)
                 await tg.start(self.answering.run)
                 await tg.start(self.mailbox.run)
@@ -329,7 +347,7 @@ class Node:
     async def _web_for_agent(self, request: WebRequest, peer_id: str | None) -> WebAnswer:
         """An agent's web.search / web.fetch: run here if we are an exit (for `peer_id`, held to
         its grant), else sent through our route (the node's own agent only)."""
-        if self.config.web.exit.exit:
+        if self.config.web.exit.enabled:
             return await self.web.answer(request, peer_id)
         return await self.web_router.query(request, self.web_router.route(request))
 
