@@ -5,6 +5,7 @@ temporary directory and both daemons are shut down cleanly at the end (or on err
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import tempfile
@@ -16,6 +17,7 @@ import anyio
 from rich.console import Console
 from rich.markup import escape
 
+from localweb import local_web
 from psymesh.node.process import DaemonProcess
 from psymesh.protocol.control import StatusReply
 from psymesh.protocol.errors import RemoteError
@@ -28,6 +30,7 @@ class Demo:
     workdir: Path
     home: DaemonProcess
     phone: DaemonProcess
+    web: str = ""           # the demo's local "web" (examples/localweb.py), which home fetches from
     status: dict[str, StatusReply] = field(default_factory=dict)
 
 
@@ -251,19 +254,81 @@ async def ask_home(d: Demo) -> None:
     con.print(f"   {escape(answer.text[:80])!r}...")
 
 
+async def web_through_home(d: Demo) -> None:
+    step("Web queries: the phone never touches the web; home (its exit) searches and fetches for it")
+    async with d.phone.client() as phone:
+        found = await phone.web_search("island ferry")
+        for hit in found.hits:
+            con.print(f"   search hit: {escape(hit.title)}  {hit.url}")
+        page = await phone.web_fetch(found.hits[0].url)
+    con.print(f"phone: fetched {page.final_url} through home: {escape(page.text[:90])!r}... (untrusted text)")
+
+    step("The phone's agent looks it up (scripted stand-in for BotPsy; web.search and web.fetch go through home)")
+    from psymesh.agent.loop import ScriptedModel, run_agent, tool_call_text
+    from psymesh.agent.tools import ToolContext, ToolRegistry
+    from psymesh.node.webtools import web_tools
+    from psymesh.protocol.web import WebAnswer, WebRequest, WebSearch
+
+    async with d.phone.client() as phone:
+        async def through_phone(request: WebRequest, _peer: str | None) -> WebAnswer:
+            if isinstance(request, WebSearch):
+                return await phone.web_search(request.query, limit=request.limit)
+            return await phone.web_fetch(request.url, max_chars=request.max_chars)
+
+        async def show(ev) -> None:
+            if ev.kind == "tool_call":
+                con.print(f"   -> {ev.data['name']}({json.dumps(ev.data['arguments'])})")
+            elif ev.kind == "tool_result":
+                con.print(f"   <- {escape(json.dumps(ev.data.get('result', ev.data.get('error')))[:110])}...")
+
+        model = ScriptedModel([tool_call_text("web.search", {"query": "last ferry back from the island"}),
+                               tool_call_text("web.fetch", {"url": d.web + "/ferries"}),
+                               "The last ferry back from the island leaves at 19:30."])
+        run = await run_agent("When is the last ferry back from the island?", model=model,
+                              tools=ToolRegistry(web_tools(through_phone)), ctx=ToolContext(profile="phone"),
+                              profile="phone", emit=show)
+    con.print(f"phone: {run.answer}")
+
+    step("Two hops: sealed to home's key and passed through a third node, so home never learns who asked")
+    friend = DaemonProcess(d.workdir / "friend", name="friend")
+    friend_id = (await friend.start()).peer_id
+    try:
+        from psymesh.node.process import pair_homes
+
+        await pair_homes(d.home.home, friend.home, grant="messaging")
+        await pair_homes(friend.home, d.phone.home, grant="messaging")
+        async with d.home.client() as home, friend.client() as f:
+            await home.grant("friend", ["web.search", "web.fetch"])   # home serves what friend forwards
+            await f.grant("phone", ["web.relay"])                      # friend forwards for the phone
+        async with d.phone.client() as phone:
+            page = await phone.web_fetch(d.web + "/market", relay="friend")
+        con.print(f"phone: {escape(page.text[:70])!r}... (through friend, which passed sealed bytes only)")
+        async with d.home.client() as home:
+            row = [r for r in await home.audit(limit=100) if r.protocol == "web.exit"][-1]
+        con.print(f" home: its log says {row.operation!r} was asked by "
+                  f"{'friend' if row.peer_id == friend_id else row.peer_id}, not by the phone")
+    finally:
+        await friend.stop()
+
+
 STEPS: list[Callable[[Demo], Awaitable[None]]] = [
     start_nodes, pair_by_code, ping_both_ways, allowed_and_refused, delegate_tasks,
     agent_on_the_phone, agent_delegated_home, exchange_letters, letter_to_a_sleeping_phone, ask_home,
+    web_through_home,
 ]
 
 
-def prepare_nodes(work: Path) -> list[str]:
+def prepare_nodes(work: Path, web: str) -> list[str]:
     """A share dir for the files.* tools and a tiny generated model on both nodes (no downloads
-    here; one token per character, hence the large context)."""
+    here; one token per character, hence the large context); home is the phone's web exit,
+    searching and fetching from the demo's local web at `web`."""
     from psymesh.agent.testmodel import make_tiny_gguf
     from psymesh.node.db import open_db
     from psymesh.node.home import NodeHome
     from psymesh.node.models import ModelRegistry
+    from psymesh.node.webexit import ExitSettings
+    from psymesh.node.websearch import SearchSettings
+    from psymesh.node.websettings import WebSettings
 
     share = work / "share"
     (share / "notes").mkdir(parents=True)
@@ -276,15 +341,20 @@ def prepare_nodes(work: Path) -> list[str]:
         ModelRegistry(open_db(node.db_path)).add("tiny", model, n_ctx=16384, n_threads=1)
     phone = NodeHome(work / "phone")  # home keeps the phone's letters while it sleeps
     phone.save_config(phone.load_config().model_copy(update={"mailbox": "home"}))
+    home = NodeHome(work / "home")  # the demo's web is on 127.0.0.1: a real exit refuses loopback
+    search = SearchSettings(backend="json", url=web + "/search?q={query}")
+    exit_ = ExitSettings(enabled=True, allow_loopback=True, search=search)
+    home.save_config(home.load_config().model_copy(update={"web": WebSettings(exit=exit_)}))
     return ["--share", str(share)]
 
 
 async def main() -> int:
-    with tempfile.TemporaryDirectory(prefix="psymesh-demo-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="psymesh-demo-") as tmp, contextlib.ExitStack() as stack:
         work = Path(tmp)
-        home_args = prepare_nodes(work)
+        web = stack.enter_context(local_web())
+        home_args = prepare_nodes(work, web)
         d = Demo(work, DaemonProcess(work / "home", profile="home", name="home", extra_args=home_args),
-                 DaemonProcess(work / "phone", profile="phone", name="phone"))
+                 DaemonProcess(work / "phone", profile="phone", name="phone"), web=web)
         try:
             for s in STEPS:
                 await s(d)

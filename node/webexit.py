@@ -89,7 +89,7 @@ class ExitSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    exit: bool = False
+    enabled: bool = False
     allow_loopback: bool = False
     allow_private: bool = False
     ports: list[Annotated[int, Field(ge=1, le=65535)]] | None = None

@@ -61,7 +61,7 @@ SEALED = "web.sealed"         # the audit service of a sealed query's inner admi
 KEY_PUSH_TIMEOUT_S = 10.0
 
 class WebServer:
-    """This node's exit (when `[web.exit] exit = true`) and relay (always: the door decides)."""
+    """This node's exit (when `[web.exit] enabled = true`) and relay (always: the door decides)."""
 
     def __init__(self, settings: ExitSettings, home: NodeHome, identity_key: object, peer_id: str, *,
                  gate: Gate, audit: AuditLog, trust: TrustStore, sessions: SessionPool,
@@ -77,7 +77,7 @@ class WebServer:
         self._secret: ExitSecret | None = None
         self._key: ExitKey | None = None
         self._gateway: Gateway | None = None
-        if settings.exit:
+        if settings.enabled:
             self._secret = _load_secret(home)
             self._key = self._secret.public(identity_key, peer_id, now=clock(), ttl_s=EXIT_KEY_TTL_S)  # type: ignore[arg-type]
             self._gateway = Gateway({self._secret.key_id: self._secret})
@@ -90,7 +90,7 @@ class WebServer:
     async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Hold the exit's HTTP client open for the node's life; hand every paired peer our key."""
         async with AsyncExitStack() as stack:
-            if self.settings.exit:
+            if self.settings.enabled:
                 self._exit = await stack.enter_async_context(WebExit(self.settings))
             task_status.started()
             if self._key is not None:
@@ -124,7 +124,7 @@ class WebServer:
         own policy); one outcome row in the audit log."""
         exit_ = self._exit
         if exit_ is None:
-            raise PsymeshError("this node is not a web exit ([web.exit] exit = true turns it on)",
+            raise PsymeshError("this node is not a web exit ([web.exit] enabled = true turns it on)",
                                code=ErrorCode.UNAVAILABLE)
         what = f"search {request.query!r}" if isinstance(request, WebSearch) else f"fetch {request.url}"
         now = self.clock()
@@ -162,7 +162,7 @@ class WebServer:
         """A query sealed to our key, brought by a relay (`call.peer_id`)."""
         assert isinstance(call.request, WebSealed)
         if self._gateway is None:
-            raise PsymeshError("this node is not a web exit ([web.exit] exit = true turns it on)",
+            raise PsymeshError("this node is not a web exit ([web.exit] enabled = true turns it on)",
                                code=ErrorCode.UNAVAILABLE)
         body, sealer = self._gateway.open(call.request.sealed, now=self.clock())
         try:

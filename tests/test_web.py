@@ -4,7 +4,10 @@ What each hop saw is asserted from its own records (audit log, database, logs) a
 bytes it handled."""
 from __future__ import annotations
 
+import json
 import logging
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -46,7 +49,7 @@ def site() -> Iterator[Site]:
 
 def exit_config(site: Site, **exit_kw: object) -> dict[str, object]:
     search = SearchSettings(backend="json", url=site.url("/search") + "?q={query}")
-    settings = ExitSettings(exit=True, allow_loopback=True, search=search, **exit_kw)  # type: ignore[arg-type]
+    settings = ExitSettings(enabled=True, allow_loopback=True, search=search, **exit_kw)  # type: ignore[arg-type]
     return {"web": WebSettings(exit=settings)}
 
 
@@ -101,7 +104,7 @@ async def test_a_peer_without_the_capability_is_refused_and_audited(tmp_path: Pa
 @pytest.mark.anyio
 async def test_the_exit_refuses_loopback_unless_its_owner_allows_it(tmp_path: Path, site: Site) -> None:
     config = exit_config(site)
-    config["web"] = WebSettings(exit=ExitSettings(exit=True))            # allow_loopback off: the default
+    config["web"] = WebSettings(exit=ExitSettings(enabled=True))            # allow_loopback off: the default
     async with run_nodes(tmp_path, "home", "phone", configs={"home": config}) as nodes:
         await pair(nodes["home"].home.path, nodes["phone"].home.path, grant="phone")
         async with Client(nodes["phone"].home.path) as phone:
@@ -268,3 +271,29 @@ async def test_a_prompt_injected_page_leads_to_no_call_outside_the_grant(
     assert told.role == "tool" and "files.read" in told.content and "1234" not in told.content
     assert [t.name for t in obeying.seen[0][1]] == ["web.fetch"]     # all the agent was ever offered
     assert "1234" not in str(result)
+
+
+# ----------------------------------------------------------------------------- the CLI
+
+
+def _cli(home: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "psymesh", "web", *args, "--home", str(home)],
+                          capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.anyio
+async def test_psymesh_web_search_and_fetch_from_the_command_line(tmp_path: Path, site: Site) -> None:
+    async with run_nodes(tmp_path, "exit", "relay", "phone", configs={"exit": exit_config(site)}) as nodes:
+        await _three(nodes)
+        phone = nodes["phone"].home.path
+        found = await anyio.to_thread.run_sync(_cli, phone, "search", "kestrel tides", "--via", "exit", "--hops",
+                                               "2", "--json")
+        fetched = await anyio.to_thread.run_sync(_cli, phone, "fetch", site.url("/tides"), "--hops", "2")
+        refused = await anyio.to_thread.run_sync(_cli, phone, "fetch", site.url("/tides"), "--hops", "1")
+    assert found.returncode == 0, found.stderr
+    reply = json.loads(found.stdout)
+    assert reply["relay"] == nodes["relay"].identity.peer_id and reply["exit"] == nodes["exit"].identity.peer_id
+    assert reply["results"]["hits"][0]["url"] == site.url("/tides") and reply["results"]["untrusted"] is True
+    assert fetched.returncode == 0 and "06:12" in fetched.stdout and "Tides of Kestrel Bay" in fetched.stdout
+    # one hop would tell the exit who asks: the phone holds no web grant from it, and is told so
+    assert refused.returncode != 0 and "web.fetch" in refused.stderr and "Traceback" not in refused.stderr

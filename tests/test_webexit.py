@@ -110,7 +110,7 @@ def site() -> Iterator[Site]:
 
 def make_exit(*, resolve: Any = None, network: httpcore.AsyncNetworkBackend | None = None,
               clock: Clock | None = None, **settings: Any) -> WebExit:
-    return WebExit(ExitSettings(exit=True, **settings), resolve=resolve or names({}), network=network or Watch(),
+    return WebExit(ExitSettings(enabled=True, **settings), resolve=resolve or names({}), network=network or Watch(),
                    clock=clock or Clock())
 
 
@@ -239,7 +239,7 @@ async def test_the_connected_address_is_checked_again(site: Site) -> None:
 async def test_this_machines_own_addresses_are_refused_unless_loopback_is_allowed() -> None:
     own = ipaddress.ip_address("93.184.216.34")
     watch = Watch(connect=False)
-    settings = ExitSettings(exit=True)
+    settings = ExitSettings(enabled=True)
     async with WebExit(settings, resolve=names({"me.test": [str(own)]}), network=watch,
                        local_addresses=lambda: frozenset({own})) as exit_:
         error = await refused(exit_, "http://me.test/")
@@ -365,7 +365,7 @@ async def test_tls_verifies_the_url_host_though_the_exit_connects_by_ip(tmp_path
     resolve = names({"site.test": ["127.0.0.1"], "other.test": ["127.0.0.1"]})
     with serving(server_tls) as secure:
         secure.route("/", ARTICLE)
-        async with WebExit(ExitSettings(exit=True, allow_loopback=True), resolve=resolve, network=Watch(),
+        async with WebExit(ExitSettings(enabled=True, allow_loopback=True), resolve=resolve, network=Watch(),
                            ssl_context=client_tls) as exit_:
             page = await exit_.fetch(WebFetch(url=secure.url("/", host="site.test")), host_allowed=allow_all)
             assert page.title == "The Otter Report"
@@ -535,7 +535,7 @@ async def test_ddgs_backend_maps_its_rows(monkeypatch: pytest.MonkeyPatch) -> No
 
 def test_settings_refuse_by_default_and_check_what_the_owner_writes() -> None:
     settings = ExitSettings()
-    assert not (settings.exit or settings.allow_loopback or settings.allow_private)
+    assert not (settings.enabled or settings.allow_loopback or settings.allow_private)
     assert settings.ports is None and settings.search.backend == "none"
     assert ExitSettings(content_types=[" Text/HTML "]).content_types == ["text/html"]
     for bad in ({"ports": [0]}, {"timeout_s": 0}, {"surprise": True}, {"requests_per_minute": 0}):
