@@ -248,3 +248,39 @@ async def test_a_server_that_cannot_start_does_not_stop_the_node(tmp_path: Path)
         await wait_until(lambda: ghost.restarts >= 1, "a second attempt")
         [status] = nodes["home"].mcp.status()
     assert not status.up and "FileNotFoundError" in status.problem
+
+
+@pytest.mark.anyio
+async def test_a_server_over_streamable_http(tmp_path: Path) -> None:
+    """`url = ...`: examples/mcp_server.py serving streamable HTTP on 127.0.0.1."""
+    import socket
+    import subprocess
+
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "todo.md").write_text("call mum")
+    with socket.socket() as probe:  # a free port for the server (it binds it itself)
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = subprocess.Popen([sys.executable, str(REPO / "examples" / "mcp_server.py"), str(notes), "--http",
+                               "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    async def listening() -> bool:
+        try:
+            await (await anyio.connect_tcp("127.0.0.1", port)).aclose()
+            return True
+        except OSError:
+            return server.poll() is not None
+
+    try:
+        await wait_until(listening, "the HTTP MCP server listens", timeout=30)
+        registry = ToolRegistry()
+        mounted = McpTools([McpServerConfig(name="notes", url=f"http://127.0.0.1:{port}/mcp")], registry, tmp_path)
+        async with anyio.create_task_group() as tg:
+            await tg.start(mounted.run)
+            read = await registry.invoke("mcp.notes.read_note", {"name": "todo.md"})
+            tg.cancel_scope.cancel()
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+    assert read["untrusted"] is True and read["structured"] == {"result": "call mum"}
