@@ -22,6 +22,7 @@ bench: $(STAMP)
 	$(PY) bench/delegate.py
 	$(PY) bench/inference.py
 	$(PY) bench/messaging.py
+	$(PY) bench/web.py
 
 clean:
 	rm -rf .venv .pytest_cache .hypothesis build *.egg-info .demo .bench
