@@ -168,8 +168,9 @@ class _StreamOptions(_Body):
 
 
 class ChatRequest(_Body):
-    """POST /v1/chat/completions, checked. `ban_bytes`, `top_k` and `min_p` are
-    extensions (llama.cpp's server takes the latter two as well)."""
+    """POST /v1/chat/completions, checked. `top_k`, `min_p`, `grammar` (GBNF for the
+    whole reply) and `ban_bytes` (ASCII only, for random-weight test models) are
+    extensions; llama.cpp's server takes the first three as well."""
 
     model: str = Field(min_length=1)
     messages: list[_Message] = Field(min_length=1)
@@ -189,6 +190,7 @@ class ChatRequest(_Body):
     top_k: int | None = Field(default=None, ge=0)
     min_p: float | None = Field(default=None, ge=0, le=1)
     ban_bytes: bool | None = None
+    grammar: str | None = None
 
     def check_supported(self) -> None:
         """Refuse what would silently change the answer if ignored."""
@@ -206,7 +208,8 @@ class ChatRequest(_Body):
             else self.tool_choice
         params: dict[str, Any] = {k: v for k, v in (("temperature", self.temperature), ("top_p", self.top_p),
                                                     ("seed", self.seed), ("stop", self.stop), ("top_k", self.top_k),
-                                                    ("min_p", self.min_p), ("ban_bytes", self.ban_bytes))
+                                                    ("min_p", self.min_p), ("ban_bytes", self.ban_bytes),
+                                                    ("grammar", self.grammar))
                                   if v is not None}
         spec = {"id": new_task_id(), "kind": TaskKind.INFER, "model": model, "params": params,
                 "messages": _turns(self.messages), "max_tokens": self.max_completion_tokens or self.max_tokens

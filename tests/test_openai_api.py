@@ -119,6 +119,8 @@ async def test_models_completion_and_stream_through_the_official_client(tmp_path
         chunks = await off_loop(lambda: list(ask(stream=True, stream_options={"include_usage": True})))
         short = await off_loop(lambda: api.chat.completions.create(
             model="tiny", messages=ASK, max_completion_tokens=3, seed=7, extra_body=EXTRA))
+        shaped = await off_loop(lambda: api.chat.completions.create(  # llama.cpp's `grammar` extension
+            model="tiny", messages=ASK, max_tokens=40, seed=7, extra_body={"grammar": 'root ::= [a-c]{6} "."'}))
 
     assert models == ["tiny", "home/tiny"]  # ours, then the paired home's (its grant covers task.infer)
     assert one.id == "home/tiny" and one.owned_by == "home"
@@ -140,6 +142,7 @@ async def test_models_completion_and_stream_through_the_official_client(tmp_path
     assert len([c for c in chunks if c.choices and c.choices[0].delta.content]) > 1  # really streamed
 
     assert short.usage.completion_tokens <= 3  # max_completion_tokens held
+    assert re.fullmatch(r"[a-c]{6}\.", shaped.choices[0].message.content or "")
     assert short.choices[0].finish_reason in ("stop", "length")
 
 
