@@ -4,188 +4,300 @@ Random weights cost exactly what real weights cost per token, so these numbers a
 what the phone runtime pays; only the text is nonsense. Two questions:
 
 1. Does ModelWorker (worker thread + async streaming + our sampler loop) cost
-   generation speed compared with bare llama-cpp-python (``Llama.generate``)?
-2. How much does the prefix cache save on the 5th turn of an agent conversation
-   whose fixed head (persona + tool schemas) is ~1.5k tokens?
+   generation speed compared with bare llama-cpp-python? The baseline is the
+   leanest loop the bindings allow (``llama_decode`` on a one-token batch, the same
+   sampler chain, no Python-side logits), on the same context settings.
+2. What does an agent conversation cost per step? Steps 1-8 of a real ``run_agent``
+   (a ~1.5k-token system turn: persona, two tool schemas, the calling instructions),
+   every step asked of a worker with state reuse and of one evaluating every prompt
+   from scratch, back to back: tokens evaluated, time to the first token, the model's
+   time for the step, and the memory the saved states hold.
+
+Random weights cannot pick a tool, so each step's reply is forced by a grammar to one
+call (the same text in both runs), and the model is steered to spell it the way a
+trained model does (``<tool_call>`` as its one special token, merges where they
+apply): a random model writing it byte by byte would be non-canonical, and such a
+reply is never continued (see agent/runtime.py), which no trained model provokes.
 
     .venv/bin/python bench/inference.py               # Q4_K_M, 2 threads
     .venv/bin/python bench/inference.py --wtype Q8_0 --runs 2
+    .venv/bin/python bench/inference.py --model tiny.gguf --runs 1 --steps 3   # a smoke run
 
 The model is generated once into .bench/ (F16 written, then quantized by llama.cpp).
-Every loop is bounded by --runs and the token counts; on 2 cores a run takes a few
-minutes, most of it the uncached 5th-turn prompt evaluation.
+Every loop is bounded by --runs, --steps and the token counts. On a shared 2-core
+machine the numbers are noisy: the two generation loops are interleaved so they share
+the noise, and each run's figures are printed.
 """
 from __future__ import annotations
 
 import argparse
+import ctypes
 import statistics
 import sys
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import anyio
+import llama_cpp
 from llama_cpp import Llama
 
-from psymesh.agent.chatformat import ChatMessage, ToolCall, ToolSpec, render_prefix, render_prompt
-from psymesh.agent.runtime import Completion, ModelSettings, ModelWorker
+from psymesh.agent.chatformat import EMPTY_THINK, ChatMessage, ToolSpec, render_prompt
+from psymesh.agent.generate import GenerationParams
+from psymesh.agent.loop import AgentConfig, LlamaAgentModel, ModelReply, StepUsage, run_agent
+from psymesh.agent.runtime import ModelSettings, ModelWorker
 from psymesh.agent.testmodel import make_botpsy_shaped_gguf
+from psymesh.agent.tools import ToolContext, ToolRegistry
 
 ROOT = Path(__file__).resolve().parent.parent
 SHORT_PROMPT = "<|im_start|>user\nTell me a story about a robot.<|im_end|>\n<|im_start|>assistant\n"
-
-
-def _tools() -> list[ToolSpec]:
-    """Persona + these two tools + the Qwen3.5 calling instructions: a ~1.5k-token head."""
-    def tool(name: str, desc: str, props: dict[str, dict[str, object]], required: list[str]) -> ToolSpec:
-        return ToolSpec(name=name, description=desc,
-                        parameters={"type": "object", "properties": props, "required": required})
-
-    return [
-        tool("get_weather", "Current weather and forecast for a city.",
-             {"city": {"type": "string", "description": "City name"},
-              "unit": {"type": "string", "enum": ["c", "f"]}, "days": {"type": "integer"}}, ["city"]),
-        tool("send_sms", "Send a text message to a contact.",
-             {"to": {"type": "string", "description": "Contact name or number"},
-              "body": {"type": "string", "description": "Message text"}}, ["to", "body"]),
-    ]
-
-
-def _conversation(turns: int) -> list[ChatMessage]:
-    """An agent conversation: each turn is a query, a tool call, its result and an answer."""
-    msgs = [ChatMessage.system("You are BotPsy, a concise on-device assistant. Prefer tools over guessing; "
-                               "delegate heavy work to the user's home PC.")]
-    cities = ["Paris", "Oslo", "Lima", "Kyoto", "Accra", "Quito"]
-    for i in range(turns - 1):
-        call = ToolCall(name="get_weather", arguments={"city": cities[i], "unit": "c"})
-        msgs += [ChatMessage.user(f"What's the weather in {cities[i]} today?"),
-                 ChatMessage.assistant("", tool_calls=[call]),
-                 ChatMessage.tool(call, f'{{"temp": {18 + i}, "sky": "clear", "wind_kmh": {5 + i}}}'),
-                 ChatMessage.assistant(f"{cities[i]}: {18 + i}C and clear.")]
-    msgs.append(ChatMessage.user(f"And in {cities[turns - 1]}?"))
-    return msgs
+PERSONA = ("You are BotPsy, a concise on-device assistant. Prefer tools over guessing; delegate heavy work to "
+           "the user's home PC.")
+CITIES = ["Paris", "Oslo", "Lima", "Kyoto", "Accra", "Quito", "Perth", "Turin"]
 
 
 def _median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
-def bench_bare(llm: Llama, n_gen: int) -> tuple[float, float]:
-    """(tokens/s from first to last token, wall seconds) with Llama.generate."""
+def _steering(model: Path) -> dict[int, float]:
+    """End of generation banned (the reply is the forced call, whole); every multi-byte
+    token that is not a control token favoured by its length, so the forced text comes
+    out in its canonical tokens, as a trained model writes it."""
+    llm = Llama(model_path=str(model), vocab_only=True, verbose=False)
+    try:
+        vocab = llama_cpp.llama_model_get_vocab(llm.model)
+        bias = {}
+        for token in range(llm.n_vocab()):
+            if llama_cpp.llama_vocab_is_eog(vocab, token):
+                bias[token] = float("-inf")
+            elif llama_cpp.llama_vocab_get_attr(vocab, token) & llama_cpp.LLAMA_TOKEN_ATTR_UNUSED:
+                continue
+            elif not llama_cpp.llama_vocab_is_control(vocab, token):
+                piece = llm.detokenize([token], special=True)
+                if len(piece) > 1:
+                    bias[token] = 8.0 * len(piece)
+        return bias
+    finally:
+        llm.close()
+
+
+# --------------------------------------------------------------------------- 1. generation speed
+
+
+def bench_bare(llm: Llama, n_gen: int, no_eog: dict[int, float]) -> tuple[float, float]:
+    """(tokens/s from the evaluated prompt to the last token, wall seconds) with the
+    leanest loop llama-cpp-python allows: the sampler chain the worker builds for a
+    greedy request (logit bias, greedy), one-token batches straight to llama_decode,
+    and each token's text, as the worker streams it."""
     tokens = llm.tokenize(SHORT_PROMPT.encode(), add_bos=False, special=True)
-    llm.reset()
-    start = time.perf_counter()
-    stamps: list[float] = []
-    for token in llm.generate(tokens, temp=0.0, reset=True):
-        llm.detokenize([token])
-        stamps.append(time.perf_counter())
-        if len(stamps) == n_gen:
-            break
-    return (n_gen - 1) / (stamps[-1] - stamps[0]), stamps[-1] - start
+    llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(llm.ctx), True)
+    chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
+    biases = (llama_cpp.llama_logit_bias * len(no_eog))(*(llama_cpp.llama_logit_bias(t, b) for t, b in no_eog.items()))
+    llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_logit_bias(llm.n_vocab(), len(no_eog),
+                                                                                      biases))
+    llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_greedy())
+    piece = ctypes.create_string_buffer(64)
+    vocab = llama_cpp.llama_model_get_vocab(llm.model)
+    one = (llama_cpp.llama_token * 1)()
+    try:
+        start = time.perf_counter()
+        prompt = (llama_cpp.llama_token * len(tokens))(*tokens)
+        if llama_cpp.llama_decode(llm.ctx, llama_cpp.llama_batch_get_one(prompt, len(tokens))) != 0:
+            raise RuntimeError("llama_decode failed on the prompt")
+        first = time.perf_counter()
+        for i in range(n_gen):
+            token = llama_cpp.llama_sampler_sample(chain, llm.ctx, -1)
+            llama_cpp.llama_token_to_piece(vocab, token, piece, len(piece), 0, False)
+            if i < n_gen - 1:
+                one[0] = token
+                if llama_cpp.llama_decode(llm.ctx, llama_cpp.llama_batch_get_one(one, 1)) != 0:
+                    raise RuntimeError("llama_decode failed")
+        end = time.perf_counter()
+    finally:
+        llama_cpp.llama_sampler_free(chain)
+    return n_gen / (end - first), end - start
 
 
-async def bench_worker(worker: ModelWorker, n_gen: int) -> tuple[float, float]:
-    """The same through ModelWorker: (tokens/s while decoding, wall seconds as the async
-    consumer sees it). End-of-generation tokens are banned so every run has `n_gen` tokens.
-
-    The rate comes from the worker's own clock because most tokens of a random-weight
-    248k vocabulary are padding that detokenizes to nothing, so there are no pieces to
-    time; the wall time includes every hop to the consumer.
-    """
-    no_eog = {t: float("-inf") for t in worker.info.eog_token_ids}
+async def bench_worker(worker: ModelWorker, n_gen: int, no_eog: dict[int, float]) -> tuple[float, float]:
+    """The same through ModelWorker: (tokens/s from the evaluated prompt to the last token,
+    on the worker's clock; wall seconds as the async consumer sees it, every hop included).
+    Every run evaluates its prompt (nothing saved is a proper prefix of it)."""
     start = time.perf_counter()
     done = await worker.complete(SHORT_PROMPT, max_tokens=n_gen, temperature=0.0, logit_bias=no_eog)
     wall = time.perf_counter() - start
-    assert done.tokens == n_gen, done
+    assert done.tokens == n_gen and done.prompt_tokens_reused == 0, done
     return n_gen / done.generation_seconds, wall
 
 
-async def run(args: argparse.Namespace) -> None:
-    cache = ROOT / ".bench"
-    t0 = time.perf_counter()
-    model = make_botpsy_shaped_gguf(cache, wtype=args.wtype, n_threads=args.threads)
-    print(f"model: {model.name} ({model.stat().st_size / 1e9:.2f} GB, {args.wtype}), "
-          f"ready in {time.perf_counter() - t0:.1f} s; {args.threads} threads")
-
+async def generation_rows(model: Path, args: argparse.Namespace) -> list[tuple[str, str]]:
     settings = ModelSettings(path=model, n_ctx=4096, n_threads=args.threads)
-    rows: list[tuple[str, str]] = []
     async with ModelWorker(settings) as worker:
-        # ---- 1. generation speed, bare vs worker, interleaved to share the machine's noise
-        bare = Llama(model_path=str(model), n_ctx=4096, n_threads=args.threads, n_threads_batch=args.threads,
-                     verbose=False)
-        bench_bare(bare, 4)  # warm-up: page in the weights
-        await bench_worker(worker, 4)
+        bare = Llama(model_path=str(model), n_ctx=settings.n_ctx, n_batch=settings.n_batch,
+                     n_threads=args.threads, n_threads_batch=args.threads, verbose=False)
+        no_eog = {t: float("-inf") for t in worker.info.eog_token_ids}
+        bench_bare(bare, 4, no_eog)  # warm-up: page in the weights
+        await bench_worker(worker, 4, no_eog)
         bare_rates, worker_rates, bare_wall, worker_wall = [], [], [], []
-        for _ in range(args.runs):
-            r, w = bench_bare(bare, args.gen_tokens)
+        for _ in range(args.runs):  # interleaved, so both see the machine's noise alike
+            r, w = bench_bare(bare, args.gen_tokens, no_eog)
             bare_rates.append(r)
             bare_wall.append(w)
-            r, w = await bench_worker(worker, args.gen_tokens)
+            r, w = await bench_worker(worker, args.gen_tokens, no_eog)
             worker_rates.append(r)
             worker_wall.append(w)
         bare.close()
-        del bare
-        ratio = _median(worker_rates) / _median(bare_rates)
-        rows += [
-            ("generation, bare Llama.generate", f"{_median(bare_rates):6.2f} tok/s  "
-                                                f"(runs: {', '.join(f'{x:.2f}' for x in bare_rates)})"),
-            ("generation, ModelWorker stream", f"{_median(worker_rates):6.2f} tok/s  "
-                                               f"(runs: {', '.join(f'{x:.2f}' for x in worker_rates)})"),
-            ("worker / bare", f"{ratio:6.3f}"),
-            (f"wall, prompt + {args.gen_tokens} tokens", f"bare {_median(bare_wall):.2f} s, "
-                                                         f"worker {_median(worker_wall):.2f} s"),
-        ]
+    ratio = _median(worker_rates) / _median(bare_rates)
+    return [
+        ("generation, bare llama_decode loop", f"{_median(bare_rates):6.2f} tok/s  "
+                                               f"(runs: {', '.join(f'{x:.2f}' for x in bare_rates)})"),
+        ("generation, ModelWorker stream", f"{_median(worker_rates):6.2f} tok/s  "
+                                           f"(runs: {', '.join(f'{x:.2f}' for x in worker_rates)})"),
+        ("worker / bare (target >= 0.97)", f"{ratio:6.3f}"),
+        (f"wall, prompt + {args.gen_tokens} tokens", f"bare {_median(bare_wall):.2f} s, "
+                                                     f"worker {_median(worker_wall):.2f} s"),
+    ]
 
-        # ---- 2. fifth agent turn with and without the prefix cache
-        msgs = _conversation(5)
-        tools = _tools()
-        prefix = render_prefix(msgs, tools)
-        turn1 = render_prompt(_conversation(1), tools, thinking=False)
-        turn5 = render_prompt(msgs, tools, thinking=False)
-        n_prefix = len(await worker.tokenize(prefix))
-        n_turn5 = len(await worker.tokenize(turn5))
-        kw = dict(max_tokens=args.reply_tokens, temperature=0.0,
-                  logit_bias={t: float("-inf") for t in worker.info.eog_token_ids})
-        warm = await worker.complete(turn1, prefix=prefix, **kw)  # turn 1 pays for the prefix once
-        cached: list[Completion] = []
-        uncached: list[Completion] = []
-        timed: list[tuple[str, float]] = []
-        for _ in range(args.turn_runs):
-            for label, pre, sink in (("cached", prefix, cached), ("uncached", None, uncached)):
-                t = time.perf_counter()
-                sink.append(await worker.complete(turn5, prefix=pre, **kw))
-                timed.append((label, time.perf_counter() - t))
-        lat_c = _median([s for label, s in timed if label == "cached"])
-        lat_u = _median([s for label, s in timed if label == "uncached"])
-        stats = worker.stats
+
+# --------------------------------------------------------------------------- 2. agent steps
+
+
+def _registry() -> ToolRegistry:
+    reg = ToolRegistry()
+    calls = {"n": 0}
+
+    @reg.tool("get_weather")
+    def get_weather(city: str, unit: str = "c", days: int = 1) -> dict:
+        """Current weather and forecast for a city: temperature, sky, wind. unit is c or f; days 1-7."""
+        calls["n"] += 1
+        return {"city": city, "temp": 17 + calls["n"], "sky": "clear", "wind_kmh": 4 + calls["n"]}
+
+    @reg.tool("send_sms")
+    def send_sms(to: str, body: str) -> dict:
+        """Send a text message to a contact (a name from the address book, or a number)."""
+        return {"sent": True, "to": to}
+
+    return reg
+
+
+def _forced_call() -> str:
+    """GBNF for a reply that is one get_weather call (random weights cannot choose one)."""
+    alternatives = " | ".join(f'"{c}"' for c in CITIES)
+    return ('root ::= "<tool_call>\\n<function=get_weather>\\n<parameter=city>\\n" city '
+            '"\\n</parameter>\\n<parameter=unit>\\nc\\n</parameter>\\n</function>\\n</tool_call>"\n'
+            f"city ::= {alternatives}\n")
+
+
+@dataclass
+class PairedModel:
+    """Asks every step of both workers, back to back (which one first alternates), so the
+    run with state reuse and the one without share the machine's noise; the loop goes
+    on with the first's reply (the same text: the same tokens were evaluated, greedily)."""
+
+    reuse: LlamaAgentModel
+    scratch: LlamaAgentModel
+    steps: list[tuple[StepUsage, StepUsage, float, float]] = field(default_factory=list)
+
+    async def reply(self, messages: Sequence[ChatMessage], tools: Sequence[ToolSpec], *,
+                    thinking: bool = False) -> str:
+        return (await self.step(messages, tools, thinking=thinking, max_think_tokens=None)).text
+
+    async def step(self, messages: Sequence[ChatMessage], tools: Sequence[ToolSpec], *,
+                   thinking: bool, max_think_tokens: int | None) -> ModelReply:
+        said: dict[str, tuple[ModelReply, float]] = {}
+        order = ("reuse", "scratch") if len(self.steps) % 2 == 0 else ("scratch", "reuse")
+        for name in order:
+            start = time.perf_counter()
+            reply = await getattr(self, name).step(messages, tools, thinking=thinking,
+                                                   max_think_tokens=max_think_tokens)
+            said[name] = (reply, time.perf_counter() - start)
+        (warm, warm_s), (cold, cold_s) = said["reuse"], said["scratch"]
+        assert warm.raw == cold.raw and warm.usage and cold.usage, "the two workers wrote different replies"
+        self.steps.append((warm.usage, cold.usage, warm_s, cold_s))
+        return warm
+
+
+async def agent_rows(model: Path, args: argparse.Namespace) -> tuple[list[tuple[str, str]], list[str]]:
+    """Summary rows, and a table of the steps with and without state reuse."""
+    steering = await anyio.to_thread.run_sync(_steering, model)
+    params = GenerationParams(max_tokens=200, temperature=0.0, grammar=_forced_call(), call_limit=1,
+                              logit_bias=steering)
+    reg = _registry()
+    with_reuse = ModelSettings(path=model, n_ctx=4096, n_threads=args.threads)
+    async with ModelWorker(with_reuse) as warm, \
+            ModelWorker(with_reuse.model_copy(update={"reuse": False})) as cold:
+        paired = PairedModel(LlamaAgentModel(warm, params), LlamaAgentModel(cold, params))
+        result = await run_agent("What's the weather in each city on my trip, one by one?", model=paired,
+                                 tools=reg, ctx=ToolContext(), profile="phone",
+                                 config=AgentConfig(max_steps=args.steps, system_prompt=PERSONA))
+        # The tokens each step adds to the last prompt and reply (step 1: the system turn).
+        turns = [i for i, m in enumerate(result.transcript) if m.role == "assistant"]
+        prompts = [render_prompt(result.transcript[:i], reg.specs("phone"), thinking=False,
+                                 template=warm.chat_template) for i in turns]
+        added = [len(await warm.tokenize(prompts[0].split("<|im_start|>user")[0]))]
+        for k in range(1, len(turns)):
+            before = prompts[k - 1] + (result.transcript[turns[k - 1]].raw or "")[len(EMPTY_THINK):]
+            assert prompts[k].startswith(before)
+            added.append(len(await warm.tokenize(prompts[k][len(before):])))
+        stats = warm.stats
+
+    table = ["step  prompt   new | evaluated: reuse   none | first token: reuse    none | "
+             "model step: reuse    none  speed-up",
+             "-" * 105]
+    for k, (w, c, ws, cs) in enumerate(paired.steps):
+        table.append(f"{k + 1:4d}  {w.prompt_tokens:6d} {'-' if k == 0 else added[k]:>5} | "
+                     f"{w.prompt_tokens_evaluated:16d} {c.prompt_tokens_evaluated:6d} | "
+                     f"{w.prompt_seconds:17.2f}s {c.prompt_seconds:6.2f}s | "
+                     f"{ws:15.2f}s {cs:6.2f}s  x{cs / ws:.1f}")
+    reply_s = _median([w.generation_seconds for w, *_ in paired.steps])
+    rows = [("system turn (persona, 2 tools, calling instructions)", f"{added[0]} tokens"),
+            ("reply per step (one forced tool call)",
+             f"{paired.steps[0][0].completion_tokens} tokens, {reply_s:.2f} s")]
+    if len(paired.steps) >= 5:
+        w, c, ws, cs = paired.steps[4]
         rows += [
-            ("agent prompt: prefix / 5th-turn prompt", f"{n_prefix} / {n_turn5} tokens"),
-            ("turn 1 (fills the cache)", f"{warm.prompt_seconds:.2f} s to first token"),
-            (f"5th turn, prefix cache ({args.reply_tokens}-token reply)",
-             f"{lat_c:.2f} s  (first token {_median([c.prompt_seconds for c in cached]):.2f} s, "
-             f"{cached[0].prompt_tokens - cached[0].prompt_tokens_reused} tokens evaluated)"),
-            (f"5th turn, no cache ({args.reply_tokens}-token reply)",
-             f"{lat_u:.2f} s  (first token {_median([c.prompt_seconds for c in uncached]):.2f} s, "
-             f"{uncached[0].prompt_tokens} tokens evaluated)"),
-            ("speed-up", f"{lat_u / lat_c:.2f}x"),
-            ("prompt eval rate (uncached)", f"{n_turn5 / _median([c.prompt_seconds for c in uncached]):.1f} tok/s"),
-            ("prefix state held in memory", f"{stats.prefix_cache_bytes / 1e6:.1f} MB"),
+            ("step 5: evaluated <= new + 16 (target)", f"{w.prompt_tokens_evaluated} <= {added[4]} + 16: "
+                                                       f"{w.prompt_tokens_evaluated <= added[4] + 16}"),
+            ("step 5: speed-up to the first token (target >= 10)", f"x{c.prompt_seconds / w.prompt_seconds:.1f}"),
+            ("step 5: speed-up of the whole step, reply included", f"x{cs / ws:.1f}"),
         ]
+    rows += [
+        ("saved states held after the run", f"{stats.state_cache_entries} states, "
+                                            f"{stats.state_cache_bytes / 1e6:.1f} MB (budget "
+                                            f"{with_reuse.state_cache_bytes / 1e6:.0f} MB)"),
+        ("worker counters with reuse", f"continued {stats.continuation_hits}, restored "
+                                       f"{stats.snapshot_hits}, from scratch {stats.misses}, "
+                                       f"states saved {stats.snapshots_saved}"),
+    ]
+    return rows, table
+
+
+async def run(args: argparse.Namespace) -> None:
+    t0 = time.perf_counter()
+    model = args.model or make_botpsy_shaped_gguf(ROOT / ".bench", wtype=args.wtype, n_threads=args.threads)
+    print(f"model: {model.name} ({model.stat().st_size / 1e9:.2f} GB), ready in {time.perf_counter() - t0:.1f} s; "
+          f"{args.threads} threads")
+    rows = await generation_rows(model, args)
+    agent, table = await agent_rows(model, args)
+    rows += agent
     width = max(len(k) for k, _ in rows)
     print()
-    print(f"{'measure':<{width}}  value")
-    print("-" * (width + 60))
     for k, v in rows:
         print(f"{k:<{width}}  {v}")
+    print()
+    print(f"agent conversation, {args.steps} steps, with state reuse and without:")
+    print("\n".join(table))
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    p.add_argument("--model", type=Path, default=None, help="a GGUF to use instead of the BotPsy-shaped one")
     p.add_argument("--wtype", default="Q4_K_M", choices=["Q4_K_M", "Q8_0", "Q4_0", "Q6_K", "F16"])
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--gen-tokens", type=int, default=32)
     p.add_argument("--runs", type=int, default=5)
-    p.add_argument("--reply-tokens", type=int, default=16)
-    p.add_argument("--turn-runs", type=int, default=2)
+    p.add_argument("--steps", type=int, default=8)
     args = p.parse_args(argv)
     anyio.run(run, args)
 
