@@ -12,26 +12,24 @@ calls and their observations: the multi-turn cases). `system` adds case facts
 (default: every tool defined so far). `expected: []` means no tool fits: the model
 must answer in text.
 
-Scoring is BFCL's AST matching: the reply is parsed (never executed) and each call
-must have the expected name; every argument it gives must be a declared parameter
-listed in `expected` and equal one of the alternatives; every required parameter
-must be given; an expected parameter may be left out only if it is optional and
-its alternatives include ``""`` (BFCL's "may be omitted"). Values compare leniently
-by type where that is safe: ``1 == 1.0``, but ``"1" != 1`` and ``true != 1``;
-strings ignore case, spaces and the punctuation ``,./-_*^'"!?:;``. Several
-expected calls match in any order.
+Scoring is BFCL's AST matching, by the one checker in :mod:`psymesh.agent.bfcl`
+(BFCL's own rules: exact names, required and declared parameters, Python type
+strictness with int accepted for a number, BFCL's string normalisation, ``""`` among
+an argument's values meaning it may be left out, several calls in any order). Around
+it this format adds: a malformed reply fails, and a case with ``expected: []`` also
+needs a non-empty text answer.
 """
 from __future__ import annotations
 
 import json
-import re
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from psymesh.agent.bfcl import OMITTABLE, ExpectedCall, check_calls
 from psymesh.agent.chatformat import ChatMessage, ToolCall, ToolSpec, parse_reply
 from psymesh.agent.loop import AgentModel, default_system_prompt
 from psymesh.protocol.errors import ErrorCode, PsymeshError
@@ -47,28 +45,13 @@ __all__ = [
     "evaluate",
     "format_report",
     "load_cases",
-    "match_call",
-    "match_calls",
-    "values_equal",
 ]
-
-OMITTABLE = ""  # among an argument's alternatives: the argument may be left out (BFCL)
-_STRING_NOISE = re.compile(r"[\s,./\-_*^'\"!?:;]")
 
 
 class EvalCaseError(PsymeshError):
     """A case file that cannot be used (bad JSON, unknown tool, impossible expectation)."""
 
     default_code = ErrorCode.BAD_REQUEST
-
-
-class ExpectedCall(BaseModel):
-    """One call the model should make: each argument maps to its acceptable values."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    name: str
-    arguments: dict[str, list[Any]] = Field(default_factory=dict)
 
 
 class EvalCase(BaseModel):
@@ -93,8 +76,8 @@ class EvalCase(BaseModel):
             if unknown:
                 raise ValueError(f"{exp.name}: expected arguments {unknown} are not parameters of the tool")
             for pname in spec.parameters.get("required", []):
-                alts = exp.arguments.get(pname)
-                if not alts or all(_omittable(a) for a in alts):
+                alts = exp.arguments.get(pname, [])
+                if all(a == OMITTABLE for a in alts):
                     raise ValueError(f"{exp.name}: required argument {pname!r} needs expected values")
             empty = sorted(p for p, alts in exp.arguments.items() if not alts)
             if empty:
@@ -168,88 +151,6 @@ def _case_fields(obj: dict[str, Any], tools: dict[str, ToolSpec]) -> dict[str, A
     return obj
 
 
-# --------------------------------------------------------------------------- matching
-
-
-def _norm(text: str) -> str:
-    return _STRING_NOISE.sub("", text).casefold()
-
-
-def values_equal(got: Any, want: Any) -> bool:
-    """Equality for checking arguments: numbers by value, strings leniently, no
-    cross-type matches ("1" vs 1, true vs 1); lists in order, objects by key."""
-    if isinstance(got, bool) or isinstance(want, bool):
-        return isinstance(got, bool) and isinstance(want, bool) and got == want
-    if isinstance(got, (int, float)) and isinstance(want, (int, float)):
-        return got == want
-    if isinstance(got, str) and isinstance(want, str):
-        return _norm(got) == _norm(want)
-    if isinstance(got, list) and isinstance(want, list):
-        return len(got) == len(want) and all(values_equal(g, w) for g, w in zip(got, want, strict=True))
-    if isinstance(got, dict) and isinstance(want, dict):
-        return got.keys() == want.keys() and all(values_equal(got[k], want[k]) for k in got)
-    return got is None and want is None
-
-
-def _omittable(alt: Any) -> bool:
-    return isinstance(alt, str) and alt == OMITTABLE
-
-
-def _show(value: Any) -> str:
-    text = json.dumps(value, ensure_ascii=False, default=str)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-def match_call(call: ToolCall, expected: ExpectedCall, spec: ToolSpec) -> str | None:
-    """None if `call` matches, else why not (for the report)."""
-    if call.name != expected.name:
-        return f"called {call.name}, expected {expected.name}"
-    props = spec.parameters.get("properties", {})
-    missing = sorted(set(spec.parameters.get("required", [])) - set(call.arguments))
-    if missing:
-        return f"{call.name}: missing required argument {', '.join(missing)}"
-    for pname, value in call.arguments.items():
-        if pname not in props:
-            return f"{call.name}: unknown argument {pname!r}"
-        if pname not in expected.arguments:
-            return f"{call.name}: unexpected argument {pname}={_show(value)}"
-        alts = [a for a in expected.arguments[pname] if not _omittable(a)]
-        if not any(values_equal(value, alt) for alt in alts):
-            return f"{call.name}: {pname}={_show(value)}, expected {' or '.join(_show(a) for a in alts) or 'nothing'}"
-    for pname, alts in expected.arguments.items():
-        if pname not in call.arguments and not any(_omittable(a) for a in alts):
-            return f"{call.name}: missing argument {pname!r}"
-    return None
-
-
-def match_calls(calls: Sequence[ToolCall], expected: Sequence[ExpectedCall], specs: Sequence[ToolSpec]) -> str | None:
-    """None if `calls` are exactly the expected calls, in any order; else why not."""
-    if len(calls) != len(expected):
-        if not expected:
-            return f"expected no tool call, got {', '.join(c.name for c in calls)}"
-        if not calls:
-            return f"expected {', '.join(e.name for e in expected)}, got no tool call"
-        return f"expected {len(expected)} call(s), got {len(calls)}"
-    by_name = {s.name: s for s in specs}
-    first_reason: str | None = None
-
-    def assign(i: int, free: list[int]) -> bool:  # backtracking: a handful of calls at most
-        nonlocal first_reason
-        if i == len(calls):
-            return True
-        for k in free:
-            spec = by_name.get(expected[k].name)
-            reason = match_call(calls[i], expected[k], spec) if spec else f"no tool {expected[k].name!r}"
-            if reason is None:
-                if assign(i + 1, [j for j in free if j != k]):
-                    return True
-            elif first_reason is None:
-                first_reason = reason
-        return False
-
-    return None if assign(0, list(range(len(expected)))) else (first_reason or "calls do not match")
-
-
 # --------------------------------------------------------------------------- running
 
 
@@ -308,7 +209,8 @@ def score_reply(case: EvalCase, text: str) -> CaseResult:
     elif not case.expected and not reply.tool_calls and not reply.content:
         reason = "empty reply"
     else:
-        reason = match_calls(reply.tool_calls, case.expected, case.tools) or ""
+        mismatch = check_calls(reply.tool_calls, case.expected, case.tools)
+        reason = mismatch.message if mismatch else ""
     return CaseResult(case.id, case.category, not reason, reason, text, list(reply.tool_calls))
 
 

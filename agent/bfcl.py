@@ -1,0 +1,656 @@
+"""BFCL v4 single-turn categories, scored with the Berkeley Function Calling Leaderboard's own rules.
+
+Tether reports BotPsy-0.8B's quality as BFCL v4 scores; a user with the weights can only
+check or compare those numbers by running BFCL's files through BFCL's checker. This
+module does that for the five single-turn categories whose files BFCL ships for Python
+(``simple_python``, ``multiple``, ``parallel``, ``parallel_multiple``, ``irrelevance``),
+unchanged, one JSON object a line, the ground truth in ``possible_answer/``.
+
+A case takes the path any model turn takes here: the question becomes ChatMessages, the
+function docs ToolSpecs (converted as BFCL's ``convert_to_tool`` converts them for
+OpenAI-style and OSS models, plus the "Python 3 syntax" hint BFCL adds to every Python
+doc), the prompt is rendered with the chat template, the model's reply text is parsed
+with ``chatformat.parse_reply``, and the calls are checked. ``oracle_reply`` writes the
+first acceptable ground-truth answer as a model would write it, so the harness itself can
+be shown to lose no correct answer.
+
+The checker mirrors ``bfcl_eval/eval_checker/ast_eval/ast_checker.py`` (gorilla commit
+6ea5797, the one the data comes from) for Python, rule for rule, quirks included:
+
+* the function name must match exactly; every required parameter must be given; a given
+  parameter must be declared and listed in the ground truth; a ground-truth parameter may
+  be left out only if ``""`` is among its values;
+* types are Python's ``type(v) == T`` (so ``True`` is no integer and ``"5"`` no 5); an int is
+  accepted for a float (``number``) parameter, never a float for an int; arrays check their
+  items' type one level deep; a value of the ground truth's own type is accepted when that
+  differs from the declared one (BFCL's "variable" case, e.g. ``"data['sales']"`` for an
+  array), and is then compared as is;
+* strings compare after BFCL's ``standardize_string``: spaces and ``,./-_*^`` removed,
+  lower case, ``'`` read as ``"``; the same for string items of lists and string values
+  of dicts (one level: BFCL's dict checker does not recurse);
+* dicts: every key given must be in the ground truth, every ground-truth key is needed
+  unless ``""`` is among its values; lists of dicts compare item by item, in order;
+* several calls match in any order, greedily as BFCL does: each expected call, in
+  ground-truth order, takes the first unmatched call that satisfies it. The simple and
+  multiple checkers reduce to this for their one expected call;
+* irrelevance: right when the reply holds no well-formed call at all, to any function,
+  offered or not (BFCL: the decoder finds no call); text, or a call too broken to parse,
+  is right.
+
+Where ours differs, it says so: our case format's schemas may lack a declared type, and
+such a parameter is typed by its ground truth's values (BFCL's data always declares one);
+and a reply with a call that does not parse at all scores wrong in the AST categories,
+where BFCL's Qwen handler would drop such a block and judge the remaining calls.
+
+Scores are per category (correct / cases) and, as BFCL's ``eval_runner_helper`` computes
+its "Non-Live AST" summary, the unweighted mean of the AST categories' accuracies. BFCL's
+own ``simple`` averages Python, Java and JavaScript; only Python is scored here, and
+irrelevance is reported on its own, as BFCL does. BFCL's overall score (44.0 for
+BotPsy-0.8B) also weighs live, multi-turn and agentic categories that are not here.
+"""
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from statistics import fmean
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from psymesh.agent.chatformat import ChatMessage, ToolCall, ToolSpec, parse_reply
+from psymesh.agent.generate import GenerationParams, ToolGrammar
+from psymesh.agent.loop import AgentModel, tool_call_text
+from psymesh.protocol.errors import ErrorCode, PsymeshError
+
+__all__ = [
+    "AST_CATEGORIES",
+    "CATEGORIES",
+    "BfclCase",
+    "BfclDataError",
+    "BfclReport",
+    "BfclResult",
+    "CategoryScore",
+    "ExpectedCall",
+    "Mismatch",
+    "OMITTABLE",
+    "check_call",
+    "check_calls",
+    "format_bfcl_report",
+    "generation_params",
+    "load_bfcl",
+    "oracle_reply",
+    "present_categories",
+    "run_bfcl",
+    "score_reply",
+    "standardize_string",
+    "tool_spec",
+]
+
+FILE_PREFIX = "BFCL_v4_"
+AST_CATEGORIES = ("simple_python", "multiple", "parallel", "parallel_multiple")
+IRRELEVANCE = "irrelevance"
+CATEGORIES = (*AST_CATEGORIES, IRRELEVANCE)
+OMITTABLE = ""  # among a parameter's values in the ground truth: the parameter may be left out
+PYTHON_HINT = " Note that the provided function is in Python 3 syntax."  # BFCL adds it to every Python doc
+FLOAT_NOTE = " This is a float type value."  # convert_to_tool's note on a float parameter
+# Calls a reply may make under the tool grammar. BFCL sets no limit; its single-turn ground
+# truth has at most 8 calls, so a reply is never cut below what a case needs.
+MAX_CALLS = 16
+# BFCL's cap on a reply: 4096 tokens, or what the context has left (the runtime takes the smaller).
+MAX_TOKENS = 4096
+
+
+class BfclDataError(PsymeshError):
+    """A BFCL directory or file that cannot be used (missing, bad JSON, ids that do not pair)."""
+
+    default_code = ErrorCode.BAD_REQUEST
+
+
+# --------------------------------------------------------------------------- the checker
+
+
+class ExpectedCall(BaseModel):
+    """One call the model should make: each parameter maps to its acceptable values
+    (a ground-truth call of BFCL: ``{name: {param: [values...]}}``)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str
+    arguments: dict[str, list[Any]] = Field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    """Why calls do not match: `kind` is BFCL's error_type, `message` says it for people."""
+
+    kind: str
+    message: str
+
+
+_PYTHON_TYPES: dict[str, type] = {"string": str, "integer": int, "number": float, "boolean": bool,
+                                  "array": list, "object": dict}
+_STANDARDIZE = re.compile(r"[ ,./\-_*^]")
+
+
+def standardize_string(text: str) -> str:
+    """BFCL's string normalisation: "April 1, 2024" and "april 1 2024" compare equal."""
+    return _STANDARDIZE.sub("", text).lower().replace("'", '"')
+
+
+def _std(value: Any) -> Any:
+    return standardize_string(value) if type(value) is str else value
+
+
+def _show(value: Any) -> str:
+    text = json.dumps(value, ensure_ascii=False, default=str)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _declared_type(schema: Any) -> type | None:
+    kind = schema.get("type") if isinstance(schema, Mapping) else None
+    return _PYTHON_TYPES.get(kind) if isinstance(kind, str) else None
+
+
+def _answer_type(values: Sequence[Any]) -> type | None:
+    """The type of the first value that is not ``""`` (BFCL's get_possible_answer_type)."""
+    return next((type(v) for v in values if v != OMITTABLE), None)
+
+
+def _items(values: Any) -> list[Any]:
+    """An alternative read the way BFCL's index loops read it: a list as its items, a
+    string as its characters (so ``""`` reads as ``[]``), anything else as nothing."""
+    return list(values) if isinstance(values, (list, str)) else []
+
+
+def _type_check(value: Any, values: Sequence[Any], want: type, nested: type | None) -> tuple[bool, bool]:
+    """(valid, is_variable), as BFCL's type_checker. `is_variable`: the ground truth holds
+    values of another type than the declared one, so the value is compared as is."""
+    answer = _answer_type(values)
+    is_variable = answer is not None and answer is not want
+    if type(value) is want:
+        if nested is None:
+            return True, is_variable
+        for alt in values:
+            if type(alt) is not list or all(_type_check(item, alt, nested, None)[0] for item in value):
+                return True, is_variable
+        return False, is_variable
+    if answer is not None and type(value) is answer:
+        return True, True
+    return False, is_variable
+
+
+def _dict_check(name: str, param: str, value: Mapping[str, Any], values: Sequence[Any]) -> Mismatch | None:
+    last = Mismatch("dict_checker:unclear", f"{name}: {param}={_show(value)} matches no expected value")
+    for alt in values:
+        if not isinstance(alt, Mapping):  # "" (the parameter may be left out) is no dict to match
+            continue
+        for key, item in value.items():
+            if key not in alt:
+                last = Mismatch("value_error:dict_key", f"{name}: {param} has unexpected key {key!r}")
+                break
+            if _std(item) not in [_std(v) for v in _items(alt[key])]:
+                last = Mismatch("value_error:dict_value",
+                                f"{name}: {param}[{key!r}]={_show(item)}, expected {_alternatives(alt[key])}")
+                break
+        else:
+            missing = next((k for k, v in alt.items() if k not in value and OMITTABLE not in v), None)
+            if missing is None:
+                return None
+            last = Mismatch("value_error:dict_key", f"{name}: {param} lacks key {missing!r}")
+    return last
+
+
+def _list_dict_check(name: str, param: str, value: Sequence[Any], values: Sequence[Any]) -> Mismatch | None:
+    last = Mismatch("list_dict_checker:unclear", f"{name}: {param}={_show(value)} matches no expected value")
+    for alt in values:
+        expected = _items(alt)
+        if len(value) != len(expected):
+            last = Mismatch("value_error:list_dict_count", f"{name}: {param} has {len(value)} item(s), "
+                                                           f"expected {len(expected)}")
+            continue
+        for item, want in zip(value, expected, strict=True):
+            if not isinstance(item, Mapping):
+                last = Mismatch("type_error:nested", f"{name}: {param} item {_show(item)} is not an object")
+                break
+            mismatch = _dict_check(name, param, item, [want])
+            if mismatch is not None:
+                last = mismatch
+                break
+        else:
+            return None
+    return last
+
+
+def _alternatives(values: Iterable[Any]) -> str:
+    return " or ".join(_show(v) for v in values if v != OMITTABLE) or "nothing"
+
+
+def _check_value(name: str, param: str, value: Any, values: Sequence[Any],
+                 schema: Mapping[str, Any]) -> Mismatch | None:
+    declared = _declared_type(schema)
+    want = declared or _answer_type(values)
+    nested = _declared_type(schema.get("items")) if want is list else None
+    if declared is float and type(value) is int:
+        value = float(value)  # Python's int -> float promotion, which BFCL allows
+    is_variable = False
+    if want is not None:
+        valid, is_variable = _type_check(value, values, want, nested)
+        if not valid:
+            kind = "type_error:nested" if type(value) is want else "type_error:simple"
+            return Mismatch(kind, f"{name}: {param}={_show(value)} is {type(value).__name__}, "
+                                  f"expected {schema.get('type') or want.__name__}")
+    if want is not None and not is_variable:
+        if want is dict:
+            return _dict_check(name, param, value, values)
+        if want is list and nested is dict:
+            return _list_dict_check(name, param, value, values)
+        if want is str:
+            if standardize_string(value) in [standardize_string(v) for v in values if type(v) is str]:
+                return None
+            return Mismatch("value_error:string", f"{name}: {param}={_show(value)}, expected {_alternatives(values)}")
+        if want is list:
+            if [_std(v) for v in value] in [[_std(v) for v in _items(alt)] for alt in values]:
+                return None
+            return Mismatch("value_error:list/tuple", f"{name}: {param}={_show(value)}, "
+                                                      f"expected {_alternatives(values)}")
+    if value not in values:
+        return Mismatch("value_error:others", f"{name}: {param}={_show(value)}, expected {_alternatives(values)}")
+    return None
+
+
+def check_call(call: ToolCall, expected: ExpectedCall, spec: ToolSpec) -> Mismatch | None:
+    """None if `call` satisfies `expected` (BFCL's simple_function_checker), else why not.
+    `spec` is the tool `expected` names; its JSON schema gives the declared types."""
+    if call.name != expected.name:
+        return Mismatch("simple_function_checker:wrong_func_name", f"called {call.name}, expected {expected.name}")
+    props = spec.parameters.get("properties", {})
+    for param in spec.parameters.get("required", []):
+        if param not in call.arguments:
+            return Mismatch("simple_function_checker:missing_required",
+                            f"{call.name}: missing required argument {param}")
+    for param, value in call.arguments.items():
+        if param not in props:
+            return Mismatch("simple_function_checker:unexpected_param", f"{call.name}: unknown argument {param!r}")
+        if param not in expected.arguments:
+            return Mismatch("simple_function_checker:unexpected_param",
+                            f"{call.name}: unexpected argument {param}={_show(value)}")
+        schema = props[param] if isinstance(props[param], Mapping) else {}
+        mismatch = _check_value(call.name, param, value, expected.arguments[param], schema)
+        if mismatch is not None:
+            return mismatch
+    for param, values in expected.arguments.items():
+        if param not in call.arguments and OMITTABLE not in values:
+            return Mismatch("simple_function_checker:missing_optional", f"{call.name}: missing argument {param!r}")
+    return None
+
+
+def check_calls(calls: Sequence[ToolCall], expected: Sequence[ExpectedCall],
+                specs: Sequence[ToolSpec]) -> Mismatch | None:
+    """None if `calls` are the expected calls in any order (BFCL's
+    parallel_function_checker_no_order), else why not. Every expected call names one of
+    `specs` (the loaders check that)."""
+    if len(calls) != len(expected):
+        if not expected:
+            message = f"expected no tool call, got {', '.join(c.name for c in calls)}"
+        elif not calls:
+            message = f"expected {', '.join(e.name for e in expected)}, got no tool call"
+        else:
+            message = f"expected {len(expected)} call(s), got {len(calls)}"
+        return Mismatch("parallel_function_checker_no_order:wrong_count", message)
+    by_name = {s.name: s for s in specs}
+    matched: set[int] = set()
+    for n, want in enumerate(expected, 1):
+        first: Mismatch | None = None
+        for i, call in enumerate(calls):
+            if i in matched:
+                continue
+            mismatch = check_call(call, want, by_name[want.name])
+            if mismatch is None:
+                matched.add(i)
+                break
+            first = first or mismatch
+        else:
+            if len(expected) == 1 and first is not None:
+                return first
+            return Mismatch("parallel_function_checker_no_order:cannot_find_match",
+                            f"no call matches expected call {n} ({want.name}): "
+                            f"{first.message if first else 'every call is taken'}")
+    return None
+
+
+# --------------------------------------------------------------------------- BFCL function docs
+
+# BFCL's GORILLA_TO_OPENAPI, for the types Python docs use; any other type becomes a string.
+_OPENAPI_TYPES = {"integer": "integer", "number": "number", "float": "number", "string": "string",
+                  "boolean": "boolean", "bool": "boolean", "array": "array", "list": "array", "dict": "object",
+                  "object": "object", "tuple": "array", "any": "string"}
+
+
+def _openapi_type(kind: Any) -> str:
+    return _OPENAPI_TYPES.get(kind, "string") if isinstance(kind, str) else "string"
+
+
+def _cast_properties(properties: Mapping[str, Any]) -> dict[str, Any]:
+    """BFCL's _cast_to_openai_type: types renamed (a float noted as such), into object
+    properties and array items (lists of lists and lists of objects one level deep)."""
+    out: dict[str, Any] = {}
+    for key, prop in properties.items():
+        prop = dict(prop)
+        if prop.get("type") == "float":
+            prop["format"] = "float"
+            prop["description"] = prop.get("description", "") + FLOAT_NOTE
+        prop["type"] = _openapi_type(prop.get("type"))
+        if prop["type"] in ("array", "object"):
+            if isinstance(prop.get("properties"), Mapping):
+                prop["properties"] = _cast_properties(prop["properties"])
+            elif isinstance(prop.get("items"), Mapping):
+                items = dict(prop["items"])
+                items["type"] = _openapi_type(items.get("type"))
+                if items["type"] == "array" and isinstance(items.get("items"), Mapping):
+                    items["items"] = {**items["items"], "type": _openapi_type(items["items"].get("type"))}
+                elif items["type"] == "object" and isinstance(items.get("properties"), Mapping):
+                    items["properties"] = _cast_properties(items["properties"])
+                prop["items"] = items
+        out[key] = prop
+    return out
+
+
+def tool_spec(doc: Mapping[str, Any]) -> ToolSpec:
+    """A BFCL function doc as the model sees a tool. Names are kept as BFCL writes them
+    (dots included: our tool names allow them, so no "." -> "_" rewrite is needed, as
+    BFCL's own local Qwen handler needs none); one we cannot render is refused."""
+    params = doc.get("parameters") or {}
+    if not isinstance(params, Mapping) or not isinstance(params.get("properties", {}), Mapping):
+        raise ValueError(f"function {doc.get('name')!r}: 'parameters' is not an object schema")
+    try:
+        return ToolSpec(name=doc["name"], description=str(doc.get("description", "")) + PYTHON_HINT,
+                        parameters={**params, "type": "object",
+                                    "properties": _cast_properties(params.get("properties", {}))})
+    except (KeyError, ValidationError) as exc:
+        raise ValueError(f"function {doc.get('name')!r} cannot be offered as a tool: {exc}") from None
+
+
+# --------------------------------------------------------------------------- loading
+
+
+@dataclass(frozen=True)
+class BfclCase:
+    """One BFCL question. `expected` is None for irrelevance, where the right answer is no call."""
+
+    id: str
+    category: str
+    messages: tuple[ChatMessage, ...]
+    tools: tuple[ToolSpec, ...]
+    expected: tuple[ExpectedCall, ...] | None
+
+
+def present_categories(directory: str | Path) -> list[str]:
+    """The supported categories whose question file is in `directory`."""
+    return [c for c in CATEGORIES if (Path(directory) / f"{FILE_PREFIX}{c}.json").is_file()]
+
+
+def _json_lines(path: Path, limit: int | None) -> list[tuple[str, dict[str, Any]]]:
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except OSError as exc:
+        raise BfclDataError(f"cannot read {path}: {exc.strerror}", code=ErrorCode.NOT_FOUND) from None
+    out = []
+    for no, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        if limit is not None and len(out) >= limit:
+            break
+        try:
+            obj = json.loads(line)
+        except ValueError as exc:
+            raise BfclDataError(f"{path.name}:{no}: {exc}") from None
+        if not isinstance(obj, dict) or not isinstance(obj.get("id"), str):
+            raise BfclDataError(f"{path.name}:{no}: each line must be a JSON object with a string 'id'")
+        out.append((f"{path.name}:{no}", obj))
+    return out
+
+
+def _expected_calls(ground_truth: Any, tools: Sequence[ToolSpec]) -> tuple[ExpectedCall, ...]:
+    if not isinstance(ground_truth, list) or not ground_truth:
+        raise ValueError("'ground_truth' must be a non-empty list of calls")
+    names = {t.name for t in tools}
+    calls = []
+    for call in ground_truth:
+        if not isinstance(call, dict) or len(call) != 1:
+            raise ValueError("each ground-truth call must be {function_name: {param: [values...]}}")
+        (name, arguments), = call.items()
+        if name not in names:
+            raise ValueError(f"ground-truth call {name!r} is not among the case's functions")
+        calls.append(ExpectedCall(name=name, arguments=arguments))
+    return tuple(calls)
+
+
+def _load_category(directory: Path, category: str, limit: int | None) -> list[BfclCase]:
+    questions = _json_lines(directory / f"{FILE_PREFIX}{category}.json", limit)
+    answers: dict[str, Any] = {}
+    if category != IRRELEVANCE:
+        answer_lines = _json_lines(directory / "possible_answer" / f"{FILE_PREFIX}{category}.json", None)
+        answers = {obj["id"]: obj.get("ground_truth") for _, obj in answer_lines}
+    cases = []
+    for where, obj in questions:
+        try:
+            turns = obj.get("question")
+            if not isinstance(turns, list) or not turns or not isinstance(turns[0], list):
+                raise ValueError("'question' must be a list of turns, each a list of messages")
+            # Single-turn: BFCL asks the first turn only.
+            messages = tuple(ChatMessage(role=m["role"], content=m["content"]) for m in turns[0])
+            tools = tuple(tool_spec(doc) for doc in obj.get("function") or ())
+            expected = None
+            if category != IRRELEVANCE:
+                if obj["id"] not in answers:
+                    raise ValueError(f"no ground truth for {obj['id']!r} in possible_answer/")
+                expected = _expected_calls(answers[obj["id"]], tools)
+        except (KeyError, TypeError, ValueError, ValidationError) as exc:  # a ValidationError is a ValueError
+            raise BfclDataError(f"{where}: {exc}") from None
+        cases.append(BfclCase(obj["id"], category, messages, tools, expected))
+    return cases
+
+
+def load_bfcl(directory: str | Path, categories: Sequence[str] = (), *, limit: int | None = None) -> list[BfclCase]:
+    """The cases of `categories` (default: every supported one present in `directory`),
+    each category cut to its first `limit` cases."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise BfclDataError(f"{directory} is not a directory", code=ErrorCode.NOT_FOUND)
+    unknown = [c for c in categories if c not in CATEGORIES]
+    if unknown:
+        raise BfclDataError(f"unsupported BFCL categories {unknown}; supported: {', '.join(CATEGORIES)}")
+    chosen = list(dict.fromkeys(categories)) or present_categories(directory)
+    if not chosen:
+        raise BfclDataError(f"{directory} holds none of the BFCL files {FILE_PREFIX}<category>.json "
+                            f"for {', '.join(CATEGORIES)}", code=ErrorCode.NOT_FOUND)
+    return [case for c in chosen for case in _load_category(directory, c, limit)]
+
+
+# --------------------------------------------------------------------------- scoring
+
+
+@dataclass(frozen=True)
+class BfclResult:
+    id: str
+    category: str
+    passed: bool
+    kind: str            # BFCL's error_type ("" when passed)
+    reason: str          # "" when passed
+    reply: str           # the raw model output
+    calls: list[ToolCall]
+
+
+def _scoring_spec(spec: ToolSpec) -> ToolSpec:
+    """`spec` for reading a reply back: a value that does not fit its declared type stays
+    the text the model wrote, and enums are not enforced. BFCL decodes a reply without the
+    schema and judges types and values in the checker, which then refuses such a value
+    (or, for a ground truth that names a variable, accepts it); refusing it in the parse
+    would make the checker see no call at all."""
+    props = {k: ({key: v for key, v in p.items() if key != "enum"}
+                 | ({"type": [p["type"], "string"]} if p.get("type") in _PYTHON_TYPES.keys() - {"string"} else {}))
+             if isinstance(p, Mapping) else p
+             for k, p in spec.parameters.get("properties", {}).items()}
+    return spec.model_copy(update={"parameters": {**spec.parameters, "properties": props}})
+
+
+def score_reply(case: BfclCase, text: str) -> BfclResult:
+    """Score one raw reply as BFCL would."""
+    if case.expected is None:
+        reply = parse_reply(text)  # a well-formed call to any function, offered or not, counts
+        calls = list(reply.tool_calls)
+        if calls:
+            return BfclResult(case.id, case.category, False, "irrelevance_error:decoder_success",
+                              f"expected no tool call, got {', '.join(c.name for c in calls)}", text, calls)
+        return BfclResult(case.id, case.category, True, "", "", text, [])
+    reply = parse_reply(text, [_scoring_spec(t) for t in case.tools])
+    calls = list(reply.tool_calls)
+    if reply.errors:
+        return BfclResult(case.id, case.category, False, "ast_decoder:decoder_failed",
+                          "malformed reply: " + "; ".join(reply.errors), text, calls)
+    mismatch = check_calls(calls, case.expected, case.tools)
+    if mismatch is not None:
+        return BfclResult(case.id, case.category, False, mismatch.kind, mismatch.message, text, calls)
+    return BfclResult(case.id, case.category, True, "", "", text, calls)
+
+
+# --------------------------------------------------------------------------- the oracle
+
+
+def _first_of_each(values: Mapping[str, Any]) -> dict[str, Any]:
+    """A ground-truth dict ({key: [values...]}) as a value: each key's first value, a key
+    whose first value is "" left out (BFCL's dict checker compares one level deep)."""
+    return {k: v[0] for k, v in values.items() if isinstance(v, list) and v and v[0] != OMITTABLE}
+
+
+def _oracle_arguments(expected: ExpectedCall, spec: ToolSpec) -> dict[str, Any]:
+    """The first acceptable value of each parameter: left out where BFCL allows that and
+    the ground truth lists "" first (always, for a parameter the function does not
+    declare), else the first value that is not ""."""
+    props = spec.parameters.get("properties", {})
+    required = set(spec.parameters.get("required", []))
+    args: dict[str, Any] = {}
+    for param, values in expected.arguments.items():
+        given = [v for v in values if v != OMITTABLE]
+        if param not in props or not given or (values[0] == OMITTABLE and param not in required):
+            continue
+        value, schema = given[0], props[param]
+        if _declared_type(schema) is dict and isinstance(value, Mapping):
+            value = _first_of_each(value)
+        elif _declared_type(schema) is list and _declared_type(schema.get("items")) is dict and isinstance(value, list):
+            value = [_first_of_each(v) if isinstance(v, Mapping) else v for v in value]
+        args[param] = value
+    return args
+
+
+def oracle_reply(case: BfclCase) -> str:
+    """The reply a perfect model writes: the ground truth's first acceptable answer, each
+    call in the Qwen3.5 tool-call form; plain text where no function fits."""
+    if case.expected is None:
+        return "None of the functions I have can do that, so I will answer directly."
+    specs = {t.name: t for t in case.tools}
+    return "\n".join(tool_call_text(e.name, _oracle_arguments(e, specs[e.name])) for e in case.expected)
+
+
+# --------------------------------------------------------------------------- running and reporting
+
+
+@dataclass(frozen=True)
+class CategoryScore:
+    category: str
+    cases: int
+    correct: int
+
+    @property
+    def accuracy(self) -> float:
+        return self.correct / self.cases if self.cases else 0.0
+
+
+@dataclass(frozen=True)
+class BfclReport:
+    results: list[BfclResult]
+    categories: dict[str, CategoryScore] = field(init=False)
+
+    def __post_init__(self) -> None:
+        by_category = {c: [r for r in self.results if r.category == c] for c in CATEGORIES}
+        object.__setattr__(self, "categories", {
+            c: CategoryScore(c, len(rs), sum(r.passed for r in rs)) for c, rs in by_category.items() if rs})
+
+    @property
+    def ast_categories(self) -> list[str]:
+        return [c for c in AST_CATEGORIES if c in self.categories]
+
+    @property
+    def ast_summary(self) -> float | None:
+        """BFCL's Non-Live AST summary as computed here: the unweighted mean of the
+        accuracies of the AST categories scored (None when none was)."""
+        cats = self.ast_categories
+        return fmean(self.categories[c].accuracy for c in cats) if cats else None
+
+    @property
+    def ast_summary_label(self) -> str:
+        cats = self.ast_categories
+        label = f"mean of {', '.join(cats)}"
+        if len(cats) < len(AST_CATEGORIES):
+            label += f" ({len(cats)} of BFCL's {len(AST_CATEGORIES)} non-live AST categories)"
+        if "simple_python" in cats:
+            label += "; BFCL's simple also averages Java and JavaScript, not scored here"
+        return label
+
+    def data(self) -> dict[str, Any]:
+        """The report as JSON-ready data (--json)."""
+        return {
+            "categories": {c: {"cases": s.cases, "correct": s.correct, "accuracy": s.accuracy}
+                           for c, s in self.categories.items()},
+            "non_live_ast": None if self.ast_summary is None else {
+                "accuracy": self.ast_summary, "categories": self.ast_categories, "label": self.ast_summary_label},
+            "cases": len(self.results),
+            "correct": sum(r.passed for r in self.results),
+            "failures": [{"id": r.id, "category": r.category, "kind": r.kind, "reason": r.reason}
+                         for r in self.results if not r.passed],
+        }
+
+
+async def run_bfcl(
+    cases: Iterable[BfclCase],
+    model: AgentModel,
+    *,
+    thinking: bool = False,
+    on_result: Callable[[BfclResult], Awaitable[None]] | None = None,
+) -> BfclReport:
+    """Ask `model` each case in turn and score its reply. A model error fails that case only."""
+    results = []
+    for case in cases:
+        try:
+            text = await model.reply(case.messages, case.tools, thinking=thinking)
+        except PsymeshError as exc:
+            result = BfclResult(case.id, case.category, False, "model_error", f"model error: {exc}", "", [])
+        else:
+            result = score_reply(case, text)
+        results.append(result)
+        if on_result is not None:
+            await on_result(result)
+    return BfclReport(results)
+
+
+def format_bfcl_report(report: BfclReport) -> str:
+    """The per-category table, then the non-live AST summary, saying what it averages."""
+    width = max([len("category"), *(len(c) for c in report.categories)])
+    lines = [f"{'category':<{width}}  cases  correct  accuracy"]
+    for s in report.categories.values():
+        lines.append(f"{s.category:<{width}}  {s.cases:>5}  {s.correct:>7}  {s.accuracy:>8.1%}")
+    if report.ast_summary is not None:
+        lines += ["", f"non-live AST summary: {report.ast_summary:.1%} ({report.ast_summary_label})"]
+    if IRRELEVANCE in report.categories:
+        lines.append("irrelevance is reported on its own, as BFCL does (not part of the AST summary)")
+    return "\n".join(lines)
+
+
+def generation_params(*, grammar: bool, ban_bytes: bool = False) -> GenerationParams:
+    """Greedy decoding; with `grammar`, tool calls constrained as the case-format eval
+    constrains them, allowing the several calls the parallel categories need."""
+    return GenerationParams(max_tokens=MAX_TOKENS, temperature=0.0, ban_bytes=ban_bytes,
+                            tool_grammar=ToolGrammar(max_calls=MAX_CALLS) if grammar else None)
