@@ -19,7 +19,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from psymesh.protocol.errors import ErrorCode, PsymeshError
-from psymesh.protocol.identity import peer_id_from_public_key, public_key_from_peer_id
+from psymesh.protocol.identity import PeerId, peer_id_from_public_key, public_key_from_peer_id
 from psymesh.protocol.manifest import canonical_encode
 from psymesh.protocol.messages import Message
 
@@ -33,19 +33,11 @@ class AddrRecord(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    peer_id: str
+    peer_id: PeerId
     addrs: tuple[str, ...] = Field(max_length=MAX_ADDRS)
     seq: int = Field(ge=0, lt=2**63)
     signature: bytes = Field(default=b"", max_length=64)
 
-    @field_validator("peer_id")
-    @classmethod
-    def _peer_id(cls, value: str) -> str:
-        try:
-            public_key_from_peer_id(value)
-        except PsymeshError as exc:
-            raise ValueError(exc.message) from None
-        return value
 
     @field_validator("addrs")
     @classmethod

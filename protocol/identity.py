@@ -8,11 +8,13 @@ device id: base32 of SHA-256 of the key, in dash-separated groups.
 from __future__ import annotations
 
 import functools
+from typing import Annotated
 
 import base64
 import hashlib
 
 import base58
+from pydantic import AfterValidator
 
 from psymesh.protocol.errors import ErrorCode, ProtocolError
 
@@ -40,6 +42,19 @@ def public_key_from_peer_id(peer_id: str) -> bytes:
     if len(raw) != len(prefix) + 32 or not raw.startswith(prefix):
         raise ProtocolError(f"not an Ed25519 peer id: {peer_id[:64]!r}", code=ErrorCode.BAD_REQUEST)
     return raw[len(prefix):]
+
+
+def checked_peer_id(value: str) -> str:
+    """A pydantic check: `value` is a peer id with an Ed25519 key inside (the signer's)."""
+    try:
+        public_key_from_peer_id(value)
+    except ProtocolError as exc:
+        raise ValueError(exc.message) from None
+    return value
+
+
+# A message field holding a peer id: checked as it is parsed (every message module uses this one).
+PeerId = Annotated[str, AfterValidator(checked_peer_id)]
 
 
 def is_peer_id(text: str) -> bool:

@@ -30,10 +30,10 @@ from cryptography.exceptions import InvalidSignature, InvalidTag
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
 from cryptography.hazmat.primitives.hpke import AEAD, KDF, KEM, Suite
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from psymesh.protocol.errors import ErrorCode, PsymeshError
-from psymesh.protocol.identity import peer_id_from_public_key, public_key_from_peer_id
+from psymesh.protocol.identity import PeerId, peer_id_from_public_key, public_key_from_peer_id
 from psymesh.protocol.manifest import Operation, canonical_encode
 from psymesh.protocol.messages import Message
 from psymesh.protocol.messaging import Letter
@@ -46,13 +46,6 @@ REF_BYTES = 16
 MAX_WAIT_S = 600.0               # the longest a mailbox holds one fetch open
 VIA_MAILBOX = "mailbox"          # how the audit log names a letter admitted from a mailbox
 
-
-def _valid_peer_id(value: str) -> str:
-    try:
-        public_key_from_peer_id(value)
-    except PsymeshError as exc:
-        raise ValueError(exc.message) from None
-    return value
 
 
 class MailSettings(BaseModel):
@@ -77,16 +70,12 @@ class MailKey(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    owner: str
+    owner: PeerId
     public: bytes = Field(min_length=32, max_length=32)   # X25519
-    mailbox: str | None = None
+    mailbox: PeerId | None = None
     serial: int = Field(ge=0, lt=2**63)
     signature: bytes = Field(default=b"", max_length=64)
 
-    @field_validator("owner", "mailbox")
-    @classmethod
-    def _peer_id(cls, value: str | None) -> str | None:
-        return None if value is None else _valid_peer_id(value)
 
     def signing_bytes(self) -> bytes:
         body = self.model_dump(mode="python", exclude={"signature"}, exclude_none=True)
@@ -175,14 +164,10 @@ class MailDeposit(Message):
     sender is the peer that sent the request, as the Noise session authenticated it."""
 
     type = "mail.deposit"
-    recipient: str
+    recipient: PeerId
     ref: bytes = Field(min_length=REF_BYTES, max_length=REF_BYTES)
     sealed: bytes = Field(min_length=SEAL_OVERHEAD)
 
-    @field_validator("recipient")
-    @classmethod
-    def _peer_id(cls, value: str) -> str:
-        return _valid_peer_id(value)
 
     def operation(self) -> Operation:
         return Operation(name="mail.deposit", payload_bytes=len(self.sealed))

@@ -65,11 +65,11 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 from cryptography.hazmat.primitives.kdf.hkdf import HKDFExpand
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field
 from pyhpke import AEADId, CipherSuite, KDFId, KEMId, PyHPKEError
 
 from psymesh.protocol.errors import ErrorCode, PsymeshError
-from psymesh.protocol.identity import peer_id_from_public_key, public_key_from_peer_id
+from psymesh.protocol.identity import PeerId, peer_id_from_public_key, public_key_from_peer_id
 from psymesh.protocol.manifest import canonical_encode
 
 _KEY_CONTEXT = b"psymesh/web-key/v1\x00"
@@ -97,13 +97,6 @@ MAX_REQUEST_BODY = BUCKETS[-1] - _REQUEST_HEAD.size - _LEN.size
 MAX_RESPONSE_BODY = BUCKETS[-1] - _RESPONSE_HEAD.size - _LEN.size
 
 
-def _valid_peer_id(value: str) -> str:
-    try:
-        public_key_from_peer_id(value)
-    except PsymeshError as exc:
-        raise ValueError(exc.message) from None
-    return value
-
 
 # ---------------------------------------------------------------------------- keys
 
@@ -115,7 +108,7 @@ class ExitKey(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    exit: str
+    exit: PeerId
     key_id: int = Field(ge=0, le=255)
     kem_id: int = Field(ge=0, le=0xFFFF)
     kdf_id: int = Field(ge=0, le=0xFFFF)
@@ -124,10 +117,6 @@ class ExitKey(BaseModel):
     not_after: int = Field(ge=0, lt=2**63)                     # Unix seconds
     signature: bytes = Field(default=b"", max_length=64)
 
-    @field_validator("exit")
-    @classmethod
-    def _peer_id(cls, value: str) -> str:
-        return _valid_peer_id(value)
 
     def signing_bytes(self) -> bytes:
         return _KEY_CONTEXT + canonical_encode(self.model_dump(mode="python", exclude={"signature"}))

@@ -26,8 +26,7 @@ from typing import Annotated
 
 from pydantic import Field, StringConstraints, field_validator
 
-from psymesh.protocol.errors import PsymeshError
-from psymesh.protocol.identity import public_key_from_peer_id
+from psymesh.protocol.identity import PeerId
 from psymesh.protocol.manifest import Operation
 from psymesh.protocol.messages import Message
 from psymesh.protocol.oblivious import ExitKey
@@ -110,25 +109,14 @@ WebRequest = WebSearch | WebFetch
 WebAnswer = WebResults | WebPage
 
 
-def _peer_id(value: str) -> str:
-    try:
-        public_key_from_peer_id(value)
-    except PsymeshError as exc:
-        raise ValueError(exc.message) from None
-    return value
-
 
 class WebRelay(Message):
     """Phone -> relay: forward this sealed request to `exit` and hand back its sealed reply."""
 
     type = "web.relay"
-    exit: str
+    exit: PeerId
     sealed: bytes = Field(min_length=1, max_length=MAX_SEALED_BYTES)
 
-    @field_validator("exit")
-    @classmethod
-    def _exit_id(cls, value: str) -> str:
-        return _peer_id(value)
 
     def operation(self) -> Operation:
         return Operation(name="web.relay", payload_bytes=len(self.sealed))
