@@ -1353,14 +1353,35 @@ async def _agent_remote(home: str | None, out: Output, goal: str, to: str | None
 
 @main.command("eval")
 @command
-@click.argument("cases", type=click.Path(exists=True, dir_okay=False))
-@click.option("--model", "model_name", required=True, help="Registered model to evaluate.")
+@click.argument("cases", required=False, type=click.Path(exists=True, dir_okay=False))
+@click.option("--model", "model_name", default=None, help="Registered model to evaluate.")
+@click.option("--bfcl", "bfcl_dir", type=click.Path(exists=True, file_okay=False),
+              help="Score BFCL v4 files from this directory (BFCL_v4_<category>.json, possible_answer/) with "
+                   "BFCL's own AST-checker rules, instead of a case file.")
+@click.option("--category", "categories", multiple=True, metavar="NAME",
+              help="With --bfcl: a category to score (repeatable; default: every supported one present).")
+@click.option("--limit", type=click.IntRange(min=1), default=None, help="With --bfcl: the first N cases of each "
+                                                                         "category.")
+@click.option("--oracle", is_flag=True, help="With --bfcl: answer with the ground truth instead of a model, "
+                                              "through the same render/parse/score path (checks the harness).")
 @click.option("--free", "free_form", is_flag=True, help="No grammar constraint (measures the raw model).")
 @click.option("--thinking", is_flag=True)
 @click.option("--ban-bytes", is_flag=True, hidden=True)
-def eval_cmd(home: str | None, out: Output, cases: str, model_name: str, free_form: bool, thinking: bool,
+def eval_cmd(home: str | None, out: Output, cases: str | None, model_name: str | None, bfcl_dir: str | None,
+             categories: tuple[str, ...], limit: int | None, oracle: bool, free_form: bool, thinking: bool,
              ban_bytes: bool) -> None:
-    """Score a model on function-calling cases (JSONL), per category, BFCL-style."""
+    """Score a model on function-calling cases (JSONL), per category, BFCL-style; or, with
+    --bfcl DIR, on BFCL v4's own files, as BFCL scores them."""
+    if (cases is None) == (bfcl_dir is None):
+        raise PsymeshError("give a case file or --bfcl DIR (one of them)", code=ErrorCode.BAD_REQUEST)
+    if bfcl_dir is None and (categories or limit is not None or oracle):
+        raise PsymeshError("--category, --limit and --oracle go with --bfcl", code=ErrorCode.BAD_REQUEST)
+    if oracle == (model_name is not None):
+        raise PsymeshError("give --model NAME, or --oracle (with --bfcl)" if not oracle
+                           else "--oracle answers without a model: drop --model", code=ErrorCode.BAD_REQUEST)
+    if bfcl_dir is not None:
+        return _eval_bfcl(home, out, bfcl_dir, categories, limit, model_name, free_form, thinking, ban_bytes)
+
     from psymesh.agent.evaluation import evaluate, format_report, load_cases
     from psymesh.agent.runtime import ModelWorker
     from psymesh.node.agents import llama_model, pick_model
@@ -1386,6 +1407,42 @@ def eval_cmd(home: str | None, out: Output, cases: str, model_name: str, free_fo
             "categories": {c: {"cases": s.total, "passed": s.passed, "accuracy": s.accuracy}
                            for c, s in report.categories.items()}}
     out.data(data, lambda con: con.print(format_report(report)))
+
+
+def _eval_bfcl(home: str | None, out: Output, bfcl_dir: str, categories: tuple[str, ...], limit: int | None,
+               model_name: str | None, free_form: bool, thinking: bool, ban_bytes: bool) -> None:
+    """`eval --bfcl`: BFCL's questions through our prompt, the model (or the oracle) and our
+    parser, scored by agent/bfcl.py's mirror of BFCL's AST checker."""
+    from psymesh.agent.bfcl import format_bfcl_report, generation_params, load_bfcl, oracle_reply, run_bfcl
+    from psymesh.agent.loop import LlamaAgentModel, ScriptedModel
+
+    loaded = load_bfcl(bfcl_dir, categories, limit=limit)
+
+    async def progress(r: Any) -> None:
+        if model_name is not None or not r.passed:  # the oracle's passes are 1240 lines of noise
+            out.hint(f"{r.id}: {'pass' if r.passed else 'fail: ' + r.reason}")
+
+    if model_name is None:
+        name = "oracle"
+        report = run_async(lambda: run_bfcl(loaded, ScriptedModel(oracle_reply(c) for c in loaded),
+                                            thinking=thinking, on_result=progress))
+    else:
+        from psymesh.agent.runtime import ModelWorker
+        from psymesh.node.agents import pick_model
+
+        node_home = NodeHome(home)
+        node_home.init()
+        registry = _models(node_home)
+        name = pick_model(registry, model_name, None)
+
+        async def go() -> Any:
+            async with ModelWorker(registry.settings(name)) as worker:
+                model = LlamaAgentModel(worker, generation_params(grammar=not free_form, ban_bytes=ban_bytes))
+                return await run_bfcl(loaded, model, thinking=thinking, on_result=progress)
+
+        report = run_async(go)
+    data = {"model": name, "bfcl_dir": str(Path(bfcl_dir).resolve()), "limit": limit, **report.data()}
+    out.data(data, lambda con: con.print(format_bfcl_report(report)))
 
 
 if __name__ == "__main__":
