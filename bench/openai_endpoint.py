@@ -21,7 +21,7 @@ all completion tokens over the time from the request to the last piece. The targ
 is endpoint / sdk >= 0.95x (the issue's fair comparison: the same model through the
 SDK); endpoint / local is printed too.
 
-    .venv/bin/python bench/openai_endpoint.py                  # Q4_K_M, 2 threads, 96 tokens, 3 runs
+    .venv/bin/python bench/openai_endpoint.py                  # Q4_K_M, 1 thread, 96 tokens, 3 runs
     .venv/bin/python bench/openai_endpoint.py --runs 5 --tokens 128
 
 The model is generated once into .bench/. Every loop is bounded by --runs and
@@ -170,7 +170,7 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--wtype", default="Q4_K_M")
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1)  # 2 on a shared 2-core machine: llama.cpp's spinning barrier makes noise
     parser.add_argument("--tokens", type=int, default=96)
     parser.add_argument("--runs", type=int, default=3)
     args = parser.parse_args()

@@ -341,7 +341,7 @@ class OpenAIEndpoint:
             routes=[Route("/v1/models", self._models, methods=["GET"]),
                     Route("/v1/models/{model:path}", self._model, methods=["GET"]),
                     Route("/v1/chat/completions", self._chat, methods=["POST"])],
-            exception_handlers={HTTPException: self._http_error})
+            exception_handlers={HTTPException: self._http_error, Exception: self._internal_error})
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         from hypercorn.config import Config
@@ -354,7 +354,15 @@ class OpenAIEndpoint:
         config.errorlog = logging.getLogger("psymesh.openai.http")
         config.graceful_timeout = 2.0
         async with anyio.create_task_group() as tg:
-            binds = await tg.start(functools.partial(serve, self.app, config))  # type: ignore[arg-type]
+            try:
+                binds = await tg.start(functools.partial(serve, self.app, config))  # type: ignore[arg-type]
+            except Exception as exc:  # hypercorn's nursery hands a bind failure over in a group
+                failed = _os_error(exc)
+                if failed is None:
+                    raise
+                raise PsymeshError(f"the OpenAI-compatible endpoint cannot listen on {config.bind[0]}: "
+                                   f"{failed.strerror or failed}; choose another port ([serve.openai] port, "
+                                   "or --port)", code=ErrorCode.UNAVAILABLE) from None
             self.url = binds[0]
             log.info("OpenAI-compatible endpoint at %s/v1%s", self.url, "" if self._key else " (no API key)")
             task_status.started()
@@ -389,6 +397,10 @@ class OpenAIEndpoint:
         message = {404: f"no route {request.url.path}", 405: f"{request.method} is not allowed here"}.get(
             exc.status_code, exc.detail)
         return ApiError(exc.status_code, message, code="not_found" if exc.status_code == 404 else None).response()
+
+    async def _internal_error(self, request: Request, exc: Exception) -> Response:
+        log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+        return ApiError(500, "the node failed to answer; see its log", code="internal").response()
 
     # -- models -------------------------------------------------------------------------
     async def _models(self, request: Request) -> Response:
@@ -616,6 +628,15 @@ class _Reply:
             if self._usage:
                 yield _sse({**self._head("chat.completion.chunk"), "choices": [], "usage": piece.usage()})
             yield b"data: [DONE]\n\n"
+
+
+def _os_error(exc: BaseException) -> OSError | None:
+    """The OSError in `exc`, however deep in exception groups."""
+    if isinstance(exc, OSError):
+        return exc
+    if isinstance(exc, BaseExceptionGroup):
+        return next((found for e in exc.exceptions if (found := _os_error(e)) is not None), None)
+    return None
 
 
 def _sse(data: Mapping[str, Any]) -> bytes:

@@ -369,3 +369,25 @@ async def test_serve_openai_command_and_the_example_client(tmp_path: Path, tiny_
     assert example.returncode == 0, example.stderr.decode()
     assert "models: tiny" in out and "finish_reason: " in out and "tool call: get_weather" in out
     assert proc.returncode == 0, log.read_text()
+
+
+@pytest.mark.anyio
+async def test_a_port_in_use_is_one_clear_error(tmp_path: Path) -> None:
+    import socket
+
+    home = NodeHome(tmp_path / "busy")
+    home.init()
+    config = home.load_config()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        served = config.serve.model_copy(update={"openai": config.serve.openai.model_copy(
+            update={"enabled": True, "port": taken.getsockname()[1]})})
+        node = Node(home, config.model_copy(update={"serve": served}))
+        with pytest.raises(BaseException) as failed:
+            await node.run()
+    errors = [failed.value]
+    while isinstance(errors[0], BaseExceptionGroup):
+        errors = list(errors[0].exceptions)
+    assert isinstance(errors[0], PsymeshError) and errors[0].code is ErrorCode.UNAVAILABLE
+    assert "cannot listen on 127.0.0.1:" in errors[0].message and "choose another port" in errors[0].message
