@@ -15,13 +15,13 @@ from __future__ import annotations
 import random
 import signal
 import socket
-import textwrap
 from collections import Counter
 from pathlib import Path
 
 import anyio
 import pytest
 from waiting import wait_until
+from worktool import TOOL_NAME, tool_log, tool_runs, unfinished_runs  # noqa: F401  (tool_log: a fixture)
 
 from psymesh.node.client import Client
 from psymesh.node.db import open_db
@@ -34,50 +34,9 @@ from psymesh.protocol.tasks import EventKind, TaskEvent, TaskState
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
 
-CAPS = ["task.infer", "tool:system.info", "tool:chaos.*"]
+CAPS = ["task.infer", "tool:system.info", "tool:testwork.*"]
 ROOMY = Limits(requests_per_minute=100_000, concurrent_tasks=64, max_runtime_s=600, max_payload_bytes=1 << 20)
 ROUNDS = 3
-
-PLUGIN = '''
-import os
-import time
-
-from psymesh.agent.tools import ToolContext, tool_from_function
-
-
-def work(tag: str, ms: int = 400, *, ctx: ToolContext) -> dict:
-    """Busy for `ms` milliseconds; logs its start and finish so tests can count runs."""
-    def log(what: str) -> None:
-        with open(os.environ["CHAOS_TOOL_LOG"], "a") as f:
-            f.write(f"{what} {tag} {os.getpid()}\\n")
-    log("start")
-    end = time.monotonic() + ms / 1000
-    while time.monotonic() < end:
-        ctx.check()
-        time.sleep(0.01)  # a tool that takes time is the behaviour under test
-    log("done")
-    return {"tag": tag, "pid": os.getpid()}
-
-
-TOOL = tool_from_function(work, "chaos.work")
-'''
-
-
-@pytest.fixture
-def plugin_log(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """Install the `chaos.work` tool plugin for daemons started by this test."""
-    site = tmp_path / "site"
-    dist = site / "chaos_tool-1.0.dist-info"
-    dist.mkdir(parents=True)
-    (site / "chaos_tool.py").write_text(textwrap.dedent(PLUGIN))
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: chaos-tool\nVersion: 1.0\n")
-    (dist / "entry_points.txt").write_text("[psymesh.tools]\nchaos = chaos_tool:TOOL\n")
-    log = tmp_path / "tool-runs.log"
-    log.touch()
-    monkeypatch.setenv("PYTHONPATH", str(site))
-    monkeypatch.setenv("CHAOS_TOOL_LOG", str(log))
-    return log
-
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -106,7 +65,7 @@ async def _delegate_mix(c: Client, n_work: int, n_infer: int, n_info: int) -> di
     kinds: dict[str, str] = {}
     for i in range(max(n_work, n_infer, n_info)):
         if i < n_work:
-            kinds[(await c.delegate("home", tool="chaos.work", args={"tag": f"w{i}", "ms": 600})).id] = f"w{i}"
+            kinds[(await c.delegate("home", tool=TOOL_NAME, args={"tag": f"w{i}", "ms": 600})).id] = f"w{i}"
         if i < n_infer:
             t = await c.delegate("home", infer=f"Count to {i}.", model="tiny", max_tokens=2500,
                                  params={"ban_bytes": True, "seed": i, "temperature": 0})
@@ -135,18 +94,6 @@ def _check_history(events: list[TaskEvent], what: str, runs: Counter[str]) -> No
         assert value["tag"] == what
         # Every run the tool made is one the log announced; none ran after completion.
         assert 1 <= runs[f"done {what}"] <= runs[f"start {what}"] <= starts, (what, runs, starts)
-
-
-def _tool_runs(log: Path) -> Counter[str]:
-    return Counter(" ".join(line.split()[:2]) for line in log.read_text().splitlines())
-
-
-def _unfinished_runs(log: Path, pid: int) -> Counter[str]:
-    """Runs the process `pid` started and has not finished (tag -> how many)."""
-    lines = [line.split() for line in log.read_text().splitlines()]
-    started = Counter(tag for what, tag, by in lines if what == "start" and by == str(pid))
-    done = Counter(tag for what, tag, by in lines if what == "done" and by == str(pid))
-    return started - done
 
 
 async def _all_acknowledged(home: DaemonProcess, ids: set[str]) -> None:
@@ -178,7 +125,7 @@ def _logs_match(home: Path, phone: Path, seen: dict[str, list[TaskEvent]]) -> No
         pconn.close()
 
 
-async def test_home_killed_mid_tasks_every_task_completes_once(tmp_path: Path, plugin_log: Path,
+async def test_home_killed_mid_tasks_every_task_completes_once(tmp_path: Path, tool_log: Path,
                                                                 tiny_model: Path) -> None:
     home, phone = await _start_pair(tmp_path, tiny_model)
     rng = random.Random(7)
@@ -200,7 +147,7 @@ async def test_home_killed_mid_tasks_every_task_completes_once(tmp_path: Path, p
                         await anyio.sleep(rng.uniform(0.0, 0.3))  # and a random time down
                         await home.start()
         assert set(seen) == set(kinds)
-        runs = _tool_runs(plugin_log)
+        runs = tool_runs(tool_log)
         for task_id, what in kinds.items():
             _check_history(seen[task_id], what, runs)
         requeued = sum(1 for evs in seen.values() for e in evs if e.kind is EventKind.REQUEUED)
@@ -211,8 +158,8 @@ async def test_home_killed_mid_tasks_every_task_completes_once(tmp_path: Path, p
         async with home.client() as h:
             held = {t.task_id: t.state for t in (await h.tasks(limit=1000)).executing if t.task_id in kinds}
         assert all(state.terminal for state in held.values()), held
-        assert home.proc is not None and not _unfinished_runs(plugin_log, home.proc.pid)
-        assert _tool_runs(plugin_log) == runs
+        assert home.proc is not None and not unfinished_runs(tool_log, home.proc.pid)
+        assert tool_runs(tool_log) == runs
         await _all_acknowledged(home, set(kinds))
     finally:
         await phone.stop()
@@ -220,7 +167,7 @@ async def test_home_killed_mid_tasks_every_task_completes_once(tmp_path: Path, p
     _logs_match(home.home, phone.home, seen)
 
 
-async def test_phone_killed_mid_tasks_gets_every_event_once(tmp_path: Path, plugin_log: Path,
+async def test_phone_killed_mid_tasks_gets_every_event_once(tmp_path: Path, tool_log: Path,
                                                             tiny_model: Path) -> None:
     home, phone = await _start_pair(tmp_path, tiny_model)
     rng = random.Random(11)
@@ -252,7 +199,7 @@ async def test_phone_killed_mid_tasks_gets_every_event_once(tmp_path: Path, plug
             async with anyio.create_task_group() as tg:  # after the last restart: to the end
                 for task_id in kinds:
                     tg.start_soon(follow, task_id)
-        runs = _tool_runs(plugin_log)
+        runs = tool_runs(tool_log)
         for task_id, what in kinds.items():
             _check_history(seen[task_id], what, runs)
         assert all(runs[f"start w{i}"] == 1 for i in range(8))  # the home never restarted
@@ -263,7 +210,7 @@ async def test_phone_killed_mid_tasks_gets_every_event_once(tmp_path: Path, plug
     _logs_match(home.home, phone.home, seen)
 
 
-async def test_phone_killed_while_handing_a_task_over_still_delivers_it(tmp_path: Path, plugin_log: Path,
+async def test_phone_killed_while_handing_a_task_over_still_delivers_it(tmp_path: Path, tool_log: Path,
                                                                        tiny_model: Path) -> None:
     """The outbox holds a task before it goes out: a phone killed mid-submit (here: the home
     is frozen, so the submit hangs) delivers it after its restart, and the app finds it by id."""
@@ -275,7 +222,7 @@ async def test_phone_killed_while_handing_a_task_over_still_delivers_it(tmp_path
             returned: list[bool] = []
             async with phone.client() as c, phone.client() as c2, anyio.create_task_group() as tg:
                 async def submit() -> None:
-                    await c.delegate("home", tool="chaos.work", args={"tag": "w0", "ms": 50}, task_id="t-handover")
+                    await c.delegate("home", tool=TOOL_NAME, args={"tag": "w0", "ms": 50}, task_id="t-handover")
                     returned.append(True)
 
                 async def in_the_outbox() -> bool:
@@ -292,14 +239,14 @@ async def test_phone_killed_while_handing_a_task_over_still_delivers_it(tmp_path
         async with phone.client() as c:
             with anyio.fail_after(30):
                 events = [ev async for ev in c.task("t-handover").events()]
-        _check_history(events, "w0", _tool_runs(plugin_log))
-        assert _tool_runs(plugin_log)["start w0"] == 1
+        _check_history(events, "w0", tool_runs(tool_log))
+        assert tool_runs(tool_log)["start w0"] == 1
     finally:
         await phone.stop()
         await home.stop()
 
 
-async def test_cancel_while_the_task_is_on_its_way_reaches_the_home(tmp_path: Path, plugin_log: Path,
+async def test_cancel_while_the_task_is_on_its_way_reaches_the_home(tmp_path: Path, tool_log: Path,
                                                                      tiny_model: Path) -> None:
     """The app cancels a task whose submit is still in flight (the home is frozen): once the
     home wakes and accepts it, the phone passes the cancel on instead of mirroring it."""
@@ -309,7 +256,7 @@ async def test_cancel_while_the_task_is_on_its_way_reaches_the_home(tmp_path: Pa
         async with phone.client() as c, anyio.create_task_group() as tg:
             home.proc.send_signal(signal.SIGSTOP)
             try:
-                tg.start_soon(lambda: c.delegate("home", tool="chaos.work", args={"tag": "w0", "ms": 5000},
+                tg.start_soon(lambda: c.delegate("home", tool=TOOL_NAME, args={"tag": "w0", "ms": 5000},
                                                  task_id="t-late"))
                 async with phone.client() as c2:
                     async def in_the_outbox() -> bool:
@@ -327,21 +274,21 @@ async def test_cancel_while_the_task_is_on_its_way_reaches_the_home(tmp_path: Pa
                 return [t.state for t in (await h.tasks()).executing if t.task_id == "t-late"] == ["canceled"]
 
             await wait_until(canceled_at_home, "home to hold t-late, canceled", timeout=20)
-        assert _tool_runs(plugin_log)["done w0"] == 0
+        assert tool_runs(tool_log)["done w0"] == 0
     finally:
         await phone.stop()
         await home.stop()
 
 
-async def test_clean_stop_mid_task_requeues_without_counting_a_crash(tmp_path: Path, plugin_log: Path,
+async def test_clean_stop_mid_task_requeues_without_counting_a_crash(tmp_path: Path, tool_log: Path,
                                                                      tiny_model: Path) -> None:
     """SIGTERM while a task runs: the home requeues it itself (so crash-loop protection does
     not count it), runs it again after the restart, and the phone gets the result."""
     home, phone = await _start_pair(tmp_path, tiny_model)
     try:
         async with phone.client() as c:
-            task = await c.delegate("home", tool="chaos.work", args={"tag": "w0", "ms": 3000})
-            await wait_until(lambda: "start w0" in plugin_log.read_text(), "the tool to start on the home", timeout=30)
+            task = await c.delegate("home", tool=TOOL_NAME, args={"tag": "w0", "ms": 3000})
+            await wait_until(lambda: "start w0" in tool_log.read_text(), "the tool to start on the home", timeout=30)
             assert await home.stop() == 0
             await home.start()
             with anyio.fail_after(60):

@@ -10,8 +10,6 @@ task completing exactly once.
 from __future__ import annotations
 
 import contextlib
-import textwrap
-from collections import Counter
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -21,6 +19,7 @@ import pytest
 from conftest import pair, run_nodes
 from netns import Namespaces, NetnsDaemon, namespaces  # noqa: F401  (a fixture, used by name)
 from waiting import wait_until
+from worktool import TOOL_NAME, tool_log, tool_runs  # noqa: F401  (tool_log: a fixture)
 from psymesh.node.client import Client
 from psymesh.node.daemon import Node
 from psymesh.node.home import NodeHome
@@ -130,48 +129,6 @@ def invite_addrs(invite: str) -> tuple[str, ...]:
 
 # ------------------------------------------------------------- in network namespaces of our own
 
-PLUGIN = '''
-import os
-import time
-
-from psymesh.agent.tools import ToolContext, tool_from_function
-
-
-def work(tag: str, ms: int = 0, *, ctx: ToolContext) -> dict:
-    """Busy for `ms` milliseconds; logs its start and finish so the test can count runs."""
-    def log(what: str) -> None:
-        with open(os.environ["RELAY_TOOL_LOG"], "a") as f:
-            f.write(f"{what} {tag}\\n")
-    log("start")
-    end = time.monotonic() + ms / 1000
-    while time.monotonic() < end:
-        ctx.check()
-        time.sleep(0.01)  # a task still running while the path changes is the behaviour under test
-    log("done")
-    return {"tag": tag}
-
-
-TOOL = tool_from_function(work, "relaytest.work")
-'''
-
-
-@pytest.fixture
-def tool_log(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """Install the `relaytest.work` tool plugin (a dist-info found through PYTHONPATH) for the
-    daemons this test starts; returns the log of its runs."""
-    site = tmp_path / "site"
-    dist = site / "relay_tool-1.0.dist-info"
-    dist.mkdir(parents=True)
-    (site / "relay_tool.py").write_text(textwrap.dedent(PLUGIN))
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: relay-tool\nVersion: 1.0\n")
-    (dist / "entry_points.txt").write_text("[psymesh.tools]\nrelaytest = relay_tool:TOOL\n")
-    log = tmp_path / "tool-runs.log"
-    log.touch()
-    monkeypatch.setenv("PYTHONPATH", str(site))
-    monkeypatch.setenv("RELAY_TOOL_LOG", str(log))
-    return log
-
-
 @contextlib.asynccontextmanager
 async def daemons(*procs: DaemonProcess) -> AsyncIterator[None]:
     async with anyio.create_task_group() as tg:
@@ -229,15 +186,15 @@ async def test_home_behind_a_relay_is_reached_through_it_then_directly(namespace
         # relayed address), pings it and delegates to it.
         await r.grant("phone", ["relay"])
         await p.pair_join(invite.invite, grant="messaging")
-        await h.grant("phone", ["tool:relaytest.*"], limits=ROOMY)
+        await h.grant("phone", ["tool:testwork.*"], limits=ROOMY)
         assert len((await p.ping("home", count=3)).rtts_ms) == 3
-        first = await p.delegate("home", tool="relaytest.work", args={"tag": f"{MARKER}-1"})
-        assert await first.result() == {"tag": f"{MARKER}-1"}
+        first = await p.delegate("home", tool=TOOL_NAME, args={"tag": f"{MARKER}-1", "ms": 0})
+        assert (await first.result())["tag"] == f"{MARKER}-1"
         assert all("/p2p-circuit/" in a for a in await connection_to(p, home_id))
         assert [row for row in await r.audit(peer="phone") if row.operation == CONNECT][-1].allowed
 
         # A task still running when a direct link appears ...
-        second = await p.delegate("home", tool="relaytest.work", args={"tag": f"{MARKER}-2", "ms": 3000})
+        second = await p.delegate("home", tool=TOOL_NAME, args={"tag": f"{MARKER}-2", "ms": 3000})
         await wait_until(lambda: f"start {MARKER}-2" in tool_log.read_text(), "the second task to start")
         namespaces.link(home_ns, "10.71.3.1", phone_ns, "10.71.3.2")
 
@@ -247,17 +204,17 @@ async def test_home_behind_a_relay_is_reached_through_it_then_directly(namespace
             return bool(addrs) and not any("/p2p-circuit/" in a for a in addrs)
 
         await wait_until(direct_only, "the phone's connection to home to be direct only", timeout=30)
-        assert await second.result() == {"tag": f"{MARKER}-2"}
+        assert (await second.result())["tag"] == f"{MARKER}-2"
 
         # Without the relay, the next task still gets through: it takes the direct path.
         await relay.stop()
-        third = await p.delegate("home", tool="relaytest.work", args={"tag": f"{MARKER}-3"})
-        assert await third.result() == {"tag": f"{MARKER}-3"}
+        third = await p.delegate("home", tool=TOOL_NAME, args={"tag": f"{MARKER}-3", "ms": 0})
+        assert (await third.result())["tag"] == f"{MARKER}-3"
         addrs = await connection_to(p, home_id)
         assert addrs and all("/ip4/10.71.3.1/" in a for a in addrs), addrs
 
     # Every task ran once and completed once, across the switch.
-    runs = Counter(tool_log.read_text().splitlines())
+    runs = tool_runs(tool_log)
     assert runs == {f"{what} {MARKER}-{n}": 1 for what in ("start", "done") for n in (1, 2, 3)}
     # The relay carried every byte of the first task and none of its plaintext: not in its
     # log, its database (audit rows included) or its write-ahead log.
