@@ -25,6 +25,7 @@ and a name that would collide or run past 64 characters gets a short hash.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import math
@@ -65,7 +66,7 @@ class McpTool(Tool):
 
     server: str = ""
     remote_name: str = ""
-    input_schema: Mapping[str, Any] = field(default_factory=dict)
+    input_schema: Mapping[str, Any] = field(default_factory=dict, compare=False)
     validator: Any = field(default=None, compare=False, repr=False)  # jsonschema's, for input_schema
 
     def parameters_schema(self) -> dict[str, Any]:
@@ -178,6 +179,8 @@ class McpServer:
 
     def _stderr(self) -> Any:
         """Where a stdio server's stderr goes: <home>/mcp-NAME.log (0600), rotated once big."""
+        if self.config.command is None:
+            return contextlib.nullcontext()
         path = self.log_dir / f"mcp-{self.name}.log"
         try:
             if path.stat().st_size > LOG_ROTATE_BYTES:
