@@ -311,10 +311,43 @@ async def web_through_home(d: Demo) -> None:
         await friend.stop()
 
 
+async def doctor_and_reach(d: Demo) -> None:
+    step("How home is reached, and what to fix: psymesh status and psymesh doctor")
+    async with d.home.client() as home:
+        st = await home.status()
+    r = st.reachability
+    relayed = r.relayed or "- (no \\[relay] relays configured)"
+    con.print(f" home: direct {r.direct or '-'}; confirmed by a peer's dial-back {[c.addr for c in r.confirmed] or '-'};"
+              f" relayed {relayed}")
+    proc = await anyio.run_process([sys.executable, "-m", "psymesh", "doctor", "--home", str(d.home.home), "--json"],
+                                   check=False)
+    report = json.loads(proc.stdout)
+    for check in report["checks"]:
+        hint = f"  -> {check['next_step']}" if check["next_step"] else ""
+        con.print(f"   {check['status']:>4}  {check['name']:<14} {escape(check['detail'][:70])}{escape(hint[:80])}")
+    con.print(f" home: doctor exit status {proc.returncode} ({'no failures' if report['ok'] else 'a check failed'}); "
+              "relays and hole punching are shown in tests (network namespaces, root)")
+
+
+async def bfcl_oracle(d: Demo) -> None:
+    step("BotPsy's published numbers, reproducible: BFCL v4's own files, scored with BFCL's checker rules")
+    bfcl = Path(__file__).resolve().parents[2] / "shared" / "bfcl"
+    if not (bfcl / "possible_answer").is_dir():
+        con.print(f"(skipped: no BFCL data at {bfcl})")
+        return
+    con.print("(--oracle answers each case with its ground truth through the real render -> parse -> score path:\n"
+              " a harness that loses a right answer shows here; with the weights: --model botpsy)")
+    proc = await anyio.run_process([sys.executable, "-m", "psymesh", "eval", "--bfcl", str(bfcl), "--oracle",
+                                    "--limit", "40", "--home", str(d.home.home), "--json"], check=False)
+    report = json.loads(proc.stdout)
+    for name, cat in report["categories"].items():
+        con.print(f"   {name:<18} {cat['correct']:>3}/{cat['cases']:<3} {cat['accuracy']:.0%}")
+
+
 STEPS: list[Callable[[Demo], Awaitable[None]]] = [
     start_nodes, pair_by_code, ping_both_ways, allowed_and_refused, delegate_tasks,
     agent_on_the_phone, agent_delegated_home, exchange_letters, letter_to_a_sleeping_phone, ask_home,
-    web_through_home,
+    web_through_home, doctor_and_reach, bfcl_oracle,
 ]
 
 
