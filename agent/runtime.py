@@ -34,9 +34,14 @@ score buffer: 0.5 GB for a 248k vocabulary.) So the worker keeps:
   conversations take turns without pushing each other out.
 
 A prompt is always evaluated as its fresh tokenisation, and the base it continues
-from is the longest state whose tokens are a *proper prefix* of those tokens. So
-reuse never changes what the model computes: a warm run and a cold one evaluate the
-same tokens and sample the same reply. It works across steps because the history
+from is the longest state whose tokens are a *proper prefix* of those tokens: a warm
+run evaluates exactly the tokens a cold run does, whatever happens to be saved. (Not
+always to the last bit: a cold run evaluates in one batch the reply tokens a warm run
+evaluated one at a time as it wrote them, and llama.cpp rounds a one-row product
+differently from a many-row one. Measured on the logits: 3e-4 on the F16 test model,
+up to 0.3 on the random-weight Q4_K_M bench model, whose near-ties then sample
+differently. Where a prompt is cut into batches changes nothing.) It works across
+steps because the history
 renders each reply byte for byte as the model wrote it (``chatformat``'s raw turns)
 and a ChatML turn starts with a special token, which no BPE merge crosses. A model
 can sample a non-canonical tokenisation of its own text (a trained model seldom

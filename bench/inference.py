@@ -192,12 +192,16 @@ def _forced_call() -> str:
 @dataclass
 class PairedModel:
     """Asks every step of both workers, back to back (which one first alternates), so the
-    run with state reuse and the one without share the machine's noise; the loop goes
-    on with the first's reply (the same text: the same tokens were evaluated, greedily)."""
+    run with state reuse and the one without share the machine's noise. The loop goes on
+    with the reusing worker's reply; both read the same prompt text. (Their replies may
+    differ: the one without reuse evaluates in a batch the reply tokens the other
+    evaluated one at a time, which rounds differently, and random weights are full of
+    near-ties; the bench counts how often.)"""
 
     reuse: LlamaAgentModel
     scratch: LlamaAgentModel
     steps: list[tuple[StepUsage, StepUsage, float, float]] = field(default_factory=list)
+    same: int = 0  # steps where both wrote the same reply
 
     async def reply(self, messages: Sequence[ChatMessage], tools: Sequence[ToolSpec], *,
                     thinking: bool = False) -> str:
@@ -213,8 +217,9 @@ class PairedModel:
                                                    max_think_tokens=max_think_tokens)
             said[name] = (reply, time.perf_counter() - start)
         (warm, warm_s), (cold, cold_s) = said["reuse"], said["scratch"]
-        assert warm.raw == cold.raw and warm.usage and cold.usage, "the two workers wrote different replies"
+        assert warm.usage and cold.usage and warm.usage.prompt_tokens == cold.usage.prompt_tokens
         self.steps.append((warm.usage, cold.usage, warm_s, cold_s))
+        self.same += warm.raw == cold.raw
         return warm
 
 
@@ -263,6 +268,7 @@ async def agent_rows(model: Path, args: argparse.Namespace) -> tuple[list[tuple[
             ("step 5: speed-up of the whole step, reply included", f"x{cs / ws:.1f}"),
         ]
     rows += [
+        ("the same reply with and without reuse", f"{paired.same} of {len(paired.steps)} steps"),
         ("saved states held after the run", f"{stats.state_cache_entries} states, "
                                             f"{stats.state_cache_bytes / 1e6:.1f} MB (budget "
                                             f"{with_reuse.state_cache_bytes / 1e6:.0f} MB)"),

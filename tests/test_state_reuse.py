@@ -4,9 +4,11 @@ tool call: real llama-cpp-python on the generated tiny qwen35 (hybrid, recurrent
 What the agent loop relies on at phone speed: step k+1 evaluates only what step k did
 not already put in the context (the tool result and the template's glue), to the
 token; a conversation that departs from what was evaluated falls back to the longest
-saved state that is a true prefix of its tokens and samples exactly what a cold run
-samples; conversations that take turns on one worker each keep their state; the
-saved states stay within their memory bound.
+saved state that is a true prefix of its tokens and evaluates exactly the tokens a cold
+run does, so it samples the same greedy reply (on this F16 model one-token and batched
+evaluation agree to ~3e-4 on the logits; agent/runtime.py says why a quantized model
+can part on a near-tie); conversations that take turns on one worker each keep their
+state; the saved states stay within their memory bound.
 
 Expected numbers are computed from the tokeniser, never hard-coded. Replies are greedy
 and steered to canonical spelling (tests/trained.py), as a trained model's are.
@@ -244,7 +246,7 @@ async def test_saved_states_stay_within_their_memory_bound(model_path: Path) -> 
         stats = worker.stats
     assert 0 < peak <= bound and stats.state_cache_entries <= 2
     assert stats.snapshots_dropped > 0  # least recently used states made room
-    assert stats.snapshot_hits >= 1     # and the most recent conversation still found its own
+    assert stats.snapshot_hits >= 1     # and what was kept was still restored
 
 
 # --------------------------------------------------------------------------- thinking budget
