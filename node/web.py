@@ -19,7 +19,7 @@ from __future__ import annotations
 import sqlite3
 import time
 from collections.abc import Callable
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, model_validator
 
 from psymesh.node.db import ensure_schema, transaction
 from psymesh.node.session import Call, SessionPool
@@ -52,10 +52,21 @@ CREATE TABLE IF NOT EXISTS web_keys (
 
 
 class Route(BaseModel):
+    """Where a query goes. With two hops it carries the exit key checked (the exit's own,
+    signed, in date) when the route was chosen, so the query seals to exactly that key
+    instead of loading and verifying it a second time (an Ed25519 verification each)."""
+
     model_config = ConfigDict(frozen=True)
 
     exit: str
     relay: str | None = None
+    key: ExitKey | None = None
+
+    @model_validator(mode="after")
+    def _key_with_relay(self) -> "Route":
+        if (self.relay is None) != (self.key is None):
+            raise ValueError("a route through a relay carries the exit's key, and only such a route does")
+        return self
 
     @property
     def hops(self) -> int:
@@ -111,13 +122,21 @@ class WebRouter:
             exit_peer = self._pick(via or self.settings.via, "exit", lambda p: self._grants(p, op, now),
                                    f"has not granted this node {op.required()}")
             return Route(exit=exit_peer.peer_id)
-        exit_peer = self._pick(via or self.settings.via, "exit", lambda p: self._key_of(p.peer_id, now) is not None,
+        keys: dict[str, ExitKey] = {}
+
+        def has_key(peer: Peer) -> bool:
+            key = self._key_of(peer.peer_id, now)
+            if key is not None:
+                keys[peer.peer_id] = key
+            return key is not None
+
+        exit_peer = self._pick(via or self.settings.via, "exit", has_key,
                                "has handed this node no exit key in date (it is not a web exit, or has not"
                                " told us yet)")
         relay_op = Operation(name="web.relay")
         relay_peer = self._pick(relay or self.settings.relay, "relay", lambda p: self._grants(p, relay_op, now),
                                 "has not granted this node web.relay", exclude=exit_peer.peer_id)
-        return Route(exit=exit_peer.peer_id, relay=relay_peer.peer_id)
+        return Route(exit=exit_peer.peer_id, relay=relay_peer.peer_id, key=keys[exit_peer.peer_id])
 
     def _grants(self, peer: Peer, op: Operation, now: float) -> bool:
         return peer.received is not None and check(peer.received, op, local_peer_id=peer.peer_id,
@@ -162,13 +181,10 @@ class WebRouter:
         if route.relay is None:
             reply = WebResults if isinstance(request, WebSearch) else WebPage
             return await self.sessions.request(route.exit, request, reply, timeout=timeout)
-        key = self._key_of(route.exit, self.clock())
-        if key is None:
-            raise PsymeshError(f"no exit key in date from {self._name(route.exit)} (an exit hands it over at start"
-                               " and with each grant)", code=ErrorCode.UNAVAILABLE)
+        assert route.key is not None  # a route through a relay carries the key (Route's validator)
         # whole seconds: the exit needs the time only to within its window, and the milliseconds
         # of a phone's clock offset would tell its requests apart
-        sealed, pending = seal_request(key, pack(request), now=float(int(self.clock())))
+        sealed, pending = seal_request(route.key, pack(request), now=float(int(self.clock())))
         relayed = await self.sessions.request(route.relay, WebRelay(exit=route.exit, sealed=sealed), WebSealedReply,
                                               timeout=timeout)
         answer = unpack(pending.open(relayed.sealed))
@@ -179,10 +195,6 @@ class WebRouter:
         if not isinstance(answer, expected):
             raise PsymeshError(f"the exit answered {answer.type!r} to {request.type!r}", code=ErrorCode.BAD_FRAME)
         return answer
-
-    def _name(self, peer_id: str) -> str:
-        peer = self.trust.get(peer_id)
-        return peer.name if peer is not None else peer_id
 
 
 __all__ = ["Route", "WebFetch", "WebKeys", "WebRouter", "WebSearch", "WebSettings"]
