@@ -363,10 +363,11 @@ def _charset(response: httpx.Response) -> str | None:
         return None
 
 
-def _readable(body: bytes, media_type: str, charset: str | None) -> tuple[str, str]:
+def readable_text(body: bytes, media_type: str, charset: str | None) -> tuple[str, str]:
     """(title, text) of a body: HTML reduced to its readable text by trafilatura (or, when
     it finds no main text, every text node outside scripts and styles); other types as
-    text. Blocking and CPU-bound: run in a worker thread."""
+    text. Blocking and CPU-bound: run in a worker thread. (Public for bench/web.py, whose
+    baseline does exactly this work.)"""
     if media_type not in HTML_TYPES:
         return "", body.decode(charset or "utf-8", errors="replace")
     import trafilatura  # imported when used: heavy, and the daemon imports this module early
@@ -602,7 +603,7 @@ class WebExit:
             else:
                 raise PsymeshError(f"refused: more than {s.max_redirects} redirects ([web.exit] max_redirects)",
                                    code=ErrorCode.BAD_REQUEST)
-        title, text = await anyio.to_thread.run_sync(_readable, body, media_type, _charset(response))
+        title, text = await anyio.to_thread.run_sync(readable_text, body, media_type, _charset(response))
         return _Page(final_url=str(response.url), status=response.status_code, content_type=media_type,
                      title=title, text=text[:MAX_PAGE_CHARS + 1], hosts=tuple(hosts))
 
