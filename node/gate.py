@@ -51,7 +51,7 @@ from psymesh.protocol.manifest import (
     verify_grant,
 )
 from psymesh.protocol.messages import Message
-from psymesh.protocol.relay import HOP, STOP
+from psymesh.protocol.relay import DCUTR, HOLE_PUNCH, HOP, STOP
 from psymesh.protocol.oblivious import verify_exit_key
 from psymesh.protocol.web import WebKeyPush
 from psymesh.protocol.tasks import TaskSpec, TaskSubmit
@@ -231,7 +231,9 @@ class Gate:
         (a revoked one too, until it knows: its requests are refused, one by one, with
         `unknown_peer`, which is how it learns), and only paired peers not revoked speak
         circuit relay (each reservation and circuit is then `admit_relay`'s to decide; the
-        p2p host takes a circuit on STOP only from a relay holding our reservation).
+        p2p host takes a circuit on STOP only from a relay holding our reservation) and
+        hole punching (DCUtR: one audit row per exchange, allowed or not; the p2p host serves
+        it only over a relayed connection, and only with `[relay] hole_punch` on).
         Anything else is refused and audited."""
         if protocol == ids.PAIR:
             return
@@ -240,9 +242,12 @@ class Gate:
             return
         if peer is not None and not peer.revoked and protocol in (HOP, STOP):
             return
+        if peer is not None and not peer.revoked and protocol == DCUTR:
+            self.audit.record(peer_id, DCUTR, HOLE_PUNCH, True, now=self.clock())
+            return
         state = "is not paired with this node" if peer is None else "may not open this protocol"
         exc = PsymeshError(f"peer {peer_id} {state}; pair first (psymesh pair join)", code=ErrorCode.UNKNOWN_PEER)
-        self._record(peer_id, protocol, protocol, exc, self.clock())
+        self._record(peer_id, protocol, HOLE_PUNCH if protocol == DCUTR else protocol, exc, self.clock())
         raise exc
 
     def admit_relay(self, peer_id: str, what: str) -> None:

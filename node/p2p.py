@@ -154,6 +154,7 @@ but not (15): they are to a peer we chose.
 from __future__ import annotations
 
 import logging
+import ipaddress
 import math
 import os
 import socket
@@ -189,6 +190,7 @@ from libp2p.rcmgr import Direction
 from libp2p.relay.circuit_v2.pb.circuit_pb2 import HopMessage, Limit, StopMessage
 from libp2p.relay.circuit_v2.pb.circuit_pb2 import PeerId as CircuitPeer
 from libp2p.relay.circuit_v2.pb.circuit_pb2 import Reservation as CircuitReservation
+from libp2p.relay.circuit_v2.pb.dcutr_pb2 import HolePunch
 from libp2p.relay.circuit_v2.protocol_buffer import StatusCode
 from libp2p.relay.circuit_v2.utils import read_delimited_msg, write_delimited_msg
 from libp2p.security.exceptions import HandshakeFailure
@@ -197,10 +199,10 @@ from libp2p.security.noise.transport import Transport as NoiseTransport
 from libp2p.stream_muxer.muxer_multistream import MuxerMultistream
 from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
 from libp2p.stream_muxer.yamux.yamux import Yamux, YamuxStream
-from libp2p.utils.varint import encode_uvarint
+from libp2p.utils.varint import encode_uvarint, read_varint_prefixed_bytes_limited
 
 from psymesh.protocol.errors import ConnectError, ConnectionLost, ErrorCode, ProtocolError, PsymeshError
-from psymesh.protocol.relay import CONNECT, HOP, RESERVE, STOP, RelayBook, RelaySettings
+from psymesh.protocol.relay import CONNECT, DCUTR, HOP, RESERVE, STOP, RelayBook, RelaySettings
 from psymesh.protocol.strangers import StrangerLimits
 
 log = logging.getLogger(__name__)
@@ -229,6 +231,15 @@ NEGOTIATE_TIMEOUT_S = 5.0
 RELAY_STEP_TIMEOUT_S = 10.0
 DIRECT_FIRST_TIMEOUT_S = 5.0  # a direct address tried before a relayed one (open_stream_any)
 MAX_RELAY_ADDRS = 4  # relay addresses kept from one reservation (each makes one address of ours)
+# DCUtR (hole punching): the spec's message cap and attempts per exchange; how long one round's
+# dials may take (a SYN the far NAT dropped is sent again after 1 s and 3 s); addresses sent
+# and tried per round; and the whole exchange's bound.
+MAX_DCUTR_MESSAGE = 4096
+HOLE_PUNCH_ATTEMPTS = 3
+HOLE_PUNCH_DIAL_TIMEOUT_S = 5.0
+MAX_PUNCH_ADDRS = 8
+PUNCH_POLL_S = 0.02  # how often a round looks for a direct connection that came in by the listener
+HOLE_PUNCH_TIMEOUT_S = HOLE_PUNCH_ATTEMPTS * (RELAY_STEP_TIMEOUT_S + HOLE_PUNCH_DIAL_TIMEOUT_S)
 
 PeerFilter = Callable[[str], bool]
 StreamFilter = Callable[[str, str], bool]  # (peer id, protocol) -> may that peer open it?
@@ -340,6 +351,10 @@ class P2PNode:
         self._book: RelayBook | None = None
         self._relay_admit: RelayAdmit | None = None
         self._host.set_stream_handler(TProtocol(STOP), self._serve_stop)
+        # hole punching (DCUtR), once `enable_hole_punch()` is called: our addresses as each
+        # relay sees them (relay id -> transport multiaddr), told in its answers to us
+        self._hole_punch = False
+        self._observed: dict[str, str] = {}
         self._tg: anyio.abc.TaskGroup | None = None  # set while serving
         self._listening = anyio.Event()
         self._stop = anyio.Event()
@@ -647,7 +662,7 @@ class P2PNode:
             if self._connections(relay, direct=True):
                 break
             try:
-                await self._dial(_peer_info(addr), addr)
+                await self._dial_relay(_peer_info(addr), addr)
             except PsymeshError as exc:
                 failures.append(exc.message)
         if not self._connections(relay, direct=True):
@@ -667,6 +682,7 @@ class P2PNode:
         relay_addrs = [a for a in map(_bytes_to_addr, reply.reservation.addrs)
                        if a is not None and a.endswith(f"/p2p/{relay}") and not _is_circuit(a)]
         self._held[relay] = _Held(float(reply.reservation.expire), tuple(relay_addrs[:MAX_RELAY_ADDRS]))
+        self._note_observed(relay, reply)
         log.info("reservation at relay %s until %s", relay, time.strftime("%H:%M:%S", time.localtime(reply.reservation.expire)))
         return float(reply.reservation.expire)
 
@@ -687,6 +703,163 @@ class P2PNode:
         if relayed and self._tg is not None:
             await self._close_connections(relayed, self._tg)
         return bool(relayed)
+
+    # -- hole punching (DCUtR, libp2p/specs relay/DCUtR.md) ----------------------------
+    def enable_hole_punch(self) -> None:
+        """Take part in hole punching (config `[relay] hole_punch`): answer DCUtR from peers we
+        reached through a relay, and dial relays from our listening port, so that the address
+        a relay sees us at (and tells us) is that port's mapping in our NAT."""
+        self._hole_punch = True
+        self._host.set_stream_handler(TProtocol(DCUTR), self._serve_dcutr)
+
+    def relayed_inbound(self, peer_id: str) -> bool:
+        """True if `peer_id` reached us through a relay: DCUtR's `B`, the side that starts it."""
+        return any(c.direction == Direction.INBOUND for c in self._connections(peer_id, direct=False))
+
+    async def hole_punch(self, peer_id: str) -> bool:
+        """DCUtR's inbound side (`B`) with a peer connected to us only through a relay: over the
+        circuit, send CONNECT with our addresses, time the peer's CONNECT (the circuit's RTT),
+        send SYNC, wait half the RTT (the SYNC is then arriving: the peer dials as it reads it)
+        and dial the peer's addresses from our listening port. Up to HOLE_PUNCH_ATTEMPTS rounds
+        on the same stream. True once a direct connection to the peer is open; False (logged)
+        when every round failed, or the peer does not speak DCUtR."""
+        if not self._hole_punch or self.path(peer_id) != "relayed":
+            return False
+        peer = _parse_peer_id(peer_id)
+        stream: INetStream | None = None
+        try:
+            with anyio.fail_after(HOLE_PUNCH_TIMEOUT_S):
+                stream = await self._host.new_stream(peer, [TProtocol(DCUTR)])
+                for attempt in range(1, HOLE_PUNCH_ATTEMPTS + 1):
+                    sent = time.monotonic()
+                    await _send_punch(stream, HolePunch.CONNECT, self._punch_addrs())
+                    theirs = await _read_punch(stream, HolePunch.CONNECT)
+                    rtt = time.monotonic() - sent
+                    await _send_punch(stream, HolePunch.SYNC)
+                    await anyio.sleep(rtt / 2)
+                    if await self._punch(peer, theirs, responder=True):
+                        log.info("hole punched to %s (attempt %d, relayed RTT %.1f ms)", peer_id, attempt, rtt * 1000)
+                        return True
+                    log.info("hole punch to %s: attempt %d found no way through (%s)", peer_id, attempt,
+                             " ".join(theirs) or "it sent no address")
+        except Exception as exc:
+            log.info("hole punch to %s failed: %s", peer_id, _reason(exc))
+        finally:
+            if stream is not None:
+                with anyio.CancelScope(shield=True):
+                    await _close_quietly(stream)
+        return self.path(peer_id) == "direct"
+
+    async def _serve_dcutr(self, stream: INetStream) -> None:
+        """DCUtR's outbound side (`A`, we dialed the circuit): answer each CONNECT with ours and
+        dial the peer's addresses the moment its SYNC arrives. Only over a relayed connection
+        (the gate admitted and audited the stream: paired peers only)."""
+        peer = stream.muxed_conn.peer_id
+        if not _is_relayed(stream.muxed_conn):
+            await _reset_quietly(stream)
+            return
+        try:
+            for _ in range(HOLE_PUNCH_ATTEMPTS):
+                with anyio.fail_after(RELAY_STEP_TIMEOUT_S):
+                    theirs = await _read_punch(stream, HolePunch.CONNECT)
+                    await _send_punch(stream, HolePunch.CONNECT, self._punch_addrs())
+                    await _read_punch(stream, HolePunch.SYNC)
+                if await self._punch(peer, theirs, responder=False):
+                    log.info("hole punched to %s", peer)
+                    return
+        except Exception as exc:  # the peer gave up (closed the stream), or broke the exchange
+            log.debug("DCUtR with %s ended: %s", peer, _reason(exc))
+        finally:
+            await _close_quietly(stream)
+
+    def _punch_addrs(self) -> list[str]:
+        """What we ask a peer to dial (DCUtR's ObsAddrs): each address a relay sees us at, and
+        beside it the same IP with our listening port (a NAT that keeps ports maps that port
+        there, even if the relay saw a connection from another one); then our own addresses."""
+        source = self._listen_source()
+        out: list[str] = []
+        for addr in self._observed.values():
+            out.append(addr)
+            endpoint = _tcp_endpoint(addr)
+            if source is not None and endpoint is not None:
+                out.append(f"/{addr.split('/')[1]}/{endpoint[0]}/tcp/{source[1]}")
+        out += [a.partition("/p2p/")[0] for a in self.addrs() if not _is_circuit(a)]
+        return list(dict.fromkeys(out))[:MAX_PUNCH_ADDRS]
+
+    async def _punch(self, peer: ID, addrs: Sequence[str], *, responder: bool) -> bool:
+        """Dial `peer` at all of `addrs` at once, each from our listening port (so each SYN
+        leaves through the NAT mapping the peer was told about); the first connection ends the
+        other dials. A simultaneous open gives both sides a connected socket, so the roles on
+        it are DCUtR's, not the socket's: the peer that dialed the circuit runs Noise as the
+        initiator, the one it reached (`responder`) as the responder, whichever SYN won. With
+        no NAT in the way (or one that lets it in) the peer's SYN may reach our listener
+        first: our own dial then fails (the four-tuple is taken) and the connection arrives as
+        an inbound one, in the same roles; so a round also ends when any direct connection
+        to the peer is open, and lasts until HOLE_PUNCH_DIAL_TIMEOUT_S otherwise."""
+        source = self._listen_source()
+        if source is None:
+            return False
+        family = "ip6" if ":" in source[0] else "ip4"
+        targets = [multiaddr.Multiaddr(f"{a}/p2p/{peer}") for a in addrs if a.split("/")[1] == family]
+        if not targets:
+            return False
+        self._swarm.prepare_dial(peer)  # (8, 10)
+
+        async def dial(target: multiaddr.Multiaddr, done: anyio.CancelScope) -> None:
+            try:
+                with anyio.fail_after(HOLE_PUNCH_DIAL_TIMEOUT_S):
+                    if responder:
+                        await self._swarm.dial_addr_as_responder(target, peer, source)
+                    else:
+                        await self._swarm._dial_addr_single_attempt(target, peer, source)
+            except Exception as exc:
+                log.debug("hole punch dial to %s: %s", target, _reason(exc))
+                return
+            done.cancel()
+
+        async def direct(done: anyio.CancelScope) -> None:
+            while self.path(str(peer)) != "direct":
+                await anyio.sleep(PUNCH_POLL_S)
+            done.cancel()
+
+        with anyio.move_on_after(HOLE_PUNCH_DIAL_TIMEOUT_S):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(direct, tg.cancel_scope)
+                for target in targets:
+                    tg.start_soon(dial, target, tg.cancel_scope)
+        return self.path(str(peer)) == "direct"
+
+    def _listen_source(self) -> tuple[str, int] | None:
+        """The (ip, port) our TCP listener is bound to: where hole punching dials leave from."""
+        for addr in self._host.get_addrs():
+            if (endpoint := _tcp_endpoint(str(addr))) is not None:
+                return endpoint
+        return None
+
+    def _note_observed(self, relay: str, reply: HopMessage) -> None:
+        """Keep the address `relay` says it sees us at (a psymesh relay puts it in the `peer`
+        field of its OK to RESERVE and CONNECT; other relays leave it out)."""
+        if not reply.HasField("peer") or bytes(reply.peer.id) != self._host.get_id().to_bytes():
+            return
+        addrs = [a for a in map(_bytes_to_addr, reply.peer.addrs[:1]) if a is not None and _tcp_endpoint(a)]
+        if addrs:
+            self._observed[relay] = addrs[0]
+
+    async def _dial_relay(self, info: PeerInfo, addr: str) -> None:
+        """Dial a relay. With hole punching on, from our listening port first, so that what the
+        relay sees (and tells us) is that port's NAT mapping; if that fails (the same four-tuple
+        still in TIME_WAIT, say), from any port."""
+        source = self._listen_source() if self._hole_punch else None
+        if source is not None and _tcp_endpoint(addr) is not None:
+            self._require_running()
+            self._swarm.prepare_dial(info.peer_id, new_address=True)  # (8, 10, 11)
+            try:
+                with anyio.fail_after(HOLE_PUNCH_DIAL_TIMEOUT_S):
+                    await self._swarm._dial_addr_single_attempt(info.addrs[0], info.peer_id, source)
+                return
+            except Exception as exc:
+                log.debug("dialing relay %s from port %d: %s; trying any port", info.peer_id, source[1], _reason(exc))
+        await self._dial(info, addr)
 
     def _circuit_limit(self) -> Limit:
         assert self._book is not None
@@ -728,7 +901,8 @@ class P2PNode:
             return
         own = [a for a in self.addrs() if not _is_circuit(a)][:MAX_RELAY_ADDRS]
         reservation = CircuitReservation(expire=int(expires), addrs=[multiaddr.Multiaddr(a).to_bytes() for a in own])
-        await _hop_status(stream, StatusCode.OK, reservation=reservation, limit=self._circuit_limit())
+        await _hop_status(stream, StatusCode.OK, reservation=reservation, limit=self._circuit_limit(),
+                          peer=_observation(stream, peer))
 
     async def _hop_connect(self, stream: INetStream, source: str, request: HopMessage) -> None:
         assert self._book is not None and self._relay_admit is not None
@@ -768,7 +942,7 @@ class P2PNode:
                 await _reset_quietly(far)
             await _hop_status(stream, StatusCode.CONNECTION_FAILED)
             return
-        await _hop_status(stream, StatusCode.OK, limit=self._circuit_limit())
+        await _hop_status(stream, StatusCode.OK, limit=self._circuit_limit(), peer=_observation(stream, source))
         await self._splice(stream, far, f"{source} -> {target}")
 
     async def _splice(self, near: INetStream, far: INetStream, circuit: str) -> None:
@@ -869,7 +1043,7 @@ class P2PNode:
         if relay in (self.peer_id, str(target)):
             raise ConnectError(f"cannot connect to {addr}: a circuit through the node itself")
         if not self._connections(relay, direct=True):
-            await self._dial(relay_info, relay_part)
+            await self._dial_relay(relay_info, relay_part)
         try:
             with anyio.fail_after(RELAY_STEP_TIMEOUT_S):
                 stream = await self._host.new_stream(relay_info.peer_id, [TProtocol(HOP)])
@@ -882,6 +1056,7 @@ class P2PNode:
                 reply = await read_delimited_msg(stream, HopMessage)
             if reply.status != StatusCode.OK:
                 raise ConnectError(f"relay {relay} refused the circuit to {target}: {_status_name(reply.status)}")
+            self._note_observed(relay, reply)
             raw = RawConnection(stream, True, ConnectionType.RELAYED, [multiaddr.Multiaddr(addr)])
             with anyio.fail_after(RELAY_STEP_TIMEOUT_S):
                 await self._swarm.upgrade_outbound_raw_conn(raw, target)
@@ -1262,8 +1437,10 @@ def _refusal(status: int, what: str) -> PsymeshError:
 
 
 async def _hop_status(stream: INetStream, status: StatusCode, *, reservation: CircuitReservation | None = None,
-                      limit: Limit | None = None) -> None:
+                      limit: Limit | None = None, peer: CircuitPeer | None = None) -> None:
     message = HopMessage(type=HopMessage.STATUS, status=int(status))
+    if peer is not None:
+        message.peer.CopyFrom(peer)
     if reservation is not None:
         message.reservation.CopyFrom(reservation)
     if limit is not None:
@@ -1273,6 +1450,50 @@ async def _hop_status(stream: INetStream, status: StatusCode, *, reservation: Ci
             await write_delimited_msg(stream, message)
     except Exception as exc:
         log.debug("sending a relay status: %s", _reason(exc))
+
+
+def _observation(stream: INetStream, peer_id: str) -> CircuitPeer | None:
+    """`peer_id` as a relay sees it: its id, and the address its connection comes from (for
+    hole punching: the far side of the peer's NAT). None if the connection has no IP address."""
+    address = stream.muxed_conn.get_remote_address()
+    if not address:
+        return None
+    ip, port = address[0], address[1]
+    addr = f"/{'ip6' if ':' in ip else 'ip4'}/{ip}/tcp/{port}"
+    if _tcp_endpoint(addr) is None:
+        return None
+    return CircuitPeer(id=_parse_peer_id(peer_id).to_bytes(), addrs=[multiaddr.Multiaddr(addr).to_bytes()])
+
+
+def _tcp_endpoint(addr: str) -> tuple[str, int] | None:
+    """(ip, port) of a plain TCP multiaddr (`/ip4|ip6/IP/tcp/PORT`, optionally `/p2p/ID`); None
+    for anything else (circuits, DNS, other transports)."""
+    parts = addr.split("/")
+    if len(parts) not in (5, 7) or parts[0] or parts[1] not in ("ip4", "ip6") or parts[3] != "tcp":
+        return None
+    if len(parts) == 7 and parts[5] not in ("p2p", "ipfs"):
+        return None
+    try:
+        ip = ipaddress.ip_address(parts[2])
+        port = int(parts[4])
+    except ValueError:
+        return None
+    if ip.version != (4 if parts[1] == "ip4" else 6) or not 0 < port < 65536:
+        return None
+    return parts[2], port
+
+
+async def _send_punch(stream: INetStream, kind: int, addrs: Sequence[str] = ()) -> None:
+    await write_delimited_msg(stream, HolePunch(type=kind, ObsAddrs=[multiaddr.Multiaddr(a).to_bytes() for a in addrs]))
+
+
+async def _read_punch(stream: INetStream, kind: int) -> list[str]:
+    """One DCUtR message of type `kind` (at most the spec's 4 KiB); its plain TCP addresses."""
+    message = HolePunch.FromString(await read_varint_prefixed_bytes_limited(stream, MAX_DCUTR_MESSAGE))
+    if message.type != kind:
+        raise ProtocolError(f"expected DCUtR {HolePunch.Type.Name(kind)}, got type {message.type}")
+    addrs = [a for a in map(_bytes_to_addr, message.ObsAddrs[:MAX_PUNCH_ADDRS]) if a is not None]
+    return [a for a in addrs if _tcp_endpoint(a) is not None]
 
 
 def _muxer_of(muxed_conn: IMuxedConn) -> Yamux:

@@ -8,7 +8,10 @@ circuit included, is node/p2p.py's; this module decides when and where.
       │                  taken again as soon as it lapses or the connection to the relay drops
       ├── _paths()       every second: a paired peer reached only through a relay is dialed
       │                  at its direct addresses (every `direct_retry_s`, and at once when it
-      │                  tells us new ones); beside a direct connection, a relayed one is
+      │                  tells us new ones), after a hole punch (DCUtR) when `hole_punch` is on
+      │                  and the peer came to us through the relay (the spec's `B` starts it:
+      │                  both ends dial at once, so both NATs let the other's SYN in); beside
+      │                  a direct connection, a relayed one is
       │                  closed as soon as it carries no stream, after `overlap_s` at the
       │                  latest. New sessions take the direct connection (node/session.py).
       └── _announce()    every second: our addresses, signed, to each connected paired peer
@@ -62,6 +65,8 @@ class Relaying:
         self._wake = anyio.Event()
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        if self.settings.hole_punch:
+            self.p2p.enable_hole_punch()
         async with anyio.create_task_group() as tg:
             for relay in self.settings.relays:
                 tg.start_soon(self._keep, relay)
@@ -108,6 +113,10 @@ class Relaying:
             self._direct_since.pop(peer.peer_id, None)
             if now >= self._retry_at.get(peer.peer_id, 0.0):
                 self._retry_at[peer.peer_id] = now + self.settings.direct_retry_s
+                if self.settings.hole_punch and self.p2p.relayed_inbound(peer.peer_id):
+                    if await self.p2p.hole_punch(peer.peer_id):
+                        log.info("%s is reached directly now: hole punched through its NAT and ours", peer.name)
+                        return
                 await self._dial_direct(peer)
         elif path == "direct":
             since = self._direct_since.setdefault(peer.peer_id, now)

@@ -40,6 +40,10 @@ HOP = "/libp2p/circuit/relay/0.2.0/hop"
 STOP = "/libp2p/circuit/relay/0.2.0/stop"
 RESERVE = "relay.reserve"  # what the gate decides and audits, once per reservation ...
 CONNECT = "relay.connect"  # ... and once per circuit
+# DCUtR (libp2p/specs relay/DCUtR.md): two peers joined by a circuit agree, over it, to dial
+# each other at once, so that both NATs open a mapping for the other (hole punching).
+DCUTR = "/libp2p/dcutr"
+HOLE_PUNCH = "relay.holepunch"  # what the gate audits, once per DCUtR stream a peer opens
 
 
 class RelaySettings(BaseModel):
@@ -65,6 +69,12 @@ class RelaySettings(BaseModel):
     # carries no stream, and after this long at the latest (requests still on it then are
     # retried on the direct one: tasks are exactly-once).
     overlap_s: float = Field(default=30.0, ge=0.0, le=3600.0)
+    # Hole punching (DCUtR) with a paired peer reached through a relay when both sit behind
+    # NATs: off by default until more NATs than the test bed's (nftables masquerade) are known
+    # to work. On: this node answers DCUtR, dials its relays from its listening port (so the
+    # address a relay sees is that port's NAT mapping), and, for a peer that reached it through
+    # a relay, starts the exchange itself.
+    hole_punch: bool = False
 
 
 @dataclass

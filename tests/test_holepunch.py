@@ -1,0 +1,193 @@
+"""Hole punching (DCUtR) between paired peers that reach each other through a relay.
+
+On loopback (P2PNode on 127.0.0.1): the DCUtR exchange over a real relayed connection,
+the address the relay tells each side it sees, and the roles on the connection it makes.
+In network namespaces of our own, behind two real NATs (nftables masquerade in two router
+namespaces that drop unsolicited inbound packets, as home routers do): home keeps a
+reservation at a public relay, the phone reaches home through it, and with `[relay]
+hole_punch` on both ends punch through their NATs to a direct connection that carries a
+delegated task; with it off, the path stays relayed.
+"""
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import pair
+from netns import Namespaces, NetnsDaemon, namespaces  # noqa: F401  (a fixture, used by name)
+from p2p_helpers import PING, new_node, running
+from test_p2p import ping, relay_node, relayed
+from test_relay import ROOMY, connection_to, daemons, home_with
+from waiting import wait_until
+from worktool import TOOL_NAME, tool_log, tool_runs  # noqa: F401  (tool_log: a fixture)
+from psymesh.node.p2p import P2PNode
+from psymesh.protocol.relay import DCUTR, HOLE_PUNCH, RelaySettings
+
+pytestmark = pytest.mark.anyio
+
+
+def punching_node() -> P2PNode:
+    node = new_node()
+    node.enable_hole_punch()
+    return node
+
+
+def direction(node: P2PNode, peer_id: str) -> str:
+    """Whether `node`'s direct connection to `peer_id` is one it dialed or one it accepted."""
+    conns = node._connections(peer_id, direct=True)
+    assert len(conns) == 1, conns
+    return conns[0].direction.name.lower()
+
+
+# ------------------------------------------------------------- on loopback
+async def test_dcutr_over_a_relayed_connection_ends_in_a_direct_one() -> None:
+    relay, home, phone = relay_node(), punching_node(), punching_node()
+    async with running(relay, home, phone):
+        await relayed(relay, home, phone)
+        # Home holds the reservation and the phone dialed the circuit: home is DCUtR's `B`.
+        assert home.relayed_inbound(phone.peer_id) and not phone.relayed_inbound(home.peer_id)
+        # The relay told each side where it sees it from; home dialed the relay from its
+        # listening port (so that is what the relay saw), the phone is told what it used.
+        home_port = home._listen_source()[1]
+        assert home._observed == {relay.peer_id: f"/ip4/127.0.0.1/tcp/{home_port}"}
+        assert list(phone._observed) == [relay.peer_id]
+        assert phone._observed[relay.peer_id] in phone._punch_addrs()
+
+        assert await home.hole_punch(phone.peer_id)
+        assert home.path(phone.peer_id) == "direct" and phone.path(home.peer_id) == "direct"
+        # DCUtR's roles, whoever's SYN won: the phone (it dialed the circuit) is the client.
+        assert direction(phone, home.peer_id) == "outbound" and direction(home, phone.peer_id) == "inbound"
+        assert await phone.drop_relayed(home.peer_id, idle_only=True)
+        assert (await ping(phone, home.peer_id)).seq == 0
+        assert (await ping(home, phone.peer_id, seq=1)).seq == 1
+
+
+async def test_a_peer_without_hole_punching_keeps_the_relayed_path() -> None:
+    relay, home, phone = relay_node(), punching_node(), new_node()
+    async with running(relay, home, phone):
+        await relayed(relay, home, phone)
+        assert not await home.hole_punch(phone.peer_id)  # the phone answers DCUtR with `na`
+        assert phone.path(home.peer_id) == "relayed" and home.path(phone.peer_id) == "relayed"
+        assert (await ping(phone, home.peer_id)).seq == 0
+        assert not await phone.hole_punch(home.peer_id)  # hole punching off here: nothing tried
+
+
+# ------------------------------------------------------------- behind two NATs (nftables)
+def nft_refusal() -> str | None:
+    if shutil.which("nft") is None:
+        return "nftables' `nft` is not installed (scripts/bootstrap.sh installs it as root)"
+    return None
+
+
+def run_in(ns: str, *command: str) -> None:
+    subprocess.run(["ip", "netns", "exec", ns, *command], check=True, capture_output=True, timeout=10)
+
+
+def nat_router(ns: str, wan: str) -> None:
+    """Namespace `ns` forwards between its links and masquerades what leaves by `wan` (the
+    mapping of a source port is kept where it can be: the kernel NAT keeps ports when free),
+    and drops packets arriving on `wan` that belong to no connection, as home routers do
+    (it would otherwise answer a punching SYN that arrives first with a RST)."""
+    run_in(ns, "sysctl", "-qw", "net.ipv4.ip_forward=1")
+    rules = f"""
+table ip nat {{
+  chain postrouting {{ type nat hook postrouting priority srcnat; oifname "{wan}" masquerade persistent; }}
+}}
+table ip filter {{
+  chain input {{ type filter hook input priority filter; iifname "{wan}" ct state new drop; }}
+  chain forward {{ type filter hook forward priority filter; iifname "{wan}" ct state new drop; }}
+}}
+"""
+    subprocess.run(["ip", "netns", "exec", ns, "nft", "-f", "-"], input=rules, text=True, check=True,
+                   capture_output=True, timeout=10)
+
+
+def tcp_connect(ns: str, ip: str, port: int, timeout: float) -> str:
+    """One plain TCP connect from namespace `ns`: `connected`, `refused` or `timeout`."""
+    script = ("import socket,sys\n"
+              "try:\n socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=float(sys.argv[3])); print('connected')\n"
+              "except ConnectionRefusedError: print('refused')\n"
+              "except OSError: print('timeout')\n")
+    done = subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-c", script, ip, str(port), str(timeout)],
+                          capture_output=True, text=True, timeout=timeout + 10, check=True)
+    return done.stdout.strip()
+
+
+def behind_nats(namespaces: Namespaces) -> tuple[str, str, str]:
+    """The relay in a public namespace; home and phone each in a private one behind a NAT
+    router of its own, whose WAN link goes to the public namespace (it routes between them)."""
+    public, home_nat, phone_nat = namespaces.add("pub"), namespaces.add("hn"), namespaces.add("pn")
+    home_ns, phone_ns = namespaces.add("h"), namespaces.add("p")
+    namespaces.link(public, "10.72.1.1", home_nat, "10.72.1.2")
+    namespaces.link(public, "10.72.2.1", phone_nat, "10.72.2.2")
+    namespaces.link(home_nat, "192.168.71.1", home_ns, "192.168.71.2")
+    namespaces.link(phone_nat, "192.168.72.1", phone_ns, "192.168.72.2")
+    run_in(public, "sysctl", "-qw", "net.ipv4.ip_forward=1")
+    for router, gateway in ((home_nat, "10.72.1.1"), (phone_nat, "10.72.2.1")):
+        run_in(router, "ip", "route", "add", "default", "via", gateway)
+        nat_router(router, f"to{public[-8:]}")
+    run_in(home_ns, "ip", "route", "add", "default", "via", "192.168.71.1")
+    run_in(phone_ns, "ip", "route", "add", "default", "via", "192.168.72.1")
+    return public, home_ns, phone_ns
+
+
+@pytest.mark.netns
+@pytest.mark.parametrize("hole_punch", [True, False], ids=["hole_punch_on", "hole_punch_off"])
+async def test_home_and_phone_behind_nats_punch_through_to_a_direct_path(
+        namespaces: Namespaces, tmp_path: Path, tool_log: Path, hole_punch: bool) -> None:
+    if (reason := nft_refusal()) is not None:
+        pytest.skip(f"no NAT test bed here: {reason}")
+    public, home_ns, phone_ns = behind_nats(namespaces)
+    relay_id = home_with(tmp_path / "relay", "relay", RelaySettings(enabled=True)).init().peer_id
+    quick = {"direct_retry_s": 1.0, "overlap_s": 2.0, "hole_punch": hole_punch}
+    home_with(tmp_path / "home", "home", RelaySettings(relays=[relay_id], **quick))
+    home_with(tmp_path / "phone", "phone", RelaySettings(**quick), profile="phone")
+    relay = NetnsDaemon(public, tmp_path / "relay", "relay")
+    home = NetnsDaemon(home_ns, tmp_path / "home", "home")
+    phone = NetnsDaemon(phone_ns, tmp_path / "phone", "phone", profile="phone")
+
+    async with daemons(relay, home, phone), relay.client() as r, home.client() as h, phone.client() as p:
+        status = await h.status()
+        home_id = status.peer_id
+        home_port = int(next(a for a in status.addrs if a.startswith("/ip4/192.168.71.2/")).split("/")[4])
+        # The NATs are real: nothing from outside gets through home's unasked, not even to the
+        # port home listens on (its SYN is dropped, as home routers do: no answer at all).
+        assert tcp_connect(phone_ns, "10.72.1.2", home_port, timeout=1.0) == "timeout"
+        await pair(relay.home, home.home, grant="messaging")
+        await pair(relay.home, phone.home, grant="messaging")
+        await r.grant("home", ["relay"])
+        await r.grant("phone", ["relay"])
+
+        async def relayed_addrs() -> list[str]:
+            return [a for a in (await h.status()).addrs if "/p2p-circuit/" in a]
+
+        await wait_until(relayed_addrs, "home's reservation at the relay", timeout=40)
+        invite = await h.pair_invite()
+        await p.pair_join(invite.invite, grant="messaging")  # through the relay: no other way in
+        await h.grant("phone", ["tool:testwork.*"], limits=ROOMY)
+
+        async def direct_only() -> bool:
+            addrs = await connection_to(p, home_id)
+            return bool(addrs) and not any("/p2p-circuit/" in a for a in addrs)
+
+        if hole_punch:
+            await wait_until(direct_only, "a direct connection, punched through both NATs", timeout=40)
+            # It goes to home's NAT (the address the relay saw home at), not to home itself.
+            assert all(a.startswith("/ip4/10.72.1.2/tcp/") for a in await connection_to(p, home_id))
+            rows = [row for row in await p.audit(peer="home") if row.operation == HOLE_PUNCH]
+            assert rows and all(row.allowed for row in rows)
+        task = await p.delegate("home", tool=TOOL_NAME, args={"tag": "punched", "ms": 0})
+        assert (await task.result())["tag"] == "punched"
+        addrs = await connection_to(p, home_id)
+        if hole_punch:
+            assert addrs and all(a.startswith("/ip4/10.72.1.2/tcp/") for a in addrs), addrs
+            from_phone = await connection_to(h, (await p.status()).peer_id)  # and home sees the phone's NAT
+            assert from_phone and all(a.startswith("/ip4/10.72.2.2/tcp/") for a in from_phone), from_phone
+        else:
+            assert addrs and all("/p2p-circuit/" in a for a in addrs), addrs
+            assert not [row for row in await p.audit(peer="home") if row.operation == HOLE_PUNCH]
+    assert tool_runs(tool_log) == {"start punched": 1, "done punched": 1}
