@@ -144,6 +144,16 @@ in libp2p 0.8.1's relay source while building this (items 21-24; each test check
    every circuit's end is logged as an ERROR after three reads 0.2 and 0.4 s apart. Ours
    passes an end on as a half-close and frees the circuit at once.
 
+Hole punching (DCUtR, `enable_hole_punch()`, config `[relay] hole_punch`): likewise libp2p's
+wire format (its `HolePunch` protobuf on `/libp2p/dcutr`) and its swarm's source-bound dials
+(`dial_with_source`, `dial_addr_as_responder`), not its `DCUtRProtocol` service (which brings
+its own polling loop and would open the stream to any peer). `hole_punch()` is the spec's `B`,
+`_serve_dcutr()` its `A`. Each side's address behind its NAT is what a relay tells it: a psymesh
+relay puts the address it sees a peer's connection come from in the `peer` field of its OK to
+RESERVE and CONNECT (identify, which carries observed addresses elsewhere, is off: 18), and a
+node with hole punching on dials its relays from its listening port, so that this is the
+mapping of the port the punch leaves from.
+
 Kept as is: libp2p's resource manager allows each peer 10 new connections per second
 (burst 50); connections over that are closed right after the handshake, so the dialer's
 `connect()` may succeed and its first stream fail (UNAVAILABLE). It keeps a token bucket

@@ -8,12 +8,13 @@ circuit included, is node/p2p.py's; this module decides when and where.
       │                  taken again as soon as it lapses or the connection to the relay drops
       ├── _paths()       every second: a paired peer reached only through a relay is dialed
       │                  at its direct addresses (every `direct_retry_s`, and at once when it
-      │                  tells us new ones), after a hole punch (DCUtR) when `hole_punch` is on
-      │                  and the peer came to us through the relay (the spec's `B` starts it:
-      │                  both ends dial at once, so both NATs let the other's SYN in); beside
-      │                  a direct connection, a relayed one is
-      │                  closed as soon as it carries no stream, after `overlap_s` at the
-      │                  latest. New sessions take the direct connection (node/session.py).
+      │                  tells us new ones); with `hole_punch` on, a peer that came to us
+      │                  through a relay is first asked for a hole punch (DCUtR: the spec's
+      │                  `B`, the side a circuit reached, starts it; both ends then dial at
+      │                  once, so each NAT has let its own SYN out when the other's arrives).
+      │                  Beside a direct connection, a relayed one is closed as soon as it
+      │                  carries no stream, after `overlap_s` at the latest. New sessions
+      │                  take the direct connection (node/session.py).
       └── _announce()    every second: our addresses, signed, to each connected paired peer
                          that has not taken them yet (`addrs.push`)
     Relaying.receive(call)   a peer's `addrs.push` (the door admitted it): kept in the trust

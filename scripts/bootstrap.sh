@@ -23,6 +23,13 @@ if [ "$(id -u)" -eq 0 ] && ! command -v ip >/dev/null 2>&1 && command -v apt-get
   apt-get update -qq && apt-get install -y -qq iproute2
 fi
 
+# The hole-punching test puts home and phone behind two NAT routers of its own (namespaces with an
+# nftables masquerade rule); it needs `nft` (and root, else it skips, saying so).
+if [ "$(id -u)" -eq 0 ] && ! command -v nft >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
+  echo "installing nftables (the hole-punching test builds NAT routers in network namespaces)" >&2
+  apt-get update -qq && apt-get install -y -qq nftables
+fi
+
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip setuptools wheel
 # llama-cpp-python has no wheels on the index: it builds from source (~5 min once; pip caches the wheel).
