@@ -67,6 +67,24 @@ def test_signature_survives_the_wire_and_catches_tampering() -> None:
     assert not flipped.signature_valid()
 
 
+def test_a_remembered_verification_holds_for_the_exact_signed_bytes_only() -> None:
+    """`check()` runs on every request, so a signature that verified is remembered (keyed by
+    issuer, signature and the exact signed bytes). Nothing else may ride on it: a copy with
+    the same signature but another body, issuer or date fails, and the dates are still
+    checked on every call."""
+    manifest = grant("web.fetch:domains=example.org", ttl=60)
+    op = Operation(name="web.fetch", domain="example.org")
+    for _ in range(3):
+        assert manifest.signature_valid() and decide(manifest, op).allowed
+    wider = manifest.model_copy(update={"capabilities": (Capability(name="web.fetch"),)})
+    longer = manifest.model_copy(update={"expires": manifest.expires + 3600})
+    other_issuer = manifest.model_copy(update={"issuer": OTHER})
+    for forged in (wider, longer, other_issuer):
+        assert forged.signature == manifest.signature and not forged.signature_valid()
+    assert decide(wider, Operation(name="web.fetch", domain="evil.example")).code == ErrorCode.FORBIDDEN
+    assert decide(manifest, op, now=NOW + 61).code == ErrorCode.EXPIRED
+
+
 def test_only_the_issuer_key_can_sign() -> None:
     with pytest.raises(ValueError):
         new_manifest(HOME, PHONE, ["msg.send"], now=NOW).sign(OTHER_KEY)
