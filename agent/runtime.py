@@ -47,7 +47,10 @@ and a ChatML turn starts with a special token, which no BPE merge crosses. A mod
 can sample a non-canonical tokenisation of its own text (a trained model seldom
 does; a random-weight test model writing ``<tool_call>`` byte by byte always does);
 then the end of that reply is not a prefix of the next prompt's tokens, is not kept,
-and the next step continues from the checkpoint before the reply instead.
+and the next step continues from the checkpoint before the reply instead. That
+insurance costs each step one more small batch (the generation prompt, evaluated
+after the checkpoint) and a state copy: ~60 ms on the bench model, against ~0.8 s for
+a step's new tokens.
 """
 from __future__ import annotations
 
