@@ -10,6 +10,7 @@ delegated task; with it off, the path stays relayed.
 """
 from __future__ import annotations
 
+import contextlib
 import shutil
 import subprocess
 import sys
@@ -17,14 +18,16 @@ from pathlib import Path
 
 import pytest
 
-from conftest import pair
+from conftest import pair, run_nodes
 from netns import Namespaces, NetnsDaemon, namespaces  # noqa: F401  (a fixture, used by name)
 from p2p_helpers import PING, new_node, running
 from test_p2p import ping, relay_node, relayed
 from test_relay import ROOMY, connection_to, daemons, home_with
 from waiting import wait_until
 from worktool import TOOL_NAME, tool_log, tool_runs  # noqa: F401  (tool_log: a fixture)
+from psymesh.node.daemon import Node
 from psymesh.node.p2p import P2PNode
+from psymesh.protocol.errors import ConnectError, ErrorCode, PsymeshError
 from psymesh.protocol.relay import DCUTR, HOLE_PUNCH, RelaySettings
 
 pytestmark = pytest.mark.anyio
@@ -74,6 +77,28 @@ async def test_a_peer_without_hole_punching_keeps_the_relayed_path() -> None:
         assert phone.path(home.peer_id) == "relayed" and home.path(phone.peer_id) == "relayed"
         assert (await ping(phone, home.peer_id)).seq == 0
         assert not await phone.hole_punch(home.peer_id)  # hole punching off here: nothing tried
+
+
+async def test_the_gate_admits_dcutr_from_paired_peers_only_with_one_audit_row_each(tmp_path: Path) -> None:
+    home_with(tmp_path / "home", "home", RelaySettings(hole_punch=True))
+    async with run_nodes(tmp_path, "home", "phone", "stranger") as nodes:
+        home, phone, stranger = nodes["home"], nodes["phone"], nodes["stranger"]
+        await pair(home.home.path, phone.home.path, grant="messaging")
+        with pytest.raises(PsymeshError):
+            await stranger.p2p.open_stream(home.p2p.addrs()[0], DCUTR)
+
+        def rows(peer: Node) -> list[tuple[str, str, bool, str | None]]:
+            return [(r["protocol"], r["operation"], r["allowed"], r["code"])
+                    for r in home.audit.query(peer_id=peer.identity.peer_id, limit=100) if r["protocol"] == DCUTR]
+
+        assert rows(stranger) == [(DCUTR, HOLE_PUNCH, False, ErrorCode.UNKNOWN_PEER.value)]
+        # A paired peer is admitted (and audited), but DCUtR runs over a relayed connection
+        # only: on this direct one the stream is reset (before or after the phone has read the
+        # negotiation's answer).
+        with contextlib.suppress(ConnectError):
+            stream = await phone.p2p.open_stream(home.p2p.addrs()[0], DCUTR)
+            assert await stream.receive_some() == b""
+        assert rows(phone) == [(DCUTR, HOLE_PUNCH, True, None)]
 
 
 # ------------------------------------------------------------- behind two NATs (nftables)
