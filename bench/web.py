@@ -21,6 +21,10 @@ All in one run, on 127.0.0.1, each server in its own process:
 - session round trip: a 32-byte ping from the phone to the exit on the same session, timed
   by the phone daemon: what one hop costs carrying no work (transport, door, audit row).
 
+Then CPU per query, by process (Linux /proc, clock ticks, so averaged over --runs queries of
+one kind in a row; "asker" is this process: the SDK, or httpx and the extraction when it
+fetches itself): where the time goes, with far less noise than latency on a busy machine.
+
 Prints medians and p99 in ms, the ratios the issue sets (one hop <= 1.3x and two hops <=
 1.8x a direct fetch of the same page), and the same ratios against fetch + text. Every loop
 is bounded by --runs.
@@ -30,6 +34,7 @@ Usage: .venv/bin/python bench/web.py [--runs N]
 from __future__ import annotations
 
 import argparse
+import os
 import tempfile
 import textwrap
 import time
@@ -67,6 +72,21 @@ PAGE_SERVER = textwrap.dedent("""
 
 
 KINDS = ("direct", "direct_text", "one", "two", "rtt")
+CPU_COLUMNS = ("asker", "phone", "relay", "exit", "exit workers", "page server")
+TICK_MS = 1000 / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_ms(pid: int) -> tuple[float, float]:
+    """(main thread, other threads) CPU time of process `pid` so far, in ms."""
+    main = others = 0.0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        used = (int(fields[11]) + int(fields[12])) * TICK_MS   # utime + stime
+        if task.name == str(pid):
+            main = used
+        else:
+            others += used
+    return main, others
 
 
 async def direct_fetch(http: httpx.AsyncClient, url: str) -> tuple[float, float, str]:
@@ -83,22 +103,28 @@ async def direct_fetch(http: httpx.AsyncClient, url: str) -> tuple[float, float,
     return t1 - t0, t2 - t0, text
 
 
-async def back_to_back(url: str, runs: int) -> tuple[list[float], list[float]]:
-    """(fetch, fetch + text) in ms, `runs` in a row, nothing else running."""
+async def back_to_back(url: str, runs: int, server_pid: int
+                       ) -> tuple[list[float], list[float], dict[str, float]]:
+    """(fetch, fetch + text) in ms, `runs` in a row, nothing else running; and the CPU ms
+    per fetch + text of this process (the asker) and of the page server."""
     fetch_ms: list[float] = []
     text_ms: list[float] = []
     async with httpx.AsyncClient() as http:
         for _ in range(10):
             await direct_fetch(http, url)
+        asker, server = time.process_time(), sum(cpu_ms(server_pid))
         for _ in range(runs):
             fetch_s, text_s, _ = await direct_fetch(http, url)
             fetch_ms.append(fetch_s * 1000)
             text_ms.append(text_s * 1000)
-    return fetch_ms, text_ms
+        used = {"asker": (time.process_time() - asker) * 1000, "page server": sum(cpu_ms(server_pid)) - server}
+    return fetch_ms, text_ms, {name: used.get(name, 0.0) / runs for name in CPU_COLUMNS}
 
 
-async def bench(tmp: Path, url: str, runs: int) -> dict[str, list[float]]:
-    """Each kind's latencies in ms, timed in turn, `runs` rounds, through three real daemons."""
+async def bench(tmp: Path, url: str, runs: int, server_pid: int
+                ) -> tuple[dict[str, list[float]], dict[str, dict[str, float]]]:
+    """Each kind's latencies in ms, timed in turn, `runs` rounds, through three real daemons;
+    then each mesh kind's CPU ms per query by process (CPU_COLUMNS)."""
     from psymesh.node.home import NodeHome
     from psymesh.node.process import DaemonProcess, pair_homes
     from psymesh.node.webexit import ExitSettings
@@ -141,7 +167,25 @@ async def bench(tmp: Path, url: str, runs: int) -> dict[str, list[float]]:
                 for kind, value in zip(KINDS, (fetch_s, text_s, t1 - t0, t2 - t1)):
                     ms[kind].append(value * 1000)
                 ms["rtt"].extend(ping.rtts_ms)
-        return ms
+            cpu: dict[str, dict[str, float]] = {}
+            assert phone.proc and relay.proc and exit_.proc
+            pids = {"phone": phone.proc.pid, "relay": relay.proc.pid, "exit": exit_.proc.pid, "page server": server_pid}
+            calls = {"one": lambda: client.web_fetch(url, via="exit", hops=1),
+                     "two": lambda: client.web_fetch(url, via="exit", relay="relay"),
+                     "rtt": lambda: client.ping("exit", count=1)}
+            for kind, call in calls.items():
+                before = {name: cpu_ms(pid) for name, pid in pids.items()}
+                asker = time.process_time()
+                for _ in range(runs):
+                    await call()
+                used = {"asker": (time.process_time() - asker) * 1000}
+                for name, pid in pids.items():
+                    (main0, others0), (main1, others1) = before[name], cpu_ms(pid)
+                    used[name] = main1 - main0 + (others1 - others0 if name != "exit" else 0.0)
+                    if name == "exit":
+                        used["exit workers"] = others1 - others0
+                cpu[kind] = {name: value / runs for name, value in used.items()}
+        return ms, cpu
     finally:
         for node in reversed(nodes):
             await node.stop()
@@ -154,9 +198,9 @@ def main() -> None:
     server, port = spawn_server(PAGE_SERVER)
     url = f"http://127.0.0.1:{port}/ferries"
     try:
-        hot_ms, hot_text_ms = anyio.run(back_to_back, url, args.runs, backend="trio")
+        hot_ms, hot_text_ms, direct_cpu = anyio.run(back_to_back, url, args.runs, server.pid, backend="trio")
         with tempfile.TemporaryDirectory(prefix="psymesh-bench-web-") as tmp:
-            ms = anyio.run(bench, Path(tmp), url, args.runs, backend="trio")
+            ms, cpu = anyio.run(bench, Path(tmp), url, args.runs, server.pid, backend="trio")
     finally:
         server.terminate()
         server.wait()
@@ -182,6 +226,12 @@ def main() -> None:
     print(f"two hops / one hop                        {two[0] / one[0]:6.2f}x")
     print(f"one hop - (fetch + text), in turn = {one[0] - direct_text[0]:.3f} ms, of which a bare session round"
           f" trip is {rtt[0]:.3f} ms")
+    print()
+    print(f"CPU ms per query ({args.runs} in a row)  " + "".join(f"{c:>13}" for c in CPU_COLUMNS))
+    cpu["direct"] = direct_cpu
+    for kind, label in (("direct", "direct fetch + text"), ("one", "one hop"), ("two", "two hops"),
+                        ("rtt", "session round trip")):
+        print(f"{label:<35}" + "".join(f"{cpu[kind][c]:>13.3f}" for c in CPU_COLUMNS))
 
 
 if __name__ == "__main__":
