@@ -6,6 +6,12 @@
     port = 8080
     api_key_file = "/home/me/.config/psymesh-openai.key"
 
+    [serve.a2a]                the node's agent as an A2A agent (node/a2a_api.py)
+    enabled = true
+    host = "127.0.0.1"
+    port = 8081
+    api_key_file = "/home/me/.config/psymesh-a2a.key"
+
     [[mcp]]                    an MCP server whose tools join this node's (node/mcp_tools.py)
     name = "files"
     command = ["python", "/opt/mcp/files_server.py"]     # stdio; or
@@ -18,7 +24,7 @@ from __future__ import annotations
 
 import ipaddress
 from pathlib import Path
-from typing import Self
+from typing import ClassVar, Self
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
@@ -37,20 +43,19 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-class OpenAIServe(BaseModel):
-    """`[serve.openai]`. Off unless enabled. Bound to loopback by default; another host
-    needs an API key (the daemon refuses to start without one), since whoever reaches
-    the port can run this node's models and the models of every home that granted it."""
+class KeyedServe(BaseModel):
+    """An HTTP face of the node with a bearer key: off unless enabled, bound to loopback
+    by default; another host needs a key (the daemon refuses to start without one)."""
 
     model_config = ConfigDict(extra="forbid")
+    SECTION: ClassVar[str]  # its config.toml table, for messages
 
     enabled: bool = False
     host: str = "127.0.0.1"
     port: int = Field(default=8080, ge=0, le=65535)  # 0: any free port (logged at start)
     api_key_file: str | None = None  # a file holding the key; clients send `Authorization: Bearer KEY`
-    # Set by `psymesh serve openai --api-key` for one run; never written to config.toml.
+    # Set by `psymesh serve ... --api-key` for one run; never written to config.toml.
     api_key: SecretStr | None = Field(default=None, exclude=True, repr=False)
-    max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1024, le=64 * 1024 * 1024)
 
     def key(self) -> str | None:
         """The API key clients must present, or None (then no Authorization is asked)."""
@@ -62,27 +67,50 @@ class OpenAIServe(BaseModel):
         try:
             key = path.read_text().strip()
         except OSError as exc:
-            raise PsymeshError(f"[serve.openai] api_key_file {path}: {exc.strerror or exc}",
+            raise PsymeshError(f"[{self.SECTION}] api_key_file {path}: {exc.strerror or exc}",
                                code=ErrorCode.BAD_REQUEST) from None
         if not key:
-            raise PsymeshError(f"[serve.openai] api_key_file {path} is empty", code=ErrorCode.BAD_REQUEST)
+            raise PsymeshError(f"[{self.SECTION}] api_key_file {path} is empty", code=ErrorCode.BAD_REQUEST)
         return key
 
     def check(self) -> str | None:
-        """The key, after refusing a setup that would open the models to the network."""
+        """The key, after refusing a setup that would open the node to the network."""
         key = self.key()
         if key is None and not is_loopback(self.host):
-            raise PsymeshError(f"[serve.openai] host {self.host} is reachable from other machines: set an API key "
+            raise PsymeshError(f"[{self.SECTION}] host {self.host} is reachable from other machines: set an API key "
                                "(api_key_file, or --api-key) or bind to 127.0.0.1", code=ErrorCode.BAD_REQUEST)
         return key
 
 
+class OpenAIServe(KeyedServe):
+    """`[serve.openai]`: whoever reaches the port can run this node's models and the
+    models of every home that granted it."""
+
+    SECTION: ClassVar[str] = "serve.openai"
+
+    max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1024, le=64 * 1024 * 1024)
+
+
+class A2AServe(KeyedServe):
+    """`[serve.a2a]`: whoever reaches the port (with the key) can run this node's agent
+    with this node's tools (irreversible ones refused: node/a2a_api.py)."""
+
+    SECTION: ClassVar[str] = "serve.a2a"
+
+    port: int = Field(default=8081, ge=0, le=65535)
+    # The URL the agent card names, when clients reach the node by another name than
+    # host:port (a LAN name, a reverse proxy). Default: http://HOST:PORT as bound.
+    public_url: str | None = Field(default=None, pattern=r"^https?://")
+    max_runtime_s: float = Field(default=600.0, gt=0, le=86400)  # one agent run's deadline
+
+
 class ServeSettings(BaseModel):
-    """`[serve]`: HTTP faces of this node for apps that speak another ecosystem's API."""
+    """`[serve]`: HTTP faces of this node for apps that speak another ecosystem's API (OpenAI, A2A)."""
 
     model_config = ConfigDict(extra="forbid")
 
     openai: OpenAIServe = Field(default_factory=OpenAIServe)
+    a2a: A2AServe = Field(default_factory=A2AServe)
 
 
 class McpServerConfig(BaseModel):

@@ -7,6 +7,7 @@
       ├── TaskExecutor.run     recover unfinished tasks, N workers, expiry/purge housekeeping
       ├── TaskSubmitter.run    one driver per unfinished delegated task
       ├── OpenAIEndpoint.run   [serve.openai]: an OpenAI-compatible HTTP endpoint (node/openai_api.py)
+      ├── A2AEndpoint.run      [serve.a2a]: the agent as an A2A agent, a2a-sdk on its own asyncio thread
       ├── Messaging.run        one courier per recipient with letters to deliver
       ├── Answering.run        peers' asks answered by the agent, one at a time (node/answering.py)
       ├── Mailbox.run          mail held for peers that named this node: expiry housekeeping
@@ -81,6 +82,7 @@ from psymesh.protocol.web import WebAnswer, WebFetch, WebKeyPush, WebRelay, WebR
 from psymesh.protocol.tasks import TaskAck, TaskAcks, TaskAttach, TaskCancel, TaskCaps, TaskCapsReply, TaskInput, TaskList, TaskSubmit
 
 if TYPE_CHECKING:
+    from psymesh.node.a2a_api import A2AEndpoint
     from psymesh.node.openai_api import OpenAIEndpoint
 
 log = logging.getLogger("psymesh.node")
@@ -147,6 +149,11 @@ class Node:
             from psymesh.node.openai_api import OpenAIEndpoint
 
             self.openai = OpenAIEndpoint(self, self.config.serve.openai)
+        self.a2a: A2AEndpoint | None = None
+        if self.config.serve.a2a.enabled:
+            from psymesh.node.a2a_api import A2AEndpoint
+
+            self.a2a = A2AEndpoint(self, self.config.serve.a2a)
         self._root: anyio.CancelScope | None = None
         self._tg: anyio.abc.TaskGroup | None = None
         self._register_services()
@@ -240,6 +247,8 @@ class Node:
                 await tg.start(self.submitter.run)
                 if self.openai is not None:
                     await tg.start(self.openai.run)
+                if self.a2a is not None:
+                    await tg.start(self.a2a.run)
                 await tg.start(self.messaging.run)
                 await tg.start(self.answering.run)
                 await tg.start(self.mailbox.run)

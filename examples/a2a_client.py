@@ -1,0 +1,59 @@
+"""Talk to a psymesh node's agent with the official A2A client (a2a-sdk).
+
+    psymesh serve a2a --api-key-file ~/.config/psymesh-a2a.key      # on the node
+    python examples/a2a_client.py http://127.0.0.1:8081 KEY "What is on this machine?"
+
+It fetches the agent card (public), then sends the goal twice: once as one request
+that returns the finished task, once streamed, printing each status update as it
+comes (working, the tool calls, completed) and the answer artifact. Prints one JSON
+object per line, so scripts (and tests/test_a2a.py) can read it.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import uuid
+
+import httpx
+from a2a.client import A2ACardResolver, ClientConfig, create_client
+from a2a.types import a2a_pb2 as a2a
+
+
+def _message(text: str) -> a2a.SendMessageRequest:
+    return a2a.SendMessageRequest(message=a2a.Message(
+        role=a2a.ROLE_USER, message_id=str(uuid.uuid4()), parts=[a2a.Part(text=text)]))
+
+
+def _answer(task: a2a.Task) -> str:
+    return "".join(part.text for artifact in task.artifacts for part in artifact.parts)
+
+
+async def main(url: str, key: str, goal: str) -> None:
+    # The key goes on every request; the card does not need it, the JSON-RPC calls do.
+    async with httpx.AsyncClient(headers={"Authorization": f"Bearer {key}"}, timeout=120) as http:
+        card = await A2ACardResolver(http, url).get_agent_card()
+        print(json.dumps({"card": card.name, "skills": [s.name for s in card.skills],
+                          "security": list(card.security_schemes)}), flush=True)
+
+        whole = await create_client(card, client_config=ClientConfig(httpx_client=http, streaming=False))
+        async for response in whole.send_message(_message(goal)):
+            task = response.task
+            print(json.dumps({"task": task.id, "state": a2a.TaskState.Name(task.status.state),
+                              "answer": _answer(task)}), flush=True)
+
+        streamed = await create_client(card, client_config=ClientConfig(httpx_client=http, streaming=True))
+        async for response in streamed.send_message(_message(goal)):
+            if response.HasField("status_update"):
+                status = response.status_update.status
+                print(json.dumps({"status": a2a.TaskState.Name(status.state),
+                                  "text": "".join(p.text for p in status.message.parts)}), flush=True)
+            elif response.HasField("artifact_update"):
+                print(json.dumps({"artifact": "".join(p.text for p in response.artifact_update.artifact.parts)}),
+                      flush=True)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 4:
+        sys.exit(__doc__)
+    asyncio.run(main(*sys.argv[1:4]))
