@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import anyio
 import click
@@ -232,7 +232,7 @@ def _service_change(home: str | None, out: Output, platform_name: str | None, dr
 
 @main.group()
 def serve() -> None:
-    """Serve this node's models to apps that speak another API (OpenAI)."""
+    """Serve this node's models (OpenAI) or its agent (A2A) to apps that speak another API."""
 
 
 @serve.command("openai")
@@ -256,6 +256,36 @@ def serve_openai(home: str | None, out: Output, host: str | None, port: int | No
     peers that granted this node task.infer. A daemon already running for this home keeps
     running without it: stop it first, or set [serve.openai] enabled = true and restart it.
     """
+    _serve_foreground(home, "openai", host, port, api_key, api_key_file, save, log_json)
+
+
+@serve.command("a2a")
+@command
+@click.option("--host", default=None, help="Address to bind (default: [serve.a2a] host, 127.0.0.1).")
+@click.option("--port", type=click.IntRange(0, 65535), default=None,
+              help="Port (default: [serve.a2a] port, 8081; 0: any free port, logged at start).")
+@click.option("--api-key", envvar="PSYMESH_A2A_API_KEY", default=None,
+              help="Key clients must send as `Authorization: Bearer KEY` (also $PSYMESH_A2A_API_KEY; a command "
+                   "line is visible to other local users, a key file is not).")
+@click.option("--api-key-file", type=click.Path(dir_okay=False, exists=True), default=None,
+              help="A file holding the key.")
+@click.option("--save", is_flag=True, help="Also write these settings to config.toml ([serve.a2a] enabled), so "
+                                           "`node start` serves the agent from now on.")
+@click.option("--log-json", is_flag=True, help="Log one JSON object per line (stderr).")
+def serve_a2a(home: str | None, out: Output, host: str | None, port: int | None, api_key: str | None,
+              api_key_file: str | None, save: bool, log_json: bool) -> None:
+    """Run the node in the foreground with its agent served over A2A, until SIGINT/SIGTERM.
+
+    The agent card is at /.well-known/agent-card.json; a message runs this node's agent
+    with its tools (irreversible ones refused). A daemon already running for this home
+    keeps running without it: stop it first, or set [serve.a2a] enabled = true and restart it.
+    """
+    _serve_foreground(home, "a2a", host, port, api_key, api_key_file, save, log_json)
+
+
+def _serve_foreground(home: str | None, section: Literal["openai", "a2a"], host: str | None, port: int | None,
+                      api_key: str | None, api_key_file: str | None, save: bool, log_json: bool) -> None:
+    """`node start` with [serve.SECTION] turned on for this run (and saved with --save)."""
     from pydantic import SecretStr
 
     from psymesh.node.daemon import Node
@@ -266,16 +296,16 @@ def serve_openai(home: str | None, out: Output, host: str | None, port: int | No
     config = node_home.load_config()
     given = {"host": host, "port": port,
              "api_key_file": str(Path(api_key_file).resolve()) if api_key_file else None}
-    settings = config.serve.openai.model_copy(
+    settings = getattr(config.serve, section).model_copy(
         update={"enabled": True, **{k: v for k, v in given.items() if v is not None}})
     if save:
         if api_key:
             raise PsymeshError("--save keeps no key given on the command line; put it in a file (mode 0600) and "
                                "use --api-key-file", code=ErrorCode.BAD_REQUEST)
-        node_home.save_config(config.model_copy(update={"serve": config.serve.model_copy(update={"openai": settings})}))
+        node_home.save_config(config.model_copy(update={"serve": config.serve.model_copy(update={section: settings})}))
     if api_key:
         settings = settings.model_copy(update={"api_key": SecretStr(api_key)})
-    config = config.model_copy(update={"serve": config.serve.model_copy(update={"openai": settings})})
+    config = config.model_copy(update={"serve": config.serve.model_copy(update={section: settings})})
     setup_logging(json_lines=log_json or config.log_json)
     run_async(Node(node_home, config).run)
 

@@ -18,6 +18,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
+import signal
+import socket
+import subprocess
 import sys
 import threading
 import uuid
@@ -347,3 +351,61 @@ async def test_the_example_client(tmp_path: Path, tiny_model: Path, monkeypatch:
     statuses = [line["status"] for line in lines if "status" in line]
     assert statuses[0] == "TASK_STATE_WORKING" and statuses[-1] == "TASK_STATE_COMPLETED"
     assert {"artifact": ANSWER} in lines
+
+
+# --------------------------------------------------------------------------- the command
+
+
+@pytest.mark.anyio
+async def test_serve_a2a_command_serves_the_card_and_stops_cleanly(tmp_path: Path) -> None:
+    """`psymesh serve a2a` runs a node with the endpoint (its URL in the log); SIGTERM
+    stops it with exit status 0."""
+    home = tmp_path / "desk"
+    key_file = tmp_path / "key"
+    key_file.write_text(KEY)
+    log = tmp_path / "serve.log"
+    with open(log, "wb") as sink:
+        proc = subprocess.Popen([sys.executable, "-m", "psymesh", "serve", "a2a", "--home", str(home),
+                                 "--port", "0", "--api-key-file", str(key_file)],
+                                cwd=REPO, stdout=sink, stderr=subprocess.STDOUT)
+    try:
+        found: list[str] = []
+
+        def listening() -> bool:
+            found[:] = re.findall(r"A2A agent at (http://127\.0\.0\.1:\d+/)", log.read_text())
+            return bool(found) or proc.poll() is not None
+
+        await wait_until(listening, "the A2A URL in the log", timeout=60)
+        assert found, log.read_text()
+
+        async def card_and_refusal(http: httpx.AsyncClient) -> tuple[a2a.AgentCard, int]:
+            card = await A2ACardResolver(http, found[0]).get_agent_card()
+            refused = await http.post(found[0], json={"jsonrpc": "2.0", "id": 1, "method": "GetTask",
+                                                      "params": {"id": "x"}})
+            return card, refused.status_code
+
+        card, status = await on_asyncio(card_and_refusal, key=None)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        await wait_until(lambda: proc.poll() is not None, "the node to exit", timeout=30)
+    assert card.name == NodeHome(home).load_config().name and card.supported_interfaces[0].url == found[0] and status == 401
+    assert proc.returncode == 0, log.read_text()
+
+
+@pytest.mark.anyio
+async def test_a_port_in_use_is_one_clear_error(tmp_path: Path) -> None:
+    home = NodeHome(tmp_path / "busy")
+    home.init()
+    config = home.load_config()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        serve = ServeSettings(a2a=A2AServe(enabled=True, port=taken.getsockname()[1]))
+        node = Node(home, config.model_copy(update={"serve": serve, "listen": ["/ip4/127.0.0.1/tcp/0"]}))
+        with pytest.raises(BaseException) as failed:
+            await node.run()
+    errors = [failed.value]
+    while isinstance(errors[0], BaseExceptionGroup):
+        errors = list(errors[0].exceptions)
+    assert isinstance(errors[0], PsymeshError) and errors[0].code is ErrorCode.UNAVAILABLE
+    assert "cannot listen on 127.0.0.1:" in errors[0].message and "[serve.a2a] port" in errors[0].message
