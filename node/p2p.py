@@ -785,7 +785,8 @@ class P2PNode:
     def _punch_addrs(self) -> list[str]:
         """What we ask a peer to dial (DCUtR's ObsAddrs): each address a relay sees us at, and
         beside it the same IP with our listening port (a NAT that keeps ports maps that port
-        there, even if the relay saw a connection from another one); then our own addresses."""
+        there, even if the relay saw a connection from another one); then our own addresses,
+        loopback ones only when we have no other (the peer would dial itself)."""
         source = self._listen_source()
         out: list[str] = []
         for addr in self._observed.values():
@@ -793,7 +794,8 @@ class P2PNode:
             endpoint = _tcp_endpoint(addr)
             if source is not None and endpoint is not None:
                 out.append(f"/{addr.split('/')[1]}/{endpoint[0]}/tcp/{source[1]}")
-        out += [a.partition("/p2p/")[0] for a in self.addrs() if not _is_circuit(a)]
+        own = [a.partition("/p2p/")[0] for a in self.addrs() if _tcp_endpoint(a) is not None]
+        out += [a for a in own if not _is_loopback(a)] or own
         return list(dict.fromkeys(out))[:MAX_PUNCH_ADDRS]
 
     async def _punch(self, peer: ID, addrs: Sequence[str], *, responder: bool) -> bool:
@@ -810,7 +812,9 @@ class P2PNode:
         if source is None:
             return False
         family = "ip6" if ":" in source[0] else "ip4"
-        targets = [multiaddr.Multiaddr(f"{a}/p2p/{peer}") for a in addrs if a.split("/")[1] == family]
+        local = ipaddress.ip_address(source[0]).is_loopback
+        targets = [multiaddr.Multiaddr(f"{a}/p2p/{peer}") for a in addrs
+                   if a.split("/")[1] == family and (local or not _is_loopback(a))]
         if not targets:
             return False
         self._swarm.prepare_dial(peer)  # (8, 10)
@@ -1491,6 +1495,11 @@ def _tcp_endpoint(addr: str) -> tuple[str, int] | None:
     if ip.version != (4 if parts[1] == "ip4" else 6) or not 0 < port < 65536:
         return None
     return parts[2], port
+
+
+def _is_loopback(addr: str) -> bool:
+    endpoint = _tcp_endpoint(addr)
+    return endpoint is not None and ipaddress.ip_address(endpoint[0]).is_loopback
 
 
 async def _send_punch(stream: INetStream, kind: int, addrs: Sequence[str] = ()) -> None:
