@@ -56,6 +56,7 @@ from starlette.applications import Starlette
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+import psymesh
 from psymesh.node.bridgeconfig import A2AServe
 from psymesh.protocol.errors import ErrorCode, PsymeshError
 from psymesh.protocol.tasks import TaskState
@@ -360,7 +361,7 @@ class A2AEndpoint:
         bearer = a2a.SecurityScheme(http_auth_security_scheme=a2a.HTTPAuthSecurityScheme(
             scheme="bearer", description="the key in [serve.a2a] api_key_file (or --api-key)"))
         card = a2a.AgentCard(
-            name=self.node.config.name, version="1.0.0",
+            name=self.node.config.name, version=psymesh.__version__,
             description=f"psymesh node {self.node.config.name} ({self.node.config.profile}), peer id "
                         f"{self.node.identity.peer_id}: its on-device agent, answering a goal with its tools.",
             supported_interfaces=[

@@ -314,6 +314,30 @@ async def test_irreversible_tools_are_refused_over_a2a(tmp_path: Path, tiny_mode
     assert [(c["name"], c["status"]) for c in calls] == [("notes.send", "unconfirmed")]
 
 
+@pytest.mark.anyio
+async def test_a_message_without_a_goal_is_rejected_and_bad_params_fail(
+        tmp_path: Path, tiny_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    async with a2a_node(tmp_path, tiny_model, monkeypatch, [ANSWER]) as (node, model):
+        async def go(http: httpx.AsyncClient) -> tuple[a2a.Task, a2a.Task, a2a.Task]:
+            c = await client(http, url_of(node), streaming=False)
+            no_text = message("")
+            del no_text.message.parts[:]
+            no_text.message.parts.add().data.struct_value.update({"goal": "in the wrong place"})
+            [rejected] = [r async for r in c.send_message(no_text)]
+            [failed] = [r async for r in c.send_message(message(GOAL, params={"max_steps": 0}))]
+            [fine] = [r async for r in c.send_message(message(GOAL, params={"max_steps": 1}))]
+            return rejected.task, failed.task, fine.task
+
+        rejected, failed, fine = await on_asyncio(go)
+
+    assert rejected.status.state == a2a.TASK_STATE_REJECTED
+    assert "text part" in "".join(p.text for p in rejected.status.message.parts)
+    assert failed.status.state == a2a.TASK_STATE_FAILED
+    assert "bad_request: bad agent params: max_steps" in "".join(p.text for p in failed.status.message.parts)
+    assert fine.status.state == a2a.TASK_STATE_COMPLETED and answer(fine) == ANSWER  # the node lives on
+    assert model.remaining == 0
+
+
 # --------------------------------------------------------------------------- A2A 0.3 names, the example
 
 
