@@ -130,7 +130,6 @@ class Run:
         self.events: asyncio.Queue[Step | Ended] = asyncio.Queue()
         self._scope: anyio.CancelScope | None = None  # trio thread only
         self._cancel_asked = False                    # trio thread only
-        self._ended = False                           # trio thread only
 
     def tell(self, item: Step | Ended) -> None:
         """From the trio thread: hand `item` to the asyncio side (dropped if its loop is gone)."""
