@@ -763,9 +763,11 @@ class P2PNode:
     async def _serve_dcutr(self, stream: INetStream) -> None:
         """DCUtR's outbound side (`A`, we dialed the circuit): answer each CONNECT with ours and
         dial the peer's addresses the moment its SYNC arrives. Only over a relayed connection
-        (the gate admitted and audited the stream: paired peers only)."""
+        that we dialed (so the peer is `B`, and the roles on the punched connection agree; the
+        gate admitted and audited the stream: paired peers only)."""
         peer = stream.muxed_conn.peer_id
-        if not _is_relayed(stream.muxed_conn):
+        ours = [c for c in self._connections(str(peer), direct=False) if c.muxed_conn is stream.muxed_conn]
+        if not ours or ours[0].direction != Direction.OUTBOUND:
             await _reset_quietly(stream)
             return
         try:

@@ -60,6 +60,10 @@ async def test_dcutr_over_a_relayed_connection_ends_in_a_direct_one() -> None:
         assert list(phone._observed) == [relay.peer_id]
         assert phone._observed[relay.peer_id] in phone._punch_addrs()
 
+        # The side that dialed the circuit does not start: the other refuses the roles.
+        assert not await phone.hole_punch(home.peer_id)
+        assert phone.path(home.peer_id) == "relayed"
+
         assert await home.hole_punch(phone.peer_id)
         assert home.path(phone.peer_id) == "direct" and phone.path(home.peer_id) == "direct"
         # DCUtR's roles, whoever's SYN won: the phone (it dialed the circuit) is the client.
