@@ -20,8 +20,9 @@ four things, and each doing them itself is how they drift apart:
 * with tools, the reply parsed (``chatformat.parse_reply``), its calls part of the
   result; :class:`ToolGrammar` constrains decoding so that they always parse.
 
-llama_cpp is imported only when a model actually runs (through the worker, or the
-grammar builder), so the agent loop and scripted models stay cheap to import.
+llama_cpp is never imported here: the model runs behind a `TextModel` (a runner process,
+node/models/runner.py, or the engine inside one), so the agent loop and scripted models
+stay cheap to import.
 """
 from __future__ import annotations
 
@@ -49,7 +50,7 @@ from psymesh.protocol.errors import ErrorCode, PsymeshError
 
 if TYPE_CHECKING:
     from psymesh.agent.grammar import ThinkMode
-    from psymesh.agent.runtime import Completion, ModelWorker
+    from psymesh.agent.inference import Completion, TextModel
 
 __all__ = [
     "FinishReason",
@@ -207,7 +208,7 @@ Piece = TextDelta | Generation
 
 
 async def generate(
-    worker: ModelWorker,
+    worker: TextModel,
     messages: Sequence[ChatMessage],
     *,
     tools: Sequence[ToolSpec] | None = None,
@@ -221,7 +222,7 @@ async def generate(
     parsed against them. Raises GenerationError / ChatFormatError for a request that
     cannot run, and the worker's ModelError family for one that failed.
     """
-    from psymesh.agent.runtime import StopAfter, ThinkBudget
+    from psymesh.agent.inference import StopAfter, ThinkBudget
 
     offered = tuple(tools) if tools is not None else ()
     template = worker.chat_template
@@ -254,7 +255,7 @@ async def generate(
 
 
 async def complete(
-    worker: ModelWorker,
+    worker: TextModel,
     messages: Sequence[ChatMessage],
     *,
     tools: Sequence[ToolSpec] | None = None,

@@ -1201,14 +1201,17 @@ def model() -> None:
 @click.option("--threads", "n_threads", default=None, type=click.IntRange(1, 512))
 @click.option("--chat-template", type=click.Path(exists=True, dir_okay=False), default=None,
               help="A Jinja chat template file overriding the one inside the GGUF.")
+@click.option("--keep-alive", "keep_alive", default=None, metavar="DURATION",
+              help="How long the model stays loaded when idle (e.g. 90s, 10m, 1h; 0: unload after each "
+                   "request; forever). Default: [models] keep_alive_s, else 5 min on a home PC, 1 min on a phone.")
 def model_add(home: str | None, out: Output, name: str, path: str, n_ctx: int, n_threads: int | None,
-              chat_template: str | None) -> None:
+              chat_template: str | None, keep_alive: str | None) -> None:
     """Register PATH (a .gguf file) as model NAME. A running daemon uses it at once."""
     node_home = NodeHome(home)
     node_home.init()
     template = open(chat_template).read() if chat_template else None
     row = _models(node_home).add(name, path, n_ctx=n_ctx, n_threads=n_threads,
-                                                        chat_template=template)
+                                 chat_template=template, keep_alive_s=_keep_alive(keep_alive))
     out.data({k: v for k, v in row.items() if k != "chat_template"},
              lambda con: con.print(f"model {name} -> {row['path']}"))
 
@@ -1250,6 +1253,37 @@ def model_list(home: str | None, out: Output) -> None:
     out.data(rows, human)
 
 
+@model.command("ps")
+@command
+def model_ps(home: str | None, out: Output) -> None:
+    """Models and their runner processes in the running daemon: loaded or not, pid, memory
+    (RSS and saved states), idle time against keep-alive, requests served, crashes."""
+
+    async def go() -> list[Any]:
+        async with Client(home) as client:
+            return await client.models_ps()
+
+    models = run_async(go)
+
+    def mib(n: int | None) -> str:
+        return "-" if n is None else f"{n / 2**20:.0f} MiB"
+
+    def human(con: Any) -> None:
+        if not models:
+            con.print("no models; add one with: psymesh model add NAME PATH.gguf")
+            return
+        table = Table("name", "state", "pid", "rss", "states", "context", "idle", "keep-alive", "served", "crashes")
+        for m in models:
+            state = ("busy" if m.pending else "loaded") if m.loaded else "unloaded"
+            idle = "-" if m.idle_s is None else f"{m.idle_s:.0f} s"
+            keep = "forever" if m.keep_alive_s is None else f"{m.keep_alive_s:g} s"
+            table.add_row(m.name, state, str(m.pid or "-"), mib(m.rss_bytes), mib(m.state_cache_bytes),
+                          str(m.n_ctx), idle, keep, str(m.jobs_served), str(m.crashes))
+        con.print(table)
+
+    out.data([m.model_dump() for m in models], human)
+
+
 # -- the agent -----------------------------------------------------------------------
 
 
@@ -1264,6 +1298,29 @@ def _models(node_home: NodeHome) -> Any:
     from psymesh.node.models import ModelRegistry
 
     return ModelRegistry(open_db(node_home.db_path))
+
+
+def _keep_alive(text: str | None) -> float | None:
+    """`--keep-alive`: None keeps the node's default; "forever" is stored as -1."""
+    if text is None:
+        return None
+    word = text.strip().lower()
+    if word in ("forever", "-1"):
+        return -1.0
+    if word in ("0", "0s"):
+        return 0.0
+    return parse_duration(word)
+
+
+def _local_runner(node_home: NodeHome, registry: Any, name: str) -> Any:
+    """Model `name` for a command that runs it here (`agent run`, `eval`): in a runner
+    process, as the daemon runs its models, so an abort in llama.cpp fails the command
+    with `model_crashed` instead of killing it. It lives as long as the command."""
+    from psymesh.node.models import ModelRunner
+
+    config = node_home.load_config()
+    return ModelRunner(registry.settings(name, keep_alive_s=None, memory_limit_mb=config.models.memory_limit_mb),
+                       name=name, log_path=node_home.logs_dir / f"model-{name}.log")
 
 
 def _print_agent_event(out: Output, ev: Any) -> None:
@@ -1341,7 +1398,6 @@ def agent_run(home: str | None, out: Output, goal: str, model_name: str | None, 
 async def _agent_local(node_home: NodeHome, config: Any, registry: Any, out: Output, goal: str,
                        model_name: str | None, params: dict[str, Any], yes: bool) -> dict[str, Any]:
     from psymesh.agent.loop import run_agent
-    from psymesh.agent.runtime import ModelWorker
     from psymesh.agent.tools import ToolContext
     from psymesh.node.agents import agent_config, llama_model, node_tools, pick_model, result_of
 
@@ -1362,7 +1418,7 @@ async def _agent_local(node_home: NodeHome, config: Any, registry: Any, out: Out
 
     tools = node_tools(node_home, config)
     ctx = ToolContext(share_dir=Path(config.share_dir) if config.share_dir else None, profile=config.profile)
-    async with ModelWorker(registry.settings(name)) as worker:
+    async with _local_runner(node_home, registry, name) as worker:
         run = await run_agent(goal, model=llama_model(worker, params), tools=tools, ctx=ctx, profile=config.profile,
                               config=agent_config(params, from_peer=False), confirm=confirm, emit=emit)
     return {**result_of(run), "where": "local", "model": name}
@@ -1413,7 +1469,6 @@ def eval_cmd(home: str | None, out: Output, cases: str | None, model_name: str |
         return _eval_bfcl(home, out, bfcl_dir, categories, limit, model_name, free_form, thinking, ban_bytes)
 
     from psymesh.agent.evaluation import evaluate, format_report, load_cases
-    from psymesh.agent.runtime import ModelWorker
     from psymesh.node.agents import llama_model, pick_model
 
     node_home = NodeHome(home)
@@ -1426,7 +1481,7 @@ def eval_cmd(home: str | None, out: Output, cases: str | None, model_name: str |
         out.hint(f"{r.id}: {'pass' if r.passed else 'fail: ' + r.reason}")
 
     async def go() -> Any:
-        async with ModelWorker(registry.settings(name)) as worker:
+        async with _local_runner(node_home, registry, name) as worker:
             model = llama_model(worker, {"grammar": not free_form, "temperature": 0.0, "max_tokens": 256,
                                          "ban_bytes": ban_bytes})
             return await evaluate(loaded, model, thinking=thinking,
@@ -1457,7 +1512,6 @@ def _eval_bfcl(home: str | None, out: Output, bfcl_dir: str, categories: tuple[s
         report = run_async(lambda: run_bfcl(loaded, ScriptedModel(oracle_reply(c) for c in loaded),
                                             thinking=thinking, on_result=progress))
     else:
-        from psymesh.agent.runtime import ModelWorker
         from psymesh.node.agents import pick_model
 
         node_home = NodeHome(home)
@@ -1466,7 +1520,7 @@ def _eval_bfcl(home: str | None, out: Output, bfcl_dir: str, categories: tuple[s
         name = pick_model(registry, model_name, None)
 
         async def go() -> Any:
-            async with ModelWorker(registry.settings(name)) as worker:
+            async with _local_runner(node_home, registry, name) as worker:
                 model = LlamaAgentModel(worker, generation_params(grammar=not free_form, ban_bytes=ban_bytes))
                 return await run_bfcl(loaded, model, thinking=thinking, on_result=progress)
 

@@ -289,6 +289,10 @@ class Client:
         """Paired peers that would take `operation` now, with their models and tools."""
         return (await self.request(c.OffersRequest(operation=operation), c.OffersReply)).offers
 
+    async def models_ps(self) -> list[c.LoadedModel]:
+        """This node's models and their runner processes (loaded or not, pid, memory, idle time)."""
+        return (await self.request(c.ModelsPsRequest(), c.ModelsPsReply)).models
+
     def task(self, task_id: str) -> TaskHandle:
         """A handle on a task this node delegated earlier (e.g. before a restart)."""
         return TaskHandle(self, c.TaskSubmitted(task_id=task_id, target="", target_name="", accepted=True))

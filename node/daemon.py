@@ -116,7 +116,8 @@ class Node:
                              gate=self.gate, audit=self.audit, trust=self.trust, sessions=self.sessions)
         self.pairing = PairingService(self.identity, self.config, self.p2p, self.trust, self.push_manifest,
                                       welcome=self.web.hand_key)
-        self.models = ModelPool(ModelRegistry(self.db))
+        self.models = ModelPool(ModelRegistry(self.db), keep_alive_s=self.config.models.keep_alive_for(self.config.profile),
+                                memory_limit_mb=self.config.models.memory_limit_mb, log_dir=home.logs_dir)
         self.web_router = WebRouter(self.config.web, self.identity.peer_id, self.trust, self.sessions,
                                     WebKeys(self.db))
         self.tools = node_tools(home, self.config)

@@ -52,7 +52,7 @@ _MAX_SOCKET_PATH = 100
 _STATE_FILES = ("config.toml", "config.tmp", "control.sock", "daemon.log", "mail.key",
                 "node.db", "node.db-wal", "node.db-shm", "node.db-journal",
                 "device.db", "device.db-wal", "device.db-shm", "device.db-journal")
-_STATE_TREES = ("models",)
+_STATE_TREES = ("models", "logs")
 
 
 def resolve_home(home: str | os.PathLike[str] | None = None) -> Path:
@@ -158,6 +158,29 @@ def _socket_runtime_dir() -> Path:
     return Path(tempfile.gettempdir()) / f"psymesh-{os.geteuid()}"
 
 
+class ModelsSettings(BaseModel):
+    """[models]: how this node's model runner processes live (node/models/runner.py).
+
+    `keep_alive_s`: how long a model stays loaded with nothing to do before its runner
+    exits and its memory goes back (None: the profile's default, 300 s on a home PC as
+    Ollama's, 60 s on a phone; negative: until the node stops). A model's own entry
+    (`model add --keep-alive`) wins. `memory_limit_mb`: the most address space a runner
+    may map (RLIMIT_AS); past it the runner dies and its request fails `model_crashed`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    keep_alive_s: float | None = None
+    memory_limit_mb: int | None = Field(default=None, ge=64)
+
+    def keep_alive_for(self, profile: Profile) -> float | None:
+        if self.keep_alive_s is None:
+            return PROFILE_KEEP_ALIVE_S[profile]
+        return None if self.keep_alive_s < 0 else self.keep_alive_s
+
+
+PROFILE_KEEP_ALIVE_S: dict[str, float] = {"home": 300.0, "phone": 60.0}
+
+
 class NodeConfig(BaseModel):
     """config.toml. Unknown keys are an error: a typo should not silently do nothing."""
 
@@ -200,6 +223,8 @@ class NodeConfig(BaseModel):
     # [web]: where this node's web queries go (a trusted exit, one or two hops); [web.exit]:
     # serving other peers' queries, with the exit's address and size policy (node/webexit.py).
     web: WebSettings = Field(default_factory=WebSettings)
+    # [models]: model runners' keep-alive and memory cap (ModelsSettings).
+    models: ModelsSettings = Field(default_factory=ModelsSettings)
 
 
 @dataclass(frozen=True)
@@ -265,6 +290,11 @@ class NodeHome:
     @property
     def models_dir(self) -> Path:
         return self.path / "models"
+
+    @property
+    def logs_dir(self) -> Path:
+        """Model runners' logs (what llama.cpp printed, its last words when it aborted)."""
+        return self.path / "logs"
 
     def exists(self) -> bool:
         return self.key_path.exists()

@@ -6,6 +6,7 @@ each returns one reply (or sends several itself and returns None, see ControlSer
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from contextlib import aclosing
@@ -73,9 +74,22 @@ class Owner:
             c.GroupListRequest: self._group_list,
             c.GroupSendRequest: self._group_send,
             c.WebQueryRequest: self._web,
+            c.ModelsPsRequest: self._models_ps,
         }
         for request_type, handler in routes.items():
             control.route(request_type, handler)
+
+    async def _models_ps(self, req: c.ModelsPsRequest, _: FramedStream) -> c.ModelsPsReply:
+        running = {s.name: s for s in self.node.models.ps()}
+        models = []
+        for name in self.node.models.registry.names():
+            s = running.get(name)
+            if s is None:
+                row = self.node.models.registry.get(name)
+                models.append(c.LoadedModel(name=name, path=row["path"], loaded=False, n_ctx=row["n_ctx"]))
+            else:
+                models.append(c.LoadedModel(**dataclasses.asdict(s)))
+        return c.ModelsPsReply(models=models)
 
     async def _status(self, req: c.StatusRequest, _: FramedStream) -> c.StatusReply:
         return c.StatusReply(
