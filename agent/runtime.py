@@ -351,6 +351,7 @@ class ModelWorker:
         checkpoint: str | None = None,
         think_budget: ThinkBudget | None = None,
         stop_after: StopAfter | None = None,
+        cancel: threading.Event | None = None,
     ) -> AsyncIterator[str | Completion]:
         """Text pieces as they are decoded, then one final :class:`Completion`.
 
@@ -359,7 +360,9 @@ class ModelWorker:
         generation prompt: the states there are saved on the way (see the module
         docstring). `grammar` is GBNF text (or a LlamaGrammar). `seed=None` draws a
         fresh seed. `stop` strings end the text before them; `stop_after` ends it after
-        a marker; `think_budget` caps a thought the prompt opened.
+        a marker; `think_budget` caps a thought the prompt opened. Setting `cancel` stops the
+        generation between tokens and still ends the stream with its Completion
+        (`finish_reason` "cancelled"), as a runner process needs to report it.
         """
         if max_tokens < 1:
             raise ValueError("max_tokens must be >= 1")
@@ -370,6 +373,7 @@ class ModelWorker:
             seed=llama_cpp.LLAMA_DEFAULT_SEED if seed is None else seed & 0xFFFFFFFF,
             logit_bias=tuple((int(t), float(b)) for t, b in (logit_bias or {}).items()),
             checkpoint=checkpoint or None, think_budget=think_budget, stop_after=stop_after,
+            cancel=cancel or threading.Event(),
         )
         return self._events(job)
 

@@ -177,6 +177,36 @@ async def agent_delegated_home(d: Demo) -> None:
               f"answer: {escape(result['answer'][:60])!r}...")
 
 
+async def model_crash_is_one_failed_request(d: Demo) -> None:
+    step("Models run in runner processes: a llama.cpp abort fails one request, never the node")
+    import os
+    import signal
+
+    async with d.phone.client() as phone, d.home.client() as home:
+        handle = await phone.delegate("home", infer="Count to a thousand.", model="tiny", max_tokens=3000,
+                                      params={"temperature": 0, "ban_bytes": True})
+        with anyio.fail_after(60):
+            while not (busy := [m for m in await home.models_ps() if m.loaded and m.pending]):
+                await anyio.sleep(0.05)
+        m = busy[0]
+        con.print(f"home: model {m.name} in runner pid {m.pid} ({(m.rss_bytes or 0) / 2**20:.0f} MiB, "
+                  f"keep-alive {m.keep_alive_s:g} s): killing it with SIGABRT, as a C++ exception in llama.cpp would")
+        os.kill(m.pid, signal.SIGABRT)
+        outcome = await handle.outcome()
+        con.print(f"phone: task {handle.id} {outcome.state.value}: [{outcome.code}] {escape(outcome.message)}")
+        reply = await phone.ping("home", count=3)
+        con.print(f"phone: home still answers: ping {reply.median_ms:.2f} ms")
+        again = await phone.delegate("home", infer="Hi", model="tiny", max_tokens=8,
+                                     params={"temperature": 0, "ban_bytes": True})
+        out = await again.result()
+        after = (await home.models_ps())[0]
+        con.print(f"phone: the next infer task ran on a fresh runner (pid {after.pid}): "
+                  f"{out['usage']['completion_tokens']} tokens")
+    proc = await anyio.run_process([sys.executable, "-m", "psymesh", "model", "ps", "--home", str(d.home.home)],
+                                   check=False)
+    con.print(proc.stdout.decode().rstrip())
+
+
 async def ping_both_ways(d: Demo) -> None:
     step("Ping each way over the encrypted channel (Noise + yamux)")
     for src, dst in ((d.phone, d.home), (d.home, d.phone)):
@@ -346,8 +376,8 @@ async def bfcl_oracle(d: Demo) -> None:
 
 STEPS: list[Callable[[Demo], Awaitable[None]]] = [
     start_nodes, pair_by_code, ping_both_ways, allowed_and_refused, delegate_tasks,
-    agent_on_the_phone, agent_delegated_home, exchange_letters, letter_to_a_sleeping_phone, ask_home,
-    web_through_home, doctor_and_reach, bfcl_oracle,
+    agent_on_the_phone, agent_delegated_home, model_crash_is_one_failed_request, exchange_letters,
+    letter_to_a_sleeping_phone, ask_home, web_through_home, doctor_and_reach, bfcl_oracle,
 ]
 
 

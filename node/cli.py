@@ -1272,13 +1272,15 @@ def model_ps(home: str | None, out: Output) -> None:
         if not models:
             con.print("no models; add one with: psymesh model add NAME PATH.gguf")
             return
-        table = Table("name", "state", "pid", "rss", "states", "context", "idle", "keep-alive", "served", "crashes")
+        table = Table("name", "state", "pid", "memory", "idle/keep", "served")
         for m in models:
             state = ("busy" if m.pending else "loaded") if m.loaded else "unloaded"
-            idle = "-" if m.idle_s is None else f"{m.idle_s:.0f} s"
-            keep = "forever" if m.keep_alive_s is None else f"{m.keep_alive_s:g} s"
-            table.add_row(m.name, state, str(m.pid or "-"), mib(m.rss_bytes), mib(m.state_cache_bytes),
-                          str(m.n_ctx), idle, keep, str(m.jobs_served), str(m.crashes))
+            if m.crashes:
+                state += f", {m.crashes} crash{'es' if m.crashes > 1 else ''}"
+            memory = f"{mib(m.rss_bytes)}, {mib(m.state_cache_bytes)} saved" if m.loaded else "-"
+            idle = "-" if m.idle_s is None else f"{m.idle_s:.0f}s"
+            keep = "forever" if m.keep_alive_s is None else f"{m.keep_alive_s:g}s"
+            table.add_row(m.name, state, str(m.pid or "-"), memory, f"{idle}/{keep}", str(m.jobs_served))
         con.print(table)
 
     out.data([m.model_dump() for m in models], human)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 from contextlib import aclosing
 from dataclasses import asdict
 from typing import TYPE_CHECKING
@@ -64,7 +65,7 @@ class _Runner:
         self.inp = inp
         self.channel = Channel(max_frame_size=MAX_RUNNER_FRAME)
         self.write_lock = trio.Lock()
-        self.jobs: dict[int, trio.CancelScope] = {}
+        self.jobs: dict[int, threading.Event] = {}  # cancel flags of the requests running
         self.idle = trio.Event()   # set while no request runs
         self.idle.set()
         self.woken = trio.Event()  # set when a request arrives
@@ -88,14 +89,14 @@ def _stats(worker: ModelWorker) -> RunnerStats:
     return RunnerStats(**asdict(worker.stats))
 
 
-async def _generate(r: _Runner, worker: ModelWorker, job: Generate) -> None:
+async def _generate(r: _Runner, worker: ModelWorker, job: Generate, cancel: threading.Event) -> None:
     stream = worker.stream(
         job.prompt, prefix=job.prefix, checkpoint=job.checkpoint, max_tokens=job.max_tokens, grammar=job.grammar,
         stop=job.stop, temperature=job.temperature, top_k=job.top_k, top_p=job.top_p, min_p=job.min_p,
         seed=job.seed, logit_bias=dict(job.logit_bias),
         think_budget=ThinkBudget(job.think_budget.tokens, job.think_budget.close) if job.think_budget else None,
         stop_after=StopAfter(job.stop_after.marker, job.stop_after.count, job.stop_after.after)
-        if job.stop_after else None)
+        if job.stop_after else None, cancel=cancel)
     async with aclosing(stream) as events:
         async for event in events:
             if isinstance(event, Completion):
@@ -108,19 +109,17 @@ async def _generate(r: _Runner, worker: ModelWorker, job: Generate) -> None:
 
 
 async def _serve(r: _Runner, worker: ModelWorker, job: Generate | Tokenize) -> None:
-    """One request, answered with exactly one final frame (done, tokens or failed)."""
-    scope = r.jobs[job.id]
+    """One request, answered with exactly one final frame (done, tokens or failed). A
+    cancel reaches the engine as its job's flag: it stops between tokens and still says
+    how the generation ended, so its counters are right when the node reads them."""
+    cancel = r.jobs[job.id]
     try:
-        with scope:
-            await r.send(Started(id=job.id))
-            if isinstance(job, Tokenize):
-                tokens = await worker.tokenize(job.text)
-                await r.send(Tokens(id=job.id, tokens=tuple(tokens), stats=_stats(worker)))
-            else:
-                await _generate(r, worker, job)
-        if scope.cancelled_caught:  # cancelled before the engine answered
-            await r.send(Done(id=job.id, text="", tokens=0, prompt_tokens=0, finish_reason="cancelled",
-                              stats=_stats(worker)))
+        await r.send(Started(id=job.id))
+        if isinstance(job, Tokenize):
+            tokens = await worker.tokenize(job.text)
+            await r.send(Tokens(id=job.id, tokens=tuple(tokens), stats=_stats(worker)))
+        else:
+            await _generate(r, worker, job, cancel)
     except PsymeshError as exc:
         await r.send(Failed(id=job.id, code=exc.code.value, message=exc.message,
                            details={k: v for k, v in exc.details.items() if isinstance(v, (int, float, str))}))
@@ -172,12 +171,12 @@ async def main() -> None:
                 nursery.start_soon(_leave_when_idle, r, settings.keep_alive_s, nursery.cancel_scope)
             while (msg := await r.receive()) is not None:  # None: the node closed our stdin (stopped or died)
                 if isinstance(msg, (Generate, Tokenize)):
-                    r.jobs[msg.id] = trio.CancelScope()
+                    r.jobs[msg.id] = threading.Event()
                     r.idle = trio.Event()
                     r.woken.set()
                     nursery.start_soon(_serve, r, worker, msg)
                 elif isinstance(msg, Cancel) and msg.id in r.jobs:
-                    r.jobs[msg.id].cancel()
+                    r.jobs[msg.id].set()
             nursery.cancel_scope.cancel()
     finally:
         with trio.CancelScope(shield=True):

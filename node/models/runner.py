@@ -142,7 +142,7 @@ class ModelRunner:
         self._log_path = log_path
         self._command = list(command or runner_command())
         self._clock = clock
-        self._turn = anyio.Lock()
+        self._turn = anyio.Semaphore(1)  # not a Lock: a stream may be opened in one task and closed in another
         self._queued = 0
         self._now: _Incarnation | None = None
         self._log: IO[bytes] | None = None
@@ -305,8 +305,6 @@ class ModelRunner:
                             if isinstance(msg, Started):
                                 continue
                             finished = True
-                            self._stats = WorkerStats(**msg.stats.model_dump()) if isinstance(msg, (Done, Tokens)) \
-                                else self._stats
                             self._succeeded()
                             if isinstance(msg, Failed):
                                 raise _engine_error(msg)
@@ -439,6 +437,8 @@ class ModelRunner:
             return None
         if isinstance(msg, RunnerBye):
             return await self._read(now)  # it goes idle: its end follows
+        if isinstance(msg, (Done, Tokens)):
+            self._stats = WorkerStats(**msg.stats.model_dump())
         return msg
 
     async def _drop(self, now: _Incarnation) -> None:
