@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 import signal
 import socket
@@ -372,7 +373,8 @@ async def test_the_example_client(tmp_path: Path, tiny_model: Path, monkeypatch:
     async with a2a_node(tmp_path, tiny_model, monkeypatch, [CALL, ANSWER, CALL, ANSWER]) as (node, model):
         with anyio.fail_after(120):
             done = await anyio.run_process([sys.executable, str(REPO / "examples" / "a2a_client.py"),
-                                            url_of(node).rstrip("/"), KEY, GOAL], check=False)
+                                            url_of(node).rstrip("/"), GOAL], check=False,
+                                           env={**os.environ, "A2A_API_KEY": KEY})
     assert done.returncode == 0, done.stderr.decode()
     lines = [json.loads(line) for line in done.stdout.decode().splitlines()]
     assert lines[0]["card"] == "home" and "agent" in lines[0]["skills"] and lines[0]["security"] == ["bearer"]
