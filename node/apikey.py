@@ -62,7 +62,11 @@ def load_api_key(settings: KeyedServe, home: NodeHome, environ: Mapping[str, str
     try:  # O_EXCL: of two processes enabling the face at once, one writes and both use its key
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     except FileExistsError:
-        return load_api_key(settings, home, environ)
+        try:
+            return _checked(_read(path, settings), str(path), settings)
+        except FileNotFoundError:  # there, yet not readable as a file: a symlink to nowhere
+            raise PsymeshError(f"[{settings.SECTION}] key file {path} is a link to nothing; remove it to have a "
+                               "key made", code=ErrorCode.BAD_REQUEST) from None
     except OSError as exc:
         raise os_error(exc, path) from None
     with os.fdopen(fd, "w") as f:

@@ -446,3 +446,17 @@ def test_a_key_comes_from_a_file_or_the_environment_never_the_command_line(tmp_p
     short = cli("serve", section, "--home", str(home), "--show-key", env={env: "short"})
     assert short.returncode == 1 and "at least 16" in error_lines(short.stderr)[0]
     assert "--api-key " not in cli("serve", section, "--help").stdout  # not offered any more
+
+
+def test_a_link_to_nothing_at_the_key_path_is_one_clear_error(tmp_path: Path) -> None:
+    """The key is made with O_EXCL|O_NOFOLLOW: never through a link, and a dangling one is
+    refused (it used to loop between 'missing' and 'exists')."""
+    from psymesh.node.apikey import load_api_key
+    from psymesh.node.bridgeconfig import OpenAIServe
+
+    home = NodeHome(tmp_path / "home")
+    home.init()
+    (home.path / "openai.key").symlink_to(tmp_path / "nowhere")
+    with pytest.raises(PsymeshError, match="a link to nothing; remove it"):
+        load_api_key(OpenAIServe(enabled=True), home, {})
+    assert not (tmp_path / "nowhere").exists()
