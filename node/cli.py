@@ -1385,11 +1385,13 @@ async def _agent_remote(home: str | None, out: Output, goal: str, to: str | None
 @command
 @click.argument("cases", required=False, type=click.Path(exists=True, dir_okay=False))
 @click.option("--model", "model_name", default=None, help="Registered model to evaluate.")
-@click.option("--bfcl", "bfcl_dir", type=click.Path(exists=True, file_okay=False),
-              help="Score BFCL v4 files from this directory (BFCL_v4_<category>.json, possible_answer/) with "
-                   "BFCL's own AST-checker rules, instead of a case file.")
+@click.option("--bfcl", "bfcl_dir", is_flag=False, flag_value="", default=None, metavar="[DIR]",
+              help="Score BFCL v4 (default: the installed bfcl-eval's data; or DIR, a folder in BFCL's layout) "
+                   "as BFCL scores it, instead of a case file.")
 @click.option("--category", "categories", multiple=True, metavar="NAME",
               help="With --bfcl: a category to score (repeatable; default: every supported one present).")
+@click.option("--score-dir", type=click.Path(file_okay=False), default=None,
+              help="With --bfcl: also write BFCL's score files (BFCL_v4_<category>_score.json, data_overall.csv).")
 @click.option("--limit", type=click.IntRange(min=1), default=None, help="With --bfcl: the first N cases of each "
                                                                          "category.")
 @click.option("--oracle", is_flag=True, help="With --bfcl: answer with the ground truth instead of a model, "
@@ -1398,19 +1400,20 @@ async def _agent_remote(home: str | None, out: Output, goal: str, to: str | None
 @click.option("--thinking", is_flag=True)
 @click.option("--ban-bytes", is_flag=True, hidden=True)
 def eval_cmd(home: str | None, out: Output, cases: str | None, model_name: str | None, bfcl_dir: str | None,
-             categories: tuple[str, ...], limit: int | None, oracle: bool, free_form: bool, thinking: bool,
-             ban_bytes: bool) -> None:
+             categories: tuple[str, ...], score_dir: str | None, limit: int | None, oracle: bool, free_form: bool,
+             thinking: bool, ban_bytes: bool) -> None:
     """Score a model on function-calling cases (JSONL), per category, BFCL-style; or, with
     --bfcl DIR, on BFCL v4's own files, as BFCL scores them."""
     if (cases is None) == (bfcl_dir is None):
-        raise PsymeshError("give a case file or --bfcl DIR (one of them)", code=ErrorCode.BAD_REQUEST)
-    if bfcl_dir is None and (categories or limit is not None or oracle):
-        raise PsymeshError("--category, --limit and --oracle go with --bfcl", code=ErrorCode.BAD_REQUEST)
+        raise PsymeshError("give a case file or --bfcl [DIR] (one of them)", code=ErrorCode.BAD_REQUEST)
+    if bfcl_dir is None and (categories or limit is not None or oracle or score_dir):
+        raise PsymeshError("--category, --limit, --oracle and --score-dir go with --bfcl", code=ErrorCode.BAD_REQUEST)
     if oracle == (model_name is not None):
         raise PsymeshError("give --model NAME, or --oracle (with --bfcl)" if not oracle
                            else "--oracle answers without a model: drop --model", code=ErrorCode.BAD_REQUEST)
     if bfcl_dir is not None:
-        return _eval_bfcl(home, out, bfcl_dir, categories, limit, model_name, free_form, thinking, ban_bytes)
+        return _eval_bfcl(home, out, bfcl_dir or None, categories, limit, model_name, free_form, thinking, ban_bytes,
+                          score_dir)
 
     from psymesh.agent.evaluation import evaluate, format_report, load_cases
     from psymesh.agent.runtime import ModelWorker
@@ -1439,14 +1442,24 @@ def eval_cmd(home: str | None, out: Output, cases: str | None, model_name: str |
     out.data(data, lambda con: con.print(format_report(report)))
 
 
-def _eval_bfcl(home: str | None, out: Output, bfcl_dir: str, categories: tuple[str, ...], limit: int | None,
-               model_name: str | None, free_form: bool, thinking: bool, ban_bytes: bool) -> None:
+def _eval_bfcl(home: str | None, out: Output, bfcl_dir: str | None, categories: tuple[str, ...], limit: int | None,
+               model_name: str | None, free_form: bool, thinking: bool, ban_bytes: bool,
+               score_dir: str | None) -> None:
     """`eval --bfcl`: BFCL's questions through our prompt, the model (or the oracle) and our
-    parser, scored by agent/bfcl.py's mirror of BFCL's AST checker."""
-    from psymesh.agent.bfcl import format_bfcl_report, generation_params, load_bfcl, oracle_reply, run_bfcl
-    from psymesh.agent.loop import LlamaAgentModel, ScriptedModel
+    parser, scored by agent/bfcl.py's mirror of BFCL's AST checker and, for multi-turn,
+    by BFCL's own multi_turn_checker."""
+    from psymesh.agent.bfcl import (
+        default_data_dir,
+        format_bfcl_report,
+        generation_params,
+        load_bfcl,
+        run_bfcl,
+        write_score_files,
+    )
+    from psymesh.agent.loop import LlamaAgentModel
 
-    loaded = load_bfcl(bfcl_dir, categories, limit=limit)
+    data_dir = Path(bfcl_dir) if bfcl_dir else default_data_dir()
+    loaded = load_bfcl(data_dir, categories, limit=limit)
 
     async def progress(r: Any) -> None:
         if model_name is not None or not r.passed:  # the oracle's passes are 1240 lines of noise
@@ -1454,8 +1467,7 @@ def _eval_bfcl(home: str | None, out: Output, bfcl_dir: str, categories: tuple[s
 
     if model_name is None:
         name = "oracle"
-        report = run_async(lambda: run_bfcl(loaded, ScriptedModel(oracle_reply(c) for c in loaded),
-                                            thinking=thinking, on_result=progress))
+        report = run_async(lambda: run_bfcl(loaded, None, thinking=thinking, on_result=progress))
     else:
         from psymesh.agent.runtime import ModelWorker
         from psymesh.node.agents import pick_model
@@ -1471,7 +1483,9 @@ def _eval_bfcl(home: str | None, out: Output, bfcl_dir: str, categories: tuple[s
                 return await run_bfcl(loaded, model, thinking=thinking, on_result=progress)
 
         report = run_async(go)
-    data = {"model": name, "bfcl_dir": str(Path(bfcl_dir).resolve()), "limit": limit, **report.data()}
+    data = {"model": name, "bfcl_dir": str(data_dir.resolve()), "limit": limit, **report.data()}
+    if score_dir is not None:
+        data["score_files"] = [str(p) for p in write_score_files(report, Path(score_dir), name)]
     out.data(data, lambda con: con.print(format_bfcl_report(report)))
 
 
