@@ -739,7 +739,76 @@ def oracle_reply(case: BfclCase) -> str:
     if case.expected is None:
         return "None of the functions I have can do that, so I will answer directly."
     specs = {t.name: t for t in case.tools}
-    return "\n".join(tool_call_text(e.name, _oracle_arguments(e, specs[e.name])) for e in case.expected)
+    if case.language == PYTHON:
+        return "\n".join(tool_call_text(e.name, _oracle_arguments(e, specs[e.name])) for e in case.expected)
+    checking = {t.name: t for t in case.check_tools}
+    return "\n".join(tool_call_text(e.name, _spelled_arguments(e, checking[e.name], case.language))
+                     for e in case.expected)
+
+
+def _literal(value: Any, language: str, quote: bool = True) -> str:
+    """One value inside a Java or JavaScript collection, as BFCL's parsers read it back."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return f'"{value}"' if quote else value
+    if isinstance(value, list):
+        return "[" + ", ".join(_literal(v, language, quote) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {_literal(v, language, quote)}" for k, v in value.items()) + "}"
+    return repr(value)
+
+
+def _spellings(value: Any, schema: Mapping[str, Any], language: str) -> list[str]:
+    """Ways a Java or JavaScript programmer writes `value` (a ground-truth value, already in
+    the form BFCL's type converter produces) as the string the model gives."""
+    if isinstance(value, str):
+        return [value, f'"{value}"']
+    if isinstance(value, bool):
+        return ["true" if value else "false"]
+    if isinstance(value, int):
+        return [str(value), f"{value}L", f"{value}n", f"{value}f", f"{value}.0"]
+    if isinstance(value, float):
+        return [repr(value), f"{value!r}f", str(int(value)) if value.is_integer() else repr(value)]
+    if isinstance(value, dict):
+        if language == JAVA:
+            puts = "".join(f'put("{k}", {_literal(v, language)}); ' for k, v in value.items())
+            return [f"new HashMap<String, Object>() {{{{ {puts}}}}}" if value else "new HashMap<>()"]
+        return [_literal(value, language), _literal(value, language, quote=False)]
+    if isinstance(value, list):
+        if language == JAVASCRIPT:
+            return [_literal(value, language), _literal(value, language, quote=False)]
+        kind = schema.get("items", {}).get("type", "Object") if isinstance(schema.get("items"), Mapping) else "Object"
+        quoted = ", ".join(_literal(v, language) for v in value)
+        raw = ", ".join(_literal(v, language, quote=False) for v in value)
+        longs = ", ".join(f"{v}L" if isinstance(v, int) and not isinstance(v, bool) else _literal(v, language)
+                          for v in value)
+        forms = [f"new ArrayList<>(Arrays.asList({j}))" for j in (quoted, longs, raw)] if value else \
+            ["new ArrayList<>()"]
+        forms += [f"new {kind}[]{{{j}}}" for j in (raw, quoted, longs)]
+        return forms
+    return [json.dumps(value)]
+
+
+def _spelled_arguments(expected: ExpectedCall, spec: ToolSpec, language: str) -> dict[str, Any]:
+    """The oracle's Java or JavaScript arguments: for each parameter, the first spelling
+    of its first acceptable value that BFCL's checker (ours, which agrees with it) reads
+    as that value."""
+    props = spec.parameters.get("properties", {})
+    required = set(spec.parameters.get("required", []))
+    args: dict[str, Any] = {}
+    for param, values in expected.arguments.items():
+        given = [v for v in values if v != OMITTABLE]
+        if param not in props or not given or (values[0] == OMITTABLE and param not in required):
+            continue
+        value = given[0]
+        if isinstance(value, Mapping):
+            value = _first_of_each(value)
+        spellings = _spellings(value, props[param], language)
+        args[param] = next((s for s in spellings
+                            if _check_value(spec.name, param, s, values, props[param], language) is None),
+                           spellings[0])
+    return args
 
 
 # --------------------------------------------------------------------------- running and reporting

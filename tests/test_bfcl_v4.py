@@ -44,16 +44,12 @@ from psymesh.agent.bfcl_multiturn import MultiTurnCase, run_multi_turn_case
 from psymesh.agent.chatformat import ToolCall, parse_reply, render_prompt
 from psymesh.agent.loop import ScriptedModel, tool_call_text
 
-# Ground truths no answer can pass under BFCL's own checker (each checked below with it):
-# a required parameter the ground truth leaves out, or a ground-truth parameter the function
-# does not declare.
+# Ground truths BFCL's own checker refuses (each checked below with it): in live, a required
+# parameter the ground truth leaves out, or a ground-truth parameter the function does not
+# declare (no answer can pass); in Java, an ArrayList of `any` whose truth holds 42 and true,
+# while BFCL's converter reads every `any` item as a string.
 UNSATISFIABLE = {"live_simple_106-63-0", "live_simple_112-68-0", "live_multiple_507-149-4",
-                 "live_multiple_862-181-3", "live_multiple_964-207-0"}
-# Java and JavaScript: BFCL's checker reads each value through its type converter from the
-# language's own syntax ("42L", "new ArrayList<>(Arrays.asList(...))"); our oracle writes the
-# ground truth's (already converted) values instead, so it does not yet pass these. The
-# verdict cross-check below covers the categories all the same.
-ORACLE_LANGUAGES_NOT_WRITTEN = {"simple_java", "simple_javascript"}
+                 "live_multiple_862-181-3", "live_multiple_964-207-0", "simple_java_36", "simple_java_65"}
 
 
 @pytest.fixture(scope="module")
@@ -91,8 +87,6 @@ async def test_the_oracle_scores_100_percent(all_cases: dict[str, list[Any]], ca
     cases = all_cases[category]
     report = await run_bfcl(cases, None)
     failed = {r.id for r in report.results if not r.passed}
-    if category in ORACLE_LANGUAGES_NOT_WRITTEN:
-        pytest.xfail(f"{len(failed)} of {len(cases)}: the oracle does not write {category}'s syntax yet")
     assert failed == {c.id for c in cases if c.id in UNSATISFIABLE}
     score = report.categories[category]
     assert score.cases == len(cases) and score.correct == len(cases) - len(failed)
@@ -102,15 +96,19 @@ def test_what_the_oracle_fails_bfcl_s_own_checker_refuses(all_cases: dict[str, l
                                                           bfcl_ast_checker: Any) -> None:
     checker, language = bfcl_ast_checker
     raw = _raw_entries()
-    for category in ("live_simple", "live_multiple"):
+    languages = {JAVA: language.JAVA, JAVASCRIPT: language.JAVASCRIPT}
+    seen = set()
+    for category in AST_CATEGORIES:
         for case in all_cases[category]:
             if case.id not in UNSATISFIABLE:
                 continue
+            seen.add(case.id)
             calls = list(parse_reply(oracle_reply(case), case.tools).tool_calls)
-            ours = check_calls(calls, case.expected, case.tools) is None
-            theirs = checker(raw[case.id], _bfcl_output(calls), _bfcl_answer(case), language.PYTHON, category,
-                             "psymesh")["valid"]
+            ours = check_calls(calls, case.expected, case.check_tools, case.language) is None
+            theirs = checker(raw[case.id], _bfcl_output(calls), _bfcl_answer(case),
+                             languages.get(case.language, language.PYTHON), category, "psymesh")["valid"]
             assert (ours, theirs) == (False, False), case.id
+    assert seen == UNSATISFIABLE
 
 
 # --------------------------------------------------------------------------- the verdict cross-check
