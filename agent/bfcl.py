@@ -988,6 +988,26 @@ def format_bfcl_report(report: BfclReport) -> str:
     return "\n".join(lines) + "\n"
 
 
+def run_spread(reports: Sequence[BfclReport]) -> dict[str, dict[str, float]]:
+    """Min / median / max over runs, per category and per BFCL summary (--runs N)."""
+    from statistics import median
+
+    def spread(xs: list[float]) -> dict[str, float]:
+        return {"min": min(xs), "median": median(xs), "max": max(xs)}
+
+    return {**{c: spread([r.categories[c].accuracy for r in reports if c in r.categories])
+               for c in reports[0].categories},
+            **{f"summary: {k}": spread([r.summaries()[k].accuracy for r in reports]) for k in reports[0].summaries()}}
+
+
+def format_run_spread(reports: Sequence[BfclReport]) -> str:
+    spread = run_spread(reports)
+    width = max(len(k) for k in spread)
+    lines = [f"\nover {len(reports)} runs (seeds 0..{len(reports) - 1}):", f"{'':<{width}}     min  median     max"]
+    lines += [f"{k:<{width}}  {v['min']:>6.1%}  {v['median']:>6.1%}  {v['max']:>6.1%}" for k, v in spread.items()]
+    return "\n".join(lines) + "\n"
+
+
 def write_score_files(report: BfclReport, directory: Path, model_name: str) -> list[Path]:
     """BFCL's score files and a data_overall.csv-like summary line, in `directory`."""
     directory.mkdir(parents=True, exist_ok=True)

@@ -1392,6 +1392,12 @@ async def _agent_remote(home: str | None, out: Output, goal: str, to: str | None
               help="With --bfcl: a category to score (repeatable; default: every supported one present).")
 @click.option("--score-dir", type=click.Path(file_okay=False), default=None,
               help="With --bfcl: also write BFCL's score files (BFCL_v4_<category>_score.json, data_overall.csv).")
+@click.option("--via", "via", default=None, metavar="PEER",
+              help="With --bfcl: ask --model on this paired node (delegated infer tasks) instead of loading it here.")
+@click.option("--runs", type=click.IntRange(min=1), default=1,
+              help="With --bfcl: run N times, seeds 0..N-1, and report min/median/max per category.")
+@click.option("--temperature", type=click.FloatRange(min=0), default=0.0,
+              help="With --bfcl: sampling temperature (0: greedy, when --runs gives N identical runs).")
 @click.option("--limit", type=click.IntRange(min=1), default=None, help="With --bfcl: the first N cases of each "
                                                                          "category.")
 @click.option("--oracle", is_flag=True, help="With --bfcl: answer with the ground truth instead of a model, "
@@ -1400,20 +1406,21 @@ async def _agent_remote(home: str | None, out: Output, goal: str, to: str | None
 @click.option("--thinking", is_flag=True)
 @click.option("--ban-bytes", is_flag=True, hidden=True)
 def eval_cmd(home: str | None, out: Output, cases: str | None, model_name: str | None, bfcl_dir: str | None,
-             categories: tuple[str, ...], score_dir: str | None, limit: int | None, oracle: bool, free_form: bool,
-             thinking: bool, ban_bytes: bool) -> None:
+             categories: tuple[str, ...], score_dir: str | None, via: str | None, runs: int, temperature: float,
+             limit: int | None, oracle: bool, free_form: bool, thinking: bool, ban_bytes: bool) -> None:
     """Score a model on function-calling cases (JSONL), per category, BFCL-style; or, with
     --bfcl DIR, on BFCL v4's own files, as BFCL scores them."""
     if (cases is None) == (bfcl_dir is None):
         raise PsymeshError("give a case file or --bfcl [DIR] (one of them)", code=ErrorCode.BAD_REQUEST)
-    if bfcl_dir is None and (categories or limit is not None or oracle or score_dir):
-        raise PsymeshError("--category, --limit, --oracle and --score-dir go with --bfcl", code=ErrorCode.BAD_REQUEST)
+    if bfcl_dir is None and (categories or limit is not None or oracle or score_dir or via or runs > 1 or temperature):
+        raise PsymeshError("--category, --limit, --oracle, --score-dir, --via, --runs and --temperature go with --bfcl",
+                           code=ErrorCode.BAD_REQUEST)
     if oracle == (model_name is not None):
         raise PsymeshError("give --model NAME, or --oracle (with --bfcl)" if not oracle
                            else "--oracle answers without a model: drop --model", code=ErrorCode.BAD_REQUEST)
     if bfcl_dir is not None:
         return _eval_bfcl(home, out, bfcl_dir or None, categories, limit, model_name, free_form, thinking, ban_bytes,
-                          score_dir)
+                          score_dir, via, runs, temperature)
 
     from psymesh.agent.evaluation import evaluate, format_report, load_cases
     from psymesh.agent.runtime import ModelWorker
@@ -1444,16 +1451,18 @@ def eval_cmd(home: str | None, out: Output, cases: str | None, model_name: str |
 
 def _eval_bfcl(home: str | None, out: Output, bfcl_dir: str | None, categories: tuple[str, ...], limit: int | None,
                model_name: str | None, free_form: bool, thinking: bool, ban_bytes: bool,
-               score_dir: str | None) -> None:
+               score_dir: str | None, via: str | None = None, runs: int = 1, temperature: float = 0.0) -> None:
     """`eval --bfcl`: BFCL's questions through our prompt, the model (or the oracle) and our
     parser, scored by agent/bfcl.py's mirror of BFCL's AST checker and, for multi-turn,
     by BFCL's own multi_turn_checker."""
     from psymesh.agent.bfcl import (
         default_data_dir,
         format_bfcl_report,
+        format_run_spread,
         generation_params,
         load_bfcl,
         run_bfcl,
+        run_spread,
         write_score_files,
     )
     from psymesh.agent.loop import LlamaAgentModel
@@ -1465,9 +1474,25 @@ def _eval_bfcl(home: str | None, out: Output, bfcl_dir: str | None, categories: 
         if model_name is not None or not r.passed:  # the oracle's passes are 1240 lines of noise
             out.hint(f"{r.id}: {'pass' if r.passed else 'fail: ' + r.reason}")
 
+    def params(seed: int) -> Any:
+        return generation_params(grammar=not free_form, ban_bytes=ban_bytes).model_copy(
+            update={"temperature": temperature, "seed": seed})
+
     if model_name is None:
         name = "oracle"
-        report = run_async(lambda: run_bfcl(loaded, None, thinking=thinking, on_result=progress))
+        reports = [run_async(lambda: run_bfcl(loaded, None, thinking=thinking, on_result=progress))
+                   for _ in range(runs)]
+    elif via is not None:
+        from psymesh.node.delegated_model import DelegatedModel
+
+        name = model_name
+
+        async def remote() -> list[Any]:
+            async with Client(home) as client:
+                return [await run_bfcl(loaded, DelegatedModel(client, via, model_name, params(seed)),
+                                       thinking=thinking, on_result=progress) for seed in range(runs)]
+
+        reports = run_async(remote)
     else:
         from psymesh.agent.runtime import ModelWorker
         from psymesh.node.agents import pick_model
@@ -1479,14 +1504,19 @@ def _eval_bfcl(home: str | None, out: Output, bfcl_dir: str | None, categories: 
 
         async def go() -> Any:
             async with ModelWorker(registry.settings(name)) as worker:
-                model = LlamaAgentModel(worker, generation_params(grammar=not free_form, ban_bytes=ban_bytes))
-                return await run_bfcl(loaded, model, thinking=thinking, on_result=progress)
+                return [await run_bfcl(loaded, LlamaAgentModel(worker, params(seed)), thinking=thinking,
+                                       on_result=progress) for seed in range(runs)]
 
-        report = run_async(go)
-    data = {"model": name, "bfcl_dir": str(data_dir.resolve()), "limit": limit, **report.data()}
+        reports = run_async(go)
+    report = reports[0]
+    data = {"model": name, "bfcl_dir": str(data_dir.resolve()), "limit": limit, "via": via, **report.data()}
+    if runs > 1:
+        data["runs"] = [{"seed": i, **r.data()} for i, r in enumerate(reports)]
+        data["spread"] = run_spread(reports)
     if score_dir is not None:
         data["score_files"] = [str(p) for p in write_score_files(report, Path(score_dir), name)]
-    out.data(data, lambda con: con.print(format_bfcl_report(report)))
+    out.data(data, lambda con: con.print(format_bfcl_report(report)
+                                         + (format_run_spread(reports) if runs > 1 else "")))
 
 
 if __name__ == "__main__":

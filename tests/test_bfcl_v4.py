@@ -293,3 +293,34 @@ def test_summaries_follow_bfcl_s_leaderboard() -> None:
 
 def test_expected_call_keeps_bfcl_s_shape() -> None:
     assert ExpectedCall(name="f", arguments={"x": [1, ""]}).arguments == {"x": [1, ""]}
+
+
+# --------------------------------------------------------------------------- run where the model is
+
+
+@pytest.mark.anyio
+async def test_eval_via_a_paired_home_gives_the_local_scores(tmp_path: Any, tiny_model: Any) -> None:
+    """`eval --via home`: each reply is a delegated infer task on home's model; greedy, under
+    the same tool grammar, the replies and so the scores are those of the model run here."""
+    from conftest import pair, run_nodes
+
+    from psymesh.agent.bfcl import generation_params
+    from psymesh.agent.loop import LlamaAgentModel
+    from psymesh.node.client import Client
+    from psymesh.node.delegated_model import DelegatedModel
+
+    cases = [*load_bfcl(None, ["parallel", "irrelevance", "live_simple"], limit=1),
+             *load_bfcl(None, ["multi_turn_base"], limit=1)]
+    params = generation_params(grammar=True, ban_bytes=True).model_copy(update={"max_tokens": 40})
+    async with run_nodes(tmp_path, "home", "phone", profiles={"phone": "phone"}) as nodes:
+        await pair(nodes["home"].home.path, nodes["phone"].home.path, grant="phone")
+        async with Client(nodes["home"].home.path) as home:
+            await home.grant("phone", ["task.infer"])
+        nodes["home"].models.registry.add("tiny", tiny_model, n_ctx=32768, n_threads=1)
+        async with Client(nodes["phone"].home.path) as phone:
+            remote = await run_bfcl(cases, DelegatedModel(phone, "home", "tiny", params, timeout=120))
+        local = await run_bfcl(cases, LlamaAgentModel(await nodes["home"].models.get("tiny"), params))
+    assert not [r for r in remote.results if r.kind == "model_error"], [r.reason for r in remote.results]
+    assert [(r.id, r.passed, r.kind, r.reply) for r in remote.results] == \
+        [(r.id, r.passed, r.kind, r.reply) for r in local.results]
+    assert remote.data()["categories"] == local.data()["categories"]
