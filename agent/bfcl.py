@@ -1,21 +1,40 @@
-"""BFCL v4 single-turn categories, scored with the Berkeley Function Calling Leaderboard's own rules.
+"""BFCL v4, scored with the Berkeley Function Calling Leaderboard's own rules and, where it
+imports cleanly, its own code.
 
-Tether reports BotPsy-0.8B's quality as BFCL v4 scores; a user with the weights can only
-check or compare those numbers by running BFCL's files through BFCL's checker. This
-module does that for the five single-turn categories whose files BFCL ships for Python
-(``simple_python``, ``multiple``, ``parallel``, ``parallel_multiple``, ``irrelevance``),
-unchanged, one JSON object a line, the ground truth in ``possible_answer/``.
+Tether reports BotPsy-0.8B's quality as BFCL v4 scores (overall 44.0, multi-turn 46.1,
+hallucination 86.1); a user with the weights can only check those numbers by running
+BFCL's data through BFCL's checkers. The data is the installed ``bfcl-eval`` package's
+(``bfcl_eval/data``; pinned, installed ``--no-deps`` by scripts/bootstrap.sh), or any
+folder in BFCL's layout. What runs:
 
-A case takes the path any model turn takes here: the question becomes ChatMessages, the
-function docs ToolSpecs (converted as BFCL's ``convert_to_tool`` converts them for
-OpenAI-style and OSS models, plus the "Python 3 syntax" hint BFCL adds to every Python
-doc), the prompt is rendered with the chat template, the model's reply text is parsed
-with ``chatformat.parse_reply``, and the calls are checked. ``oracle_reply`` writes the
-first acceptable ground-truth answer as a model would write it, so the harness itself can
-be shown to lose no correct answer.
+* AST: simple_python / java / javascript, multiple, parallel, parallel_multiple,
+  live_simple, live_multiple, live_parallel, live_parallel_multiple;
+* irrelevance and live_irrelevance (right: no call), live_relevance (right: some call);
+* multi-turn base / miss_func / miss_param / long_context (:mod:`.bfcl_multiturn`:
+  through the agent loop, on bfcl-eval's backends, judged by its ``multi_turn_checker``).
 
-The checker mirrors ``bfcl_eval/eval_checker/ast_eval/ast_checker.py`` (gorilla commit
-6ea5797, the one the data comes from) for Python, rule for rule, quirks included:
+Not run (:data:`NOT_RUN` says why; BFCL's summaries count them 0, as BFCL does): memory
+(its backends import ``overrides`` and ``rank_bm25``, not installed), web search, and
+format sensitivity.
+
+What is bfcl-eval's own code here: the multi-turn backends, executor and checker, and the
+Java/JavaScript type converters (all import only the standard library and mpmath; see
+:func:`bfcl_module`). Not its AST checker: ``ast_checker.py`` imports
+``constants/model_config.py``, which imports every vendor's model handler (openai,
+anthropic, ...) for one flag. That checker is mirrored here, and
+tests/test_bfcl_v4.py runs both on every case of every AST category, for the ground
+truth and perturbations of it (32,014 verdicts), and requires agreement.
+
+A single-turn case takes the path any model turn takes here: the question becomes
+ChatMessages, the function docs ToolSpecs (converted as BFCL's ``convert_to_tool``
+converts them, plus BFCL's language hint; Java and JavaScript parameters become strings
+"in string representation", as BFCL's ``_func_doc_language_specific_pre_processing``
+makes them), the prompt is rendered with the chat template, the reply is parsed with
+``chatformat.parse_reply``, and the calls are checked. ``oracle_reply`` writes the first
+acceptable ground-truth answer as a model would write it (Java and JavaScript values in
+those languages' syntax), so the harness itself can be shown to lose no correct answer.
+
+The mirrored checker, rule for rule, quirks included:
 
 * the function name must match exactly; every required parameter must be given; a given
   parameter must be declared and listed in the ground truth; a ground-truth parameter may
@@ -24,7 +43,8 @@ The checker mirrors ``bfcl_eval/eval_checker/ast_eval/ast_checker.py`` (gorilla 
   accepted for a float (``number``) parameter, never a float for an int; arrays check their
   items' type one level deep; a value of the ground truth's own type is accepted when that
   differs from the declared one (BFCL's "variable" case, e.g. ``"data['sales']"`` for an
-  array), and is then compared as is;
+  array), and is then compared as is; Java and JavaScript values must be strings, read
+  by bfcl-eval's own converter into the declared type;
 * strings compare after BFCL's ``standardize_string``: spaces and ``,./-_*^`` removed,
   lower case, ``'`` read as ``"``; the same for string items of lists and string values
   of dicts (one level: BFCL's dict checker does not recurse);
@@ -32,21 +52,27 @@ The checker mirrors ``bfcl_eval/eval_checker/ast_eval/ast_checker.py`` (gorilla 
   unless ``""`` is among its values; lists of dicts compare item by item, in order;
 * several calls match in any order, greedily as BFCL does: each expected call, in
   ground-truth order, takes the first unmatched call that satisfies it. The simple and
-  multiple checkers reduce to this for their one expected call;
+  multiple checkers reduce to this for their one expected call (verdicts agree; the
+  error_type of a wrong count is the parallel checker's name for all three);
 * irrelevance: right when the reply holds no well-formed call at all, to any function,
   offered or not (BFCL: the decoder finds no call); text, or a call too broken to parse,
-  is right.
+  is right. Relevance the other way round.
 
 Where ours differs, it says so: our case format's schemas may lack a declared type, and
 such a parameter is typed by its ground truth's values (BFCL's data always declares one);
-and a reply with a call that does not parse at all scores wrong in the AST categories,
-where BFCL's Qwen handler would drop such a block and judge the remaining calls.
+a reply with a call that does not parse at all scores wrong in the AST categories, where
+BFCL's Qwen handler would drop such a block and judge the remaining calls; and the XML
+call form writes ``true`` alike for the string "true" and the boolean, so a reply passes
+if it does with its string parameters read either way (a JSON-writing model is read
+unambiguously by BFCL). Seven ground truths fail BFCL's own checker (five in live: a
+required parameter left out, or an undeclared one given; two in Java: an ArrayList of
+``any`` whose truth holds 42 and true, which BFCL's converter reads as strings), so no
+oracle passes them; the tests show it with BFCL's checker.
 
-Scores are per category (correct / cases) and, as BFCL's ``eval_runner_helper`` computes
-its "Non-Live AST" summary, the unweighted mean of the AST categories' accuracies. BFCL's
-own ``simple`` averages Python, Java and JavaScript; only Python is scored here, and
-irrelevance is reported on its own, as BFCL does. BFCL's overall score (44.0 for
-BotPsy-0.8B) also weighs live, multi-turn and agentic categories that are not here.
+Scores are per category (correct / cases) and BFCL's summaries as its
+``generate_leaderboard_csv`` computes them (:meth:`BfclReport.summaries`), with the v4
+overall weighing non-live, live, irrelevance, multi-turn and agentic 10/10/10/30/40;
+:func:`write_score_files` writes BFCL's score-file format.
 """
 from __future__ import annotations
 
@@ -711,18 +737,23 @@ def _first_of_each(values: Mapping[str, Any]) -> dict[str, Any]:
     return {k: v[0] for k, v in values.items() if isinstance(v, list) and v and v[0] != OMITTABLE}
 
 
-def _oracle_arguments(expected: ExpectedCall, spec: ToolSpec) -> dict[str, Any]:
-    """The first acceptable value of each parameter: left out where BFCL allows that and
-    the ground truth lists "" first (always, for a parameter the function does not
-    declare), else the first value that is not ""."""
+def _first_acceptable(expected: ExpectedCall, spec: ToolSpec) -> Iterable[tuple[str, Any, list[Any], Any]]:
+    """(parameter, its first acceptable value, all its values, its schema) for each
+    parameter the oracle gives: left out where BFCL allows that and the ground truth lists
+    "" first (always, for a parameter the function does not declare)."""
     props = spec.parameters.get("properties", {})
     required = set(spec.parameters.get("required", []))
-    args: dict[str, Any] = {}
     for param, values in expected.arguments.items():
         given = [v for v in values if v != OMITTABLE]
         if param not in props or not given or (values[0] == OMITTABLE and param not in required):
             continue
-        value, schema = given[0], props[param]
+        yield param, given[0], values, props[param]
+
+
+def _oracle_arguments(expected: ExpectedCall, spec: ToolSpec) -> dict[str, Any]:
+    """The first acceptable value of each parameter (see _first_acceptable)."""
+    args: dict[str, Any] = {}
+    for param, value, _values, schema in _first_acceptable(expected, spec):
         if _declared_type(schema) is dict and isinstance(value, Mapping):
             value = _first_of_each(value)
         elif _declared_type(schema) is list and _declared_type(schema.get("items")) is dict and isinstance(value, list):
@@ -794,20 +825,13 @@ def _spelled_arguments(expected: ExpectedCall, spec: ToolSpec, language: str) ->
     """The oracle's Java or JavaScript arguments: for each parameter, the first spelling
     of its first acceptable value that BFCL's checker (ours, which agrees with it) reads
     as that value."""
-    props = spec.parameters.get("properties", {})
-    required = set(spec.parameters.get("required", []))
     args: dict[str, Any] = {}
-    for param, values in expected.arguments.items():
-        given = [v for v in values if v != OMITTABLE]
-        if param not in props or not given or (values[0] == OMITTABLE and param not in required):
-            continue
-        value = given[0]
+    for param, value, values, schema in _first_acceptable(expected, spec):
         if isinstance(value, Mapping):
             value = _first_of_each(value)
-        spellings = _spellings(value, props[param], language)
+        spellings = _spellings(value, schema, language)
         args[param] = next((s for s in spellings
-                            if _check_value(spec.name, param, s, values, props[param], language) is None),
-                           spellings[0])
+                            if _check_value(spec.name, param, s, values, schema, language) is None), spellings[0])
     return args
 
 

@@ -411,7 +411,8 @@ def test_eval_bfcl_oracle_json(bfcl_dir: Path, tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(("args", "message"), [
     (["--oracle"], "give a case file or --bfcl [DIR]"),
-    (["examples/eval_cases.jsonl", "--oracle"], "--category, --limit, --oracle, --score-dir, --via, --runs and --temperature go with --bfcl"),
+    (["examples/eval_cases.jsonl", "--oracle"],
+     "--category, --limit, --oracle, --score-dir, --via, --runs and --temperature go with --bfcl"),
     (["--bfcl", "."], "give --model NAME, or --oracle"),
     (["--bfcl", ".", "--oracle", "--category", "memory_kv"], "unsupported BFCL categories"),
 ])

@@ -62,7 +62,8 @@ def bfcl_ast_checker() -> Any:
     """bfcl-eval's own ast_checker, with constants/model_config.py stood in for (see the docstring)."""
     name = "bfcl_eval.constants.model_config"
     stand_in = types.ModuleType(name)
-    stand_in.MODEL_CONFIG_MAPPING = {"psymesh": types.SimpleNamespace(underscore_to_dot=False)}  # type: ignore[attr-defined]
+    table = {"psymesh": types.SimpleNamespace(underscore_to_dot=False)}  # we keep dots in function names
+    stand_in.MODEL_CONFIG_MAPPING = table  # type: ignore[attr-defined]
     saved = sys.modules.get(name)
     sys.modules[name] = stand_in
     try:
