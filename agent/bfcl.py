@@ -11,14 +11,16 @@ folder in BFCL's layout. What runs:
   live_simple, live_multiple, live_parallel, live_parallel_multiple;
 * irrelevance and live_irrelevance (right: no call), live_relevance (right: some call);
 * multi-turn base / miss_func / miss_param / long_context (:mod:`.bfcl_multiturn`:
-  through the agent loop, on bfcl-eval's backends, judged by its ``multi_turn_checker``).
+  through the agent loop, on bfcl-eval's backends, judged by its ``multi_turn_checker``);
+* memory_kv and memory_rec_sum (the same loop on bfcl-eval's memory backends, after each
+  scenario's prerequisite conversations; judged by its ``agentic_checker``).
 
-Not run (:data:`NOT_RUN` says why; BFCL's summaries count them 0, as BFCL does): memory
-(its backends import ``overrides`` and ``rank_bm25``, not installed), web search, and
-format sensitivity.
+Not run (:data:`NOT_RUN` says why; BFCL's summaries count them 0, as BFCL does):
+memory_vector, web search, and format sensitivity.
 
-What is bfcl-eval's own code here: the multi-turn backends, executor and checker, and the
-Java/JavaScript type converters (all import only the standard library and mpmath; see
+What is bfcl-eval's own code here: the multi-turn and memory backends, executor, loader
+(memory) and checkers, and the Java/JavaScript type converters (they import only the
+standard library, mpmath, and for memory overrides, rank-bm25 and filelock; see
 :func:`bfcl_module`). Not its AST checker: ``ast_checker.py`` imports
 ``constants/model_config.py``, which imports every vendor's model handler (openai,
 anthropic, ...) for one flag. That checker is mirrored here, and
@@ -79,6 +81,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
+import tempfile
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -130,13 +133,11 @@ RELEVANCE_CATEGORIES = ("live_relevance",)                  # right: at least on
 SINGLE_TURN_CATEGORIES = (*AST_CATEGORIES, *IRRELEVANCE_CATEGORIES, *RELEVANCE_CATEGORIES)
 MULTI_TURN_CATEGORIES = ("multi_turn_base", "multi_turn_miss_func", "multi_turn_miss_param",
                          "multi_turn_long_context")
-CATEGORIES = (*SINGLE_TURN_CATEGORIES, *MULTI_TURN_CATEGORIES)
+MEMORY_CATEGORIES = ("memory_kv", "memory_rec_sum")  # memory_vector needs sentence-transformers and faiss
+CATEGORIES = (*SINGLE_TURN_CATEGORIES, *MULTI_TURN_CATEGORIES, *MEMORY_CATEGORIES)
 # BFCL v4 categories this harness does not run, and why (the report names them).
 NOT_RUN = {
-    "memory_kv": "needs bfcl-eval's memory backends, which import overrides, filelock and rank_bm25 "
-                 "(not installed: bfcl-eval goes in --no-deps), and BFCL's prerequisite conversations",
-    "memory_rec_sum": "as memory_kv (overrides, filelock)",
-    "memory_vector": "needs sentence-transformers and faiss",
+    "memory_vector": "its backend needs sentence-transformers and faiss (and a model download)",
     "web_search_base": "needs a web route and an answer-matching run: not built",
     "web_search_no_snippet": "as web_search_base",
     "format_sensitivity": "re-asks the non-live cases in BFCL's prompting formats; our models are asked "
@@ -554,7 +555,8 @@ def default_data_dir() -> Path:
 
 def present_categories(directory: str | Path) -> list[str]:
     """The supported categories whose question file is in `directory`."""
-    return [c for c in CATEGORIES if (Path(directory) / f"{FILE_PREFIX}{c}.json").is_file()]
+    return [c for c in CATEGORIES
+            if (Path(directory) / f"{FILE_PREFIX}{'memory' if c in MEMORY_CATEGORIES else c}.json").is_file()]
 
 
 def _json_lines(path: Path, limit: int | None) -> list[tuple[str, dict[str, Any]]]:
@@ -633,15 +635,17 @@ def load_bfcl(directory: str | Path | None = None, categories: Sequence[str] = (
         raise BfclDataError(f"{directory} is not a directory", code=ErrorCode.NOT_FOUND)
     unknown = [c for c in categories if c not in CATEGORIES]
     if unknown:
-        raise BfclDataError(f"unsupported BFCL categories {unknown}; supported: {', '.join(CATEGORIES)}")
+        why = "".join(f"; {c} is not run: {NOT_RUN[c]}" for c in unknown if c in NOT_RUN)
+        raise BfclDataError(f"unsupported BFCL categories {unknown}{why}; supported: {', '.join(CATEGORIES)}")
     chosen = list(dict.fromkeys(categories)) or present_categories(directory)
     if not chosen:
         raise BfclDataError(f"{directory} holds none of the BFCL files {FILE_PREFIX}<category>.json "
                             f"for {', '.join(CATEGORIES)}", code=ErrorCode.NOT_FOUND)
-    from psymesh.agent.bfcl_multiturn import load_multi_turn
+    from psymesh.agent.bfcl_multiturn import load_memory, load_multi_turn
 
     return [case for c in chosen
             for case in (load_multi_turn(directory, c, limit) if c in MULTI_TURN_CATEGORIES
+                         else load_memory(c, limit) if c in MEMORY_CATEGORIES
                          else _load_category(directory, c, limit))]
 
 
@@ -974,13 +978,22 @@ async def run_bfcl(
     """Ask `model` each case in turn and score its reply (a multi-turn case: its whole
     conversation). `model` None is the oracle: each case answered with its ground truth,
     written as a model writes calls. A model error fails that case only."""
+    with tempfile.TemporaryDirectory(prefix="psymesh-bfcl-") as workdir:  # a run's memory snapshots
+        return await _run(cases, model, thinking, on_result, Path(workdir))
+
+
+async def _run(cases: Iterable[BfclCase | MultiTurnCase], model: AgentModel | None, thinking: bool,
+               on_result: Callable[[BfclResult], Awaitable[None]] | None, workdir: Path) -> BfclReport:
     from psymesh.agent.bfcl_multiturn import MultiTurnCase, oracle_model, run_multi_turn_case
 
     results = []
     for case in cases:
         if isinstance(case, MultiTurnCase):
-            result = await run_multi_turn_case(case, oracle_model(case) if model is None else model,
-                                               thinking=thinking)
+            turn_result = await run_multi_turn_case(case, oracle_model(case) if model is None else model,
+                                                    thinking=thinking, workdir=workdir)
+            if turn_result is None:  # a memory prerequisite: not scored
+                continue
+            result = turn_result
             results.append(result)
             if on_result is not None:
                 await on_result(result)

@@ -19,15 +19,23 @@ from ``initial_config``). It runs as BFCL's ``inference_multi_turn_FC`` runs it:
   empty, the backend state must equal the ground truth's, and every result the ground
   truth's calls returned must be among the model's.
 
-What is BFCL's here and what is ours: the backends, the executor and the checker are
-bfcl-eval's own modules (they import only the standard library and mpmath, so they load
-with the package installed ``--no-deps``). Ours are the prompt (the model's chat
+What is BFCL's here and what is ours: the backends, the executor and the checkers are
+bfcl-eval's own modules (they import only the standard library and mpmath, and the
+memory ones overrides, rank-bm25 and filelock, so they load with the package installed
+``--no-deps``). Ours are the prompt (the model's chat
 template, as for every model here), the reply parser, and one guard: BFCL ``eval``s the
 call strings it decodes, so a model could run any Python builtin (``open(...)``) that way.
 Here a call is executed only if its name is a public method of one of the case's classes
 and its argument names are identifiers (values are JSON, written with ``repr``, so they
 are literals); any other call gets the error BFCL's own execution gives an unknown name
 (``Error during execution: name 'x' is not defined``) and is not passed on to be run.
+
+Memory (memory_kv, memory_rec_sum) takes the same loop: BFCL's own loader builds the
+cases (each scenario's prerequisite conversations, then its questions); the backend keeps
+its snapshots in a folder of the run; after each prerequisite conversation the memory is
+flushed to it, and each question starts from it with BFCL's memory system prompt (the
+core memory shown). A question is right when BFCL's ``agentic_checker`` finds one of the
+answers in the model's final text; prerequisites are not scored, as in BFCL.
 
 ``--oracle`` answers each turn with its ground-truth calls, written as a model writes
 calls (positional arguments named by the method's signature), so they go through the
@@ -65,8 +73,10 @@ from psymesh.protocol.errors import PsymeshError
 __all__ = [
     "ADDITIONAL_FUNCTION_PROMPT",
     "MAX_STEPS",
+    "MemorySetup",
     "MultiTurnCase",
     "bfcl_call",
+    "load_memory",
     "load_multi_turn",
     "oracle_model",
     "run_multi_turn_case",
@@ -77,6 +87,16 @@ __all__ = [
 ADDITIONAL_FUNCTION_PROMPT = "I have updated some more functions you can choose from. What about now?"
 MAX_STEPS = 20
 ORACLE_DONE = "Done."
+
+
+@dataclass(frozen=True)
+class MemorySetup:
+    """A memory case: a prerequisite conversation (the model stores what it is told; not
+    scored) or a question about it, right when the final answer names one of `answers`."""
+
+    scenario: str
+    prereq: bool
+    answers: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -92,6 +112,7 @@ class MultiTurnCase:
     ground_truth: tuple[tuple[str, ...], ...]
     involved_classes: tuple[str, ...]
     initial_config: Mapping[str, Any]
+    memory: MemorySetup | None = None
 
     @property
     def long_context(self) -> bool:
@@ -156,6 +177,47 @@ def load_multi_turn(directory: Path, category: str, limit: int | None) -> list[M
     return cases
 
 
+def load_memory(category: str, limit: int | None) -> list[MultiTurnCase]:
+    """A memory category as BFCL's own loader builds it (bfcl_eval.utils.load_dataset_entry:
+    each scenario's prerequisite conversations, then the questions, with the memory
+    backend's docs and BFCL's answer-format system prompt), the answers aligned by index as
+    BFCL's evaluation aligns them. `limit` cuts the questions; the prerequisites of their
+    scenarios all stay, since the questions are about them."""
+    utils = bfcl_module("utils")
+    entries = utils.load_dataset_entry(category, include_prereq=True, include_language_specific_hint=False)
+    truths = utils.load_ground_truth_entry(category)
+    questions = [e for e in entries if not utils.is_memory_prereq(e["id"])]
+    answers = {q["id"]: tuple(t["ground_truth"]) for q, t in zip(questions, truths, strict=True)}
+    questions = questions[:limit] if limit is not None else questions
+    scenarios = {q["scenario"] for q in questions}
+    chosen = [e for e in entries if utils.is_memory_prereq(e["id"]) and e["scenario"] in scenarios] + questions
+    cases = []
+    for e in chosen:
+        prereq = bool(utils.is_memory_prereq(e["id"]))
+        turns = tuple(tuple(ChatMessage(role=m["role"], content=m["content"]) for m in turn) for turn in e["question"])
+        cases.append(MultiTurnCase(e["id"], category, turns, tuple(tool_spec(d) for d in e["function"]), {}, (),
+                                   tuple(e["involved_classes"]), {},
+                                   MemorySetup(e["scenario"], prereq, () if prereq else answers[e["id"]])))
+    return cases
+
+
+def _memory_prompt(case: MultiTurnCase, instance: Any) -> str:
+    """BFCL's add_memory_instruction_system_prompt (model_handler/utils.py, which does not
+    import cleanly): the scenario's setting and the core memory as it stands."""
+    assert case.memory is not None
+    prompts = bfcl_module("constants.default_prompts")
+    template = (prompts.MEMORY_BACKEND_INSTRUCTION_UNIFIED if "rec_sum" in case.category
+                else prompts.MEMORY_BACKEND_INSTRUCTION_CORE_ARCHIVAL)
+    return template.format(scenario_setting=prompts.MEMORY_AGENT_SETTINGS[case.memory.scenario],
+                           memory_content=instance._dump_core_memory_to_context())
+
+
+def _with_system(turn: tuple[ChatMessage, ...], prompt: str) -> tuple[ChatMessage, ...]:
+    if turn and turn[0].role == "system":
+        return (ChatMessage.system(prompt + "\n\n" + turn[0].content), *turn[1:])
+    return (ChatMessage.system(prompt), *turn)
+
+
 # --------------------------------------------------------------------------- calls, as BFCL writes them
 
 
@@ -196,16 +258,23 @@ def _refused(call: ToolCall) -> str:
 class _Backends:
     """One case's backend instances, living in BFCL's executor under a name of this run."""
 
-    def __init__(self, case: MultiTurnCase) -> None:
+    def __init__(self, case: MultiTurnCase, workdir: Path | None) -> None:
         self.case = case
         self.model_name = f"psymesh_{secrets.token_hex(4)}"
         self.methods = _public_methods(case)
         self._utils = bfcl_module("eval_checker.multi_turn_eval.multi_turn_utils")
+        self.config = dict(case.initial_config)
+        if case.memory is not None:  # BFCL's populate_initial_settings_for_memory_test_cases
+            if workdir is None:
+                raise BfclDataError(f"{case.id}: a memory case needs a folder for its snapshots")
+            self.config = {case.involved_classes[0]: {"model_result_dir": workdir, "scenario": case.memory.scenario,
+                                                      "test_id": case.id, "test_category": case.category}}
+        self.instances: dict[str, Any] = {}
 
     def execute(self, calls: Sequence[ToolCall]) -> list[str]:
         runnable = [bfcl_call(c) for c in calls if self.safe(c)]
-        results, _ = self._utils.execute_multi_turn_func_call(
-            runnable, dict(self.case.initial_config), list(self.case.involved_classes), self.model_name,
+        results, self.instances = self._utils.execute_multi_turn_func_call(
+            runnable, self.config, list(self.case.involved_classes), self.model_name,
             self.case.id, long_context=self.case.long_context, is_evaL_run=False)
         it = iter(results)
         return [next(it) if self.safe(c) else _refused(c) for c in calls]
@@ -243,12 +312,15 @@ def _parse(text: str, tools: Sequence[ToolSpec]) -> ParsedReply:
     return parse_reply(text, [*(_scoring_spec(t) for t in tools), *extra])
 
 
-async def run_multi_turn_case(case: MultiTurnCase, model: AgentModel, *, thinking: bool = False) -> BfclResult:
+async def run_multi_turn_case(case: MultiTurnCase, model: AgentModel, *, thinking: bool = False,
+                              workdir: Path | None = None) -> BfclResult | None:
     """Run `case` through `model` as BFCL's multi-turn inference does, and judge it with
-    BFCL's multi_turn_checker."""
-    backends = _Backends(case)
+    BFCL's multi_turn_checker (a memory question: with BFCL's agentic_checker; a memory
+    prerequisite is not judged, and gives None). `workdir` holds a run's memory snapshots."""
+    backends = _Backends(case, workdir)
     replies: list[str] = []
     calls_made: list[ToolCall] = []
+    answer = ""
     try:
         backends.execute([])  # BFCL sets the instances up before the first turn
         tools = list(case.tools)
@@ -258,6 +330,8 @@ async def run_multi_turn_case(case: MultiTurnCase, model: AgentModel, *, thinkin
             if turn_no in case.held_out:
                 tools.extend(case.held_out[turn_no])
                 messages = (ChatMessage.user(ADDITIONAL_FUNCTION_PROMPT),)
+            if turn_no == 0 and case.memory is not None:
+                messages = _with_system(messages, _memory_prompt(case, next(iter(backends.instances.values()))))
             history.extend(messages)
             steps: list[list[str]] = []
             for _step in range(MAX_STEPS + 1):
@@ -270,6 +344,7 @@ async def run_multi_turn_case(case: MultiTurnCase, model: AgentModel, *, thinkin
                 reply = _parse(text, tools)
                 history.append(reply.to_message())
                 if not reply.tool_calls:
+                    answer = reply.content
                     break
                 results = backends.execute(reply.tool_calls)
                 calls_made.extend(reply.tool_calls)
@@ -280,6 +355,14 @@ async def run_multi_turn_case(case: MultiTurnCase, model: AgentModel, *, thinkin
                                   f"turn {turn_no}: still calling after {MAX_STEPS} steps",
                                   "\n".join(replies), calls_made)
             decoded.append([s for s in steps if s])
+        if case.memory is not None:
+            if case.memory.prereq:  # BFCL flushes the memory after a prerequisite conversation
+                next(iter(backends.instances.values()))._flush_memory_to_local_file()
+                return None
+            agentic = bfcl_module("eval_checker.agentic_eval.agentic_checker")
+            verdict = agentic.agentic_checker(answer, list(case.memory.answers))
+            return BfclResult(case.id, case.category, bool(verdict["valid"]), str(verdict.get("error_type", "")),
+                              str(verdict.get("error_message", "")), "\n".join(replies), calls_made)
         try:
             verdict = _check(case, decoded, backends.model_name)
         except Exception as exc:  # BFCL's checker asserts; an assertion is its verdict that the run is unusable
@@ -320,6 +403,10 @@ def parse_ground_truth_call(case: MultiTurnCase, text: str) -> tuple[str, dict[s
 def oracle_model(case: MultiTurnCase) -> ScriptedModel:
     """A model that answers each turn with its ground-truth calls (one step), then ends the
     turn with text; a turn whose ground truth is empty gets text only."""
+    if case.memory is not None:  # nothing to store; the question answered in BFCL's answer format
+        if case.memory.prereq:
+            return ScriptedModel([ORACLE_DONE] * len(case.turns))
+        return ScriptedModel([f"{{'answer': '{case.memory.answers[0]}', 'context': 'from memory'}}"])
     replies: list[str] = []
     for turn in case.ground_truth:
         if turn:

@@ -358,7 +358,7 @@ def test_load_reads_questions_and_ground_truth(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("questions", "answers", "categories", "message"), [
-    ([QUESTION], [ANSWER], ["memory_kv"], "unsupported BFCL categories"),
+    ([QUESTION], [ANSWER], ["memory_vector"], "unsupported BFCL categories"),
     ([QUESTION], [{**ANSWER, "id": "simple_python_9"}], [], "no ground truth for 'simple_python_0'"),
     ([QUESTION], [{**ANSWER, "ground_truth": [{"weather.other": {}}]}], [], "not among the case's functions"),
     ([QUESTION], [{**ANSWER, "ground_truth": [{"weather.forecast": {"days": 3}}]}], [], "BFCL_v4_simple_python"),
@@ -414,7 +414,7 @@ def test_eval_bfcl_oracle_json(bfcl_dir: Path, tmp_path: Path) -> None:
     (["examples/eval_cases.jsonl", "--oracle"],
      "--category, --limit, --oracle, --score-dir, --via, --runs and --temperature go with --bfcl"),
     (["--bfcl", "."], "give --model NAME, or --oracle"),
-    (["--bfcl", ".", "--oracle", "--category", "memory_kv"], "unsupported BFCL categories"),
+    (["--bfcl", ".", "--oracle", "--category", "memory_vector"], "unsupported BFCL categories"),
 ])
 def test_eval_usage_errors_are_clear(tmp_path: Path, args: list[str], message: str) -> None:
     done = psymesh(tmp_path, *args)
