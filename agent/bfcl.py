@@ -13,10 +13,14 @@ folder in BFCL's layout. What runs:
 * multi-turn base / miss_func / miss_param / long_context (:mod:`.bfcl_multiturn`:
   through the agent loop, on bfcl-eval's backends, judged by its ``multi_turn_checker``);
 * memory_kv and memory_rec_sum (the same loop on bfcl-eval's memory backends, after each
-  scenario's prerequisite conversations; judged by its ``agentic_checker``).
+  scenario's prerequisite conversations; judged by its ``agentic_checker``);
+* web_search_base and web_search_no_snippet: the same loop, BFCL's two web functions
+  answered by this node's own web route (web.search / web.fetch via its exit), not by
+  BFCL's fixed search API, so the results, and scores, differ from BFCL's (the report
+  says so); judged by ``agentic_checker``.
 
 Not run (:data:`NOT_RUN` says why; BFCL's summaries count them 0, as BFCL does):
-memory_vector, web search, and format sensitivity.
+memory_vector and format sensitivity.
 
 What is bfcl-eval's own code here: the multi-turn and memory backends, executor, loader
 (memory) and checkers, and the Java/JavaScript type converters (they import only the
@@ -96,7 +100,7 @@ from psymesh.agent.loop import AgentModel, tool_call_text
 from psymesh.protocol.errors import ErrorCode, PsymeshError
 
 if TYPE_CHECKING:
-    from psymesh.agent.bfcl_multiturn import MultiTurnCase
+    from psymesh.agent.bfcl_multiturn import MultiTurnCase, WebRoute
 
 __all__ = [
     "AST_CATEGORIES",
@@ -134,12 +138,11 @@ SINGLE_TURN_CATEGORIES = (*AST_CATEGORIES, *IRRELEVANCE_CATEGORIES, *RELEVANCE_C
 MULTI_TURN_CATEGORIES = ("multi_turn_base", "multi_turn_miss_func", "multi_turn_miss_param",
                          "multi_turn_long_context")
 MEMORY_CATEGORIES = ("memory_kv", "memory_rec_sum")  # memory_vector needs sentence-transformers and faiss
-CATEGORIES = (*SINGLE_TURN_CATEGORIES, *MULTI_TURN_CATEGORIES, *MEMORY_CATEGORIES)
+WEB_CATEGORIES = ("web_search_base", "web_search_no_snippet")  # through this node's web route, not BFCL's API
+CATEGORIES = (*SINGLE_TURN_CATEGORIES, *MULTI_TURN_CATEGORIES, *MEMORY_CATEGORIES, *WEB_CATEGORIES)
 # BFCL v4 categories this harness does not run, and why (the report names them).
 NOT_RUN = {
     "memory_vector": "its backend needs sentence-transformers and faiss (and a model download)",
-    "web_search_base": "needs a web route and an answer-matching run: not built",
-    "web_search_no_snippet": "as web_search_base",
     "format_sensitivity": "re-asks the non-live cases in BFCL's prompting formats; our models are asked "
                           "through their chat template's tool calls",
 }
@@ -556,7 +559,11 @@ def default_data_dir() -> Path:
 def present_categories(directory: str | Path) -> list[str]:
     """The supported categories whose question file is in `directory`."""
     return [c for c in CATEGORIES
-            if (Path(directory) / f"{FILE_PREFIX}{'memory' if c in MEMORY_CATEGORIES else c}.json").is_file()]
+            if (Path(directory) / f"{FILE_PREFIX}{_file_stem(c)}.json").is_file()]
+
+
+def _file_stem(category: str) -> str:
+    return "memory" if category in MEMORY_CATEGORIES else "web_search" if category in WEB_CATEGORIES else category
 
 
 def _json_lines(path: Path, limit: int | None) -> list[tuple[str, dict[str, Any]]]:
@@ -641,11 +648,12 @@ def load_bfcl(directory: str | Path | None = None, categories: Sequence[str] = (
     if not chosen:
         raise BfclDataError(f"{directory} holds none of the BFCL files {FILE_PREFIX}<category>.json "
                             f"for {', '.join(CATEGORIES)}", code=ErrorCode.NOT_FOUND)
-    from psymesh.agent.bfcl_multiturn import load_memory, load_multi_turn
+    from psymesh.agent.bfcl_multiturn import load_memory, load_multi_turn, load_web_search
 
     return [case for c in chosen
             for case in (load_multi_turn(directory, c, limit) if c in MULTI_TURN_CATEGORIES
                          else load_memory(c, limit) if c in MEMORY_CATEGORIES
+                         else load_web_search(c, limit) if c in WEB_CATEGORIES
                          else _load_category(directory, c, limit))]
 
 
@@ -945,6 +953,7 @@ class BfclReport:
             "summaries": {k: {"accuracy": v.accuracy, "total_count": v.total_count, "complete": v.complete}
                           for k, v in self.summaries().items()},
             "not_run": {c: why for c, why in NOT_RUN.items()},
+            "notes": [_web_note()] if any(c in self.categories for c in WEB_CATEGORIES) else [],
             "cases": len(self.results),
             "correct": sum(r.passed for r in self.results),
             "failures": [{"id": r.id, "category": r.category, "kind": r.kind, "reason": r.reason}
@@ -964,6 +973,12 @@ class BfclReport:
         return out
 
 
+def _web_note() -> str:
+    from psymesh.agent.bfcl_multiturn import WEB_NOTE
+
+    return WEB_NOTE
+
+
 def _score_fields(s: Summary) -> tuple[float, int, bool]:
     return s.accuracy, s.total_count, s.complete
 
@@ -974,23 +989,26 @@ async def run_bfcl(
     *,
     thinking: bool = False,
     on_result: Callable[[BfclResult], Awaitable[None]] | None = None,
+    web: WebRoute | None = None,
 ) -> BfclReport:
     """Ask `model` each case in turn and score its reply (a multi-turn case: its whole
     conversation). `model` None is the oracle: each case answered with its ground truth,
-    written as a model writes calls. A model error fails that case only."""
+    written as a model writes calls. `web`: the route web_search's calls take (this node's;
+    see bfcl_multiturn.WEB_NOTE). A model error fails that case only."""
     with tempfile.TemporaryDirectory(prefix="psymesh-bfcl-") as workdir:  # a run's memory snapshots
-        return await _run(cases, model, thinking, on_result, Path(workdir))
+        return await _run(cases, model, thinking, on_result, Path(workdir), web)
 
 
 async def _run(cases: Iterable[BfclCase | MultiTurnCase], model: AgentModel | None, thinking: bool,
-               on_result: Callable[[BfclResult], Awaitable[None]] | None, workdir: Path) -> BfclReport:
+               on_result: Callable[[BfclResult], Awaitable[None]] | None, workdir: Path,
+               web: WebRoute | None) -> BfclReport:
     from psymesh.agent.bfcl_multiturn import MultiTurnCase, oracle_model, run_multi_turn_case
 
     results = []
     for case in cases:
         if isinstance(case, MultiTurnCase):
             turn_result = await run_multi_turn_case(case, oracle_model(case) if model is None else model,
-                                                    thinking=thinking, workdir=workdir)
+                                                    thinking=thinking, workdir=workdir, web=web)
             if turn_result is None:  # a memory prerequisite: not scored
                 continue
             result = turn_result
@@ -1022,6 +1040,8 @@ def format_bfcl_report(report: BfclReport) -> str:
         shown = s.display if s.complete else f"{s.display} (not all of its categories ran; those count 0)"
         lines.append(f"  {s.name:<12} {shown}")
     lines.append("not run: " + ", ".join(NOT_RUN))
+    if any(c in report.categories for c in WEB_CATEGORIES):
+        lines.append(f"note: {_web_note()}")
     return "\n".join(lines) + "\n"
 
 

@@ -52,7 +52,7 @@ import secrets
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from pydantic import ValidationError
 
@@ -69,15 +69,20 @@ from psymesh.agent.bfcl import (
 from psymesh.agent.chatformat import ChatMessage, ParsedReply, ToolCall, ToolSpec, parse_reply
 from psymesh.agent.loop import AgentModel, ScriptedModel, tool_call_text
 from psymesh.protocol.errors import PsymeshError
+from psymesh.protocol.web import WebPage, WebResults
 
 __all__ = [
     "ADDITIONAL_FUNCTION_PROMPT",
     "MAX_STEPS",
+    "WEB_NOTE",
     "MemorySetup",
     "MultiTurnCase",
+    "WebRoute",
+    "WebSetup",
     "bfcl_call",
     "load_memory",
     "load_multi_turn",
+    "load_web_search",
     "oracle_model",
     "run_multi_turn_case",
 ]
@@ -100,6 +105,28 @@ class MemorySetup:
 
 
 @dataclass(frozen=True)
+class WebSetup:
+    """A web search question: right when the final answer names one of `answers`.
+    `show_snippet` False is web_search_no_snippet (results without their text)."""
+
+    answers: tuple[str, ...]
+    show_snippet: bool
+
+
+class WebRoute(Protocol):
+    """How web_search reaches the web: this node's own route (``psymesh.Client`` has these)."""
+
+    async def web_search(self, query: str, *, limit: int = 5) -> WebResults: ...
+
+    async def web_fetch(self, url: str) -> WebPage: ...
+
+
+WEB_NOTE = ("web_search runs through this node's web route (web.search / web.fetch via its exit), not BFCL's "
+            "fixed search API (SerpAPI through its WebSearchAPI): the results a model reads, and so its scores, "
+            "differ from BFCL's")
+
+
+@dataclass(frozen=True)
 class MultiTurnCase:
     """One BFCL multi-turn question. `turns[i]` are turn i's user messages (empty on a
     turn where held-back functions arrive); `held_out[i]` the tools that arrive then."""
@@ -113,6 +140,7 @@ class MultiTurnCase:
     involved_classes: tuple[str, ...]
     initial_config: Mapping[str, Any]
     memory: MemorySetup | None = None
+    web: WebSetup | None = None
 
     @property
     def long_context(self) -> bool:
@@ -201,6 +229,21 @@ def load_memory(category: str, limit: int | None) -> list[MultiTurnCase]:
     return cases
 
 
+def load_web_search(category: str, limit: int | None) -> list[MultiTurnCase]:
+    """web_search_base / web_search_no_snippet as BFCL's own loader builds them (the
+    WebSearchAPI docs, BFCL's answer-format system prompt), answers aligned by index."""
+    utils = bfcl_module("utils")
+    entries = utils.load_dataset_entry(category, include_prereq=False, include_language_specific_hint=False)
+    truths = utils.load_ground_truth_entry(category)
+    cases = []
+    for e, t in list(zip(entries, truths, strict=True))[:limit]:
+        turns = tuple(tuple(ChatMessage(role=m["role"], content=m["content"]) for m in turn) for turn in e["question"])
+        cases.append(MultiTurnCase(e["id"], category, turns, tuple(tool_spec(d) for d in e["function"]), {}, (),
+                                   tuple(e["involved_classes"]), {},
+                                   web=WebSetup(tuple(t["ground_truth"]), "no_snippet" not in category)))
+    return cases
+
+
 def _memory_prompt(case: MultiTurnCase, instance: Any) -> str:
     """BFCL's add_memory_instruction_system_prompt (model_handler/utils.py, which does not
     import cleanly): the scenario's setting and the core memory as it stands."""
@@ -271,7 +314,7 @@ class _Backends:
                                                       "test_id": case.id, "test_category": case.category}}
         self.instances: dict[str, Any] = {}
 
-    def execute(self, calls: Sequence[ToolCall]) -> list[str]:
+    async def execute(self, calls: Sequence[ToolCall]) -> list[str]:
         runnable = [bfcl_call(c) for c in calls if self.safe(c)]
         results, self.instances = self._utils.execute_multi_turn_func_call(
             runnable, self.config, list(self.case.involved_classes), self.model_name,
@@ -287,6 +330,64 @@ class _Backends:
         namespace = vars(self._utils)
         for key in [k for k in namespace if k.startswith(self.model_name)]:
             del namespace[key]
+
+
+def _as_result(value: Any) -> str:
+    """A backend's return value as BFCL's executor writes it for the model."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict):
+        try:
+            return json.dumps(value)
+        except (TypeError, ValueError):
+            return str(value)
+    return str(value)
+
+
+class _WebBackend:
+    """BFCL's WebSearchAPI's two functions (same names, parameters and result shapes) over
+    this node's web route. BFCL's own class calls SerpAPI and imports requests, bs4,
+    html2text and serpapi; this one asks the node (WEB_NOTE). `raw` and `markdown` fetches
+    get the page's readable text, which is all the route returns."""
+
+    METHODS = ("search_engine_query", "fetch_url_content")
+
+    def __init__(self, case: MultiTurnCase, web: WebRoute | None) -> None:
+        assert case.web is not None
+        self.show_snippet = case.web.show_snippet
+        self.web = web
+        self.instances: dict[str, Any] = {}
+
+    def safe(self, call: ToolCall) -> bool:
+        return call.name in self.METHODS and all(_identifier(k) for k in call.arguments)
+
+    async def search_engine_query(self, keywords: str, max_results: int = 10, region: str = "wt-wt") -> Any:
+        if self.web is None:
+            raise PsymeshError("no web route: run the node (psymesh node start) with a web exit it trusts")
+        found = await self.web.web_search(keywords, limit=max(1, min(int(max_results), 10)))
+        return [{"title": h.title, "href": h.url, **({"body": h.snippet} if self.show_snippet else {})}
+                for h in found.hits]
+
+    async def fetch_url_content(self, url: str, mode: str = "raw") -> Any:
+        if self.web is None:
+            raise PsymeshError("no web route: run the node (psymesh node start) with a web exit it trusts")
+        page = await self.web.web_fetch(url)
+        return {"content": page.text}
+
+    async def execute(self, calls: Sequence[ToolCall]) -> list[str]:
+        out = []
+        for call in calls:
+            if not self.safe(call):
+                out.append(_refused(call))
+                continue
+            try:
+                out.append(_as_result(await getattr(self, call.name)(**call.arguments)))
+            except (TypeError, ValueError, PsymeshError) as exc:
+                out.append(f"Error during execution: {exc}")
+        return out
+
+    def close(self) -> None:
+        pass
 
 
 def _check(case: MultiTurnCase, decoded: list[list[list[str]]], model_name: str) -> dict[str, Any]:
@@ -313,16 +414,16 @@ def _parse(text: str, tools: Sequence[ToolSpec]) -> ParsedReply:
 
 
 async def run_multi_turn_case(case: MultiTurnCase, model: AgentModel, *, thinking: bool = False,
-                              workdir: Path | None = None) -> BfclResult | None:
+                              workdir: Path | None = None, web: WebRoute | None = None) -> BfclResult | None:
     """Run `case` through `model` as BFCL's multi-turn inference does, and judge it with
     BFCL's multi_turn_checker (a memory question: with BFCL's agentic_checker; a memory
     prerequisite is not judged, and gives None). `workdir` holds a run's memory snapshots."""
-    backends = _Backends(case, workdir)
+    backends: _Backends | _WebBackend = _WebBackend(case, web) if case.web is not None else _Backends(case, workdir)
     replies: list[str] = []
     calls_made: list[ToolCall] = []
     answer = ""
     try:
-        backends.execute([])  # BFCL sets the instances up before the first turn
+        await backends.execute([])  # BFCL sets the instances up before the first turn
         tools = list(case.tools)
         history: list[ChatMessage] = []
         decoded: list[list[list[str]]] = []
@@ -346,7 +447,7 @@ async def run_multi_turn_case(case: MultiTurnCase, model: AgentModel, *, thinkin
                 if not reply.tool_calls:
                     answer = reply.content
                     break
-                results = backends.execute(reply.tool_calls)
+                results = await backends.execute(reply.tool_calls)
                 calls_made.extend(reply.tool_calls)
                 steps.append([bfcl_call(c) for c in reply.tool_calls if backends.safe(c)])
                 history.extend(ChatMessage.tool(c, r) for c, r in zip(reply.tool_calls, results, strict=True))
@@ -355,14 +456,16 @@ async def run_multi_turn_case(case: MultiTurnCase, model: AgentModel, *, thinkin
                                   f"turn {turn_no}: still calling after {MAX_STEPS} steps",
                                   "\n".join(replies), calls_made)
             decoded.append([s for s in steps if s])
-        if case.memory is not None:
-            if case.memory.prereq:  # BFCL flushes the memory after a prerequisite conversation
+        if case.memory is not None or case.web is not None:
+            if case.memory is not None and case.memory.prereq:  # BFCL flushes the memory after a prerequisite
                 next(iter(backends.instances.values()))._flush_memory_to_local_file()
                 return None
+            answers = case.memory.answers if case.memory is not None else case.web.answers  # type: ignore[union-attr]
             agentic = bfcl_module("eval_checker.agentic_eval.agentic_checker")
-            verdict = agentic.agentic_checker(answer, list(case.memory.answers))
+            verdict = agentic.agentic_checker(answer, list(answers))
             return BfclResult(case.id, case.category, bool(verdict["valid"]), str(verdict.get("error_type", "")),
                               str(verdict.get("error_message", "")), "\n".join(replies), calls_made)
+        assert isinstance(backends, _Backends)
         try:
             verdict = _check(case, decoded, backends.model_name)
         except Exception as exc:  # BFCL's checker asserts; an assertion is its verdict that the run is unusable
@@ -407,6 +510,8 @@ def oracle_model(case: MultiTurnCase) -> ScriptedModel:
         if case.memory.prereq:
             return ScriptedModel([ORACLE_DONE] * len(case.turns))
         return ScriptedModel([f"{{'answer': '{case.memory.answers[0]}', 'context': 'from memory'}}"])
+    if case.web is not None:  # no search needed to know the truth
+        return ScriptedModel([f"{{'answer': '{case.web.answers[0]}', 'context': 'known'}}"])
     replies: list[str] = []
     for turn in case.ground_truth:
         if turn:

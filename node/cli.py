@@ -2,6 +2,7 @@
 stdout, logs and hints to stderr (see node/output.py)."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import json
@@ -1456,6 +1457,7 @@ def _eval_bfcl(home: str | None, out: Output, bfcl_dir: str | None, categories: 
     parser, scored by agent/bfcl.py's mirror of BFCL's AST checker and, for multi-turn,
     by BFCL's own multi_turn_checker."""
     from psymesh.agent.bfcl import (
+        WEB_CATEGORIES,
         default_data_dir,
         format_bfcl_report,
         format_run_spread,
@@ -1490,7 +1492,7 @@ def _eval_bfcl(home: str | None, out: Output, bfcl_dir: str | None, categories: 
         async def remote() -> list[Any]:
             async with Client(home) as client:
                 return [await run_bfcl(loaded, DelegatedModel(client, via, model_name, params(seed)),
-                                       thinking=thinking, on_result=progress) for seed in range(runs)]
+                                       thinking=thinking, on_result=progress, web=client) for seed in range(runs)]
 
         reports = run_async(remote)
     else:
@@ -1503,9 +1505,12 @@ def _eval_bfcl(home: str | None, out: Output, bfcl_dir: str | None, categories: 
         name = pick_model(registry, model_name, None)
 
         async def go() -> Any:
-            async with ModelWorker(registry.settings(name)) as worker:
+            async with ModelWorker(registry.settings(name)) as worker, contextlib.AsyncExitStack() as stack:
+                # web_search asks the web through this node's route: its daemon must be running.
+                web = await stack.enter_async_context(Client(home)) if any(c.category in WEB_CATEGORIES
+                                                                           for c in loaded) else None
                 return [await run_bfcl(loaded, LlamaAgentModel(worker, params(seed)), thinking=thinking,
-                                       on_result=progress) for seed in range(runs)]
+                                       on_result=progress, web=web) for seed in range(runs)]
 
         reports = run_async(go)
     report = reports[0]

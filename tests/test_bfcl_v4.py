@@ -352,3 +352,51 @@ async def test_memory_what_a_prerequisite_stores_the_question_sees(tmp_path: Any
     assert system.role == "system" and '"first_name": "Michael"' in system.content  # the stored memory, shown
     wrong = await run_multi_turn_case(question, ScriptedModel(["{'answer': 'Michelle'}"]), workdir=tmp_path)
     assert wrong is not None and not wrong.passed and wrong.kind == "agentic:answer_not_found"
+
+
+# --------------------------------------------------------------------------- web search
+
+
+@pytest.mark.anyio
+async def test_web_search_goes_through_this_node_s_web_route(tmp_path: Any) -> None:
+    """web_search_base on the phone: the model's search_engine_query and fetch_url_content
+    are answered by home's web exit (the web here: a local site), BFCL's agentic_checker
+    judges the final answer, and the report says the results are not BFCL's."""
+    from conftest import pair, run_nodes
+    from websites import serving
+
+    from psymesh.agent.bfcl import format_bfcl_report
+    from psymesh.node.client import Client
+    from psymesh.node.webexit import ExitSettings, SearchSettings
+    from psymesh.node.websettings import WebSettings
+
+    case = load_bfcl(None, ["web_search_base"], limit=1)[0]
+    assert case.web is not None and case.web.answers == ("Zhang Yiming",)
+    with serving() as site:
+        page = site.route("/tea", "<html><head><title>Tea</title></head><body><article><p>Da Hong Pao is the "
+                                  "most expensive tea. The richest billionaire of China is Zhang Yiming.</p>"
+                                  "</article></body></html>")
+        site.route("/search", '{"results": [{"title": "Most expensive tea", "url": "%s", "snippet": "Da Hong Pao"}]}'
+                   % page, content_type="application/json")
+        exit_settings = ExitSettings(enabled=True, allow_loopback=True,
+                                     search=SearchSettings(backend="json", url=site.url("/search") + "?q={query}"))
+        async with run_nodes(tmp_path, "home", "phone", profiles={"phone": "phone"},
+                             configs={"home": {"web": WebSettings(exit=exit_settings)}}) as nodes:
+            await pair(nodes["home"].home.path, nodes["phone"].home.path, grant="phone")
+            model = ScriptedModel([tool_call_text("search_engine_query", {"keywords": "most expensive tea"}),
+                                   tool_call_text("fetch_url_content", {"url": page}),
+                                   "{'answer': 'Zhang Yiming', 'context': 'the fetched page'}"])
+            async with Client(nodes["phone"].home.path) as phone:
+                report = await run_bfcl([case], model, web=phone)
+    result = report.results[0]
+    assert result.passed, result.reason
+    assert "Da Hong Pao" in model.prompts[1] and page in model.prompts[1]      # the search results, from the exit
+    assert "richest billionaire of China" in model.prompts[2]                # the fetched page's text
+    assert site.hits["/tea"] == 1
+    assert "not BFCL's" in format_bfcl_report(report) and report.data()["notes"]
+
+    # Without a route the calls fail as calls do, and the case is judged all the same.
+    offline = ScriptedModel([tool_call_text("search_engine_query", {"keywords": "tea"}), "{'answer': 'no idea'}"])
+    lost = (await run_bfcl([case], offline)).results[0]
+    assert not lost.passed and lost.kind == "agentic:answer_not_found"
+    assert "no web route" in offline.prompts[1]
