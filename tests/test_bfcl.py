@@ -4,8 +4,9 @@ The oracle (the ground truth written as a model writes calls) goes through the r
 render -> parse -> check path and must score 100% on every shipped category: a harness
 that loses a correct answer would make every model's score wrong. The checker tests
 mirror BFCL's ast_checker.py rule by rule, each named after the BFCL error_type it
-reproduces. The data lives beside the repository (../shared/bfcl); tests that need it
-skip only when it is absent.
+reproduces. The data is the installed bfcl-eval's (scripts/bootstrap.sh installs it); the
+other categories, and the cross-check against bfcl-eval's own checker, are in
+tests/test_bfcl_v4.py.
 """
 from __future__ import annotations
 
