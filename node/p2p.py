@@ -932,7 +932,7 @@ class P2PNode:
             self._relay_admit(source, CONNECT)
             if not self._connections(destination, direct=True):
                 self._book.drop(destination)
-            self._book.open_circuit(destination, time.time())
+            self._book.open_circuit(source, destination, time.time())
         except PsymeshError as exc:
             log.info("refused a circuit from %s to %s: %s", source, destination, exc.message)
             await _hop_status(stream, _status_for(exc))
@@ -940,7 +940,7 @@ class P2PNode:
         try:
             await self._open_circuit(stream, source, target)
         finally:
-            self._book.close_circuit(destination)
+            self._book.close_circuit(source, destination)
 
     async def _open_circuit(self, stream: INetStream, source: str, target: ID) -> None:
         far: INetStream | None = None
