@@ -130,7 +130,7 @@ class Node:
                                      agent_runner=self.agents)
         self.submitter = TaskSubmitter(local_peer_id=self.identity.peer_id, outbox=Outbox(self.db), trust=self.trust,
                                        sessions=self.sessions)
-        self.messaging = Messaging(self.identity, MessageStore(self.db), self.trust, self.sessions,
+        self.messaging = Messaging(self.identity, MessageStore(self.db, self.config.inbox), self.trust, self.sessions,
                                    door=self.gate.admit_each,
                                    mail=MailSender(self.identity.peer_id, mail_store, self.trust, self.sessions,
                                                    self.mailbox), grace_s=self.config.mail.grace_s)

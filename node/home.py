@@ -43,6 +43,7 @@ from psymesh.protocol.errors import ErrorCode, PsymeshError
 from psymesh.protocol.framing import DEFAULT_MAX_FRAME_SIZE
 from psymesh.protocol.identity import fingerprint, peer_id_from_public_key
 from psymesh.protocol.mailbox import MailSettings
+from psymesh.protocol.messaging import InboxSettings
 from psymesh.protocol.relay import RelaySettings
 from psymesh.protocol.strangers import StrangerLimits
 from psymesh.node.websettings import WebSettings
@@ -212,6 +213,9 @@ class NodeConfig(BaseModel):
     # [mail]: how long a sender waits before using a recipient's mailbox; what this node,
     # as a mailbox, holds for each sender and for how long.
     mail: MailSettings = Field(default_factory=MailSettings)
+    # [inbox]: what each sender's letters may take of this node's inbox (held behind a gap,
+    # released), and how long a gap is waited for (protocol/messaging.py).
+    inbox: InboxSettings = Field(default_factory=InboxSettings)
     # [relay]: relay for paired peers granted `relay` (off by default), and the relays this
     # node keeps a reservation at, to be reached from anywhere (protocol/relay.py).
     relay: RelaySettings = Field(default_factory=RelaySettings)
