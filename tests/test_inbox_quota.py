@@ -16,8 +16,7 @@ import anyio
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from conftest import pair, run_nodes
-from letters import inbox
+from letters import inbox, letter_mesh
 from psymesh.node.client import Client
 from psymesh.node.db import open_db
 from psymesh.node.msgstore import MessageStore
@@ -35,14 +34,9 @@ LETTER_TEXT = 4000
 
 async def test_letters_into_a_gap_stop_at_the_senders_quota_and_a_revoke_frees_them(tmp_path: Path) -> None:
     inbox_settings = InboxSettings(held_bytes=HELD_BYTES)
-    async with run_nodes(tmp_path, "home", "greedy", "phone",
-                         configs={"home": {"inbox": inbox_settings}}) as nodes:
+    async with letter_mesh(tmp_path, "home", "greedy", "phone", limits=ROOMY,
+                           configs={"home": {"inbox": inbox_settings}}) as nodes:
         home, greedy, phone = nodes["home"], nodes["greedy"], nodes["phone"]
-        await pair(home.home.path, greedy.home.path)
-        await pair(home.home.path, phone.home.path)
-        async with Client(home.home.path) as h:
-            await h.grant("greedy", ["msg.send"], limits=ROOMY)
-            await h.grant("phone", ["msg.send"], limits=ROOMY)
         db = home.home.db_path
         size_before = db.stat().st_size + wal_size(db)
 
@@ -84,11 +78,8 @@ def wal_size(db: Path) -> int:
 
 
 async def test_a_used_id_or_place_with_other_content_is_refused_conflict(tmp_path: Path) -> None:
-    async with run_nodes(tmp_path, "home", "phone") as nodes:
+    async with letter_mesh(tmp_path, "home", "phone", limits=ROOMY) as nodes:
         home, phone = nodes["home"], nodes["phone"]
-        await pair(home.home.path, phone.home.path)
-        async with Client(home.home.path) as h:
-            await h.grant("phone", ["msg.send"], limits=ROOMY)
 
         def letter(letter_id: str, tseq: int, text: str) -> Letter:
             return Letter(id=letter_id, sender=phone.identity.peer_id, recipient=home.identity.peer_id,
