@@ -13,7 +13,8 @@ work leaves the daemon:
         imports trafilatura, then caps its own address space at what it uses plus
         `extract_memory_bytes` (RLIMIT_AS); reads one request, answers, reads the next
 
-A child that runs out of memory answers with an error and exits; one that overruns the
+A child that runs out of memory (a MemoryError, or its peak address space at the cap:
+libxml2 fails quietly there) answers with an error and exits; one that overruns the
 deadline is killed; one that grew past `extract_memory_bytes / 2` and kept it is retired
 after its answer. Each way the page costs a child, the daemon keeps its memory, and the
 asker gets a clean error (`too_large`, `timeout`). HTML over `max_html_bytes` is cut
@@ -21,7 +22,8 @@ there before it is handed over (the body cap, `max_body_bytes`, is what is read)
 
 Frames on the child's stdin and stdout: a 4-byte big-endian length, then msgpack:
 request {body: bin, media_type: str, charset: str | nil}, answer {title, text} or
-{error: str, memory: bool}; then one more frame, {rss: int}, the child's resident bytes.
+{error: str, memory: bool}; then one more frame, {rss: int}, the bytes the child's resident
+size grew by since it started (past `extract_memory_bytes / 2` it is retired).
 """
 from __future__ import annotations
 
@@ -48,6 +50,7 @@ log = logging.getLogger("psymesh.web.extract")
 HTML_TYPES = frozenset({"text/html", "application/xhtml+xml"})
 _LENGTH = struct.Struct(">I")
 MAX_ANSWER = 64 * 1024 * 1024  # a child's answer frame (the text of a page cut at max_html_bytes)
+CAP_MARGIN = 4 * 1024 * 1024    # a child whose address space came this close to its cap met it
 
 
 def readable_text(body: bytes, media_type: str, charset: str | None) -> tuple[str, str]:
@@ -133,7 +136,7 @@ class Extractors:
         self._idle.clear()
 
     def children(self) -> list[int]:
-        """The pids of the children alive now (for tests and `psymesh status`-like views)."""
+        """The pids of the children alive now (tests look)."""
         return [child.process.pid for child in self._all]
 
     async def text(self, body: bytes, media_type: str, charset: str | None) -> tuple[str, str]:
@@ -199,6 +202,19 @@ def _address_space() -> int | None:
         return None
 
 
+def _peak_address_space() -> int | None:
+    """The most address space this process has held (VmPeak): libxml2 meeting the cap fails
+    quietly (a cut tree, an empty text) rather than raising, so reaching it is the sign."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmPeak:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 def _read(stream: BinaryIO, n: int) -> bytes | None:
     data = b""
     while len(data) < n:
@@ -220,9 +236,10 @@ def main(argv: list[str]) -> int:
     memory_bytes = int(argv[1])
     import trafilatura  # noqa: F401  (loaded before the cap, which is on what pages add)
 
-    base = _address_space()
-    if base is not None:  # Linux; elsewhere RLIMIT_AS is not enforced and the deadline stands alone
-        resource.setrlimit(resource.RLIMIT_AS, (base + memory_bytes, base + memory_bytes))
+    base, resident = _address_space(), _resident_bytes()
+    cap = None if base is None else base + memory_bytes
+    if cap is not None:  # Linux; elsewhere RLIMIT_AS is not enforced and the deadline stands alone
+        resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     while True:
         header = _read(stdin, _LENGTH.size)
@@ -234,6 +251,9 @@ def main(argv: list[str]) -> int:
         try:
             request = msgpack.unpackb(data, raw=False)
             title, text = readable_text(request["body"], request["media_type"], request["charset"])
+            peak = _peak_address_space()
+            if cap is not None and peak is not None and peak >= cap - CAP_MARGIN:
+                raise MemoryError  # it met the cap: what came back may be cut short
             answer: dict[str, object] = {"title": title, "text": text}
         except MemoryError:
             answer = {"error": "out of memory", "memory": True}
@@ -241,7 +261,7 @@ def main(argv: list[str]) -> int:
             answer = {"error": repr(exc)[:300], "memory": False}
         try:
             _write(stdout, answer)
-            _write(stdout, {"rss": _resident_bytes()})
+            _write(stdout, {"rss": _resident_bytes() - resident})
         except MemoryError:
             return 1
         if "error" in answer:
