@@ -74,7 +74,8 @@ CREATE TABLE IF NOT EXISTS msg_threads (
     PRIMARY KEY (sender, thread)
 );
 """
-# Columns added after the first release: (name, definition), added to older databases on open.
+# Columns added after the first release: (name, definition), added to older databases on open;
+# then the indexes that count a sender's held and released letters (its shares).
 _INBOX_COLUMNS = (("size", "INTEGER NOT NULL DEFAULT 0"),      # bytes of the stored letter
                   ("skipped", "INTEGER NOT NULL DEFAULT 0"))   # tseqs before it that never came
 
@@ -130,6 +131,9 @@ class MessageStore:
                     conn.execute(f"ALTER TABLE msg_inbox ADD COLUMN {name} {definition}")
                     if name == "size":
                         conn.execute("UPDATE msg_inbox SET size = length(letter)")
+            conn.execute("CREATE INDEX IF NOT EXISTS msg_inbox_held ON msg_inbox(sender, size) WHERE release_seq IS NULL")
+            conn.execute("CREATE INDEX IF NOT EXISTS msg_inbox_kept ON msg_inbox(sender, size)"
+                         " WHERE release_seq IS NOT NULL")
             conn.execute("INSERT OR IGNORE INTO msg_threads (sender, thread, released_upto)"
                          " SELECT sender, thread, MAX(tseq) FROM msg_inbox WHERE release_seq IS NOT NULL"
                          " GROUP BY sender, thread")
@@ -217,24 +221,29 @@ class MessageStore:
             base = self._last_released()
             self._expire(now)
             taken: dict[tuple[str, str, int], Letter] = {}
+            runs: dict[tuple[str, str], int] = {}  # per thread: the last tseq that will be released
             for letter in letters:
-                problem = self._conflict(letter, taken)
-                if problem is None and (letter.sender, letter.thread, letter.tseq) in taken:
-                    continue  # the same letter twice in one batch
-                if problem is None and self._released_upto(letter.sender, letter.thread) >= letter.tseq:
-                    if self._by_id(letter.sender, letter.id) is None:
+                thread = (letter.sender, letter.thread)
+                known = self._by_id(letter.sender, letter.id)
+                problem = self._conflict(letter, known, taken)
+                if problem is None and ((*thread, letter.tseq) in taken or known is not None):
+                    continue  # the same letter again (in this batch, or stored before): nothing to do
+                if problem is None:
+                    run = runs[thread] if thread in runs else self._released_upto(*thread)
+                    if letter.tseq <= run:
                         problem = PsymeshError(
                             f"letter {letter.id}: place {letter.tseq} of thread {letter.thread!r} was given up "
                             f"after its successors waited {self.settings.held_s:g} s for it ([inbox] held_s)",
                             code=ErrorCode.EXPIRED)
-                if problem is None and self._held_share_full(letter):
-                    problem = self._held_share_refusal()
+                    elif letter.tseq == run + 1:
+                        runs[thread] = letter.tseq  # continues its thread: never held (the usual case)
+                    elif self._held_share_full(letter):
+                        problem = self._held_share_refusal()
                 if problem is not None:
                     refused[letter.id] = problem
                     continue
                 taken[letter.sender, letter.thread, letter.tseq] = letter
-                if self._by_id(letter.sender, letter.id) is None:
-                    fresh.append(letter)
+                fresh.append(letter)
             self.conn.executemany(
                 "INSERT INTO msg_inbox (id, sender, thread, tseq, letter, received_at, size) VALUES (?, ?, ?, ?, ?, ?, ?)",
                 [(letter.id, letter.sender, letter.thread, letter.tseq, js, now, len(js))
@@ -268,12 +277,13 @@ class MessageStore:
             f" release_seq IS {'' if held else 'NOT '}NULL", (sender,)).fetchone()
         return row[0], row[1]
 
-    def _conflict(self, letter: Letter, taken: dict[tuple[str, str, int], Letter]) -> PsymeshError | None:
-        """Why `letter` may not be stored because another letter has its id or place, if so."""
+    def _conflict(self, letter: Letter, row: sqlite3.Row | None,
+                  taken: dict[tuple[str, str, int], Letter]) -> PsymeshError | None:
+        """Why `letter` may not be stored because another letter has its id (`row`, the one
+        stored under it) or its place, if so."""
         earlier = taken.get((letter.sender, letter.thread, letter.tseq))
         if earlier is not None:
             return None if earlier == letter else _conflict(letter, f"letter {earlier.id} has its place")
-        row = self._by_id(letter.sender, letter.id)
         if row is not None:
             if row["letter"] != letter.model_dump_json():
                 return _conflict(letter, "another letter was stored under this id")
@@ -328,8 +338,6 @@ class MessageStore:
     def _held_share_full(self, letter: Letter) -> bool:
         """Whether `letter`, which would wait behind a gap, finds its sender's share full (so it
         is refused before a page is written; `_over_held_share` settles the exact count)."""
-        if self._released_upto(letter.sender, letter.thread) + 1 == letter.tseq:
-            return False
         count, size = self.share(letter.sender, held=True)
         return count >= self.settings.held_letters or size >= self.settings.held_bytes
 
