@@ -961,7 +961,8 @@ def _letter_line(m: c.InboxLetter) -> str:
     when = time.strftime("%H:%M:%S", time.localtime(m.received_at))
     where = f"group {m.group}" if m.group else m.thread
     kind = "" if m.kind.value == "send" else f"[{m.kind.value}] "
-    return f"{m.seq:>5} {when} {m.sender_name} ({where}): {kind}{m.text}"
+    gap = f"[{m.skipped} earlier letter(s) never came] " if m.skipped else ""
+    return f"{m.seq:>5} {when} {m.sender_name} ({where}): {gap}{kind}{m.text}"
 
 
 @msg.command("inbox")

@@ -11,7 +11,7 @@ connection; streaming calls open a connection of their own.
 Requests carry secrets (an invite string is a bearer credential), so before sending
 anything the client makes sure it talks to its owner's daemon: the socket must be
 a socket owned by us, in a directory only we may enter, and (on Linux) the process
-listening on it must run as us (SO_PEERCRED). Not root either: psymesh never runs
+listening on it must run as us (SO_PEERCRED; LOCAL_PEERCRED on BSD/macOS). Not root either: psymesh never runs
 a daemon as one user for another user's home, so a root-owned listener is not ours.
 """
 from __future__ import annotations
@@ -21,7 +21,6 @@ import os
 import secrets
 import socket
 import stat
-import struct
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
@@ -33,7 +32,7 @@ import anyio.abc
 from pydantic import ValidationError
 
 from psymesh.node.framed import AnyioByteStream, FramedStream
-from psymesh.node.home import SOCKET_DIR_ADVICE, NodeHome, check_private_dir, os_error
+from psymesh.node.home import SOCKET_DIR_ADVICE, NodeHome, check_private_dir, os_error, socket_peer
 from psymesh.protocol import control as c
 from psymesh.protocol.errors import ErrorCode, PsymeshError, RemoteError
 from psymesh.protocol.framing import DEFAULT_MAX_FRAME_SIZE
@@ -53,16 +52,6 @@ class NotOurDaemon(PsymeshError):
     """Something other than our own daemon holds the control socket path; nothing was sent to it."""
 
     default_code = ErrorCode.FORBIDDEN
-
-
-def _peer_uid_pid(sock: socket.socket) -> tuple[int, int] | None:
-    """(uid, pid) of the process at the other end of a Unix socket, where the OS tells
-    (Linux SO_PEERCRED); None elsewhere, where the socket's owner and directory checks stand alone."""
-    if not hasattr(socket, "SO_PEERCRED"):
-        return None
-    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    pid, uid, _gid = struct.unpack("3i", creds)
-    return uid, pid
 
 
 MAX_IDLE_CONNECTIONS = 4
@@ -115,9 +104,9 @@ class Client:
 
     def _check_listener(self, raw: anyio.abc.SocketStream) -> None:
         """After connecting, before sending: the listening process must run as us."""
-        peer = _peer_uid_pid(raw.extra(anyio.abc.SocketAttribute.raw_socket))
+        peer = socket_peer(raw.extra(anyio.abc.SocketAttribute.raw_socket))
         if peer is not None and peer[0] != os.geteuid():
-            raise self._not_ours(f"the process listening on it (pid {peer[1]}) runs as uid {peer[0]}, "
+            raise self._not_ours(f"the process listening on it (pid {peer[1] or '?'}) runs as uid {peer[0]}, "
                                  f"not as you (uid {os.geteuid()})")
 
     async def _open(self) -> FramedStream:

@@ -111,7 +111,7 @@ class Node:
         self.mailbox = Mailbox(self.identity.peer_id, mail_store, self.trust, self.config.mail)
         self.gate = Gate(self.identity.peer_id, self.trust, self.audit, queue=executor_store, mailbox=self.mailbox)
         self.p2p = P2PNode(self.identity.seed, self.config.listen, allow_peer=self.gate.allow_connection)
-        self.control = ControlServer(home.socket_path, self.config.max_frame_size)
+        self.control = ControlServer(home.socket_path, self.config.max_frame_size, refused=self._control_refused)
         self.sessions = SessionPool(self.open_peer_stream, ids.SESSION, self.config.max_frame_size,
                                     Liveness(self.config.liveness_probe_s, self.p2p.disconnect), path=self.p2p.path)
         self.relaying = Relaying(self.identity, self.config.relay, self.p2p, self.trust, self.sessions)
@@ -135,7 +135,7 @@ class Node:
                                      agent_runner=self.agents)
         self.submitter = TaskSubmitter(local_peer_id=self.identity.peer_id, outbox=Outbox(self.db), trust=self.trust,
                                        sessions=self.sessions)
-        self.messaging = Messaging(self.identity, MessageStore(self.db), self.trust, self.sessions,
+        self.messaging = Messaging(self.identity, MessageStore(self.db, self.config.inbox), self.trust, self.sessions,
                                    door=self.gate.admit_each,
                                    mail=MailSender(self.identity.peer_id, mail_store, self.trust, self.sessions,
                                                    self.mailbox), grace_s=self.config.mail.grace_s)
@@ -289,6 +289,12 @@ class Node:
             await anyio.sleep_forever()
 
     # -- outbound -------------------------------------------------------------------
+    def _control_refused(self, uid: int, pid: int | None) -> None:
+        """A local process of another uid opened the control socket: one audit row."""
+        self.audit.record(f"uid:{uid}", "control", "connect", False, ErrorCode.FORBIDDEN.value,
+                          f"a process of uid {uid} (pid {pid if pid is not None else '?'}) is not this "
+                          f"daemon's owner (uid {self.control.uid})")
+
     async def open_peer_stream(self, peer: str, protocol: str) -> P2PStream:
         """Open `protocol` to a multiaddr (…/p2p/<id>), or to a paired peer by id or name."""
         if peer.startswith("/"):

@@ -22,7 +22,10 @@ import errno
 import functools
 import hashlib
 import os
+import socket
 import stat
+import struct
+import sys
 import tempfile
 import tomllib
 from dataclasses import dataclass
@@ -40,6 +43,7 @@ from psymesh.protocol.errors import ErrorCode, PsymeshError
 from psymesh.protocol.framing import DEFAULT_MAX_FRAME_SIZE
 from psymesh.protocol.identity import fingerprint, peer_id_from_public_key
 from psymesh.protocol.mailbox import MailSettings
+from psymesh.protocol.messaging import InboxSettings
 from psymesh.protocol.relay import RelaySettings
 from psymesh.protocol.strangers import StrangerLimits
 from psymesh.node.websettings import WebSettings
@@ -65,6 +69,25 @@ _HOME_ADVICE = "use a directory of your own (--home)"
 # A socket dir that is not ours is in the shared runtime or temp dir: route around it.
 SOCKET_DIR_ADVICE = ("remove it (it may be someone impersonating your daemon), or give the node a shorter "
                      "home path so its socket lives in the home, or set XDG_RUNTIME_DIR to a directory of your own")
+
+
+_SOL_LOCAL, _LOCAL_PEERCRED = 0, 1  # macOS and the BSDs (<sys/un.h>): a struct xucred
+
+
+def socket_peer(sock: socket.socket) -> tuple[int, int | None] | None:
+    """(uid, pid or None) of the process at the other end of a Unix socket: Linux's
+    `SO_PEERCRED`, or `LOCAL_PEERCRED` on macOS and the BSDs (what `getpeereid()` reads; it
+    tells no pid); None where the OS tells neither. The client asks it of the daemon, the
+    daemon of each client (node/control.py)."""
+    if hasattr(socket, "SO_PEERCRED"):
+        creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        pid, uid, _gid = struct.unpack("3i", creds)
+        return uid, pid
+    if sys.platform == "darwin" or "bsd" in sys.platform:
+        xucred = sock.getsockopt(_SOL_LOCAL, _LOCAL_PEERCRED, struct.calcsize("IiH16i"))
+        version, uid = struct.unpack_from("Ii", xucred)
+        return (uid, None) if version == 0 else None
+    return None
 
 
 def check_private_dir(path: Path, what: str, advice: str = _HOME_ADVICE) -> None:
@@ -230,6 +253,9 @@ class NodeConfig(BaseModel):
     # [mail]: how long a sender waits before using a recipient's mailbox; what this node,
     # as a mailbox, holds for each sender and for how long.
     mail: MailSettings = Field(default_factory=MailSettings)
+    # [inbox]: what each sender's letters may take of this node's inbox (held behind a gap,
+    # released), and how long a gap is waited for (protocol/messaging.py).
+    inbox: InboxSettings = Field(default_factory=InboxSettings)
     # [relay]: relay for paired peers granted `relay` (off by default), and the relays this
     # node keeps a reservation at, to be reached from anywhere (protocol/relay.py).
     relay: RelaySettings = Field(default_factory=RelaySettings)

@@ -506,6 +506,9 @@ class InboxLetter(Message):
     received_at: float
     reply_to: str | None = None
     group: str | None = None
+    # Letters of this thread before this one that never came: their place was given up after
+    # the letters behind them had waited `[inbox] held_s` (0: none skipped).
+    skipped: int = 0
 
 
 class MsgSendRequest(Message):

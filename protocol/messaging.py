@@ -193,6 +193,21 @@ class MsgReceipts(Message):
     results: list[LetterResult] = Field(max_length=MAX_BATCH)
 
 
+class InboxSettings(BaseModel):
+    """config.toml `[inbox]`: what one sender's letters may take of this node's inbox.
+    Sized so that a phone's disk is safe from each paired sender (8 MiB held, 64 MiB kept)
+    and an honest sender never meets them: its courier has at most 256 letters (about
+    4 MiB) in flight, so a gap it leaves holds no more than that."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    held_letters: int = Field(default=256, ge=1, le=1_000_000)           # held behind a gap, per sender
+    held_bytes: int = Field(default=8 * 1024 * 1024, ge=64 * 1024, le=4 * 1024 ** 3)
+    held_s: float = Field(default=86_400.0, ge=1.0, le=365 * 86_400.0)   # then the gap is given up
+    kept_letters: int = Field(default=4096, ge=1, le=10_000_000)         # released, per sender (oldest go)
+    kept_bytes: int = Field(default=64 * 1024 * 1024, ge=64 * 1024, le=64 * 1024 ** 3)
+
+
 # -- the receiver's ordering rule ------------------------------------------------------------
 def releasable(held: Iterable[int], released_upto: int) -> list[int]:
     """Given the tseqs held (stored, not yet released) for one (sender, thread) and the last
