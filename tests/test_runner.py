@@ -188,6 +188,55 @@ async def test_a_crash_in_a_peers_task_leaves_the_node_serving(tmp_path: Path, t
             assert outcome.code == ErrorCode.BAD_REQUEST.value and "token references" in outcome.message
 
 
+@pytest.mark.anyio
+async def test_an_ask_and_an_a2a_message_run_the_real_model_to_an_end(tmp_path: Path, tiny_model: Path) -> None:
+    """The README's `msg ask` and an A2A `message/send` from the key holder, on the tiny
+    model with default settings (no ban_bytes): each ends with an answer, whatever the
+    random weights write, and the node serves on (tests/test_invalid_utf8.py does the same
+    for `agent run`, a delegated goal and tool_choice="required")."""
+    import asyncio
+    import uuid
+
+    from a2a.types import a2a_pb2 as a2a
+    import httpx
+    from a2a.client import A2ACardResolver, ClientConfig, create_client
+
+    from psymesh.node.bridgeconfig import A2AServe, ServeSettings
+
+    key_file = tmp_path / "a2a.key"
+    key_file.write_text("runner-test-key-0123456789\n")
+    key_file.chmod(0o600)
+    serve = ServeSettings(a2a=A2AServe(enabled=True, port=0, api_key_file=str(key_file)))
+    async with run_nodes(tmp_path, "home", "phone", profiles={"phone": "phone"},
+                         configs={"home": {"serve": serve}}) as nodes:
+        nodes["home"].models.registry.add("tiny", tiny_model, n_ctx=16384, n_threads=1)
+        await pair(tmp_path / "home", tmp_path / "phone")
+        async with Client(tmp_path / "phone") as phone:
+            for seed in (1, 2):
+                answer = await phone.ask("home", "turn on wifi", params={"seed": seed, "max_steps": 2},
+                                         timeout=240)
+                assert answer.sender_name == "home" and "ok" in answer.body, answer
+        url = nodes["home"].a2a.url  # type: ignore[union-attr]
+
+        async def send() -> a2a.Task:
+            async with httpx.AsyncClient(headers={"Authorization": "Bearer runner-test-key-0123456789"},
+                                         timeout=240) as http:
+                card = await A2ACardResolver(http, url).get_agent_card()
+                c = await create_client(card, client_config=ClientConfig(httpx_client=http, streaming=False))
+                msg = a2a.Message(role=a2a.ROLE_USER, message_id=str(uuid.uuid4()),
+                                  parts=[a2a.Part(text="turn on wifi")])
+                msg.metadata.update({"max_steps": 2})
+                [response] = [r async for r in c.send_message(a2a.SendMessageRequest(message=msg))]
+                return response.task
+
+        with anyio.fail_after(300):
+            task = await anyio.to_thread.run_sync(lambda: asyncio.run(send()))
+        assert task.status.state in (a2a.TASK_STATE_COMPLETED, a2a.TASK_STATE_FAILED,
+                                     a2a.TASK_STATE_INPUT_REQUIRED), task.status
+        async with Client(tmp_path / "phone") as phone:
+            assert len((await phone.ping("home", count=1)).rtts_ms) == 1
+
+
 async def _cli(home: Path, *args: str) -> tuple[int, str, str]:
     done = await anyio.run_process([sys.executable, "-m", "psymesh", *args, "--home", str(home)], check=False,
                                    cwd=REPO)
