@@ -30,7 +30,7 @@ import anyio
 import anyio.abc
 
 from psymesh.node.framed import READ_CHUNK, ByteStream
-from psymesh.protocol.common import Error
+from psymesh.protocol.common import Error, expect
 from psymesh.protocol.errors import (
     ConnectionLost,
     ErrorCode,
@@ -39,7 +39,7 @@ from psymesh.protocol.errors import (
     PsymeshError,
     RemoteError,
 )
-from psymesh.protocol.messages import Message, expect
+from psymesh.protocol.messages import Message
 from psymesh.protocol.session import Cancel, Refused, Reply, Request, SessionClient, SessionServer
 
 log = logging.getLogger("psymesh.session")
