@@ -26,8 +26,8 @@ only exactly or by `*`. Hosts are compared lowercase, in IDNA (punycode) form, w
 a trailing dot. Whether an allowed host resolves to a private address is the fetcher's
 concern, not the manifest's.
 
-The signature covers a canonical msgpack encoding: map keys sorted, `None` fields
-left out, no floats (timestamps are integer seconds). Unknown fields are rejected
+The signature covers a canonical msgpack encoding (protocol/signing.py): map keys
+sorted, `None` fields left out, no floats (timestamps are integer seconds). Unknown fields are rejected
 rather than ignored, since an ignored field could be a restriction.
 
 On `/psymesh/manifest/1.0.0` the issuer hands its subject the current grant
