@@ -859,6 +859,8 @@ def _spelled_arguments(expected: ExpectedCall, spec: ToolSpec, language: str) ->
 
 @dataclass(frozen=True)
 class CategoryScore:
+    """How one category scored: `correct` of `cases` (BFCL's runs and our own suite alike)."""
+
     category: str
     cases: int
     correct: int

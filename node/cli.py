@@ -1520,7 +1520,7 @@ def eval_cmd(home: str | None, out: Output, cases: str | None, model_name: str |
 
     report = run_async(go)
     data = {"model": name, "cases": report.total, "passed": report.passed, "accuracy": report.accuracy,
-            "categories": {c: {"cases": s.total, "passed": s.passed, "accuracy": s.accuracy}
+            "categories": {c: {"cases": s.cases, "passed": s.correct, "accuracy": s.accuracy}
                            for c, s in report.categories.items()}}
     out.data(data, lambda con: con.print(format_report(report)))
 

@@ -37,7 +37,8 @@ from psymesh.protocol import control as c
 from psymesh.protocol.errors import ErrorCode, PsymeshError, RemoteError
 from psymesh.protocol.framing import DEFAULT_MAX_FRAME_SIZE
 from psymesh.protocol.limits import Limits
-from psymesh.protocol.messages import Message, expect
+from psymesh.protocol.common import expect
+from psymesh.protocol.messages import Message
 from psymesh.protocol.tasks import Outcome, TaskEvent
 from psymesh.protocol.web import DEFAULT_PAGE_CHARS, WebFetch, WebPage, WebResults, WebSearch
 

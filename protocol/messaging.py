@@ -32,24 +32,19 @@ for ever; the sender's app sees the refusal.
 """
 from __future__ import annotations
 
-from typing import Any
-
-import msgpack
 from collections.abc import Iterable
 from enum import StrEnum
-from typing import Annotated, Self
+from typing import Annotated, ClassVar, Self
 
-from cryptography.exceptions import InvalidSignature
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from psymesh.protocol.errors import ErrorCode, PsymeshError
-from psymesh.protocol.identity import peer_id_from_public_key, public_key_from_peer_id
+from psymesh.protocol.identity import public_key_from_peer_id
 from psymesh.protocol.manifest import Operation
 from psymesh.protocol.messages import Message
+from psymesh.protocol.signing import Signed, canonical_encode
 from psymesh.protocol.tasks import JsonMap
 
-_SIGNING_CONTEXT = b"psymesh/letter/v1\x00"
 MAX_TEXT = 64 * 1024
 MAX_THREAD = 128
 LetterId = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]*$")]
@@ -62,8 +57,12 @@ class LetterKind(StrEnum):
     ANSWER = "answer"
 
 
-class Letter(BaseModel):
+class Letter(Signed, BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", ser_json_bytes="base64", val_json_bytes="base64")
+    signing_context: ClassVar[bytes] = b"psymesh/letter/v1\x00"
+    signer_field: ClassVar[str] = "sender"
+    signer_role: ClassVar[str] = "sender"
+    signing_floats: ClassVar[bool] = True  # `body` is free-form JSON: its floats are float64
 
     id: LetterId
     sender: str
@@ -88,25 +87,6 @@ class Letter(BaseModel):
             raise ValueError(exc.message) from None
         return value
 
-    def signing_bytes(self) -> bytes:
-        """What the sender signs: a context string, then the letter without its signature as
-        msgpack with every map's keys sorted, nil fields left out and floats as float64."""
-        return _SIGNING_CONTEXT + msgpack.packb(_sorted(self.model_dump(mode="python", exclude={"signature"},
-                                                                        exclude_none=True)), use_bin_type=True)
-
-    def sign(self, key: Ed25519PrivateKey) -> Self:
-        if peer_id_from_public_key(key.public_key().public_bytes_raw()) != self.sender:
-            raise ValueError("the signing key is not the sender's key")
-        return self.model_copy(update={"signature": key.sign(self.signing_bytes())})
-
-    def signature_valid(self) -> bool:
-        key = Ed25519PublicKey.from_public_bytes(public_key_from_peer_id(self.sender))
-        try:
-            key.verify(self.signature, self.signing_bytes())
-        except InvalidSignature:
-            return False
-        return True
-
     def stub(self) -> Self:
         """The withdrawn stand-in for this letter: same place in its thread, nothing in it.
         (Unsigned: sign it again.)"""
@@ -115,20 +95,12 @@ class Letter(BaseModel):
 
     @property
     def payload_bytes(self) -> int:
-        return len(self.text.encode()) + len(msgpack.packb(_sorted(self.body), use_bin_type=True))
+        return len(self.text.encode()) + len(canonical_encode(self.body, floats=True))
 
     def operation(self) -> Operation:
         """What the recipient's manifest must allow (an `answer` is a kind of `send`)."""
         name = "msg.ask" if self.kind is LetterKind.ASK else "msg.send"
         return Operation(name=name, payload_bytes=self.payload_bytes)
-
-
-def _sorted(obj: Any) -> Any:
-    if isinstance(obj, dict):
-        return {key: _sorted(obj[key]) for key in sorted(obj)}
-    if isinstance(obj, (list, tuple)):
-        return [_sorted(item) for item in obj]
-    return obj
 
 
 def check_letter(letter: Letter, *, sender: str, local_peer_id: str) -> None:
