@@ -100,6 +100,7 @@ from psymesh.agent.loop import AgentModel, tool_call_text
 from psymesh.protocol.errors import ErrorCode, PsymeshError
 
 if TYPE_CHECKING:
+    from psymesh.agent.bfcl_format import FormatSensitivity
     from psymesh.agent.bfcl_multiturn import MultiTurnCase, WebRoute
 
 __all__ = [
@@ -145,13 +146,12 @@ def _vector_memory_installed() -> bool:
 
 MEMORY_CATEGORIES = ("memory_kv", "memory_rec_sum", *(("memory_vector",) if _vector_memory_installed() else ()))
 WEB_CATEGORIES = ("web_search_base", "web_search_no_snippet")  # through this node's web route, not BFCL's API
-CATEGORIES = (*SINGLE_TURN_CATEGORIES, *MULTI_TURN_CATEGORIES, *MEMORY_CATEGORIES, *WEB_CATEGORIES)
+FORMAT_SENSITIVITY = "format_sensitivity"  # BFCL's prompting formats (agent/bfcl_format.py); scored in no summary
+CATEGORIES = (*SINGLE_TURN_CATEGORIES, *MULTI_TURN_CATEGORIES, *MEMORY_CATEGORIES, *WEB_CATEGORIES, FORMAT_SENSITIVITY)
 # BFCL v4 categories this harness does not run, and why (the report names them).
 NOT_RUN = {
     **({} if "memory_vector" in MEMORY_CATEGORIES else {
         "memory_vector": "its backend needs sentence-transformers and faiss (not installed) and an embedding model"}),
-    "format_sensitivity": "re-asks the non-live cases in BFCL's prompting formats; our models are asked "
-                          "through their chat template's tool calls",
 }
 OMITTABLE = ""  # among a parameter's values in the ground truth: the parameter may be left out
 PYTHON, JAVA, JAVASCRIPT = "python", "java", "javascript"
@@ -543,6 +543,9 @@ class BfclCase:
     # What the checker reads calls against (the tools, for Python; for Java and
     # JavaScript the docs with their own types, which the model sees as strings).
     check_tools: tuple[ToolSpec, ...] = ()
+    # format_sensitivity: BFCL's prompt config (the functions and the reply format are in
+    # the system turn, no tools are offered, the reply is decoded in that format).
+    prompt_format: str = ""
 
     @property
     def wants_call(self) -> bool | None:
@@ -655,10 +658,12 @@ def load_bfcl(directory: str | Path | None = None, categories: Sequence[str] = (
     if not chosen:
         raise BfclDataError(f"{directory} holds none of the BFCL files {FILE_PREFIX}<category>.json "
                             f"for {', '.join(CATEGORIES)}", code=ErrorCode.NOT_FOUND)
+    from psymesh.agent.bfcl_format import load_format_sensitivity
     from psymesh.agent.bfcl_multiturn import load_memory, load_multi_turn, load_web_search
 
     return [case for c in chosen
             for case in (load_multi_turn(directory, c, limit) if c in MULTI_TURN_CATEGORIES
+                         else load_format_sensitivity(limit) if c == FORMAT_SENSITIVITY
                          else load_memory(c, limit) if c in MEMORY_CATEGORIES
                          else load_web_search(c, limit) if c in WEB_CATEGORIES
                          else _load_category(directory, c, limit))]
@@ -717,6 +722,10 @@ def _readings(calls: list[ToolCall], literal: list[ToolCall], limit: int = 64) -
 
 def score_reply(case: BfclCase, text: str) -> BfclResult:
     """Score one raw reply as BFCL would."""
+    if case.prompt_format:
+        from psymesh.agent.bfcl_format import score_format_reply
+
+        return score_format_reply(case, text)
     if case.wants_call is not None:
         reply = parse_reply(text)  # a well-formed call to any function, offered or not, counts
         calls = list(reply.tool_calls)
@@ -783,7 +792,12 @@ def _oracle_arguments(expected: ExpectedCall, spec: ToolSpec) -> dict[str, Any]:
 
 def oracle_reply(case: BfclCase) -> str:
     """The reply a perfect model writes: the ground truth's first acceptable answer, each
-    call in the Qwen3.5 tool-call form; plain text where no function fits."""
+    call in the Qwen3.5 tool-call form (format_sensitivity: in the case's prompt format);
+    plain text where no function fits."""
+    if case.prompt_format:
+        from psymesh.agent.bfcl_format import format_oracle_reply
+
+        return format_oracle_reply(case)
     if case.wants_call:  # BFCL's relevance check asks for any well-formed call
         return tool_call_text(case.tools[0].name, {})
     if case.expected is None:
@@ -952,6 +966,12 @@ class BfclReport:
                 "irrelevance": irrelevance, "relevance": Summary("relevance", *_score_fields(sc("live_relevance"))),
                 "multi_turn": multi_turn, "web_search": web, "memory": memory, "agentic": agentic}
 
+    def format_sensitivity(self) -> FormatSensitivity | None:
+        """BFCL's format_sensitivity statistics (per config; max delta, variance, std)."""
+        from psymesh.agent.bfcl_format import format_sensitivity
+
+        return format_sensitivity(self.results)
+
     def data(self) -> dict[str, Any]:
         """The report as JSON-ready data (--json)."""
         return {
@@ -960,6 +980,7 @@ class BfclReport:
             "summaries": {k: {"accuracy": v.accuracy, "total_count": v.total_count, "complete": v.complete}
                           for k, v in self.summaries().items()},
             "not_run": {c: why for c, why in NOT_RUN.items()},
+            **({"format_sensitivity": fs.header_fields()} if (fs := self.format_sensitivity()) else {}),
             "notes": [_web_note()] if any(c in self.categories for c in WEB_CATEGORIES) else [],
             "cases": len(self.results),
             "correct": sum(r.passed for r in self.results),
@@ -972,7 +993,9 @@ class BfclReport:
         JSON lines, a header {accuracy, correct_count, total_count} then one entry per failure."""
         out = {}
         for c, s in self.categories.items():
-            lines: list[dict[str, Any]] = [{"accuracy": s.accuracy, "correct_count": s.correct, "total_count": s.cases}]
+            lines: list[dict[str, Any]] = [{"accuracy": s.accuracy, "correct_count": s.correct, "total_count": s.cases,
+                                            **(fs.header_fields() if c == FORMAT_SENSITIVITY and
+                                               (fs := self.format_sensitivity()) else {})}]
             lines += [{"id": r.id, "model_name": model_name, "test_category": c, "valid": False,
                        "error": [r.reason], "error_type": r.kind, "model_result_raw": r.reply}
                       for r in self.results if r.category == c and not r.passed]
@@ -1042,11 +1065,16 @@ def format_bfcl_report(report: BfclReport) -> str:
     lines = [f"{'category':<{width}}  cases  correct  accuracy"]
     for s in report.categories.values():
         lines.append(f"{s.category:<{width}}  {s.cases:>5}  {s.correct:>7}  {s.accuracy:>8.1%}")
+    fs = report.format_sensitivity()
+    if fs is not None:
+        lines.append(f"{'':<{width}}  format sensitivity over {len(fs.by_config)} prompt formats: max delta "
+                     f"{fs.max_delta:.2f}, std {fs.std:.2f} (points; in no summary, as in BFCL)")
     lines += ["", "BFCL summaries (N/A: a category in it was not run; BFCL counts it as 0):"]
     for s in report.summaries().values():
         shown = s.display if s.complete else f"{s.display} (not all of its categories ran; those count 0)"
         lines.append(f"  {s.name:<12} {shown}")
-    lines.append("not run: " + ", ".join(NOT_RUN))
+    if NOT_RUN:
+        lines.append("not run: " + ", ".join(NOT_RUN))
     if any(c in report.categories for c in WEB_CATEGORIES):
         lines.append(f"note: {_web_note()}")
     return "\n".join(lines) + "\n"
@@ -1089,6 +1117,17 @@ def write_score_files(report: BfclReport, directory: Path, model_name: str) -> l
     path.write_text(",".join(["Model", *cols]) + "\n" + ",".join([model_name, *(sums[k].display for k in keys)]) + "\n",
                     encoding="utf-8")
     written.append(path)
+    fs = report.format_sensitivity()
+    if fs is not None:  # BFCL's data_format_sensitivity.csv: its columns, its 26 configs in its order
+        from psymesh.agent.bfcl_format import all_configs
+
+        configs = all_configs()
+        path = directory / "data_format_sensitivity.csv"
+        cells = [f"{k / n * 100:.2f}%" if n else "N/A" for k, n in (fs.by_config.get(c, (0, 0)) for c in configs)]
+        path.write_text(",".join(["Rank", "Model", "Format Sensitivity Max Delta", "Format Sensitivity Standard Deviation",
+                                  *(f"Config {c}" for c in configs)]) + "\n"
+                        + ",".join(["1", model_name, str(fs.max_delta), str(fs.std), *cells]) + "\n", encoding="utf-8")
+        written.append(path)
     return written
 
 
