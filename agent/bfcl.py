@@ -19,8 +19,12 @@ folder in BFCL's layout. What runs:
   BFCL's fixed search API, so the results, and scores, differ from BFCL's (the report
   says so); judged by ``agentic_checker``.
 
-Not run (:data:`NOT_RUN` says why; BFCL's summaries count them 0, as BFCL does):
-memory_vector and format sensitivity.
+* format_sensitivity (:mod:`.bfcl_format`): 200 of these AST cases in BFCL's 26
+  system-prompt formats, asked as BFCL asks a prompting model, each reply read by
+  bfcl-eval's own decoder for its format, judged by the checker below.
+
+Not run (:data:`NOT_RUN` says why; BFCL's summaries count it 0, as BFCL does):
+memory_vector, where sentence-transformers and faiss are not installed.
 
 What is bfcl-eval's own code here: the multi-turn and memory backends, executor, loader
 (memory) and checkers, and the Java/JavaScript type converters (they import only the
@@ -73,7 +77,10 @@ if it does with its string parameters read either way (a JSON-writing model is r
 unambiguously by BFCL). Seven ground truths fail BFCL's own checker (five in live: a
 required parameter left out, or an undeclared one given; two in Java: an ArrayList of
 ``any`` whose truth holds 42 and true, which BFCL's converter reads as strings), so no
-oracle passes them; the tests show it with BFCL's checker.
+oracle passes them; the tests show it with BFCL's checker. In format_sensitivity one
+right answer is lost by BFCL's own JSON decoder (simple_python_96, whose truth holds a list
+of objects: ``parse_json_function_call`` cuts the reply at the first ``}]``), so the
+oracle fails it in the six JSON formats; the tests show that with BFCL's decoder.
 
 Scores are per category (correct / cases) and BFCL's summaries as its
 ``generate_leaderboard_csv`` computes them (:meth:`BfclReport.summaries`), with the v4
@@ -1020,18 +1027,22 @@ async def run_bfcl(
     thinking: bool = False,
     on_result: Callable[[BfclResult], Awaitable[None]] | None = None,
     web: WebRoute | None = None,
+    prompting: AgentModel | None = None,
 ) -> BfclReport:
     """Ask `model` each case in turn and score its reply (a multi-turn case: its whole
     conversation). `model` None is the oracle: each case answered with its ground truth,
     written as a model writes calls. `web`: the route web_search's calls take (this node's;
-    see bfcl_multiturn.WEB_NOTE). A model error fails that case only."""
+    see bfcl_multiturn.WEB_NOTE). `prompting`: the model asked format_sensitivity's cases
+    (default `model`): the same model without the tool grammar, since a prompting model
+    writes the format its system turn asks for, <TOOLCALL> and XML included, which the tool
+    grammar's plain answer cannot hold. A model error fails that case only."""
     with tempfile.TemporaryDirectory(prefix="psymesh-bfcl-") as workdir:  # a run's memory snapshots
-        return await _run(cases, model, thinking, on_result, Path(workdir), web)
+        return await _run(cases, model, thinking, on_result, Path(workdir), web, prompting or model)
 
 
 async def _run(cases: Iterable[BfclCase | MultiTurnCase], model: AgentModel | None, thinking: bool,
                on_result: Callable[[BfclResult], Awaitable[None]] | None, workdir: Path,
-               web: WebRoute | None) -> BfclReport:
+               web: WebRoute | None, prompting: AgentModel | None) -> BfclReport:
     from psymesh.agent.bfcl_multiturn import MultiTurnCase, oracle_model, run_multi_turn_case
 
     results = []
@@ -1047,7 +1058,8 @@ async def _run(cases: Iterable[BfclCase | MultiTurnCase], model: AgentModel | No
                 await on_result(result)
             continue
         try:
-            text = oracle_reply(case) if model is None else await model.reply(case.messages, case.tools,
+            asked = prompting if case.prompt_format else model
+            text = oracle_reply(case) if asked is None else await asked.reply(case.messages, case.tools,
                                                                               thinking=thinking)
         except PsymeshError as exc:
             result = BfclResult(case.id, case.category, False, "model_error", f"model error: {exc}", "", [])

@@ -499,7 +499,8 @@ async def test_a_prompting_model_s_replies_are_scored_per_format_as_bfcl_summari
     python = next(c for c in cases if c.prompt_format.startswith("ret_fmt=python&tool_call_tag=False"))
     # A model that always answers in python, untagged: right where that is what was asked.
     model = ScriptedModel([oracle_reply(python)] * len(cases))
-    report = await run_bfcl(cases, model)
+    # asked as `prompting` (the CLI: the same model without the tool grammar), not as `model`
+    report = await run_bfcl(cases, ScriptedModel([]), prompting=model)
     assert all(tools == () for _, tools in model.seen)
     assert [m[0].content for m, _ in model.seen] == [c.messages[0].content for c in cases]
     passed = {r.id.split(":")[1] for r in report.results if r.passed}
