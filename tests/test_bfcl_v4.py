@@ -64,8 +64,9 @@ def _unreadable(case: Any) -> bool:
 
 
 @pytest.fixture(scope="module")
-def all_cases() -> dict[str, list[Any]]:
-    return {c: load_bfcl(None, [c]) for c in CATEGORIES}
+def all_cases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[Any]]:
+    encoder = tmp_path_factory.mktemp("encoder")  # memory_vector's (bfcl-vector extra): not the user's cache
+    return {c: load_bfcl(None, [c], encoder_cache=encoder) for c in CATEGORIES}
 
 
 @pytest.fixture(scope="module")
