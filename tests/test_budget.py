@@ -90,6 +90,23 @@ async def test_a_flood_of_refusals_costs_the_refused_not_the_disk(tmp_path: Path
         assert grown <= 1 * MB  # the issue saw ~3.7 MB per second of this
 
 
+async def test_the_audit_log_keeps_at_most_its_rows(tmp_path: Path) -> None:
+    """Allowed requests are one row each: past [storage] audit_max_rows the oldest go (checked
+    every 1,000 rows written), while the peer is served."""
+    storage = StorageSettings(audit_max_rows=1000)
+    async with run_nodes(tmp_path, "home", "peer", configs={"home": {"storage": storage}}) as nodes:
+        home, peer = nodes["home"], nodes["peer"]
+        await pair(home.home.path, peer.home.path)
+        async with Client(home.home.path) as h:
+            await h.grant("peer", ["tool:system.info"], set_limits={"requests_per_minute": 1_000_000})
+        for seq in range(2100):  # bounded: 2,100 allowed pings (untrimmed, more than the bound below)
+            await peer.sessions.request(home.identity.peer_id, Ping(seq=seq), Pong, timeout=10)
+        rows = home.audit.query(peer_id=peer.identity.peer_id, limit=10_000)
+        total = home.db.execute("SELECT count(*) FROM audit").fetchone()[0]
+        assert rows[-1]["operation"] == "ping" and rows[-1]["allowed"]  # the newest is kept
+        assert total <= 1000 + 1000  # the bound, and the rows written since the last trim
+
+
 async def test_the_wal_stays_small_under_a_sustained_write_load(tmp_path: Path) -> None:
     """Commits without a pause (PASSIVE checkpoints never catch up with those): the WAL is
     truncated once past [storage] wal_max_bytes, so it stays within a bound during the load
