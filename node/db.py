@@ -90,6 +90,9 @@ def _private_db_file(path: Path) -> None:
 # What a reset WAL is cut back to (`PRAGMA journal_size_limit`), and the size past which the
 # checkpointer stops being polite (TRUNCATE instead of PASSIVE): [storage] wal_max_bytes.
 WAL_MAX_BYTES = 4 * 1024 * 1024
+# Statements that may write (what `on_write` hears of; an empty BEGIN ... COMMIT, as a housekeeping
+# loop runs every second, writes nothing and wakes nobody).
+_WRITES = ("INSERT", "UPDATE", "DELETE", "REPLACE", "CREATE", "DROP", "ALTER", "WITH")
 
 
 def open_db(path: Path | str, *, background_checkpoints: bool = False, wal_max_bytes: int = WAL_MAX_BYTES,
@@ -104,7 +107,7 @@ def open_db(path: Path | str, *, background_checkpoints: bool = False, wal_max_b
     `background_checkpoints`: this connection never checkpoints the WAL itself (a
     checkpoint syncs the database file: a stall of milliseconds in the middle of some
     request); the owner runs `Checkpointer` beside it instead. `on_write`: called (on the
-    thread that runs it) as every statement but a SELECT starts, so the checkpointer and
+    thread that runs it) as every statement that may write starts, so the checkpointer and
     `WalSync` learn that there is something to do without polling."""
     path = Path(path)
     conn: sqlite3.Connection | None = None
@@ -126,7 +129,7 @@ def open_db(path: Path | str, *, background_checkpoints: bool = False, wal_max_b
         raise storage_error(exc, path) from None
     if on_write is not None:
         def trace(sql: str) -> None:
-            if sql[:6].upper() != "SELECT":
+            if sql.lstrip()[:7].upper().startswith(_WRITES):
                 on_write()
 
         conn.set_trace_callback(trace)
@@ -179,6 +182,7 @@ class Checkpointer:
         self.checkpoints = 0  # how many ran (tests and `status` read it)
         self._wrote = threading.Event()
         self._stop = threading.Event()
+        self._checkpointed: tuple[int, int] | None = None  # the WAL's (size, mtime) after the last checkpoint
 
     def wrote(self) -> None:
         """Something was written (any thread): a checkpoint is due once the writes settle."""
@@ -210,9 +214,17 @@ class Checkpointer:
                 if not self._wrote.is_set() or time.monotonic() >= give_up or self.wal_bytes() > self.wal_max_bytes:
                     break
             try:
-                self.checkpoint()
+                if self._wal_state() != self._checkpointed and self.checkpoint():  # else: nothing was written
+                    self._checkpointed = self._wal_state()
             except (sqlite3.Error, OSError) as exc:  # a full disk, say: the WAL grows; the node keeps serving
                 log.warning("WAL checkpoint failed: %s", storage_error(exc, self.path).message)
+
+    def _wal_state(self) -> tuple[int, int]:
+        try:
+            st = os.stat(f"{self.path}-wal")
+        except FileNotFoundError:
+            return (0, 0)
+        return (st.st_size, st.st_mtime_ns)
 
     def wal_bytes(self) -> int:
         try:
@@ -220,19 +232,23 @@ class Checkpointer:
         except FileNotFoundError:
             return 0
 
-    def checkpoint(self) -> None:
-        """One checkpoint now: PASSIVE, or TRUNCATE when the WAL is past `wal_max_bytes`."""
+    def checkpoint(self) -> bool:
+        """One checkpoint now: PASSIVE, or TRUNCATE when the WAL is past `wal_max_bytes`.
+        Returns whether it copied the whole WAL back (else it runs again after the next settle)."""
         conn = sqlite3.connect(str(self.path), timeout=self.busy_s, isolation_level=None)
         try:
             conn.execute(f"PRAGMA journal_size_limit={int(self.wal_max_bytes)}")
             mode = "TRUNCATE" if self.wal_bytes() > self.wal_max_bytes else "PASSIVE"
-            busy, _, _ = conn.execute(f"PRAGMA wal_checkpoint({mode})").fetchone()
-            if busy and mode == "TRUNCATE":
-                log.info("WAL checkpoint (TRUNCATE) could not finish: a reader or writer stayed busy; retrying")
-                self._wrote.set()  # try again after the next settle
+            busy, frames, copied = conn.execute(f"PRAGMA wal_checkpoint({mode})").fetchone()
             self.checkpoints += 1
         finally:
             conn.close()
+        done = not busy and copied >= frames
+        if not done:
+            log.debug("WAL checkpoint (%s) did not finish (%d of %d frames); again after the next settle",
+                      mode, copied, frames)
+            self._wrote.set()
+        return done
 
 
 class WalSync:
