@@ -38,7 +38,8 @@ CREATE TABLE IF NOT EXISTS audit (
     operation TEXT NOT NULL,
     allowed   INTEGER NOT NULL,
     code      TEXT,
-    reason    TEXT NOT NULL DEFAULT ''
+    reason    TEXT NOT NULL DEFAULT '',
+    count     INTEGER NOT NULL DEFAULT 1  -- identical refusals within the window, counted here
 );
 CREATE INDEX IF NOT EXISTS audit_peer_ts ON audit(peer_id, ts);
 """
@@ -65,23 +66,24 @@ class AuditLog:
                  coalesce_s: float = 60.0, max_rows: int = MAX_ROWS) -> None:
         self.conn = conn
         ensure_schema(conn, SCHEMA)
-        if "count" not in {r["name"] for r in conn.execute("PRAGMA table_info(audit)")}:
+        if "count" not in {r["name"] for r in conn.execute("PRAGMA table_info(audit)")}:  # a node.db from before
             conn.execute("ALTER TABLE audit ADD COLUMN count INTEGER NOT NULL DEFAULT 1")
         self.flush_s = flush_ms / 1000
         self.batch_rows = batch_rows
         self.coalesce_s = coalesce_s
         self.max_rows = max_rows
-        self.flushes = 0  # transactions written (benches and tests read it)
         self._pending: list[_Row] = []          # rows (new, or with a new count) not yet written
         self._windows: dict[tuple[str, str, str, str | None], _Row] = {}  # the open row of each refusal kind
         self._due: anyio.Event | None = None    # set when a batch is waiting; None: no writer running
         self._loop_thread: int | None = None
         self._written = 0
+        self._latest = 0.0  # the latest decision's time
 
     def record(self, peer_id: str, protocol: str, operation: str, allowed: bool, code: str | None = None,
                reason: str = "", now: float | None = None) -> bool:
         """One decision. Returns False when it was counted into an open row (a repeated refusal)."""
         now = time.time() if now is None else now
+        self._latest = max(self._latest, now)
         key = (peer_id, protocol, operation, code)
         if not allowed:
             open_row = self._windows.get(key)
@@ -127,9 +129,8 @@ class AuditLog:
                 else:
                     self.conn.execute("UPDATE audit SET count = ? WHERE id = ?", (row.count, row.id))
                 row.dirty = False
-        self.flushes += 1
         if self._windows:
-            horizon = time.time() - self.coalesce_s
+            horizon = self._latest - self.coalesce_s  # by the decisions' clock (the gate's `now`)
             self._windows = {k: r for k, r in self._windows.items() if r.ts >= horizon}
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
