@@ -26,7 +26,6 @@ the node really listens; nothing is spawned and forgotten.
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import time
 from collections.abc import Awaitable, Callable
@@ -40,7 +39,7 @@ from psymesh.node.agents import AgentTaskRunner, node_tools
 from psymesh.node.answering import Answering
 from psymesh.node.audit import AuditLog
 from psymesh.node.control import ControlServer
-from psymesh.node.db import Checkpointer, WalSync, open_db
+from psymesh.node.db import SYNC_FILE, Checkpointer, WalSync, open_db
 from psymesh.node.executor import TaskExecutor
 from psymesh.node.framed import FramedStream
 from psymesh.node.gate import Gate
@@ -96,7 +95,7 @@ class Node:
     REVOCATION_NOTICE_S = 2.0  # `psymesh revoke` waits at most this long for the peer to take the notice
 
     def __init__(self, home: NodeHome, config: NodeConfig | None = None, *,
-                 fsync: Callable[[int], None] = os.fsync) -> None:
+                 fsync: Callable[[int], None] = SYNC_FILE) -> None:
         """`fsync`: how the WAL is synced before a durable answer (a test traces it)."""
         self.home = home
         self.identity = home.init()
