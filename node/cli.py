@@ -235,77 +235,94 @@ def serve() -> None:
     """Serve this node's models (OpenAI) or its agent (A2A) to apps that speak another API."""
 
 
+def _serve_options(section: Literal["openai", "a2a"], default_port: int, env: str) -> Callable[..., Any]:
+    """The options `serve openai` and `serve a2a` share. `--api-key` is kept hidden only to
+    refuse it with the ways that replace it."""
+
+    def wrap(f: Callable[..., Any]) -> Callable[..., Any]:
+        for option in reversed([
+            click.option("--host", default=None, help=f"Address to bind (default: [serve.{section}] host, 127.0.0.1)."),
+            click.option("--port", type=click.IntRange(0, 65535), default=None,
+                         help=f"Port (default: [serve.{section}] port, {default_port}; 0: any free port, logged at "
+                              "start)."),
+            click.option("--api-key-file", type=click.Path(dir_okay=False, exists=True), default=None,
+                         help=f"A file (mode 0600) holding the key clients send as `Authorization: Bearer KEY`. "
+                              f"Default: ${env} if set, else [serve.{section}] api_key_file, else "
+                              f"<home>/{section}.key, made on first use."),
+            # Gone: a command line is readable by every local user (/proc/PID/cmdline).
+            click.option("--api-key", "api_key_given", default=None, hidden=True),
+            click.option("--show-key", is_flag=True, help="Print the key (making it if there is none yet) and exit."),
+            click.option("--save", is_flag=True, help=f"Also write these settings to config.toml ([serve.{section}] "
+                                                      "enabled), so `node start` serves it from now on."),
+            click.option("--log-json", is_flag=True, help="Log one JSON object per line (stderr)."),
+        ]):
+            f = option(f)
+        return f
+
+    return wrap
+
+
 @serve.command("openai")
 @command
-@click.option("--host", default=None, help="Address to bind (default: [serve.openai] host, 127.0.0.1).")
-@click.option("--port", type=click.IntRange(0, 65535), default=None,
-              help="Port (default: [serve.openai] port, 8080; 0: any free port, logged at start).")
-@click.option("--api-key", envvar="PSYMESH_OPENAI_API_KEY", default=None,
-              help="Key clients must send as `Authorization: Bearer KEY` (also $PSYMESH_OPENAI_API_KEY; a command "
-                   "line is visible to other local users, a key file is not).")
-@click.option("--api-key-file", type=click.Path(dir_okay=False, exists=True), default=None,
-              help="A file holding the key.")
-@click.option("--save", is_flag=True, help="Also write these settings to config.toml ([serve.openai] enabled), so "
-                                           "`node start` serves the endpoint from now on.")
-@click.option("--log-json", is_flag=True, help="Log one JSON object per line (stderr).")
-def serve_openai(home: str | None, out: Output, host: str | None, port: int | None, api_key: str | None,
-                 api_key_file: str | None, save: bool, log_json: bool) -> None:
+@_serve_options("openai", 8080, "PSYMESH_OPENAI_API_KEY")
+def serve_openai(home: str | None, out: Output, host: str | None, port: int | None, api_key_file: str | None,
+                 api_key_given: str | None, show_key: bool, save: bool, log_json: bool) -> None:
     """Run the node in the foreground with its OpenAI-compatible endpoint on, until SIGINT/SIGTERM.
 
     Models are this node's (`tiny`) and, as `PEER/MODEL` (`home/tiny`), those of paired
-    peers that granted this node task.infer. A daemon already running for this home keeps
-    running without it: stop it first, or set [serve.openai] enabled = true and restart it.
+    peers that granted this node task.infer. Clients need the key (--show-key prints it).
+    A daemon already running for this home keeps running without it: stop it first, or
+    set [serve.openai] enabled = true and restart it.
     """
-    _serve_foreground(home, "openai", host, port, api_key, api_key_file, save, log_json)
+    _serve_foreground(home, out, "openai", host, port, api_key_file, api_key_given, show_key, save, log_json)
 
 
 @serve.command("a2a")
 @command
-@click.option("--host", default=None, help="Address to bind (default: [serve.a2a] host, 127.0.0.1).")
-@click.option("--port", type=click.IntRange(0, 65535), default=None,
-              help="Port (default: [serve.a2a] port, 8081; 0: any free port, logged at start).")
-@click.option("--api-key", envvar="PSYMESH_A2A_API_KEY", default=None,
-              help="Key clients must send as `Authorization: Bearer KEY` (also $PSYMESH_A2A_API_KEY; a command "
-                   "line is visible to other local users, a key file is not).")
-@click.option("--api-key-file", type=click.Path(dir_okay=False, exists=True), default=None,
-              help="A file holding the key.")
-@click.option("--save", is_flag=True, help="Also write these settings to config.toml ([serve.a2a] enabled), so "
-                                           "`node start` serves the agent from now on.")
-@click.option("--log-json", is_flag=True, help="Log one JSON object per line (stderr).")
-def serve_a2a(home: str | None, out: Output, host: str | None, port: int | None, api_key: str | None,
-              api_key_file: str | None, save: bool, log_json: bool) -> None:
+@_serve_options("a2a", 8081, "PSYMESH_A2A_API_KEY")
+def serve_a2a(home: str | None, out: Output, host: str | None, port: int | None, api_key_file: str | None,
+              api_key_given: str | None, show_key: bool, save: bool, log_json: bool) -> None:
     """Run the node in the foreground with its agent served over A2A, until SIGINT/SIGTERM.
 
     The agent card is at /.well-known/agent-card.json; a message runs this node's agent
-    with its tools (irreversible ones refused). A daemon already running for this home
-    keeps running without it: stop it first, or set [serve.a2a] enabled = true and restart it.
+    with its tools (irreversible ones refused). Clients need the key (--show-key prints
+    it). A daemon already running for this home keeps running without it: stop it first,
+    or set [serve.a2a] enabled = true and restart it.
     """
-    _serve_foreground(home, "a2a", host, port, api_key, api_key_file, save, log_json)
+    _serve_foreground(home, out, "a2a", host, port, api_key_file, api_key_given, show_key, save, log_json)
 
 
-def _serve_foreground(home: str | None, section: Literal["openai", "a2a"], host: str | None, port: int | None,
-                      api_key: str | None, api_key_file: str | None, save: bool, log_json: bool) -> None:
-    """`node start` with [serve.SECTION] turned on for this run (and saved with --save)."""
-    from pydantic import SecretStr
-
+def _serve_foreground(home: str | None, out: Output, section: Literal["openai", "a2a"], host: str | None,
+                      port: int | None, api_key_file: str | None, api_key_given: str | None, show_key: bool,
+                      save: bool, log_json: bool) -> None:
+    """`node start` with [serve.SECTION] turned on for this run (and saved with --save);
+    or, with --show-key, the key clients need."""
+    from psymesh.node.apikey import load_api_key
+    from psymesh.node.bridgeconfig import A2AServe, OpenAIServe
     from psymesh.node.daemon import Node
     from psymesh.node.logs import setup_logging
 
+    if api_key_given is not None:
+        env = {"openai": OpenAIServe, "a2a": A2AServe}[section].KEY_ENV
+        raise PsymeshError(f"--api-key is gone: a command line is readable by every local user (/proc/PID/cmdline); "
+                           f"put the key in a file (mode 0600) and use --api-key-file FILE, or set ${env}",
+                           code=ErrorCode.BAD_REQUEST)
     node_home = NodeHome(home)
     node_home.init()
     config = node_home.load_config()
+    current = getattr(config.serve, section)
     given = {"host": host, "port": port,
              "api_key_file": str(Path(api_key_file).resolve()) if api_key_file else None}
-    settings = getattr(config.serve, section).model_copy(
-        update={"enabled": True, **{k: v for k, v in given.items() if v is not None}})
-    if save:
-        if api_key:
-            raise PsymeshError("--save keeps no key given on the command line; put it in a file (mode 0600) and "
-                               "use --api-key-file", code=ErrorCode.BAD_REQUEST)
-        node_home.save_config(config.model_copy(update={"serve": config.serve.model_copy(update={section: settings})}))
-    if api_key:
-        settings = settings.model_copy(update={"api_key": SecretStr(api_key)})
+    settings = current.model_copy(update={"enabled": True, **{k: v for k, v in given.items() if v is not None}})
+    if show_key:
+        key = load_api_key(settings, node_home, os.environ)
+        out.data({"key": key.value, "source": key.source}, lambda con: con.print(escape(key.value)))
+        if not out.json_mode:
+            out.hint(f"from {key.source}")
+        return
     config = config.model_copy(update={"serve": config.serve.model_copy(update={section: settings})})
+    if save:
+        node_home.save_config(config)
     setup_logging(json_lines=log_json or config.log_json)
     run_async(Node(node_home, config).run)
 

@@ -26,9 +26,10 @@ the node really listens; nothing is spawned and forgotten.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING
 
 import anyio
@@ -37,6 +38,7 @@ import anyio.abc
 from psymesh.discovery.service import Discovery
 from psymesh.node.agents import AgentTaskRunner, node_tools
 from psymesh.node.answering import Answering
+from psymesh.node.apikey import load_api_key
 from psymesh.node.audit import AuditLog
 from psymesh.node.control import ControlServer
 from psymesh.node.db import Checkpointer, open_db
@@ -94,7 +96,9 @@ Service = Callable[[Call], Awaitable[Message]]
 class Node:
     REVOCATION_NOTICE_S = 2.0  # `psymesh revoke` waits at most this long for the peer to take the notice
 
-    def __init__(self, home: NodeHome, config: NodeConfig | None = None) -> None:
+    def __init__(self, home: NodeHome, config: NodeConfig | None = None, *,
+                 environ: Mapping[str, str] = os.environ) -> None:
+        """`environ`: where the bridges' keys may come from ($PSYMESH_OPENAI_API_KEY, ...)."""
         self.home = home
         self.identity = home.init()
         self.config = config or home.load_config()
@@ -149,12 +153,13 @@ class Node:
         if self.config.serve.openai.enabled:
             from psymesh.node.openai_api import OpenAIEndpoint
 
-            self.openai = OpenAIEndpoint(self, self.config.serve.openai)
+            self.openai = OpenAIEndpoint(self, self.config.serve.openai,
+                                         load_api_key(self.config.serve.openai, home, environ))
         self.a2a: A2AEndpoint | None = None
         if self.config.serve.a2a.enabled:
             from psymesh.node.a2a_api import A2AEndpoint
 
-            self.a2a = A2AEndpoint(self, self.config.serve.a2a)
+            self.a2a = A2AEndpoint(self, self.config.serve.a2a, load_api_key(self.config.serve.a2a, home, environ))
         self._root: anyio.CancelScope | None = None
         self._tg: anyio.abc.TaskGroup | None = None
         self._register_services()

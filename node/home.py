@@ -124,6 +124,23 @@ def private_opener(path: str | os.PathLike[str], flags: int) -> int:
     return os.open(path, flags | os.O_NOFOLLOW, 0o600)
 
 
+def read_secret_file(path: Path) -> bytes:
+    """The bytes of a key file, refused (one line with the `chmod 600` to run) if others may
+    read it: a key they could read may already be copied, so it is not quietly tightened.
+    The mode is checked on the open file, so a file swapped after the check is not read.
+    FileNotFoundError passes through (callers create the file); other OSErrors too."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise PsymeshError(f"{path} is not a regular file", code=ErrorCode.BAD_REQUEST)
+        mode = stat.S_IMODE(st.st_mode)
+        if mode & 0o077:
+            raise PsymeshError(f"{path} is readable by others (mode {mode:o}); run: chmod 600 {path}",
+                               code=ErrorCode.FORBIDDEN)
+        return f.read()
+
+
 def os_error(exc: OSError, path: Path) -> PsymeshError:
     """An OSError on a home's file as one clear sentence: what failed and what to do."""
     reason = exc.strerror or str(exc)
@@ -229,9 +246,13 @@ class NodeConfig(BaseModel):
 
 @dataclass(frozen=True)
 class Identity:
-    """A node's Ed25519 key. The peer id and fingerprint are derived from the public key."""
+    """A node's Ed25519 key. The peer id and fingerprint are derived from the public key.
+    Its repr names the peer id only: a traceback that prints locals must not print the seed."""
 
     seed: bytes
+
+    def __repr__(self) -> str:
+        return f"Identity(peer_id={self.peer_id!r})"
 
     # Derived once: every letter signed or checked reads them (a key load and a base58
     # encode each time cost a tenth of a daemon's time in bench/messaging.py).
@@ -355,7 +376,7 @@ class NodeHome:
 
     def load_or_create_identity(self) -> Identity:
         try:
-            seed = self.key_path.read_bytes()
+            seed = read_secret_file(self.key_path)
         except FileNotFoundError:
             seed = Ed25519PrivateKey.generate().private_bytes(
                 serialization.Encoding.Raw, serialization.PrivateFormat.Raw, serialization.NoEncryption()
@@ -377,12 +398,6 @@ class NodeHome:
             raise os_error(exc, self.key_path) from None
         if len(seed) != 32:
             raise PsymeshError(f"{self.key_path} is not a 32-byte Ed25519 seed", code=ErrorCode.BAD_REQUEST)
-        mode = self.key_path.stat().st_mode & 0o777
-        if mode & 0o077:
-            raise PsymeshError(
-                f"{self.key_path} is readable by others (mode {mode:o}); run: chmod 600 {self.key_path}",
-                code=ErrorCode.FORBIDDEN,
-            )
         return Identity(seed)
 
     def load_config(self) -> NodeConfig:
