@@ -5,6 +5,7 @@ import sqlite3
 import time
 
 from psymesh.node.db import ensure_schema
+from psymesh.node.notify import Pulse
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS audit (
@@ -27,6 +28,7 @@ class AuditLog:
         self.conn = conn
         ensure_schema(conn, SCHEMA)
         self._writes = 0
+        self.pulse: Pulse | None = None  # fired at each row (the dashboard's live audit view)
 
     def record(self, peer_id: str, protocol: str, operation: str, allowed: bool, code: str | None = None,
                reason: str = "", now: float | None = None) -> None:
@@ -35,6 +37,8 @@ class AuditLog:
             (time.time() if now is None else now, peer_id, protocol, operation, int(allowed), code, reason[:500]),
         )
         self._writes += 1
+        if self.pulse is not None:
+            self.pulse.fire()
         if self._writes % 1000 == 0:
             self.conn.execute("DELETE FROM audit WHERE id <= (SELECT MAX(id) FROM audit) - ?", (MAX_ROWS,))
 

@@ -1,0 +1,528 @@
+"""The dashboard: the node in a browser, served by the daemon itself (docs/ui.md).
+
+    GET  /login?token=T       trades the token `psymesh ui` prints for the session cookie
+    GET  /                    overview: identity, reachability, doctor's findings, peers
+    GET  /pair                invite (QR as SVG, code, string, expiry), join by code, LAN
+    GET  /peers               each peer's grant as boxes to tick; revoke; what it grants us
+    GET  /activity            the audit log (filters: peer, decision, capability), tasks, letters
+    GET  /tasks/{id}          a delegated task's events; approve / deny when it asks; cancel
+    GET  /agent               a goal for the node's agent (delegated per policy)
+    GET  /models              loaded models (`model ps`), keep-alive, add from a path
+    GET  /events?view=PATH    server-sent events: PATH's live region, re-rendered when
+                              anything happens (a task event, a letter, an audit row)
+    POST ...                  forms, each with the CSRF token
+
+Every request passes node/httpguard.py first (Host allow-list against DNS rebinding, no
+cross-site Origin, the token or the HttpOnly SameSite=Strict cookie, the CSRF token on
+every request with a body). What the pages do, they do through the owner's control
+handlers (node/owner.py, `ControlServer.call`): a grant, an approval (`task.input`), a
+letter are the very requests the CLI sends. Pages are jinja2 with autoescape on: letters,
+task results, page text and peer names came from peers or the web and are shown as text.
+The Content-Security-Policy allows only this daemon's own script and style (no inline
+code), no frames, no form posts elsewhere; nothing is loaded from the internet.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import hmac
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, TypeVar
+from urllib.parse import urlencode
+
+import anyio
+import anyio.abc
+import jinja2
+import segno
+from starlette.applications import Starlette
+from starlette.datastructures import FormData
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, RedirectResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from psymesh.node.apikey import ApiKey
+from psymesh.node.bridgeconfig import UiServe
+from psymesh.node.client import new_task_id
+from psymesh.node.httpguard import AllowedHosts, GuardRules, HttpGuard, Refusal, SessionRules
+from psymesh.node.openai_api import _os_error
+from psymesh.protocol import control as c
+from psymesh.protocol.errors import ErrorCode, PsymeshError, RemoteError
+from psymesh.protocol.manifest import PRESETS
+from psymesh.protocol.messages import Message, expect
+from psymesh.protocol.tasks import TaskKind, TaskSpec, TaskState
+
+if TYPE_CHECKING:
+    from psymesh.node.daemon import Node
+
+log = logging.getLogger("psymesh.ui")
+
+R = TypeVar("R", bound=Message)
+COOKIE = "psymesh_ui"
+HERE = Path(__file__).resolve().parent / "ui"
+# same-origin, not no-referrer: under no-referrer Chromium sends `Origin: null` with a form's
+# POST, which the door (rightly) refuses as cross-origin.
+CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; connect-src 'self'; "
+       "form-action 'self'; frame-ancestors 'none'; base-uri 'none'")
+SECURITY_HEADERS = {"Content-Security-Policy": CSP, "X-Content-Type-Options": "nosniff",
+                    "Referrer-Policy": "same-origin", "X-Frame-Options": "DENY", "Cache-Control": "no-store"}
+AUDIT_ROWS = 100          # rows the activity page shows
+LIVE_MIN_INTERVAL_S = 0.05  # at most 20 re-renders a second per open page, however busy the node
+LIVE_KEEPALIVE_S = 15.0   # a comment line this often, so a dead browser is noticed
+PAGES = (("/", "Overview"), ("/pair", "Pair"), ("/peers", "Peers"), ("/activity", "Activity"),
+         ("/agent", "Agent"), ("/models", "Models"))
+
+
+def _derived(key: str, purpose: str) -> str:
+    """A secret for `purpose` derived from the token: the cookie and the CSRF token never
+    show the token itself, and change with it."""
+    return hmac.new(key.encode(), f"psymesh-ui:{purpose}".encode(), hashlib.sha256).hexdigest()
+
+
+def session_rules(key: str) -> SessionRules:
+    return SessionRules(cookie=COOKIE, value=_derived(key, "session"), csrf=_derived(key, "csrf"))
+
+
+def _when(ts: float | None) -> str:
+    return "" if ts is None else time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts))
+
+
+def _refused(refusal: Refusal) -> Response:
+    """A request the door refused: a short page (the check is its code), no app involved."""
+    body = (f"<!doctype html><title>refused</title><h1>{refusal.status} {refusal.check.value}</h1>"
+            f"<p>{jinja2.utils.markupsafe.escape(refusal.message)}</p>")
+    return HTMLResponse(body, status_code=refusal.status, headers={**SECURITY_HEADERS, **refusal.headers})
+
+
+@dataclass
+class PairRun:
+    """An invite made on the Pair page, and what became of it (the verification words)."""
+
+    invite: c.PairInviteReply
+    qr_svg: str
+    outcome: c.PairedReply | None = None
+    error: str | None = None
+
+
+@dataclass
+class Flash:
+    """The one-line result of the last form, shown on the page it returns to."""
+
+    text: str
+    ok: bool = True
+
+
+@dataclass
+class _State:
+    pair_runs: dict[str, PairRun] = field(default_factory=dict)   # invite code -> its run
+    joined: c.PairedReply | None = None
+
+
+class Dashboard:
+    """The dashboard of one node; `run` serves it in the node's task group."""
+
+    def __init__(self, node: Node, settings: UiServe, key: ApiKey, *, now: Callable[[], float] = time.time) -> None:
+        self.node = node
+        self.settings = settings
+        self.key = key
+        self.now = now
+        self.url: str | None = None  # http://HOST:PORT once listening
+        self.session = session_rules(key.value)
+        self.state = _State()
+        self._tg: anyio.abc.TaskGroup | None = None
+        self.env = jinja2.Environment(loader=jinja2.FileSystemLoader(HERE), autoescape=True,
+                                      undefined=jinja2.StrictUndefined)
+        self.env.filters["when"] = _when
+        routes = Starlette(
+            routes=[Route("/login", self._login, methods=["GET"]),
+                    Route("/logout", self._logout, methods=["POST"]),
+                    Route("/static/{name}", self._static, methods=["GET"]),
+                    Route("/events", self._events, methods=["GET"]),
+                    Route("/", self._page("overview"), methods=["GET"]),
+                    Route("/pair", self._page("pair"), methods=["GET"]),
+                    Route("/pair/invite", self._pair_invite, methods=["POST"]),
+                    Route("/pair/join", self._pair_join, methods=["POST"]),
+                    Route("/peers", self._page("peers"), methods=["GET"]),
+                    Route("/peers/grant", self._grant, methods=["POST"]),
+                    Route("/peers/revoke", self._revoke, methods=["POST"]),
+                    Route("/activity", self._page("activity"), methods=["GET"]),
+                    Route("/letters/send", self._send_letter, methods=["POST"]),
+                    Route("/tasks/{task_id}", self._page("task"), methods=["GET"]),
+                    Route("/tasks/{task_id}/input", self._task_input, methods=["POST"]),
+                    Route("/tasks/{task_id}/cancel", self._task_cancel, methods=["POST"]),
+                    Route("/agent", self._page("agent"), methods=["GET"]),
+                    Route("/agent", self._agent_submit, methods=["POST"]),
+                    Route("/models", self._page("models"), methods=["GET"]),
+                    Route("/models/add", self._model_add, methods=["POST"])],
+            exception_handlers={HTTPException: self._http_error})
+        self.rules = GuardRules(key=key.value, hosts=AllowedHosts.of(settings.host_names()),
+                                public=frozenset({"/login"}), session=self.session)
+        self.app = HttpGuard(routes, self.rules, _refused)
+
+    def login_url(self) -> str:
+        assert self.url is not None
+        return f"{self.url}/login?{urlencode({'token': self.key.value})}"
+
+    async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        from hypercorn.config import Config
+        from hypercorn.trio import serve
+
+        config = Config()
+        host = f"[{self.settings.host}]" if ":" in self.settings.host else self.settings.host
+        config.bind = [f"{host}:{self.settings.port}"]
+        config.accesslog = None
+        config.errorlog = logging.getLogger("psymesh.ui.http")
+        config.graceful_timeout = 1.0
+        failure: PsymeshError | None = None
+        async with anyio.create_task_group() as tg:
+            self._tg = tg
+            try:
+                binds = await tg.start(functools.partial(serve, self.app, config))  # type: ignore[arg-type]
+            except Exception as exc:  # hypercorn's nursery hands a bind failure over in a group
+                failed = _os_error(exc)
+                if failed is None:
+                    raise
+                failure = PsymeshError(f"the dashboard cannot listen on {config.bind[0]}: "
+                                       f"{failed.strerror or failed}; choose another port ([ui] port in "
+                                       "config.toml)", code=ErrorCode.UNAVAILABLE)
+            else:
+                self.url = binds[0]
+                log.info("dashboard at %s (open it with: psymesh ui)", self.url)
+                task_status.started()
+        if failure is not None:  # raised out here, not in a group: the node's start_ui() can tell
+            raise failure
+
+    # -- the owner's control handlers, in this process --------------------------------------
+    async def ask(self, request: Message, reply_type: type[R]) -> R:
+        """One control request, answered by the handler the CLI's would be (node/owner.py)."""
+        try:
+            return expect(await self.node.control.call(request), reply_type)
+        except RemoteError as exc:
+            raise c.raised(exc) from None
+
+    async def stream(self, request: Message, item_type: type[R]) -> list[R]:
+        """A streaming control request that ends (e.g. the inbox without follow): its items."""
+        items: list[R] = []
+
+        async def take(message: Message) -> None:
+            if isinstance(message, item_type):
+                items.append(message)
+
+        expect(await self.node.control.call(request, take), c.Ok)
+        return items
+
+    # -- what each page shows ----------------------------------------------------------------
+    async def _overview(self, request: Request) -> dict:
+        status = await self.ask(c.StatusRequest(), c.StatusReply)
+        doctor = await self.ask(c.DoctorRequest(timeout_s=3.0, dialback=False), c.DoctorReply)
+        peers = await self.ask(c.PeersRequest(include_revoked=False), c.PeersReply)
+        return {"status": status, "doctor": doctor, "peers": peers.peers}
+
+    async def _pair(self, request: Request) -> dict:
+        found = await self.ask(c.DiscoverRequest(wait_s=0.0), c.DiscoverReply)
+        code = request.query_params.get("invite")
+        run = self.state.pair_runs.get(code) if code else None
+        return {"run": run, "joined": self.state.joined, "discovered": found, "presets": sorted(PRESETS),
+                "now": self.now()}
+
+    async def _peers(self, request: Request) -> dict:
+        peers = (await self.ask(c.PeersRequest(include_revoked=True), c.PeersReply)).peers
+        return {"peers": peers, "choices": self.capability_choices(peers)}
+
+    def capability_choices(self, peers: list[c.PeerView]) -> list[str]:
+        """What a person may tick: the presets' capabilities, one per tool and model of this
+        node, messaging and relay, and whatever a peer holds already."""
+        choices = {cap for caps, _ in PRESETS.values() for cap in caps}
+        choices |= {f"tool:{name}" for name in self.node.tools.names()}
+        choices |= {f"task.infer:models={name}" for name in self.node.models.registry.names()}
+        choices |= {"relay", "msg.send", "msg.ask"}
+        for peer in peers:
+            choices |= set(peer.granted)
+        return sorted(choices)
+
+    async def _activity(self, request: Request) -> dict:
+        q = request.query_params
+        peer, decision, cap = q.get("peer") or None, q.get("decision", ""), q.get("cap", "").strip()
+        peers = (await self.ask(c.PeersRequest(include_revoked=True), c.PeersReply)).peers
+        names = {p.peer_id: p.name for p in peers}
+        rows = (await self.ask(c.AuditRequest(peer=peer, limit=1000, denied_only=decision == "denied"),
+                               c.AuditReply)).rows
+        rows = [r for r in reversed(rows) if (decision != "allowed" or r.allowed) and (not cap or cap in r.operation)]
+        tasks = await self.ask(c.TaskListRequest(limit=20), c.TaskListReply)
+        letters = await self.stream(c.MsgInboxRequest(after=0, follow=False), c.InboxLetter)
+        threads: dict[str, list[c.InboxLetter]] = {}
+        for letter in letters[-200:]:
+            threads.setdefault(f"{letter.sender_name} / {letter.thread}", []).append(letter)
+        outbox = [self.node.messaging.store.sent(s.letter.id) for s in self.node.messaging.store.outbox(20)]
+        held = [(p.name, *self.node.mailbox.store.usage(p.peer_id)) for p in peers]
+        return {"rows": rows[:AUDIT_ROWS], "names": names, "peers": peers,
+                "filters": {"peer": peer or "", "decision": decision, "cap": cap},
+                "tasks": tasks, "threads": threads, "outbox": [s for s in outbox if s is not None],
+                "held": [h for h in held if h[1]]}
+
+    async def _task(self, request: Request) -> dict:
+        task_id = request.path_params["task_id"]
+        outbox = self.node.submitter.outbox
+        try:
+            task = outbox.get(task_id)
+        except PsymeshError:
+            raise HTTPException(404, f"no task {task_id} was delegated from this node") from None
+        events = outbox.events_after(task_id, 0, limit=1000)
+        asking = events[-1] if events and events[-1].state is TaskState.INPUT_REQUIRED else None
+        names = {p.peer_id: p.name for p in self.node.trust.list()}
+        return {"task": task, "task_id": task_id, "events": events, "asking": asking,
+                "target": names.get(task.target or "", task.target), "result": outbox.result(task_id)}
+
+    async def _agent(self, request: Request) -> dict:
+        offers = await self.ask(c.OffersRequest(operation="task.agent"), c.OffersReply)
+        return {"offers": offers.offers}
+
+    async def _models(self, request: Request) -> dict:
+        return {"models": await self.models_ps(),
+                "keep_alive_s": self.node.config.models.keep_alive_for(self.node.config.profile)}
+
+    async def models_ps(self) -> list[c.LoadedModel]:
+        """`psymesh model ps`: the one source of the Models page."""
+        return (await self.ask(c.ModelsPsRequest(), c.ModelsPsReply)).models
+
+    _VIEWS: Mapping[str, str] = {"overview": "_overview", "pair": "_pair", "peers": "_peers",
+                                 "activity": "_activity", "task": "_task", "agent": "_agent", "models": "_models"}
+
+    async def render(self, view: str, request: Request, *, live_only: bool = False,
+                     flash: Flash | None = None) -> str:
+        data = await getattr(self, self._VIEWS[view])(request)
+        template = self.env.get_template(f"{view}.html")
+        context = {**data, "csrf": self.session.csrf, "pages": PAGES, "path": request.url.path,
+                   "flash": flash, "node_name": self.node.config.name,
+                   "live_view": request.url.path + (f"?{request.url.query}" if request.url.query else "")}
+        if live_only:
+            return "".join(template.blocks["live"](template.new_context(context)))
+        return template.render(context)
+
+    def _page(self, view: str) -> Callable[[Request], object]:
+        async def page(request: Request) -> Response:
+            flash = None
+            if "ok" in request.query_params or "error" in request.query_params:
+                flash = Flash(request.query_params.get("ok") or request.query_params.get("error", ""),
+                              ok="ok" in request.query_params)
+            return self._html(await self.render(view, request, flash=flash))
+
+        return page
+
+    @staticmethod
+    def _html(body: str, status: int = 200) -> HTMLResponse:
+        return HTMLResponse(body, status_code=status, headers=SECURITY_HEADERS)
+
+    # -- login, static files, live updates ----------------------------------------------------
+    async def _login(self, request: Request) -> Response:
+        given = request.query_params.get("token", "")
+        if given and hmac.compare_digest(given.encode(), self.key.value.encode()):
+            response = RedirectResponse("/", status_code=303, headers=SECURITY_HEADERS)
+            response.set_cookie(COOKIE, self.session.value, httponly=True, samesite="strict", path="/",
+                                secure=False)  # plain http on loopback: Secure would drop it
+            return response
+        template = self.env.get_template("login.html")
+        return self._html(template.render(wrong=bool(given)), status=401 if given else 200)
+
+    async def _logout(self, request: Request) -> Response:
+        response = RedirectResponse("/login", status_code=303, headers=SECURITY_HEADERS)
+        response.delete_cookie(COOKIE, path="/")
+        return response
+
+    async def _static(self, request: Request) -> Response:
+        name = request.path_params["name"]
+        types = {"ui.js": "text/javascript", "ui.css": "text/css"}
+        if name not in types:
+            raise HTTPException(404, "no such file")
+        return Response((HERE / name).read_bytes(), media_type=types[name],
+                        headers={**SECURITY_HEADERS, "Cache-Control": "max-age=60"})
+
+    def _view_of(self, path: str) -> tuple[str, Request]:
+        """The view and a request for the page at `path` (a live region's own page)."""
+        bare, _, query = path.partition("?")
+        params: dict[str, str] = {}
+        if bare == "/":
+            view = "overview"
+        elif bare.startswith("/tasks/") and bare.count("/") == 2:
+            view, params = "task", {"task_id": bare.removeprefix("/tasks/")}
+        else:
+            view = bare.strip("/")
+        if view not in self._VIEWS:
+            raise HTTPException(404, f"no live view {bare}")
+        return view, Request({"type": "http", "path": bare, "method": "GET", "query_string": query.encode(),
+                              "headers": [], "path_params": params})
+
+    async def _events(self, request: Request) -> Response:
+        view, page_request = self._view_of(request.query_params.get("view", "/"))
+        last = request.query_params.get("digest", "")
+
+        async def events() -> AsyncIterator[bytes]:
+            nonlocal last
+            yield b": live\n\n"
+            while True:
+                html = await self.render(view, page_request, live_only=True)
+                digest = hashlib.sha256(html.encode()).hexdigest()[:16]
+                if digest != last:
+                    last = digest
+                    yield b"event: region\n" + b"".join(b"data: " + line.encode() + b"\n"
+                                                        for line in html.split("\n")) + b"\n"
+                with anyio.move_on_after(LIVE_KEEPALIVE_S) as waited:
+                    await self.node.activity.wait()
+                if waited.cancelled_caught:
+                    yield b": keep-alive\n\n"
+                await anyio.sleep(LIVE_MIN_INTERVAL_S)  # a burst becomes one re-render
+
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={**SECURITY_HEADERS, "X-Accel-Buffering": "no"})
+
+    async def _http_error(self, request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        return self._html(self.env.get_template("error.html").render(status=exc.status_code, message=exc.detail),
+                          status=exc.status_code)
+
+    # -- forms ----------------------------------------------------------------------------------
+    @staticmethod
+    def _back(path: str, *, ok: str | None = None, error: str | None = None) -> Response:
+        query = urlencode({"ok": ok} if ok is not None else {"error": error or ""})
+        sep = "&" if "?" in path else "?"
+        return RedirectResponse(f"{path}{sep}{query}", status_code=303, headers=SECURITY_HEADERS)
+
+    async def _form(self, request: Request) -> FormData:
+        return await request.form()
+
+    async def _pair_invite(self, request: Request) -> Response:
+        form = await self._form(request)
+        grant = str(form.get("grant") or "phone")
+        name = str(form.get("name") or "").strip() or None
+        ttl = float(str(form.get("ttl_s") or 600))
+        assert self._tg is not None
+        first: list[c.PairInviteReply] = []
+        got = anyio.Event()
+
+        async def on_invite(message: Message) -> None:
+            if isinstance(message, c.PairInviteReply):
+                first.append(message)
+                got.set()
+
+        async def wait_for_use() -> None:
+            reply = await self.node.control.call(c.PairInviteRequest(name=name, grant=grant, ttl_s=ttl, wait=True),
+                                                 on_invite)
+            if not first:
+                self._fail_invite = str(getattr(reply, "message", "the invite could not be made"))
+                got.set()
+                return
+            run = self.state.pair_runs[first[0].code]
+            if isinstance(reply, c.PairedReply):
+                run.outcome = reply
+            else:
+                run.error = str(getattr(reply, "message", reply.type))
+            self.node.activity.fire()
+
+        self._fail_invite = ""
+        self._tg.start_soon(wait_for_use)
+        await got.wait()
+        if not first:
+            return self._back("/pair", error=self._fail_invite)
+        invite = first[0]
+        qr = segno.make(invite.invite, error="m").svg_inline(scale=3, dark="#111", light="#fff")
+        self.state.pair_runs = {k: v for k, v in self.state.pair_runs.items() if v.invite.expires_at > self.now()}
+        self.state.pair_runs[invite.code] = PairRun(invite=invite, qr_svg=qr)
+        return RedirectResponse(f"/pair?{urlencode({'invite': invite.code})}", status_code=303,
+                                headers=SECURITY_HEADERS)
+
+    async def _pair_join(self, request: Request) -> Response:
+        form = await self._form(request)
+        invite = str(form.get("invite") or "").strip()
+        address = str(form.get("address") or "").strip() or None
+        grant = str(form.get("grant") or "").strip() or None
+        try:
+            self.state.joined = await self.ask(c.PairJoinRequest(invite=invite, address=address, grant=grant),
+                                               c.PairedReply)
+        except (PsymeshError, ValueError) as exc:
+            return self._back("/pair", error=_message(exc))
+        return self._back("/pair", ok=f"paired with {self.state.joined.name}")
+
+    async def _grant(self, request: Request) -> Response:
+        form = await self._form(request)
+        peer = str(form.get("peer") or "")
+        caps = [str(v) for v in form.getlist("cap")]
+        caps += [v.strip() for v in str(form.get("more") or "").split(",") if v.strip()]
+        expires = str(form.get("expires_s") or "").strip()
+        limits = {k: (int(v) if str(v).strip() else None) for k in ("requests_per_minute", "concurrent_tasks")
+                  if (v := form.get(k)) is not None}
+        try:
+            reply = await self.ask(c.GrantRequest(peer=peer, capabilities=caps, expires_s=float(expires) if expires else None,
+                                                  set_limits=limits), c.PeerReply)
+        except (PsymeshError, ValueError) as exc:
+            return self._back("/peers", error=_message(exc))
+        told = "" if reply.delivered else " (it was not reachable; it learns at its next request)"
+        return self._back("/peers", ok=f"{reply.peer.name} may now: {', '.join(reply.peer.granted)}{told}")
+
+    async def _revoke(self, request: Request) -> Response:
+        form = await self._form(request)
+        try:
+            reply = await self.ask(c.RevokeRequest(peer=str(form.get("peer") or "")), c.PeerReply)
+        except (PsymeshError, ValueError) as exc:
+            return self._back("/peers", error=_message(exc))
+        return self._back("/peers", ok=f"revoked {reply.peer.name}; pair again to trust it again")
+
+    async def _send_letter(self, request: Request) -> Response:
+        form = await self._form(request)
+        try:
+            reply = await self.ask(c.MsgSendRequest(to=str(form.get("to") or ""), text=str(form.get("text") or ""),
+                                                    thread=str(form.get("thread") or "main")), c.MsgSentReply)
+        except (PsymeshError, ValueError) as exc:
+            return self._back("/activity", error=_message(exc))
+        return self._back("/activity", ok=f"letter to {reply.letter.recipient_name}: {reply.letter.state}")
+
+    async def _task_input(self, request: Request) -> Response:
+        task_id = request.path_params["task_id"]
+        form = await self._form(request)
+        approve = form.get("approve") == "yes"
+        where = f"/tasks/{task_id}"
+        try:  # the very request `psymesh task respond` and handle.respond() send
+            await self.ask(c.TaskInputRequest(task_id=task_id, data={"approve": approve}), c.Ok)
+        except (PsymeshError, ValueError) as exc:
+            return self._back(where, error=_message(exc))
+        return self._back(where, ok="approved" if approve else "denied")
+
+    async def _task_cancel(self, request: Request) -> Response:
+        task_id = request.path_params["task_id"]
+        try:
+            await self.ask(c.TaskCancelRequest(task_id=task_id), c.Ok)
+        except (PsymeshError, ValueError) as exc:
+            return self._back(f"/tasks/{task_id}", error=_message(exc))
+        return self._back(f"/tasks/{task_id}", ok="cancel sent")
+
+    async def _agent_submit(self, request: Request) -> Response:
+        form = await self._form(request)
+        goal = str(form.get("goal") or "").strip()
+        to = str(form.get("to") or "").strip() or None
+        try:
+            spec = TaskSpec(id=new_task_id(), kind=TaskKind.AGENT, goal=goal)
+            submitted = await self.ask(c.TaskSubmitRequest(spec=spec.model_dump(mode="json"), to=to), c.TaskSubmitted)
+        except (PsymeshError, ValueError) as exc:
+            return self._back("/agent", error=_message(exc))
+        return RedirectResponse(f"/tasks/{submitted.task_id}", status_code=303, headers=SECURITY_HEADERS)
+
+    async def _model_add(self, request: Request) -> Response:
+        form = await self._form(request)
+        name, path = str(form.get("name") or "").strip(), str(form.get("path") or "").strip()
+        try:
+            if not name or not Path(path).expanduser().is_file():
+                raise PsymeshError(f"need a name and the path of a .gguf file (got {path!r})",
+                                   code=ErrorCode.BAD_REQUEST)
+            self.node.models.registry.add(name, Path(path).expanduser())
+        except (PsymeshError, ValueError) as exc:
+            return self._back("/models", error=_message(exc))
+        return self._back("/models", ok=f"model {name} -> {path}")
+
+
+def _message(exc: Exception) -> str:
+    if isinstance(exc, PsymeshError):
+        return exc.message
+    return str(exc).splitlines()[0]
