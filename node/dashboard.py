@@ -71,6 +71,9 @@ CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' 
 SECURITY_HEADERS = {"Content-Security-Policy": CSP, "X-Content-Type-Options": "nosniff",
                     "Referrer-Policy": "same-origin", "X-Frame-Options": "DENY", "Cache-Control": "no-store"}
 AUDIT_ROWS = 100          # rows the activity page shows
+DOCTOR_FRESH_S = 30.0     # the overview's doctor findings are re-probed after this
+DOCTOR_TIMEOUT_S = 5.0
+LETTERS = 200             # the newest letters it shows, by thread
 LIVE_MIN_INTERVAL_S = 0.05  # at most 20 re-renders a second per open page, however busy the node
 LIVE_KEEPALIVE_S = 15.0   # a comment line this often, so a dead browser is noticed
 PAGES = (("/", "Overview"), ("/pair", "Pair"), ("/peers", "Peers"), ("/activity", "Activity"),
@@ -133,6 +136,7 @@ class Dashboard:
         self.url: str | None = None  # http://HOST:PORT once listening
         self.session = session_rules(key.value)
         self.state = _State()
+        self._doctor: tuple[float, c.DoctorReply] | None = None  # (when, findings)
         self._tg: anyio.abc.TaskGroup | None = None
         self.env = jinja2.Environment(loader=jinja2.FileSystemLoader(HERE), autoescape=True,
                                       undefined=jinja2.StrictUndefined)
@@ -216,20 +220,25 @@ class Dashboard:
         return items
 
     # -- what each page shows ----------------------------------------------------------------
-    async def _overview(self, request: Request) -> dict:
+    async def _overview(self, request: Request, live: bool) -> dict:
+        """The doctor probes every peer (seconds, for one that is off): the page shows at once,
+        and its live stream brings the findings, kept DOCTOR_FRESH_S for later renders."""
         status = await self.ask(c.StatusRequest(), c.StatusReply)
-        doctor = await self.ask(c.DoctorRequest(timeout_s=3.0, dialback=False), c.DoctorReply)
         peers = await self.ask(c.PeersRequest(include_revoked=False), c.PeersReply)
+        doctor = self._doctor[1] if self._doctor and self.now() - self._doctor[0] < DOCTOR_FRESH_S else None
+        if doctor is None and live:
+            doctor = await self.ask(c.DoctorRequest(timeout_s=DOCTOR_TIMEOUT_S, dialback=False), c.DoctorReply)
+            self._doctor = (self.now(), doctor)
         return {"status": status, "doctor": doctor, "peers": peers.peers}
 
-    async def _pair(self, request: Request) -> dict:
+    async def _pair(self, request: Request, live: bool) -> dict:
         found = await self.ask(c.DiscoverRequest(wait_s=0.0), c.DiscoverReply)
         code = request.query_params.get("invite")
         run = self.state.pair_runs.get(code) if code else None
         return {"run": run, "joined": self.state.joined, "discovered": found, "presets": sorted(PRESETS),
                 "now": self.now()}
 
-    async def _peers(self, request: Request) -> dict:
+    async def _peers(self, request: Request, live: bool) -> dict:
         peers = (await self.ask(c.PeersRequest(include_revoked=True), c.PeersReply)).peers
         return {"peers": peers, "choices": self.capability_choices(peers)}
 
@@ -244,18 +253,22 @@ class Dashboard:
             choices |= set(peer.granted)
         return sorted(choices)
 
-    async def _activity(self, request: Request) -> dict:
+    async def _activity(self, request: Request, live: bool) -> dict:
         q = request.query_params
         peer, decision, cap = q.get("peer") or None, q.get("decision", ""), q.get("cap", "").strip()
         peers = (await self.ask(c.PeersRequest(include_revoked=True), c.PeersReply)).peers
         names = {p.peer_id: p.name for p in peers}
-        rows = (await self.ask(c.AuditRequest(peer=peer, limit=1000, denied_only=decision == "denied"),
+        # the control API filters by peer and refusals; by capability and "allowed" we filter
+        # here, out of a wider window of the newest rows
+        window = AUDIT_ROWS * 10 if cap or decision == "allowed" else AUDIT_ROWS
+        rows = (await self.ask(c.AuditRequest(peer=peer, limit=window, denied_only=decision == "denied"),
                                c.AuditReply)).rows
         rows = [r for r in reversed(rows) if (decision != "allowed" or r.allowed) and (not cap or cap in r.operation)]
         tasks = await self.ask(c.TaskListRequest(limit=20), c.TaskListReply)
-        letters = await self.stream(c.MsgInboxRequest(after=0, follow=False), c.InboxLetter)
+        newest = max(0, self.node.messaging.store.last_released() - LETTERS)
+        letters = await self.stream(c.MsgInboxRequest(after=newest, follow=False), c.InboxLetter)
         threads: dict[str, list[c.InboxLetter]] = {}
-        for letter in letters[-200:]:
+        for letter in letters:
             threads.setdefault(f"{letter.sender_name} / {letter.thread}", []).append(letter)
         outbox = [self.node.messaging.store.sent(s.letter.id) for s in self.node.messaging.store.outbox(20)]
         held = [(p.name, *self.node.mailbox.store.usage(p.peer_id)) for p in peers]
@@ -264,7 +277,7 @@ class Dashboard:
                 "tasks": tasks, "threads": threads, "outbox": [s for s in outbox if s is not None],
                 "held": [h for h in held if h[1]]}
 
-    async def _task(self, request: Request) -> dict:
+    async def _task(self, request: Request, live: bool) -> dict:
         task_id = request.path_params["task_id"]
         outbox = self.node.submitter.outbox
         try:
@@ -277,11 +290,11 @@ class Dashboard:
         return {"task": task, "task_id": task_id, "events": events, "asking": asking,
                 "target": names.get(task.target or "", task.target), "result": outbox.result(task_id)}
 
-    async def _agent(self, request: Request) -> dict:
+    async def _agent(self, request: Request, live: bool) -> dict:
         offers = await self.ask(c.OffersRequest(operation="task.agent"), c.OffersReply)
         return {"offers": offers.offers}
 
-    async def _models(self, request: Request) -> dict:
+    async def _models(self, request: Request, live: bool) -> dict:
         return {"models": await self.models_ps(),
                 "keep_alive_s": self.node.config.models.keep_alive_for(self.node.config.profile)}
 
@@ -294,13 +307,14 @@ class Dashboard:
 
     async def render(self, view: str, request: Request, *, live_only: bool = False,
                      flash: Flash | None = None) -> str:
-        data = await getattr(self, self._VIEWS[view])(request)
+        data = await getattr(self, self._VIEWS[view])(request, live_only)
         template = self.env.get_template(f"{view}.html")
         context = {**data, "csrf": self.session.csrf, "pages": PAGES, "path": request.url.path,
                    "flash": flash, "node_name": self.node.config.name,
                    "live_view": request.url.path + (f"?{request.url.query}" if request.url.query else "")}
         if live_only:
-            return "".join(template.blocks["live"](template.new_context(context)))
+            block = template.blocks.get("live")  # a page with nothing live has none
+            return "" if block is None else "".join(block(template.new_context(context)))
         return template.render(context)
 
     def _page(self, view: str) -> Callable[[Request], object]:
@@ -360,21 +374,29 @@ class Dashboard:
         view, page_request = self._view_of(request.query_params.get("view", "/"))
         last = request.query_params.get("digest", "")
 
+        pulse = self.node.activity
+        seen = pulse.count  # before the read: whatever happens from here on is rendered
+        first = await self.render(view, page_request, live_only=True)  # an unknown task: 404, not a stream
+
         async def events() -> AsyncIterator[bytes]:
-            nonlocal last
+            nonlocal last, seen
             yield b": live\n\n"
+            rendered, html = time.monotonic(), first
             while True:
-                html = await self.render(view, page_request, live_only=True)
                 digest = hashlib.sha256(html.encode()).hexdigest()[:16]
                 if digest != last:
                     last = digest
                     yield b"event: region\n" + b"".join(b"data: " + line.encode() + b"\n"
                                                         for line in html.split("\n")) + b"\n"
                 with anyio.move_on_after(LIVE_KEEPALIVE_S) as waited:
-                    await self.node.activity.wait()
+                    await pulse.wait(after=seen)
                 if waited.cancelled_caught:
                     yield b": keep-alive\n\n"
-                await anyio.sleep(LIVE_MIN_INTERVAL_S)  # a burst becomes one re-render
+                since = time.monotonic() - rendered
+                if since < LIVE_MIN_INTERVAL_S:  # a burst becomes one re-render; a lone event shows at once
+                    await anyio.sleep(LIVE_MIN_INTERVAL_S - since)
+                rendered, seen = time.monotonic(), pulse.count
+                html = await self.render(view, page_request, live_only=True)
 
         return StreamingResponse(events(), media_type="text/event-stream",
                                  headers={**SECURITY_HEADERS, "X-Accel-Buffering": "no"})

@@ -49,14 +49,20 @@ class Notifier:
 
 class Pulse:
     """Wakes every waiter at each `fire()`: "something happened" (a task event, a letter,
-    an audit row), for views that re-read what they show. Costs one Event per fire."""
+    an audit row), for views that re-read what they show. A reader notes `count` before
+    it reads, then waits with `wait(after=count)`: a fire while it read (awaiting, say, a
+    control handler) is not lost. Costs one Event per fire."""
 
     def __init__(self) -> None:
         self._event = anyio.Event()
+        self.count = 0
 
     def fire(self) -> None:
+        self.count += 1
         self._event.set()
         self._event = anyio.Event()
 
-    async def wait(self) -> None:
-        await self._event.wait()
+    async def wait(self, after: int) -> None:
+        """Return once fired more than `after` times in all (at once if it already was)."""
+        while self.count <= after:
+            await self._event.wait()
