@@ -49,7 +49,7 @@ from psymesh.node.apikey import ApiKey
 from psymesh.node.bridgeconfig import UiServe
 from psymesh.node.client import new_task_id
 from psymesh.node.httpguard import AllowedHosts, GuardRules, HttpGuard, Refusal, SessionRules
-from psymesh.node.openai_api import _os_error
+from psymesh.node.httpserve import serve_face
 from psymesh.protocol import control as c
 from psymesh.protocol.errors import ErrorCode, PsymeshError, RemoteError
 from psymesh.protocol.manifest import PRESETS
@@ -172,33 +172,23 @@ class Dashboard:
         return f"{self.url}/login?{urlencode({'token': self.key.value})}"
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
-        from hypercorn.config import Config
-        from hypercorn.trio import serve
-
-        config = Config()
-        host = f"[{self.settings.host}]" if ":" in self.settings.host else self.settings.host
-        config.bind = [f"{host}:{self.settings.port}"]
-        config.accesslog = None
-        config.errorlog = logging.getLogger("psymesh.ui.http")
-        config.graceful_timeout = 1.0
         failure: PsymeshError | None = None
         async with anyio.create_task_group() as tg:
-            self._tg = tg
+            self._tg = tg  # where an invite made on the Pair page waits for its joiner
             try:
-                binds = await tg.start(functools.partial(serve, self.app, config))  # type: ignore[arg-type]
-            except Exception as exc:  # hypercorn's nursery hands a bind failure over in a group
-                failed = _os_error(exc)
-                if failed is None:
-                    raise
-                failure = PsymeshError(f"the dashboard cannot listen on {config.bind[0]}: "
-                                       f"{failed.strerror or failed}; choose another port ([ui] port in "
-                                       "config.toml)", code=ErrorCode.UNAVAILABLE)
+                await tg.start(functools.partial(
+                    serve_face, self.app, self.settings.host, self.settings.port, what="the dashboard",
+                    port_hint="[ui] port in config.toml", errorlog="psymesh.ui.http", on_listening=self._listening))
+            except PsymeshError as exc:  # a port in use: raised out of the group, for start_ui to tell
+                failure = exc
             else:
-                self.url = binds[0]
-                log.info("dashboard at %s (open it with: psymesh ui)", self.url)
                 task_status.started()
-        if failure is not None:  # raised out here, not in a group: the node's start_ui() can tell
+        if failure is not None:
             raise failure
+
+    def _listening(self, url: str) -> None:
+        self.url = url
+        log.info("dashboard at %s (open it with: psymesh ui)", url)
 
     # -- the owner's control handlers, in this process --------------------------------------
     async def ask(self, request: Message, reply_type: type[R]) -> R:

@@ -1,6 +1,6 @@
 """The door of the node's local HTTP faces: one ASGI middleware, the same for the
 OpenAI-compatible endpoint (node/openai_api.py), the A2A agent (node/a2a_api.py) and
-the local web dashboard to come, so that a web page the owner visits cannot drive them
+the local web dashboard (node/dashboard.py), so that a web page the owner visits cannot drive them
 (docs/security.md, "A web page the owner visits").
 
 A page can make the browser send a "simple" request anywhere, with no preflight: a GET,

@@ -26,16 +26,13 @@ import httpx
 import pytest
 
 from conftest import pair, run_nodes
-from psymesh.agent.loop import ScriptedModel, tool_call_text
-from psymesh.agent.tools import tool_from_function
-from psymesh.node import agents
 from psymesh.node.bridgeconfig import UiServe
 from psymesh.node.client import Client
 from psymesh.node.daemon import Node
 from psymesh.node.home import NodeHome
 from psymesh.node.process import DaemonProcess
 from psymesh.protocol.errors import ErrorCode, RemoteError
-from waiting import wait_until
+from test_agent_node import SEND, _grant_notes, _scripted_home  # home's irreversible notes.send, scripted
 
 REPO = Path(__file__).resolve().parent.parent
 SHOTS = REPO / "docs" / "ui"
@@ -44,7 +41,6 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic"
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 UI = {"ui": UiServe(enabled=True, port=0)}
 T = TypeVar("T")
-MODEL = {"n_ctx": 16384, "n_threads": 1}
 
 
 def _browser_missing() -> str | None:
@@ -221,16 +217,6 @@ async def test_a_ticked_capability_lets_the_next_request_in_and_an_unticked_one_
 # --------------------------------------------------------------------------------- approvals
 
 
-class _Notes:
-    def __init__(self) -> None:
-        self.sent: list[str] = []
-
-    def send(self, text: str) -> dict:
-        """Send a note to the family (cannot be undone)."""
-        self.sent.append(text)
-        return {"sent": text}
-
-
 @browser_test
 @pytest.mark.anyio
 async def test_an_irreversible_call_of_a_delegated_agent_task_is_approved_in_the_page(
@@ -239,13 +225,8 @@ async def test_an_irreversible_call_of_a_delegated_agent_task_is_approved_in_the
             Browser.running() as browser:
         home, phone = nodes["home"], nodes["phone"]
         await pair(home.home.path, phone.home.path, grant="phone")
-        notes = _Notes()
-        home.tools.register(tool_from_function(notes.send, "notes.send", irreversible=True))
-        home.models.registry.add("tiny", tiny_model, **MODEL)
-        monkeypatch.setattr(agents, "llama_model", lambda worker, params: ScriptedModel(
-            [tool_call_text("notes.send", {"text": "home by 6"}), "Sent."]))
-        async with Client(home.home.path) as h:
-            await h.grant("phone", ["task.agent", "tool:system.info", "tool:notes.*"])
+        notes = _scripted_home(home, monkeypatch, tiny_model, [SEND, "Sent."])
+        await _grant_notes(home)
         assert phone.ui is None  # a phone runs no dashboard until asked: `psymesh ui`
         async with Client(phone.home.path) as p:
             where = await p.ui()
@@ -375,3 +356,27 @@ async def test_psymesh_ui_starts_the_dashboard_of_a_phone_on_demand(tmp_path: Pa
         await daemon.stop()
     assert where["url"].startswith("http://127.0.0.1:")
     assert page.status_code == 200 and "Overview" in page.text and "phone" in page.text
+
+
+@pytest.mark.anyio
+async def test_an_event_while_a_page_renders_is_not_lost() -> None:
+    """A live region notes the pulse's count, renders (awaiting control handlers), then waits
+    for a fire after that count: one that came during the render wakes it at once."""
+    from psymesh.node.notify import Pulse
+
+    pulse = Pulse()
+    seen = pulse.count
+    pulse.fire()  # during the render
+    with anyio.fail_after(1):
+        await pulse.wait(after=seen)
+    woke: list[int] = []
+    seen = pulse.count
+    with anyio.fail_after(1):
+        async with anyio.create_task_group() as tg:
+            async def waiter() -> None:
+                await pulse.wait(after=seen)
+                woke.append(pulse.count)
+
+            tg.start_soon(waiter)
+            pulse.fire()
+    assert woke == [2]
