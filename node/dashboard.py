@@ -31,7 +31,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import urlencode
 
 import anyio
@@ -45,6 +45,9 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, RedirectResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from psymesh.agent.loop import AgentEvent
+from psymesh.agent.policy import DelegationInputs, decide
+from psymesh.node.agents import task_event
 from psymesh.node.apikey import ApiKey
 from psymesh.node.bridgeconfig import UiServe
 from psymesh.node.client import new_task_id
@@ -54,7 +57,7 @@ from psymesh.protocol import control as c
 from psymesh.protocol.errors import ErrorCode, PsymeshError, RemoteError
 from psymesh.protocol.manifest import PRESETS
 from psymesh.protocol.messages import Message, expect
-from psymesh.protocol.tasks import TaskKind, TaskSpec, TaskState
+from psymesh.protocol.tasks import EventKind, Outcome, TaskKind, TaskSpec, TaskState
 
 if TYPE_CHECKING:
     from psymesh.node.daemon import Node
@@ -70,6 +73,7 @@ CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' 
        "form-action 'self'; frame-ancestors 'none'; base-uri 'none'")
 SECURITY_HEADERS = {"Content-Security-Policy": CSP, "X-Content-Type-Options": "nosniff",
                     "Referrer-Policy": "same-origin", "X-Frame-Options": "DENY", "Cache-Control": "no-store"}
+MAX_RUNS = 20             # local agent runs kept for their pages (finished ones go first)
 AUDIT_ROWS = 100          # rows the activity page shows
 DOCTOR_FRESH_S = 30.0     # the overview's doctor findings are re-probed after this
 DOCTOR_TIMEOUT_S = 5.0
@@ -111,6 +115,30 @@ class PairRun:
     error: str | None = None
 
 
+@dataclass(frozen=True)
+class Shown:
+    """One event as a task page shows it (a delegated task's, or a local run's)."""
+
+    kind: EventKind
+    state: TaskState | None
+    data: dict[str, Any]
+
+
+@dataclass
+class LocalRun:
+    """A run of this node's own agent started on the Agent page."""
+
+    id: str
+    goal: str
+    state: TaskState = TaskState.WORKING
+    events: list[Shown] = field(default_factory=list)
+    asking: dict[str, Any] | None = None    # the question while it waits for a yes
+    answered: anyio.Event | None = None     # set by Approve / Deny
+    approved: bool = False
+    outcome: Outcome | None = None
+    scope: anyio.CancelScope = field(default_factory=anyio.CancelScope)
+
+
 @dataclass
 class Flash:
     """The one-line result of the last form, shown on the page it returns to."""
@@ -137,6 +165,7 @@ class Dashboard:
         self.session = session_rules(key.value)
         self.state = _State()
         self._doctor: tuple[float, c.DoctorReply] | None = None  # (when, findings)
+        self.runs: dict[str, LocalRun] = {}  # runs of this node's own agent, newest last
         self._tg: anyio.abc.TaskGroup | None = None
         self.env = jinja2.Environment(loader=jinja2.FileSystemLoader(HERE), autoescape=True,
                                       undefined=jinja2.StrictUndefined)
@@ -158,6 +187,9 @@ class Dashboard:
                     Route("/tasks/{task_id}", self._page("task"), methods=["GET"]),
                     Route("/tasks/{task_id}/input", self._task_input, methods=["POST"]),
                     Route("/tasks/{task_id}/cancel", self._task_cancel, methods=["POST"]),
+                    Route("/runs/{run_id}", self._page("run"), methods=["GET"]),
+                    Route("/runs/{run_id}/input", self._run_input, methods=["POST"]),
+                    Route("/runs/{run_id}/cancel", self._run_cancel, methods=["POST"]),
                     Route("/agent", self._page("agent"), methods=["GET"]),
                     Route("/agent", self._agent_submit, methods=["POST"]),
                     Route("/models", self._page("models"), methods=["GET"]),
@@ -275,14 +307,26 @@ class Dashboard:
         except PsymeshError:
             raise HTTPException(404, f"no task {task_id} was delegated from this node") from None
         events = outbox.events_after(task_id, 0, limit=1000)
-        asking = events[-1] if events and events[-1].state is TaskState.INPUT_REQUIRED else None
+        asking = events[-1].data if events and events[-1].state is TaskState.INPUT_REQUIRED else None
         names = {p.peer_id: p.name for p in self.node.trust.list()}
-        return {"task": task, "task_id": task_id, "events": events, "asking": asking,
-                "target": names.get(task.target or "", task.target), "result": outbox.result(task_id)}
+        target = names.get(task.target or "", task.target or "")
+        return {"heading": "Task", "id": task_id, "action": f"/tasks/{task_id}", "kind": task.spec.kind,
+                "where": f"on {target}", "who": target, "goal": task.spec.goal, "state": task.state,
+                "terminal": task.terminal, "events": [Shown(e.kind, e.state, e.data) for e in events],
+                "asking": asking, "result": outbox.result(task_id)}
+
+    async def _run(self, request: Request, live: bool) -> dict:
+        run = self.runs.get(request.path_params["run_id"])
+        if run is None:
+            raise HTTPException(404, "no such run of this node's agent (runs are kept until the daemon stops)")
+        return {"heading": "Agent run", "id": run.id, "action": f"/runs/{run.id}", "kind": "agent",
+                "where": "here, on this node", "who": "the agent", "goal": run.goal, "state": run.state,
+                "terminal": run.state.terminal, "events": run.events, "asking": run.asking, "result": run.outcome}
 
     async def _agent(self, request: Request, live: bool) -> dict:
         offers = await self.ask(c.OffersRequest(operation="task.agent"), c.OffersReply)
-        return {"offers": offers.offers}
+        return {"offers": offers.offers, "local_models": self.node.models.registry.names(),
+                "runs": list(reversed(self.runs.values()))}
 
     async def _models(self, request: Request, live: bool) -> dict:
         return {"models": await self.models_ps(),
@@ -293,12 +337,13 @@ class Dashboard:
         return (await self.ask(c.ModelsPsRequest(), c.ModelsPsReply)).models
 
     _VIEWS: Mapping[str, str] = {"overview": "_overview", "pair": "_pair", "peers": "_peers",
-                                 "activity": "_activity", "task": "_task", "agent": "_agent", "models": "_models"}
+                                 "activity": "_activity", "task": "_task", "run": "_run", "agent": "_agent",
+                                 "models": "_models"}
 
     async def render(self, view: str, request: Request, *, live_only: bool = False,
                      flash: Flash | None = None) -> str:
         data = await getattr(self, self._VIEWS[view])(request, live_only)
-        template = self.env.get_template(f"{view}.html")
+        template = self.env.get_template("task.html" if view == "run" else f"{view}.html")
         context = {**data, "csrf": self.session.csrf, "pages": PAGES, "path": request.url.path,
                    "flash": flash, "node_name": self.node.config.name,
                    "live_view": request.url.path + (f"?{request.url.query}" if request.url.query else "")}
@@ -353,6 +398,8 @@ class Dashboard:
             view = "overview"
         elif bare.startswith("/tasks/") and bare.count("/") == 2:
             view, params = "task", {"task_id": bare.removeprefix("/tasks/")}
+        elif bare.startswith("/runs/") and bare.count("/") == 2:
+            view, params = "run", {"run_id": bare.removeprefix("/runs/")}
         else:
             view = bare.strip("/")
         if view not in self._VIEWS:
@@ -511,15 +558,97 @@ class Dashboard:
         return self._back(f"/tasks/{task_id}", ok="cancel sent")
 
     async def _agent_submit(self, request: Request) -> Response:
+        """Run the goal here or delegate it, as the delegation policy decides for `psymesh agent
+        run` (agent/policy.py): on a home PC here; on a phone, a home while one offers it and
+        the phone is low on battery or memory, or lacks a model."""
         form = await self._form(request)
         goal = str(form.get("goal") or "").strip()
         to = str(form.get("to") or "").strip() or None
+        where = str(form.get("where") or "auto")
         try:
+            if not goal:
+                raise PsymeshError("write a goal first", code=ErrorCode.BAD_REQUEST)
+            offers = [] if where == "local" else (await self.ask(c.OffersRequest(operation="task.agent"),
+                                                                 c.OffersReply)).offers
+            local = frozenset(self.node.models.registry.names())
+            config = self.node.config
+            decision = decide(DelegationInputs(
+                profile=config.profile, force={"local": "local", "remote": "remote"}.get(where),  # type: ignore[arg-type]
+                remote_available=bool(offers), local_models=local,
+                needed_models=frozenset() if local else frozenset(["(any model)"]),
+                battery_low=config.battery_low, memory_low=config.memory_low))
+            if decision.where == "local":
+                return RedirectResponse(f"/runs/{self._start_run(goal)}", status_code=303, headers=SECURITY_HEADERS)
             spec = TaskSpec(id=new_task_id(), kind=TaskKind.AGENT, goal=goal)
             submitted = await self.ask(c.TaskSubmitRequest(spec=spec.model_dump(mode="json"), to=to), c.TaskSubmitted)
         except (PsymeshError, ValueError) as exc:
             return self._back("/agent", error=_message(exc))
         return RedirectResponse(f"/tasks/{submitted.task_id}", status_code=303, headers=SECURITY_HEADERS)
+
+    def _start_run(self, goal: str) -> str:
+        """This node's agent on `goal`, with its own tools; an irreversible call waits for a
+        yes on the run's page. The run lives in the dashboard's task group."""
+        assert self._tg is not None
+        run = LocalRun(id=new_task_id(), goal=goal)
+        self.runs[run.id] = run
+        for old in list(self.runs)[:-MAX_RUNS]:
+            if self.runs[old].state.terminal:
+                del self.runs[old]
+        changed = self.node.activity.fire
+
+        async def confirm(call: Any, tool: Any) -> bool:
+            run.asking = {"question": f"allow {call.name} (irreversible) with {call.arguments}?",
+                          "tool_call": {"name": call.name, "arguments": call.arguments}}
+            run.answered, run.state = anyio.Event(), TaskState.INPUT_REQUIRED
+            run.events.append(Shown(EventKind.STATE, run.state, run.asking))
+            changed()
+            await run.answered.wait()
+            run.asking, run.state = None, TaskState.WORKING
+            run.events.append(Shown(EventKind.STATE, run.state, {"answer": {"approve": run.approved}}))
+            changed()
+            return run.approved
+
+        async def emit(ev: AgentEvent) -> None:
+            mapped = task_event(ev)
+            if mapped is not None:
+                run.events.append(Shown(mapped[0], run.state, mapped[1]))
+                changed()
+
+        async def drive() -> None:
+            with run.scope:
+                try:
+                    result = await self.node.agents.run(goal, {}, peer_id=self.node.identity.peer_id, deadline=None,
+                                                        tools=self.node.tools, confirm=confirm, emit=emit)
+                    run.outcome = Outcome(TaskState.COMPLETED, value=result)
+                except PsymeshError as exc:
+                    run.outcome = Outcome(TaskState.FAILED, code=exc.code, message=exc.message)
+                except Exception as exc:  # a bug in a tool or the runtime: the page says so, the node lives on
+                    log.exception("agent run from the dashboard failed")
+                    run.outcome = Outcome(TaskState.FAILED, code=ErrorCode.INTERNAL,
+                                          message=f"internal error ({type(exc).__name__}); see the node's log")
+            if run.scope.cancelled_caught:
+                run.outcome = Outcome(TaskState.CANCELED, code=ErrorCode.CANCELED, message="canceled from the page")
+            run.state = run.outcome.state
+            changed()
+
+        self._tg.start_soon(drive)
+        return run.id
+
+    async def _run_input(self, request: Request) -> Response:
+        run = self.runs.get(request.path_params["run_id"])
+        form = await self._form(request)
+        if run is None or run.answered is None or run.answered.is_set():
+            return self._back(request.url.path.removesuffix("/input"), error="that run is not waiting for an answer")
+        run.approved = form.get("approve") == "yes"
+        run.answered.set()
+        return self._back(f"/runs/{run.id}", ok="approved" if run.approved else "denied")
+
+    async def _run_cancel(self, request: Request) -> Response:
+        run = self.runs.get(request.path_params["run_id"])
+        if run is None:
+            raise HTTPException(404, "no such run")
+        run.scope.cancel()
+        return self._back(f"/runs/{run.id}", ok="canceled")
 
     async def _model_add(self, request: Request) -> Response:
         form = await self._form(request)

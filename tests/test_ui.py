@@ -255,6 +255,33 @@ async def test_an_irreversible_call_of_a_delegated_agent_task_is_approved_in_the
     assert '"Sent."' in result
 
 
+@browser_test
+@pytest.mark.anyio
+async def test_the_home_agent_runs_here_and_its_irreversible_call_waits_for_a_yes_in_the_page(
+        tmp_path: Path, tiny_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    async with run_nodes(tmp_path, "home", configs={"home": UI}) as nodes, Browser.running() as browser:
+        home = nodes["home"]
+        notes = _scripted_home(home, monkeypatch, tiny_model, [SEND, "Sent."])
+        page = await browser.do(browser.page)
+
+        def run_and_approve_here() -> tuple[str, str, list[str]]:
+            _login(page, home)
+            page.goto(home.ui.url + "/agent")
+            page.fill("textarea[name=goal]", "Tell the family I am home by 6.")
+            page.click("#run-agent")  # a home PC runs its agent here (the delegation policy)
+            page.wait_for_selector("#approve", timeout=15000)
+            where, before = page.url, list(notes.sent)
+            page.click("#approve")
+            page.wait_for_selector('#task-state:has-text("completed")', timeout=15000)
+            _shot(page, "run-done")
+            return where, page.inner_text("#result"), before
+
+        where, result, before = await browser.do(run_and_approve_here)
+
+    assert "/runs/" in where and before == []
+    assert notes.sent == ["home by 6"] and '"Sent."' in result
+
+
 # --------------------------------------------------------------------------------- untrusted text
 
 
