@@ -145,11 +145,15 @@ class GenerationParams(BaseModel):
         BAD_REQUEST, naming every problem."""
         picked = {k: params[k] for k in _PEER_KEYS if k in params}
         try:
-            return cls.model_validate({**picked, "max_tokens": max_tokens})
+            checked = cls.model_validate({**picked, "max_tokens": max_tokens})
         except ValidationError as exc:
             problems = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'params'}: {e['msg']}"
                                  for e in exc.errors(include_url=False))
             raise GenerationError(f"bad generation params: {problems}") from None
+        if checked.grammar is not None and _names_tokens(checked.grammar):
+            raise GenerationError("bad generation params: grammar: token references (<[id]>, <token>) are not "
+                                  "allowed in a peer's grammar; write the text instead")
+        return checked
 
 
 @dataclass(frozen=True)
@@ -287,6 +291,29 @@ def _logit_bias(params: GenerationParams, n_vocab: int) -> dict[int, float]:
     if bad:  # llama.cpp would index its candidate array with them unchecked
         raise GenerationError(f"logit_bias token ids outside the vocabulary (0..{n_vocab - 1}): {bad[:5]}")
     return bias
+
+
+def _names_tokens(gbnf: str) -> bool:
+    """Does this GBNF name tokens (`<[245]>`, `<think>`) outside its strings, character
+    classes and comments? A token literal can leave llama.cpp's grammar with no token it
+    accepts after a partial UTF-8 sequence, which it answers with an uncaught C++
+    exception ("Unexpected empty grammar stack"): the runner dies. A node's own grammars
+    never name tokens; a peer's may not."""
+    i, n = 0, len(gbnf)
+    while i < n:
+        ch = gbnf[i]
+        if ch in "\"[":
+            close = '"' if ch == '"' else "]"
+            i += 1
+            while i < n and gbnf[i] != close:
+                i += 2 if gbnf[i] == "\\" else 1
+        elif ch == "#":
+            while i < n and gbnf[i] != "\n":
+                i += 1
+        elif ch == "<":
+            return True
+        i += 1
+    return False
 
 
 @functools.lru_cache(maxsize=32)

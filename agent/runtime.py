@@ -528,6 +528,10 @@ class ModelWorker:
 
     @staticmethod
     def _tokenize(llm: Llama, text: bytes, *, first: bool) -> list[int]:
+        """The one way to llama.cpp's tokenizer, which takes valid UTF-8 only (see
+        :meth:`_canonical`): anything else is a ModelError here, not an abort there."""
+        if not ModelWorker._is_utf8(text):
+            raise ModelError("cannot tokenize text that is not valid UTF-8")
         vocab = llama_cpp.llama_model_get_vocab(llm.model)
         add_bos = first and bool(llama_cpp.llama_vocab_get_add_bos(vocab))
         return llm.tokenize(text, add_bos=add_bos, special=True)
@@ -711,10 +715,40 @@ class ModelWorker:
             piece = self._pieces[token] = llm.detokenize([token])
         return piece
 
+    @staticmethod
+    def _is_utf8(data: bytes) -> bool:
+        try:
+            data.decode("utf-8")  # strict: no surrogates, nothing above U+10FFFF, no overlongs
+        except UnicodeDecodeError:
+            return False
+        return True
+
     def _canonical(self, llm: Llama, tokens: list[int]) -> bool:
         """Are generated `tokens` what tokenising their text gives? Only then can a later
-        prompt's tokens extend them (control tokens are spelled out, as in a prompt)."""
-        return not tokens or self._tokenize(llm, llm.detokenize(tokens, special=True), first=False) == tokens
+        prompt's tokens extend them (control tokens are spelled out, as in a prompt).
+
+        Bytes that are not valid UTF-8 never are: the reply's text (and so the next
+        prompt, rendered from it) is their decoding with U+FFFD for what is invalid, and
+        they are never handed to the tokenizer. That was issue 18's "invalid codepoint"
+        abort (SIGABRT, exit 134): a byte-level vocabulary lets a model write any bytes,
+        one token each (the random-weight test model often does; a real one can), and
+        llama.cpp's BPE tokenizer reads a lead byte F5-F7, or F4 followed by 90-BF, with
+        three continuation bytes as a code point above U+10FFFF (its UTF-8 decoder checks
+        the bytes' shape, not the range), then throws std::invalid_argument from
+        unicode_cpt_to_utf8 in its pre-tokenizer, through the C API: std::terminate.
+        Valid UTF-8 decodes to code points <= U+10FFFF only, and nothing else reaches the
+        tokenizer now: prompts, prefixes and the ThinkBudget's close are Python strings
+        encoded as UTF-8 (valid by construction), the model's own bytes reach it only
+        here, checked, and :meth:`_tokenize` refuses invalid UTF-8 from any caller. So no
+        byte sequence a model writes can reach that throw. The grammar stage is not involved: it decodes
+        pieces with its own lenient decoder that never throws (invalid sequences are
+        rejected or, above U+10FFFF and surrogates, read as code points, which Python
+        then decodes to U+FFFD), so no mask is needed there.
+        """
+        if not tokens:
+            return True
+        text = llm.detokenize(tokens, special=True)
+        return self._is_utf8(text) and self._tokenize(llm, text, first=False) == tokens
 
     def _decode(self, llm: Llama, job: _Job, sampler: Any, grammar: Any,
                 limit: int) -> tuple[str, int, FinishReason, bool]:

@@ -2,6 +2,7 @@
 stdout, logs and hints to stderr (see node/output.py)."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import json
@@ -1480,11 +1481,19 @@ async def _agent_remote(home: str | None, out: Output, goal: str, to: str | None
 @command
 @click.argument("cases", required=False, type=click.Path(exists=True, dir_okay=False))
 @click.option("--model", "model_name", default=None, help="Registered model to evaluate.")
-@click.option("--bfcl", "bfcl_dir", type=click.Path(exists=True, file_okay=False),
-              help="Score BFCL v4 files from this directory (BFCL_v4_<category>.json, possible_answer/) with "
-                   "BFCL's own AST-checker rules, instead of a case file.")
+@click.option("--bfcl", "bfcl_dir", is_flag=False, flag_value="", default=None, metavar="[DIR]",
+              help="Score BFCL v4 (default: the installed bfcl-eval's data; or DIR, a folder in BFCL's layout) "
+                   "as BFCL scores it, instead of a case file.")
 @click.option("--category", "categories", multiple=True, metavar="NAME",
               help="With --bfcl: a category to score (repeatable; default: every supported one present).")
+@click.option("--score-dir", type=click.Path(file_okay=False), default=None,
+              help="With --bfcl: also write BFCL's score files (BFCL_v4_<category>_score.json, data_overall.csv).")
+@click.option("--via", "via", default=None, metavar="PEER",
+              help="With --bfcl: ask --model on this paired node (delegated infer tasks) instead of loading it here.")
+@click.option("--runs", type=click.IntRange(min=1), default=1,
+              help="With --bfcl: run N times, seeds 0..N-1, and report min/median/max per category.")
+@click.option("--temperature", type=click.FloatRange(min=0), default=0.0,
+              help="With --bfcl: sampling temperature (0: greedy, when --runs gives N identical runs).")
 @click.option("--limit", type=click.IntRange(min=1), default=None, help="With --bfcl: the first N cases of each "
                                                                          "category.")
 @click.option("--oracle", is_flag=True, help="With --bfcl: answer with the ground truth instead of a model, "
@@ -1493,19 +1502,21 @@ async def _agent_remote(home: str | None, out: Output, goal: str, to: str | None
 @click.option("--thinking", is_flag=True)
 @click.option("--ban-bytes", is_flag=True, hidden=True)
 def eval_cmd(home: str | None, out: Output, cases: str | None, model_name: str | None, bfcl_dir: str | None,
-             categories: tuple[str, ...], limit: int | None, oracle: bool, free_form: bool, thinking: bool,
-             ban_bytes: bool) -> None:
+             categories: tuple[str, ...], score_dir: str | None, via: str | None, runs: int, temperature: float,
+             limit: int | None, oracle: bool, free_form: bool, thinking: bool, ban_bytes: bool) -> None:
     """Score a model on function-calling cases (JSONL), per category, BFCL-style; or, with
     --bfcl DIR, on BFCL v4's own files, as BFCL scores them."""
     if (cases is None) == (bfcl_dir is None):
-        raise PsymeshError("give a case file or --bfcl DIR (one of them)", code=ErrorCode.BAD_REQUEST)
-    if bfcl_dir is None and (categories or limit is not None or oracle):
-        raise PsymeshError("--category, --limit and --oracle go with --bfcl", code=ErrorCode.BAD_REQUEST)
+        raise PsymeshError("give a case file or --bfcl [DIR] (one of them)", code=ErrorCode.BAD_REQUEST)
+    if bfcl_dir is None and (categories or limit is not None or oracle or score_dir or via or runs > 1 or temperature):
+        raise PsymeshError("--category, --limit, --oracle, --score-dir, --via, --runs and --temperature go with --bfcl",
+                           code=ErrorCode.BAD_REQUEST)
     if oracle == (model_name is not None):
         raise PsymeshError("give --model NAME, or --oracle (with --bfcl)" if not oracle
                            else "--oracle answers without a model: drop --model", code=ErrorCode.BAD_REQUEST)
     if bfcl_dir is not None:
-        return _eval_bfcl(home, out, bfcl_dir, categories, limit, model_name, free_form, thinking, ban_bytes)
+        return _eval_bfcl(home, out, bfcl_dir or None, categories, limit, model_name, free_form, thinking, ban_bytes,
+                          score_dir, via, runs, temperature)
 
     from psymesh.agent.evaluation import evaluate, format_report, load_cases
     from psymesh.node.agents import llama_model, pick_model
@@ -1533,23 +1544,51 @@ def eval_cmd(home: str | None, out: Output, cases: str | None, model_name: str |
     out.data(data, lambda con: con.print(format_report(report)))
 
 
-def _eval_bfcl(home: str | None, out: Output, bfcl_dir: str, categories: tuple[str, ...], limit: int | None,
-               model_name: str | None, free_form: bool, thinking: bool, ban_bytes: bool) -> None:
+def _eval_bfcl(home: str | None, out: Output, bfcl_dir: str | None, categories: tuple[str, ...], limit: int | None,
+               model_name: str | None, free_form: bool, thinking: bool, ban_bytes: bool,
+               score_dir: str | None, via: str | None = None, runs: int = 1, temperature: float = 0.0) -> None:
     """`eval --bfcl`: BFCL's questions through our prompt, the model (or the oracle) and our
-    parser, scored by agent/bfcl.py's mirror of BFCL's AST checker."""
-    from psymesh.agent.bfcl import format_bfcl_report, generation_params, load_bfcl, oracle_reply, run_bfcl
-    from psymesh.agent.loop import LlamaAgentModel, ScriptedModel
+    parser, scored by agent/bfcl.py's mirror of BFCL's AST checker and, for multi-turn,
+    by BFCL's own multi_turn_checker."""
+    from psymesh.agent.bfcl import (
+        WEB_CATEGORIES,
+        default_data_dir,
+        format_bfcl_report,
+        format_run_spread,
+        generation_params,
+        load_bfcl,
+        run_bfcl,
+        run_spread,
+        write_score_files,
+    )
+    from psymesh.agent.loop import LlamaAgentModel
 
-    loaded = load_bfcl(bfcl_dir, categories, limit=limit)
+    data_dir = Path(bfcl_dir) if bfcl_dir else default_data_dir()
+    loaded = load_bfcl(data_dir, categories, limit=limit)
 
     async def progress(r: Any) -> None:
         if model_name is not None or not r.passed:  # the oracle's passes are 1240 lines of noise
             out.hint(f"{r.id}: {'pass' if r.passed else 'fail: ' + r.reason}")
 
+    def params(seed: int) -> Any:
+        return generation_params(grammar=not free_form, ban_bytes=ban_bytes).model_copy(
+            update={"temperature": temperature, "seed": seed})
+
     if model_name is None:
         name = "oracle"
-        report = run_async(lambda: run_bfcl(loaded, ScriptedModel(oracle_reply(c) for c in loaded),
-                                            thinking=thinking, on_result=progress))
+        reports = [run_async(lambda: run_bfcl(loaded, None, thinking=thinking, on_result=progress))
+                   for _ in range(runs)]
+    elif via is not None:
+        from psymesh.node.delegated_model import DelegatedModel
+
+        name = model_name
+
+        async def remote() -> list[Any]:
+            async with Client(home) as client:
+                return [await run_bfcl(loaded, DelegatedModel(client, via, model_name, params(seed)),
+                                       thinking=thinking, on_result=progress, web=client) for seed in range(runs)]
+
+        reports = run_async(remote)
     else:
         from psymesh.node.agents import pick_model
 
@@ -1559,13 +1598,23 @@ def _eval_bfcl(home: str | None, out: Output, bfcl_dir: str, categories: tuple[s
         name = pick_model(registry, model_name, None)
 
         async def go() -> Any:
-            async with _local_runner(node_home, registry, name) as worker:
-                model = LlamaAgentModel(worker, generation_params(grammar=not free_form, ban_bytes=ban_bytes))
-                return await run_bfcl(loaded, model, thinking=thinking, on_result=progress)
+            async with _local_runner(node_home, registry, name) as worker, contextlib.AsyncExitStack() as stack:
+                # web_search asks the web through this node's route: its daemon must be running.
+                web = await stack.enter_async_context(Client(home)) if any(c.category in WEB_CATEGORIES
+                                                                           for c in loaded) else None
+                return [await run_bfcl(loaded, LlamaAgentModel(worker, params(seed)), thinking=thinking,
+                                       on_result=progress, web=web) for seed in range(runs)]
 
-        report = run_async(go)
-    data = {"model": name, "bfcl_dir": str(Path(bfcl_dir).resolve()), "limit": limit, **report.data()}
-    out.data(data, lambda con: con.print(format_bfcl_report(report)))
+        reports = run_async(go)
+    report = reports[0]
+    data = {"model": name, "bfcl_dir": str(data_dir.resolve()), "limit": limit, "via": via, **report.data()}
+    if runs > 1:
+        data["runs"] = [{"seed": i, **r.data()} for i, r in enumerate(reports)]
+        data["spread"] = run_spread(reports)
+    if score_dir is not None:
+        data["score_files"] = [str(p) for p in write_score_files(report, Path(score_dir), name)]
+    out.data(data, lambda con: con.print(format_bfcl_report(report)
+                                         + (format_run_spread(reports) if runs > 1 else "")))
 
 
 if __name__ == "__main__":

@@ -257,18 +257,20 @@ class Client:
         *,
         tool: str | None = None,
         args: dict[str, Any] | None = None,
-        infer: str | list[dict[str, str]] | None = None,
+        infer: str | list[dict[str, Any]] | None = None,
         model: str | None = None,
         max_tokens: int | None = None,
         goal: str | None = None,
         params: dict[str, Any] | None = None,
         timeout: float | None = None,
         task_id: str | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> TaskHandle:
         """Hand a task to a paired node (`to`: its name or peer id; None picks the best one).
 
         Exactly one of `tool` (with `args`), `infer` (a prompt, or chat messages; with
-        `model`) or `goal` (an agent run). The task is stored durably before this returns,
+        `model`; `tools`: functions the model may call, each {name, description, parameters})
+        or `goal` (an agent run). The task is stored durably before this returns,
         and is delivered, run and reported even if either node restarts meanwhile. Passing
         the same `task_id` again returns the same task.
         """
@@ -280,6 +282,8 @@ class Client:
         elif infer is not None:
             spec.update(kind="infer", model=model, max_tokens=max_tokens, params=params or {})
             spec["prompt" if isinstance(infer, str) else "messages"] = infer
+            if tools:
+                spec["tools"] = tools
         else:
             spec.update(kind="agent", goal=goal, params=params or {})
         reply = await self.request(c.TaskSubmitRequest(to=to, spec=spec), c.TaskSubmitted)

@@ -69,6 +69,22 @@ async def test_a_runner_killed_mid_generation_fails_that_request_only(tiny_model
         assert done.tokens == 8 and runner.pid not in (None, first_pid) and runner.crashes == 0
 
 
+ABORTING_GRAMMAR = "root ::= <[245]> <[128]> <[128]> <[128]>"  # token literals after a partial UTF-8 lead
+
+
+@pytest.mark.anyio
+async def test_llama_cpp_aborting_on_a_request_fails_it_with_its_last_words(tiny_model: Path) -> None:
+    """A real abort: token literals that leave llama.cpp's grammar with no token it accepts
+    make it throw a C++ exception through ctypes (std::terminate, SIGABRT). The request
+    fails `model_crashed` with what llama.cpp said; this process, and the model, live on."""
+    async with ModelRunner(_settings(tiny_model)) as runner:
+        with pytest.raises(ModelCrashed) as crashed:
+            await runner.complete(PROMPT, max_tokens=8, grammar=ABORTING_GRAMMAR, temperature=0)
+        assert crashed.value.details["signal"] == "SIGABRT"
+        assert "grammar" in crashed.value.details["log"], crashed.value.details
+        assert (await runner.complete(PROMPT, max_tokens=3, temperature=0, logit_bias=_endless(runner))).tokens == 3
+
+
 @pytest.mark.anyio
 async def test_requests_queued_behind_a_crash_run_on_the_fresh_runner(tiny_model: Path) -> None:
     async with ModelRunner(_settings(tiny_model)) as runner:
@@ -165,6 +181,11 @@ async def test_a_crash_in_a_peers_task_leaves_the_node_serving(tmp_path: Path, t
             again = await phone.delegate("home", infer="Hi", model="tiny", max_tokens=4,
                                          params={"temperature": 0, "ban_bytes": True})
             assert (await again.result())["usage"]["completion_tokens"] >= 1
+            # A peer cannot drive llama.cpp into that abort itself: token literals are refused.
+            refused = await phone.delegate("home", infer="Hi", model="tiny", max_tokens=4,
+                                           params={"grammar": ABORTING_GRAMMAR})
+            outcome = await refused.outcome()
+            assert outcome.code == ErrorCode.BAD_REQUEST.value and "token references" in outcome.message
 
 
 async def _cli(home: Path, *args: str) -> tuple[int, str, str]:

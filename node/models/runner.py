@@ -196,7 +196,11 @@ class ModelRunner:
             pending=self._queued)
 
     async def start(self) -> ModelInfo:
-        """Load the model now (if it is not loaded); ModelLoadError / ModelCrashed if it cannot be."""
+        """The model's info, loading it first if it never was (ModelLoadError / ModelCrashed if
+        it cannot be). A model loaded once does not wait here for the request running on it:
+        its next request starts a runner again if it left."""
+        if self._info is not None and not self._closed:
+            return self._info
         self._enter_queue()
         try:
             async with self._turn:
