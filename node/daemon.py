@@ -273,9 +273,9 @@ class Node:
                 await tg.start(self.discovery.run)
                 await tg.start(self.relaying.run)
                 await tg.start(self.web.run)
+                if self.config.ui.on_for(self.config.profile):  # before the control socket answers: a
+                    await self.start_ui(required=False)        # signal then always finds its handler
                 await tg.start(self.control.serve)
-                if self.config.ui.on_for(self.config.profile):
-                    await self.start_ui(required=False)
                 tg.start_soon(self._watch_signals, tg.cancel_scope)
                 log.info("node %s (%s) listening on %s", self.identity.peer_id, self.config.profile,
                          " ".join(self.p2p.addrs()))
