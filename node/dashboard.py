@@ -54,6 +54,7 @@ from psymesh.node.client import new_task_id
 from psymesh.node.httpguard import AllowedHosts, GuardRules, HttpGuard, Refusal, SessionRules
 from psymesh.node.httpserve import serve_face
 from psymesh.protocol import control as c
+from psymesh.protocol.common import Error
 from psymesh.protocol.errors import ErrorCode, PsymeshError, RemoteError
 from psymesh.protocol.manifest import PRESETS
 from psymesh.protocol.messages import Message, expect
@@ -454,12 +455,18 @@ class Dashboard:
         return await request.form()
 
     async def _pair_invite(self, request: Request) -> Response:
+        """`control.pair_invite` with `wait`, as `psymesh pair invite` sends it: its first reply is
+        the invite (shown at once), its second the pairing, whose words the open page then shows."""
         form = await self._form(request)
-        grant = str(form.get("grant") or "phone")
-        name = str(form.get("name") or "").strip() or None
-        ttl = float(str(form.get("ttl_s") or 600))
+        try:
+            invite_request = c.PairInviteRequest(name=str(form.get("name") or "").strip() or None,
+                                                 grant=str(form.get("grant") or "phone"),
+                                                 ttl_s=float(str(form.get("ttl_s") or 600)), wait=True)
+        except ValueError as exc:
+            return self._back("/pair", error=_message(exc))
         assert self._tg is not None
         first: list[c.PairInviteReply] = []
+        failed: list[str] = []
         got = anyio.Event()
 
         async def on_invite(message: Message) -> None:
@@ -468,24 +475,23 @@ class Dashboard:
                 got.set()
 
         async def wait_for_use() -> None:
-            reply = await self.node.control.call(c.PairInviteRequest(name=name, grant=grant, ttl_s=ttl, wait=True),
-                                                 on_invite)
+            reply = await self.node.control.call(invite_request, on_invite)
             if not first:
-                self._fail_invite = str(getattr(reply, "message", "the invite could not be made"))
+                failed.append(reply.message if isinstance(reply, Error) else f"unexpected {reply.type}")
                 got.set()
                 return
-            run = self.state.pair_runs[first[0].code]
-            if isinstance(reply, c.PairedReply):
-                run.outcome = reply
-            else:
-                run.error = str(getattr(reply, "message", reply.type))
-            self.node.activity.fire()
+            run = self.state.pair_runs.get(first[0].code)
+            if run is not None:
+                if isinstance(reply, c.PairedReply):
+                    run.outcome = reply
+                else:
+                    run.error = reply.message if isinstance(reply, Error) else f"unexpected {reply.type}"
+                self.node.activity.fire()
 
-        self._fail_invite = ""
         self._tg.start_soon(wait_for_use)
         await got.wait()
         if not first:
-            return self._back("/pair", error=self._fail_invite)
+            return self._back("/pair", error=failed[0] if failed else "the invite could not be made")
         invite = first[0]
         qr = segno.make(invite.invite, error="m").svg_inline(scale=3, dark="#111", light="#fff")
         self.state.pair_runs = {k: v for k, v in self.state.pair_runs.items() if v.invite.expires_at > self.now()}
