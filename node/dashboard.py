@@ -51,7 +51,7 @@ from psymesh.node.agents import task_event
 from psymesh.node.apikey import ApiKey
 from psymesh.node.bridgeconfig import UiServe
 from psymesh.node.client import new_task_id
-from psymesh.node.httpguard import AllowedHosts, GuardRules, HttpGuard, Refusal, SessionRules
+from psymesh.node.httpguard import AllowedHosts, Check, GuardRules, HttpGuard, Refusal, SessionRules
 from psymesh.node.httpserve import serve_face
 from psymesh.protocol import control as c
 from psymesh.protocol.common import Error
@@ -100,9 +100,13 @@ def _when(ts: float | None) -> str:
 
 
 def _refused(refusal: Refusal) -> Response:
-    """A request the door refused: a short page (the check is its code), no app involved."""
-    body = (f"<!doctype html><title>refused</title><h1>{refusal.status} {refusal.check.value}</h1>"
+    """A request the door refused: a short page (the check is its code), no app involved;
+    without the token, a way to give it."""
+    body = (f"<!doctype html><meta charset=utf-8><title>refused</title><h1>{refusal.status} {refusal.check.value}</h1>"
             f"<p>{jinja2.utils.markupsafe.escape(refusal.message)}</p>")
+    if refusal.check is Check.KEY:
+        body += ('<form method="get" action="/login"><label>token <input name="token" type="password" '
+                 'autocomplete="off" required></label> <button>Sign in</button></form>')
     return HTMLResponse(body, status_code=refusal.status, headers={**SECURITY_HEADERS, **refusal.headers})
 
 
