@@ -32,6 +32,7 @@ from psymesh.node.daemon import Node
 from psymesh.node.home import NodeHome
 from psymesh.node.process import DaemonProcess
 from psymesh.protocol.errors import ErrorCode, RemoteError
+from websites import serving
 from test_agent_node import SEND, _grant_notes, _scripted_home  # home's irreversible notes.send, scripted
 
 REPO = Path(__file__).resolve().parent.parent
@@ -287,14 +288,14 @@ async def test_the_home_agent_runs_here_and_its_irreversible_call_waits_for_a_ye
 
 @browser_test
 @pytest.mark.anyio
-async def test_a_letter_with_a_script_is_shown_as_text(tmp_path: Path) -> None:
-    evil = '<script>window.__pwned = 1</script><img src=x onerror="window.__pwned = 2"><b>bold</b>'
+async def test_a_letter_with_a_script_is_shown_as_text_and_another_site_cannot_post_a_form(tmp_path: Path) -> None:
+    evil_text = '<script>window.__pwned = 1</script><img src=x onerror="window.__pwned = 2"><b>bold</b>'
     async with run_nodes(tmp_path, "home", "phone", profiles={"phone": "phone"}, configs={"phone": UI}) as nodes, \
             Browser.running() as browser:
         home, phone = nodes["home"], nodes["phone"]
         await pair(home.home.path, phone.home.path, grant="phone", grant_back="messaging")
         async with Client(home.home.path) as h:
-            sent = await h.send("phone", evil, thread="family")
+            sent = await h.send("phone", evil_text, thread="family")
             await h.letter(sent.id, wait=True)
         page = await browser.do(browser.page)
 
@@ -306,6 +307,20 @@ async def test_a_letter_with_a_script_is_shown_as_text(tmp_path: Path) -> None:
 
         text, pwned, elements = await browser.do(look)
 
+        # Another site's page, open in the same browser (signed in), posts the revoke form itself.
+        with serving() as evil:
+            evil.route("/", f"""<form id=f method=post action="{phone.ui.url}/peers/revoke">
+                <input name=peer value="{home.identity.peer_id}"><input name=csrf value=guess></form>
+                <script>document.getElementById("f").submit()</script>""")
+
+            def forged() -> str:
+                page.goto(evil.url("/", host="localhost"))
+                page.wait_for_url(phone.ui.url + "/peers/revoke")
+                return page.content()
+
+            answer = await browser.do(forged)
+        still_trusted = not phone.trust.get(home.identity.peer_id).revoked
+
         def models() -> None:
             page.goto(phone.ui.url + "/models")
             _shot(page, "models")
@@ -315,7 +330,8 @@ async def test_a_letter_with_a_script_is_shown_as_text(tmp_path: Path) -> None:
 
         await browser.do(models)
 
-    assert text == evil and pwned is None and elements == 0
+    assert text == evil_text and pwned is None and elements == 0
+    assert "cross_origin" in answer and still_trusted
 
 
 # --------------------------------------------------------------------------------- the door
