@@ -166,7 +166,7 @@ class Node:
         # started on demand (start_ui), so an idle phone never imports or runs an HTTP server.
         self.activity = Pulse()  # fired by every task event, letter and audit row: the open pages re-read
         self.audit.pulse = self.activity
-        for notifier in (self.submitter.changed, self.messaging.changed, self.executor._changed,
+        for notifier in (self.submitter.changed, self.messaging.changed, self.executor.changed,
                          self.mailbox.arrived):
             notifier.pulse = self.activity
         self.ui: Dashboard | None = None
