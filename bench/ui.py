@@ -10,10 +10,10 @@ Two real daemons on 127.0.0.1 (home, phone), paired; home grants the phone messa
 2. Event to page: an open Activity page (its server-sent events stream, read by httpx;
    and, when /usr/bin/chromium and Playwright are there, a real headless Chromium whose
    page script marks when it swapped the region in). The phone asks for a tool it was not
-   granted; home's door refuses it, writing the audit row, and answers. Timed from the
-   phone's refusal (the row was written just before: the number is a slight
-   underestimate by up to one control round trip plus one session round trip) to the
-   region carrying the new row in the stream, and in the browser's DOM.
+   granted; home's door refuses it, writing the audit row, and answers. The row is written
+   between the phone's sending and its hearing the refusal, so the time to the region
+   carrying the new row (in the stream; in the browser's DOM) is given from both: an upper
+   and a lower bound.
 
 Usage: .venv/bin/python bench/ui.py [--pages N] [--events N] [--rows N]
 Every loop is bounded by these counts and by deadlines; the run takes under a minute.
@@ -52,12 +52,15 @@ def _line(what: str, samples_ms: list[float]) -> str:
             f"max {max(samples_ms):7.1f} ms   (n={len(samples_ms)})")
 
 
-async def _refused(phone: Client) -> float:
-    """One refused request at home: the wall time when the phone heard the refusal."""
+async def _refused(phone: Client) -> tuple[float, float]:
+    """One refused request at home: the wall times (sent, refusal heard). Home wrote the
+    audit row in between, so an event-to-page time from the first is an upper bound, from
+    the second a lower one."""
+    sent = time.time()
     try:
         await (await phone.delegate("home", tool="system.info")).result()
     except RemoteError:
-        return time.time()
+        return sent, time.time()
     raise AssertionError("home allowed a tool it never granted")
 
 
@@ -93,11 +96,14 @@ async def main(pages: int, events: int, rows: int) -> None:
                     print("   " + _line(f"{path} ({len(r.content) // 1024} KiB)", samples))
 
                 print("\n2. event to page (a refused request at home -> its audit row in the open Activity page)")
-                stream_ms = await _stream_latency(web, phone, events)
-                print("   " + _line("server-sent events stream (httpx)", stream_ms))
+                print("   (from the request's sending: an upper bound; from its refusal heard: a lower one)")
+                upper, lower = await _stream_latency(web, phone, events)
+                print("   " + _line("SSE stream (httpx), upper", upper))
+                print("   " + _line("SSE stream (httpx), lower", lower))
                 if os.path.exists(CHROMIUM):
-                    browser_ms = await _browser_latency(ui.login_url, ui.url, phone, events)
-                    print("   " + _line("headless Chromium (DOM swapped in)", browser_ms))
+                    upper, lower = await _browser_latency(ui.login_url, ui.url, phone, events)
+                    print("   " + _line("Chromium DOM swapped in, upper", upper))
+                    print("   " + _line("Chromium DOM swapped in, lower", lower))
                 else:
                     print(f"   (no {CHROMIUM}: the browser measurement was skipped)")
     finally:
@@ -105,8 +111,10 @@ async def main(pages: int, events: int, rows: int) -> None:
             await d.stop()
 
 
-async def _stream_latency(web: httpx.AsyncClient, phone: Client, events: int) -> list[float]:
+async def _stream_latency(web: httpx.AsyncClient, phone: Client, events: int) -> tuple[list[float], list[float]]:
     samples: list[float] = []
+    lower: list[float] = []
+    bounds: list[tuple[float, float]] = []
     async with web.stream("GET", "/events", params={"view": "/activity?decision=denied"}) as stream:
         lines = stream.aiter_lines()
 
@@ -128,12 +136,13 @@ async def _stream_latency(web: httpx.AsyncClient, phone: Client, events: int) ->
                         arrived.append(time.time())
 
                     tg.start_soon(watch)
-                    refused_at = await _refused(phone)
-            samples.append((arrived[0] - refused_at) * 1000)
-    return samples
+                    bounds.append(await _refused(phone))
+            samples.append((arrived[0] - bounds[-1][0]) * 1000)
+            lower.append((arrived[0] - bounds[-1][1]) * 1000)
+    return samples, lower
 
 
-async def _browser_latency(login_url: str, base: str, phone: Client, events: int) -> list[float]:
+async def _browser_latency(login_url: str, base: str, phone: Client, events: int) -> tuple[list[float], list[float]]:
     from concurrent.futures import ThreadPoolExecutor
 
     from playwright.sync_api import sync_playwright
@@ -169,16 +178,18 @@ async def _browser_latency(login_url: str, base: str, phone: Client, events: int
 
     await do(start)
     samples: list[float] = []
+    lower: list[float] = []
     try:
         for _ in range(events):
             before = await do(updated)
-            refused_at = await _refused(phone)
+            sent_at, refused_at = await _refused(phone)
             shown_ms = await do(wait_newer, before)
-            samples.append(shown_ms - refused_at * 1000)
+            samples.append(shown_ms - sent_at * 1000)
+            lower.append(shown_ms - refused_at * 1000)
     finally:
         await do(lambda: (state["ctx"].close(), state["pw"].stop()))
         thread.shutdown()
-    return samples
+    return samples, lower
 
 
 if __name__ == "__main__":
