@@ -25,6 +25,7 @@ bench: $(STAMP)
 	$(PY) bench/durable.py
 	$(PY) bench/denied.py
 	$(PY) bench/web.py
+	$(PY) bench/ui.py
 
 clean:
 	rm -rf .venv .pytest_cache .hypothesis build *.egg-info .demo .bench

@@ -26,6 +26,7 @@ import anyio
 import anyio.abc
 
 from psymesh.node.db import ensure_schema, storage_error, transaction
+from psymesh.node.notify import Pulse
 
 log = logging.getLogger("psymesh.audit")
 
@@ -78,12 +79,15 @@ class AuditLog:
         self._loop_thread: int | None = None
         self._written = 0
         self._latest = 0.0  # the latest decision's time
+        self.pulse: Pulse | None = None  # fired at each decision (the dashboard's live audit view; it reads through query())
 
     def record(self, peer_id: str, protocol: str, operation: str, allowed: bool, code: str | None = None,
                reason: str = "", now: float | None = None) -> bool:
         """One decision. Returns False when it was counted into an open row (a repeated refusal)."""
         now = time.time() if now is None else now
         self._latest = max(self._latest, now)
+        if self.pulse is not None:
+            self.pulse.fire()
         key = (peer_id, protocol, operation, code)
         if not allowed:
             open_row = self._windows.get(key)

@@ -13,6 +13,11 @@
     port = 8081
     # api_key_file = "/home/me/.config/psymesh-a2a.key"      # default: <home>/a2a.key
 
+    [ui]                       the local dashboard (node/dashboard.py; on by default for a home)
+    enabled = true
+    host = "127.0.0.1"
+    port = 8765
+
     [[mcp]]                    an MCP server whose tools join this node's (node/mcp_tools.py)
     name = "files"
     command = ["python", "/opt/mcp/files_server.py"]     # stdio; or
@@ -90,6 +95,23 @@ class A2AServe(KeyedServe):
             if host:
                 names.append(host)
         return names
+
+
+class UiServe(KeyedServe):
+    """`[ui]`: the dashboard (node/dashboard.py), a local web page for pairing, grants,
+    approvals and activity. Its key is the token `psymesh ui` prints; the browser trades it
+    for a session cookie. `enabled` unset: on for the home profile, off on a phone (where
+    `psymesh ui` starts it on demand, so an idle phone pays nothing for it)."""
+
+    SECTION: ClassVar[str] = "ui"
+    KEY_FILE: ClassVar[str] = "ui.key"
+    KEY_ENV: ClassVar[str] = "PSYMESH_UI_TOKEN"
+
+    enabled: bool | None = None  # type: ignore[assignment]  # None: the profile decides
+    port: int = Field(default=8765, ge=0, le=65535)
+
+    def on_for(self, profile: str) -> bool:
+        return self.enabled if self.enabled is not None else profile == "home"
 
 
 class ServeSettings(BaseModel):

@@ -63,6 +63,13 @@ def _socket_in_use(path: Path) -> bool:
         s.close()
 
 
+class _LocalReplies:
+    """What a handler sends on, for a request answered in this process (`ControlServer.call`)."""
+
+    def __init__(self, send: Callable[[Message], Awaitable[None]]) -> None:
+        self.send = send
+
+
 class ControlServer:
     def __init__(self, socket_path: Path, max_frame_size: int, *, refused: Refused | None = None,
                  peer_of: PeerOf = socket_peer, uid: int | None = None) -> None:
@@ -75,6 +82,24 @@ class ControlServer:
 
     def route(self, request_type: type[Message], handler: Handler) -> None:
         self._handlers[request_type] = handler
+
+    async def call(self, request: Message, on_send: Callable[[Message], Awaitable[None]] | None = None) -> Message:
+        """Answer `request` in this process, by the same handler and with the same error
+        replies a socket client gets (the dashboard, node/dashboard.py, is such a client):
+        a streaming handler's messages go to `on_send`; returns the last reply."""
+        sent: list[Message] = []
+
+        async def send(message: Message) -> None:
+            sent.append(message)
+            if on_send is not None:
+                await on_send(message)
+
+        reply = await self._dispatch(request, _LocalReplies(send))  # type: ignore[arg-type]
+        if reply is None:
+            if not sent:
+                return Error.of(ErrorCode.INTERNAL, f"{request.type} sent no reply")
+            reply = sent[-1]
+        return reply
 
     async def serve(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         path = self.socket_path

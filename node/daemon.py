@@ -58,6 +58,7 @@ from psymesh.node.mailclient import MailOwner, MailSender
 from psymesh.node.messaging import Messaging
 from psymesh.node.msgstore import MessageStore
 from psymesh.node.models import ModelPool, ModelRegistry
+from psymesh.node.notify import Pulse
 from psymesh.node.owner import Owner
 from psymesh.node.ping import pong_time
 from psymesh.node.reach import Reach
@@ -85,6 +86,7 @@ from psymesh.protocol.tasks import TaskAck, TaskAcks, TaskAttach, TaskCancel, Ta
 
 if TYPE_CHECKING:
     from psymesh.node.a2a_api import A2AEndpoint
+    from psymesh.node.dashboard import Dashboard
     from psymesh.node.openai_api import OpenAIEndpoint
 
 log = logging.getLogger("psymesh.node")
@@ -169,6 +171,15 @@ class Node:
             from psymesh.node.a2a_api import A2AEndpoint
 
             self.a2a = A2AEndpoint(self, self.config.serve.a2a, load_api_key(self.config.serve.a2a, home, environ))
+        # The dashboard (node/dashboard.py): on for a home unless [ui] says otherwise; on a phone
+        # started on demand (start_ui), so an idle phone never imports or runs an HTTP server.
+        self.activity = Pulse()  # fired by every task event, letter and audit row: the open pages re-read
+        self.audit.pulse = self.activity
+        for notifier in (self.submitter.changed, self.messaging.changed, self.executor.changed,
+                         self.mailbox.arrived):
+            notifier.pulse = self.activity
+        self.ui: Dashboard | None = None
+        self._environ = environ
         self._root: anyio.CancelScope | None = None
         self._tg: anyio.abc.TaskGroup | None = None
         self._register_services()
@@ -272,6 +283,8 @@ class Node:
                 await tg.start(self.discovery.run)
                 await tg.start(self.relaying.run)
                 await tg.start(self.web.run)
+                if self.config.ui.on_for(self.config.profile):  # before the control socket answers: a
+                    await self.start_ui(required=False)        # signal then always finds its handler
                 await tg.start(self.control.serve)
                 tg.start_soon(self._watch_signals, tg.cancel_scope)
                 log.info("node %s (%s) listening on %s", self.identity.peer_id, self.config.profile,
@@ -287,6 +300,26 @@ class Node:
         """A statement that writes started on the node's connection (any thread)."""
         self.checkpointer.wrote()
         self.wal.wrote()
+
+    async def start_ui(self, *, required: bool = True) -> Dashboard:
+        """The dashboard, started in the node's task group if it is not running yet. At start
+        (`required` False) a port in use is logged and the node runs on without it;
+        `psymesh ui` (control.ui) then says why."""
+        if self.ui is not None and self.ui.url is not None:
+            return self.ui
+        assert self._tg is not None, "the node is not running"
+        from psymesh.node.dashboard import Dashboard
+
+        ui = Dashboard(self, self.config.ui, load_api_key(self.config.ui, self.home, self._environ))
+        try:
+            await self._tg.start(ui.run)
+        except PsymeshError as exc:
+            if required:
+                raise
+            log.warning("%s", exc.message)
+            return ui
+        self.ui = ui
+        return ui
 
     def stop(self) -> None:
         if self._root is not None:

@@ -108,7 +108,7 @@ class TaskExecutor:
         self.limits = limits or ExecutorLimits()
         self.agent_runner = agent_runner
         self._inputs: dict[str, _Answer] = {}
-        self._changed = Notifier()
+        self.changed = Notifier()  # per task id: an event was written (the daemon adds its activity pulse)
         self._running: dict[str, tuple[anyio.CancelScope, ToolContext]] = {}
         self._send, self._receive = anyio.create_memory_object_stream[str](math.inf)
 
@@ -131,7 +131,7 @@ class TaskExecutor:
         while True:
             await anyio.sleep(1.0)
             for rec in self.store.expire(time.time()):
-                self._changed.notify(rec.id)
+                self.changed.notify(rec.id)
             if time.monotonic() - last_purge >= 60:
                 self.store.purge(time.time(), self.limits.retention_s)
                 last_purge = time.monotonic()
@@ -195,7 +195,7 @@ class TaskExecutor:
             if final is not None:
                 return final
             if not events:  # nothing new since the reads above (no await between): wait for news
-                await self._changed.wait(task_id)
+                await self.changed.wait(task_id)
 
     def caps(self) -> TaskCapsReply:
         return TaskCapsReply(tools=self.tools.names(profile=self.profile), models=self.models.registry.names(),
@@ -207,7 +207,7 @@ class TaskExecutor:
         if running is not None:
             running[1].cancel()   # a sync tool sees it at its next check()
             running[0].cancel()
-        self._changed.notify(task_id)
+        self.changed.notify(task_id)
         return record.status()
 
     def cancel_for(self, peer_id: str, reason: str) -> int:
@@ -234,7 +234,7 @@ class TaskExecutor:
             self.store.append_event(task_id, kind, data, new_state)
         except ProtocolError:
             return False
-        self._changed.notify(task_id)
+        self.changed.notify(task_id)
         return True
 
     def _fail(self, task_id: str, code: ErrorCode, message: str) -> None:

@@ -38,7 +38,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from psymesh.node.bridgeconfig import McpServerConfig, ServeSettings
+from psymesh.node.bridgeconfig import McpServerConfig, ServeSettings, UiServe
 from psymesh.protocol.errors import ErrorCode, PsymeshError
 from psymesh.protocol.framing import DEFAULT_MAX_FRAME_SIZE
 from psymesh.protocol.identity import fingerprint, peer_id_from_public_key
@@ -283,6 +283,8 @@ class NodeConfig(BaseModel):
     # [serve.openai]: an OpenAI-compatible endpoint; [[mcp]]: MCP servers whose tools join
     # this node's (node/bridgeconfig.py, docs/bridges.md).
     serve: ServeSettings = Field(default_factory=ServeSettings)
+    # [ui]: the local dashboard in a browser (node/dashboard.py, docs/ui.md).
+    ui: UiServe = Field(default_factory=UiServe)
     mcp: list[McpServerConfig] = Field(default_factory=list)
     # [web]: where this node's web queries go (a trusted exit, one or two hops); [web.exit]:
     # serving other peers' queries, with the exit's address and size policy (node/webexit.py).

@@ -1,6 +1,6 @@
 """The door of the node's local HTTP faces: one ASGI middleware, the same for the
 OpenAI-compatible endpoint (node/openai_api.py), the A2A agent (node/a2a_api.py) and
-the local web dashboard to come, so that a web page the owner visits cannot drive them
+the local web dashboard (node/dashboard.py), so that a web page the owner visits cannot drive them
 (docs/security.md, "A web page the owner visits").
 
 A page can make the browser send a "simple" request anywhere, with no preflight: a GET,
@@ -44,12 +44,20 @@ API, for a face that serves HTTP:
 A Refusal carries the check that failed (`Check`, whose value is the stable error
 code), the HTTP status, a one-line message and the headers to send (WWW-Authenticate).
 
-The dashboard (issue 24) wraps its Starlette app the same way, with the same rules: its
-login page is a public path; its pages then authenticate with an HttpOnly SameSite=Strict
-cookie instead of the Authorization header, which is a credential to add to step 3 here
-(kept beside the bearer check, never a second copy of it), with a CSRF token checked on
-every request with a body. Steps 1, 2 and 4 already refuse what a cross-site page or a
-rebound name could send.
+A browser face (the dashboard, node/dashboard.py) adds `session=SessionRules(...)`:
+
+    3. The key   ... or the session cookie (`Cookie: NAME=VALUE`, HttpOnly, SameSite=Strict,
+                 set by the face's login page, a public path, once the owner showed the
+                 token), compared in constant time beside the bearer check.
+    4. The body  a request the cookie admitted that carries a body must also carry the
+                 CSRF token: in the `X-CSRF-Token` header (a JSON body), or as the
+                 `csrf` field of an application/x-www-form-urlencoded body (a form; at
+                 most FORM_MAX_BYTES, read here and handed on to the app unchanged).
+                 403 `csrf_token_invalid` without it; a body of any other type, 415.
+
+Steps 1 and 2 already refuse what a cross-site page or a rebound name could send; the
+cookie is SameSite=Strict, so another site's page cannot make the browser send it; the
+CSRF token is the last line, should one of those ever fail.
 """
 from __future__ import annotations
 
@@ -59,8 +67,9 @@ import logging
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
-from urllib.parse import urlsplit
+from urllib.parse import parse_qs, urlsplit
 
+import anyio
 from starlette.datastructures import Headers
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -73,6 +82,10 @@ _SAFE_METHODS = frozenset({"GET", "HEAD"})
 _FETCH_SITES = frozenset({"same-origin", "none"})  # Sec-Fetch-Site values of a request we may serve
 _LOOPBACK_NAMES = frozenset({"localhost"})
 _ANY = (ipaddress.ip_address("0.0.0.0"), ipaddress.ip_address("::"))
+FORM = "application/x-www-form-urlencoded"
+FORM_MAX_BYTES = 64 * 1024  # a dashboard form: a letter, a grant; larger is refused unread
+CSRF_HEADER = "x-csrf-token"
+CSRF_FIELD = "csrf"
 
 
 class Check(StrEnum):
@@ -83,6 +96,7 @@ class Check(StrEnum):
     KEY = "invalid_api_key"
     CONTENT_TYPE = "unsupported_media_type"
     HEADER = "version_not_supported"
+    CSRF = "csrf_token_invalid"
 
 
 @dataclass(frozen=True)
@@ -150,6 +164,16 @@ class RequiredHeader:
 
 
 @dataclass(frozen=True)
+class SessionRules:
+    """A browser's credential besides the bearer key: the cookie its login set, and the
+    CSRF token every request with a body it admits must carry (module docstring)."""
+
+    cookie: str                          # the cookie's name
+    value: str = field(repr=False)       # its value: a secret derived from the key (never the key)
+    csrf: str = field(repr=False)        # the CSRF token the face's pages embed
+
+
+@dataclass(frozen=True)
 class GuardRules:
     """What one face asks of every request (see the module docstring for the order)."""
 
@@ -157,6 +181,15 @@ class GuardRules:
     hosts: AllowedHosts
     public: frozenset[str] = frozenset()  # paths a GET or HEAD reaches without the key (nor the header)
     header: RequiredHeader | None = None
+    session: SessionRules | None = None   # a browser face: the cookie and the CSRF token
+
+
+@dataclass(frozen=True)
+class Admitted:
+    """A request that passed the headers' checks; `form_csrf`: the body is a form that
+    must still show the CSRF token (`check_form`) before the app may read it."""
+
+    form_csrf: bool = False
 
 
 def split_host(value: str) -> tuple[str, int | None] | None:
@@ -201,13 +234,38 @@ def _bearer_matches(headers: Headers, key: str) -> bool:
     return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), key.encode())
 
 
+def _cookie_matches(headers: Headers, session: SessionRules | None) -> bool:
+    if session is None:
+        return False
+    for part in headers.get("cookie", "").split(";"):
+        name, sep, value = part.strip().partition("=")
+        if sep and name == session.cookie and hmac.compare_digest(value.strip().encode(), session.value.encode()):
+            return True
+    return False
+
+
+def _csrf_refusal(where: str) -> Refusal:
+    return Refusal(Check.CSRF, 403, f"the CSRF token is missing or wrong ({where}); reload the page and try again")
+
+
+def csrf_matches(given: str | None, session: SessionRules) -> bool:
+    return given is not None and hmac.compare_digest(given.strip().encode(), session.csrf.encode())
+
+
 def _carries_body(method: str, headers: Headers) -> bool:
     return (method in _BODY_METHODS or headers.get("content-length", "0").strip() not in ("", "0")
             or "transfer-encoding" in headers)
 
 
 def check_request(rules: GuardRules, method: str, path: str, headers: Headers) -> Refusal | None:
-    """The first check (module docstring) the request fails, or None if it may pass."""
+    """The first check (module docstring) the request fails, or None if it may pass
+    (a form body's CSRF token aside: `admit` says when `check_form` must still run)."""
+    decision = admit(rules, method, path, headers)
+    return decision if isinstance(decision, Refusal) else None
+
+
+def admit(rules: GuardRules, method: str, path: str, headers: Headers) -> Refusal | Admitted:
+    """The first check the request's headers fail, or what is left to check of its body."""
     host_header = headers.get("host", "")
     where = split_host(host_header)
     if where is None or not rules.hosts.allows(where[0]):
@@ -221,13 +279,23 @@ def check_request(rules: GuardRules, method: str, path: str, headers: Headers) -
     if site is not None and site.strip().lower() not in _FETCH_SITES:
         return Refusal(Check.ORIGIN, 403, f"cross-site requests are refused (Sec-Fetch-Site {site!r})")
     public = method in _SAFE_METHODS and path in rules.public
+    by_cookie = False
     if not public and not _bearer_matches(headers, rules.key):
-        return Refusal(Check.KEY, 401, "missing or incorrect API key (send Authorization: Bearer KEY; "
-                                       "psymesh serve ... --show-key prints it)",
-                       {"WWW-Authenticate": 'Bearer realm="psymesh"'})
+        by_cookie = _cookie_matches(headers, rules.session)
+        if not by_cookie:
+            return Refusal(Check.KEY, 401, "missing or incorrect API key (send Authorization: Bearer KEY; "
+                                           "psymesh serve ... --show-key prints it; for the dashboard, "
+                                           "open the link psymesh ui prints)",
+                           {"WWW-Authenticate": 'Bearer realm="psymesh"'})
+    form_csrf = False
     if _carries_body(method, headers):
         media = headers.get("content-type", "").partition(";")[0].strip().lower()
-        if media != "application/json":
+        if by_cookie and rules.session is not None:
+            if media == FORM:
+                form_csrf = True
+            elif media == "application/json" and not csrf_matches(headers.get(CSRF_HEADER), rules.session):
+                return _csrf_refusal("X-CSRF-Token header")
+        if media != "application/json" and not form_csrf:
             return Refusal(Check.CONTENT_TYPE, 415, f"the body must be JSON with Content-Type: application/json "
                                                     f"(got {media or 'none'!r})")
     if rules.header is not None and not public:
@@ -236,7 +304,47 @@ def check_request(rules: GuardRules, method: str, path: str, headers: Headers) -
             wanted = " or ".join(sorted(rules.header.values))
             return Refusal(Check.HEADER, 400, f"send the header {rules.header.name}: {wanted} "
                                               f"(got {'none' if given is None else repr(given)})")
-    return None
+    return Admitted(form_csrf=form_csrf)
+
+
+def check_form(session: SessionRules, body: bytes) -> Refusal | None:
+    """A form body's CSRF field (the last check of a cookie's request with a form)."""
+    if len(body) > FORM_MAX_BYTES:
+        return Refusal(Check.CSRF, 413, f"a form is at most {FORM_MAX_BYTES} bytes")
+    given = parse_qs(body.decode("latin-1"), keep_blank_values=True).get(CSRF_FIELD, [None])[-1]
+    return None if csrf_matches(given, session) else _csrf_refusal("form field csrf")
+
+
+async def _read_body(receive: Receive, limit: int) -> bytes | None:
+    """The whole request body, or None once it passes `limit` bytes."""
+    chunks, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            return None
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            return None
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+def _replay(body: bytes) -> Receive:
+    """A `receive` that hands the app the body the guard already read, then waits for the
+    client to leave (as a real one does)."""
+    sent = False
+
+    async def receive() -> dict:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await anyio.sleep_forever()
+        raise AssertionError("unreachable")
+
+    return receive
 
 
 class HttpGuard:
@@ -253,10 +361,17 @@ class HttpGuard:
         if scope["type"] != "http":  # a WebSocket: no face serves one
             await send({"type": "websocket.close", "code": 1008})
             return
-        refusal = check_request(self.rules, scope["method"], scope["path"], Headers(scope=scope))
-        if refusal is None:
+        decision = admit(self.rules, scope["method"], scope["path"], Headers(scope=scope))
+        if isinstance(decision, Admitted) and decision.form_csrf and self.rules.session is not None:
+            body = await _read_body(receive, FORM_MAX_BYTES)
+            decision = (check_form(self.rules.session, body) if body is not None else
+                        Refusal(Check.CSRF, 413, f"a form is at most {FORM_MAX_BYTES} bytes")) or decision
+            if isinstance(decision, Admitted):
+                receive = _replay(body or b"")
+        if isinstance(decision, Admitted):
             await self.app(scope, receive, send)
             return
+        refusal = decision
         client = scope.get("client")
         log.info("refused %s %s from %s: %s", scope["method"], scope["path"],
                  f"{client[0]}:{client[1]}" if client else "?", refusal.message)

@@ -1,4 +1,5 @@
-"""Wake whoever waits on a key (a task id): attached followers, local watchers."""
+"""Wake whoever waits on a key (a task id): attached followers, local watchers; and, with
+a Pulse, whoever waits for anything at all to happen (the dashboard's open pages)."""
 from __future__ import annotations
 
 import anyio
@@ -21,6 +22,7 @@ class Notifier:
 
     def __init__(self) -> None:
         self._waiting: dict[str, _Waiters] = {}
+        self.pulse: Pulse | None = None  # fired at every notify, whoever waits on the key
 
     async def wait(self, key: str) -> None:
         waiters = self._waiting.get(key)
@@ -35,9 +37,32 @@ class Notifier:
                 del self._waiting[key]
 
     def notify(self, key: str) -> None:
+        if self.pulse is not None:
+            self.pulse.fire()
         waiters = self._waiting.pop(key, None)
         if waiters is not None:
             waiters.event.set()
 
     def __len__(self) -> int:
         return len(self._waiting)
+
+
+class Pulse:
+    """Wakes every waiter at each `fire()`: "something happened" (a task event, a letter,
+    an audit row), for views that re-read what they show. A reader notes `count` before
+    it reads, then waits with `wait(after=count)`: a fire while it read (awaiting, say, a
+    control handler) is not lost. Costs one Event per fire."""
+
+    def __init__(self) -> None:
+        self._event = anyio.Event()
+        self.count = 0
+
+    def fire(self) -> None:
+        self.count += 1
+        self._event.set()
+        self._event = anyio.Event()
+
+    async def wait(self, after: int) -> None:
+        """Return once fired more than `after` times in all (at once if it already was)."""
+        while self.count <= after:
+            await self._event.wait()

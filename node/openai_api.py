@@ -30,7 +30,6 @@ application/json, 400 for a request we cannot take, 404 for an unknown model.
 """
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import math
@@ -54,6 +53,7 @@ from psymesh.node.apikey import ApiKey
 from psymesh.node.bridgeconfig import OpenAIServe
 from psymesh.node.client import new_task_id
 from psymesh.node.httpguard import AllowedHosts, GuardRules, HttpGuard, Refusal
+from psymesh.node.httpserve import serve_face
 from psymesh.protocol.errors import ErrorCode, PsymeshError
 from psymesh.protocol.manifest import Operation, check
 from psymesh.protocol.tasks import EventKind, TaskKind, TaskSpec
@@ -350,29 +350,14 @@ class OpenAIEndpoint:
                              _refused)
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
-        from hypercorn.config import Config
-        from hypercorn.trio import serve
+        await serve_face(self.app, self.settings.host, self.settings.port, what="the OpenAI-compatible endpoint",
+                         port_hint="[serve.openai] port, or --port", errorlog="psymesh.openai.http",
+                         on_listening=self._listening, task_status=task_status)
 
-        config = Config()
-        host = f"[{self.settings.host}]" if ":" in self.settings.host else self.settings.host
-        config.bind = [f"{host}:{self.settings.port}"]
-        config.accesslog = None
-        config.errorlog = logging.getLogger("psymesh.openai.http")
-        config.graceful_timeout = 2.0
-        async with anyio.create_task_group() as tg:
-            try:
-                binds = await tg.start(functools.partial(serve, self.app, config))  # type: ignore[arg-type]
-            except Exception as exc:  # hypercorn's nursery hands a bind failure over in a group
-                failed = _os_error(exc)
-                if failed is None:
-                    raise
-                raise PsymeshError(f"the OpenAI-compatible endpoint cannot listen on {config.bind[0]}: "
-                                   f"{failed.strerror or failed}; choose another port ([serve.openai] port, "
-                                   "or --port)", code=ErrorCode.UNAVAILABLE) from None
-            self.url = binds[0]
-            log.info("OpenAI-compatible endpoint at %s/v1 (its key: %s; psymesh serve openai --show-key)",
-                     self.url, self.key.source)
-            task_status.started()
+    def _listening(self, url: str) -> None:
+        self.url = url
+        log.info("OpenAI-compatible endpoint at %s/v1 (its key: %s; psymesh serve openai --show-key)",
+                 self.url, self.key.source)
 
     # -- requests past the door ---------------------------------------------------------
     async def _body(self, request: Request) -> Any:
@@ -624,15 +609,6 @@ class _Reply:
 def _refused(refusal: Refusal) -> Response:
     """A request the door refused, in OpenAI's error shape (the check is the error's code)."""
     return ApiError(refusal.status, refusal.message, code=refusal.check.value).response(refusal.headers)
-
-
-def _os_error(exc: BaseException) -> OSError | None:
-    """The OSError in `exc`, however deep in exception groups."""
-    if isinstance(exc, OSError):
-        return exc
-    if isinstance(exc, BaseExceptionGroup):
-        return next((found for e in exc.exceptions if (found := _os_error(e)) is not None), None)
-    return None
 
 
 def _sse(data: Mapping[str, Any]) -> bytes:

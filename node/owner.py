@@ -75,6 +75,7 @@ class Owner:
             c.GroupSendRequest: self._group_send,
             c.WebQueryRequest: self._web,
             c.ModelsPsRequest: self._models_ps,
+            c.UiRequest: self._ui,
         }
         for request_type, handler in routes.items():
             control.route(request_type, self._durable(handler))
@@ -101,6 +102,11 @@ class Owner:
             else:
                 models.append(c.LoadedModel(**dataclasses.asdict(s)))
         return c.ModelsPsReply(models=models)
+
+    async def _ui(self, req: c.UiRequest, _: FramedStream) -> c.UiReply:
+        ui = await self.node.start_ui()
+        assert ui.url is not None
+        return c.UiReply(url=ui.url, login_url=ui.login_url(), token_source=ui.key.source)
 
     async def _status(self, req: c.StatusRequest, _: FramedStream) -> c.StatusReply:
         return c.StatusReply(

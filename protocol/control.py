@@ -402,6 +402,23 @@ class OffersReply(Message):
     offers: list[Offer] = Field(default_factory=list)
 
 
+# -- the dashboard (control API) -------------------------------------------------------
+
+
+class UiRequest(Message):
+    """Start the dashboard in the running daemon if it is not running (a phone starts it
+    only on demand), and say where it is: `psymesh ui`."""
+
+    type = "control.ui"
+
+
+class UiReply(Message):
+    type = "control.ui_reply"
+    url: str        # http://HOST:PORT
+    login_url: str  # url + /login?token=TOKEN: opening it trades the token for the session cookie
+    token_source: str  # where the token is kept (its file, or the environment variable)
+
+
 # -- models (control API) ------------------------------------------------------------
 
 

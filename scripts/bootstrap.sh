@@ -30,6 +30,13 @@ if [ "$(id -u)" -eq 0 ] && ! command -v nft >/dev/null 2>&1 && command -v apt-ge
   apt-get update -qq && apt-get install -y -qq nftables
 fi
 
+# The dashboard's browser tests (tests/test_ui.py) drive Debian's chromium through Playwright (never
+# `playwright install`: no browser is downloaded); without it (not root, not Debian) they skip, saying so.
+if [ "$(id -u)" -eq 0 ] && ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
+  echo "installing chromium (the dashboard's browser tests)" >&2
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium
+fi
+
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip setuptools wheel
 # llama-cpp-python has no wheels on the index: it builds from source (~5 min once; pip caches the wheel).

@@ -24,6 +24,7 @@ async def run_nodes(tmp_path: Path, *names: str, profiles: dict[str, str] | None
     """Run in-process daemons (one per name) under one task group; cancel them all on exit.
     `configs[name]`: config.toml fields to set on that node (as NodeConfig values);
     `fsyncs[name]`: how that node syncs its WAL before a durable answer (default os.fsync)."""
+    from psymesh.node.bridgeconfig import UiServe
     from psymesh.node.daemon import Node
     from psymesh.node.home import NodeHome
 
@@ -33,7 +34,8 @@ async def run_nodes(tmp_path: Path, *names: str, profiles: dict[str, str] | None
         for name in names:
             home = NodeHome(tmp_path / name)
             home.init(profile=profiles.get(name, "home"), name=name)  # type: ignore[arg-type]
-            update = {"listen": ["/ip4/127.0.0.1/tcp/0"], **(configs or {}).get(name, {})}
+            # port 0: a home's dashboard (on by default) must not fight other tests for 8765
+            update = {"listen": ["/ip4/127.0.0.1/tcp/0"], "ui": UiServe(port=0), **(configs or {}).get(name, {})}
             config = home.load_config().model_copy(update=update)
             node = Node(home, config, **({"fsync": fsyncs[name]} if fsyncs and name in fsyncs else {}))
             await tg.start(node.run)

@@ -344,7 +344,7 @@ async def test_500_tasks_at_once_all_complete_in_bounded_memory(tmp_path: Path) 
         # nothing keyed by task id is left behind in memory once tasks are done and fetched
         await wait_until(lambda: phone.submitter.following == 0, "every driver to finish", timeout=10)
         assert len(home.executor._running) == 0
-        assert len(home.executor._changed) == 0 and len(phone.submitter.changed) == 0
+        assert len(home.executor.changed) == 0 and len(phone.submitter.changed) == 0
 
 
 @pytest.mark.anyio
