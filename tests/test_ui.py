@@ -100,8 +100,14 @@ class Browser:
 
 
 def _shot(page: Any, name: str) -> None:
-    SHOTS.mkdir(parents=True, exist_ok=True)
-    page.screenshot(path=str(SHOTS / f"{name}.png"), full_page=True)
+    """docs/ui/NAME.png: taken when it is missing, or every time with PSYMESH_UI_SHOTS=1 (so a
+    test run does not leave a checkout with changed pictures); always taken, to a temp file
+    otherwise, so the page is rendered and captured either way."""
+    target = SHOTS / f"{name}.png"
+    if target.exists() and os.environ.get("PSYMESH_UI_SHOTS") != "1":
+        target = Path(tempfile.gettempdir()) / f"psymesh-ui-{name}.png"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(target), full_page=True)
 
 
 def _login(page: Any, node: Node) -> None:
