@@ -75,7 +75,7 @@ from psymesh.protocol.common import Ping, Pong
 from psymesh.protocol.dialback import DialBack
 from psymesh.protocol.messages import Message
 from psymesh.protocol.mailbox import MailAck, MailDeposit, MailFetch, MailKeyPush
-from psymesh.protocol.messaging import MsgSend, MsgSendMany
+from psymesh.protocol.messaging import MsgAck, MsgMissing, MsgSend, MsgSendMany
 from psymesh.protocol.pairing import PAIR_MAX_FRAME
 from psymesh.protocol.session import MAX_OPEN_REQUESTS
 from psymesh.protocol.web import WebAnswer, WebFetch, WebKeyPush, WebRelay, WebRequest, WebSealed, WebSearch
@@ -133,7 +133,8 @@ class Node:
         self.messaging = Messaging(self.identity, MessageStore(self.db), self.trust, self.sessions,
                                    door=self.gate.admit_each,
                                    mail=MailSender(self.identity.peer_id, mail_store, self.trust, self.sessions,
-                                                   self.mailbox), grace_s=self.config.mail.grace_s)
+                                                   self.mailbox), grace_s=self.config.mail.grace_s,
+                                   gap_s=self.config.mail.gap_s)
         self.mail = MailOwner(home, self.identity, self.config.mailbox, mail_store, self.trust, self.sessions,
                               self._door, self.messaging)
         self.groups = Groups(self.db, self.trust, self.messaging)
@@ -175,6 +176,8 @@ class Node:
             ManifestRevoke: self._receive_revocation,
             MsgSend: self.messaging.receive,
             MsgSendMany: self.messaging.receive_many,
+            MsgAck: self.messaging.receive_ack,
+            MsgMissing: self.messaging.receive_missing,
             MailKeyPush: self.mailbox.receive_key,
             MailDeposit: self.mailbox.deposit,
             MailFetch: self.mailbox.fetch,

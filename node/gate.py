@@ -4,7 +4,8 @@
     2. the request is one this node serves (protocol/admission) bad_request
     3. by its rule:
        issuer      the manifest it carries is from the sender, to us, signed      forbidden
-                   (a mail key, an address record: the sender's own, signed)
+                   (a mail key, an address record, a receipt: the sender's own, signed)
+       paired      nothing more (msg.missing: "send me again what you sent me")
        grant       we issued the peer a grant, ours, for it, signed, in date       forbidden / expired
        capability  ... and a capability covers this exact request, payload within  forbidden / too_large
     4. charged requests: within the grant's request rate       rate_limited (retry_after)
@@ -51,6 +52,7 @@ from psymesh.protocol.manifest import (
     verify_grant,
 )
 from psymesh.protocol.messages import Message
+from psymesh.protocol.messaging import MsgAck, check_receipt
 from psymesh.protocol.relay import DCUTR, HOLE_PUNCH, HOP, STOP
 from psymesh.protocol.oblivious import verify_exit_key
 from psymesh.protocol.web import WebKeyPush
@@ -138,6 +140,11 @@ class Gate:
             return Decision(True)
         if rule.need is Need.ISSUER and isinstance(request, AddrsPush):
             request.record.verify(sender=peer_id)
+            return Decision(True)
+        if rule.need is Need.ISSUER and isinstance(request, MsgAck):
+            check_receipt(request.receipt, recipient=peer_id, local_peer_id=self.local_peer_id)
+            return Decision(True)
+        if rule.need is Need.PAIRED:
             return Decision(True)
         if rule.need is Need.ISSUER and isinstance(request, WebKeyPush):
             verify_exit_key(request.key, exit=peer_id, now=now)

@@ -13,7 +13,10 @@
                       item is opened, checked, and admitted through this node's own door as
                       the sender's `msg.send` (audited `mailbox`), stored in the inbox
                       (which drops a letter it holds), then acknowledged so the mailbox
-                      deletes it. A crash between storing and acknowledging re-delivers;
+                      deletes it; its sender is owed our signed receipt (`msg.ack`).
+                      A letter the door refuses for good keeps its place as a withdrawn
+                      stub, but only when the sender is paired with us: a stranger's
+                      letters cost our inbox nothing. A crash between storing and acknowledging re-delivers;
                       the inbox drops the duplicate.
 
 The mail key is an X25519 key of its own (`<home>/mail.key`, 0600), not the identity key:
@@ -274,4 +277,7 @@ class MailOwner:
             if exc.code in _AGAIN:
                 raise
             log.info("letter %s from %s, from the mailbox, refused: %s", letter.id, letter.sender, exc.message)
-            self.inbox.withdrawn(letter)
+            if exc.code is not ErrorCode.UNKNOWN_PEER:  # a stranger's letters hold no thread here: no stub
+                self.inbox.withdrawn(letter)
+            return
+        self.inbox.took(letter)

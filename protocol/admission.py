@@ -11,7 +11,10 @@ serves has one, so a new service cannot skip the door by accident.
     issuer       nothing of ours: the message carries a manifest (or a revocation) the
                  *sender* issued to *us*, validly signed (manifest.push, manifest.revoke),
                  or the sender's own mail key, address record or exit key, signed by it
-                 (mail.key, addrs.push, web.key)
+                 (mail.key, addrs.push, web.key), or the sender's own receipt for letters
+                 we sent it (msg.ack)
+    paired       nothing beyond pairing: the request only asks us to send the sender
+                 again what we already sent it (msg.missing); not charged
 
 A batch (`msg.send_many`) is admitted twice over: the envelope by its own row (a grant in
 date, not charged), then each letter in it as the lone `msg.send` it stands for
@@ -39,7 +42,7 @@ from psymesh.protocol.mailbox import MailAck, MailDeposit, MailFetch, MailKeyPus
 from psymesh.protocol.errors import ErrorCode, PsymeshError
 from psymesh.protocol.manifest import ManifestPush, ManifestRevoke, Operation
 from psymesh.protocol.messages import Message
-from psymesh.protocol.messaging import MsgSend, MsgSendMany
+from psymesh.protocol.messaging import MsgAck, MsgMissing, MsgSend, MsgSendMany
 from psymesh.protocol.web import WebFetch, WebKeyPush, WebRelay, WebSealed, WebSearch
 from psymesh.protocol.tasks import (
     TaskAck,
@@ -59,6 +62,7 @@ class Need(StrEnum):
     CAPABILITY = "capability"
     GRANT = "grant"
     ISSUER = "issuer"
+    PAIRED = "paired"
 
 
 @dataclass(frozen=True)
@@ -85,6 +89,8 @@ REQUESTS: Mapping[type[Message], Rule] = {
     ManifestRevoke: Rule("manifest", Need.ISSUER, charged=False),
     MsgSend: Rule("msg", Need.CAPABILITY),
     MsgSendMany: Rule("msg", Need.GRANT, charged=False),  # each letter: admitted as its MsgSend
+    MsgAck: Rule("msg", Need.ISSUER, charged=False),
+    MsgMissing: Rule("msg", Need.PAIRED, charged=False),
     MailKeyPush: Rule("mail", Need.ISSUER, charged=False),
     MailDeposit: Rule("mail", Need.CAPABILITY, holds_mail=True),
     MailFetch: Rule("mail", Need.GRANT),

@@ -24,8 +24,18 @@ On the session (`/psymesh/session/1.0.0`):
                            the code a lone `msg.send` of that letter would have got, so one bad
                            letter refuses only itself
 
-The sender keeps each letter in its outbox until a receipt comes back, resending with
-backoff while the recipient is away. A letter the recipient refuses for good (its grant
+    msg.ack {receipt}   -> msg.ack_ok {}          the recipient's signed receipt for letters
+                                                   that reached it another way (its mailbox)
+    msg.missing {thread, tseqs: 1..256}
+                        -> msg.missing_ok {resending}
+                           the recipient has held a gap in `thread` too long: send these again
+
+A receipt (`msg.receipt`, `msg.receipts`, `msg.ack`) carries `proof`: a `Receipt` the
+recipient signed over the ids it stored, so the sender holds the recipient's word, not a
+go-between's. The sender keeps each letter in its outbox until such a receipt comes back,
+resending with backoff while the recipient is away; a letter left at the recipient's
+mailbox is kept too, and sent again directly once the recipient can be reached, so a
+mailbox that withholds a letter delays its thread but cannot cut it. A letter the recipient refuses for good (its grant
 changed, the letter is too large) is replaced on the wire by a *withdrawn* stub with the
 same id and tseq (no text, no body), so the letters after it in its thread are not held
 for ever; the sender's app sees the refusal.
@@ -33,6 +43,8 @@ for ever; the sender's app sees the refusal.
 from __future__ import annotations
 
 from typing import Any
+
+import itertools
 
 import msgpack
 from collections.abc import Iterable
@@ -44,12 +56,13 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from psymesh.protocol.errors import ErrorCode, PsymeshError
-from psymesh.protocol.identity import peer_id_from_public_key, public_key_from_peer_id
-from psymesh.protocol.manifest import Operation
+from psymesh.protocol.identity import PeerId, peer_id_from_public_key, public_key_from_peer_id
+from psymesh.protocol.manifest import Operation, canonical_encode
 from psymesh.protocol.messages import Message
 from psymesh.protocol.tasks import JsonMap
 
 _SIGNING_CONTEXT = b"psymesh/letter/v1\x00"
+_RECEIPT_CONTEXT = b"psymesh/receipt/v1\x00"
 MAX_TEXT = 64 * 1024
 MAX_THREAD = 128
 LetterId = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]*$")]
@@ -141,6 +154,48 @@ def check_letter(letter: Letter, *, sender: str, local_peer_id: str) -> None:
         raise PsymeshError("the letter's signature does not verify", code=ErrorCode.FORBIDDEN)
 
 
+MAX_BATCH = 256
+
+
+class Receipt(BaseModel):
+    """The recipient's signed word that it holds these letters of `sender`'s durably.
+
+    signature = Ed25519 by the recipient over b"psymesh/receipt/v1\\x00" ||
+                canonical_encode({at, ids, recipient, sender})"""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", ser_json_bytes="base64", val_json_bytes="base64")
+
+    recipient: PeerId
+    sender: PeerId
+    ids: list[LetterId] = Field(min_length=1, max_length=MAX_BATCH)
+    at: int = Field(ge=0, lt=2**63)   # Unix ms, the recipient's clock
+    signature: bytes = Field(default=b"", max_length=64)
+
+    def signing_bytes(self) -> bytes:
+        return _RECEIPT_CONTEXT + canonical_encode(self.model_dump(mode="python", exclude={"signature"}))
+
+    def sign(self, key: Ed25519PrivateKey) -> Self:
+        if peer_id_from_public_key(key.public_key().public_bytes_raw()) != self.recipient:
+            raise ValueError("the signing key is not the recipient's key")
+        return self.model_copy(update={"signature": key.sign(self.signing_bytes())})
+
+    def signature_valid(self) -> bool:
+        key = Ed25519PublicKey.from_public_bytes(public_key_from_peer_id(self.recipient))
+        try:
+            key.verify(self.signature, self.signing_bytes())
+        except InvalidSignature:
+            return False
+        return True
+
+
+def check_receipt(receipt: Receipt, *, recipient: str, local_peer_id: str) -> None:
+    """What a sender checks before it takes a receipt as delivery: signed by the peer the
+    letters went to, about letters from us (FORBIDDEN if not)."""
+    if receipt.recipient != recipient or receipt.sender != local_peer_id or not receipt.signature_valid():
+        raise PsymeshError("a receipt must be signed by the letters' recipient, about our letters",
+                           code=ErrorCode.FORBIDDEN)
+
+
 class MsgSend(Message):
     """Deliver one letter. Reply: `msg.receipt` once the recipient stored it."""
 
@@ -157,9 +212,7 @@ class MsgReceipt(Message):
     type = "msg.receipt"
     id: LetterId
     status: ReceiptStatus = ReceiptStatus.STORED
-
-
-MAX_BATCH = 256
+    proof: Receipt | None = None   # signed by the recipient over [id]
 
 
 class MsgSendMany(Message):
@@ -191,6 +244,34 @@ class LetterResult(BaseModel):
 class MsgReceipts(Message):
     type = "msg.receipts"
     results: list[LetterResult] = Field(max_length=MAX_BATCH)
+    proof: Receipt | None = None   # signed by the recipient over the ids stored, in order
+
+
+class MsgAck(Message):
+    """Recipient -> sender: letters that reached the recipient another way (its mailbox)
+    are stored. Admitted by the issuer rule: `receipt` is the requester's own, signed,
+    about letters from us."""
+
+    type = "msg.ack"
+    receipt: Receipt
+
+
+class MsgAckOk(Message):
+    type = "msg.ack_ok"
+
+
+class MsgMissing(Message):
+    """Recipient -> sender: these tseqs of `thread` (the sender's thread to the requester)
+    have not arrived while later ones wait: send them again (or their withdrawn stubs)."""
+
+    type = "msg.missing"
+    thread: Thread
+    tseqs: list[Annotated[int, Field(ge=1, lt=2**63)]] = Field(min_length=1, max_length=MAX_BATCH)
+
+
+class MsgMissingOk(Message):
+    type = "msg.missing_ok"
+    resending: int   # how many of them the sender holds and will send again
 
 
 # -- the receiver's ordering rule ------------------------------------------------------------
@@ -208,4 +289,14 @@ def releasable(held: Iterable[int], released_upto: int) -> list[int]:
         out.append(tseq)
         nxt += 1
     return out
+
+
+def missing(held: Iterable[int], released_upto: int, limit: int = MAX_BATCH) -> list[int]:
+    """The tseqs one (sender, thread) lacks: those after `released_upto` and before the
+    highest held that are not held, lowest first, at most `limit`."""
+    have = set(held)
+    if not have:
+        return []
+    gaps = (t for t in range(released_upto + 1, max(have)) if t not in have)
+    return list(itertools.islice(gaps, limit))
 

@@ -26,7 +26,16 @@ from psymesh.protocol.errors import NetworkError
 from psymesh.protocol.mailbox import MailAck, MailDeposit, MailFetch, MailKey, MailKeyPush
 from psymesh.protocol.manifest import ManifestPush, ManifestRevoke, revocation
 from psymesh.protocol.messages import Message
-from psymesh.protocol.messaging import Letter, MsgReceipts, MsgSend, MsgSendMany, ReceiptStatus
+from psymesh.protocol.messaging import (
+    Letter,
+    MsgAck,
+    MsgMissing,
+    MsgReceipts,
+    MsgSend,
+    MsgSendMany,
+    Receipt,
+    ReceiptStatus,
+)
 from psymesh.protocol.tasks import (
     EventKind,
     TaskAck,
@@ -71,6 +80,10 @@ def requests_from(peer: Node, home: Node, n: int) -> dict[type[Message], Message
         MsgSendMany: MsgSendMany(letters=[
             Letter(id=f"door-many-{n}", sender=peer.identity.peer_id, recipient=home.identity.peer_id,
                    thread="many", tseq=n, text="hello", at=int(time.time() * 1000)).sign(peer.identity.private_key)]),
+        # the peer's signed receipt for letters of home's; its ask for letters of home's again
+        MsgAck: MsgAck(receipt=Receipt(recipient=peer.identity.peer_id, sender=home.identity.peer_id,
+                                       ids=[f"door-{n}"], at=int(time.time() * 1000)).sign(peer.identity.private_key)),
+        MsgMissing: MsgMissing(thread="main", tseqs=[1]),
         # the peer names home its mailbox (before it deposits for itself there, and fetches)
         MailKeyPush: MailKeyPush(key=MailKey(owner=peer.identity.peer_id, mailbox=home.identity.peer_id, serial=n,
                                              public=X25519PrivateKey.generate().public_key().public_bytes_raw())
@@ -94,13 +107,14 @@ def requests_from(peer: Node, home: Node, n: int) -> dict[type[Message], Message
 STRANGER_ID = "12D3KooWRpx9AHSGygNZvwDQB6XaVnnA3CXTGFgmHNYLwQbaGAGy"  # nobody's: no node here has this key
 
 
-# What each standing is answered, per rule ("capability", "grant", "issuer"): an error code,
-# or OK when the door let it through. Issuer-signed messages need only a pairing.
+# What each standing is answered, per rule ("capability", "grant", "issuer", "paired"): an error
+# code, or OK when the door let it through. Issuer-signed and "paired" messages need only a pairing.
 EXPECTED = {
-    "nocap": {"capability": "forbidden", "grant": OK, "issuer": OK},
-    "expired": {"capability": "expired", "grant": "expired", "issuer": OK},
-    "revoked": {"capability": "unknown_peer", "grant": "unknown_peer", "issuer": "unknown_peer"},
-    "allowed": {"capability": OK, "grant": OK, "issuer": OK},
+    "nocap": {"capability": "forbidden", "grant": OK, "issuer": OK, "paired": OK},
+    "expired": {"capability": "expired", "grant": "expired", "issuer": OK, "paired": OK},
+    "revoked": {"capability": "unknown_peer", "grant": "unknown_peer", "issuer": "unknown_peer",
+                "paired": "unknown_peer"},
+    "allowed": {"capability": OK, "grant": OK, "issuer": OK, "paired": OK},
 }
 
 

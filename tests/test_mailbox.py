@@ -39,7 +39,7 @@ from psymesh.protocol.mailbox import (
     seal,
     unseal,
 )
-from psymesh.protocol.messaging import Letter
+from psymesh.protocol.messaging import Letter, check_receipt
 from psymesh.protocol.session import SessionEnd
 
 pytestmark = pytest.mark.anyio
@@ -230,3 +230,81 @@ def test_a_mail_key_is_signed_by_its_owner_and_binds_what_it_seals(tmp_path: Pat
     impostor = letter.model_copy(update={"signature": owner.sign(letter.signing_bytes())})
     with pytest.raises(PsymeshError):
         unseal(seal(impostor, key), secret, recipient=owner_id, sender=other_id, ref=mail_ref(impostor))
+
+
+async def test_a_letter_its_mailbox_withholds_is_noticed_and_delivered_directly_with_a_signed_receipt(
+        tmp_path: Path) -> None:
+    ph = phone_home(tmp_path)
+    async with run_nodes(tmp_path, "home", "laptop") as nodes:
+        home, laptop = nodes["home"], nodes["laptop"]
+        await pair(home.home.path, laptop.home.path)
+        async with anyio.create_task_group() as tg:
+            phone = start_phone(ph)
+            await tg.start(phone.run)
+            phone_id = phone.identity.peer_id
+            await pair(home.home.path, ph.path)
+            await pair(ph.path, laptop.home.path)
+            await wait_until(lambda: knows_mailbox(laptop, phone_id, home.identity.peer_id)
+                             and knows_mailbox(home, phone_id, home.identity.peer_id), "the phone's mail key")
+            tg.cancel_scope.cancel()  # the phone is off
+
+        laptop.messaging.grace_s = 0.1
+        sent = [laptop.messaging.send("phone", f"part {i} of the plan", thread="plan") for i in range(1, 4)]
+        for letter in sent:
+            with anyio.fail_after(30):
+                assert (await laptop.messaging.wait_sent(letter.id)).state is OutState.DEPOSITED
+        # home, malicious or forgetful, drops the second letter and says nothing
+        withheld = sent[1]
+        home.mailbox.store.conn.execute("DELETE FROM mail_held WHERE ref = ?", (mail_ref(withheld),))
+        assert len(held(home, phone_id)) == 2
+        # the laptop still holds all three: a deposit is not a delivery
+        assert laptop.messaging.store.recipients_pending() == [phone_id]
+
+        async with anyio.create_task_group() as tg:
+            phone = start_phone(NodeHome(ph.path))
+            await tg.start(phone.run)
+            got = await inbox(phone, 3, timeout=30)
+            assert [x.id for x in got] == [x.id for x in sent] and threads_in_order(got)
+
+            def delivered() -> bool:
+                return all(laptop.messaging.store.sent(x.id).state is OutState.DELIVERED for x in sent)
+
+            await wait_until(delivered, "the laptop to hold the phone's receipt for every letter")
+            for letter in sent:
+                proof = laptop.messaging.store.proof(letter.id)
+                assert proof is not None and letter.id in proof.ids
+                check_receipt(proof, recipient=phone_id, local_peer_id=laptop.identity.peer_id)
+            # the withheld one came directly, on the session, not from the mailbox
+            direct = [r for r in phone.audit.query(peer_id=laptop.identity.peer_id, limit=100)
+                      if r["protocol"] == ids.SESSION and r["operation"] == "msg.send"]
+            assert direct, "the withheld letter reached the phone directly"
+            acks = [r for r in laptop.audit.query(peer_id=phone_id, limit=100) if r["operation"] == "msg.ack"]
+            assert acks and all(r["allowed"] for r in acks)  # the mailbox's letters: receipts came back
+            assert laptop.messaging.store.recipients_pending() == []
+            tg.cancel_scope.cancel()
+
+
+async def test_a_gap_held_past_its_timeout_asks_the_sender_again(tmp_path: Path) -> None:
+    async with run_nodes(tmp_path, "laptop", "phone") as nodes:
+        laptop, phone = nodes["laptop"], nodes["phone"]
+        await pair(phone.home.path, laptop.home.path)
+        phone.messaging.gap_s = 0.5
+        first = laptop.messaging.send("phone", "one", thread="t")
+        assert (await laptop.messaging.wait_sent(first.id)).state is OutState.DELIVERED
+        # The laptop believes the second was delivered (a restored backup, a lost disk at the
+        # phone): the phone never saw it, and the third waits behind the gap.
+        lost = laptop.messaging.store.write(
+            lambda tseq: Letter(id="lost", sender=laptop.identity.peer_id, recipient=phone.identity.peer_id,
+                                thread="t", tseq=tseq, text="two", at=int(time.time() * 1000))
+            .sign(laptop.identity.private_key), phone.identity.peer_id, "t")
+        laptop.messaging.store.settle(delivered=[lost.id])
+        third = laptop.messaging.send("phone", "three", thread="t")
+        assert (await laptop.messaging.wait_sent(third.id)).state is OutState.DELIVERED
+        got = await inbox(phone, 3, timeout=20)
+        assert [x.text for x in got] == ["one", "two", "three"]
+        asks = [r for r in laptop.audit.query(peer_id=phone.identity.peer_id, limit=100)
+                if r["operation"] == "msg.missing"]
+        assert asks and all(r["allowed"] for r in asks)
+        await wait_until(lambda: laptop.messaging.store.sent("lost").state is OutState.DELIVERED,
+                         "the resent letter's receipt")
+        assert laptop.messaging.store.proof("lost") is not None
