@@ -113,7 +113,7 @@ class Node:
         self.relaying = Relaying(self.identity, self.config.relay, self.p2p, self.trust, self.sessions)
         self.reach = Reach(self.p2p, self.sessions, self.trust)
         self.web = WebServer(self.config.web.exit, home, self.identity.private_key, self.identity.peer_id,
-                             gate=self.gate, audit=self.audit, trust=self.trust, sessions=self.sessions)
+                             gate=self.gate, audit=self.audit, trust=self.trust, sessions=self.sessions, db=self.db)
         self.pairing = PairingService(self.identity, self.config, self.p2p, self.trust, self.push_manifest,
                                       welcome=self.web.hand_key)
         self.models = ModelPool(ModelRegistry(self.db))

@@ -14,6 +14,12 @@ Every query an exit runs is one more row in its audit log (`web.exit`: what was 
 whom, the outcome), beside the door's admission row. A relayed query's row names the relay:
 the exit never learns who asked.
 
+Once the exit opened a sealed query, every refusal (expired, replayed, busy, the relay's grant)
+goes back sealed to the asker, like an answer: the relay learns neither which nor the phone's
+clock. The replay guard's memory (each opened request's `enc`, for its window) is kept in the
+node's database, written before the query runs, so a restart inside the window does not let a
+relay replay a request.
+
 The exit's HPKE key (protocol/oblivious.py) lives in the home, 0600; its public half, signed
 by our identity key, goes to every paired peer at start and with every grant we hand out, so
 a phone holds it before it needs it (fetching it at query time would tell the exit when the
@@ -22,6 +28,7 @@ phone is about to ask).
 from __future__ import annotations
 
 import logging
+import sqlite3
 import time
 from collections.abc import Callable
 from contextlib import AsyncExitStack
@@ -30,6 +37,7 @@ import anyio
 import anyio.abc
 
 from psymesh.node.audit import AuditLog
+from psymesh.node.db import ensure_schema
 from psymesh.node.gate import Gate
 from psymesh.node.home import NodeHome
 from psymesh.node.session import Call, SessionPool
@@ -39,7 +47,7 @@ from psymesh.protocol.common import Error
 from psymesh.protocol.errors import ErrorCode, PsymeshError
 from psymesh.protocol.manifest import Operation, check
 from psymesh.protocol.messages import Message, pack, unpack
-from psymesh.protocol.oblivious import ExitKey, ExitSecret, Gateway
+from psymesh.protocol.oblivious import ExitKey, ExitSecret, Gateway, Remembered
 from psymesh.protocol.web import (
     WebAnswer,
     WebFetch,
@@ -59,12 +67,38 @@ EXIT_KEY_TTL_S = 30 * 86400.0
 OUTCOME = "web.exit"          # the audit service of an exit's outcome rows
 SEALED = "web.sealed"         # the audit service of a sealed query's inner admission
 KEY_PUSH_TIMEOUT_S = 10.0
+REPLAY_SCHEMA = """
+CREATE TABLE IF NOT EXISTS web_replay (
+    enc        BLOB PRIMARY KEY,        -- a sealed request's ephemeral key, opened here ...
+    forget_at  REAL NOT NULL            -- ... remembered until its sent_at + the window
+);
+CREATE INDEX IF NOT EXISTS web_replay_forget ON web_replay(forget_at);
+"""
+
+
+class ReplayMemory:
+    """The exit's replay guard on disk: what the Gateway remembers, kept across restarts."""
+
+    def __init__(self, conn: sqlite3.Connection) -> None:
+        self.conn = conn
+        ensure_schema(conn, REPLAY_SCHEMA)
+
+    def load(self, now: float) -> list[Remembered]:
+        self.conn.execute("DELETE FROM web_replay WHERE forget_at < ?", (now,))
+        return [Remembered(r[0], r[1]) for r in self.conn.execute("SELECT enc, forget_at FROM web_replay")]
+
+    def remember(self, item: Remembered, now: float) -> None:
+        """Kept (committed) on return; what the timestamp alone now refuses is dropped."""
+        self.conn.execute("DELETE FROM web_replay WHERE forget_at < ?", (now,))
+        self.conn.execute("INSERT OR IGNORE INTO web_replay (enc, forget_at) VALUES (?, ?)",
+                          (item.enc, item.forget_at))
+
 
 class WebServer:
     """This node's exit (when `[web.exit] enabled = true`) and relay (always: the door decides)."""
 
     def __init__(self, settings: ExitSettings, home: NodeHome, identity_key: object, peer_id: str, *,
-                 gate: Gate, audit: AuditLog, trust: TrustStore, sessions: SessionPool,
+                 gate: Gate, audit: AuditLog, trust: TrustStore, sessions: SessionPool, db: sqlite3.Connection,
                  clock: Callable[[], float] = time.time) -> None:
         self.settings = settings
         self.peer_id = peer_id
@@ -77,10 +111,11 @@ class WebServer:
         self._secret: ExitSecret | None = None
         self._key: ExitKey | None = None
         self._gateway: Gateway | None = None
+        self._replay = ReplayMemory(db)
         if settings.enabled:
             self._secret = _load_secret(home)
             self._key = self._secret.public(identity_key, peer_id, now=clock(), ttl_s=EXIT_KEY_TTL_S)  # type: ignore[arg-type]
-            self._gateway = Gateway({self._secret.key_id: self._secret})
+            self._gateway = Gateway({self._secret.key_id: self._secret}, remembered=self._replay.load(clock()))
 
     @property
     def key(self) -> ExitKey | None:
@@ -164,16 +199,18 @@ class WebServer:
         if self._gateway is None:
             raise PsymeshError("this node is not a web exit ([web.exit] enabled = true turns it on)",
                                code=ErrorCode.UNAVAILABLE)
-        body, sealer = self._gateway.open(call.request.sealed, now=self.clock())
+        opened = self._gateway.decrypt(call.request.sealed)  # refusals before this: nobody to seal to
         try:
-            inner = unpack(body)
+            now = self.clock()
+            self._replay.remember(self._gateway.admit(opened, now=now), now)  # on disk before it runs
+            inner = unpack(opened.body)
             if not isinstance(inner, (WebSearch, WebFetch)):
                 raise PsymeshError(f"{inner.type!r} cannot be sent sealed", code=ErrorCode.BAD_REQUEST)
             self.gate.admit(call.peer_id, SEALED, inner)
             answer: Message = await self.answer(inner, call.peer_id)
         except PsymeshError as exc:
             answer = Error.from_exception(exc)
-        return WebSealedReply(sealed=sealer.seal(pack(answer)))
+        return WebSealedReply(sealed=opened.sealer.seal(pack(answer)))
 
     # -- two hops: the relay's part ----------------------------------------------------------
     async def relay(self, call: Call) -> Message:

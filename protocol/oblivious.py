@@ -56,7 +56,7 @@ from __future__ import annotations
 import heapq
 import os
 import struct
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from cryptography.exceptions import InvalidSignature, InvalidTag
@@ -297,6 +297,28 @@ def seal_request(key: ExitKey, body: bytes, *, now: float) -> tuple[bytes, Pendi
     return sealed, PendingResponse(enc, context.export(RESPONSE_LABEL, _RESPONSE_SECRET_LEN))
 
 
+@dataclass(frozen=True, eq=False)
+class Opened:
+    """A sealed request the exit could decrypt, not yet judged fresh: its body, when the
+    phone says it sent it, its `enc` (the replay guard's name for it), and the sealer for
+    the answer. Once a request is opened every refusal goes back sealed with `sealer`,
+    so the relay cannot tell an expired or replayed request from an answer."""
+
+    body: bytes
+    sent_at: float
+    enc: bytes
+    sealer: ResponseSealer = field(repr=False)
+
+
+@dataclass(frozen=True)
+class Remembered:
+    """One enc the replay guard holds, until `forget_at` (sent_at + window): what an exit
+    keeps on disk so that a restart does not forget the window."""
+
+    enc: bytes
+    forget_at: float
+
+
 class Gateway:
     """The exit's side: opens sealed requests with its secrets (by `key_id`), refusing
     stale, future-dated and replayed ones.
@@ -307,17 +329,28 @@ class Gateway:
     rather than an old enc being forgotten early: forgetting it would let a relay replay
     that request inside its window, running it twice and watching what the exit does.
     At the default cap that is about 20 MB, reached only at ~1,700 requests a second.
-    Rotate keys with `set_secrets` on the same Gateway: a new one would forget the window."""
+    Rotate keys with `set_secrets` on the same Gateway: a new one would forget the window,
+    unless it is given what the old one remembered (`remembered=`, as the exit restores it
+    from disk after a restart)."""
 
     def __init__(self, secrets: Mapping[int, ExitSecret], *, window_s: float = 60.0,
-                 max_remembered: int = 100_000) -> None:
+                 max_remembered: int = 100_000, remembered: Iterable[Remembered] = ()) -> None:
         if window_s <= 0 or max_remembered < 1:
             raise ValueError("a gateway needs a positive window and room to remember")
         self._window_s = window_s
         self._max_remembered = max_remembered
         self._seen: set[bytes] = set()
         self._forget_at: list[tuple[float, bytes]] = []    # heap: (sent_at + window_s, enc)
+        for item in remembered:
+            if item.enc not in self._seen:
+                self._seen.add(item.enc)
+                self._forget_at.append((item.forget_at, item.enc))
+        heapq.heapify(self._forget_at)
         self.set_secrets(secrets)
+
+    @property
+    def window_s(self) -> float:
+        return self._window_s
 
     def set_secrets(self, secrets: Mapping[int, ExitSecret]) -> None:
         """Replace the keys requests may be sealed to (say, the current and the next)."""
@@ -332,10 +365,15 @@ class Gateway:
         return len(self._seen)
 
     def open(self, sealed: bytes, *, now: float) -> tuple[bytes, ResponseSealer]:
-        """The request body, and the sealer for its answer. Refuses: malformed or
-        undecryptable (BAD_FRAME), unknown key id or suite (BAD_REQUEST), sent_at out of
-        the window (EXPIRED), a replay (CONFLICT), a full replay memory (BUSY)."""
-        self._forget(now)
+        """`decrypt` then `admit`: the request body, and the sealer for its answer."""
+        opened = self.decrypt(sealed)
+        self.admit(opened, now=now)
+        return opened.body, opened.sealer
+
+    def decrypt(self, sealed: bytes) -> Opened:
+        """Open a sealed request (not yet judged fresh: `admit` does). Refuses, unsealed
+        (there is no one to seal to yet): malformed or undecryptable (BAD_FRAME), unknown
+        key id or suite (BAD_REQUEST), a version other than 1 (UNSUPPORTED_VERSION)."""
         if len(sealed) < _HDR.size + _NENC:
             raise PsymeshError("a sealed web request is shorter than its header", code=ErrorCode.BAD_FRAME)
         key_id, kem_id, kdf_id, aead_id = _HDR.unpack_from(sealed)
@@ -356,17 +394,25 @@ class Gateway:
                                code=ErrorCode.BAD_FRAME) from None
         head, body = _unpadded(plaintext, _REQUEST_HEAD.size)
         sent_at = _REQUEST_HEAD.unpack(head)[1] / 1000
-        if abs(now - sent_at) > self._window_s:
+        return Opened(body, sent_at, enc, ResponseSealer(enc, context.export(RESPONSE_LABEL, _RESPONSE_SECRET_LEN)))
+
+    def admit(self, opened: Opened, *, now: float) -> Remembered:
+        """Judge an opened request fresh and remember it; what is now remembered (for the
+        exit to keep on disk). Refuses (seal these with `opened.sealer`): sent_at out of
+        the window (EXPIRED), a replay (CONFLICT), a full replay memory (BUSY)."""
+        self._forget(now)
+        if abs(now - opened.sent_at) > self._window_s:
             raise PsymeshError("stale or future-dated request", code=ErrorCode.EXPIRED,
-                               details={"sent_at": sent_at, "window_s": self._window_s})
-        if enc in self._seen:
+                               details={"window_s": self._window_s})
+        if opened.enc in self._seen:
             raise PsymeshError("replayed request", code=ErrorCode.CONFLICT)
         if len(self._seen) >= self._max_remembered:
             raise PsymeshError("too many recent requests to guard against replay; retry shortly",
                                code=ErrorCode.BUSY, retry_after=max(0.0, self._forget_at[0][0] - now))
-        self._seen.add(enc)
-        heapq.heappush(self._forget_at, (sent_at + self._window_s, enc))
-        return body, ResponseSealer(enc, context.export(RESPONSE_LABEL, _RESPONSE_SECRET_LEN))
+        self._seen.add(opened.enc)
+        item = Remembered(opened.enc, opened.sent_at + self._window_s)
+        heapq.heappush(self._forget_at, (item.forget_at, item.enc))
+        return item
 
     def _forget(self, now: float) -> None:
         """Drop encs whose requests the timestamp check now refuses on its own."""

@@ -308,3 +308,30 @@ async def test_a_gap_held_past_its_timeout_asks_the_sender_again(tmp_path: Path)
         await wait_until(lambda: laptop.messaging.store.sent("lost").state is OutState.DELIVERED,
                          "the resent letter's receipt")
         assert laptop.messaging.store.proof("lost") is not None
+
+
+async def test_letters_from_a_sender_the_phone_never_paired_leave_no_stub_in_its_inbox(tmp_path: Path) -> None:
+    ph = phone_home(tmp_path)
+    async with run_nodes(tmp_path, "home", "laptop") as nodes:
+        home, laptop = nodes["home"], nodes["laptop"]
+        await pair(home.home.path, laptop.home.path)   # the laptop may deposit at home; the phone never met it
+        async with anyio.create_task_group() as tg:
+            phone = start_phone(ph)
+            await tg.start(phone.run)
+            phone_id = phone.identity.peer_id
+            await pair(home.home.path, ph.path)
+            await wait_until(lambda: knows_mailbox(home, phone_id, home.identity.peer_id), "the phone's mail key")
+            key = home.mailbox.store.key_of(phone_id)
+            assert key is not None
+            for i in range(20):  # each one refused for good at the phone's door: unknown_peer
+                letter = Letter(id=f"junk-{i}", sender=laptop.identity.peer_id, recipient=phone_id, thread=f"j{i}",
+                                tseq=1, text="x" * 1000, at=int(time.time() * 1000)).sign(laptop.identity.private_key)
+                await laptop.sessions.request(home.identity.peer_id, MailDeposit(
+                    recipient=phone_id, ref=mail_ref(letter), sealed=seal(letter, key)), MailReceipt)
+            await wait_until(lambda: held(home, phone_id) == [], "the phone to take (and refuse) them all")
+            refused = [r for r in phone.audit.query(peer_id=laptop.identity.peer_id, limit=100)
+                       if r["protocol"] == VIA_MAILBOX]
+            assert len(refused) == 20 and {r["code"] for r in refused} == {"unknown_peer"}
+            count = phone.messaging.store.conn.execute("SELECT COUNT(*) FROM msg_inbox").fetchone()[0]
+            assert count == 0
+            tg.cancel_scope.cancel()

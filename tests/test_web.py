@@ -14,7 +14,17 @@ from pathlib import Path
 import anyio
 import pytest
 
+import time
+
 from conftest import pair, run_nodes
+from waiting import wait_until
+from psymesh.node.daemon import Node
+from psymesh.node.home import NodeHome
+from psymesh.protocol.common import Error
+from psymesh.protocol.errors import NetworkError
+from psymesh.protocol.messages import pack, unpack
+from psymesh.protocol.oblivious import seal_request
+from psymesh.protocol.web import WebFetch, WebPage
 from psymesh.agent.loop import ScriptedModel, run_agent, tool_call_text
 from psymesh.agent.tools import ToolContext
 from psymesh.node import agents
@@ -200,10 +210,59 @@ async def test_a_replayed_sealed_query_is_refused(tmp_path: Path, site: Site) ->
         _watch_relay(nodes["relay"], seen)
         async with Client(nodes["phone"].home.path) as phone:
             await phone.web_fetch(site.url("/tides"), hops=2)
-        with pytest.raises(RemoteError) as replay:  # the relay (or anyone on its path) sends it again
-            await nodes["relay"].sessions.request(nodes["exit"].identity.peer_id,
-                                                  WebSealed(sealed=seen.requests[0]), WebSealedReply)
-    assert replay.value.code is ErrorCode.CONFLICT and "replay" in replay.value.message
+        # the relay (or anyone on its path) sends it again: answered, sealed, like any answer
+        reply = await nodes["relay"].sessions.request(nodes["exit"].identity.peer_id,
+                                                      WebSealed(sealed=seen.requests[0]), WebSealedReply)
+    assert reply.sealed and b"replay" not in reply.sealed and b"conflict" not in reply.sealed
+    assert site.hits["/tides"] == 1
+
+
+def _exit_node(home: NodeHome) -> Node:
+    return Node(home)
+
+
+async def _sealed_via(relay: Node, exit_id: str, sealed: bytes) -> WebSealedReply:
+    return await relay.sessions.request(exit_id, WebSealed(sealed=sealed), WebSealedReply)
+
+
+@pytest.mark.anyio
+async def test_refusals_after_opening_go_back_sealed_and_a_restart_remembers_the_replay_window(
+        tmp_path: Path, site: Site) -> None:
+    home = NodeHome(tmp_path / "exit")
+    home.init(profile="home", name="exit")
+    home.save_config(home.load_config().model_copy(update={"listen": ["/ip4/127.0.0.1/tcp/0"], **exit_config(site)}))
+    async with run_nodes(tmp_path, "relay", "phone") as nodes:
+        relay = nodes["relay"]
+        async with anyio.create_task_group() as tg:
+            exit_node = _exit_node(home)
+            await tg.start(exit_node.run)
+            await _three({**nodes, "exit": exit_node})
+            exit_id, key = exit_node.identity.peer_id, exit_node.web.key
+            assert key is not None
+            fetch = pack(WebFetch(url=site.url("/tides")))
+            sealed, pending = seal_request(key, fetch, now=float(int(time.time())))
+            assert isinstance(unpack(pending.open((await _sealed_via(relay, exit_id, sealed)).sealed)), WebPage)
+            # a stale request: the exit's refusal, and its clock reading, reach only the asker
+            stale, stale_pending = seal_request(key, fetch, now=time.time() - 3600)
+            refusal = unpack(stale_pending.open((await _sealed_via(relay, exit_id, stale)).sealed))
+            assert isinstance(refusal, Error) and refusal.code == ErrorCode.EXPIRED.value
+            assert "sent_at" not in (refusal.details or {})
+            tg.cancel_scope.cancel()  # the exit restarts, well inside the request's window
+
+        async with anyio.create_task_group() as tg:
+            exit_node = _exit_node(NodeHome(home.path))
+            await tg.start(exit_node.run)
+            await wait_until(lambda: relay.trust.get(exit_id) is not None, "the relay to know the exit")
+            with anyio.fail_after(20):
+                while True:  # the exit dials the relay at start (it hands it its key); then it is reachable
+                    try:
+                        reply = await _sealed_via(relay, exit_id, sealed)
+                        break
+                    except NetworkError:
+                        await anyio.sleep(0.05)
+            replayed = unpack(pending.open(reply.sealed))
+            assert isinstance(replayed, Error) and replayed.code == ErrorCode.CONFLICT.value
+            tg.cancel_scope.cancel()
     assert site.hits["/tides"] == 1
 
 
