@@ -191,31 +191,38 @@ class ExitSecret:
 # ---------------------------------------------------------------------------- padding
 
 
-def _padded(head: bytes, body: bytes) -> bytes:
-    """head || len(body) || body || zeros, to the smallest bucket that holds it all."""
+def pad(head: bytes, body: bytes) -> bytes:
+    """head || len(body) (4 bytes, big-endian) || body || zeros, to the smallest bucket
+    that holds it all (also how sealed mail is padded, protocol/mailbox.py)."""
     size = len(head) + _LEN.size + len(body)
     bucket = next((b for b in BUCKETS if size <= b), None)
     if bucket is None:
         limit = BUCKETS[-1] - len(head) - _LEN.size
-        raise PsymeshError(f"a sealed web body is at most {limit} bytes, not {len(body)}", code=ErrorCode.TOO_LARGE)
+        raise PsymeshError(f"a sealed body is at most {limit} bytes, not {len(body)}", code=ErrorCode.TOO_LARGE)
     return b"".join((head, _LEN.pack(len(body)), body, bytes(bucket - size)))
 
 
-def _unpadded(plaintext: bytes, head_size: int) -> tuple[bytes, bytes]:
-    """(head, body) of a padded plaintext; the caller checked its length is a bucket."""
+def unpad(plaintext: bytes, head_size: int) -> tuple[bytes, bytes]:
+    """(head, body) of a padded plaintext whose head starts with the version byte 1; the
+    caller checked its length is a bucket (`is_bucket`)."""
     if plaintext[0] != _VERSION:
-        raise PsymeshError(f"sealed web frame version {plaintext[0]} is not 1", code=ErrorCode.UNSUPPORTED_VERSION)
+        raise PsymeshError(f"sealed frame version {plaintext[0]} is not 1", code=ErrorCode.UNSUPPORTED_VERSION)
     (length,) = _LEN.unpack_from(plaintext, head_size)
     start = head_size + _LEN.size
     end = start + length
     if end > len(plaintext) or plaintext.count(0, end) != len(plaintext) - end:
-        raise PsymeshError("a sealed web frame's length overruns it, or its padding is not zero",
+        raise PsymeshError("a sealed frame's length overruns it, or its padding is not zero",
                            code=ErrorCode.BAD_FRAME)
     return plaintext[:head_size], plaintext[start:end]
 
 
+def is_bucket(size: int) -> bool:
+    """Whether `size` bytes of plaintext is one of the padding buckets."""
+    return size in _BUCKET_SET
+
+
 def _check_sealed_size(ciphertext_len: int, what: str) -> None:
-    if ciphertext_len - _NT not in _BUCKET_SET:
+    if not is_bucket(ciphertext_len - _NT):
         raise PsymeshError(f"a sealed web {what} is not one of the padding buckets", code=ErrorCode.BAD_FRAME)
 
 
@@ -255,7 +262,7 @@ class PendingResponse:
         except InvalidTag:
             raise PsymeshError("the sealed web reply does not open: it is not the exit's answer to this"
                                " request, or it was altered on the way", code=ErrorCode.FORBIDDEN) from None
-        return _unpadded(plaintext, _RESPONSE_HEAD.size)[1]
+        return unpad(plaintext, _RESPONSE_HEAD.size)[1]
 
 
 class ResponseSealer:
@@ -269,7 +276,7 @@ class ResponseSealer:
 
     def seal(self, body: bytes) -> bytes:
         """response_nonce || ct; TOO_LARGE if `body` is over MAX_RESPONSE_BODY."""
-        plaintext = _padded(_RESPONSE_HEAD.pack(_VERSION), body)
+        plaintext = pad(_RESPONSE_HEAD.pack(_VERSION), body)
         response_nonce = os.urandom(_RESPONSE_SECRET_LEN)
         key, nonce = _response_key_nonce(self._secret, self._enc, response_nonce, nk=_NK, nn=_NN)
         return response_nonce + ChaCha20Poly1305(key).encrypt(nonce, plaintext, b"")
@@ -286,7 +293,7 @@ def seal_request(key: ExitKey, body: bytes, *, now: float) -> tuple[bytes, Pendi
     """Seal `body` to `key` (verify it first with `verify_exit_key`): the bytes for
     `web.relay.sealed`, and what opens the answer. TOO_LARGE over MAX_REQUEST_BODY."""
     _check_suite(key)
-    plaintext = _padded(_REQUEST_HEAD.pack(_VERSION, round(now * 1000)), body)
+    plaintext = pad(_REQUEST_HEAD.pack(_VERSION, round(now * 1000)), body)
     hdr = _HDR.pack(key.key_id, key.kem_id, key.kdf_id, key.aead_id)
     try:
         enc, context = _SUITE.create_sender_context(_SUITE.kem.deserialize_public_key(key.public_key),
@@ -392,7 +399,7 @@ class Gateway:
         except (PyHPKEError, ValueError):
             raise PsymeshError("the sealed web request does not open with this exit's key",
                                code=ErrorCode.BAD_FRAME) from None
-        head, body = _unpadded(plaintext, _REQUEST_HEAD.size)
+        head, body = unpad(plaintext, _REQUEST_HEAD.size)
         sent_at = _REQUEST_HEAD.unpack(head)[1] / 1000
         return Opened(body, sent_at, enc, ResponseSealer(enc, context.export(RESPONSE_LABEL, _RESPONSE_SECRET_LEN)))
 

@@ -213,12 +213,19 @@ def test_a_mail_key_is_signed_by_its_owner_and_binds_what_it_seals(tmp_path: Pat
     sealed = seal(letter, key)
     assert len(sealed) == len(seal(letter, key)) and sealed != seal(letter, key)  # a fresh ephemeral key each time
     item = MailItem(seq=1, sender=other_id, ref=mail_ref(letter), at=0.0, sealed=sealed)
-    # docs/protocol.md §5.6, byte for byte: plain RFC 9180 with the documented info opens it
+    # docs/protocol.md §5.6, byte for byte: plain RFC 9180 with the documented info opens it,
+    # and the plaintext is 0x01 || u32 length || the msgpack letter || zeros to a 1 KiB bucket
     ref = hashlib.sha256(letter.signature).digest()[:16]
-    info = b"psymesh/mail/v1\x00" + b"".join(len(p).to_bytes(2, "big") + p
+    info = b"psymesh/mail/v2\x00" + b"".join(len(p).to_bytes(2, "big") + p
                                              for p in (owner_id.encode(), other_id.encode(), ref))
     plain = Suite(KEM.X25519, KDF.HKDF_SHA256, AEAD.CHACHA20_POLY1305).decrypt(sealed, secret, info=info)
-    assert Letter.model_validate(msgpack.unpackb(plain)) == letter and ref == item.ref
+    length = int.from_bytes(plain[1:5], "big")
+    assert len(plain) == 1024 and plain[0] == 1 and plain[5 + length:] == bytes(1024 - 5 - length)
+    assert Letter.model_validate(msgpack.unpackb(plain[5:5 + length])) == letter and ref == item.ref
+    # the mailbox learns the bucket, not the length: a word and 600 bytes seal to the same size
+    longer = Letter(id="l2", sender=other_id, recipient=owner_id, tseq=2, text="y" * 600, at=1).sign(other)
+    assert len(seal(longer, key)) == len(sealed) == 1024 + 48
+    assert len(seal(longer.model_copy(update={"text": "z" * 2000}).sign(other), key)) == 4096 + 48
     assert unseal(item.sealed, secret, recipient=owner_id, sender=other_id, ref=item.ref) == letter
     tampered = sealed[:-1] + bytes([sealed[-1] ^ 1])
     for bad in ({"sealed": tampered}, {"ref": bytes(16)}, {"recipient": other_id}):
