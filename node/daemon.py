@@ -78,7 +78,17 @@ from psymesh.protocol.mailbox import MailAck, MailDeposit, MailFetch, MailKeyPus
 from psymesh.protocol.messaging import MsgAck, MsgMissing, MsgSend, MsgSendMany
 from psymesh.protocol.pairing import PAIR_MAX_FRAME
 from psymesh.protocol.session import MAX_OPEN_REQUESTS
-from psymesh.protocol.web import WebAnswer, WebFetch, WebKeyPush, WebRelay, WebRequest, WebSealed, WebSearch
+from psymesh.protocol.web import (
+    WebAnswer,
+    WebFetch,
+    WebKeyGet,
+    WebKeyOf,
+    WebKeyPush,
+    WebRelay,
+    WebRequest,
+    WebSealed,
+    WebSearch,
+)
 from psymesh.protocol.tasks import TaskAck, TaskAcks, TaskAttach, TaskCancel, TaskCaps, TaskCapsReply, TaskInput, TaskList, TaskSubmit
 
 if TYPE_CHECKING:
@@ -188,6 +198,8 @@ class Node:
             WebSealed: self.web.serve_sealed,
             WebRelay: self.web.relay,
             WebKeyPush: self.web_router.keys.receive,
+            WebKeyOf: self.web.key_of,
+            WebKeyGet: self.web.key_get,
         }
         Owner(self).serve_on(self.control)
 

@@ -12,7 +12,10 @@ query. The relay is `--relay` (or `[web] relay`), else the one paired peer other
 exit whose grant to us has `web.relay`. Choosing is explicit when more than one fits: a
 query is not sent somewhere the owner did not expect.
 
-Exit keys come to us with the exit's grants (`web.key`); we keep the newest in date per exit.
+Exit keys come to us with the exit's grants (`web.key`); we keep the newest in date per exit,
+to know which peers are exits. With two hops we seal only to the relay's view of the exit's key
+(`web.key_of`), the one it shows every asker; an exit that handed us another key under the same
+`key_id` is trying to tell its askers apart, and we refuse to seal to it at all.
 """
 from __future__ import annotations
 
@@ -33,8 +36,10 @@ from psymesh.protocol.oblivious import ExitKey, seal_request, verify_exit_key
 from psymesh.protocol.web import (
     WebAnswer,
     WebFetch,
+    WebKeyOf,
     WebKeyOk,
     WebKeyPush,
+    WebKeyView,
     WebPage,
     WebRelay,
     WebRequest,
@@ -182,9 +187,11 @@ class WebRouter:
             reply = WebResults if isinstance(request, WebSearch) else WebPage
             return await self.sessions.request(route.exit, request, reply, timeout=timeout)
         assert route.key is not None  # a route through a relay carries the key (Route's validator)
+        view = await self.sessions.request(route.relay, WebKeyOf(exit=route.exit), WebKeyView, timeout=timeout)
+        key = consistent_key(route.key, view.key, exit=route.exit, now=self.clock())
         # whole seconds: the exit needs the time only to within its window, and the milliseconds
         # of a phone's clock offset would tell its requests apart
-        sealed, pending = seal_request(route.key, pack(request), now=float(int(self.clock())))
+        sealed, pending = seal_request(key, pack(request), now=float(int(self.clock())))
         relayed = await self.sessions.request(route.relay, WebRelay(exit=route.exit, sealed=sealed), WebSealedReply,
                                               timeout=timeout)
         answer = unpack(pending.open(relayed.sealed))
@@ -195,6 +202,19 @@ class WebRouter:
         if not isinstance(answer, expected):
             raise PsymeshError(f"the exit answered {answer.type!r} to {request.type!r}", code=ErrorCode.BAD_FRAME)
         return answer
+
+
+def consistent_key(ours: ExitKey, relays: ExitKey, *, exit: str, now: float) -> ExitKey:
+    """The key to seal to: the relay's view of the exit's key (checked: the exit's own,
+    signed, in date), which the relay shows every asker alike. CONFLICT if the exit handed
+    us a different public key under the same `key_id`: it keeps a key per asker, and
+    sealing to either would let it tell us apart."""
+    verify_exit_key(relays, exit=exit, now=now)
+    if ours.key_id == relays.key_id and ours.public_key != relays.public_key:
+        raise PsymeshError(f"exit {exit} handed this node a key other than the one its relay sees under key id"
+                           f" {ours.key_id}: it may be telling askers apart; not sealing to it",
+                           code=ErrorCode.CONFLICT)
+    return relays
 
 
 __all__ = ["Route", "WebFetch", "WebKeys", "WebRouter", "WebSearch", "WebSettings"]

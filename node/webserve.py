@@ -8,7 +8,12 @@
                              door (as `msg.send_many` admits each letter), run it, and seal the
                              answer (or the refusal) so only the asker can read it
     web.relay                a paired peer hands us a sealed query for an exit we are paired
-                             with: we pass it on and pass the sealed answer back, blind
+                             with: we pass it on and pass the sealed answer back, blind; only
+                             a query sealed under the `key_id` of our view of the exit's key
+    web.key_of               a paired peer asks our view of an exit's key: the one we fetched
+                             from the exit ourselves (`web.key_get`, refreshed every
+                             VIEW_REFRESH_S) and show to every asker alike
+    web.key_get              (as an exit) our current key, to a relay
 
 Every query an exit runs is one more row in its audit log (`web.exit`: what was asked, for
 whom, the outcome), beside the door's admission row. A relayed query's row names the relay:
@@ -47,12 +52,15 @@ from psymesh.protocol.common import Error
 from psymesh.protocol.errors import ErrorCode, PsymeshError
 from psymesh.protocol.manifest import Operation, check
 from psymesh.protocol.messages import Message, pack, unpack
-from psymesh.protocol.oblivious import ExitKey, ExitSecret, Gateway, Remembered
+from psymesh.protocol.oblivious import ExitKey, ExitSecret, Gateway, Remembered, verify_exit_key
 from psymesh.protocol.web import (
     WebAnswer,
     WebFetch,
+    WebKeyGet,
     WebKeyOk,
+    WebKeyOf,
     WebKeyPush,
+    WebKeyView,
     WebRelay,
     WebRequest,
     WebSealed,
@@ -67,6 +75,7 @@ EXIT_KEY_TTL_S = 30 * 86400.0
 OUTCOME = "web.exit"          # the audit service of an exit's outcome rows
 SEALED = "web.sealed"         # the audit service of a sealed query's inner admission
 KEY_PUSH_TIMEOUT_S = 10.0
+VIEW_REFRESH_S = 300.0        # a relay fetches an exit's key again after this (or once it expired)
 REPLAY_SCHEMA = """
 CREATE TABLE IF NOT EXISTS web_replay (
     enc        BLOB PRIMARY KEY,        -- a sealed request's ephemeral key, opened here ...
@@ -112,6 +121,7 @@ class WebServer:
         self._key: ExitKey | None = None
         self._gateway: Gateway | None = None
         self._replay = ReplayMemory(db)
+        self._views: dict[str, tuple[ExitKey, float]] = {}   # exit -> (its key, as we fetched it; when)
         if settings.enabled:
             self._secret = _load_secret(home)
             self._key = self._secret.public(identity_key, peer_id, now=clock(), ttl_s=EXIT_KEY_TTL_S)  # type: ignore[arg-type]
@@ -212,16 +222,50 @@ class WebServer:
             answer = Error.from_exception(exc)
         return WebSealedReply(sealed=opened.sealer.seal(pack(answer)))
 
+    async def key_get(self, call: Call) -> Message:
+        """A relay asks our current exit key (the same for every asker)."""
+        assert isinstance(call.request, WebKeyGet)
+        if self._key is None:
+            raise PsymeshError("this node is not a web exit ([web.exit] enabled = true turns it on)",
+                               code=ErrorCode.UNAVAILABLE)
+        return WebKeyView(key=self._key)
+
     # -- two hops: the relay's part ----------------------------------------------------------
+    async def key_of(self, call: Call) -> Message:
+        """Our view of an exit's key, for a phone to seal to (and to check its own against)."""
+        request = call.request
+        assert isinstance(request, WebKeyOf)
+        self._relayable(request.exit, call.peer_id)
+        return WebKeyView(key=await self.view_of(request.exit))
+
+    async def view_of(self, exit_peer: str) -> ExitKey:
+        """The exit's key as we fetched it ourselves: the one key every asker of ours seals to."""
+        now = self.clock()
+        held = self._views.get(exit_peer)
+        if held is not None and now < held[1] + VIEW_REFRESH_S and now <= held[0].not_after:
+            return held[0]
+        view = await self.sessions.request(exit_peer, WebKeyGet(), WebKeyView, timeout=KEY_PUSH_TIMEOUT_S)
+        verify_exit_key(view.key, exit=exit_peer, now=self.clock())
+        self._views[exit_peer] = (view.key, now)
+        return view.key
+
+    def _relayable(self, exit_peer: str, asker: str) -> None:
+        peer = self.trust.get(exit_peer)
+        if peer is None or peer.revoked:
+            raise PsymeshError(f"this relay is not paired with exit {exit_peer}", code=ErrorCode.NOT_FOUND)
+        if exit_peer == asker:
+            raise PsymeshError("a relayed query must go to another peer than the asker", code=ErrorCode.BAD_REQUEST)
+
     async def relay(self, call: Call) -> Message:
-        """Pass a sealed query to the exit it names (one we are paired with) and its answer back."""
+        """Pass a sealed query to the exit it names (one we are paired with) and its answer back,
+        if it is sealed under our view of the exit's key."""
         request = call.request
         assert isinstance(request, WebRelay)
-        exit_peer = self.trust.get(request.exit)
-        if exit_peer is None or exit_peer.revoked:
-            raise PsymeshError(f"this relay is not paired with exit {request.exit}", code=ErrorCode.NOT_FOUND)
-        if request.exit == call.peer_id:
-            raise PsymeshError("a relayed query must go to another peer than the asker", code=ErrorCode.BAD_REQUEST)
+        self._relayable(request.exit, call.peer_id)
+        view = await self.view_of(request.exit)
+        if request.sealed[0] != view.key_id:
+            raise PsymeshError(f"sealed under exit key {request.sealed[0]}, not {view.key_id}, the key this relay"
+                               " shows every asker (web.key_of)", code=ErrorCode.CONFLICT)
         return await self.sessions.request(request.exit, WebSealed(sealed=request.sealed), WebSealedReply,
                                            timeout=self.settings.timeout_s * (self.settings.max_redirects + 1) + 5)
 

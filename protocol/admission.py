@@ -43,7 +43,7 @@ from psymesh.protocol.errors import ErrorCode, PsymeshError
 from psymesh.protocol.manifest import ManifestPush, ManifestRevoke, Operation
 from psymesh.protocol.messages import Message
 from psymesh.protocol.messaging import MsgAck, MsgMissing, MsgSend, MsgSendMany
-from psymesh.protocol.web import WebFetch, WebKeyPush, WebRelay, WebSealed, WebSearch
+from psymesh.protocol.web import WebFetch, WebKeyGet, WebKeyOf, WebKeyPush, WebRelay, WebSealed, WebSearch
 from psymesh.protocol.tasks import (
     TaskAck,
     TaskAcks,
@@ -101,6 +101,8 @@ REQUESTS: Mapping[type[Message], Rule] = {
     WebRelay: Rule("web", Need.CAPABILITY),
     WebSealed: Rule("web", Need.GRANT, charged=False),  # what it holds: admitted as its WebSearch/WebFetch
     WebKeyPush: Rule("web", Need.ISSUER, charged=False),
+    WebKeyOf: Rule("web", Need.CAPABILITY, charged=False),   # web.relay: part of the query it precedes
+    WebKeyGet: Rule("web", Need.GRANT, charged=False),
 }
 
 
@@ -117,7 +119,7 @@ def operation_for(request: Message) -> Operation | None:
         return task_operation(request.spec)
     if isinstance(request, MsgSend):
         return request.letter.operation()
-    if isinstance(request, (MailDeposit, WebSearch, WebFetch, WebRelay)):
+    if isinstance(request, (MailDeposit, WebSearch, WebFetch, WebRelay, WebKeyOf)):
         return request.operation()
     return None
 

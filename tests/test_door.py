@@ -50,7 +50,7 @@ from psymesh.protocol.tasks import (
 )
 
 from psymesh.protocol.oblivious import ExitSecret
-from psymesh.protocol.web import WebFetch, WebKeyPush, WebRelay, WebSealed, WebSearch
+from psymesh.protocol.web import WebFetch, WebKeyGet, WebKeyOf, WebKeyPush, WebRelay, WebSealed, WebSearch
 
 pytestmark = pytest.mark.anyio
 OK = "ok"  # allowed: the service answered (whatever it said)
@@ -99,6 +99,8 @@ def requests_from(peer: Node, home: Node, n: int) -> dict[type[Message], Message
         WebFetch: WebFetch(url="http://127.0.0.1:1/door"),
         WebSealed: WebSealed(sealed=bytes(64)),
         WebRelay: WebRelay(exit=STRANGER_ID, sealed=bytes(64)),   # an exit home is not paired with
+        WebKeyOf: WebKeyOf(exit=STRANGER_ID),    # home's view of an exit it is not paired with: not_found
+        WebKeyGet: WebKeyGet(),                  # home is no exit: unavailable
         WebKeyPush: WebKeyPush(key=ExitSecret.generate(1).public(peer.identity.private_key, peer.identity.peer_id,
                                                                   now=time.time(), ttl_s=3600)),
     }

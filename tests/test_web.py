@@ -23,8 +23,8 @@ from psymesh.node.home import NodeHome
 from psymesh.protocol.common import Error
 from psymesh.protocol.errors import NetworkError
 from psymesh.protocol.messages import pack, unpack
-from psymesh.protocol.oblivious import seal_request
-from psymesh.protocol.web import WebFetch, WebPage
+from psymesh.protocol.oblivious import ExitKey, ExitSecret, seal_request
+from psymesh.protocol.web import WebFetch, WebKeyOk, WebKeyPush, WebPage
 from psymesh.agent.loop import ScriptedModel, run_agent, tool_call_text
 from psymesh.agent.tools import ToolContext
 from psymesh.node import agents
@@ -191,8 +191,9 @@ async def test_two_hops_the_relay_sees_no_plaintext_and_the_exit_no_phone(
     assert web and {r.peer_id for r in web} == {relay_id}
     assert any(QUERY in r.operation for r in web_rows(exit_rows))
     # the relay: it forwarded for the phone, and held no plaintext anywhere
+    # (each query: its web.key_of and its web.relay, both admitted by the web.relay capability)
     relayed = [r for r in relay_rows if r.operation == "web.relay"]
-    assert len(relayed) == 2 and {r.peer_id for r in relayed} == {phone_id}
+    assert len(relayed) == 4 and {r.peer_id for r in relayed} == {phone_id}
     for blob in seen.requests + seen.replies:
         assert QUERY.encode() not in blob and b"/tides" not in blob and b"Kestrel" not in blob
     assert QUERY.encode() not in relay_db and b"Kestrel" not in relay_db
@@ -264,6 +265,49 @@ async def test_refusals_after_opening_go_back_sealed_and_a_restart_remembers_the
             assert isinstance(replayed, Error) and replayed.code == ErrorCode.CONFLICT.value
             tg.cancel_scope.cancel()
     assert site.hits["/tides"] == 1
+
+
+@pytest.mark.anyio
+async def test_a_phone_handed_a_key_other_than_the_relays_view_refuses_to_seal_to_it(
+        tmp_path: Path, site: Site) -> None:
+    seen = _Seen()
+    async with run_nodes(tmp_path, "exit", "relay", "phone", configs={"exit": exit_config(site)}) as nodes:
+        await _three(nodes)
+        _watch_relay(nodes["relay"], seen)
+        exit_node, relay, phone = nodes["exit"], nodes["relay"], nodes["phone"]
+        exit_id, phone_id = exit_node.identity.peer_id, phone.identity.peer_id
+        real = exit_node.web.key
+        assert real is not None
+
+        async def hand(key: ExitKey) -> None:
+            await exit_node.sessions.request(phone_id, WebKeyPush(key=key), WebKeyOk)
+            assert phone.web_router.keys.get(exit_id) == key
+
+        # The exit keeps a key for this phone alone, under the key id everyone else uses.
+        tagged = ExitSecret.generate(real.key_id).public(exit_node.identity.private_key, exit_id,
+                                                         now=time.time(), ttl_s=3600)
+        await hand(tagged)
+        async with Client(phone.home.path) as c:
+            with pytest.raises(RemoteError) as refused:
+                await c.web_fetch(site.url("/tides"), hops=2)
+        assert refused.value.code is ErrorCode.CONFLICT and "telling askers apart" in refused.value.message
+        assert seen.requests == [] and site.hits["/tides"] == 0   # nothing was sealed, nothing relayed
+
+        # The relay takes only queries sealed under its own view's key id.
+        other = ExitSecret.generate((real.key_id + 1) % 256).public(exit_node.identity.private_key, exit_id,
+                                                                    now=time.time(), ttl_s=3600)
+        sealed, _ = seal_request(other, pack(WebFetch(url=site.url("/tides"))), now=time.time())
+        with pytest.raises(RemoteError) as wrong_id:
+            await phone.sessions.request(relay.identity.peer_id, WebRelay(exit=exit_id, sealed=sealed),
+                                         WebSealedReply)
+        assert wrong_id.value.code is ErrorCode.CONFLICT and site.hits["/tides"] == 0
+
+        # A key under another key id (a rotation it missed, or a tag): the phone seals to the
+        # relay's view, the key every asker of that relay uses, and the query goes through.
+        await hand(other)
+        async with Client(phone.home.path) as c:
+            page = await c.web_fetch(site.url("/tides"), hops=2)
+        assert "06:12" in page.text and seen.requests[-1][0] == real.key_id
 
 
 @pytest.mark.anyio
