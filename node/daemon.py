@@ -146,7 +146,7 @@ class Node:
                                                    self.mailbox), grace_s=self.config.mail.grace_s,
                                    gap_s=self.config.mail.gap_s)
         self.mail = MailOwner(home, self.identity, self.config.mailbox, mail_store, self.trust, self.sessions,
-                              self._door, self.messaging)
+                              self._door, self.messaging, self.config.mail)
         self.groups = Groups(self.db, self.trust, self.messaging)
         self.answering = Answering(self.db, self.messaging, self.trust, self.agents, self.tools, self.identity.peer_id)
         self.discovery = Discovery(self.identity.peer_id, mdns=self.config.mdns, static_peers=self.config.static_peers,

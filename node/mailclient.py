@@ -21,15 +21,17 @@
 
 The mail key is an X25519 key of its own (`<home>/mail.key`, 0600), not the identity key:
 the mailbox and the peers see only its public half, and it can change without a new
-identity.
+identity. It rotates (`[mail] key_rotate_s`, protocol/keyring.py): a new key is published
+with a larger serial, the old secret still opens mail sealed to it for `[mail] keep_s`, and
+is then deleted from the file, so a stolen file opens no older letter.
 """
 from __future__ import annotations
 
 import functools
 import logging
 import math
-import os
 import time
+from collections.abc import Callable
 from typing import Protocol
 
 import anyio
@@ -37,12 +39,14 @@ import anyio.abc
 from anyio.streams.memory import MemoryObjectReceiveStream
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
-from psymesh.node.home import Identity, NodeHome, os_error
+from psymesh.node.home import Identity, NodeHome
+from psymesh.node.keyrings import load_ring, save_ring
 from psymesh.node.mailbox import Mailbox, MailStore
 from psymesh.node.messaging import Messaging
 from psymesh.node.session import Call, SessionPool
 from psymesh.node.trust import TrustStore
 from psymesh.protocol.errors import ErrorCode, PsymeshError
+from psymesh.protocol.keyring import KeyRing, RingKey
 from psymesh.protocol.mailbox import (
     VIA_MAILBOX,
     MailAck,
@@ -54,6 +58,7 @@ from psymesh.protocol.mailbox import (
     MailKeyOk,
     MailKeyPush,
     MailReceipt,
+    MailSettings,
     mail_ref,
     seal,
     unseal,
@@ -63,6 +68,7 @@ from psymesh.protocol.messaging import Letter, MsgSend
 from psymesh.protocol.session import SessionEnd
 
 log = logging.getLogger("psymesh.mail")
+MAX_TIMER_S = 86_400.0
 
 # Refusals that may pass later (a letter's, or the mailbox's): try again, never give up.
 _AGAIN = frozenset({ErrorCode.BUSY, ErrorCode.RATE_LIMITED, ErrorCode.UNAVAILABLE, ErrorCode.TIMEOUT,
@@ -74,24 +80,19 @@ class MailDoor(Protocol):
         """Admit `call.request` as from `call.peer_id` (audited as arriving `via`) and serve it."""
 
 
-def load_mail_secret(home: NodeHome) -> X25519PrivateKey:
-    """The node's X25519 mail key, created on first use in `<home>/mail.key` (mode 0600)."""
-    path = home.private_file("mail.key")
-    try:
-        raw = path.read_bytes()
-        if raw:
-            if len(raw) != 32:
-                raise PsymeshError(f"{path} is not a 32-byte X25519 key", code=ErrorCode.BAD_REQUEST)
-            return X25519PrivateKey.from_private_bytes(raw)
-        secret = X25519PrivateKey.generate()
-        fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW)
-        with os.fdopen(fd, "wb") as f:
-            f.write(secret.private_bytes_raw())
-            f.flush()
-            os.fsync(f.fileno())
-        return secret
-    except OSError as exc:
-        raise os_error(exc, path) from None
+MAIL_KEY_FILE = "mail.key"
+
+
+def load_mail_ring(home: NodeHome, settings: MailSettings, now: float) -> KeyRing:
+    """The node's X25519 mail keys, `<home>/mail.key` (0600): the current one, and retired ones
+    kept `[mail] keep_s` (mail sealed to them may wait that long at the mailbox)."""
+    return load_ring(home, MAIL_KEY_FILE, rotate_s=settings.key_rotate_s, keep_s=settings.keep_s, now=now,
+                     legacy=_bare_key)
+
+
+def _bare_key(data: bytes, now: float) -> RingKey | None:
+    """A mail key file from before rings: 32 raw bytes."""
+    return RingKey(1, X25519PrivateKey.from_private_bytes(data), now) if len(data) == 32 else None
 
 
 async def _no_frames(rid: int, messages: tuple[Message, ...]) -> None:
@@ -138,8 +139,11 @@ class MailOwner:
     REFUSED_RETRY_S = 900.0   # the mailbox refused us (revoked, no grant): ask seldom
 
     def __init__(self, home: NodeHome, identity: Identity, mailbox: str | None, store: MailStore,
-                 trust: TrustStore, sessions: SessionPool, door: MailDoor, inbox: Messaging) -> None:
+                 trust: TrustStore, sessions: SessionPool, door: MailDoor, inbox: Messaging,
+                 settings: MailSettings | None = None, *, clock: Callable[[], float] = time.time) -> None:
         self.home = home
+        self.settings = settings or MailSettings()
+        self.clock = clock
         self.identity = identity
         self.mailbox = mailbox     # config `mailbox`: a paired peer's name or id
         self.store = store
@@ -152,14 +156,24 @@ class MailOwner:
         self._after: dict[str, int] = {}                  # mailbox -> last item taken from it
 
     @functools.cached_property
-    def secret(self) -> X25519PrivateKey:
-        return load_mail_secret(self.home)
+    def ring(self) -> KeyRing:
+        return load_mail_ring(self.home, self.settings, self.clock())
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         async with anyio.create_task_group() as tg:
             tg.start_soon(self._publish_forever)
             tg.start_soon(self._fetch_forever)
+            tg.start_soon(self._rotate_forever)
             task_status.started()
+
+    async def _rotate_forever(self) -> None:
+        """One timer, at the ring's next deadline (on the injected clock): a new mail key, or a
+        retired one deleted. The publisher hands the new key out at its next rescan."""
+        while True:
+            await anyio.sleep(min(max(0.0, self.ring.next_deadline() - self.clock()), MAX_TIMER_S))
+            if self.ring.step(self.clock()):
+                save_ring(self.home, MAIL_KEY_FILE, self.ring)
+                log.info("mail keys now held: %s", [k.key_id for k in self.ring.keys])
 
     # -- our key ---------------------------------------------------------------------------
     def current_key(self) -> MailKey | None:
@@ -169,7 +183,7 @@ class MailOwner:
         held = self.store.key_of(self.identity.peer_id)
         if held is None and box is None:
             return None
-        public = self.secret.public_key().public_bytes_raw()
+        public = self.ring.current.public
         if held is not None and held.mailbox == box and held.public == public:
             return held
         serial = max(int(time.time() * 1000), held.serial + 1 if held is not None else 0)
@@ -260,14 +274,28 @@ class MailOwner:
                         break
                 await self.sessions.request(box, MailAck(upto=upto), MailAcked)
 
+    def open(self, item: MailItem) -> Letter:
+        """The letter in a mail item, opened with whichever of our held mail keys it was
+        sealed to (newest first); FORBIDDEN if none (sealed to a key deleted since)."""
+        refusal: PsymeshError | None = None
+        for key in self.ring.keys:
+            try:
+                return unseal(item.sealed, key.secret, recipient=self.identity.peer_id, sender=item.sender,
+                              ref=item.ref)
+            except PsymeshError as exc:
+                if exc.code is not ErrorCode.FORBIDDEN:
+                    raise
+                refusal = exc
+        assert refusal is not None
+        raise refusal
+
     async def _take(self, item: MailItem) -> None:
         """Open one item and admit its letter through our door, as its sender's `msg.send`.
         An item that does not open or check is dropped; a letter the door refuses for good
         keeps its place in its thread (a withdrawn stub), so the letters after it are not
         held. A refusal that may pass later raises: the item is taken again then."""
         try:
-            letter = unseal(item.sealed, self.secret, recipient=self.identity.peer_id, sender=item.sender,
-                            ref=item.ref)
+            letter = self.open(item)
         except PsymeshError as exc:
             log.warning("mail item %d from %s dropped: %s", item.seq, item.sender, exc.message)
             return

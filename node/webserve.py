@@ -25,7 +25,9 @@ clock. The replay guard's memory (each opened request's `enc`, for its window) i
 node's database, written before the query runs, so a restart inside the window does not let a
 relay replay a request.
 
-The exit's HPKE key (protocol/oblivious.py) lives in the home, 0600; its public half, signed
+The exit's HPKE key (protocol/oblivious.py) is a ring (protocol/keyring.py) in the home, 0600:
+a new key every `[web.exit] key_rotate_s`, the old one in date `key_overlap_s` longer and its
+secret deleted a replay window after that (one timer, at the next deadline); its public half, signed
 by our identity key, goes to every paired peer at start and with every grant we hand out, so
 a phone holds it before it needs it (fetching it at query time would tell the exit when the
 phone is about to ask).
@@ -45,12 +47,14 @@ from psymesh.node.audit import AuditLog
 from psymesh.node.db import ensure_schema
 from psymesh.node.gate import Gate
 from psymesh.node.home import NodeHome
+from psymesh.node.keyrings import load_ring, save_ring
 from psymesh.node.session import Call, SessionPool
 from psymesh.node.trust import TrustStore
 from psymesh.node.webexit import ExitSettings, WebExit
 from psymesh.protocol.common import Error
 from psymesh.protocol.errors import ErrorCode, PsymeshError
 from psymesh.protocol.manifest import Operation, check
+from psymesh.protocol.keyring import KeyRing, RingKey
 from psymesh.protocol.messages import Message, pack, unpack
 from psymesh.protocol.oblivious import ExitKey, ExitSecret, Gateway, Remembered, verify_exit_key
 from psymesh.protocol.web import (
@@ -71,10 +75,11 @@ from psymesh.protocol.web import (
 log = logging.getLogger("psymesh.web")
 
 EXIT_KEY_FILE = "web-exit.key"
-EXIT_KEY_TTL_S = 30 * 86400.0
 OUTCOME = "web.exit"          # the audit service of an exit's outcome rows
 SEALED = "web.sealed"         # the audit service of a sealed query's inner admission
 KEY_PUSH_TIMEOUT_S = 10.0
+WINDOW_S = 60.0               # the replay window: a sealed query's sent_at within this of our clock
+MAX_TIMER_S = 86_400.0
 VIEW_REFRESH_S = 300.0        # a relay fetches an exit's key again after this (or once it expired)
 REPLAY_SCHEMA = """
 CREATE TABLE IF NOT EXISTS web_replay (
@@ -117,32 +122,71 @@ class WebServer:
         self.sessions = sessions
         self.clock = clock
         self._exit: WebExit | None = None
-        self._secret: ExitSecret | None = None
+        self._home = home
+        self._identity_key = identity_key
+        self._ring: KeyRing | None = None
         self._key: ExitKey | None = None
         self._gateway: Gateway | None = None
         self._replay = ReplayMemory(db)
         self._views: dict[str, tuple[ExitKey, float]] = {}   # exit -> (its key, as we fetched it; when)
         if settings.enabled:
-            self._secret = _load_secret(home)
-            self._key = self._secret.public(identity_key, peer_id, now=clock(), ttl_s=EXIT_KEY_TTL_S)  # type: ignore[arg-type]
-            self._gateway = Gateway({self._secret.key_id: self._secret}, remembered=self._replay.load(clock()))
+            now = clock()
+            self._ring = load_ring(home, EXIT_KEY_FILE, rotate_s=settings.key_rotate_s,
+                                   keep_s=settings.key_overlap_s + WINDOW_S, now=now, legacy=_legacy_secret)
+            self._gateway = Gateway(self._secrets(), window_s=WINDOW_S, remembered=self._replay.load(now))
+            self._key = self._public()
 
     @property
     def key(self) -> ExitKey | None:
         """Our signed exit key, if we are an exit."""
         return self._key
 
+    def _secrets(self) -> dict[int, ExitSecret]:
+        assert self._ring is not None
+        return {k.key_id: ExitSecret(k.key_id, k.secret) for k in self._ring.keys}
+
+    def _public(self) -> ExitKey:
+        """The current key, signed, in date from its making until it has been replaced for
+        `key_overlap_s` (the same bytes whenever it is made: Ed25519 signs deterministically)."""
+        assert self._ring is not None
+        current = self._ring.current
+        return ExitSecret(current.key_id, current.secret).public(
+            self._identity_key, self.peer_id, now=current.created_at,  # type: ignore[arg-type]
+            ttl_s=self.settings.key_rotate_s + self.settings.key_overlap_s)
+
     async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
-        """Hold the exit's HTTP client open for the node's life; hand every paired peer our key."""
+        """Hold the exit's HTTP client open for the node's life; hand every paired peer our key;
+        rotate it on schedule."""
         async with AsyncExitStack() as stack:
             if self.settings.enabled:
                 self._exit = await stack.enter_async_context(WebExit(self.settings))
             task_status.started()
-            if self._key is not None:
-                async with anyio.create_task_group() as tg:
-                    for peer in self.trust.list(include_revoked=False):
-                        tg.start_soon(self.hand_key, peer.peer_id)
-            await anyio.sleep_forever()
+            if self._key is None:
+                await anyio.sleep_forever()
+            await self._hand_everyone()
+            await self._rotate_forever()
+
+    async def _hand_everyone(self) -> None:
+        async with anyio.create_task_group() as tg:
+            for peer in self.trust.list(include_revoked=False):
+                tg.start_soon(self.hand_key, peer.peer_id)
+
+    async def _rotate_forever(self) -> None:
+        """One timer, at the ring's next deadline (a rotation, or a retired secret to delete),
+        on the injected clock; an idle exit sleeps until then (at most a day at a time, so a
+        clock that jumped is caught up with)."""
+        assert self._ring is not None and self._gateway is not None
+        while True:
+            await anyio.sleep(min(max(0.0, self._ring.next_deadline() - self.clock()), MAX_TIMER_S))
+            if not self._ring.step(self.clock()):
+                continue
+            save_ring(self._home, EXIT_KEY_FILE, self._ring)
+            self._gateway.set_secrets(self._secrets())
+            key = self._public()
+            if key != self._key:
+                self._key = key
+                log.info("exit key %d made; %d key(s) held", key.key_id, len(self._ring.keys))
+                await self._hand_everyone()
 
     async def hand_key(self, peer_id: str) -> bool:
         """Give `peer_id` our signed exit key (best effort: it comes again when we next start)."""
@@ -270,13 +314,11 @@ class WebServer:
                                            timeout=self.settings.timeout_s * (self.settings.max_redirects + 1) + 5)
 
 
-def _load_secret(home: NodeHome) -> ExitSecret:
-    """The exit key kept in the home (0600), made on first use."""
-    path = home.private_file(EXIT_KEY_FILE)
-    data = path.read_bytes()
-    if data:
-        return ExitSecret.from_bytes(data)
-    secret = ExitSecret.generate(key_id=1)
-    path.write_bytes(secret.to_bytes())
-    return secret
+def _legacy_secret(data: bytes, now: float) -> RingKey | None:
+    """An exit key file from before rings (one ExitSecret): that key, counted as made now."""
+    try:
+        secret = ExitSecret.from_bytes(data)
+    except PsymeshError:
+        return None
+    return RingKey(secret.key_id, secret.private_key, now)
 

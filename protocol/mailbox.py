@@ -58,6 +58,8 @@ class MailSettings(BaseModel):
 
     # sender: how long a recipient must stay unreachable before its letters go to its mailbox
     grace_s: float = Field(default=5.0, ge=0.0, le=86_400.0)
+    # owner: a new mail key this often (the old secret is kept `keep_s` more, then deleted)
+    key_rotate_s: float = Field(default=7 * 86_400.0, ge=1.0, le=365 * 86_400.0)
     # recipient: how long a thread may wait behind a gap before its sender is asked for what is missing
     gap_s: float = Field(default=600.0, ge=1.0, le=30 * 86_400.0)
     # mailbox: how long mail waits for a recipient that does not fetch it, then it is dropped

@@ -22,7 +22,7 @@ from waiting import wait_until
 from psymesh.node.daemon import Node
 from psymesh.node.home import NodeHome
 from psymesh.node.mailbox import Held
-from psymesh.node.mailclient import load_mail_secret
+from psymesh.node.mailclient import load_mail_ring
 from psymesh.node.msgstore import OutState
 from psymesh.protocol import ids
 from psymesh.protocol.errors import ErrorCode, PsymeshError, RemoteError
@@ -102,7 +102,7 @@ async def test_mail_for_a_phone_that_is_off_is_held_sealed_and_handed_over_once(
         for letter in sent:
             assert letter.text.encode() not in db_bytes and letter.id.encode() not in db_bytes
             assert not any(letter.text.encode() in r.sealed for r in rows)
-        secret = load_mail_secret(ph)
+        secret = load_mail_ring(ph, MailSettings(), time.time()).current.secret
         row = next(r for r in rows if r.sender == laptop.identity.peer_id)
         opened = unseal(row.sealed, secret, recipient=phone_id, sender=row.sender, ref=row.ref)
         assert opened in sent and opened.signature_valid()
@@ -342,3 +342,49 @@ async def test_letters_from_a_sender_the_phone_never_paired_leave_no_stub_in_its
             count = phone.messaging.store.conn.execute("SELECT COUNT(*) FROM msg_inbox").fetchone()[0]
             assert count == 0
             tg.cancel_scope.cancel()
+
+
+async def test_the_mail_key_rotates_while_the_phone_runs_and_mail_sealed_to_the_old_one_still_opens(
+        tmp_path: Path) -> None:
+    ph = phone_home(tmp_path)
+    ph.save_config(ph.load_config().model_copy(update={"mail": MailSettings(key_rotate_s=2.0, keep_s=60.0)}))
+    async with run_nodes(tmp_path, "home", "laptop") as nodes:
+        home, laptop = nodes["home"], nodes["laptop"]
+        await pair(home.home.path, laptop.home.path)
+        async with anyio.create_task_group() as tg:
+            phone = start_phone(ph)
+            await tg.start(phone.run)
+            phone_id = phone.identity.peer_id
+            await pair(home.home.path, ph.path)
+            await pair(ph.path, laptop.home.path)
+            await wait_until(lambda: knows_mailbox(laptop, phone_id, home.identity.peer_id), "the phone's mail key")
+            tg.cancel_scope.cancel()  # off
+        old = laptop.mailbox.store.key_of(phone_id)
+        assert old is not None
+        laptop.messaging.grace_s = 0.1
+        letter = laptop.messaging.send("phone", "sealed to the key the phone had", thread="k")
+        with anyio.fail_after(30):
+            assert (await laptop.messaging.wait_sent(letter.id)).state is OutState.DEPOSITED
+        sealed = held(home, phone_id)[0].sealed
+
+        async with anyio.create_task_group() as tg:
+            phone = start_phone(NodeHome(ph.path))
+            await tg.start(phone.run)
+            assert [x.id for x in await inbox(phone, 1, timeout=30)] == [letter.id]   # opened with the retired key
+
+            def rotated_and_told() -> bool:
+                key = laptop.mailbox.store.key_of(phone_id)
+                return key is not None and key.public != old.public and key.serial > old.serial
+
+            await wait_until(rotated_and_told, "the running phone to make a new mail key and publish it")
+            assert any(k.public == old.public for k in phone.mail.ring.keys)  # kept for keep_s
+            tg.cancel_scope.cancel()
+    # keep_s later (an injected clock), the old secret is gone from the file and opens nothing
+    ring = load_mail_ring(ph, MailSettings(key_rotate_s=2.0, keep_s=60.0), time.time() + 120)
+    file_bytes = (ph.path / "mail.key").read_bytes()
+    assert all(k.public != old.public for k in ring.keys)
+    for key in ring.keys:
+        with pytest.raises(PsymeshError) as info:
+            unseal(sealed, key.secret, recipient=phone_id, sender=laptop.identity.peer_id, ref=mail_ref(letter))
+        assert info.value.code is ErrorCode.FORBIDDEN
+    assert len(file_bytes) < 200  # the current key only (a ring entry is ~50 bytes)

@@ -311,6 +311,38 @@ async def test_a_phone_handed_a_key_other_than_the_relays_view_refuses_to_seal_t
 
 
 @pytest.mark.anyio
+async def test_the_exit_key_rotates_while_the_exit_runs_and_a_query_sealed_to_the_old_one_still_opens(
+        tmp_path: Path, site: Site) -> None:
+    async with run_nodes(tmp_path, "exit", "relay", "phone",
+                         configs={"exit": exit_config(site, key_rotate_s=2.0, key_overlap_s=1.0)}) as nodes:
+        await _three(nodes)
+        exit_node, relay, phone = nodes["exit"], nodes["relay"], nodes["phone"]
+        exit_id = exit_node.identity.peer_id
+        first = exit_node.web.key
+        assert first is not None and first.not_after <= time.time() + 3
+        in_flight, pending = seal_request(first, pack(WebFetch(url=site.url("/tides"))), now=float(int(time.time())))
+
+        def handed_new_key() -> bool:
+            key = phone.web_router.keys.get(exit_id)
+            return key is not None and key.key_id != first.key_id
+
+        await wait_until(handed_new_key, "the running exit to make a new key and hand it to the phone")
+        # a query sealed to the old key just before is still opened
+        reply = await _sealed_via(relay, exit_id, in_flight)
+        assert isinstance(unpack(pending.open(reply.sealed)), WebPage)
+        # past the first key's not_after the phone still has a key in date, and two hops work
+        await wait_until(lambda: time.time() > first.not_after + 0.5, "the first key to expire")
+        newest = phone.web_router.keys.get(exit_id)
+        assert newest is not None and newest.not_after > time.time()
+        async with Client(phone.home.path) as c:
+            page = await c.web_fetch(site.url("/tides"), hops=2)
+        assert "06:12" in page.text
+        # the key file holds the current key and those retired within keep_s: never more than that
+        ring = exit_node.web._ring
+        assert ring is not None and 2 <= len(ring.keys) <= 64 and ring.current.key_id == exit_node.web.key.key_id
+
+
+@pytest.mark.anyio
 async def test_a_relay_without_a_grant_at_the_exit_gets_nothing_fetched(tmp_path: Path, site: Site) -> None:
     async with run_nodes(tmp_path, "exit", "relay", "phone", configs={"exit": exit_config(site)}) as nodes:
         await _three(nodes)
