@@ -27,14 +27,14 @@ from __future__ import annotations
 import hashlib
 
 import msgpack
-from cryptography.exceptions import InvalidSignature, InvalidTag
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
 from cryptography.hazmat.primitives.hpke import AEAD, KDF, KEM, Suite
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from psymesh.protocol.errors import ErrorCode, PsymeshError
-from psymesh.protocol.identity import PeerId, peer_id_from_public_key, public_key_from_peer_id
+from psymesh.protocol.identity import PeerId, sign_as, signed_by
 from psymesh.protocol.manifest import Operation, canonical_encode
 from psymesh.protocol.messages import Message
 from psymesh.protocol.messaging import Letter
@@ -89,17 +89,10 @@ class MailKey(BaseModel):
         return _KEY_CONTEXT + canonical_encode(body)
 
     def sign(self, key: Ed25519PrivateKey) -> MailKey:
-        if peer_id_from_public_key(key.public_key().public_bytes_raw()) != self.owner:
-            raise ValueError("the signing key is not the owner's key")
-        return self.model_copy(update={"signature": key.sign(self.signing_bytes())})
+        return self.model_copy(update={"signature": sign_as(self.owner, key, self.signing_bytes())})
 
     def signature_valid(self) -> bool:
-        key = Ed25519PublicKey.from_public_bytes(public_key_from_peer_id(self.owner))
-        try:
-            key.verify(self.signature, self.signing_bytes())
-        except InvalidSignature:
-            return False
-        return True
+        return signed_by(self.owner, self.signature, self.signing_bytes())
 
 
 def verify_mail_key(key: MailKey, *, sender: str) -> None:

@@ -51,12 +51,11 @@ from collections.abc import Iterable
 from enum import StrEnum
 from typing import Annotated, Self
 
-from cryptography.exceptions import InvalidSignature
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from psymesh.protocol.errors import ErrorCode, PsymeshError
-from psymesh.protocol.identity import PeerId, peer_id_from_public_key, public_key_from_peer_id
+from psymesh.protocol.identity import PeerId, public_key_from_peer_id, sign_as, signed_by
 from psymesh.protocol.manifest import Operation, canonical_encode
 from psymesh.protocol.messages import Message
 from psymesh.protocol.tasks import JsonMap
@@ -108,17 +107,10 @@ class Letter(BaseModel):
                                                                         exclude_none=True)), use_bin_type=True)
 
     def sign(self, key: Ed25519PrivateKey) -> Self:
-        if peer_id_from_public_key(key.public_key().public_bytes_raw()) != self.sender:
-            raise ValueError("the signing key is not the sender's key")
-        return self.model_copy(update={"signature": key.sign(self.signing_bytes())})
+        return self.model_copy(update={"signature": sign_as(self.sender, key, self.signing_bytes())})
 
     def signature_valid(self) -> bool:
-        key = Ed25519PublicKey.from_public_bytes(public_key_from_peer_id(self.sender))
-        try:
-            key.verify(self.signature, self.signing_bytes())
-        except InvalidSignature:
-            return False
-        return True
+        return signed_by(self.sender, self.signature, self.signing_bytes())
 
     def stub(self) -> Self:
         """The withdrawn stand-in for this letter: same place in its thread, nothing in it.
@@ -175,17 +167,10 @@ class Receipt(BaseModel):
         return _RECEIPT_CONTEXT + canonical_encode(self.model_dump(mode="python", exclude={"signature"}))
 
     def sign(self, key: Ed25519PrivateKey) -> Self:
-        if peer_id_from_public_key(key.public_key().public_bytes_raw()) != self.recipient:
-            raise ValueError("the signing key is not the recipient's key")
-        return self.model_copy(update={"signature": key.sign(self.signing_bytes())})
+        return self.model_copy(update={"signature": sign_as(self.recipient, key, self.signing_bytes())})
 
     def signature_valid(self) -> bool:
-        key = Ed25519PublicKey.from_public_bytes(public_key_from_peer_id(self.recipient))
-        try:
-            key.verify(self.signature, self.signing_bytes())
-        except InvalidSignature:
-            return False
-        return True
+        return signed_by(self.recipient, self.signature, self.signing_bytes())
 
 
 def check_receipt(receipt: Receipt, *, recipient: str, local_peer_id: str) -> None:

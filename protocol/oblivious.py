@@ -59,9 +59,9 @@ import struct
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from cryptography.exceptions import InvalidSignature, InvalidTag
+from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives import hashes, hmac
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 from cryptography.hazmat.primitives.kdf.hkdf import HKDFExpand
@@ -69,7 +69,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from pyhpke import AEADId, CipherSuite, KDFId, KEMId, PyHPKEError
 
 from psymesh.protocol.errors import ErrorCode, PsymeshError
-from psymesh.protocol.identity import PeerId, peer_id_from_public_key, public_key_from_peer_id
+from psymesh.protocol.identity import PeerId, sign_as, signed_by
 from psymesh.protocol.manifest import canonical_encode
 
 _KEY_CONTEXT = b"psymesh/web-key/v1\x00"
@@ -122,17 +122,10 @@ class ExitKey(BaseModel):
         return _KEY_CONTEXT + canonical_encode(self.model_dump(mode="python", exclude={"signature"}))
 
     def sign(self, key: Ed25519PrivateKey) -> ExitKey:
-        if peer_id_from_public_key(key.public_key().public_bytes_raw()) != self.exit:
-            raise ValueError("the signing key is not the exit's key")
-        return self.model_copy(update={"signature": key.sign(self.signing_bytes())})
+        return self.model_copy(update={"signature": sign_as(self.exit, key, self.signing_bytes())})
 
     def signature_valid(self) -> bool:
-        key = Ed25519PublicKey.from_public_bytes(public_key_from_peer_id(self.exit))
-        try:
-            key.verify(self.signature, self.signing_bytes())
-        except InvalidSignature:
-            return False
-        return True
+        return signed_by(self.exit, self.signature, self.signing_bytes())
 
 
 def _check_suite(key: ExitKey) -> None:

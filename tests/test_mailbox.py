@@ -68,6 +68,22 @@ def knows_mailbox(node: Node, owner: str, mailbox: str) -> bool:
     return key is not None and key.mailbox == mailbox
 
 
+async def meet_then_sleep(home: Node, laptop: Node, ph: NodeHome) -> str:
+    """Pair home with the laptop and the phone, the phone with the laptop (which may write to
+    it); once both hold the phone's mail key naming home, the phone goes off. Its peer id."""
+    await pair(home.home.path, laptop.home.path)
+    async with anyio.create_task_group() as tg:
+        phone = start_phone(ph)
+        await tg.start(phone.run)
+        await pair(home.home.path, ph.path)
+        await pair(ph.path, laptop.home.path)
+        phone_id = phone.identity.peer_id
+        await wait_until(lambda: knows_mailbox(laptop, phone_id, home.identity.peer_id)
+                         and knows_mailbox(home, phone_id, home.identity.peer_id), "the phone's mail key")
+        tg.cancel_scope.cancel()
+    return phone_id
+
+
 async def test_mail_for_a_phone_that_is_off_is_held_sealed_and_handed_over_once(tmp_path: Path) -> None:
     ph = phone_home(tmp_path)
     async with run_nodes(tmp_path, "home", "laptop") as nodes:
@@ -142,16 +158,7 @@ async def test_a_mailbox_refuses_mail_for_peers_that_did_not_name_it_and_limits_
     ph = phone_home(tmp_path)
     async with run_nodes(tmp_path, "home", "laptop") as nodes:
         home, laptop = nodes["home"], nodes["laptop"]
-        await pair(home.home.path, laptop.home.path)
-        async with anyio.create_task_group() as tg:
-            phone = start_phone(ph)
-            await tg.start(phone.run)
-            phone_id = phone.identity.peer_id
-            await pair(home.home.path, ph.path)
-            await pair(ph.path, laptop.home.path)
-            await wait_until(lambda: knows_mailbox(laptop, phone_id, home.identity.peer_id)
-                             and knows_mailbox(home, phone_id, home.identity.peer_id), "the phone's mail key")
-            tg.cancel_scope.cancel()
+        phone_id = await meet_then_sleep(home, laptop, ph)
 
         # Mail for a peer that never named home (the laptop itself; a stranger): refused, audited.
         key = laptop.mailbox.store.key_of(phone_id)
@@ -244,16 +251,7 @@ async def test_a_letter_its_mailbox_withholds_is_noticed_and_delivered_directly_
     ph = phone_home(tmp_path)
     async with run_nodes(tmp_path, "home", "laptop") as nodes:
         home, laptop = nodes["home"], nodes["laptop"]
-        await pair(home.home.path, laptop.home.path)
-        async with anyio.create_task_group() as tg:
-            phone = start_phone(ph)
-            await tg.start(phone.run)
-            phone_id = phone.identity.peer_id
-            await pair(home.home.path, ph.path)
-            await pair(ph.path, laptop.home.path)
-            await wait_until(lambda: knows_mailbox(laptop, phone_id, home.identity.peer_id)
-                             and knows_mailbox(home, phone_id, home.identity.peer_id), "the phone's mail key")
-            tg.cancel_scope.cancel()  # the phone is off
+        phone_id = await meet_then_sleep(home, laptop, ph)  # the phone is off
 
         laptop.messaging.grace_s = 0.1
         sent = [laptop.messaging.send("phone", f"part {i} of the plan", thread="plan") for i in range(1, 4)]
@@ -350,15 +348,7 @@ async def test_the_mail_key_rotates_while_the_phone_runs_and_mail_sealed_to_the_
     ph.save_config(ph.load_config().model_copy(update={"mail": MailSettings(key_rotate_s=2.0, keep_s=60.0)}))
     async with run_nodes(tmp_path, "home", "laptop") as nodes:
         home, laptop = nodes["home"], nodes["laptop"]
-        await pair(home.home.path, laptop.home.path)
-        async with anyio.create_task_group() as tg:
-            phone = start_phone(ph)
-            await tg.start(phone.run)
-            phone_id = phone.identity.peer_id
-            await pair(home.home.path, ph.path)
-            await pair(ph.path, laptop.home.path)
-            await wait_until(lambda: knows_mailbox(laptop, phone_id, home.identity.peer_id), "the phone's mail key")
-            tg.cancel_scope.cancel()  # off
+        phone_id = await meet_then_sleep(home, laptop, ph)  # off
         old = laptop.mailbox.store.key_of(phone_id)
         assert old is not None
         laptop.messaging.grace_s = 0.1
