@@ -32,7 +32,7 @@ from psymesh.protocol.common import Error
 from psymesh.protocol.errors import ErrorCode, PsymeshError, RemoteError
 from psymesh.protocol.manifest import Operation, check
 from psymesh.protocol.messages import Message, pack, unpack
-from psymesh.protocol.oblivious import ExitKey, seal_request, verify_exit_key
+from psymesh.protocol.oblivious import ExitKey, consistent_key, seal_request, verify_exit_key
 from psymesh.protocol.web import (
     WebAnswer,
     WebFetch,
@@ -202,19 +202,6 @@ class WebRouter:
         if not isinstance(answer, expected):
             raise PsymeshError(f"the exit answered {answer.type!r} to {request.type!r}", code=ErrorCode.BAD_FRAME)
         return answer
-
-
-def consistent_key(ours: ExitKey, relays: ExitKey, *, exit: str, now: float) -> ExitKey:
-    """The key to seal to: the relay's view of the exit's key (checked: the exit's own,
-    signed, in date), which the relay shows every asker alike. CONFLICT if the exit handed
-    us a different public key under the same `key_id`: it keeps a key per asker, and
-    sealing to either would let it tell us apart."""
-    verify_exit_key(relays, exit=exit, now=now)
-    if ours.key_id == relays.key_id and ours.public_key != relays.public_key:
-        raise PsymeshError(f"exit {exit} handed this node a key other than the one its relay sees under key id"
-                           f" {ours.key_id}: it may be telling askers apart; not sealing to it",
-                           code=ErrorCode.CONFLICT)
-    return relays
 
 
 __all__ = ["Route", "WebFetch", "WebKeys", "WebRouter", "WebSearch", "WebSettings"]

@@ -145,6 +145,19 @@ def verify_exit_key(key: ExitKey, *, exit: str, now: float) -> None:
         raise PsymeshError(f"the exit key {key.key_id} expired at {key.not_after}", code=ErrorCode.EXPIRED)
 
 
+def consistent_key(ours: ExitKey, relays: ExitKey, *, exit: str, now: float) -> ExitKey:
+    """The key to seal to: the relay's view of the exit's key (checked: the exit's own,
+    signed, in date), which the relay shows every asker alike. CONFLICT if the exit handed
+    us a different public key under the same `key_id`: it keeps a key per asker, and
+    sealing to either would let it tell us apart."""
+    verify_exit_key(relays, exit=exit, now=now)
+    if ours.key_id == relays.key_id and ours.public_key != relays.public_key:
+        raise PsymeshError(f"exit {exit} handed this node a key other than the one its relay sees under key id"
+                           f" {ours.key_id}: it may be telling askers apart; not sealing to it",
+                           code=ErrorCode.CONFLICT)
+    return relays
+
+
 @dataclass(frozen=True, eq=False)
 class ExitSecret:
     """The exit's private X25519 key for one `key_id`. `to_bytes` is for the node's 0600
