@@ -74,7 +74,7 @@ from psymesh.protocol.manifest import Manifest, ManifestOk, ManifestPush, Manife
 from psymesh.protocol.common import Ping, Pong
 from psymesh.protocol.dialback import DialBack
 from psymesh.protocol.messages import Message
-from psymesh.protocol.mailbox import MailAck, MailDeposit, MailFetch, MailKeyPush
+from psymesh.protocol.mailbox import MailAck, MailDeposit, MailFetch, MailKeyPush, MailLeaveReceipt, MailTakeReceipts
 from psymesh.protocol.messaging import MsgAck, MsgMissing, MsgSend, MsgSendMany
 from psymesh.protocol.pairing import PAIR_MAX_FRAME
 from psymesh.protocol.session import MAX_OPEN_REQUESTS
@@ -192,6 +192,8 @@ class Node:
             MailDeposit: self.mailbox.deposit,
             MailFetch: self.mailbox.fetch,
             MailAck: self.mailbox.ack,
+            MailLeaveReceipt: self.mailbox.leave_receipt,
+            MailTakeReceipts: self.mailbox.take_receipts,
             AddrsPush: self.relaying.receive,
             WebSearch: self.web.serve,
             WebFetch: self.web.serve,

@@ -12,6 +12,7 @@
     5. requests that start a task: within the queue limits     busy (retry_after)
        deposits of mail: the recipient named this node its mailbox, and the sender's
        share of it has room                                    forbidden / too_large / busy
+       receipts left here: the owner named this node its mailbox  forbidden
 
 The first failure wins; nothing runs for a denied request. Every decision, allowed or
 denied, is exactly one row in the audit log. The remote peer id comes from the Noise
@@ -40,7 +41,7 @@ from psymesh.protocol.addresses import AddrsPush
 from psymesh.protocol.admission import Need, operation_for, rule_for, task_operation
 from psymesh.protocol.errors import ErrorCode, PsymeshError
 from psymesh.protocol.limits import RateLimiter
-from psymesh.protocol.mailbox import MailDeposit, MailKeyPush, verify_mail_key
+from psymesh.protocol.mailbox import MailDeposit, MailKeyPush, MailLeaveReceipt, verify_mail_key
 from psymesh.protocol.manifest import (
     Decision,
     Manifest,
@@ -76,6 +77,8 @@ class MailDesk(Protocol):
     """The mailbox's own admission of a deposit (node/mailbox.py answers): raises, saying why."""
 
     def admit_deposit(self, sender: str, deposit: MailDeposit) -> None: ...
+
+    def admit_receipt(self, owner: str) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -145,6 +148,14 @@ class Gate:
             check_receipt(request.receipt, recipient=peer_id, local_peer_id=self.local_peer_id)
             return Decision(True)
         if rule.need is Need.PAIRED:
+            return Decision(True)
+        if rule.need is Need.ISSUER and isinstance(request, MailLeaveReceipt):
+            if request.receipt.recipient != peer_id or not request.receipt.signature_valid():
+                raise PsymeshError("a receipt left here must be the sender's own, validly signed",
+                                   code=ErrorCode.FORBIDDEN)
+            if self.mailbox is None:
+                raise PsymeshError("this node keeps no mailbox", code=ErrorCode.UNAVAILABLE)
+            self.mailbox.admit_receipt(peer_id)
             return Decision(True)
         if rule.need is Need.ISSUER and isinstance(request, WebKeyPush):
             verify_exit_key(request.key, exit=peer_id, now=now)

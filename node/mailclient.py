@@ -57,14 +57,18 @@ from psymesh.protocol.mailbox import (
     MailKey,
     MailKeyOk,
     MailKeyPush,
+    MailLeaveReceipt,
     MailReceipt,
+    MailReceiptLeft,
+    MailReceiptsTaken,
     MailSettings,
+    MailTakeReceipts,
     mail_ref,
     seal,
     unseal,
 )
 from psymesh.protocol.messages import Message, expect
-from psymesh.protocol.messaging import Letter, MsgSend
+from psymesh.protocol.messaging import Letter, MsgSend, Receipt
 from psymesh.protocol.session import SessionEnd
 
 log = logging.getLogger("psymesh.mail")
@@ -100,7 +104,9 @@ async def _no_frames(rid: int, messages: tuple[Message, ...]) -> None:
 
 
 class MailSender:
-    """Letters for a recipient that cannot be reached, left at the mailbox it named."""
+    """Letters for a recipient that cannot be reached, left at the mailbox it named; and
+    receipts travelling the same way back: ours left at our own mailbox for a sender we
+    cannot reach, a recipient's taken from its mailbox."""
 
     def __init__(self, local_peer_id: str, store: MailStore, trust: TrustStore, sessions: SessionPool,
                  mailbox: Mailbox) -> None:
@@ -127,6 +133,29 @@ class MailSender:
         await self.sessions.request(key.mailbox, MailDeposit(recipient=letter.recipient, ref=ref, sealed=sealed),
                                     MailReceipt)
         return True
+
+    async def leave_receipt(self, receipt: Receipt) -> bool:
+        """Leave our receipt for its sender at our own mailbox: True once held there, False if
+        we named none. A refusal or a network failure raises."""
+        key = self.store.key_of(self.local_peer_id)
+        if key is None or key.mailbox is None:
+            return False
+        if key.mailbox == self.local_peer_id:
+            self.store.keep_receipt(receipt)
+        else:
+            await self.sessions.request(key.mailbox, MailLeaveReceipt(receipt=receipt), MailReceiptLeft)
+        return True
+
+    async def take_receipts(self, recipient: str) -> list[Receipt]:
+        """What `recipient` left for us at its mailbox (unchecked: the caller checks each).
+        A refusal or a network failure raises."""
+        key = self.store.key_of(recipient)
+        if key is None or key.mailbox is None or key.mailbox == recipient:
+            return []
+        if key.mailbox == self.local_peer_id:
+            return self.store.take_receipts(self.local_peer_id, recipient)
+        reply = await self.sessions.request(key.mailbox, MailTakeReceipts(recipient=recipient), MailReceiptsTaken)
+        return reply.receipts
 
 
 class MailOwner:

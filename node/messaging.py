@@ -16,7 +16,10 @@
     msg.missing (the recipient held a gap past `gap_s`) ─> those letters pending again
     gap timer   one timer at the next deadline: a thread held behind a gap for `gap_s`
                 asks its sender for the missing tseqs (again every `gap_s` while it lasts)
-    acker       letters our mailbox handed us owe their sender a receipt: `msg.ack`, retried
+    acker       letters our mailbox handed us owe their sender a receipt: `msg.ack`, or, when
+                the sender cannot be reached, left at our own mailbox for it to take
+    parked      a courier whose letters all sit at the mailbox takes the receipts the
+                recipient left there, each round, besides offering the letters directly
     msg.send_many (the envelope admitted by the door, then each letter as its msg.send)
         ─> check_letter each ─> the accepted ones stored in one transaction ─> receipts
         released letters wake `follow()` (the app's inbox stream)
@@ -89,6 +92,13 @@ class MailDrop(Protocol):
     async def deposit(self, letter: Letter) -> bool:
         """Leave `letter` at its recipient's mailbox: True once held there, False if the
         recipient named no mailbox we can use. A refusal or a network failure raises."""
+
+    async def leave_receipt(self, receipt: Receipt) -> bool:
+        """Leave our receipt for its sender at our own mailbox: True once held, False if we
+        named none. A refusal or a network failure raises."""
+
+    async def take_receipts(self, recipient: str) -> list[Receipt]:
+        """The receipts `recipient` left for us at its mailbox (unchecked). Raises as above."""
 
 
 class Messaging:
@@ -166,6 +176,8 @@ class Messaging:
                         tg.start_soon(self._deliver, recipient, batch, retry_after)
                 if any(retry_after):  # the recipient is away or busy: wait (new letters wait too)
                     parked = all(sent.state is OutState.DEPOSITED for sent in self.store.pending(recipient, WINDOW))
+                    if parked and await self._take_receipts(recipient):
+                        continue
                     cap = PARKED_RETRY_MAX_S if parked else RETRY_MAX_S
                     backoff = min(cap, max(RETRY_MIN_S, backoff * 2, max(retry_after)))
                     with anyio.move_on_after(backoff):  # a new letter, or word from the recipient, cuts it short
@@ -220,6 +232,28 @@ class Messaging:
                 return
             proof = reply.proof
         self._settle(batch, stubs, results, retry_after, proof if results else None)
+
+    async def _take_receipts(self, recipient: str) -> bool:
+        """The receipts `recipient` left for us at its mailbox, checked and recorded; whether
+        any letter was delivered by them."""
+        if self.mail is None:
+            return False
+        try:
+            receipts = await self.mail.take_receipts(recipient)
+        except (PsymeshError, TimeoutError) as exc:
+            log.debug("receipts from %s's mailbox: %s", recipient, exc)
+            return False
+        done: list[str] = []
+        for receipt in receipts:
+            try:
+                check_receipt(receipt, recipient=recipient, local_peer_id=self.identity.peer_id)
+            except PsymeshError:
+                log.warning("a receipt from %s's mailbox is not %s's: dropped", recipient, recipient)
+                continue
+            done += self.store.confirm(recipient, receipt)
+        for letter_id in done:
+            self.changed.notify(letter_id)
+        return bool(done)
 
     def _proves(self, recipient: str, reply: MsgReceipts) -> bool:
         """The reply's proof is the recipient's signature over exactly the ids it stored."""
@@ -385,6 +419,8 @@ class Messaging:
                         continue
                 except (NetworkError, ProtocolError, TimeoutError, PsymeshError) as exc:
                     log.debug("receipt to %s: %s", sender, exc)
+                    if await self._leave_receipt(sender, ids):
+                        continue
                 else:
                     self.store.paid(sender, ids)
                     backoff = 0.0
@@ -394,6 +430,19 @@ class Messaging:
                     await self.changed.wait(_nudge(sender))
         finally:
             self._ackers.discard(sender)
+
+    async def _leave_receipt(self, sender: str, ids: list[str]) -> bool:
+        """`sender` cannot be reached: leave our receipt at our mailbox for it to take."""
+        if self.mail is None:
+            return False
+        try:
+            if not await self.mail.leave_receipt(self._receipt(sender, ids)):
+                return False
+        except (PsymeshError, TimeoutError) as exc:
+            log.debug("could not leave a receipt for %s at our mailbox: %s", sender, exc)
+            return False
+        self.store.paid(sender, ids)
+        return True
 
     async def _watch_gaps(self, tg: anyio.abc.TaskGroup) -> None:
         """One timer, at the next deadline: a (sender, thread) held behind a gap for `gap_s`

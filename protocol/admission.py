@@ -12,7 +12,8 @@ serves has one, so a new service cannot skip the door by accident.
                  *sender* issued to *us*, validly signed (manifest.push, manifest.revoke),
                  or the sender's own mail key, address record or exit key, signed by it
                  (mail.key, addrs.push, web.key), or the sender's own receipt for letters
-                 we sent it (msg.ack)
+                 we sent it (msg.ack), or its own receipt to hold for others (mail.leave_receipt:
+                 `holds_mail`, so only from a peer that named us its mailbox)
     paired       nothing beyond pairing: the request only asks us to send the sender
                  again what we already sent it (msg.missing); not charged
 
@@ -38,7 +39,7 @@ from enum import StrEnum
 from psymesh.protocol.addresses import AddrsPush
 from psymesh.protocol.common import Ping
 from psymesh.protocol.dialback import DialBack
-from psymesh.protocol.mailbox import MailAck, MailDeposit, MailFetch, MailKeyPush
+from psymesh.protocol.mailbox import MailAck, MailDeposit, MailFetch, MailKeyPush, MailLeaveReceipt, MailTakeReceipts
 from psymesh.protocol.errors import ErrorCode, PsymeshError
 from psymesh.protocol.manifest import ManifestPush, ManifestRevoke, Operation
 from psymesh.protocol.messages import Message
@@ -95,6 +96,8 @@ REQUESTS: Mapping[type[Message], Rule] = {
     MailDeposit: Rule("mail", Need.CAPABILITY, holds_mail=True),
     MailFetch: Rule("mail", Need.GRANT),
     MailAck: Rule("mail", Need.GRANT, charged=False),
+    MailLeaveReceipt: Rule("mail", Need.ISSUER, charged=False, holds_mail=True),
+    MailTakeReceipts: Rule("mail", Need.GRANT),
     AddrsPush: Rule("addrs", Need.ISSUER, charged=False),
     WebSearch: Rule("web", Need.CAPABILITY),
     WebFetch: Rule("web", Need.CAPABILITY),

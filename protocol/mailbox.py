@@ -12,6 +12,10 @@ letter, checks it and admits it through its own door as if the sender had delive
     mail.deposit {recipient, ref, sealed} -> mail.receipt {ref}         once held durably
     mail.fetch   {after, wait_s}          -> mail.item* ..., session.end after wait_s
     mail.ack     {upto}                   -> mail.acked {upto, held}    held rows up to `upto` deleted
+    mail.leave_receipt {receipt}          -> mail.receipt_left {}       the owner's signed receipt, held
+                                                                        for a sender it cannot reach
+    mail.take_receipts {recipient}        -> mail.receipts_taken {receipts}   a sender takes what
+                                                                        `recipient` left for it here
 
 Sealing is HPKE (RFC 9180), base mode, single shot, with DHKEM(X25519, HKDF-SHA256),
 HKDF-SHA256 and ChaCha20-Poly1305, as `cryptography` implements it: a published
@@ -37,7 +41,7 @@ from psymesh.protocol.errors import ErrorCode, PsymeshError
 from psymesh.protocol.identity import PeerId, sign_as, signed_by
 from psymesh.protocol.manifest import Operation, canonical_encode
 from psymesh.protocol.messages import Message
-from psymesh.protocol.messaging import Letter
+from psymesh.protocol.messaging import Letter, Receipt
 from psymesh.protocol.oblivious import is_bucket, pad, unpad
 
 _KEY_CONTEXT = b"psymesh/mailkey/v1\x00"
@@ -212,3 +216,31 @@ class MailAcked(Message):
     type = "mail.acked"
     upto: int
     held: int    # items still held for the caller
+
+
+MAX_RECEIPTS = 64            # receipts handed over in one mail.receipts_taken
+
+
+class MailLeaveReceipt(Message):
+    """The owner -> its own mailbox: hold this signed receipt for its sender (the letters'
+    sender could not be reached: two phones are seldom awake at once), as mail is held."""
+
+    type = "mail.leave_receipt"
+    receipt: Receipt
+
+
+class MailReceiptLeft(Message):
+    type = "mail.receipt_left"
+
+
+class MailTakeReceipts(Message):
+    """A sender -> `recipient`'s mailbox: the receipts `recipient` left here for me (each
+    handed over once, then deleted)."""
+
+    type = "mail.take_receipts"
+    recipient: PeerId
+
+
+class MailReceiptsTaken(Message):
+    type = "mail.receipts_taken"
+    receipts: list[Receipt] = Field(default_factory=list, max_length=MAX_RECEIPTS)

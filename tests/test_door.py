@@ -23,7 +23,15 @@ from psymesh.protocol.admission import REQUESTS, Need
 from psymesh.protocol.common import Error, Ping
 from psymesh.protocol.dialback import DialBack
 from psymesh.protocol.errors import NetworkError
-from psymesh.protocol.mailbox import MailAck, MailDeposit, MailFetch, MailKey, MailKeyPush
+from psymesh.protocol.mailbox import (
+    MailAck,
+    MailDeposit,
+    MailFetch,
+    MailKey,
+    MailKeyPush,
+    MailLeaveReceipt,
+    MailTakeReceipts,
+)
 from psymesh.protocol.manifest import ManifestPush, ManifestRevoke, revocation
 from psymesh.protocol.messages import Message
 from psymesh.protocol.messaging import (
@@ -91,6 +99,10 @@ def requests_from(peer: Node, home: Node, n: int) -> dict[type[Message], Message
         MailDeposit: MailDeposit(recipient=peer.identity.peer_id, ref=bytes(16), sealed=bytes(64)),
         MailFetch: MailFetch(),
         MailAck: MailAck(upto=0),
+        # (after its mail.key named home) the peer's receipt for a sender it cannot reach; taking its own
+        MailLeaveReceipt: MailLeaveReceipt(receipt=Receipt(recipient=peer.identity.peer_id, sender=STRANGER_ID,
+                                                           ids=[f"door-{n}"], at=1).sign(peer.identity.private_key)),
+        MailTakeReceipts: MailTakeReceipts(recipient=STRANGER_ID),
         AddrsPush: AddrsPush(record=AddrRecord(peer_id=peer.identity.peer_id, seq=n,
                                                addrs=(f"/ip4/127.0.0.1/tcp/1/p2p/{peer.identity.peer_id}",))
                              .sign(peer.identity.private_key)),

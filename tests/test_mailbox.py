@@ -378,3 +378,54 @@ async def test_the_mail_key_rotates_while_the_phone_runs_and_mail_sealed_to_the_
             unseal(sealed, key.secret, recipient=phone_id, sender=laptop.identity.peer_id, ref=mail_ref(letter))
         assert info.value.code is ErrorCode.FORBIDDEN
     assert len(file_bytes) < 200  # the current key only (a ring entry is ~50 bytes)
+
+
+async def test_receipts_travel_back_through_the_mailbox_between_two_phones_never_awake_together(
+        tmp_path: Path) -> None:
+    ph = phone_home(tmp_path)
+    other = NodeHome(tmp_path / "other")          # a second phone, the writer: it names no mailbox
+    other.init(profile="phone", name="other")
+    async with run_nodes(tmp_path, "home") as nodes:
+        home = nodes["home"]
+        async with anyio.create_task_group() as tg:
+            phone, writer = start_phone(ph), start_phone(other)
+            await tg.start(phone.run)
+            await tg.start(writer.run)
+            phone_id, writer_id = phone.identity.peer_id, writer.identity.peer_id
+            await pair(home.home.path, ph.path)
+            await pair(home.home.path, other.path)    # the writer may deposit at home, and take receipts
+            await pair(ph.path, other.path)           # the writer may write to the phone
+            await wait_until(lambda: knows_mailbox(writer, phone_id, home.identity.peer_id)
+                             and knows_mailbox(home, phone_id, home.identity.peer_id), "the phone's mail key")
+            tg.cancel_scope.cancel()                  # both off
+
+        async with anyio.create_task_group() as tg:   # the writer wakes, writes, sleeps
+            writer = start_phone(NodeHome(other.path))
+            writer.messaging.grace_s = 0.1
+            await tg.start(writer.run)
+            letter = writer.messaging.send("phone", "see you at the gate")
+            with anyio.fail_after(30):
+                assert (await writer.messaging.wait_sent(letter.id)).state is OutState.DEPOSITED
+            tg.cancel_scope.cancel()
+
+        def receipts_held() -> int:
+            return home.mailbox.store.conn.execute("SELECT COUNT(*) FROM mail_receipts WHERE sender = ?",
+                                                   (writer_id,)).fetchone()[0]
+
+        async with anyio.create_task_group() as tg:   # the phone wakes, reads, cannot reach the writer
+            phone = start_phone(NodeHome(ph.path))
+            await tg.start(phone.run)
+            assert [x.id for x in await inbox(phone, 1, timeout=30)] == [letter.id]
+            await wait_until(lambda: receipts_held() == 1, "the phone to leave its receipt at home for the writer")
+            tg.cancel_scope.cancel()
+
+        async with anyio.create_task_group() as tg:   # the writer wakes: the receipt waits at the phone's mailbox
+            writer = start_phone(NodeHome(other.path))
+            await tg.start(writer.run)
+            await wait_until(lambda: writer.messaging.store.sent(letter.id).state is OutState.DELIVERED,
+                             "the writer to take the phone's receipt from home")
+            proof = writer.messaging.store.proof(letter.id)
+            assert proof is not None and proof.ids == [letter.id]
+            check_receipt(proof, recipient=phone_id, local_peer_id=writer_id)
+            assert receipts_held() == 0                # handed over once
+            tg.cancel_scope.cancel()
