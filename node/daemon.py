@@ -26,9 +26,10 @@ the node really listens; nothing is spawned and forgotten.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING
 
 import anyio
@@ -37,6 +38,7 @@ import anyio.abc
 from psymesh.discovery.service import Discovery
 from psymesh.node.agents import AgentTaskRunner, node_tools
 from psymesh.node.answering import Answering
+from psymesh.node.apikey import load_api_key
 from psymesh.node.audit import AuditLog
 from psymesh.node.control import ControlServer
 from psymesh.node.db import Checkpointer, open_db
@@ -104,7 +106,9 @@ Service = Callable[[Call], Awaitable[Message]]
 class Node:
     REVOCATION_NOTICE_S = 2.0  # `psymesh revoke` waits at most this long for the peer to take the notice
 
-    def __init__(self, home: NodeHome, config: NodeConfig | None = None) -> None:
+    def __init__(self, home: NodeHome, config: NodeConfig | None = None, *,
+                 environ: Mapping[str, str] = os.environ) -> None:
+        """`environ`: where the bridges' keys may come from ($PSYMESH_OPENAI_API_KEY, ...)."""
         self.home = home
         self.identity = home.init()
         self.config = config or home.load_config()
@@ -117,7 +121,7 @@ class Node:
         self.mailbox = Mailbox(self.identity.peer_id, mail_store, self.trust, self.config.mail)
         self.gate = Gate(self.identity.peer_id, self.trust, self.audit, queue=executor_store, mailbox=self.mailbox)
         self.p2p = P2PNode(self.identity.seed, self.config.listen, allow_peer=self.gate.allow_connection)
-        self.control = ControlServer(home.socket_path, self.config.max_frame_size)
+        self.control = ControlServer(home.socket_path, self.config.max_frame_size, refused=self._control_refused)
         self.sessions = SessionPool(self.open_peer_stream, ids.SESSION, self.config.max_frame_size,
                                     Liveness(self.config.liveness_probe_s, self.p2p.disconnect), path=self.p2p.path)
         self.relaying = Relaying(self.identity, self.config.relay, self.p2p, self.trust, self.sessions)
@@ -126,7 +130,8 @@ class Node:
                              gate=self.gate, audit=self.audit, trust=self.trust, sessions=self.sessions, db=self.db)
         self.pairing = PairingService(self.identity, self.config, self.p2p, self.trust, self.push_manifest,
                                       welcome=self.web.hand_key)
-        self.models = ModelPool(ModelRegistry(self.db))
+        self.models = ModelPool(ModelRegistry(self.db), keep_alive_s=self.config.models.keep_alive_for(self.config.profile),
+                                memory_limit_mb=self.config.models.memory_limit_mb, log_dir=home.logs_dir)
         self.web_router = WebRouter(self.config.web, self.identity.peer_id, self.trust, self.sessions,
                                     WebKeys(self.db))
         self.tools = node_tools(home, self.config)
@@ -140,7 +145,7 @@ class Node:
                                      agent_runner=self.agents)
         self.submitter = TaskSubmitter(local_peer_id=self.identity.peer_id, outbox=Outbox(self.db), trust=self.trust,
                                        sessions=self.sessions)
-        self.messaging = Messaging(self.identity, MessageStore(self.db), self.trust, self.sessions,
+        self.messaging = Messaging(self.identity, MessageStore(self.db, self.config.inbox), self.trust, self.sessions,
                                    door=self.gate.admit_each,
                                    mail=MailSender(self.identity.peer_id, mail_store, self.trust, self.sessions,
                                                    self.mailbox), grace_s=self.config.mail.grace_s,
@@ -159,12 +164,13 @@ class Node:
         if self.config.serve.openai.enabled:
             from psymesh.node.openai_api import OpenAIEndpoint
 
-            self.openai = OpenAIEndpoint(self, self.config.serve.openai)
+            self.openai = OpenAIEndpoint(self, self.config.serve.openai,
+                                         load_api_key(self.config.serve.openai, home, environ))
         self.a2a: A2AEndpoint | None = None
         if self.config.serve.a2a.enabled:
             from psymesh.node.a2a_api import A2AEndpoint
 
-            self.a2a = A2AEndpoint(self, self.config.serve.a2a)
+            self.a2a = A2AEndpoint(self, self.config.serve.a2a, load_api_key(self.config.serve.a2a, home, environ))
         self._root: anyio.CancelScope | None = None
         self._tg: anyio.abc.TaskGroup | None = None
         self._register_services()
@@ -300,6 +306,12 @@ class Node:
             await anyio.sleep_forever()
 
     # -- outbound -------------------------------------------------------------------
+    def _control_refused(self, uid: int, pid: int | None) -> None:
+        """A local process of another uid opened the control socket: one audit row."""
+        self.audit.record(f"uid:{uid}", "control", "connect", False, ErrorCode.FORBIDDEN.value,
+                          f"a process of uid {uid} (pid {pid if pid is not None else '?'}) is not this "
+                          f"daemon's owner (uid {self.control.uid})")
+
     async def open_peer_stream(self, peer: str, protocol: str) -> P2PStream:
         """Open `protocol` to a multiaddr (…/p2p/<id>), or to a paired peer by id or name."""
         if peer.startswith("/"):

@@ -67,7 +67,8 @@ from psymesh.protocol.mailbox import (
     seal,
     unseal,
 )
-from psymesh.protocol.messages import Message, expect
+from psymesh.protocol.common import expect
+from psymesh.protocol.messages import Message
 from psymesh.protocol.messaging import Letter, MsgSend, Receipt
 from psymesh.protocol.session import SessionEnd
 

@@ -15,7 +15,9 @@
     msg.ack     (the recipient's signed receipt for letters its mailbox handed over) ─> delivered
     msg.missing (the recipient held a gap past `gap_s`) ─> those letters pending again
     gap timer   one timer at the next deadline: a thread held behind a gap for `gap_s`
-                asks its sender for the missing tseqs (again every `gap_s` while it lasts)
+                asks its sender for the missing tseqs (again every `gap_s` while it lasts);
+                a gap still open after [inbox] held_s (a day) is given up: the letters
+                behind it are released, each saying how many it skipped
     acker       letters our mailbox handed us owe their sender a receipt: `msg.ack`, or, when
                 the sender cannot be reached, left at our own mailbox for it to take
     parked      a courier whose letters all sit at the mailbox takes the receipts the
@@ -37,7 +39,7 @@ import anyio
 import anyio.abc
 
 from psymesh.node.home import Identity
-from psymesh.node.msgstore import MessageStore, OutState, Received, Sent
+from psymesh.node.msgstore import MessageStore, OutState, Received, Sent, Stored
 from psymesh.node.notify import Notifier
 from psymesh.node.session import Call, SessionPool
 from psymesh.node.trust import TrustStore
@@ -75,6 +77,7 @@ _RETRYABLE = frozenset({ErrorCode.BUSY, ErrorCode.RATE_LIMITED, ErrorCode.UNAVAI
                         ErrorCode.INTERNAL, ErrorCode.CANCELED})
 _INBOX = "inbox"       # the Notifier key for "letters were released"
 _HELD = "held"         # ... for "a letter is held behind a gap"
+EXPIRE_EVERY_S = 300.0  # how often held letters are looked at for a gap to give up (at most)
 
 
 def _nudge(peer_id: str) -> str:
@@ -128,6 +131,7 @@ class Messaging:
             for sender in self.store.senders_owed():
                 self._wake_acker(sender)
             task_status.started()
+            tg.start_soon(self._expire_held)
             await self._watch_gaps(tg)
 
     # -- sending ---------------------------------------------------------------------------
@@ -324,16 +328,19 @@ class Messaging:
         request = call.request
         assert isinstance(request, MsgSend)
         check_letter(request.letter, sender=call.peer_id, local_peer_id=self.identity.peer_id)
-        self._stored([request.letter])
+        stored = self._stored([request.letter])
+        if request.letter.id in stored.refused:  # a refusal (conflict, expired, busy) is the peer's error
+            raise stored.refused[request.letter.id]
         return MsgReceipt(id=request.letter.id, proof=self._receipt(call.peer_id, [request.letter.id]))
 
-    def _stored(self, letters: Sequence[Letter]) -> None:
+    def _stored(self, letters: Sequence[Letter]) -> Stored:
         """Keep letters (durably, exactly once) and wake who waits on what that changed."""
-        released = self.store.store_many(letters)
-        if released:
+        stored = self.store.store_many(letters)
+        if stored.released:
             self.changed.notify(_INBOX)
-        if len(released) < len(letters):  # some may be held behind a gap
+        if len(stored.released) < len(letters) - len(stored.refused):  # some may be held behind a gap
             self.changed.notify(_HELD)
+        return stored
 
     def _receipt(self, sender: str, ids: list[str]) -> Receipt:
         return Receipt(recipient=self.identity.peer_id, sender=sender, ids=ids,
@@ -346,7 +353,7 @@ class Messaging:
         request = call.request
         assert isinstance(request, MsgSendMany)
         refusals = self.door(call.peer_id, ids.SESSION, [MsgSend(letter=letter) for letter in request.letters])
-        results: list[LetterResult] = []
+        refused: dict[str, PsymeshError] = {}
         accepted: list[Letter] = []
         for letter, refusal in zip(request.letters, refusals):
             if refusal is None:
@@ -356,19 +363,22 @@ class Messaging:
                     refusal = exc
             if refusal is None:
                 accepted.append(letter)
-                results.append(LetterResult(id=letter.id))
             else:
-                results.append(LetterResult.refused(letter.id, refusal))
-        if not accepted:
-            return MsgReceipts(results=results)
-        self._stored(accepted)
-        return MsgReceipts(results=results, proof=self._receipt(call.peer_id, [letter.id for letter in accepted]))
+                refused[letter.id] = refusal
+        kept: list[str] = []
+        if accepted:
+            stored = self._stored(accepted)
+            refused = {**stored.refused, **refused}
+            kept = [letter.id for letter in accepted if letter.id not in refused]
+        return MsgReceipts(results=[LetterResult.refused(letter.id, refused[letter.id]) if letter.id in refused
+                                    else LetterResult(id=letter.id) for letter in request.letters],
+                           proof=self._receipt(call.peer_id, kept) if kept else None)
 
     def withdrawn(self, letter: Letter) -> None:
         """A letter that came by another way (its recipient's mailbox) and that our door
         refused for good: keep its place in its thread with a withdrawn stub, so the letters
         after it are released (on the direct way its sender sends the stub)."""
-        self._stored([letter.stub()])
+        self._stored([letter.stub()])  # refused: the letter itself is here already, or its place was given up
 
     def took(self, letter: Letter) -> None:
         """A letter our mailbox handed over was stored: its sender is owed our receipt."""
@@ -443,6 +453,13 @@ class Messaging:
             return False
         self.store.paid(sender, ids)
         return True
+
+    async def _expire_held(self) -> None:
+        """Gaps waited for longer than [inbox] held_s are given up (their letters released)."""
+        while True:
+            if self.store.expire_held():
+                self.changed.notify(_INBOX)
+            await anyio.sleep(min(self.store.settings.held_s / 4, EXPIRE_EVERY_S))
 
     async def _watch_gaps(self, tg: anyio.abc.TaskGroup) -> None:
         """One timer, at the next deadline: a (sender, thread) held behind a gap for `gap_s`

@@ -400,6 +400,38 @@ class OffersReply(Message):
     offers: list[Offer] = Field(default_factory=list)
 
 
+# -- models (control API) ------------------------------------------------------------
+
+
+class ModelsPsRequest(Message):
+    """The node's models as their runner processes stand: `psymesh model ps`."""
+
+    type = "control.models_ps"
+
+
+class LoadedModel(View):
+    """One registered model's runner. `loaded` False: no process holds it now (never used,
+    or gone after `keep_alive_s` idle, or after a crash); the next request loads it."""
+
+    name: str
+    path: str
+    loaded: bool
+    pid: int | None = None
+    rss_bytes: int | None = None
+    n_ctx: int = 0
+    state_cache_bytes: int = 0      # saved model states the runner holds (state reuse)
+    idle_s: float | None = None     # since its last request ended; None: never used, or busy now
+    jobs_served: int = 0
+    crashes: int = 0                # in a row, since its last request that succeeded
+    keep_alive_s: float | None = None
+    pending: int = 0                # requests queued or running
+
+
+class ModelsPsReply(Message):
+    type = "control.models_ps_reply"
+    models: list[LoadedModel] = Field(default_factory=list)
+
+
 # -- discovery (control API) -----------------------------------------------------------
 
 
@@ -474,6 +506,9 @@ class InboxLetter(Message):
     received_at: float
     reply_to: str | None = None
     group: str | None = None
+    # Letters of this thread before this one that never came: their place was given up after
+    # the letters behind them had waited `[inbox] held_s` (0: none skipped).
+    skipped: int = 0
 
 
 class MsgSendRequest(Message):

@@ -14,8 +14,6 @@ import base64
 import hashlib
 
 import base58
-from cryptography.exceptions import InvalidSignature
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from pydantic import AfterValidator
 
 from psymesh.protocol.errors import ErrorCode, ProtocolError
@@ -57,22 +55,6 @@ def checked_peer_id(value: str) -> str:
 
 # A message field holding a peer id: checked as it is parsed (every message module uses this one).
 PeerId = Annotated[str, AfterValidator(checked_peer_id)]
-
-
-def sign_as(signer: str, key: Ed25519PrivateKey, data: bytes) -> bytes:
-    """`key`'s Ed25519 signature over `data`; ValueError unless `key` is `signer`'s own."""
-    if peer_id_from_public_key(key.public_key().public_bytes_raw()) != signer:
-        raise ValueError(f"the signing key is not {signer}'s key")
-    return key.sign(data)
-
-
-def signed_by(signer: str, signature: bytes, data: bytes) -> bool:
-    """Whether `signature` is `signer`'s (a peer id) Ed25519 signature over `data`."""
-    try:
-        Ed25519PublicKey.from_public_bytes(public_key_from_peer_id(signer)).verify(signature, data)
-    except InvalidSignature:
-        return False
-    return True
 
 
 def is_peer_id(text: str) -> bool:

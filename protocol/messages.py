@@ -96,14 +96,3 @@ def from_map(obj: dict[str, Any]) -> Message:
         raise ProtocolError(f"invalid {kind!r} message: {where}: {first.get('msg')}") from None
     except Exception as exc:  # a validator bug must still not escape as anything but ProtocolError
         raise ProtocolError(f"invalid {kind!r} message: {type(exc).__name__}") from None
-
-
-def expect(message: Message, cls: type[M]) -> M:
-    """Narrow a received message to `cls`; an `error` reply becomes RemoteError."""
-    from psymesh.protocol.common import Error  # local: common registers after this module
-
-    if isinstance(message, cls):
-        return message
-    if isinstance(message, Error):
-        raise message.to_exception()
-    raise ProtocolError(f"expected {cls.type!r}, got {message.type!r}")

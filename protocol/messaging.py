@@ -42,26 +42,20 @@ for ever; the sender's app sees the refusal.
 """
 from __future__ import annotations
 
-from typing import Any
-
 import itertools
-
-import msgpack
 from collections.abc import Iterable
 from enum import StrEnum
-from typing import Annotated, Self
+from typing import Annotated, ClassVar, Self
 
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from psymesh.protocol.errors import ErrorCode, PsymeshError
-from psymesh.protocol.identity import PeerId, public_key_from_peer_id, sign_as, signed_by
-from psymesh.protocol.manifest import Operation, canonical_encode
+from psymesh.protocol.identity import PeerId, public_key_from_peer_id
+from psymesh.protocol.manifest import Operation
 from psymesh.protocol.messages import Message
+from psymesh.protocol.signing import Signed, canonical_encode
 from psymesh.protocol.tasks import JsonMap
 
-_SIGNING_CONTEXT = b"psymesh/letter/v1\x00"
-_RECEIPT_CONTEXT = b"psymesh/receipt/v1\x00"
 MAX_TEXT = 64 * 1024
 MAX_THREAD = 128
 LetterId = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]*$")]
@@ -74,8 +68,12 @@ class LetterKind(StrEnum):
     ANSWER = "answer"
 
 
-class Letter(BaseModel):
+class Letter(Signed, BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", ser_json_bytes="base64", val_json_bytes="base64")
+    signing_context: ClassVar[bytes] = b"psymesh/letter/v1\x00"
+    signer_field: ClassVar[str] = "sender"
+    signer_role: ClassVar[str] = "sender"
+    signing_floats: ClassVar[bool] = True  # `body` is free-form JSON: its floats are float64
 
     id: LetterId
     sender: str
@@ -100,18 +98,6 @@ class Letter(BaseModel):
             raise ValueError(exc.message) from None
         return value
 
-    def signing_bytes(self) -> bytes:
-        """What the sender signs: a context string, then the letter without its signature as
-        msgpack with every map's keys sorted, nil fields left out and floats as float64."""
-        return _SIGNING_CONTEXT + msgpack.packb(_sorted(self.model_dump(mode="python", exclude={"signature"},
-                                                                        exclude_none=True)), use_bin_type=True)
-
-    def sign(self, key: Ed25519PrivateKey) -> Self:
-        return self.model_copy(update={"signature": sign_as(self.sender, key, self.signing_bytes())})
-
-    def signature_valid(self) -> bool:
-        return signed_by(self.sender, self.signature, self.signing_bytes())
-
     def stub(self) -> Self:
         """The withdrawn stand-in for this letter: same place in its thread, nothing in it.
         (Unsigned: sign it again.)"""
@@ -120,20 +106,12 @@ class Letter(BaseModel):
 
     @property
     def payload_bytes(self) -> int:
-        return len(self.text.encode()) + len(msgpack.packb(_sorted(self.body), use_bin_type=True))
+        return len(self.text.encode()) + len(canonical_encode(self.body, floats=True))
 
     def operation(self) -> Operation:
         """What the recipient's manifest must allow (an `answer` is a kind of `send`)."""
         name = "msg.ask" if self.kind is LetterKind.ASK else "msg.send"
         return Operation(name=name, payload_bytes=self.payload_bytes)
-
-
-def _sorted(obj: Any) -> Any:
-    if isinstance(obj, dict):
-        return {key: _sorted(obj[key]) for key in sorted(obj)}
-    if isinstance(obj, (list, tuple)):
-        return [_sorted(item) for item in obj]
-    return obj
 
 
 def check_letter(letter: Letter, *, sender: str, local_peer_id: str) -> None:
@@ -149,28 +127,22 @@ def check_letter(letter: Letter, *, sender: str, local_peer_id: str) -> None:
 MAX_BATCH = 256
 
 
-class Receipt(BaseModel):
+class Receipt(Signed, BaseModel):
     """The recipient's signed word that it holds these letters of `sender`'s durably.
 
     signature = Ed25519 by the recipient over b"psymesh/receipt/v1\\x00" ||
-                canonical_encode({at, ids, recipient, sender})"""
+                canonical_encode({at, ids, recipient, sender})   (protocol/signing.py)"""
 
     model_config = ConfigDict(frozen=True, extra="forbid", ser_json_bytes="base64", val_json_bytes="base64")
+    signing_context: ClassVar[bytes] = b"psymesh/receipt/v1\x00"
+    signer_field: ClassVar[str] = "recipient"
+    signer_role: ClassVar[str] = "recipient"
 
     recipient: PeerId
     sender: PeerId
     ids: list[LetterId] = Field(min_length=1, max_length=MAX_BATCH)
     at: int = Field(ge=0, lt=2**63)   # Unix ms, the recipient's clock
     signature: bytes = Field(default=b"", max_length=64)
-
-    def signing_bytes(self) -> bytes:
-        return _RECEIPT_CONTEXT + canonical_encode(self.model_dump(mode="python", exclude={"signature"}))
-
-    def sign(self, key: Ed25519PrivateKey) -> Self:
-        return self.model_copy(update={"signature": sign_as(self.recipient, key, self.signing_bytes())})
-
-    def signature_valid(self) -> bool:
-        return signed_by(self.recipient, self.signature, self.signing_bytes())
 
 
 def check_receipt(receipt: Receipt, *, recipient: str, local_peer_id: str) -> None:
@@ -257,6 +229,21 @@ class MsgMissing(Message):
 class MsgMissingOk(Message):
     type = "msg.missing_ok"
     resending: int   # how many of them the sender holds and will send again
+
+
+class InboxSettings(BaseModel):
+    """config.toml `[inbox]`: what one sender's letters may take of this node's inbox.
+    Sized so that a phone's disk is safe from each paired sender (8 MiB held, 64 MiB kept)
+    and an honest sender never meets them: its courier has at most 256 letters (about
+    4 MiB) in flight, so a gap it leaves holds no more than that."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    held_letters: int = Field(default=256, ge=1, le=1_000_000)           # held behind a gap, per sender
+    held_bytes: int = Field(default=8 * 1024 * 1024, ge=64 * 1024, le=4 * 1024 ** 3)
+    held_s: float = Field(default=86_400.0, ge=1.0, le=365 * 86_400.0)   # then the gap is given up
+    kept_letters: int = Field(default=4096, ge=1, le=10_000_000)         # released, per sender (oldest go)
+    kept_bytes: int = Field(default=64 * 1024 * 1024, ge=64 * 1024, le=64 * 1024 ** 3)
 
 
 # -- the receiver's ordering rule ------------------------------------------------------------
