@@ -4,7 +4,8 @@ the inbox (theirs, released to the app in thread order).
     outbox: letter written and signed -> pending -> delivered (the recipient's signed
             receipt, kept in msg_proofs) | refused (+ stub sent) | deposited (the
             recipient's mailbox holds it, sealed; still sent again directly, with backoff,
-            until the recipient's receipt comes, directly or by `msg.ack`) -> delivered;
+            until the recipient's receipt comes, directly or by `msg.ack`) -> delivered, or
+            refused (+ stub sent) when a direct offer is refused for good (e.g. `expired`);
             `msg.missing` puts a deposited or delivered letter back to pending
     inbox:  stored on arrival (a resend, the same letter again, is dropped; another letter
             with a used id or tseq is refused `conflict`) -> released to the app when every
@@ -204,8 +205,10 @@ class MessageStore:
         with transaction(self.conn):
             self._delivered(delivered, proof, now)
             self.conn.executemany("UPDATE msg_outbox SET stub_sent = 1 WHERE id = ?", [(i,) for i in stubs_done])
+            # a deposited letter too: offered again directly, it may be refused for good (its place
+            # given up while the mailbox withheld it: `expired`), and then its stub is due
             self.conn.executemany("UPDATE msg_outbox SET state = 'refused', code = ?, reason = ?, updated_at = ?"
-                                  " WHERE id = ? AND state = 'pending'",
+                                  " WHERE id = ? AND state IN ('pending', 'deposited')",
                                   [(code, reason[:500], now, i) for i, code, reason in refused])
 
     def _delivered(self, ids: Sequence[str], proof: Receipt | None, now: float,
