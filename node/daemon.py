@@ -77,11 +77,21 @@ from psymesh.protocol.manifest import Manifest, ManifestOk, ManifestPush, Manife
 from psymesh.protocol.common import Ping, Pong
 from psymesh.protocol.dialback import DialBack
 from psymesh.protocol.messages import Message
-from psymesh.protocol.mailbox import MailAck, MailDeposit, MailFetch, MailKeyPush
-from psymesh.protocol.messaging import MsgSend, MsgSendMany
+from psymesh.protocol.mailbox import MailAck, MailDeposit, MailFetch, MailKeyPush, MailLeaveReceipt, MailTakeReceipts
+from psymesh.protocol.messaging import MsgAck, MsgMissing, MsgSend, MsgSendMany
 from psymesh.protocol.pairing import PAIR_MAX_FRAME
 from psymesh.protocol.session import MAX_OPEN_REQUESTS
-from psymesh.protocol.web import WebAnswer, WebFetch, WebKeyPush, WebRelay, WebRequest, WebSealed, WebSearch
+from psymesh.protocol.web import (
+    WebAnswer,
+    WebFetch,
+    WebKeyGet,
+    WebKeyOf,
+    WebKeyPush,
+    WebRelay,
+    WebRequest,
+    WebSealed,
+    WebSearch,
+)
 from psymesh.protocol.tasks import TaskAck, TaskAcks, TaskAttach, TaskCancel, TaskCaps, TaskCapsReply, TaskInput, TaskList, TaskSubmit
 
 if TYPE_CHECKING:
@@ -128,7 +138,7 @@ class Node:
         self.relaying = Relaying(self.identity, self.config.relay, self.p2p, self.trust, self.sessions)
         self.reach = Reach(self.p2p, self.sessions, self.trust)
         self.web = WebServer(self.config.web.exit, home, self.identity.private_key, self.identity.peer_id,
-                             gate=self.gate, audit=self.audit, trust=self.trust, sessions=self.sessions)
+                             gate=self.gate, audit=self.audit, trust=self.trust, sessions=self.sessions, db=self.db)
         self.pairing = PairingService(self.identity, self.config, self.p2p, self.trust, self.push_manifest,
                                       welcome=self.web.hand_key)
         self.models = ModelPool(ModelRegistry(self.db), keep_alive_s=self.config.models.keep_alive_for(self.config.profile),
@@ -149,9 +159,10 @@ class Node:
         self.messaging = Messaging(self.identity, MessageStore(self.db, self.config.inbox), self.trust, self.sessions,
                                    door=self.gate.admit_each,
                                    mail=MailSender(self.identity.peer_id, mail_store, self.trust, self.sessions,
-                                                   self.mailbox), grace_s=self.config.mail.grace_s)
+                                                   self.mailbox), grace_s=self.config.mail.grace_s,
+                                   gap_s=self.config.mail.gap_s)
         self.mail = MailOwner(home, self.identity, self.config.mailbox, mail_store, self.trust, self.sessions,
-                              self._door, self.messaging)
+                              self._door, self.messaging, self.config.mail)
         self.groups = Groups(self.db, self.trust, self.messaging)
         self.answering = Answering(self.db, self.messaging, self.trust, self.agents, self.tools, self.identity.peer_id)
         self.discovery = Discovery(self.identity.peer_id, mdns=self.config.mdns, static_peers=self.config.static_peers,
@@ -201,16 +212,22 @@ class Node:
             ManifestRevoke: self._receive_revocation,
             MsgSend: self.messaging.receive,
             MsgSendMany: self.messaging.receive_many,
+            MsgAck: self.messaging.receive_ack,
+            MsgMissing: self.messaging.receive_missing,
             MailKeyPush: self.mailbox.receive_key,
             MailDeposit: self.mailbox.deposit,
             MailFetch: self.mailbox.fetch,
             MailAck: self.mailbox.ack,
+            MailLeaveReceipt: self.mailbox.leave_receipt,
+            MailTakeReceipts: self.mailbox.take_receipts,
             AddrsPush: self.relaying.receive,
             WebSearch: self.web.serve,
             WebFetch: self.web.serve,
             WebSealed: self.web.serve_sealed,
             WebRelay: self.web.relay,
             WebKeyPush: self.web_router.keys.receive,
+            WebKeyOf: self.web.key_of,
+            WebKeyGet: self.web.key_get,
         }
         Owner(self).serve_on(self.control)
 

@@ -4,13 +4,15 @@
     2. the request is one this node serves (protocol/admission) bad_request
     3. by its rule:
        issuer      the manifest it carries is from the sender, to us, signed      forbidden
-                   (a mail key, an address record: the sender's own, signed)
+                   (a mail key, an address record, a receipt: the sender's own, signed)
+       paired      nothing more (msg.missing: "send me again what you sent me")
        grant       we issued the peer a grant, ours, for it, signed, in date       forbidden / expired
        capability  ... and a capability covers this exact request, payload within  forbidden / too_large
     4. charged requests: within the grant's request rate       rate_limited (retry_after)
     5. requests that start a task: within the queue limits     busy (retry_after)
        deposits of mail: the recipient named this node its mailbox, and the sender's
        share of it has room                                    forbidden / too_large / busy
+       receipts left here: the owner named this node its mailbox  forbidden
 
 The first failure wins; nothing runs for a denied request. A refusal is charged to the
 peer's refusal budget (`refusals_per_minute`, a rate of its own beside the grant's, so
@@ -42,7 +44,7 @@ from psymesh.protocol.addresses import AddrsPush
 from psymesh.protocol.admission import Need, operation_for, rule_for, task_operation
 from psymesh.protocol.errors import ErrorCode, PsymeshError
 from psymesh.protocol.limits import RateLimiter
-from psymesh.protocol.mailbox import MailDeposit, MailKeyPush, verify_mail_key
+from psymesh.protocol.mailbox import MailDeposit, MailKeyPush, MailLeaveReceipt, verify_mail_key
 from psymesh.protocol.manifest import (
     Decision,
     Manifest,
@@ -54,6 +56,7 @@ from psymesh.protocol.manifest import (
     verify_grant,
 )
 from psymesh.protocol.messages import Message
+from psymesh.protocol.messaging import MsgAck, check_receipt
 from psymesh.protocol.relay import DCUTR, HOLE_PUNCH, HOP, STOP
 from psymesh.protocol.oblivious import verify_exit_key
 from psymesh.protocol.web import WebKeyPush
@@ -78,6 +81,8 @@ class MailDesk(Protocol):
     """The mailbox's own admission of a deposit (node/mailbox.py answers): raises, saying why."""
 
     def admit_deposit(self, sender: str, deposit: MailDeposit) -> None: ...
+
+    def admit_receipt(self, owner: str) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -143,6 +148,19 @@ class Gate:
             return Decision(True)
         if rule.need is Need.ISSUER and isinstance(request, AddrsPush):
             request.record.verify(sender=peer_id)
+            return Decision(True)
+        if rule.need is Need.ISSUER and isinstance(request, MsgAck):
+            check_receipt(request.receipt, recipient=peer_id, local_peer_id=self.local_peer_id)
+            return Decision(True)
+        if rule.need is Need.PAIRED:
+            return Decision(True)
+        if rule.need is Need.ISSUER and isinstance(request, MailLeaveReceipt):
+            if request.receipt.recipient != peer_id or not request.receipt.signature_valid():
+                raise PsymeshError("a receipt left here must be the sender's own, validly signed",
+                                   code=ErrorCode.FORBIDDEN)
+            if self.mailbox is None:
+                raise PsymeshError("this node keeps no mailbox", code=ErrorCode.UNAVAILABLE)
+            self.mailbox.admit_receipt(peer_id)
             return Decision(True)
         if rule.need is Need.ISSUER and isinstance(request, WebKeyPush):
             verify_exit_key(request.key, exit=peer_id, now=now)

@@ -7,6 +7,10 @@
     mail.fetch    the caller's own mail, oldest first, then each new deposit as it comes,
                   for `wait_s` (a phone keeps one open while it can reach us, as IMAP IDLE)
     mail.ack      the caller stored everything up to `upto`: those rows are deleted
+    mail.leave_receipt / mail.take_receipts
+                  an owner's signed receipts, held for the senders it could not reach
+                  (at most MAX_RECEIPTS_HELD per owner, the oldest dropped first: a lost
+                  receipt costs its sender a resend, not a letter), each handed over once
     housekeeping  mail older than `keep_s` is dropped
 
 A held row is: recipient, sender, ref (a hash, not the letter id), size, the time it came,
@@ -40,9 +44,15 @@ from psymesh.protocol.mailbox import (
     MailKey,
     MailKeyOk,
     MailKeyPush,
+    MailLeaveReceipt,
     MailReceipt,
+    MailReceiptLeft,
+    MailReceiptsTaken,
     MailSettings,
+    MailTakeReceipts,
+    MAX_RECEIPTS,
 )
+from psymesh.protocol.messaging import Receipt
 from psymesh.protocol.messages import Message
 from psymesh.protocol.session import SessionEnd
 
@@ -67,7 +77,15 @@ CREATE TABLE IF NOT EXISTS mail_held (
 CREATE INDEX IF NOT EXISTS mail_held_for ON mail_held(recipient, seq);
 CREATE INDEX IF NOT EXISTS mail_held_sender ON mail_held(sender);
 CREATE INDEX IF NOT EXISTS mail_held_at ON mail_held(at);
+CREATE TABLE IF NOT EXISTS mail_receipts (
+    id        INTEGER PRIMARY KEY AUTOINCREMENT,
+    recipient TEXT NOT NULL,             -- the owner that signed it (the letters' recipient)
+    sender    TEXT NOT NULL,             -- whom it is for
+    receipt   BLOB NOT NULL              -- the signed Receipt, JSON
+);
+CREATE INDEX IF NOT EXISTS mail_receipts_for ON mail_receipts(sender, recipient);
 """
+MAX_RECEIPTS_HELD = 1024
 BATCH = 64                 # items per write on a fetch
 BUSY_RETRY_S = 60.0        # a full share frees when the recipient fetches: not soon
 
@@ -132,6 +150,23 @@ class MailStore:
             self.conn.execute("DELETE FROM mail_held WHERE recipient = ? AND seq <= ?", (recipient, upto))
             return self.conn.execute("SELECT COUNT(*) FROM mail_held WHERE recipient = ?", (recipient,)).fetchone()[0]
 
+    def keep_receipt(self, receipt: Receipt) -> None:
+        """Hold an owner's receipt for its sender (the owner's oldest beyond the cap dropped)."""
+        with transaction(self.conn):
+            self.conn.execute("INSERT INTO mail_receipts (recipient, sender, receipt) VALUES (?, ?, ?)",
+                              (receipt.recipient, receipt.sender, receipt.model_dump_json()))
+            self.conn.execute("DELETE FROM mail_receipts WHERE recipient = ? AND id NOT IN (SELECT id FROM"
+                              " mail_receipts WHERE recipient = ? ORDER BY id DESC LIMIT ?)",
+                              (receipt.recipient, receipt.recipient, MAX_RECEIPTS_HELD))
+
+    def take_receipts(self, sender: str, recipient: str, limit: int = MAX_RECEIPTS) -> list[Receipt]:
+        """`recipient`'s receipts for `sender`, oldest first, deleted as they are handed over."""
+        with transaction(self.conn):
+            rows = self.conn.execute("SELECT id, receipt FROM mail_receipts WHERE sender = ? AND recipient = ?"
+                                     " ORDER BY id LIMIT ?", (sender, recipient, limit)).fetchall()
+            self.conn.executemany("DELETE FROM mail_receipts WHERE id = ?", [(r[0],) for r in rows])
+        return [Receipt.model_validate_json(r[1]) for r in rows]
+
     def purge(self, before: float) -> int:
         """Drop mail that came before `before`; how many letters were dropped."""
         return self.conn.execute("DELETE FROM mail_held WHERE at < ?", (before,)).rowcount
@@ -185,6 +220,13 @@ class Mailbox:
             raise PsymeshError(f"this mailbox holds {items} letter(s), {size} bytes, from you: the most it takes;"
                                " retry later", code=ErrorCode.BUSY, retry_after=BUSY_RETRY_S)
 
+    def admit_receipt(self, owner: str) -> None:
+        """Called by the gate for `mail.leave_receipt`: only a peer that named us its mailbox
+        leaves receipts here (FORBIDDEN)."""
+        key = self.store.key_of(owner)
+        if key is None or key.mailbox != self.local_peer_id:
+            raise PsymeshError(f"{owner} has not named this node its mailbox", code=ErrorCode.FORBIDDEN)
+
     # -- services (each admitted by the door first) ------------------------------------------
     async def receive_key(self, call: Call) -> Message:
         """A peer's mail key (the door checked it is the peer's own, signed)."""
@@ -222,6 +264,17 @@ class Mailbox:
                 return SessionEnd(reason="no more mail for now")
             with anyio.move_on_after(left):
                 await self.arrived.wait(call.peer_id)
+
+    async def leave_receipt(self, call: Call) -> Message:
+        """An owner's receipt for a sender it could not reach (the door checked it is the owner's)."""
+        assert isinstance(call.request, MailLeaveReceipt)
+        self.store.keep_receipt(call.request.receipt)
+        return MailReceiptLeft()
+
+    async def take_receipts(self, call: Call) -> Message:
+        """The caller's receipts from `recipient`: whose they are is the Noise session's peer."""
+        assert isinstance(call.request, MailTakeReceipts)
+        return MailReceiptsTaken(receipts=self.store.take_receipts(call.peer_id, call.request.recipient))
 
     async def ack(self, call: Call) -> Message:
         request = call.request

@@ -13,20 +13,25 @@
                       item is opened, checked, and admitted through this node's own door as
                       the sender's `msg.send` (audited `mailbox`), stored in the inbox
                       (which drops a letter it holds), then acknowledged so the mailbox
-                      deletes it. A crash between storing and acknowledging re-delivers;
+                      deletes it; its sender is owed our signed receipt (`msg.ack`).
+                      A letter the door refuses for good keeps its place as a withdrawn
+                      stub, but only when the sender is paired with us: a stranger's
+                      letters cost our inbox nothing. A crash between storing and acknowledging re-delivers;
                       the inbox drops the duplicate.
 
 The mail key is an X25519 key of its own (`<home>/mail.key`, 0600), not the identity key:
 the mailbox and the peers see only its public half, and it can change without a new
-identity.
+identity. It rotates (`[mail] key_rotate_s`, protocol/keyring.py): a new key is published
+with a larger serial, the old secret still opens mail sealed to it for `[mail] keep_s`, and
+is then deleted from the file, so a stolen file opens no older letter.
 """
 from __future__ import annotations
 
 import functools
 import logging
 import math
-import os
 import time
+from collections.abc import Callable
 from typing import Protocol
 
 import anyio
@@ -34,12 +39,14 @@ import anyio.abc
 from anyio.streams.memory import MemoryObjectReceiveStream
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
-from psymesh.node.home import Identity, NodeHome, os_error
+from psymesh.node.home import Identity, NodeHome
+from psymesh.node.keyrings import load_ring, save_ring
 from psymesh.node.mailbox import Mailbox, MailStore
 from psymesh.node.messaging import Messaging
 from psymesh.node.session import Call, SessionPool
 from psymesh.node.trust import TrustStore
 from psymesh.protocol.errors import ErrorCode, PsymeshError
+from psymesh.protocol.keyring import KeyRing, RingKey
 from psymesh.protocol.mailbox import (
     VIA_MAILBOX,
     MailAck,
@@ -50,17 +57,23 @@ from psymesh.protocol.mailbox import (
     MailKey,
     MailKeyOk,
     MailKeyPush,
+    MailLeaveReceipt,
     MailReceipt,
+    MailReceiptLeft,
+    MailReceiptsTaken,
+    MailSettings,
+    MailTakeReceipts,
     mail_ref,
     seal,
     unseal,
 )
 from psymesh.protocol.common import expect
 from psymesh.protocol.messages import Message
-from psymesh.protocol.messaging import Letter, MsgSend
+from psymesh.protocol.messaging import Letter, MsgSend, Receipt
 from psymesh.protocol.session import SessionEnd
 
 log = logging.getLogger("psymesh.mail")
+MAX_TIMER_S = 86_400.0
 
 # Refusals that may pass later (a letter's, or the mailbox's): try again, never give up.
 _AGAIN = frozenset({ErrorCode.BUSY, ErrorCode.RATE_LIMITED, ErrorCode.UNAVAILABLE, ErrorCode.TIMEOUT,
@@ -72,24 +85,19 @@ class MailDoor(Protocol):
         """Admit `call.request` as from `call.peer_id` (audited as arriving `via`) and serve it."""
 
 
-def load_mail_secret(home: NodeHome) -> X25519PrivateKey:
-    """The node's X25519 mail key, created on first use in `<home>/mail.key` (mode 0600)."""
-    path = home.private_file("mail.key")
-    try:
-        raw = path.read_bytes()
-        if raw:
-            if len(raw) != 32:
-                raise PsymeshError(f"{path} is not a 32-byte X25519 key", code=ErrorCode.BAD_REQUEST)
-            return X25519PrivateKey.from_private_bytes(raw)
-        secret = X25519PrivateKey.generate()
-        fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW)
-        with os.fdopen(fd, "wb") as f:
-            f.write(secret.private_bytes_raw())
-            f.flush()
-            os.fsync(f.fileno())
-        return secret
-    except OSError as exc:
-        raise os_error(exc, path) from None
+MAIL_KEY_FILE = "mail.key"
+
+
+def load_mail_ring(home: NodeHome, settings: MailSettings, now: float) -> KeyRing:
+    """The node's X25519 mail keys, `<home>/mail.key` (0600): the current one, and retired ones
+    kept `[mail] keep_s` (mail sealed to them may wait that long at the mailbox)."""
+    return load_ring(home, MAIL_KEY_FILE, rotate_s=settings.key_rotate_s, keep_s=settings.keep_s, now=now,
+                     legacy=_bare_key)
+
+
+def _bare_key(data: bytes, now: float) -> RingKey | None:
+    """A mail key file from before rings: 32 raw bytes."""
+    return RingKey(1, X25519PrivateKey.from_private_bytes(data), now) if len(data) == 32 else None
 
 
 async def _no_frames(rid: int, messages: tuple[Message, ...]) -> None:
@@ -97,7 +105,9 @@ async def _no_frames(rid: int, messages: tuple[Message, ...]) -> None:
 
 
 class MailSender:
-    """Letters for a recipient that cannot be reached, left at the mailbox it named."""
+    """Letters for a recipient that cannot be reached, left at the mailbox it named; and
+    receipts travelling the same way back: ours left at our own mailbox for a sender we
+    cannot reach, a recipient's taken from its mailbox."""
 
     def __init__(self, local_peer_id: str, store: MailStore, trust: TrustStore, sessions: SessionPool,
                  mailbox: Mailbox) -> None:
@@ -125,6 +135,29 @@ class MailSender:
                                     MailReceipt)
         return True
 
+    async def leave_receipt(self, receipt: Receipt) -> bool:
+        """Leave our receipt for its sender at our own mailbox: True once held there, False if
+        we named none. A refusal or a network failure raises."""
+        key = self.store.key_of(self.local_peer_id)
+        if key is None or key.mailbox is None:
+            return False
+        if key.mailbox == self.local_peer_id:
+            self.store.keep_receipt(receipt)
+        else:
+            await self.sessions.request(key.mailbox, MailLeaveReceipt(receipt=receipt), MailReceiptLeft)
+        return True
+
+    async def take_receipts(self, recipient: str) -> list[Receipt]:
+        """What `recipient` left for us at its mailbox (unchecked: the caller checks each).
+        A refusal or a network failure raises."""
+        key = self.store.key_of(recipient)
+        if key is None or key.mailbox is None or key.mailbox == recipient:
+            return []
+        if key.mailbox == self.local_peer_id:
+            return self.store.take_receipts(self.local_peer_id, recipient)
+        reply = await self.sessions.request(key.mailbox, MailTakeReceipts(recipient=recipient), MailReceiptsTaken)
+        return reply.receipts
+
 
 class MailOwner:
     """This node's own mail: its key published, its mail fetched (start with `tg.start`)."""
@@ -136,8 +169,11 @@ class MailOwner:
     REFUSED_RETRY_S = 900.0   # the mailbox refused us (revoked, no grant): ask seldom
 
     def __init__(self, home: NodeHome, identity: Identity, mailbox: str | None, store: MailStore,
-                 trust: TrustStore, sessions: SessionPool, door: MailDoor, inbox: Messaging) -> None:
+                 trust: TrustStore, sessions: SessionPool, door: MailDoor, inbox: Messaging,
+                 settings: MailSettings | None = None, *, clock: Callable[[], float] = time.time) -> None:
         self.home = home
+        self.settings = settings or MailSettings()
+        self.clock = clock
         self.identity = identity
         self.mailbox = mailbox     # config `mailbox`: a paired peer's name or id
         self.store = store
@@ -150,14 +186,24 @@ class MailOwner:
         self._after: dict[str, int] = {}                  # mailbox -> last item taken from it
 
     @functools.cached_property
-    def secret(self) -> X25519PrivateKey:
-        return load_mail_secret(self.home)
+    def ring(self) -> KeyRing:
+        return load_mail_ring(self.home, self.settings, self.clock())
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         async with anyio.create_task_group() as tg:
             tg.start_soon(self._publish_forever)
             tg.start_soon(self._fetch_forever)
+            tg.start_soon(self._rotate_forever)
             task_status.started()
+
+    async def _rotate_forever(self) -> None:
+        """One timer, at the ring's next deadline (on the injected clock): a new mail key, or a
+        retired one deleted. The publisher hands the new key out at its next rescan."""
+        while True:
+            await anyio.sleep(min(max(0.0, self.ring.next_deadline() - self.clock()), MAX_TIMER_S))
+            if self.ring.step(self.clock()):
+                save_ring(self.home, MAIL_KEY_FILE, self.ring)
+                log.info("mail keys now held: %s", [k.key_id for k in self.ring.keys])
 
     # -- our key ---------------------------------------------------------------------------
     def current_key(self) -> MailKey | None:
@@ -167,7 +213,7 @@ class MailOwner:
         held = self.store.key_of(self.identity.peer_id)
         if held is None and box is None:
             return None
-        public = self.secret.public_key().public_bytes_raw()
+        public = self.ring.current.public
         if held is not None and held.mailbox == box and held.public == public:
             return held
         serial = max(int(time.time() * 1000), held.serial + 1 if held is not None else 0)
@@ -258,14 +304,28 @@ class MailOwner:
                         break
                 await self.sessions.request(box, MailAck(upto=upto), MailAcked)
 
+    def open(self, item: MailItem) -> Letter:
+        """The letter in a mail item, opened with whichever of our held mail keys it was
+        sealed to (newest first); FORBIDDEN if none (sealed to a key deleted since)."""
+        refusal: PsymeshError | None = None
+        for key in self.ring.keys:
+            try:
+                return unseal(item.sealed, key.secret, recipient=self.identity.peer_id, sender=item.sender,
+                              ref=item.ref)
+            except PsymeshError as exc:
+                if exc.code is not ErrorCode.FORBIDDEN:
+                    raise
+                refusal = exc
+        assert refusal is not None
+        raise refusal
+
     async def _take(self, item: MailItem) -> None:
         """Open one item and admit its letter through our door, as its sender's `msg.send`.
         An item that does not open or check is dropped; a letter the door refuses for good
         keeps its place in its thread (a withdrawn stub), so the letters after it are not
         held. A refusal that may pass later raises: the item is taken again then."""
         try:
-            letter = unseal(item.sealed, self.secret, recipient=self.identity.peer_id, sender=item.sender,
-                            ref=item.ref)
+            letter = self.open(item)
         except PsymeshError as exc:
             log.warning("mail item %d from %s dropped: %s", item.seq, item.sender, exc.message)
             return
@@ -275,4 +335,7 @@ class MailOwner:
             if exc.code in _AGAIN:
                 raise
             log.info("letter %s from %s, from the mailbox, refused: %s", letter.id, letter.sender, exc.message)
-            self.inbox.withdrawn(letter)
+            if exc.code is not ErrorCode.UNKNOWN_PEER:  # a stranger's letters hold no thread here: no stub
+                self.inbox.withdrawn(letter)
+            return
+        self.inbox.took(letter)

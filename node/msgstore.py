@@ -1,14 +1,18 @@
 """Durable letters in the node's SQLite database: the outbox (ours, until a receipt) and
 the inbox (theirs, released to the app in thread order).
 
-    outbox: letter written and signed -> pending -> delivered (receipt) | refused (+ stub sent)
-            | deposited (the recipient's mailbox holds it, sealed: handing it over is the
-            mailbox's job now)
+    outbox: letter written and signed -> pending -> delivered (the recipient's signed
+            receipt, kept in msg_proofs) | refused (+ stub sent) | deposited (the
+            recipient's mailbox holds it, sealed; still sent again directly, with backoff,
+            until the recipient's receipt comes, directly or by `msg.ack`) -> delivered, or
+            refused (+ stub sent) when a direct offer is refused for good (e.g. `expired`);
+            `msg.missing` puts a deposited or delivered letter back to pending
     inbox:  stored on arrival (a resend, the same letter again, is dropped; another letter
             with a used id or tseq is refused `conflict`) -> released to the app when every
             earlier letter of its (sender, thread) is released; `release_seq` numbers
             released letters 1, 2, 3 ... across the inbox, so an app follows with a cursor
-            and sees each letter once
+            and sees each letter once; letters that came through our mailbox owe their
+            sender a receipt (msg_acks_due) until `msg.ack` takes it
 
 Each sender's share of the inbox is bounded (protocol/messaging.py `InboxSettings`,
 config `[inbox]`): letters held behind a gap, in items and bytes (a letter past that is
@@ -35,7 +39,7 @@ from typing import Protocol
 
 from psymesh.node.db import ensure_schema, transaction
 from psymesh.protocol.errors import ErrorCode, PsymeshError
-from psymesh.protocol.messaging import InboxSettings, Letter, releasable
+from psymesh.protocol.messaging import InboxSettings, Letter, Receipt, missing, releasable
 
 RETRY_HELD_S = 30.0  # a letter refused for the sender's held share: when to send it again
 
@@ -67,6 +71,19 @@ CREATE TABLE IF NOT EXISTS msg_inbox (
     UNIQUE (sender, thread, tseq)
 );
 CREATE UNIQUE INDEX IF NOT EXISTS msg_inbox_release ON msg_inbox(release_seq);
+CREATE TABLE IF NOT EXISTS msg_receipts (
+    rid      INTEGER PRIMARY KEY AUTOINCREMENT,
+    receipt  BLOB NOT NULL              -- a recipient's signed Receipt, as JSON
+);
+CREATE TABLE IF NOT EXISTS msg_proofs (
+    id   TEXT PRIMARY KEY,              -- an outbox letter, delivered ...
+    rid  INTEGER NOT NULL               -- ... as this receipt says
+);
+CREATE TABLE IF NOT EXISTS msg_acks_due (
+    sender  TEXT NOT NULL,
+    id      TEXT NOT NULL,
+    PRIMARY KEY (sender, id)
+);
 CREATE TABLE IF NOT EXISTS msg_threads (
     sender        TEXT NOT NULL,
     thread        TEXT NOT NULL,
@@ -74,6 +91,7 @@ CREATE TABLE IF NOT EXISTS msg_threads (
     PRIMARY KEY (sender, thread)
 );
 """
+_AWAITING = "state IN ('pending', 'deposited') OR (state = 'refused' AND stub_sent = 0)"
 # Columns added after the first release: (name, definition), added to older databases on open;
 # then the indexes that count a sender's held and released letters (its shares).
 _INBOX_COLUMNS = (("size", "INTEGER NOT NULL DEFAULT 0"),      # bytes of the stored letter
@@ -100,6 +118,16 @@ class Sent:
     code: str | None
     reason: str
     stub_sent: bool
+
+
+@dataclass(frozen=True)
+class Gap:
+    """A (sender, thread) whose held letters wait, since `since`, for the tseqs in `lacks`."""
+
+    sender: str
+    thread: str
+    since: float
+    lacks: list[int]
 
 
 @dataclass(frozen=True)
@@ -157,30 +185,70 @@ class MessageStore:
         return letter
 
     def pending(self, recipient: str, limit: int = 256) -> list[Sent]:
-        """Letters for `recipient` awaiting a receipt (refused ones whose stub is due too), oldest first."""
-        rows = self.conn.execute(
-            "SELECT * FROM msg_outbox WHERE recipient = ? AND"
-            " (state = 'pending' OR (state = 'refused' AND stub_sent = 0)) ORDER BY rowid LIMIT ?",
-            (recipient, limit)).fetchall()
+        """Letters for `recipient` awaiting its receipt (deposited ones too; refused ones
+        whose stub is due), oldest first."""
+        rows = self.conn.execute(f"SELECT * FROM msg_outbox WHERE recipient = ? AND ({_AWAITING})"
+                                 " ORDER BY rowid LIMIT ?", (recipient, limit)).fetchall()
         return [_sent(row) for row in rows]
 
     def recipients_pending(self) -> list[str]:
-        rows = self.conn.execute("SELECT DISTINCT recipient FROM msg_outbox WHERE state = 'pending' OR"
-                                 " (state = 'refused' AND stub_sent = 0)").fetchall()
+        rows = self.conn.execute(f"SELECT DISTINCT recipient FROM msg_outbox WHERE {_AWAITING}").fetchall()
         return [r[0] for r in rows]
 
     def settle(self, delivered: Sequence[str] = (), stubs_done: Sequence[str] = (),
-               refused: Sequence[tuple[str, str, str]] = (), now: float | None = None) -> None:
-        """What a batch's receipts said, recorded in ONE transaction: letters delivered,
-        stubs taken (or never to be), letters refused for good as (id, code, reason)."""
+               refused: Sequence[tuple[str, str, str]] = (), proof: Receipt | None = None,
+               now: float | None = None) -> None:
+        """What a batch's receipts said, recorded in ONE transaction: letters delivered (as
+        the recipient's signed `proof` says), stubs taken (or never to be), letters refused
+        for good as (id, code, reason)."""
         now = time.time() if now is None else now
         with transaction(self.conn):
-            self.conn.executemany("UPDATE msg_outbox SET state = 'delivered', updated_at = ?"
-                                  " WHERE id = ? AND state = 'pending'", [(now, i) for i in delivered])
+            self._delivered(delivered, proof, now)
             self.conn.executemany("UPDATE msg_outbox SET stub_sent = 1 WHERE id = ?", [(i,) for i in stubs_done])
+            # a deposited letter too: offered again directly, it may be refused for good (its place
+            # given up while the mailbox withheld it: `expired`), and then its stub is due
             self.conn.executemany("UPDATE msg_outbox SET state = 'refused', code = ?, reason = ?, updated_at = ?"
-                                  " WHERE id = ? AND state = 'pending'",
+                                  " WHERE id = ? AND state IN ('pending', 'deposited')",
                                   [(code, reason[:500], now, i) for i, code, reason in refused])
+
+    def _delivered(self, ids: Sequence[str], proof: Receipt | None, now: float,
+                   recipient: str | None = None) -> list[str]:
+        """Mark awaiting letters delivered (only `recipient`'s, if named) and file the proof."""
+        done = [i for i in ids if self.conn.execute(
+            "UPDATE msg_outbox SET state = 'delivered', updated_at = ? WHERE id = ? AND"
+            " state IN ('pending', 'deposited') AND (? IS NULL OR recipient = ?)",
+            (now, i, recipient, recipient)).rowcount]
+        if done and proof is not None:
+            rid = self.conn.execute("INSERT INTO msg_receipts (receipt) VALUES (?)",
+                                    (proof.model_dump_json(),)).lastrowid
+            self.conn.executemany("INSERT OR REPLACE INTO msg_proofs (id, rid) VALUES (?, ?)",
+                                  [(i, rid) for i in done])
+        return done
+
+    def confirm(self, recipient: str, receipt: Receipt, now: float | None = None) -> list[str]:
+        """`recipient`'s signed receipt came (`msg.ack`): its letters it names are delivered.
+        Returns the ids that were still awaiting it."""
+        with transaction(self.conn):
+            return self._delivered(receipt.ids, receipt, time.time() if now is None else now, recipient)
+
+    def proof(self, letter_id: str) -> Receipt | None:
+        """The recipient's signed receipt for a delivered letter."""
+        row = self.conn.execute("SELECT r.receipt FROM msg_proofs p JOIN msg_receipts r ON r.rid = p.rid"
+                                " WHERE p.id = ?", (letter_id,)).fetchone()
+        return None if row is None else Receipt.model_validate_json(row[0])
+
+    def resend(self, recipient: str, thread: str, tseqs: Sequence[int], now: float | None = None) -> int:
+        """`recipient` lacks these letters of `thread` (`msg.missing`): deposited or delivered
+        ones go back to pending, refused ones owe their stub again. How many we hold."""
+        now = time.time() if now is None else now
+        count = 0
+        with transaction(self.conn):
+            for tseq in tseqs:
+                count += self.conn.execute(
+                    "UPDATE msg_outbox SET state = CASE WHEN state = 'refused' THEN state ELSE 'pending' END,"
+                    " stub_sent = 0, updated_at = ? WHERE recipient = ? AND thread = ? AND tseq = ?",
+                    (now, recipient, thread, tseq)).rowcount
+        return count
 
     def deposited(self, letter_id: str, now: float | None = None) -> None:
         """The recipient's mailbox holds the letter (its receipt came back)."""
@@ -398,6 +466,40 @@ class MessageStore:
     def held(self) -> int:
         return self.conn.execute("SELECT COUNT(*) FROM msg_inbox WHERE release_seq IS NULL").fetchone()[0]
 
+    def _thread(self, sender: str, thread: str) -> tuple[int, list[int]]:
+        """(the last tseq released, the tseqs held) of one (sender, thread)."""
+        released_upto = self._released_upto(sender, thread)
+        held = [r[0] for r in self.conn.execute(
+            "SELECT tseq FROM msg_inbox WHERE sender = ? AND thread = ? AND release_seq IS NULL", (sender, thread))]
+        return released_upto, held
+
+    def gaps(self) -> list[Gap]:
+        """Each (sender, thread) holding letters behind a gap: since when, and what it lacks."""
+        rows = self.conn.execute("SELECT sender, thread, MIN(received_at) FROM msg_inbox WHERE release_seq IS NULL"
+                                 " GROUP BY sender, thread").fetchall()
+        out = []
+        for sender, thread, since in rows:
+            released_upto, held = self._thread(sender, thread)
+            lacks = missing(held, released_upto)
+            if lacks:
+                out.append(Gap(sender, thread, since, lacks))
+        return out
+
+    # -- receipts we owe for letters that came through our mailbox ----------------------------
+    def owe(self, sender: str, ids: Sequence[str]) -> None:
+        self.conn.executemany("INSERT OR IGNORE INTO msg_acks_due (sender, id) VALUES (?, ?)",
+                              [(sender, i) for i in ids])
+
+    def owed(self, sender: str, limit: int = 256) -> list[str]:
+        return [r[0] for r in self.conn.execute("SELECT id FROM msg_acks_due WHERE sender = ? ORDER BY rowid"
+                                                " LIMIT ?", (sender, limit))]
+
+    def senders_owed(self) -> list[str]:
+        return [r[0] for r in self.conn.execute("SELECT DISTINCT sender FROM msg_acks_due")]
+
+    def paid(self, sender: str, ids: Sequence[str]) -> None:
+        with transaction(self.conn):
+            self.conn.executemany("DELETE FROM msg_acks_due WHERE sender = ? AND id = ?", [(sender, i) for i in ids])
 
 
 def _conflict(letter: Letter, why: str) -> PsymeshError:

@@ -12,7 +12,10 @@ query. The relay is `--relay` (or `[web] relay`), else the one paired peer other
 exit whose grant to us has `web.relay`. Choosing is explicit when more than one fits: a
 query is not sent somewhere the owner did not expect.
 
-Exit keys come to us with the exit's grants (`web.key`); we keep the newest in date per exit.
+Exit keys come to us with the exit's grants (`web.key`); we keep the newest in date per exit,
+to know which peers are exits. With two hops we seal only to the relay's view of the exit's key
+(`web.key_of`), the one it shows every asker; an exit that handed us another key under the same
+`key_id` is trying to tell its askers apart, and we refuse to seal to it at all.
 """
 from __future__ import annotations
 
@@ -29,12 +32,14 @@ from psymesh.protocol.common import Error
 from psymesh.protocol.errors import ErrorCode, PsymeshError, RemoteError
 from psymesh.protocol.manifest import Operation, check
 from psymesh.protocol.messages import Message, pack, unpack
-from psymesh.protocol.oblivious import ExitKey, seal_request, verify_exit_key
+from psymesh.protocol.oblivious import ExitKey, consistent_key, seal_request, verify_exit_key
 from psymesh.protocol.web import (
     WebAnswer,
     WebFetch,
+    WebKeyOf,
     WebKeyOk,
     WebKeyPush,
+    WebKeyView,
     WebPage,
     WebRelay,
     WebRequest,
@@ -182,9 +187,11 @@ class WebRouter:
             reply = WebResults if isinstance(request, WebSearch) else WebPage
             return await self.sessions.request(route.exit, request, reply, timeout=timeout)
         assert route.key is not None  # a route through a relay carries the key (Route's validator)
+        view = await self.sessions.request(route.relay, WebKeyOf(exit=route.exit), WebKeyView, timeout=timeout)
+        key = consistent_key(route.key, view.key, exit=route.exit, now=self.clock())
         # whole seconds: the exit needs the time only to within its window, and the milliseconds
         # of a phone's clock offset would tell its requests apart
-        sealed, pending = seal_request(route.key, pack(request), now=float(int(self.clock())))
+        sealed, pending = seal_request(key, pack(request), now=float(int(self.clock())))
         relayed = await self.sessions.request(route.relay, WebRelay(exit=route.exit, sealed=sealed), WebSealedReply,
                                               timeout=timeout)
         answer = unpack(pending.open(relayed.sealed))

@@ -110,6 +110,10 @@ class ExitSettings(BaseModel):
     cache_entries: int = Field(default=256, ge=0, le=100_000)
     cache_ttl_s: float = Field(default=300.0, ge=0)
     requests_per_minute: int = Field(default=120, ge=1, le=100_000)
+    # the exit's HPKE key: a new one this often; the old one stays in date this much longer
+    # (relays and phones move over), and its secret is deleted a replay window after that
+    key_rotate_s: float = Field(default=7 * 86_400.0, ge=1.0, le=365 * 86_400.0)
+    key_overlap_s: float = Field(default=3600.0, ge=0.0, le=30 * 86_400.0)
     user_agent: str = Field(default=USER_AGENT, min_length=1, max_length=200)
     search: SearchSettings = Field(default_factory=SearchSettings)
 

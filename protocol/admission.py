@@ -11,7 +11,11 @@ serves has one, so a new service cannot skip the door by accident.
     issuer       nothing of ours: the message carries a manifest (or a revocation) the
                  *sender* issued to *us*, validly signed (manifest.push, manifest.revoke),
                  or the sender's own mail key, address record or exit key, signed by it
-                 (mail.key, addrs.push, web.key)
+                 (mail.key, addrs.push, web.key), or the sender's own receipt for letters
+                 we sent it (msg.ack), or its own receipt to hold for others (mail.leave_receipt:
+                 `holds_mail`, so only from a peer that named us its mailbox)
+    paired       nothing beyond pairing: the request only asks us to send the sender
+                 again what we already sent it (msg.missing); not charged
 
 A batch (`msg.send_many`) is admitted twice over: the envelope by its own row (a grant in
 date, not charged), then each letter in it as the lone `msg.send` it stands for
@@ -35,12 +39,12 @@ from enum import StrEnum
 from psymesh.protocol.addresses import AddrsPush
 from psymesh.protocol.common import Ping
 from psymesh.protocol.dialback import DialBack
-from psymesh.protocol.mailbox import MailAck, MailDeposit, MailFetch, MailKeyPush
+from psymesh.protocol.mailbox import MailAck, MailDeposit, MailFetch, MailKeyPush, MailLeaveReceipt, MailTakeReceipts
 from psymesh.protocol.errors import ErrorCode, PsymeshError
 from psymesh.protocol.manifest import ManifestPush, ManifestRevoke, Operation
 from psymesh.protocol.messages import Message
-from psymesh.protocol.messaging import MsgSend, MsgSendMany
-from psymesh.protocol.web import WebFetch, WebKeyPush, WebRelay, WebSealed, WebSearch
+from psymesh.protocol.messaging import MsgAck, MsgMissing, MsgSend, MsgSendMany
+from psymesh.protocol.web import WebFetch, WebKeyGet, WebKeyOf, WebKeyPush, WebRelay, WebSealed, WebSearch
 from psymesh.protocol.tasks import (
     TaskAck,
     TaskAcks,
@@ -59,6 +63,7 @@ class Need(StrEnum):
     CAPABILITY = "capability"
     GRANT = "grant"
     ISSUER = "issuer"
+    PAIRED = "paired"
 
 
 @dataclass(frozen=True)
@@ -85,16 +90,22 @@ REQUESTS: Mapping[type[Message], Rule] = {
     ManifestRevoke: Rule("manifest", Need.ISSUER, charged=False),
     MsgSend: Rule("msg", Need.CAPABILITY),
     MsgSendMany: Rule("msg", Need.GRANT, charged=False),  # each letter: admitted as its MsgSend
+    MsgAck: Rule("msg", Need.ISSUER, charged=False),
+    MsgMissing: Rule("msg", Need.PAIRED, charged=False),
     MailKeyPush: Rule("mail", Need.ISSUER, charged=False),
     MailDeposit: Rule("mail", Need.CAPABILITY, holds_mail=True),
     MailFetch: Rule("mail", Need.GRANT),
     MailAck: Rule("mail", Need.GRANT, charged=False),
+    MailLeaveReceipt: Rule("mail", Need.ISSUER, charged=False, holds_mail=True),
+    MailTakeReceipts: Rule("mail", Need.GRANT),
     AddrsPush: Rule("addrs", Need.ISSUER, charged=False),
     WebSearch: Rule("web", Need.CAPABILITY),
     WebFetch: Rule("web", Need.CAPABILITY),
     WebRelay: Rule("web", Need.CAPABILITY),
     WebSealed: Rule("web", Need.GRANT, charged=False),  # what it holds: admitted as its WebSearch/WebFetch
     WebKeyPush: Rule("web", Need.ISSUER, charged=False),
+    WebKeyOf: Rule("web", Need.CAPABILITY, charged=False),   # web.relay: part of the query it precedes
+    WebKeyGet: Rule("web", Need.GRANT, charged=False),
 }
 
 
@@ -111,7 +122,7 @@ def operation_for(request: Message) -> Operation | None:
         return task_operation(request.spec)
     if isinstance(request, MsgSend):
         return request.letter.operation()
-    if isinstance(request, (MailDeposit, WebSearch, WebFetch, WebRelay)):
+    if isinstance(request, (MailDeposit, WebSearch, WebFetch, WebRelay, WebKeyOf)):
         return request.operation()
     return None
 

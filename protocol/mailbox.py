@@ -12,13 +12,18 @@ letter, checks it and admits it through its own door as if the sender had delive
     mail.deposit {recipient, ref, sealed} -> mail.receipt {ref}         once held durably
     mail.fetch   {after, wait_s}          -> mail.item* ..., session.end after wait_s
     mail.ack     {upto}                   -> mail.acked {upto, held}    held rows up to `upto` deleted
+    mail.leave_receipt {receipt}          -> mail.receipt_left {}       the owner's signed receipt, held
+                                                                        for a sender it cannot reach
+    mail.take_receipts {recipient}        -> mail.receipts_taken {receipts}   a sender takes what
+                                                                        `recipient` left for it here
 
 Sealing is HPKE (RFC 9180), base mode, single shot, with DHKEM(X25519, HKDF-SHA256),
 HKDF-SHA256 and ChaCha20-Poly1305, as `cryptography` implements it: a published
 construction with test vectors, rather than one of our own. `info` binds the recipient,
 the sender and the letter's `ref`, so a sealed letter cannot be passed off as another's.
-The mailbox sees who deposited, for whom, how many bytes and when; not the letter, not
-its id (`ref` is a hash of the letter's signature: stable across re-deposits of the same
+The letter is padded to the web path's size buckets first (1 KiB, 4 KiB, ... 2 MiB), so
+the mailbox sees who deposited, for whom, which bucket and when; not the letter, not
+its length, not its id (`ref` is a hash of the letter's signature: stable across re-deposits of the same
 letter, meaningless without it).
 """
 from __future__ import annotations
@@ -37,11 +42,13 @@ from psymesh.protocol.identity import PeerId
 from psymesh.protocol.manifest import Operation
 from psymesh.protocol.signing import Signed
 from psymesh.protocol.messages import Message
-from psymesh.protocol.messaging import Letter
+from psymesh.protocol.messaging import Letter, Receipt
+from psymesh.protocol.oblivious import is_bucket, pad, unpad
 
-_SEAL_CONTEXT = b"psymesh/mail/v1\x00"
+_SEAL_CONTEXT = b"psymesh/mail/v2\x00"
+_PAD_HEAD = b"\x01"             # the padded plaintext's version
 _SUITE = Suite(KEM.X25519, KDF.HKDF_SHA256, AEAD.CHACHA20_POLY1305)
-SEAL_OVERHEAD = 32 + 16          # the encapsulated key, then the AEAD tag
+SEAL_OVERHEAD = 32 + 16          # the encapsulated key, then the AEAD tag (sealed = bucket + this)
 REF_BYTES = 16
 MAX_WAIT_S = 600.0               # the longest a mailbox holds one fetch open
 VIA_MAILBOX = "mailbox"          # how the audit log names a letter admitted from a mailbox
@@ -55,6 +62,10 @@ class MailSettings(BaseModel):
 
     # sender: how long a recipient must stay unreachable before its letters go to its mailbox
     grace_s: float = Field(default=5.0, ge=0.0, le=86_400.0)
+    # owner: a new mail key this often (the old secret is kept `keep_s` more, then deleted)
+    key_rotate_s: float = Field(default=7 * 86_400.0, ge=1.0, le=365 * 86_400.0)
+    # recipient: how long a thread may wait behind a gap before its sender is asked for what is missing
+    gap_s: float = Field(default=600.0, ge=1.0, le=30 * 86_400.0)
     # mailbox: how long mail waits for a recipient that does not fetch it, then it is dropped
     keep_s: float = Field(default=7 * 86_400.0, ge=60.0, le=365 * 86_400.0)
     # mailbox: what one sender may have held here at once (for all recipients together)
@@ -102,10 +113,13 @@ def seal_info(recipient: str, sender: str, ref: bytes) -> bytes:
 
 
 def seal(letter: Letter, key: MailKey) -> bytes:
-    """The signed letter (msgpack of all its fields) sealed to `key`: enc (32 bytes) || ciphertext."""
+    """The signed letter (msgpack of all its fields) padded as a sealed web body is
+    (protocol/oblivious.py `pad`: 0x01 || length || letter || zeros to a bucket) and sealed
+    to `key`: enc (32 bytes) || ciphertext, so its size tells the mailbox only the bucket.
+    TOO_LARGE for a letter over the largest bucket (it can only go directly)."""
     if key.owner != letter.recipient:
         raise ValueError("a letter is sealed to its recipient's key")
-    plaintext = msgpack.packb(letter.model_dump(mode="python"), use_bin_type=True)
+    plaintext = pad(_PAD_HEAD, msgpack.packb(letter.model_dump(mode="python"), use_bin_type=True))
     info = seal_info(letter.recipient, letter.sender, mail_ref(letter))
     return _SUITE.encrypt(plaintext, X25519PublicKey.from_public_bytes(key.public), info=info)
 
@@ -114,12 +128,14 @@ def unseal(sealed: bytes, secret: X25519PrivateKey, *, recipient: str, sender: s
     """Open a letter sealed to us and check it: it opens with our key under this recipient,
     sender and ref (FORBIDDEN if not), decodes (BAD_REQUEST), and is the letter the ref
     names, from that sender, to us, signed by the sender (FORBIDDEN)."""
+    if not is_bucket(len(sealed) - SEAL_OVERHEAD):
+        raise PsymeshError("a sealed letter is not one of the padding buckets", code=ErrorCode.BAD_FRAME)
     try:
         plaintext = _SUITE.decrypt(sealed, secret, info=seal_info(recipient, sender, ref))
     except (InvalidTag, ValueError):
         raise PsymeshError("the sealed letter does not open with this node's mail key", code=ErrorCode.FORBIDDEN) from None
     try:
-        letter = Letter.model_validate(msgpack.unpackb(plaintext, raw=False))
+        letter = Letter.model_validate(msgpack.unpackb(unpad(plaintext, len(_PAD_HEAD))[1], raw=False))
     except (ValueError, ValidationError, msgpack.UnpackException):
         raise PsymeshError("the sealed letter does not decode", code=ErrorCode.BAD_REQUEST) from None
     if (letter.sender != sender or letter.recipient != recipient or mail_ref(letter) != ref
@@ -193,3 +209,31 @@ class MailAcked(Message):
     type = "mail.acked"
     upto: int
     held: int    # items still held for the caller
+
+
+MAX_RECEIPTS = 64            # receipts handed over in one mail.receipts_taken
+
+
+class MailLeaveReceipt(Message):
+    """The owner -> its own mailbox: hold this signed receipt for its sender (the letters'
+    sender could not be reached: two phones are seldom awake at once), as mail is held."""
+
+    type = "mail.leave_receipt"
+    receipt: Receipt
+
+
+class MailReceiptLeft(Message):
+    type = "mail.receipt_left"
+
+
+class MailTakeReceipts(Message):
+    """A sender -> `recipient`'s mailbox: the receipts `recipient` left here for me (each
+    handed over once, then deleted)."""
+
+    type = "mail.take_receipts"
+    recipient: PeerId
+
+
+class MailReceiptsTaken(Message):
+    type = "mail.receipts_taken"
+    receipts: list[Receipt] = Field(default_factory=list, max_length=MAX_RECEIPTS)

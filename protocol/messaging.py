@@ -24,14 +24,25 @@ On the session (`/psymesh/session/1.0.0`):
                            the code a lone `msg.send` of that letter would have got, so one bad
                            letter refuses only itself
 
-The sender keeps each letter in its outbox until a receipt comes back, resending with
-backoff while the recipient is away. A letter the recipient refuses for good (its grant
+    msg.ack {receipt}   -> msg.ack_ok {}          the recipient's signed receipt for letters
+                                                   that reached it another way (its mailbox)
+    msg.missing {thread, tseqs: 1..256}
+                        -> msg.missing_ok {resending}
+                           the recipient has held a gap in `thread` too long: send these again
+
+A receipt (`msg.receipt`, `msg.receipts`, `msg.ack`) carries `proof`: a `Receipt` the
+recipient signed over the ids it stored, so the sender holds the recipient's word, not a
+go-between's. The sender keeps each letter in its outbox until such a receipt comes back,
+resending with backoff while the recipient is away; a letter left at the recipient's
+mailbox is kept too, and sent again directly once the recipient can be reached, so a
+mailbox that withholds a letter delays its thread but cannot cut it. A letter the recipient refuses for good (its grant
 changed, the letter is too large) is replaced on the wire by a *withdrawn* stub with the
 same id and tseq (no text, no body), so the letters after it in its thread are not held
 for ever; the sender's app sees the refusal.
 """
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable
 from enum import StrEnum
 from typing import Annotated, ClassVar, Self
@@ -39,7 +50,7 @@ from typing import Annotated, ClassVar, Self
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from psymesh.protocol.errors import ErrorCode, PsymeshError
-from psymesh.protocol.identity import public_key_from_peer_id
+from psymesh.protocol.identity import PeerId, public_key_from_peer_id
 from psymesh.protocol.manifest import Operation
 from psymesh.protocol.messages import Message
 from psymesh.protocol.signing import Signed, canonical_encode
@@ -113,6 +124,35 @@ def check_letter(letter: Letter, *, sender: str, local_peer_id: str) -> None:
         raise PsymeshError("the letter's signature does not verify", code=ErrorCode.FORBIDDEN)
 
 
+MAX_BATCH = 256
+
+
+class Receipt(Signed, BaseModel):
+    """The recipient's signed word that it holds these letters of `sender`'s durably.
+
+    signature = Ed25519 by the recipient over b"psymesh/receipt/v1\\x00" ||
+                canonical_encode({at, ids, recipient, sender})   (protocol/signing.py)"""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", ser_json_bytes="base64", val_json_bytes="base64")
+    signing_context: ClassVar[bytes] = b"psymesh/receipt/v1\x00"
+    signer_field: ClassVar[str] = "recipient"
+    signer_role: ClassVar[str] = "recipient"
+
+    recipient: PeerId
+    sender: PeerId
+    ids: list[LetterId] = Field(min_length=1, max_length=MAX_BATCH)
+    at: int = Field(ge=0, lt=2**63)   # Unix ms, the recipient's clock
+    signature: bytes = Field(default=b"", max_length=64)
+
+
+def check_receipt(receipt: Receipt, *, recipient: str, local_peer_id: str) -> None:
+    """What a sender checks before it takes a receipt as delivery: signed by the peer the
+    letters went to, about letters from us (FORBIDDEN if not)."""
+    if receipt.recipient != recipient or receipt.sender != local_peer_id or not receipt.signature_valid():
+        raise PsymeshError("a receipt must be signed by the letters' recipient, about our letters",
+                           code=ErrorCode.FORBIDDEN)
+
+
 class MsgSend(Message):
     """Deliver one letter. Reply: `msg.receipt` once the recipient stored it."""
 
@@ -130,9 +170,7 @@ class MsgReceipt(Message):
     durable = True  # `stored`: on disk before this is sent
     id: LetterId
     status: ReceiptStatus = ReceiptStatus.STORED
-
-
-MAX_BATCH = 256
+    proof: Receipt | None = None   # signed by the recipient over [id]
 
 
 class MsgSendMany(Message):
@@ -165,6 +203,34 @@ class MsgReceipts(Message):
     type = "msg.receipts"
     durable = True
     results: list[LetterResult] = Field(max_length=MAX_BATCH)
+    proof: Receipt | None = None   # signed by the recipient over the ids stored, in order
+
+
+class MsgAck(Message):
+    """Recipient -> sender: letters that reached the recipient another way (its mailbox)
+    are stored. Admitted by the issuer rule: `receipt` is the requester's own, signed,
+    about letters from us."""
+
+    type = "msg.ack"
+    receipt: Receipt
+
+
+class MsgAckOk(Message):
+    type = "msg.ack_ok"
+
+
+class MsgMissing(Message):
+    """Recipient -> sender: these tseqs of `thread` (the sender's thread to the requester)
+    have not arrived while later ones wait: send them again (or their withdrawn stubs)."""
+
+    type = "msg.missing"
+    thread: Thread
+    tseqs: list[Annotated[int, Field(ge=1, lt=2**63)]] = Field(min_length=1, max_length=MAX_BATCH)
+
+
+class MsgMissingOk(Message):
+    type = "msg.missing_ok"
+    resending: int   # how many of them the sender holds and will send again
 
 
 class InboxSettings(BaseModel):
@@ -197,4 +263,14 @@ def releasable(held: Iterable[int], released_upto: int) -> list[int]:
         out.append(tseq)
         nxt += 1
     return out
+
+
+def missing(held: Iterable[int], released_upto: int, limit: int = MAX_BATCH) -> list[int]:
+    """The tseqs one (sender, thread) lacks: those after `released_upto` and before the
+    highest held that are not held, lowest first, at most `limit`."""
+    have = set(held)
+    if not have:
+        return []
+    gaps = (t for t in range(released_upto + 1, max(have)) if t not in have)
+    return list(itertools.islice(gaps, limit))
 

@@ -56,7 +56,7 @@ from __future__ import annotations
 import heapq
 import os
 import struct
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -138,6 +138,19 @@ def verify_exit_key(key: ExitKey, *, exit: str, now: float) -> None:
         raise PsymeshError(f"the exit key {key.key_id} expired at {key.not_after}", code=ErrorCode.EXPIRED)
 
 
+def consistent_key(ours: ExitKey, relays: ExitKey, *, exit: str, now: float) -> ExitKey:
+    """The key to seal to: the relay's view of the exit's key (checked: the exit's own,
+    signed, in date), which the relay shows every asker alike. CONFLICT if the exit handed
+    us a different public key under the same `key_id`: it keeps a key per asker, and
+    sealing to either would let it tell us apart."""
+    verify_exit_key(relays, exit=exit, now=now)
+    if ours.key_id == relays.key_id and ours.public_key != relays.public_key:
+        raise PsymeshError(f"exit {exit} handed this node a key other than the one its relay sees under key id"
+                           f" {ours.key_id}: it may be telling askers apart; not sealing to it",
+                           code=ErrorCode.CONFLICT)
+    return relays
+
+
 @dataclass(frozen=True, eq=False)
 class ExitSecret:
     """The exit's private X25519 key for one `key_id`. `to_bytes` is for the node's 0600
@@ -177,31 +190,38 @@ class ExitSecret:
 # ---------------------------------------------------------------------------- padding
 
 
-def _padded(head: bytes, body: bytes) -> bytes:
-    """head || len(body) || body || zeros, to the smallest bucket that holds it all."""
+def pad(head: bytes, body: bytes) -> bytes:
+    """head || len(body) (4 bytes, big-endian) || body || zeros, to the smallest bucket
+    that holds it all (also how sealed mail is padded, protocol/mailbox.py)."""
     size = len(head) + _LEN.size + len(body)
     bucket = next((b for b in BUCKETS if size <= b), None)
     if bucket is None:
         limit = BUCKETS[-1] - len(head) - _LEN.size
-        raise PsymeshError(f"a sealed web body is at most {limit} bytes, not {len(body)}", code=ErrorCode.TOO_LARGE)
+        raise PsymeshError(f"a sealed body is at most {limit} bytes, not {len(body)}", code=ErrorCode.TOO_LARGE)
     return b"".join((head, _LEN.pack(len(body)), body, bytes(bucket - size)))
 
 
-def _unpadded(plaintext: bytes, head_size: int) -> tuple[bytes, bytes]:
-    """(head, body) of a padded plaintext; the caller checked its length is a bucket."""
+def unpad(plaintext: bytes, head_size: int) -> tuple[bytes, bytes]:
+    """(head, body) of a padded plaintext whose head starts with the version byte 1; the
+    caller checked its length is a bucket (`is_bucket`)."""
     if plaintext[0] != _VERSION:
-        raise PsymeshError(f"sealed web frame version {plaintext[0]} is not 1", code=ErrorCode.UNSUPPORTED_VERSION)
+        raise PsymeshError(f"sealed frame version {plaintext[0]} is not 1", code=ErrorCode.UNSUPPORTED_VERSION)
     (length,) = _LEN.unpack_from(plaintext, head_size)
     start = head_size + _LEN.size
     end = start + length
     if end > len(plaintext) or plaintext.count(0, end) != len(plaintext) - end:
-        raise PsymeshError("a sealed web frame's length overruns it, or its padding is not zero",
+        raise PsymeshError("a sealed frame's length overruns it, or its padding is not zero",
                            code=ErrorCode.BAD_FRAME)
     return plaintext[:head_size], plaintext[start:end]
 
 
+def is_bucket(size: int) -> bool:
+    """Whether `size` bytes of plaintext is one of the padding buckets."""
+    return size in _BUCKET_SET
+
+
 def _check_sealed_size(ciphertext_len: int, what: str) -> None:
-    if ciphertext_len - _NT not in _BUCKET_SET:
+    if not is_bucket(ciphertext_len - _NT):
         raise PsymeshError(f"a sealed web {what} is not one of the padding buckets", code=ErrorCode.BAD_FRAME)
 
 
@@ -241,7 +261,7 @@ class PendingResponse:
         except InvalidTag:
             raise PsymeshError("the sealed web reply does not open: it is not the exit's answer to this"
                                " request, or it was altered on the way", code=ErrorCode.FORBIDDEN) from None
-        return _unpadded(plaintext, _RESPONSE_HEAD.size)[1]
+        return unpad(plaintext, _RESPONSE_HEAD.size)[1]
 
 
 class ResponseSealer:
@@ -255,7 +275,7 @@ class ResponseSealer:
 
     def seal(self, body: bytes) -> bytes:
         """response_nonce || ct; TOO_LARGE if `body` is over MAX_RESPONSE_BODY."""
-        plaintext = _padded(_RESPONSE_HEAD.pack(_VERSION), body)
+        plaintext = pad(_RESPONSE_HEAD.pack(_VERSION), body)
         response_nonce = os.urandom(_RESPONSE_SECRET_LEN)
         key, nonce = _response_key_nonce(self._secret, self._enc, response_nonce, nk=_NK, nn=_NN)
         return response_nonce + ChaCha20Poly1305(key).encrypt(nonce, plaintext, b"")
@@ -272,7 +292,7 @@ def seal_request(key: ExitKey, body: bytes, *, now: float) -> tuple[bytes, Pendi
     """Seal `body` to `key` (verify it first with `verify_exit_key`): the bytes for
     `web.relay.sealed`, and what opens the answer. TOO_LARGE over MAX_REQUEST_BODY."""
     _check_suite(key)
-    plaintext = _padded(_REQUEST_HEAD.pack(_VERSION, round(now * 1000)), body)
+    plaintext = pad(_REQUEST_HEAD.pack(_VERSION, round(now * 1000)), body)
     hdr = _HDR.pack(key.key_id, key.kem_id, key.kdf_id, key.aead_id)
     try:
         enc, context = _SUITE.create_sender_context(_SUITE.kem.deserialize_public_key(key.public_key),
@@ -281,6 +301,28 @@ def seal_request(key: ExitKey, body: bytes, *, now: float) -> tuple[bytes, Pendi
         raise PsymeshError("the exit key is not a usable X25519 public key", code=ErrorCode.BAD_REQUEST) from None
     sealed = hdr + enc + context.seal(plaintext)
     return sealed, PendingResponse(enc, context.export(RESPONSE_LABEL, _RESPONSE_SECRET_LEN))
+
+
+@dataclass(frozen=True, eq=False)
+class Opened:
+    """A sealed request the exit could decrypt, not yet judged fresh: its body, when the
+    phone says it sent it, its `enc` (the replay guard's name for it), and the sealer for
+    the answer. Once a request is opened every refusal goes back sealed with `sealer`,
+    so the relay cannot tell an expired or replayed request from an answer."""
+
+    body: bytes
+    sent_at: float
+    enc: bytes
+    sealer: ResponseSealer = field(repr=False)
+
+
+@dataclass(frozen=True)
+class Remembered:
+    """One enc the replay guard holds, until `forget_at` (sent_at + window): what an exit
+    keeps on disk so that a restart does not forget the window."""
+
+    enc: bytes
+    forget_at: float
 
 
 class Gateway:
@@ -293,17 +335,28 @@ class Gateway:
     rather than an old enc being forgotten early: forgetting it would let a relay replay
     that request inside its window, running it twice and watching what the exit does.
     At the default cap that is about 20 MB, reached only at ~1,700 requests a second.
-    Rotate keys with `set_secrets` on the same Gateway: a new one would forget the window."""
+    Rotate keys with `set_secrets` on the same Gateway: a new one would forget the window,
+    unless it is given what the old one remembered (`remembered=`, as the exit restores it
+    from disk after a restart)."""
 
     def __init__(self, secrets: Mapping[int, ExitSecret], *, window_s: float = 60.0,
-                 max_remembered: int = 100_000) -> None:
+                 max_remembered: int = 100_000, remembered: Iterable[Remembered] = ()) -> None:
         if window_s <= 0 or max_remembered < 1:
             raise ValueError("a gateway needs a positive window and room to remember")
         self._window_s = window_s
         self._max_remembered = max_remembered
         self._seen: set[bytes] = set()
         self._forget_at: list[tuple[float, bytes]] = []    # heap: (sent_at + window_s, enc)
+        for item in remembered:
+            if item.enc not in self._seen:
+                self._seen.add(item.enc)
+                self._forget_at.append((item.forget_at, item.enc))
+        heapq.heapify(self._forget_at)
         self.set_secrets(secrets)
+
+    @property
+    def window_s(self) -> float:
+        return self._window_s
 
     def set_secrets(self, secrets: Mapping[int, ExitSecret]) -> None:
         """Replace the keys requests may be sealed to (say, the current and the next)."""
@@ -318,10 +371,15 @@ class Gateway:
         return len(self._seen)
 
     def open(self, sealed: bytes, *, now: float) -> tuple[bytes, ResponseSealer]:
-        """The request body, and the sealer for its answer. Refuses: malformed or
-        undecryptable (BAD_FRAME), unknown key id or suite (BAD_REQUEST), sent_at out of
-        the window (EXPIRED), a replay (CONFLICT), a full replay memory (BUSY)."""
-        self._forget(now)
+        """`decrypt` then `admit`: the request body, and the sealer for its answer."""
+        opened = self.decrypt(sealed)
+        self.admit(opened, now=now)
+        return opened.body, opened.sealer
+
+    def decrypt(self, sealed: bytes) -> Opened:
+        """Open a sealed request (not yet judged fresh: `admit` does). Refuses, unsealed
+        (there is no one to seal to yet): malformed or undecryptable (BAD_FRAME), unknown
+        key id or suite (BAD_REQUEST), a version other than 1 (UNSUPPORTED_VERSION)."""
         if len(sealed) < _HDR.size + _NENC:
             raise PsymeshError("a sealed web request is shorter than its header", code=ErrorCode.BAD_FRAME)
         key_id, kem_id, kdf_id, aead_id = _HDR.unpack_from(sealed)
@@ -340,19 +398,27 @@ class Gateway:
         except (PyHPKEError, ValueError):
             raise PsymeshError("the sealed web request does not open with this exit's key",
                                code=ErrorCode.BAD_FRAME) from None
-        head, body = _unpadded(plaintext, _REQUEST_HEAD.size)
+        head, body = unpad(plaintext, _REQUEST_HEAD.size)
         sent_at = _REQUEST_HEAD.unpack(head)[1] / 1000
-        if abs(now - sent_at) > self._window_s:
+        return Opened(body, sent_at, enc, ResponseSealer(enc, context.export(RESPONSE_LABEL, _RESPONSE_SECRET_LEN)))
+
+    def admit(self, opened: Opened, *, now: float) -> Remembered:
+        """Judge an opened request fresh and remember it; what is now remembered (for the
+        exit to keep on disk). Refuses (seal these with `opened.sealer`): sent_at out of
+        the window (EXPIRED), a replay (CONFLICT), a full replay memory (BUSY)."""
+        self._forget(now)
+        if abs(now - opened.sent_at) > self._window_s:
             raise PsymeshError("stale or future-dated request", code=ErrorCode.EXPIRED,
-                               details={"sent_at": sent_at, "window_s": self._window_s})
-        if enc in self._seen:
+                               details={"window_s": self._window_s})
+        if opened.enc in self._seen:
             raise PsymeshError("replayed request", code=ErrorCode.CONFLICT)
         if len(self._seen) >= self._max_remembered:
             raise PsymeshError("too many recent requests to guard against replay; retry shortly",
                                code=ErrorCode.BUSY, retry_after=max(0.0, self._forget_at[0][0] - now))
-        self._seen.add(enc)
-        heapq.heappush(self._forget_at, (sent_at + self._window_s, enc))
-        return body, ResponseSealer(enc, context.export(RESPONSE_LABEL, _RESPONSE_SECRET_LEN))
+        self._seen.add(opened.enc)
+        item = Remembered(opened.enc, opened.sent_at + self._window_s)
+        heapq.heappush(self._forget_at, (item.forget_at, item.enc))
+        return item
 
     def _forget(self, now: float) -> None:
         """Drop encs whose requests the timestamp check now refuses on its own."""

@@ -1,7 +1,8 @@
 """One way to sign: a context string, then the canonical msgpack of the signed fields.
 
-Every signed object on the wire (a grant, a revocation notice, a mail key, a letter, an
-exit key, an address record) is signed the same way, by the peer one of its fields names:
+Every signed object on the wire (a grant, a revocation notice, a mail key, a letter, a
+receipt, an exit key, an address record) is signed the same way, by the peer one of its
+fields names:
 
     signature = Ed25519(signer's identity key, context || canonical_encode(fields))
 

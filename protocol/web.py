@@ -13,8 +13,16 @@ Two hops (Oblivious HTTP, RFC 9458, is the model): the phone seals the same requ
 exit's HPKE key (`protocol/oblivious.py`) and hands it to a *relay* peer:
 
     web.key    {key}                   -> web.key_ok                      exit -> each paired peer
+    web.key_of {exit}                  -> web.key_view {key}             phone -> relay
+    web.key_get {}                     -> web.key_view {key}             relay -> exit
     web.relay  {exit, sealed}          -> web.sealed_reply {sealed}      phone -> relay
     web.sealed {sealed}                -> web.sealed_reply {sealed}      relay -> exit
+
+One key for everyone: an exit that handed each phone its own key would know, by the key a
+sealed query opens with, which phone asked. So the phone seals only to the relay's view of
+the exit's key (`web.key_of`: the relay fetched it from the exit itself, `web.key_get`, and
+shows every asker the same one), refuses to seal at all when the exit handed it a different
+key under the same `key_id`, and the relay refuses a sealed query under any other `key_id`.
 
 The relay sees the phone, the exit, bucketed sizes and timing; never the query. The exit
 sees the relay and the query; never the phone. The exit admits the opened request by the
@@ -147,3 +155,24 @@ class WebKeyPush(Message):
 
 class WebKeyOk(Message):
     type = "web.key_ok"
+
+
+class WebKeyOf(Message):
+    """Phone -> relay: your view of `exit`'s key (the one you forward sealed queries under)."""
+
+    type = "web.key_of"
+    exit: PeerId
+
+    def operation(self) -> Operation:
+        return Operation(name="web.relay")
+
+
+class WebKeyGet(Message):
+    """Relay -> exit: your current key, as you would show it to anyone."""
+
+    type = "web.key_get"
+
+
+class WebKeyView(Message):
+    type = "web.key_view"
+    key: ExitKey

@@ -23,10 +23,27 @@ from psymesh.protocol.admission import REQUESTS, Need
 from psymesh.protocol.common import Error, Ping
 from psymesh.protocol.dialback import DialBack
 from psymesh.protocol.errors import NetworkError
-from psymesh.protocol.mailbox import MailAck, MailDeposit, MailFetch, MailKey, MailKeyPush
+from psymesh.protocol.mailbox import (
+    MailAck,
+    MailDeposit,
+    MailFetch,
+    MailKey,
+    MailKeyPush,
+    MailLeaveReceipt,
+    MailTakeReceipts,
+)
 from psymesh.protocol.manifest import ManifestPush, ManifestRevoke, revocation
 from psymesh.protocol.messages import Message
-from psymesh.protocol.messaging import Letter, MsgReceipts, MsgSend, MsgSendMany, ReceiptStatus
+from psymesh.protocol.messaging import (
+    Letter,
+    MsgAck,
+    MsgMissing,
+    MsgReceipts,
+    MsgSend,
+    MsgSendMany,
+    Receipt,
+    ReceiptStatus,
+)
 from psymesh.protocol.tasks import (
     EventKind,
     TaskAck,
@@ -41,7 +58,7 @@ from psymesh.protocol.tasks import (
 )
 
 from psymesh.protocol.oblivious import ExitSecret
-from psymesh.protocol.web import WebFetch, WebKeyPush, WebRelay, WebSealed, WebSearch
+from psymesh.protocol.web import WebFetch, WebKeyGet, WebKeyOf, WebKeyPush, WebRelay, WebSealed, WebSearch
 
 pytestmark = pytest.mark.anyio
 OK = "ok"  # allowed: the service answered (whatever it said)
@@ -71,6 +88,10 @@ def requests_from(peer: Node, home: Node, n: int) -> dict[type[Message], Message
         MsgSendMany: MsgSendMany(letters=[
             Letter(id=f"door-many-{n}", sender=peer.identity.peer_id, recipient=home.identity.peer_id,
                    thread="many", tseq=n, text="hello", at=int(time.time() * 1000)).sign(peer.identity.private_key)]),
+        # the peer's signed receipt for letters of home's; its ask for letters of home's again
+        MsgAck: MsgAck(receipt=Receipt(recipient=peer.identity.peer_id, sender=home.identity.peer_id,
+                                       ids=[f"door-{n}"], at=int(time.time() * 1000)).sign(peer.identity.private_key)),
+        MsgMissing: MsgMissing(thread="main", tseqs=[1]),
         # the peer names home its mailbox (before it deposits for itself there, and fetches)
         MailKeyPush: MailKeyPush(key=MailKey(owner=peer.identity.peer_id, mailbox=home.identity.peer_id, serial=n,
                                              public=X25519PrivateKey.generate().public_key().public_bytes_raw())
@@ -78,6 +99,10 @@ def requests_from(peer: Node, home: Node, n: int) -> dict[type[Message], Message
         MailDeposit: MailDeposit(recipient=peer.identity.peer_id, ref=bytes(16), sealed=bytes(64)),
         MailFetch: MailFetch(),
         MailAck: MailAck(upto=0),
+        # (after its mail.key named home) the peer's receipt for a sender it cannot reach; taking its own
+        MailLeaveReceipt: MailLeaveReceipt(receipt=Receipt(recipient=peer.identity.peer_id, sender=STRANGER_ID,
+                                                           ids=[f"door-{n}"], at=1).sign(peer.identity.private_key)),
+        MailTakeReceipts: MailTakeReceipts(recipient=STRANGER_ID),
         AddrsPush: AddrsPush(record=AddrRecord(peer_id=peer.identity.peer_id, seq=n,
                                                addrs=(f"/ip4/127.0.0.1/tcp/1/p2p/{peer.identity.peer_id}",))
                              .sign(peer.identity.private_key)),
@@ -86,6 +111,8 @@ def requests_from(peer: Node, home: Node, n: int) -> dict[type[Message], Message
         WebFetch: WebFetch(url="http://127.0.0.1:1/door"),
         WebSealed: WebSealed(sealed=bytes(64)),
         WebRelay: WebRelay(exit=STRANGER_ID, sealed=bytes(64)),   # an exit home is not paired with
+        WebKeyOf: WebKeyOf(exit=STRANGER_ID),    # home's view of an exit it is not paired with: not_found
+        WebKeyGet: WebKeyGet(),                  # home is no exit: unavailable
         WebKeyPush: WebKeyPush(key=ExitSecret.generate(1).public(peer.identity.private_key, peer.identity.peer_id,
                                                                   now=time.time(), ttl_s=3600)),
     }
@@ -94,13 +121,14 @@ def requests_from(peer: Node, home: Node, n: int) -> dict[type[Message], Message
 STRANGER_ID = "12D3KooWRpx9AHSGygNZvwDQB6XaVnnA3CXTGFgmHNYLwQbaGAGy"  # nobody's: no node here has this key
 
 
-# What each standing is answered, per rule ("capability", "grant", "issuer"): an error code,
-# or OK when the door let it through. Issuer-signed messages need only a pairing.
+# What each standing is answered, per rule ("capability", "grant", "issuer", "paired"): an error
+# code, or OK when the door let it through. Issuer-signed and "paired" messages need only a pairing.
 EXPECTED = {
-    "nocap": {"capability": "forbidden", "grant": OK, "issuer": OK},
-    "expired": {"capability": "expired", "grant": "expired", "issuer": OK},
-    "revoked": {"capability": "unknown_peer", "grant": "unknown_peer", "issuer": "unknown_peer"},
-    "allowed": {"capability": OK, "grant": OK, "issuer": OK},
+    "nocap": {"capability": "forbidden", "grant": OK, "issuer": OK, "paired": OK},
+    "expired": {"capability": "expired", "grant": "expired", "issuer": OK, "paired": OK},
+    "revoked": {"capability": "unknown_peer", "grant": "unknown_peer", "issuer": "unknown_peer",
+                "paired": "unknown_peer"},
+    "allowed": {"capability": OK, "grant": OK, "issuer": OK, "paired": OK},
 }
 
 

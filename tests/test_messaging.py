@@ -158,6 +158,29 @@ async def test_one_bad_letter_in_a_batch_refuses_only_itself(tmp_path: Path) -> 
         assert [(x.tseq, x.withdrawn) for x in stubs] == [(1, False), (2, True), (3, True), (4, False)]
 
 
+def test_a_deposited_letter_refused_for_good_when_offered_directly_ends_refused(tmp_path: Path) -> None:
+    """A letter its recipient's mailbox withheld until the recipient gave its place up
+    (`expired`) is refused, its stub goes, and the courier has nothing left to send
+    (it was once left deposited and offered again at once, for ever)."""
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+    from psymesh.protocol.identity import peer_id_from_public_key
+
+    store = MessageStore(open_db(tmp_path / "db"))
+    key = Ed25519PrivateKey.generate()
+    me = peer_id_from_public_key(key.public_key().public_bytes_raw())
+    them = peer_id_from_public_key(Ed25519PrivateKey.generate().public_key().public_bytes_raw())
+    sent = store.write(lambda tseq: Letter(id="l1", sender=me, recipient=them, tseq=tseq, text="hi",
+                                           at=int(time.time() * 1000)).sign(key), them, "main")
+    store.deposited(sent.id)
+    assert [s.state for s in store.pending(them)] == [OutState.DEPOSITED]
+    store.settle(refused=[(sent.id, ErrorCode.EXPIRED.value, "place 1 was given up")])
+    held = store.sent(sent.id)
+    assert held is not None and held.state is OutState.REFUSED and held.code == ErrorCode.EXPIRED.value
+    assert [s.stub_sent for s in store.pending(them)] == [False]  # its stub is due
+    store.settle(stubs_done=[sent.id])
+    assert store.pending(them) == [] and store.recipients_pending() == []
+
+
 def test_the_inbox_holds_a_letter_until_its_predecessor_arrives(tmp_path: Path) -> None:
     store = MessageStore(open_db(tmp_path / "db"))
     from psymesh.protocol.identity import peer_id_from_public_key

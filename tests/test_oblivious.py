@@ -20,6 +20,7 @@ from pyhpke import AEADId, CipherSuite, KDFId, KEMId, KEMKeyPair
 from psymesh.protocol.errors import ErrorCode, PsymeshError
 from psymesh.protocol.identity import peer_id_from_public_key
 from psymesh.protocol.oblivious import (
+    consistent_key,
     AEAD_ID,
     BUCKETS,
     KDF_ID,
@@ -327,3 +328,24 @@ def test_rfc9458_appendix_a_example() -> None:
     assert nonce == hx("f6bf1aeb88d6df87007fa263")
     assert response_nonce + AESGCM(key).encrypt(nonce, hx("0140c8"), b"") == enc_response
     assert REQUEST_LABEL != b"message/bhttp request"    # ours is domain-separated from HTTP's
+
+
+def test_the_phone_seals_to_the_relays_view_and_refuses_an_exit_that_keeps_a_key_per_asker() -> None:
+    identity = Ed25519PrivateKey.generate()
+    exit_id = peer_id_from_public_key(identity.public_key().public_bytes_raw())
+    view = ExitSecret.generate(3).public(identity, exit_id, now=T0, ttl_s=3600)
+    assert consistent_key(view, view, exit=exit_id, now=T0) == view
+    mine_alone = ExitSecret.generate(3).public(identity, exit_id, now=T0, ttl_s=3600)   # same id, other key
+    with pytest.raises(PsymeshError) as refused:
+        consistent_key(mine_alone, view, exit=exit_id, now=T0)
+    assert refused.value.code is ErrorCode.CONFLICT
+    other_id = ExitSecret.generate(4).public(identity, exit_id, now=T0, ttl_s=3600)    # a rotation, or a tag
+    assert consistent_key(other_id, view, exit=exit_id, now=T0) == view
+    # the view itself is checked: the exit's own, signed, in date
+    with pytest.raises(PsymeshError) as stale:
+        consistent_key(view, view, exit=exit_id, now=T0 + 3601)
+    assert stale.value.code is ErrorCode.EXPIRED
+    forged = view.model_copy(update={"public_key": bytes(32)})
+    with pytest.raises(PsymeshError) as bad:
+        consistent_key(view, forged, exit=exit_id, now=T0)
+    assert bad.value.code is ErrorCode.FORBIDDEN

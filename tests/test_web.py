@@ -14,7 +14,17 @@ from pathlib import Path
 import anyio
 import pytest
 
+import time
+
 from conftest import pair, run_nodes
+from waiting import wait_until
+from psymesh.node.daemon import Node
+from psymesh.node.home import NodeHome
+from psymesh.protocol.common import Error
+from psymesh.protocol.errors import NetworkError
+from psymesh.protocol.messages import pack, unpack
+from psymesh.protocol.oblivious import ExitKey, ExitSecret, seal_request
+from psymesh.protocol.web import WebFetch, WebKeyOk, WebKeyPush, WebPage
 from psymesh.agent.loop import ScriptedModel, run_agent, tool_call_text
 from psymesh.agent.tools import ToolContext
 from psymesh.node import agents
@@ -181,8 +191,9 @@ async def test_two_hops_the_relay_sees_no_plaintext_and_the_exit_no_phone(
     assert web and {r.peer_id for r in web} == {relay_id}
     assert any(QUERY in r.operation for r in web_rows(exit_rows))
     # the relay: it forwarded for the phone, and held no plaintext anywhere
+    # (each query: its web.key_of and its web.relay, both admitted by the web.relay capability)
     relayed = [r for r in relay_rows if r.operation == "web.relay"]
-    assert len(relayed) == 2 and {r.peer_id for r in relayed} == {phone_id}
+    assert len(relayed) == 4 and {r.peer_id for r in relayed} == {phone_id}
     for blob in seen.requests + seen.replies:
         assert QUERY.encode() not in blob and b"/tides" not in blob and b"Kestrel" not in blob
     assert QUERY.encode() not in relay_db and b"Kestrel" not in relay_db
@@ -200,11 +211,135 @@ async def test_a_replayed_sealed_query_is_refused(tmp_path: Path, site: Site) ->
         _watch_relay(nodes["relay"], seen)
         async with Client(nodes["phone"].home.path) as phone:
             await phone.web_fetch(site.url("/tides"), hops=2)
-        with pytest.raises(RemoteError) as replay:  # the relay (or anyone on its path) sends it again
-            await nodes["relay"].sessions.request(nodes["exit"].identity.peer_id,
-                                                  WebSealed(sealed=seen.requests[0]), WebSealedReply)
-    assert replay.value.code is ErrorCode.CONFLICT and "replay" in replay.value.message
+        # the relay (or anyone on its path) sends it again: answered, sealed, like any answer
+        reply = await nodes["relay"].sessions.request(nodes["exit"].identity.peer_id,
+                                                      WebSealed(sealed=seen.requests[0]), WebSealedReply)
+    assert reply.sealed and b"replay" not in reply.sealed and b"conflict" not in reply.sealed
     assert site.hits["/tides"] == 1
+
+
+def _exit_node(home: NodeHome) -> Node:
+    return Node(home)
+
+
+async def _sealed_via(relay: Node, exit_id: str, sealed: bytes) -> WebSealedReply:
+    return await relay.sessions.request(exit_id, WebSealed(sealed=sealed), WebSealedReply)
+
+
+@pytest.mark.anyio
+async def test_refusals_after_opening_go_back_sealed_and_a_restart_remembers_the_replay_window(
+        tmp_path: Path, site: Site) -> None:
+    home = NodeHome(tmp_path / "exit")
+    home.init(profile="home", name="exit")
+    home.save_config(home.load_config().model_copy(update={"listen": ["/ip4/127.0.0.1/tcp/0"], **exit_config(site)}))
+    async with run_nodes(tmp_path, "relay", "phone") as nodes:
+        relay = nodes["relay"]
+        async with anyio.create_task_group() as tg:
+            exit_node = _exit_node(home)
+            await tg.start(exit_node.run)
+            await _three({**nodes, "exit": exit_node})
+            exit_id, key = exit_node.identity.peer_id, exit_node.web.key
+            assert key is not None
+            fetch = pack(WebFetch(url=site.url("/tides")))
+            sealed, pending = seal_request(key, fetch, now=float(int(time.time())))
+            assert isinstance(unpack(pending.open((await _sealed_via(relay, exit_id, sealed)).sealed)), WebPage)
+            # a stale request: the exit's refusal, and its clock reading, reach only the asker
+            stale, stale_pending = seal_request(key, fetch, now=time.time() - 3600)
+            refusal = unpack(stale_pending.open((await _sealed_via(relay, exit_id, stale)).sealed))
+            assert isinstance(refusal, Error) and refusal.code == ErrorCode.EXPIRED.value
+            assert "sent_at" not in (refusal.details or {})
+            tg.cancel_scope.cancel()  # the exit restarts, well inside the request's window
+
+        async with anyio.create_task_group() as tg:
+            exit_node = _exit_node(NodeHome(home.path))
+            await tg.start(exit_node.run)
+            await wait_until(lambda: relay.trust.get(exit_id) is not None, "the relay to know the exit")
+            with anyio.fail_after(20):
+                while True:  # the exit dials the relay at start (it hands it its key); then it is reachable
+                    try:
+                        reply = await _sealed_via(relay, exit_id, sealed)
+                        break
+                    except NetworkError:
+                        await anyio.sleep(0.05)
+            replayed = unpack(pending.open(reply.sealed))
+            assert isinstance(replayed, Error) and replayed.code == ErrorCode.CONFLICT.value
+            tg.cancel_scope.cancel()
+    assert site.hits["/tides"] == 1
+
+
+@pytest.mark.anyio
+async def test_a_phone_handed_a_key_other_than_the_relays_view_refuses_to_seal_to_it(
+        tmp_path: Path, site: Site) -> None:
+    seen = _Seen()
+    async with run_nodes(tmp_path, "exit", "relay", "phone", configs={"exit": exit_config(site)}) as nodes:
+        await _three(nodes)
+        _watch_relay(nodes["relay"], seen)
+        exit_node, relay, phone = nodes["exit"], nodes["relay"], nodes["phone"]
+        exit_id, phone_id = exit_node.identity.peer_id, phone.identity.peer_id
+        real = exit_node.web.key
+        assert real is not None
+
+        async def hand(key: ExitKey) -> None:
+            await exit_node.sessions.request(phone_id, WebKeyPush(key=key), WebKeyOk)
+            assert phone.web_router.keys.get(exit_id) == key
+
+        # The exit keeps a key for this phone alone, under the key id everyone else uses.
+        tagged = ExitSecret.generate(real.key_id).public(exit_node.identity.private_key, exit_id,
+                                                         now=time.time(), ttl_s=3600)
+        await hand(tagged)
+        async with Client(phone.home.path) as c:
+            with pytest.raises(RemoteError) as refused:
+                await c.web_fetch(site.url("/tides"), hops=2)
+        assert refused.value.code is ErrorCode.CONFLICT and "telling askers apart" in refused.value.message
+        assert seen.requests == [] and site.hits["/tides"] == 0   # nothing was sealed, nothing relayed
+
+        # The relay takes only queries sealed under its own view's key id.
+        other = ExitSecret.generate((real.key_id + 1) % 256).public(exit_node.identity.private_key, exit_id,
+                                                                    now=time.time(), ttl_s=3600)
+        sealed, _ = seal_request(other, pack(WebFetch(url=site.url("/tides"))), now=time.time())
+        with pytest.raises(RemoteError) as wrong_id:
+            await phone.sessions.request(relay.identity.peer_id, WebRelay(exit=exit_id, sealed=sealed),
+                                         WebSealedReply)
+        assert wrong_id.value.code is ErrorCode.CONFLICT and site.hits["/tides"] == 0
+
+        # A key under another key id (a rotation it missed, or a tag): the phone seals to the
+        # relay's view, the key every asker of that relay uses, and the query goes through.
+        await hand(other)
+        async with Client(phone.home.path) as c:
+            page = await c.web_fetch(site.url("/tides"), hops=2)
+        assert "06:12" in page.text and seen.requests[-1][0] == real.key_id
+
+
+@pytest.mark.anyio
+async def test_the_exit_key_rotates_while_the_exit_runs_and_a_query_sealed_to_the_old_one_still_opens(
+        tmp_path: Path, site: Site) -> None:
+    async with run_nodes(tmp_path, "exit", "relay", "phone",
+                         configs={"exit": exit_config(site, key_rotate_s=2.0, key_overlap_s=1.0)}) as nodes:
+        await _three(nodes)
+        exit_node, relay, phone = nodes["exit"], nodes["relay"], nodes["phone"]
+        exit_id = exit_node.identity.peer_id
+        first = exit_node.web.key
+        assert first is not None and first.not_after <= time.time() + 3
+        in_flight, pending = seal_request(first, pack(WebFetch(url=site.url("/tides"))), now=float(int(time.time())))
+
+        def handed_new_key() -> bool:
+            key = phone.web_router.keys.get(exit_id)
+            return key is not None and key.key_id != first.key_id
+
+        await wait_until(handed_new_key, "the running exit to make a new key and hand it to the phone")
+        # a query sealed to the old key just before is still opened
+        reply = await _sealed_via(relay, exit_id, in_flight)
+        assert isinstance(unpack(pending.open(reply.sealed)), WebPage)
+        # past the first key's not_after the phone still has a key in date, and two hops work
+        await wait_until(lambda: time.time() > first.not_after + 0.5, "the first key to expire")
+        newest = phone.web_router.keys.get(exit_id)
+        assert newest is not None and newest.not_after > time.time()
+        async with Client(phone.home.path) as c:
+            page = await c.web_fetch(site.url("/tides"), hops=2)
+        assert "06:12" in page.text
+        # the key file holds the current key and those retired within keep_s: never more than that
+        ring = exit_node.web._ring
+        assert ring is not None and 2 <= len(ring.keys) <= 64 and ring.current.key_id == exit_node.web.key.key_id
 
 
 @pytest.mark.anyio
