@@ -87,16 +87,29 @@ def agent_config(params: Mapping[str, Any], *, from_peer: bool) -> AgentConfig:
                        deadline_s=params.get("deadline_s"))
 
 
-def pick_model(registry: ModelRegistry, requested: str | None, default: str | None) -> str:
+def pick_model(registry: ModelRegistry, requested: str | None, default: str | None,
+               profile: str = "home") -> str:
+    """The model a run here uses: `requested`, else the node's default, else the first one
+    registered; NOT_FOUND naming what to do (on a phone, the model usually lives on its
+    home PC, so the hint says how to run there rather than to add the model here)."""
     name = requested or default
-    if name:
-        registry.get(name)  # NOT_FOUND with the known names
-        return name
-    names = registry.names()
-    if not names:
-        raise PsymeshError("no model on this node for the agent; add one with: psymesh model add NAME PATH.gguf",
-                           code=ErrorCode.NOT_FOUND)
-    return names[0]
+    try:
+        if name:
+            registry.get(name)  # NOT_FOUND with the known names
+            return name
+        names = registry.names()
+        if not names:
+            raise PsymeshError("no model on this node for the agent; add one with: psymesh model add NAME PATH.gguf",
+                               code=ErrorCode.NOT_FOUND)
+        return names[0]
+    except PsymeshError as exc:
+        if profile != "phone":
+            raise
+        wanted = name or "NAME"
+        raise PsymeshError(
+            f"{exc.message.split('; add one with')[0]}; on a phone the model usually lives on the home PC: "
+            f"run there with --delegate auto (agent run), or task send --to HOME --infer ... --model {wanted}; "
+            f"to run it here instead: psymesh model add {wanted} PATH.gguf", code=exc.code) from None
 
 
 def llama_model(worker: TextModel, params: Mapping[str, Any]) -> LlamaAgentModel:

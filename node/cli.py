@@ -1444,7 +1444,7 @@ async def _agent_local(node_home: NodeHome, config: Any, registry: Any, out: Out
     from psymesh.agent.tools import ToolContext
     from psymesh.node.agents import agent_config, llama_model, node_tools, pick_model, result_of
 
-    name = pick_model(registry, model_name, config.agent_model)
+    name = pick_model(registry, model_name, config.agent_model, config.profile)
 
     async def confirm(call: Any, tool: Any) -> bool:
         if yes:

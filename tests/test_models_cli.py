@@ -47,3 +47,21 @@ def test_pull_offline_names_the_file_to_fetch_by_hand(tmp_path: Path) -> None:
     assert hint.startswith("fetching the Q4_K_M GGUF")
     assert human.returncode == 1 and line.startswith("network error [unavailable]: cannot reach the model hub")
     assert line.endswith("psymesh model add NAME /path/to/that.gguf")
+
+
+def test_a_phone_without_the_model_is_told_to_run_it_on_home(tmp_path: Path) -> None:
+    """On a phone the model usually lives on the home PC: the hint says how to run there
+    first, and only then how to add it here (a home PC is told to add it)."""
+    from psymesh.node.home import NodeHome
+
+    phone = tmp_path / "phone"
+    NodeHome(phone).init(profile="phone", name="phone")
+    r = cli(phone, "agent", "run", "hi", "--model", "botpsy", "--delegate", "never", "--json")
+    assert r.returncode == 1
+    message = json.loads(r.stdout)["error"]["message"]
+    assert "--delegate auto" in message and "--to HOME" in message and message.index("home PC") < message.index(
+        "model add botpsy")
+    home = tmp_path / "home"
+    assert cli(home, "id").returncode == 0
+    r = cli(home, "agent", "run", "hi", "--model", "botpsy", "--delegate", "never", "--json")
+    assert "--delegate auto" not in json.loads(r.stdout)["error"]["message"]
