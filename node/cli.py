@@ -773,8 +773,14 @@ def task_send(home: str | None, out: Output, to: str | None, tool: str | None, a
                                            max_tokens=max_tokens, goal=goal, timeout=timeout, task_id=task_id)
             where = "accepted by" if handle.accepted else "queued for"
             out.hint(f"task {handle.id} {where} {handle.target_name}")
+            if handle.away is not None:
+                out.warn(f"{_away_text(handle.target_name, handle.away)}; the task is kept here and delivered "
+                         f"when {handle.target_name} is back"
+                         + ("; waiting for it (Ctrl-C stops waiting, the task stays queued)" if wait
+                            else f" (see: psymesh task watch {handle.id})"))
             if not wait:
-                return {"task_id": handle.id, "target": handle.target, "accepted": handle.accepted}
+                return {"task_id": handle.id, "target": handle.target, "accepted": handle.accepted,
+                        "away": handle.away.model_dump() if handle.away else None}
             return await _follow(handle, out)
 
     result = run_async(go)
@@ -835,7 +841,8 @@ def task_list(home: str | None, out: Output, limit: int) -> None:
     def human(con: Any) -> None:
         submitted = table("delegated by this node", "target")
         for s in r.submitted:
-            submitted.add_row(s.task_id, s.kind.value, s.target, s.state.value, str(s.events))
+            state = s.state.value + (f" ({_away_text(s.target, s.away)})" if s.away else "")
+            submitted.add_row(s.task_id, s.kind.value, s.target, state, str(s.events))
         con.print(submitted if r.submitted else "delegated by this node: none")
         executing = table("run by this node for others", "submitter")
         for e in r.executing:
@@ -879,9 +886,18 @@ def _json_object(text: str | None, option: str) -> dict[str, Any]:
     return value
 
 
+def _away_text(name: str, away: c.PeerAway, now: float | None = None) -> str:
+    """`home is unreachable since 19:20:01 (3 min ago): <why>`."""
+    ago = max(0.0, (time.time() if now is None else now) - away.since)
+    when = time.strftime("%H:%M:%S", time.localtime(away.since))
+    span = f"{ago:.0f} s" if ago < 120 else f"{ago / 60:.0f} min" if ago < 7200 else f"{ago / 3600:.0f} h"
+    return f"{name} is unreachable since {when} ({span} ago): {away.reason}"
+
+
 def _sent_line(s: c.SentLetter) -> str:
     why = f": {s.code} {s.reason}" if s.state == "refused" else ""
-    return f"{s.id} -> {s.recipient_name} ({s.thread} #{s.tseq}): {s.state}{why}"
+    away = f" ({_away_text(s.recipient_name, s.away)}; kept, delivered when it is back)" if s.away else ""
+    return f"{s.id} -> {s.recipient_name} ({s.thread} #{s.tseq}): {s.state}{why}{away}"
 
 
 def _code(text: str | None, default: ErrorCode) -> ErrorCode:
@@ -915,7 +931,15 @@ def msg_send(home: str | None, out: Output, peer: str, text: str, thread: str, b
     async def go() -> c.SentLetter:
         async with Client(home) as client:
             sent = await client.send(peer, text, body=body, thread=thread, letter_id=letter_id)
-            return await client.letter(sent.id, wait=True) if wait else sent
+            if not wait:
+                return sent
+            out.hint(f"letter {sent.id} to {sent.recipient_name}: waiting until it holds it")
+            sent = await client.letter(sent.id, wait=True, until_away=True)
+            if sent.state == "pending" and sent.away is not None:
+                out.warn(f"{_away_text(sent.recipient_name, sent.away)}; the letter is kept here and delivered "
+                         "when it is back; waiting for it (Ctrl-C stops waiting, the letter stays queued)")
+                sent = await client.letter(sent.id, wait=True)
+            return sent
 
     sent = run_async(go)
     out.data(sent, lambda con: con.print(escape(_sent_line(sent))))
@@ -1331,7 +1355,9 @@ def agent_run(home: str | None, out: Output, goal: str, model_name: str | None, 
             battery_low=config.battery_low, memory_low=config.memory_low))
         out.hint(f"running {'on a paired home PC' if decision.where == 'remote' else 'here'}: {decision.reason}")
         if decision.where == "remote":
-            return await _agent_remote(home, out, goal, to, params, yes)
+            remote = await _agent_remote(home, out, goal, to, params, yes, fall_back=delegate == "auto")
+            if remote is not None:
+                return remote
         return await _agent_local(node_home, config, registry, out, goal, model_name, params, yes)
 
     result = run_async(go)
@@ -1369,9 +1395,18 @@ async def _agent_local(node_home: NodeHome, config: Any, registry: Any, out: Out
 
 
 async def _agent_remote(home: str | None, out: Output, goal: str, to: str | None, params: dict[str, Any],
-                        yes: bool) -> dict[str, Any]:
+                        yes: bool, fall_back: bool = False) -> dict[str, Any] | None:
+    """Run the goal as a delegated agent task. `fall_back`: if the home PC turns out to be
+    unreachable, take the task back and return None (the caller runs it here)."""
     async with Client(home) as client:
         handle = await client.delegate(to, goal=goal, params=params)
+        if handle.away is not None and fall_back:
+            await handle.cancel()
+            out.warn(f"{_away_text(handle.target_name, handle.away)}; running here instead")
+            return None
+        if handle.away is not None:
+            out.warn(f"{_away_text(handle.target_name, handle.away)}; the task is kept and delivered when it "
+                     "is back; waiting for it (Ctrl-C stops waiting, the task stays queued)")
         out.hint(f"task {handle.id} -> {handle.target_name}")
         outcome = await _follow(handle, out, approve=yes, json_events=False)
     if outcome is None:

@@ -311,14 +311,15 @@ class Client:
                                               letter_id=letter_id), c.MsgSentReply)
         return reply.letter
 
-    async def letter(self, letter_id: str, *, wait: bool = False) -> c.SentLetter:
+    async def letter(self, letter_id: str, *, wait: bool = False, until_away: bool = False) -> c.SentLetter:
         """A sent letter's state (`pending`, `delivered`, `refused` with code and reason);
-        with `wait`, once it is no longer pending."""
+        with `wait`, once it is no longer pending, or (`until_away`) once its recipient has
+        been found unreachable (then `away` says since when and why)."""
         if wait:  # may take long: a connection of its own
             framed = await self._open()
             try:
-                return (await self._request_on(framed, _checked(c.MsgStatusRequest, id=letter_id, wait=True),
-                                               c.MsgSentReply)).letter
+                request = _checked(c.MsgStatusRequest, id=letter_id, wait=True, until_away=until_away)
+                return (await self._request_on(framed, request, c.MsgSentReply)).letter
             finally:
                 await framed.aclose()
         return (await self.request(_checked(c.MsgStatusRequest, id=letter_id), c.MsgSentReply)).letter
@@ -432,6 +433,7 @@ class TaskHandle:
         self.target = submitted.target
         self.target_name = submitted.target_name
         self.accepted = submitted.accepted
+        self.away = submitted.away  # not accepted because the target is unreachable: since when, why
 
     def __repr__(self) -> str:
         return f"<TaskHandle {self.id} -> {self.target_name or self.target}>"

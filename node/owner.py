@@ -177,7 +177,7 @@ class Owner:
         target, accepted = await self.node.submitter.submit(spec, req.to, self.node.offers)
         peer = self.node.trust.get(target)
         return c.TaskSubmitted(task_id=spec.id, target=target, target_name=peer.name if peer else target,
-                               accepted=accepted)
+                               accepted=accepted, away=None if accepted else self.node.sessions.away(target))
 
     async def _task_input(self, req: c.TaskInputRequest, _: FramedStream) -> c.Ok:
         await self.node.submitter.respond(req.task_id, req.data)
@@ -227,7 +227,8 @@ class Owner:
         names = {p.peer_id: p.name for p in self.node.trust.list()}
         submitted = [c.SubmittedTaskView(task_id=t.id, kind=t.spec.kind, target=names.get(t.target, t.target),
                                          state=t.state, accepted=t.accepted, events=t.last_seq,
-                                         created_at=t.created_at, updated_at=t.updated_at)
+                                         created_at=t.created_at, updated_at=t.updated_at,
+                                         away=None if t.terminal else self.node.sessions.away(t.target))
                      for t in self.node.submitter.outbox.list()[-req.limit:]]
         executing = [c.ExecutingTaskView(**r.status().model_dump(), submitter=names.get(r.submitter, r.submitter))
                      for r in self.node.executor.store.list(limit=req.limit)]
@@ -245,7 +246,8 @@ class Owner:
         letter = sent.letter
         return c.SentLetter(id=letter.id, recipient=letter.recipient, recipient_name=self._name(letter.recipient),
                             thread=letter.thread, tseq=letter.tseq, kind=letter.kind, group=letter.group,
-                            state=sent.state.value, code=sent.code, reason=sent.reason)
+                            state=sent.state.value, code=sent.code, reason=sent.reason,
+                            away=self.node.sessions.away(letter.recipient) if sent.state is OutState.PENDING else None)
 
     def _written(self, letter: Letter) -> c.SentLetter:
         sent = self.node.messaging.store.sent(letter.id)
@@ -269,7 +271,7 @@ class Owner:
 
     async def _msg_status(self, req: c.MsgStatusRequest, _: FramedStream) -> c.MsgSentReply:
         messaging = self.node.messaging
-        sent = await messaging.wait_sent(req.id) if req.wait else messaging.store.sent(req.id)
+        sent = await messaging.wait_sent(req.id, until_away=req.until_away) if req.wait else messaging.store.sent(req.id)
         if sent is None:
             raise PsymeshError(f"no letter {req.id!r} was sent from here", code=ErrorCode.NOT_FOUND)
         return c.MsgSentReply(letter=self._sent(sent))

@@ -43,6 +43,14 @@ class View(BaseModel):
     model_config = ConfigDict(frozen=True, extra="ignore")
 
 
+class PeerAway(View):
+    """A peer this node could not reach when it last tried: since when (the first failed
+    try in a row, unix seconds) and the last failure. Cleared once a session opens."""
+
+    since: float
+    reason: str
+
+
 class StatusRequest(Message):
     type = "control.status"
 
@@ -316,6 +324,7 @@ class TaskSubmitted(Message):
     target: str
     target_name: str
     accepted: bool  # False: stored and queued for delivery (the target was unreachable or busy)
+    away: PeerAway | None = None  # not accepted because the target is unreachable: since when, why
 
 
 class TaskWatchRequest(Message):
@@ -348,6 +357,7 @@ class SubmittedTaskView(View):
     events: int          # events mirrored so far
     created_at: float
     updated_at: float
+    away: PeerAway | None = None  # unfinished, and the target could not be reached when last tried
 
 
 class ExecutingTaskView(View):
@@ -453,6 +463,7 @@ class SentLetter(View):
     state: str              # pending | delivered | refused
     code: str | None = None
     reason: str = ""
+    away: PeerAway | None = None  # pending, and the recipient could not be reached when last tried
 
 
 class InboxLetter(Message):
@@ -499,6 +510,7 @@ class MsgStatusRequest(Message):
     type = "control.msg_status"
     id: LetterId
     wait: bool = False
+    until_away: bool = False  # with wait: also answer (still pending) once the recipient is found unreachable
 
 
 class MsgInboxRequest(Message):

@@ -1,0 +1,97 @@
+"""A new user's first hour (issue 22): the README's flows as a user runs them, between real
+daemons on loopback, through the `psymesh` command (subprocesses) where the user would.
+
+Each test names the trap it closes: what the user saw before, and what they see now.
+"""
+from __future__ import annotations
+
+import json
+import socket
+import sys
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+from conftest import pair, run_nodes
+from waiting import wait_until
+from psymesh.node.client import Client
+
+pytestmark = pytest.mark.anyio
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _command(home: Path, *args: str) -> list[str]:
+    return [sys.executable, "-m", "psymesh", *args, "--home", str(home)]
+
+
+async def _cli(home: Path, *args: str, json_mode: bool = True) -> tuple[int, Any, str]:
+    """Run the CLI; with --json, stdout parsed as the one JSON document it promises."""
+    done = await anyio.run_process(_command(home, *args, *(["--json"] if json_mode else [])), check=False, cwd=REPO)
+    out = done.stdout.decode()
+    return done.returncode, (json.loads(out) if json_mode and out.strip() else out), done.stderr.decode()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _Stderr:
+    """What a running CLI process has written to stderr so far."""
+
+    def __init__(self, proc: anyio.abc.Process) -> None:
+        self.proc, self.text = proc, ""
+
+    async def pump(self) -> None:
+        assert self.proc.stderr is not None
+        async for chunk in self.proc.stderr:
+            self.text += chunk.decode()
+
+
+# -- 1. a peer that is gone is named at once ------------------------------------------------
+
+
+async def test_a_stopped_home_is_named_at_once_and_the_queued_work_is_delivered(tmp_path: Path) -> None:
+    """Before: with home stopped, `task send --wait` printed "queued for home" and then
+    nothing, `msg send --wait` nothing at all. Now both say at once that home is unreachable,
+    since when and why, that the work is kept and delivered, and keep waiting; `task list`
+    and `msg status` show it; once home is back both finish."""
+    port = _free_port()
+    home_config = {"home": {"listen": [f"/ip4/127.0.0.1/tcp/{port}"]}}
+    async with run_nodes(tmp_path, "phone", profiles={"phone": "phone"}) as phones:
+        phone = phones["phone"].home.path
+        async with run_nodes(tmp_path, "home", configs=home_config) as homes:
+            await pair(homes["home"].home.path, phone, grant="phone")
+        # home is stopped now
+        async with await anyio.open_process(_command(phone, "task", "send", "--to", "home", "--tool",
+                                                     "system.info", "--wait"), cwd=REPO) as task_proc, \
+                await anyio.open_process(_command(phone, "msg", "send", "home", "are you there?", "--wait"),
+                                         cwd=REPO) as msg_proc:
+            task_err, msg_err = _Stderr(task_proc), _Stderr(msg_proc)
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(task_err.pump)
+                tg.start_soon(msg_err.pump)
+                await wait_until(lambda: "home is unreachable since" in task_err.text, "task send names home")
+                assert "the task is kept here and delivered when home is back; waiting" in task_err.text
+                await wait_until(lambda: "home is unreachable since" in msg_err.text, "msg send names home",
+                                 timeout=30)
+                assert "the letter is kept here and delivered when it is back; waiting" in msg_err.text
+
+                rc, tasks, err = await _cli(phone, "task", "list")
+                assert rc == 0, err
+                queued = [t for t in tasks["submitted"] if not t["accepted"]]
+                assert queued and queued[0]["away"]["since"] > 0 and queued[0]["target"] == "home"
+                rc, human, _ = await _cli(phone, "task", "list", json_mode=False)
+                assert "unreachable since" in human
+
+                async with run_nodes(tmp_path, "home", configs=home_config):
+                    with anyio.fail_after(60):
+                        assert await task_proc.wait() == 0, task_err.text
+                        assert await msg_proc.wait() == 0, msg_err.text
+                tg.cancel_scope.cancel()
+            assert task_proc.stdout is not None and msg_proc.stdout is not None
+            assert "delivered" in (await msg_proc.stdout.receive()).decode()
