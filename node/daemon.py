@@ -105,7 +105,9 @@ class Node:
         executor_store = ExecutorStore(self.db)
         mail_store = MailStore(self.db)
         self.mailbox = Mailbox(self.identity.peer_id, mail_store, self.trust, self.config.mail)
-        self.gate = Gate(self.identity.peer_id, self.trust, self.audit, queue=executor_store, mailbox=self.mailbox)
+        msg_store = MessageStore(self.db)
+        self.gate = Gate(self.identity.peer_id, self.trust, self.audit, queue=executor_store, mailbox=self.mailbox,
+                         asks=msg_store)
         self.p2p = P2PNode(self.identity.seed, self.config.listen, allow_peer=self.gate.allow_connection)
         self.control = ControlServer(home.socket_path, self.config.max_frame_size)
         self.sessions = SessionPool(self.open_peer_stream, ids.SESSION, self.config.max_frame_size,
@@ -130,7 +132,7 @@ class Node:
                                      agent_runner=self.agents)
         self.submitter = TaskSubmitter(local_peer_id=self.identity.peer_id, outbox=Outbox(self.db), trust=self.trust,
                                        sessions=self.sessions)
-        self.messaging = Messaging(self.identity, MessageStore(self.db), self.trust, self.sessions,
+        self.messaging = Messaging(self.identity, msg_store, self.trust, self.sessions,
                                    door=self.gate.admit_each,
                                    mail=MailSender(self.identity.peer_id, mail_store, self.trust, self.sessions,
                                                    self.mailbox), grace_s=self.config.mail.grace_s)

@@ -51,6 +51,7 @@ from psymesh.protocol.manifest import (
     verify_grant,
 )
 from psymesh.protocol.messages import Message
+from psymesh.protocol.messaging import MsgSend, MsgSendMany, answered_ask
 from psymesh.protocol.relay import DCUTR, HOLE_PUNCH, HOP, STOP
 from psymesh.protocol.oblivious import verify_exit_key
 from psymesh.protocol.web import WebKeyPush
@@ -76,6 +77,13 @@ class MailDesk(Protocol):
     def admit_deposit(self, sender: str, deposit: MailDeposit) -> None: ...
 
 
+class AskLedger(Protocol):
+    """The asks this node sent (the message store answers)."""
+
+    def asked(self, peer_id: str, ask_id: str) -> bool:
+        """This node sent `peer_id` the ask `ask_id`."""
+
+
 @dataclass(frozen=True)
 class QueueLimits:
     max_queue: int = 256             # unfinished tasks held for all peers
@@ -86,13 +94,15 @@ class QueueLimits:
 class Gate:
     def __init__(self, local_peer_id: str, trust: TrustStore, audit: AuditLog, *,
                  queue: QueueGauge | None = None, queue_limits: QueueLimits | None = None,
-                 mailbox: MailDesk | None = None, clock: Callable[[], float] = time.time) -> None:
+                 mailbox: MailDesk | None = None, asks: AskLedger | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
         self.local_peer_id = local_peer_id
         self.trust = trust
         self.audit = audit
         self.queue = queue
         self.queue_limits = queue_limits or QueueLimits()
         self.mailbox = mailbox
+        self.asks = asks
         self.clock = clock
         self.rate = RateLimiter()
 
@@ -150,6 +160,8 @@ class Gate:
                 raise PsymeshError(f"stale revocation: serial {request.serial} is older than the grant held",
                                    code=ErrorCode.CONFLICT)
             return Decision(True)
+        if self._answers_our_asks(peer_id, request):
+            return Decision(True)
         grant = _grant_of(peer)
         if rule.need is Need.CAPABILITY and operation is not None:
             decision = check(grant, operation, local_peer_id=self.local_peer_id, remote_peer_id=peer_id, now=now)
@@ -169,6 +181,23 @@ class Gate:
         if rule.charged:
             self._charge(peer_id, grant, now)
         return decision
+
+    def _answers_our_asks(self, peer_id: str, request: Message) -> bool:
+        """The answer to a question this node asked `peer_id` (or a batch of nothing but
+        such answers): admitted without a grant from us, uncharged. Asking is the
+        permission: the README's pairing gives the asker nothing to grant back, and one
+        answer per ask is all a peer can send this way (its id derives from the ask)."""
+        if self.asks is None:
+            return False
+        letters = [request.letter] if isinstance(request, MsgSend) else \
+            list(request.letters) if isinstance(request, MsgSendMany) else []
+        if not letters:
+            return False
+        for letter in letters:
+            ask = answered_ask(letter, local_peer_id=self.local_peer_id)
+            if ask is None or not self.asks.asked(peer_id, ask):
+                return False
+        return True
 
     def recheck(self, peer_id: str, spec: TaskSpec) -> Decision:
         """A queued task about to start: does the submitter's grant, as it is *now*, still

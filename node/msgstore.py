@@ -23,7 +23,7 @@ from enum import StrEnum
 from typing import Protocol
 
 from psymesh.node.db import ensure_schema, transaction
-from psymesh.protocol.messaging import Letter, releasable
+from psymesh.protocol.messaging import Letter, LetterKind, releasable
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS msg_outbox (
@@ -146,6 +146,11 @@ class MessageStore:
     def sent(self, letter_id: str) -> Sent | None:
         row = self.conn.execute("SELECT * FROM msg_outbox WHERE id = ?", (letter_id,)).fetchone()
         return None if row is None else _sent(row)
+
+    def asked(self, peer_id: str, ask_id: str) -> bool:
+        """This node sent `peer_id` the ask `ask_id` (the gate admits its answer)."""
+        sent = self.sent(ask_id)
+        return sent is not None and sent.letter.recipient == peer_id and sent.letter.kind is LetterKind.ASK
 
     def outbox(self, limit: int = 100) -> list[Sent]:
         rows = self.conn.execute("SELECT id FROM msg_outbox ORDER BY rowid DESC LIMIT ?", (limit,)).fetchall()

@@ -32,6 +32,7 @@ for ever; the sender's app sees the refusal.
 """
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 import msgpack
@@ -121,6 +122,21 @@ class Letter(BaseModel):
         """What the recipient's manifest must allow (an `answer` is a kind of `send`)."""
         name = "msg.ask" if self.kind is LetterKind.ASK else "msg.send"
         return Operation(name=name, payload_bytes=self.payload_bytes)
+
+
+def answer_id(ask_sender: str, ask_id: str) -> str:
+    """The id of the one answer to the ask `ask_id` of `ask_sender`: derived, so the answerer
+    writes the same one after a restart, and the asker can tell an answer to its own
+    question from any other letter (ask ids are unique per sender only)."""
+    return "ans-" + hashlib.sha256(f"{ask_sender}\0{ask_id}".encode()).hexdigest()[:40]
+
+
+def answered_ask(letter: Letter, *, local_peer_id: str) -> str | None:
+    """The id of the ask of ours that `letter` claims to answer (an `answer` letter whose
+    id is that ask's answer id), else None. Whether we asked it is the caller's to check."""
+    if letter.kind is not LetterKind.ANSWER or letter.reply_to is None:
+        return None
+    return letter.reply_to if letter.id == answer_id(local_peer_id, letter.reply_to) else None
 
 
 def _sorted(obj: Any) -> Any:

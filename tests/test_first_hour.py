@@ -95,3 +95,37 @@ async def test_a_stopped_home_is_named_at_once_and_the_queued_work_is_delivered(
                 tg.cancel_scope.cancel()
             assert task_proc.stdout is not None and msg_proc.stdout is not None
             assert "delivered" in (await msg_proc.stdout.receive()).decode()
+
+
+# -- 2. the answer to an ask comes back with the README's pairing ------------------------------
+
+
+class _Answers:
+    """Home's agent, as the answering service calls it (`AgentTaskRunner.run`'s seam)."""
+
+    async def run(self, goal: str, params: dict[str, Any], **_: Any) -> dict[str, Any]:
+        return {"answer": f"two invoices came this week (you asked: {goal})", "steps": 1, "stopped": "final",
+                "tool_calls": []}
+
+
+async def test_an_ask_is_answered_when_the_asker_granted_nothing_back(tmp_path: Path) -> None:
+    """Before: the README pairs with `pair join psymesh1:...` (no --grant), so the phone grants
+    home nothing, and refused home's answer letter ("this node has granted you nothing"):
+    `msg ask` timed out promising an inbox delivery that never came. Now the answer to a
+    question the phone asked is admitted as that (its id derives from the ask); any other
+    letter from home is still refused."""
+    async with run_nodes(tmp_path, "home", "phone", profiles={"phone": "phone"}) as nodes:
+        home, phone = nodes["home"], nodes["phone"]
+        home.answering.agents = _Answers()
+        await pair(home.home.path, phone.home.path, grant="phone", grant_back=None)  # the README's flow
+        rc, answer, err = await _cli(phone.home.path, "msg", "ask", "home", "Which invoices came this week?",
+                                     "--timeout", "60s")
+        assert rc == 0, err
+        assert answer["kind"] == "answer" and answer["sender_name"] == "home"
+        assert answer["text"] == "two invoices came this week (you asked: Which invoices came this week?)"
+        async with Client(home.home.path) as h:  # a plain letter from home: the phone granted it nothing
+            sent = await h.send("phone", "unasked")
+            refused = await h.letter(sent.id, wait=True)
+        assert refused.state == "refused" and "granted you nothing" in refused.reason
+        rows = phone.audit.query(peer_id=home.identity.peer_id, limit=10)
+        assert [(r["operation"], r["allowed"]) for r in rows][-2:] == [("msg.send", True), ("msg.send", False)]
