@@ -18,7 +18,7 @@ session (libp2p), never from the request. Like syncthing's connection checks, th
 is fixed and the list lives here only: the daemon calls `admit()` from one place (its
 session door), `admit_each()` for the letters of a batch the door let in (each as the
 `msg.send` it stands for, through the same checks), `admit_stream()` for every inbound
-stream, `allow_connection()` for every inbound connection, `recheck()` when a queued
+stream (a revoked peer that took our notice may open pairing only), `recheck()` when a queued
 task starts, and `admit_relay()` for each reservation and circuit asked of this node as
 a relay (protocol/relay.py: steps 1 and 3, the grant covering `relay`).
 """
@@ -249,16 +249,12 @@ class Gate:
                                code=ErrorCode.UNKNOWN_PEER)
         return peer
 
-    def allow_connection(self, peer_id: str) -> bool:
-        """Asked by the p2p host right after the Noise handshake proves `peer_id`, and before
-        every inbound stream: a revoked peer that has been told so gets no connection at all."""
-        peer = self.trust.get(peer_id)
-        return peer is None or not peer.shut_out
-
     def admit_stream(self, peer_id: str, protocol: str) -> None:
         """May `peer_id` open `protocol`? Anyone may pair; only paired peers open a session
         (a revoked one too, until it knows: its requests are refused, one by one, with
-        `unknown_peer`, which is how it learns), and only paired peers not revoked speak
+        `unknown_peer`, which is how it learns; once it took our notice it is a stranger
+        again, held to the stranger limits, who may only pair: revocation ends the grant,
+        not the key), and only paired peers not revoked speak
         circuit relay (each reservation and circuit is then `admit_relay`'s to decide; the
         p2p host takes a circuit on STOP only from a relay holding our reservation) and
         hole punching (DCUtR: one audit row per exchange, allowed or not; the p2p host serves
@@ -267,7 +263,7 @@ class Gate:
         if protocol == ids.PAIR:
             return
         peer = self.trust.get(peer_id)
-        if peer is not None and protocol == ids.SESSION:
+        if peer is not None and not peer.shut_out and protocol == ids.SESSION:
             return
         if peer is not None and not peer.revoked and protocol in (HOP, STOP):
             return

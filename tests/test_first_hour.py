@@ -17,6 +17,7 @@ import pytest
 from conftest import pair, run_nodes
 from waiting import wait_until
 from psymesh.node.client import Client
+from psymesh.protocol.manifest import revocation
 
 pytestmark = pytest.mark.anyio
 
@@ -129,3 +130,37 @@ async def test_an_ask_is_answered_when_the_asker_granted_nothing_back(tmp_path: 
         assert refused.state == "refused" and "granted you nothing" in refused.reason
         rows = phone.audit.query(peer_id=home.identity.peer_id, limit=10)
         assert [(r["operation"], r["allowed"]) for r in rows][-2:] == [("msg.send", True), ("msg.send", False)]
+
+
+# -- 3. a revoked peer pairs again -------------------------------------------------------------
+
+
+async def test_a_revoked_phone_pairs_again_with_a_new_invite(tmp_path: Path) -> None:
+    """Before: after `psymesh revoke`, a new invite failed with "the inviter is unreachable"
+    (home refused the phone's connection at the handshake), although security.md says it
+    can get back in by pairing again. Now revocation ends the grant, not the key: the phone
+    pairs again through the CLI, its old grant stays revoked, the new one works."""
+    async with run_nodes(tmp_path, "home", "phone", profiles={"phone": "phone"}) as nodes:
+        home, phone = nodes["home"], nodes["phone"]
+        await pair(home.home.path, phone.home.path, grant="phone", grant_back=None)
+        old_grant = home.trust.get(phone.identity.peer_id).granted
+        old_serial = old_grant.serial
+        rc, _, err = await _cli(home.home.path, "revoke", "phone")
+        assert rc == 0, err
+        await wait_until(lambda: phone.trust.get(home.identity.peer_id).revoked_us_at is not None,
+                         "the phone to take home's notice")
+        rc, _, err = await _cli(phone.home.path, "ping", "home", "--count", "1")
+        assert rc == 1 and "revoked" in err
+
+        async with Client(home.home.path) as h:
+            invite = await h.pair_invite(grant="phone")
+        rc, joined, err = await _cli(phone.home.path, "pair", "join", invite.invite)
+        assert rc == 0, err
+        again = home.trust.get(phone.identity.peer_id)
+        assert not again.revoked and again.granted.serial > old_serial
+        rc, pings, err = await _cli(phone.home.path, "ping", "home", "--count", "1")
+        assert rc == 0, err
+        # the old grant stays void: the notice that revoked it (replayed) cannot revoke the new one
+        old_notice = revocation(home.identity.peer_id, phone.identity.peer_id, old_grant, now=0)
+        assert old_notice.voids(old_grant)
+        assert not old_notice.voids(phone.trust.get(home.identity.peer_id).received)
