@@ -310,6 +310,80 @@ def _serve_foreground(home: str | None, section: Literal["openai", "a2a"], host:
     run_async(Node(node_home, config).run)
 
 
+@main.group()
+def mcp() -> None:
+    """MCP servers whose tools this node serves as mcp.NAME.* (the [[mcp]] tables of config.toml)."""
+
+
+def _restart_hint(out: Output, home: str | None) -> None:
+    if NodeHome(home).socket_path.exists():
+        out.hint("restart the daemon to apply it: psymesh node stop, then psymesh node start")
+
+
+@mcp.command("add")
+@command
+@click.argument("name")
+@click.argument("server_command", nargs=-1, required=False, metavar="-- COMMAND [ARGS]...")
+@click.option("--url", default=None, help="A streamable HTTP server instead of a command.")
+@click.option("--env", "env_pairs", multiple=True, metavar="KEY=VALUE", help="Environment for a command (repeatable).")
+@click.option("--cwd", default=None, help="Working directory for a command.")
+def mcp_add(home: str | None, out: Output, name: str, server_command: tuple[str, ...], url: str | None,
+            env_pairs: tuple[str, ...], cwd: str | None) -> None:
+    """Add (or replace) the MCP server NAME: `psymesh mcp add notes -- python server.py ~/notes`.
+    Its tools become mcp.NAME.*; grant them to a peer with `psymesh grant PEER +tool:mcp.NAME.*`."""
+    from pydantic import ValidationError
+
+    from psymesh.node.bridgeconfig import McpServerConfig
+
+    env = {}
+    for pair_ in env_pairs:
+        key, sep, value = pair_.partition("=")
+        if not sep:
+            raise click.BadParameter(f"{pair_!r} is not KEY=VALUE", param_hint="--env")
+        env[key] = value
+    try:
+        entry = McpServerConfig(name=name, command=list(server_command) or None, url=url, env=env, cwd=cwd)
+    except ValidationError as exc:
+        raise click.UsageError(exc.errors()[0]["msg"].removeprefix("Value error, ")) from None
+    node_home = NodeHome(home)
+    node_home.init()
+    config = node_home.load_config()
+    servers = [m for m in config.mcp if m.name != name] + [entry]
+    node_home.save_config(config.model_copy(update={"mcp": servers}))
+    out.data(entry, lambda con: con.print(f"mcp server {name} added: its tools are mcp.{name}.*"))
+    _restart_hint(out, home)
+
+
+@mcp.command("remove")
+@command
+@click.argument("name")
+def mcp_remove(home: str | None, out: Output, name: str) -> None:
+    """Remove the MCP server NAME from config.toml."""
+    node_home = NodeHome(home)
+    config = node_home.load_config()
+    if not any(m.name == name for m in config.mcp):
+        raise PsymeshError(f"no MCP server {name!r} in {node_home.config_path}; see: psymesh mcp list",
+                           code=ErrorCode.NOT_FOUND)
+    node_home.save_config(config.model_copy(update={"mcp": [m for m in config.mcp if m.name != name]}))
+    out.data({"removed": name}, lambda con: con.print(f"mcp server {name} removed"))
+    _restart_hint(out, home)
+
+
+@mcp.command("list")
+@command
+def mcp_list(home: str | None, out: Output) -> None:
+    """The MCP servers in config.toml."""
+    servers = NodeHome(home).load_config().mcp
+
+    def human(con: Any) -> None:
+        if not servers:
+            con.print("no MCP servers (add one: psymesh mcp add NAME -- COMMAND ...)")
+        for m in servers:
+            con.print(escape(f"{m.name}: {' '.join(m.command) if m.command else m.url}  (tools mcp.{m.name}.*)"))
+
+    out.data(servers, human)
+
+
 @main.command()
 @command
 def status(home: str | None, out: Output) -> None:
@@ -608,27 +682,43 @@ def parse_limits(text: str) -> dict[str, int | None]:
         raise PsymeshError(f"--limits: {exc}", code=ErrorCode.BAD_REQUEST) from None
 
 
-@main.command()
+@main.command(context_settings={"ignore_unknown_options": True})
 @command
 @click.argument("peer")
-@click.argument("capabilities", nargs=-1, required=True)
+@click.argument("capabilities", nargs=-1, metavar="[CAP | +CAP | -CAP]...")
+@click.option("--preset", default=None, metavar="PRESET",
+              help="Start from a preset's capabilities and limits (phone, messaging).")
 @click.option("--expires", type=Duration(), default=None, help="Grant lifetime (default: until revoked).")
 @click.option("--preset-limits", "preset_limits", default=None, metavar="PRESET",
               help="Start from a preset's limits (phone, messaging) instead of the current grant's.")
 @click.option("--limits", "limits_spec", default=None, metavar="NAME=N,...",
-              help="Set single limits over those: requests_per_minute, concurrent_tasks, max_runtime_s, "
-                   "max_payload_bytes; NAME=none clears one. E.g. requests_per_minute=600,concurrent_tasks=8")
-def grant(home: str | None, out: Output, peer: str, capabilities: tuple[str, ...], expires: float | None,
-          preset_limits: str | None, limits_spec: str | None) -> None:
-    """Replace what PEER may ask of this node, e.g. `psymesh grant phone tool:files.* msg.send`.
+              help="Set single limits: requests_per_minute, concurrent_tasks, max_runtime_s, max_payload_bytes "
+                   "(N, or none for no limit).")
+def grant(home: str | None, out: Output, peer: str, capabilities: tuple[str, ...], preset: str | None,
+          expires: float | None, preset_limits: str | None, limits_spec: str | None) -> None:
+    """Change what PEER may ask of this node: `+CAP` adds one, `-CAP` takes one away
+    (`psymesh grant phone +tool:system.info -msg.send`), bare CAPs replace the whole list
+    (`psymesh grant phone tool:files.* msg.send`), `--preset phone` starts from a preset.
 
-    Its limits stay those of the current grant unless --preset-limits or --limits change them."""
+    Its limits stay those of the current grant unless --preset, --preset-limits or --limits change them."""
     set_limits = parse_limits(limits_spec) if limits_spec is not None else None
+    unknown = [cap for cap in capabilities if cap.startswith("--")]
+    if unknown:
+        raise click.UsageError(f"no such option: {unknown[0]}")
+    add = [cap[1:] for cap in capabilities if cap.startswith("+")]
+    remove = [cap[1:] for cap in capabilities if cap.startswith("-")]
+    whole = [cap for cap in capabilities if not cap.startswith(("+", "-"))]
+    if not (whole or add or remove or preset):
+        raise click.UsageError("name what to grant: CAP..., +CAP / -CAP, or --preset NAME")
+    from psymesh.protocol.manifest import PRESETS
+
+    if named := next((cap for cap in whole if cap in PRESETS), None):
+        raise click.UsageError(f"{named!r} is a preset, not a capability: psymesh grant {peer} --preset {named}")
 
     async def go() -> c.PeerReply:
         async with Client(home) as client:
-            return await client.grant(peer, list(capabilities), expires_s=expires, preset_limits=preset_limits,
-                                      set_limits=set_limits)
+            return await client.grant(peer, whole, add=add, remove=remove, preset=preset, expires_s=expires,
+                                      preset_limits=preset_limits, set_limits=set_limits)
 
     r = run_async(go)
 

@@ -224,17 +224,21 @@ class Client:
     async def peers(self, *, include_revoked: bool = True) -> list[c.PeerView]:
         return (await self.request(c.PeersRequest(include_revoked=include_revoked), c.PeersReply)).peers
 
-    async def grant(self, peer: str, capabilities: list[str], *, expires_s: float | None = None,
+    async def grant(self, peer: str, capabilities: list[str] | None = None, *, add: list[str] | None = None,
+                    remove: list[str] | None = None, preset: str | None = None, expires_s: float | None = None,
                     preset_limits: str | None = None, limits: Limits | None = None,
                     set_limits: Mapping[str, int | None] | None = None) -> c.PeerReply:
-        """Replace what `peer` may ask of this node (capabilities in CLI spelling, e.g. "tool:files.*").
-        Limits: `limits` if given, else a preset's (`preset_limits`), else the current grant's;
-        then each of `set_limits` (e.g. `{"concurrent_tasks": 8, "max_runtime_s": None}`)
-        replaces one of them, None meaning no limit from the grant. Unknown names or values
-        out of range raise PsymeshError (bad_request) before anything is sent."""
+        """A new grant to `peer` (capabilities in CLI spelling, e.g. "tool:files.*"):
+        `capabilities` if given, else the preset `preset`'s (e.g. "phone"), else the current
+        grant's; then `remove` taken out and `add` put in. Limits: `limits` if given, else a
+        preset's (`preset_limits`, else `preset`), else the current grant's; then each of
+        `set_limits` (e.g. `{"concurrent_tasks": 8, "max_runtime_s": None}`) replaces one of
+        them, None meaning no limit from the grant. Unknown names or values out of range raise
+        PsymeshError (bad_request) before anything is sent."""
         try:
-            req = c.GrantRequest(peer=peer, capabilities=capabilities, expires_s=expires_s,
-                                 preset_limits=preset_limits, limits=limits, set_limits=dict(set_limits or {}))
+            req = c.GrantRequest(peer=peer, capabilities=capabilities or [], add=add or [], remove=remove or [],
+                                 preset=preset, expires_s=expires_s, preset_limits=preset_limits, limits=limits,
+                                 set_limits=dict(set_limits or {}))
         except ValidationError as exc:
             first = exc.errors()[0]
             raise PsymeshError(f"invalid grant: {first['msg'].removeprefix('Value error, ')}",

@@ -202,6 +202,31 @@ class NodeConfig(BaseModel):
     web: WebSettings = Field(default_factory=WebSettings)
 
 
+def config_error(path: Path, text: str, exc: ValidationError) -> str:
+    """One line for a config.toml that parses but does not validate: file, line, key, why
+    (`config.toml:7: mcp[0].command: ...`), not pydantic's paragraphs and URL."""
+    first = exc.errors()[0]
+    loc = [str(part) for part in first["loc"]]
+    key = ".".join(f"[{p}]" if p.isdigit() else p for p in loc).replace(".[", "[")
+    line = _line_of(text, [p for p in loc if not p.isdigit()])
+    more = len(exc.errors()) - 1
+    msg = first["msg"].removeprefix("Value error, ")
+    return (f"{path}{f':{line}' if line else ''}: {key or '(top level)'}: {msg}"
+            + (f" (and {more} more)" if more else ""))
+
+
+def _line_of(text: str, keys: list[str]) -> int | None:
+    """The line where the innermost of `keys` is set or opened as a table (best effort)."""
+    lines = text.splitlines()
+    for key in reversed(keys):
+        for number, line in enumerate(lines, 1):
+            stripped = line.strip()
+            if stripped.startswith(f"{key} ") or stripped.startswith(f"{key}=") or \
+                    (stripped.startswith("[") and stripped.strip("[]").split(".")[-1].strip() == key):
+                return number
+    return None
+
+
 @dataclass(frozen=True)
 class Identity:
     """A node's Ed25519 key. The peer id and fingerprint are derived from the public key."""
@@ -364,12 +389,17 @@ class NodeHome:
             raise os_error(exc, self.config_path) from None
         try:
             return NodeConfig.model_validate(tomllib.loads(text))
-        except (tomllib.TOMLDecodeError, ValidationError) as exc:
+        except tomllib.TOMLDecodeError as exc:  # its message ends "(at line N, column M)"
             raise PsymeshError(f"{self.config_path}: {exc}", code=ErrorCode.BAD_REQUEST) from None
+        except ValidationError as exc:
+            raise PsymeshError(config_error(self.config_path, text, exc), code=ErrorCode.BAD_REQUEST) from None
 
     def save_config(self, config: NodeConfig) -> None:
-        """Write config.toml whole (via config.tmp and a rename), mode 0600 like everything here."""
-        data = tomli_w.dumps(config.model_dump(exclude_none=True)).encode()
+        """Write config.toml (via config.tmp and a rename), mode 0600 like everything here.
+        Only what differs from the defaults is written, so a section the docs tell people to
+        append (`[[mcp]]`, `[web.exit]`, `[serve.openai]`) is never there already, empty."""
+        changed = config.model_dump(exclude_none=True, exclude_defaults=True)
+        data = tomli_w.dumps({"name": config.name, "profile": config.profile, **changed}).encode()
         tmp = self.config_path.with_suffix(".tmp")
         try:
             with open(tmp, "wb", opener=private_opener) as f:

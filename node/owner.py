@@ -24,7 +24,7 @@ from psymesh.protocol import control as c
 from psymesh.protocol.errors import ErrorCode, NetworkTimeout, PsymeshError
 from psymesh.protocol.identity import is_peer_id
 from psymesh.protocol.limits import Limits
-from psymesh.protocol.manifest import PRESETS, Operation, check, new_manifest
+from psymesh.protocol.manifest import PRESETS, Operation, check, edit_capabilities, new_manifest
 from psymesh.protocol.messages import Message
 from psymesh.protocol.messaging import Letter, LetterKind
 from psymesh.protocol.tasks import TaskSpec
@@ -128,17 +128,28 @@ class Owner:
         peer = self.node.trust.resolve(req.peer)
         if peer.revoked:
             raise PsymeshError(f"{peer.name} was revoked; pair again first", code=ErrorCode.UNKNOWN_PEER)
-        if req.preset_limits is not None and req.preset_limits not in PRESETS:
-            raise PsymeshError(f"unknown preset {req.preset_limits!r} (known: {', '.join(sorted(PRESETS))})",
-                               code=ErrorCode.BAD_REQUEST)
+        for name in (req.preset_limits, req.preset):
+            if name is not None and name not in PRESETS:
+                raise PsymeshError(f"unknown preset {name!r} (known: {', '.join(sorted(PRESETS))})",
+                                   code=ErrorCode.BAD_REQUEST)
         if req.limits is not None:
             base = req.limits
-        elif req.preset_limits:
-            base = PRESETS[req.preset_limits][1]
+        elif req.preset_limits or req.preset:
+            base = PRESETS[req.preset_limits or req.preset][1]  # type: ignore[index]
         else:
             base = peer.granted.limits if peer.granted else Limits()
         limits = req.limits_over(base)
-        manifest = new_manifest(self.node.identity.peer_id, peer.peer_id, req.capabilities, now=time.time(),
+        if req.capabilities:
+            start = req.capabilities
+        elif req.preset:
+            start = list(PRESETS[req.preset][0])
+        else:
+            start = peer.granted.grants() if peer.granted else []
+        capabilities = edit_capabilities(start, add=req.add, remove=req.remove)
+        if not capabilities:
+            raise PsymeshError(f"that would leave {peer.name} no capability; to cut it off: psymesh revoke {peer.name}",
+                               code=ErrorCode.BAD_REQUEST)
+        manifest = new_manifest(self.node.identity.peer_id, peer.peer_id, capabilities, now=time.time(),
                                 ttl=req.expires_s, limits=limits).sign(self.node.identity.private_key)
         self.node.trust.set_granted(peer.peer_id, manifest)
         log.info("grant to %s is now: %s", peer.name, ", ".join(manifest.grants()))

@@ -228,14 +228,19 @@ class PeersReply(Message):
 
 
 class GrantRequest(Message):
-    """Replace the grant to `peer` with these capabilities (CLI spelling, e.g. `tool:files.*`).
+    """A new grant to `peer`. Its capabilities (CLI spelling, e.g. `tool:files.*`):
+    `capabilities` if given, else the preset `preset`'s, else the current grant's; then
+    `remove` taken out and `add` put in (`grant phone +tool:system.info -msg.send`).
 
-    Its limits: `limits` if given, else the preset `preset_limits`'s, else the current
-    grant's; then each of `set_limits` replaces one of them (None: no limit from the grant)."""
+    Its limits: `limits` if given, else the preset `preset_limits`'s (or `preset`'s), else
+    the current grant's; then each of `set_limits` replaces one of them (None: no limit)."""
 
     type = "control.grant"
     peer: str
-    capabilities: list[str] = Field(min_length=1, max_length=128)
+    capabilities: list[str] = Field(default_factory=list, max_length=128)
+    add: list[str] = Field(default_factory=list, max_length=128)
+    remove: list[str] = Field(default_factory=list, max_length=128)
+    preset: str | None = None
     expires_s: float | None = Field(default=None, gt=0)
     preset_limits: str | None = None
     limits: Limits | None = None

@@ -443,6 +443,23 @@ PRESETS: dict[str, tuple[tuple[str, ...], Limits]] = {
 }
 
 
+def edit_capabilities(current: Iterable[str], add: Iterable[str] = (), remove: Iterable[str] = ()) -> list[str]:
+    """`current` with `remove` taken out and `add` put in (each in CLI spelling, compared
+    as parsed, so `tool:files.*` and ` tool:files.* ` are one). Removing one that is not
+    there is a BAD_REQUEST naming what is; adding one already there changes nothing."""
+    out = [str(parse_capability(c)) for c in current]
+    for text in remove:
+        cap = str(parse_capability(text))
+        if cap not in out:
+            raise PsymeshError(f"the grant has no {cap} to remove (it has: {', '.join(out) or 'nothing'})",
+                               code=ErrorCode.BAD_REQUEST)
+        out.remove(cap)
+    for text in add:
+        if (cap := str(parse_capability(text))) not in out:
+            out.append(cap)
+    return out
+
+
 def preset(name: str, issuer: str, subject: str, now: float, ttl: float | None = None,
            *, serial: int | None = None) -> Manifest:
     """The unsigned manifest for a named preset (`phone`, `messaging`)."""

@@ -164,3 +164,90 @@ async def test_a_revoked_phone_pairs_again_with_a_new_invite(tmp_path: Path) -> 
         old_notice = revocation(home.identity.peer_id, phone.identity.peer_id, old_grant, now=0)
         assert old_notice.voids(old_grant)
         assert not old_notice.voids(phone.trust.get(home.identity.peer_id).received)
+
+
+# -- 4. config.toml stays valid when the docs' sections are appended -----------------------------
+
+
+async def test_an_appended_mcp_table_is_served_and_mcp_add_edits_the_config(tmp_path: Path) -> None:
+    """Before: `psymesh id` wrote `mcp = []` (and every other default) into config.toml, so
+    the `[[mcp]]` block docs/bridges.md says to append gave `Cannot mutate immutable
+    namespace ('mcp',)` and the node would not start. Now config.toml holds only what
+    differs from the defaults; the appended block is served, and `psymesh mcp add / list /
+    remove` edit the file for people who would rather not."""
+    home = tmp_path / "home"
+    rc, ident, err = await _cli(home, "id")
+    assert rc == 0, err
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "groceries.md").write_text("milk eggs bread")
+    config = home / "config.toml"
+    with config.open("a") as f:  # as docs/bridges.md says, word for word but for the paths
+        f.write(f'\n[[mcp]]\nname = "notes"\ncommand = [{json.dumps(sys.executable)}, '
+                f'{json.dumps(str(REPO / "examples" / "mcp_server.py"))}, {json.dumps(str(notes))}]\n')
+    rc, listed, err = await _cli(home, "mcp", "list")
+    assert rc == 0, err
+    assert [m["name"] for m in listed] == ["notes"]
+    async with run_nodes(tmp_path, "home") as nodes:
+        await wait_until(lambda: any(name.startswith("mcp.notes.") for name in nodes["home"].tools.names()),
+                         "the notes server's tools are mounted", timeout=60)
+
+    added = await anyio.run_process([sys.executable, "-m", "psymesh", "mcp", "add", "--home", str(home), "echo",
+                                     "--", sys.executable, "-c", "pass", "--flag"], check=False, cwd=REPO)
+    assert added.returncode == 0, added.stderr.decode()
+    assert "mcp server echo added" in added.stdout.decode()
+    rc, listed, _ = await _cli(home, "mcp", "list")
+    assert [(m["name"], m["command"]) for m in listed] == [
+        ("notes", [sys.executable, str(REPO / "examples" / "mcp_server.py"), str(notes)]),
+        ("echo", [sys.executable, "-c", "pass", "--flag"])]
+    rc, _, err = await _cli(home, "mcp", "remove", "notes")
+    assert rc == 0, err
+    rc, listed, _ = await _cli(home, "mcp", "list")
+    assert [m["name"] for m in listed] == ["echo"]
+    rc, _, err = await _cli(home, "mcp", "remove", "notes", json_mode=False)
+    assert rc == 1 and "no MCP server 'notes'" in err
+
+
+async def test_a_bad_config_is_one_line_naming_file_line_and_key(tmp_path: Path) -> None:
+    """Before: several lines of pydantic text and a URL. Now one line: file:line: key: why."""
+    home = tmp_path / "home"
+    assert (await _cli(home, "id"))[0] == 0
+    with (home / "config.toml").open("a") as f:
+        f.write('\n[[mcp]]\nname = "notes"\n')  # neither command nor url
+    rc, _, err = await _cli(home, "mcp", "list", json_mode=False)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert rc == 1 and len(lines) == 1, err
+    assert f"{home / 'config.toml'}:" in lines[0] and "mcp[0]" in lines[0] and "exactly one of command" in lines[0]
+    assert "pydantic" not in err
+
+
+# -- 5. grant adds and takes away one capability, or grants a preset ----------------------------
+
+
+async def test_grant_adds_and_removes_single_capabilities_and_grants_presets(tmp_path: Path) -> None:
+    """Before: the README's `grant` line replaced the whole grant, so the rest of the tour
+    failed (`not allowed: tool:system.info`), and `grant home phone phone` said `unknown
+    capability 'phone'`. Now +CAP / -CAP edit the grant, --preset grants one by name."""
+    async with run_nodes(tmp_path, "home", "phone", profiles={"phone": "phone"}) as nodes:
+        home = nodes["home"].home.path
+        await pair(home, nodes["phone"].home.path, grant="phone", grant_back=None)
+        rc, before, _ = await _cli(home, "peers")
+        phone_caps = before["peers"][0]["granted"]
+        assert "task.infer" in phone_caps and "tool:system.info" in phone_caps
+
+        rc, r, err = await _cli(home, "grant", "phone", "-task.infer", "+task.infer:models=botpsy*", "--expires",
+                                "30d", "--limits", "requests_per_minute=600,concurrent_tasks=8")
+        assert rc == 0, err
+        expected = [c for c in phone_caps if c != "task.infer"] + ["task.infer:models=botpsy*"]
+        assert r["peer"]["granted"] == expected  # the rest of the phone preset stays
+        assert r["peer"]["granted_limits"]["requests_per_minute"] == 600
+
+        rc, r, err = await _cli(home, "grant", "phone", "--preset", "messaging")
+        assert rc == 0, err
+        assert r["peer"]["granted"] == ["msg.send", "msg.ask"]
+        assert r["peer"]["granted_limits"]["requests_per_minute"] == 30
+
+        rc, _, err = await _cli(home, "grant", "phone", "phone", json_mode=False)
+        assert rc != 0 and "--preset phone" in err
+        rc, _, err = await _cli(home, "grant", "phone", "-tool:files.*", json_mode=False)
+        assert rc == 1 and "has no tool:files.* to remove (it has: msg.send, msg.ask)" in err
