@@ -49,6 +49,8 @@ def _as_psymesh_error(exc: BaseException, home: str | None) -> PsymeshError | No
     """
     if isinstance(exc, PsymeshError):
         return exc
+    if isinstance(exc, EvalStopped):
+        return exc.error
     if isinstance(exc, sqlite3.Error):
         return storage_error(exc, NodeHome(home).db_path)
     if isinstance(exc, BaseExceptionGroup):
@@ -56,6 +58,35 @@ def _as_psymesh_error(exc: BaseException, home: str | None) -> PsymeshError | No
         if mapped and all(m is not None for m in mapped):
             return mapped[0]
     return None
+
+
+class EvalStopped(Exception):
+    """An eval that cannot mean anything (not a PsymeshError, so the scoring loops, which
+    count a model error as one failed case, let it through): `error` is what to tell."""
+
+    def __init__(self, error: PsymeshError) -> None:
+        super().__init__(error.message)
+        self.error = error
+
+
+class _StopOverContext:
+    """An eval's model, stopping the whole eval at the first prompt over the model's
+    context: every case would fail the same way and score 0 % with exit status 0. Both
+    eval paths (a case file, --bfcl) wrap their model in it."""
+
+    def __init__(self, model: Any, name: str, n_ctx: int) -> None:
+        self.model, self.name, self.n_ctx = model, name, n_ctx
+
+    async def reply(self, *args: Any, **kwargs: Any) -> Any:
+        from psymesh.agent.runtime import PromptTooLong
+
+        try:
+            return await self.model.reply(*args, **kwargs)
+        except PromptTooLong as exc:
+            raise EvalStopped(PsymeshError(
+                f"eval stopped: {exc.message}; give model {self.name} a larger context: "
+                f"psymesh model add {self.name} PATH.gguf --ctx {max(2 * self.n_ctx, 8192)}",
+                code=ErrorCode.TOO_LARGE)) from None
 
 
 def command(f: Callable[..., Any]) -> Callable[..., Any]:
@@ -68,7 +99,7 @@ def command(f: Callable[..., Any]) -> Callable[..., Any]:
         out = Output(json_mode)
         try:
             return f(*args, home=home, out=out, **kwargs)
-        except (PsymeshError, sqlite3.Error, BaseExceptionGroup) as exc:
+        except (PsymeshError, EvalStopped, sqlite3.Error, BaseExceptionGroup) as exc:
             error = _as_psymesh_error(exc, home)
             if error is None:
                 raise
@@ -1311,7 +1342,9 @@ def model() -> None:
 @command
 @click.argument("name")
 @click.argument("path", type=click.Path(dir_okay=False))
-@click.option("--ctx", "n_ctx", default=4096, show_default=True, type=click.IntRange(64, 1 << 20))
+@click.option("--ctx", "n_ctx", default=None, type=click.IntRange(64, 1 << 20),
+              help="Context length in tokens (default: what the GGUF declares, capped to fit this machine's "
+                   "memory, at most 32768).")
 @click.option("--threads", "n_threads", default=None, type=click.IntRange(1, 512))
 @click.option("--chat-template", type=click.Path(exists=True, dir_okay=False), default=None,
               help="A Jinja chat template file overriding the one inside the GGUF.")
@@ -1321,10 +1354,16 @@ def model_add(home: str | None, out: Output, name: str, path: str, n_ctx: int, n
     node_home = NodeHome(home)
     node_home.init()
     template = open(chat_template).read() if chat_template else None
-    row = _models(node_home).add(name, path, n_ctx=n_ctx, n_threads=n_threads,
-                                                        chat_template=template)
+    row = _models(node_home).add(name, path, n_ctx=n_ctx, n_threads=n_threads, chat_template=template)
+    if n_ctx is None:
+        from psymesh.node.models import default_context
+
+        choice = default_context(Path(row["path"]))
+        out.hint(f"context {row['n_ctx']} tokens: the GGUF declares {choice.declared or 'none'}"
+                 + (f", capped to {choice.memory_cap} for this machine's memory" if row["n_ctx"] < (choice.declared or 0)
+                    else "") + "; --ctx N sets another")
     out.data({k: v for k, v in row.items() if k != "chat_template"},
-             lambda con: con.print(f"model {name} -> {row['path']}"))
+             lambda con: con.print(f"model {name} -> {row['path']} (context {row['n_ctx']})"))
 
 
 @model.command("pull")
@@ -1552,8 +1591,9 @@ def eval_cmd(home: str | None, out: Output, cases: str | None, model_name: str |
 
     async def go() -> Any:
         async with ModelWorker(registry.settings(name)) as worker:
-            model = llama_model(worker, {"grammar": not free_form, "temperature": 0.0, "max_tokens": 256,
-                                         "ban_bytes": ban_bytes})
+            model = _StopOverContext(llama_model(worker, {"grammar": not free_form, "temperature": 0.0,
+                                                          "max_tokens": 256, "ban_bytes": ban_bytes}),
+                                     name, worker.settings.n_ctx)
             return await evaluate(loaded, model, thinking=thinking,
                                   on_result=progress)
 
@@ -1592,7 +1632,9 @@ def _eval_bfcl(home: str | None, out: Output, bfcl_dir: str, categories: tuple[s
 
         async def go() -> Any:
             async with ModelWorker(registry.settings(name)) as worker:
-                model = LlamaAgentModel(worker, generation_params(grammar=not free_form, ban_bytes=ban_bytes))
+                model = _StopOverContext(LlamaAgentModel(worker, generation_params(grammar=not free_form,
+                                                                                   ban_bytes=ban_bytes)),
+                                         name, worker.settings.n_ctx)
                 return await run_bfcl(loaded, model, thinking=thinking, on_result=progress)
 
         report = run_async(go)

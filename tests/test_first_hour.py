@@ -251,3 +251,34 @@ async def test_grant_adds_and_removes_single_capabilities_and_grants_presets(tmp
         assert rc != 0 and "--preset phone" in err
         rc, _, err = await _cli(home, "grant", "phone", "-tool:files.*", json_mode=False)
         assert rc == 1 and "has no tool:files.* to remove (it has: msg.send, msg.ask)" in err
+
+
+# -- 6. the context a model gets, and an eval that cannot fit ------------------------------------
+
+
+async def test_model_add_takes_the_ggufs_context_and_eval_over_it_fails_naming_ctx(tmp_path: Path,
+                                                                                   tiny_model: Path) -> None:
+    """Before: `model add` gave every model 4096 tokens whatever its GGUF declared, and
+    `eval` at a context too small scored 0 % (each case `too_large`) and exited 0. Now the
+    declared context is taken (capped by memory), and such an eval stops at the first case
+    with exit status 1 and the `--ctx` to use."""
+    home = tmp_path / "home"
+    rc, row, err = await _cli(home, "model", "add", "tiny", str(tiny_model))
+    assert rc == 0, err
+    assert row["n_ctx"] == 32768 and "the GGUF declares 32768" in err  # testmodel's tiny model declares 32768
+    rc, row, err = await _cli(home, "model", "add", "small", str(tiny_model), "--ctx", "256")
+    assert rc == 0 and row["n_ctx"] == 256, err
+
+    rc, _, err = await _cli(home, "eval", str(REPO / "examples" / "eval_cases.jsonl"), "--model", "small",
+                            json_mode=False)
+    assert rc == 1, err
+    assert "the context holds 256" in err and "psymesh model add small PATH.gguf --ctx 8192" in err
+
+
+def test_the_memory_cap_keeps_a_long_declared_context_in_bounds(tiny_model: Path) -> None:
+    from psymesh.node.models import default_context
+
+    assert default_context(tiny_model).declared == 32768
+    assert default_context(tiny_model, memory_bytes=1 << 20).n_ctx == 2048  # never below 2048
+    # 2 layers, attention in every 2nd: 1 x 1 KV head x (32 + 32) x 2 bytes = 128 bytes a token
+    assert default_context(tiny_model, memory_bytes=16 * 128 * 4096).n_ctx == 4096
