@@ -137,7 +137,8 @@ def node() -> None:
 
 @node.command("start")
 @command
-@click.option("--listen", multiple=True, metavar="MULTIADDR", help="Listen address (repeatable), e.g. /ip4/127.0.0.1/tcp/4001.")
+@click.option("--listen", multiple=True, metavar="MULTIADDR",
+              help="Listen address (repeatable), e.g. /ip4/127.0.0.1/tcp/4001 (saved in config.toml).")
 @click.option("--profile", type=click.Choice(["home", "phone"]), default=None, help="Node profile (saved in config.toml).")
 @click.option("--name", default=None, help="Human name of this node (saved in config.toml).")
 @click.option("--share", type=click.Path(file_okay=False, exists=True), default=None,
@@ -162,11 +163,11 @@ def node_start(home: str | None, out: Output, listen: tuple[str, ...], profile: 
         changes["name"] = name
     if share:
         changes["share_dir"] = str(Path(share).resolve())
+    if listen and list(listen) != config.listen:  # remembered: `serve` and the unit `node install` writes use it
+        changes["listen"] = list(listen)
     if changes:
         config = config.model_copy(update=changes)
         node_home.save_config(config)
-    if listen:
-        config = config.model_copy(update={"listen": list(listen)})  # for this run only
     setup_logging(json_lines=log_json or config.log_json, log_file=Path(log_file) if log_file else None)
     daemon = Node(node_home, config)
     # What is loaded by now (modules, schemas, the node's services) lives as long as the
@@ -281,13 +282,14 @@ def serve() -> None:
 @click.option("--log-json", is_flag=True, help="Log one JSON object per line (stderr).")
 def serve_openai(home: str | None, out: Output, host: str | None, port: int | None, api_key: str | None,
                  api_key_file: str | None, save: bool, log_json: bool) -> None:
-    """Run the node in the foreground with its OpenAI-compatible endpoint on, until SIGINT/SIGTERM.
+    """Serve the OpenAI-compatible endpoint: in the running daemon, or in a node run in the foreground.
 
     Models are this node's (`tiny`) and, as `PEER/MODEL` (`home/tiny`), those of paired
-    peers that granted this node task.infer. A daemon already running for this home keeps
-    running without it: stop it first, or set [serve.openai] enabled = true and restart it.
+    peers that granted this node task.infer. With a daemon already running for this home
+    (a service, say), the endpoint is turned on in it instead, until it stops (--save: at
+    every start).
     """
-    _serve_foreground(home, "openai", host, port, api_key, api_key_file, save, log_json)
+    _serve_foreground(home, out, "openai", host, port, api_key, api_key_file, save, log_json)
 
 
 @serve.command("a2a")
@@ -305,18 +307,20 @@ def serve_openai(home: str | None, out: Output, host: str | None, port: int | No
 @click.option("--log-json", is_flag=True, help="Log one JSON object per line (stderr).")
 def serve_a2a(home: str | None, out: Output, host: str | None, port: int | None, api_key: str | None,
               api_key_file: str | None, save: bool, log_json: bool) -> None:
-    """Run the node in the foreground with its agent served over A2A, until SIGINT/SIGTERM.
+    """Serve the node's agent over A2A: in the running daemon, or in a node run in the foreground.
 
     The agent card is at /.well-known/agent-card.json; a message runs this node's agent
-    with its tools (irreversible ones refused). A daemon already running for this home
-    keeps running without it: stop it first, or set [serve.a2a] enabled = true and restart it.
+    with its tools (irreversible ones refused). With a daemon already running for this home
+    (a service, say), the agent is served by it instead, until it stops (--save: at every start).
     """
-    _serve_foreground(home, "a2a", host, port, api_key, api_key_file, save, log_json)
+    _serve_foreground(home, out, "a2a", host, port, api_key, api_key_file, save, log_json)
 
 
-def _serve_foreground(home: str | None, section: Literal["openai", "a2a"], host: str | None, port: int | None,
-                      api_key: str | None, api_key_file: str | None, save: bool, log_json: bool) -> None:
-    """`node start` with [serve.SECTION] turned on for this run (and saved with --save)."""
+def _serve_foreground(home: str | None, out: Output, section: Literal["openai", "a2a"], host: str | None,
+                      port: int | None, api_key: str | None, api_key_file: str | None, save: bool,
+                      log_json: bool) -> None:
+    """The endpoint on in the running daemon, or else `node start` with [serve.SECTION] turned
+    on for this run (and saved with --save)."""
     from pydantic import SecretStr
 
     from psymesh.node.daemon import Node
@@ -334,11 +338,40 @@ def _serve_foreground(home: str | None, section: Literal["openai", "a2a"], host:
             raise PsymeshError("--save keeps no key given on the command line; put it in a file (mode 0600) and "
                                "use --api-key-file", code=ErrorCode.BAD_REQUEST)
         node_home.save_config(config.model_copy(update={"serve": config.serve.model_copy(update={section: settings})}))
+    if node_home.socket_path.exists() and _serve_in_daemon(home, out, section, host, port, api_key, given, save):
+        return
     if api_key:
         settings = settings.model_copy(update={"api_key": SecretStr(api_key)})
     config = config.model_copy(update={"serve": config.serve.model_copy(update={section: settings})})
     setup_logging(json_lines=log_json or config.log_json)
     run_async(Node(node_home, config).run)
+
+
+def _serve_in_daemon(home: str | None, out: Output, section: Literal["openai", "a2a"], host: str | None,
+                     port: int | None, api_key: str | None, given: dict[str, Any], save: bool) -> bool:
+    """A daemon runs for this home (as a service, say): turn the endpoint on in it instead of
+    starting a second node. False if no daemon answers (then `serve` runs one itself)."""
+    from psymesh.node.client import DaemonNotRunning
+
+    async def go() -> c.ServeReply:
+        async with Client(home) as client:
+            return await client.serve(section, host=host, port=port, api_key=api_key,
+                                      api_key_file=given["api_key_file"])
+
+    try:
+        reply = run_async(go)
+    except DaemonNotRunning:
+        return False
+    what = "OpenAI-compatible endpoint" if section == "openai" else "A2A agent"
+    url = reply.url + ("/v1" if section == "openai" else "")
+    state = "was already on" if reply.already else "is on"
+    out.data({"section": section, "url": url, "already": reply.already},
+             lambda con: con.print(f"the running daemon's {what} {state} at {url}"))
+    out.hint("it stays on until the daemon stops" + ("; config.toml turns it on at every start (--save)" if save
+                                                     else "; add --save to turn it on at every start"))
+    if reply.already and (host is not None or port is not None or api_key or given["api_key_file"]):
+        out.warn("it kept the settings it started with; restart the daemon to change them")
+    return True
 
 
 @main.group()

@@ -315,6 +315,13 @@ class Client:
                                               letter_id=letter_id), c.MsgSentReply)
         return reply.letter
 
+    async def serve(self, section: str, *, host: str | None = None, port: int | None = None,
+                    api_key: str | None = None, api_key_file: str | None = None) -> c.ServeReply:
+        """Turn the daemon's OpenAI-compatible endpoint (`openai`) or A2A agent (`a2a`) on now,
+        with its config.toml settings and these over them; returns where it listens."""
+        return await self.request(_checked(c.ServeRequest, section=section, host=host, port=port, api_key=api_key,
+                                           api_key_file=api_key_file), c.ServeReply)
+
     async def letter(self, letter_id: str, *, wait: bool = False, until_away: bool = False) -> c.SentLetter:
         """A sent letter's state (`pending`, `delivered`, `refused` with code and reason);
         with `wait`, once it is no longer pending, or (`until_away`) once its recipient has

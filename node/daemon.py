@@ -29,7 +29,7 @@ import logging
 import signal
 import time
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import anyio
 import anyio.abc
@@ -58,6 +58,7 @@ from psymesh.node.msgstore import MessageStore
 from psymesh.node.models import ModelPool, ModelRegistry
 from psymesh.node.owner import Owner
 from psymesh.node.ping import pong_time
+from psymesh.node.bridgeconfig import A2AServe, OpenAIServe
 from psymesh.node.reach import Reach
 from psymesh.node.session import Call, SessionPool, serve_session
 from psymesh.node.submitter import TaskSubmitter
@@ -234,6 +235,32 @@ class Node:
         except PsymeshError:
             return False
         return True
+
+    async def serve_endpoint(self, section: Literal["openai", "a2a"], settings: OpenAIServe | A2AServe) -> tuple[str, bool]:
+        """Turn the OpenAI-compatible endpoint or the A2A agent on now, in the root task
+        group (`psymesh serve` against a running daemon); (url, was it on already)."""
+        running = self.openai if section == "openai" else self.a2a
+        if running is not None:
+            assert running.url is not None
+            return running.url, True
+        if self._tg is None:
+            raise PsymeshError("the node is not running", code=ErrorCode.UNAVAILABLE)
+        if section == "openai":
+            from psymesh.node.openai_api import OpenAIEndpoint
+
+            assert isinstance(settings, OpenAIServe)
+            openai = OpenAIEndpoint(self, settings)
+            await self._tg.start(openai.run)
+            self.openai, url = openai, openai.url
+        else:
+            from psymesh.node.a2a_api import A2AEndpoint
+
+            assert isinstance(settings, A2AServe)
+            a2a = A2AEndpoint(self, settings)
+            await self._tg.start(a2a.run)
+            self.a2a, url = a2a, a2a.url
+        assert url is not None
+        return url, False
 
     # -- lifecycle ------------------------------------------------------------
     async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:

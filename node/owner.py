@@ -12,6 +12,7 @@ from contextlib import aclosing
 from typing import TYPE_CHECKING
 
 import anyio
+from pydantic import SecretStr
 
 import psymesh
 from psymesh.node.control import ControlServer, Handler
@@ -73,6 +74,7 @@ class Owner:
             c.GroupListRequest: self._group_list,
             c.GroupSendRequest: self._group_send,
             c.WebQueryRequest: self._web,
+            c.ServeRequest: self._serve,
         }
         for request_type, handler in routes.items():
             control.route(request_type, handler)
@@ -117,6 +119,14 @@ class Owner:
 
     def _connected(self) -> set[str]:
         return {p["peer_id"] for p in self.node.p2p.connected_peers()}
+
+    async def _serve(self, req: c.ServeRequest, _: FramedStream) -> c.ServeReply:
+        settings = getattr(self.node.config.serve, req.section)
+        given = {"host": req.host, "port": req.port, "api_key_file": req.api_key_file,
+                 "api_key": SecretStr(req.api_key) if req.api_key else None}
+        settings = settings.model_copy(update={"enabled": True, **{k: v for k, v in given.items() if v is not None}})
+        url, already = await self.node.serve_endpoint(req.section, settings)
+        return c.ServeReply(url=url, already=already)
 
     async def _peers(self, req: c.PeersRequest, _: FramedStream) -> c.PeersReply:
         connected = self._connected()

@@ -227,6 +227,25 @@ class PeersReply(Message):
     peers: list[PeerView] = Field(default_factory=list)
 
 
+class ServeRequest(Message):
+    """Turn an endpoint on in the running daemon (`psymesh serve openai|a2a` while the
+    daemon runs): the bridge's `[serve.SECTION]` settings from config.toml, with these
+    over them. It stays on until the daemon stops (config.toml says whether it comes back)."""
+
+    type = "control.serve"
+    section: Literal["openai", "a2a"]
+    host: str | None = None
+    port: int | None = Field(default=None, ge=0, le=65535)
+    api_key: str | None = None       # the control socket is the owner's only
+    api_key_file: str | None = None
+
+
+class ServeReply(Message):
+    type = "control.serve_reply"
+    url: str              # where it listens (the A2A agent's JSON-RPC URL; the OpenAI base without /v1)
+    already: bool = False  # it was on already (these settings changed nothing)
+
+
 class GrantRequest(Message):
     """A new grant to `peer`. Its capabilities (CLI spelling, e.g. `tool:files.*`):
     `capabilities` if given, else the preset `preset`'s, else the current grant's; then

@@ -282,3 +282,56 @@ def test_the_memory_cap_keeps_a_long_declared_context_in_bounds(tiny_model: Path
     assert default_context(tiny_model, memory_bytes=1 << 20).n_ctx == 2048  # never below 2048
     # 2 layers, attention in every 2nd: 1 x 1 KV head x (32 + 32) x 2 bytes = 128 bytes a token
     assert default_context(tiny_model, memory_bytes=16 * 128 * 4096).n_ctx == 4096
+
+
+# -- 7. --listen is remembered; serve reaches a running daemon ------------------------------------
+
+
+async def test_listen_is_remembered_and_serve_turns_the_endpoint_on_in_the_running_daemon(tmp_path: Path) -> None:
+    """Before: `node start --listen ...` held for that run only, so `serve openai`, `serve a2a`
+    and the unit `node install` writes came up on a random port; and `serve openai` refused
+    while the daemon ran ("another daemon is already serving"). Now the address is saved in
+    config.toml, and `serve` against a running daemon turns the endpoint on in it."""
+    import httpx
+
+    from psymesh.node.home import NodeHome
+    from psymesh.node.process import DaemonProcess
+
+    home = tmp_path / "home"
+    port = _free_port()
+    daemon = DaemonProcess(home, name="home", listen=[f"/ip4/127.0.0.1/tcp/{port}"])
+    await daemon.start()
+    try:
+        assert NodeHome(home).load_config().listen == [f"/ip4/127.0.0.1/tcp/{port}"]
+        rc, unit, err = await _cli(home, "node", "install", "--dry-run", "--platform", "linux", json_mode=False)
+        assert rc == 0, err
+        assert "--listen" not in unit  # the unit's `node start` reads the saved address
+
+        http_port = _free_port()
+        rc, served, err = await _cli(home, "serve", "openai", "--port", str(http_port))
+        assert rc == 0, err
+        assert served["url"] == f"http://127.0.0.1:{http_port}/v1" and not served["already"]
+        async with httpx.AsyncClient() as http:
+            models = await http.get(f"{served['url']}/models")
+        assert models.status_code == 200 and models.json()["object"] == "list"
+        rc, again, err = await _cli(home, "serve", "openai")
+        assert rc == 0 and again["already"] and again["url"] == served["url"], err
+        async with daemon.client() as client:  # the daemon still listens where it was told
+            assert any(f"/tcp/{port}/" in a for a in (await client.status()).addrs)
+    finally:
+        await daemon.stop()
+    # a node `serve` runs in the foreground listens where `node start` was told, too
+    async with await anyio.open_process(_command(home, "serve", "a2a", "--port", str(_free_port())),
+                                        cwd=REPO) as proc:
+        try:
+            async def listening() -> bool:
+                try:
+                    async with Client(home) as client:
+                        return any(f"/tcp/{port}/" in a for a in (await client.status()).addrs)
+                except Exception:
+                    return False
+
+            await wait_until(listening, "the foreground node listens on the saved address", timeout=60)
+        finally:
+            proc.terminate()
+            await proc.wait()
