@@ -108,7 +108,7 @@ class Node:
         self.mailbox = Mailbox(self.identity.peer_id, mail_store, self.trust, self.config.mail)
         msg_store = MessageStore(self.db)
         self.gate = Gate(self.identity.peer_id, self.trust, self.audit, queue=executor_store, mailbox=self.mailbox,
-                         asks=msg_store)
+                         asks=msg_store, name=self.config.name)
         self.p2p = P2PNode(self.identity.seed, self.config.listen)
         self.control = ControlServer(home.socket_path, self.config.max_frame_size)
         self.sessions = SessionPool(self.open_peer_stream, ids.SESSION, self.config.max_frame_size,

@@ -24,6 +24,7 @@ a relay (protocol/relay.py: steps 1 and 3, the grant covering `relay`).
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -95,8 +96,9 @@ class Gate:
     def __init__(self, local_peer_id: str, trust: TrustStore, audit: AuditLog, *,
                  queue: QueueGauge | None = None, queue_limits: QueueLimits | None = None,
                  mailbox: MailDesk | None = None, asks: AskLedger | None = None,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, name: str = "this node") -> None:
         self.local_peer_id = local_peer_id
+        self.name = name  # ours, in refusals: "home has not granted friend web.fetch"
         self.trust = trust
         self.audit = audit
         self.queue = queue
@@ -164,7 +166,8 @@ class Gate:
             return Decision(True)
         grant = _grant_of(peer)
         if rule.need is Need.CAPABILITY and operation is not None:
-            decision = check(grant, operation, local_peer_id=self.local_peer_id, remote_peer_id=peer_id, now=now)
+            decision = self._whose(peer, check(grant, operation, local_peer_id=self.local_peer_id,
+                                               remote_peer_id=peer_id, now=now))
         else:
             decision = verify_grant(grant, local_peer_id=self.local_peer_id, remote_peer_id=peer_id, now=now)
         decision.raise_if_denied()
@@ -181,6 +184,17 @@ class Gate:
         if rule.charged:
             self._charge(peer_id, grant, now)
         return decision
+
+    def _whose(self, peer: Peer, decision: Decision) -> Decision:
+        """A missing capability, said with whose grant lacks it: on a two-hop query the
+        refusal reaches someone else than the peer refused (the phone, for its relay)."""
+        details = decision.details or {}
+        if decision.allowed or "missing" not in details:
+            return decision
+        same_kind = details.get("granted") or []
+        reason = (f"{self.name} has not granted {peer.name} {details['missing']}"
+                  + (f" (it grants {peer.name}: {', '.join(same_kind)})" if same_kind else ""))
+        return dataclasses.replace(decision, reason=reason)
 
     def _answers_our_asks(self, peer_id: str, request: Message) -> bool:
         """The answer to a question this node asked `peer_id` (or a batch of nothing but
@@ -206,9 +220,9 @@ class Gate:
         now = self.clock()
         what = task_operation(spec).required()
         try:
-            grant = _grant_of(self.paired(peer_id))
-            decision = check(grant, task_operation(spec), local_peer_id=self.local_peer_id,
-                             remote_peer_id=peer_id, now=now)
+            peer = self.paired(peer_id)
+            decision = self._whose(peer, check(_grant_of(peer), task_operation(spec),
+                                               local_peer_id=self.local_peer_id, remote_peer_id=peer_id, now=now))
         except PsymeshError as exc:
             decision = Decision(False, exc.code, exc.message)
         if decision.allowed:
