@@ -573,7 +573,10 @@ def _show_invite(out: Output, inv: Any) -> None:
 
 def _show_paired(out: Output, p: Any) -> None:
     def human(con: Any) -> None:
-        con.print(f"[green]paired[/green] with [bold]{p.name}[/bold] ({p.role}) {p.peer_id}")
+        con.print(f"[green]paired[/green] with [bold]{escape(p.name)}[/bold] ({p.role}) {p.peer_id}")
+        if p.asked_name:
+            con.print(f"[yellow]named {escape(p.name)} here[/yellow]: another paired peer is called "
+                      f"{escape(p.asked_name)}; commands take {escape(p.name)} (or its peer id) for this one")
         con.print(f"verification words: [bold]{p.verification}[/bold]  (both screens must show the same)")
         con.print(f"it may ask this node:  {', '.join(p.granted) or 'nothing'}")
         if p.received:

@@ -145,7 +145,8 @@ class PairingService:
         peer = self.trust.add(result.peer_id, name=result.name, role=result.role, addrs=list(result.addrs),
                               granted=result.manifest, received=None)
         self._paired[invite.id] = c.PairedReply(peer_id=peer.peer_id, name=peer.name, role=peer.role,
-                                                verification=result.verification, granted=result.manifest.grants())
+                                                verification=result.verification, granted=result.manifest.grants(),
+                                                asked_name=result.name if peer.name != result.name else None)
         self._notify(invite)
         log.info("paired with %s (%s); verification: %s", result.name, result.peer_id, result.verification)
         if self.welcome is not None:
@@ -188,4 +189,5 @@ class PairingService:
             await self.welcome(result.peer_id)
         log.info("paired with %s (%s); verification: %s", result.name, result.peer_id, result.verification)
         return c.PairedReply(peer_id=peer.peer_id, name=peer.name, role=peer.role, verification=result.verification,
-                             granted=granted_back.grants() if granted_back else [], received=result.manifest.grants())
+                             granted=granted_back.grants() if granted_back else [], received=result.manifest.grants(),
+                             asked_name=result.name if peer.name != result.name else None)

@@ -197,6 +197,7 @@ class PairedReply(Message):
     verification: str
     granted: list[str] = Field(default_factory=list)   # what the peer may ask of us
     received: list[str] = Field(default_factory=list)  # what we may ask of the peer
+    asked_name: str | None = None  # the name it came with, when another peer here holds it (`name` is unique)
 
 
 class PeersRequest(Message):

@@ -335,3 +335,33 @@ async def test_listen_is_remembered_and_serve_turns_the_endpoint_on_in_the_runni
         finally:
             proc.terminate()
             await proc.wait()
+
+
+# -- 10. one name, one peer ----------------------------------------------------------------------
+
+
+async def test_a_second_joiner_with_a_taken_name_is_renamed_and_told(tmp_path: Path) -> None:
+    """Before: a second joiner named `phone` was accepted as `phone`, and every name-based
+    command became ambiguous. Now it is stored as `phone-2`, and both sides are told."""
+    async with run_nodes(tmp_path, "home", "phone", "tablet", profiles={"phone": "phone"},
+                         configs={"tablet": {"name": "phone"}}) as nodes:
+        home = nodes["home"]
+        await pair(home.home.path, nodes["phone"].home.path, grant="phone", grant_back=None)
+        send, receive = anyio.create_memory_object_stream[Any](1)
+        paired: list[Any] = []
+
+        async def inviter() -> None:  # as `pair invite` waits for the device to join
+            async with Client(home.home.path) as h:
+                paired.append(await h.pair_invite_and_wait(send.send_nowait, grant="messaging"))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(inviter)
+            invite = await receive.receive()
+            rc, joined, err = await _cli(nodes["tablet"].home.path, "pair", "join", invite.invite)
+            assert rc == 0, err
+        assert paired[0].name == "phone-2" and paired[0].asked_name == "phone"  # the inviter is told
+        async with Client(home.home.path) as h:
+            names = sorted(p.name for p in await h.peers())
+            assert names == ["phone", "phone-2"]
+            rc, r, err = await _cli(home.home.path, "grant", "phone-2", "+msg.send")
+            assert rc == 0 and r["peer"]["peer_id"] == nodes["tablet"].identity.peer_id, err
