@@ -20,7 +20,6 @@
 Kept apart from the services themselves so that loading a config (every CLI command
 does) imports pydantic only, not an HTTP server or the MCP SDK.
 """
-from __future__ import annotations
 
 import ipaddress
 from pathlib import Path
@@ -47,7 +46,7 @@ class KeyedServe(BaseModel):
     """An HTTP face of the node with a bearer key: off unless enabled, bound to loopback
     by default; another host needs a key (the daemon refuses to start without one)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(defer_build=True, extra="forbid")
     SECTION: ClassVar[str]  # its config.toml table, for messages
 
     enabled: bool = False
@@ -107,7 +106,7 @@ class A2AServe(KeyedServe):
 class ServeSettings(BaseModel):
     """`[serve]`: HTTP faces of this node for apps that speak another ecosystem's API (OpenAI, A2A)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(defer_build=True, extra="forbid")
 
     openai: OpenAIServe = Field(default_factory=OpenAIServe)
     a2a: A2AServe = Field(default_factory=A2AServe)
@@ -118,7 +117,7 @@ class McpServerConfig(BaseModel):
     peer as `tool:mcp.NAME.*`). Exactly one of `command` (stdio: the node starts it and
     restarts it with backoff when it dies) and `url` (streamable HTTP)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(defer_build=True, extra="forbid")
 
     name: str = Field(pattern=_SERVER_NAME)
     command: list[str] | None = Field(default=None, min_length=1)

@@ -16,7 +16,6 @@ they may only read is tightened), psymesh creates its files 0600 and directories
 older version or another tool left them looser. The key is the exception: one that
 others could read may already be copied, so it is refused, not quietly fixed.
 """
-from __future__ import annotations
 
 import errno
 import functools
@@ -161,7 +160,7 @@ def _socket_runtime_dir() -> Path:
 class NodeConfig(BaseModel):
     """config.toml. Unknown keys are an error: a typo should not silently do nothing."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(defer_build=True, extra="forbid")
 
     name: str = Field(default="psymesh-node", max_length=64)
     profile: Profile = "home"

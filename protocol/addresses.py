@@ -31,7 +31,7 @@ class AddrRecord(BaseModel):
     """`peer_id`'s addresses (multiaddrs ending /p2p/<peer_id>; through a relay too), as of
     `seq` (its issue time in milliseconds: a larger one replaces a smaller), signed by it."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(defer_build=True, frozen=True, extra="forbid")
 
     peer_id: PeerId
     addrs: tuple[str, ...] = Field(max_length=MAX_ADDRS)

@@ -51,7 +51,7 @@ VIA_MAILBOX = "mailbox"          # how the audit log names a letter admitted fro
 class MailSettings(BaseModel):
     """config.toml `[mail]`: the sender's patience and what a mailbox holds for one sender."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(defer_build=True, frozen=True, extra="forbid")
 
     # sender: how long a recipient must stay unreachable before its letters go to its mailbox
     grace_s: float = Field(default=5.0, ge=0.0, le=86_400.0)
@@ -68,7 +68,7 @@ class MailKey(BaseModel):
     mailbox (senders then keep letters for the owner themselves). There is no expiry: a
     key that lapsed while its owner slept would bounce mail exactly when it is needed."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(defer_build=True, frozen=True, extra="forbid")
 
     owner: PeerId
     public: bytes = Field(min_length=32, max_length=32)   # X25519

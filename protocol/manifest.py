@@ -34,7 +34,6 @@ On `/psymesh/manifest/1.0.0` the issuer hands its subject the current grant
 (`ManifestPush`) and, when the owner revokes the pairing, a signed notice of that
 (`ManifestRevoke`), so the subject stops using a grant that no longer holds.
 """
-from __future__ import annotations
 
 import fnmatch
 import functools
@@ -171,7 +170,7 @@ class Operation(BaseModel):
     (None: the node's default, capped by the grant; see `Decision.max_tokens`).
     """
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(defer_build=True, frozen=True, extra="forbid")
 
     name: str
     tool: str | None = None
@@ -236,7 +235,7 @@ class Operation(BaseModel):
 class Capability(BaseModel):
     """One grant. `name` is a kind, or `tool:PATTERN`; parameters narrow it (None: any)."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(defer_build=True, frozen=True, extra="forbid")
 
     name: str = Field(max_length=140)
     models: tuple[str, ...] | None = Field(default=None, min_length=1, max_length=32)
@@ -351,7 +350,7 @@ class Manifest(BaseModel):
     `expires=None` means valid until the pairing is revoked. `serial` lets a newer
     grant for the same subject replace an older one."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(defer_build=True, frozen=True, extra="forbid")
 
     v: Literal[1] = MANIFEST_VERSION
     issuer: PeerId

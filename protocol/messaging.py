@@ -30,7 +30,6 @@ changed, the letter is too large) is replaced on the wire by a *withdrawn* stub 
 same id and tseq (no text, no body), so the letters after it in its thread are not held
 for ever; the sender's app sees the refusal.
 """
-from __future__ import annotations
 
 import hashlib
 from typing import Any
@@ -64,7 +63,7 @@ class LetterKind(StrEnum):
 
 
 class Letter(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid", ser_json_bytes="base64", val_json_bytes="base64")
+    model_config = ConfigDict(defer_build=True, frozen=True, extra="forbid", ser_json_bytes="base64", val_json_bytes="base64")
 
     id: LetterId
     sender: str
@@ -190,7 +189,7 @@ class LetterResult(BaseModel):
     """What became of one letter of a batch. A refused one carries the code (and, when it is
     worth retrying, `retry_after`) that a lone `msg.send` would have got as its error."""
 
-    model_config = ConfigDict(frozen=True, extra="ignore")
+    model_config = ConfigDict(defer_build=True, frozen=True, extra="ignore")
 
     id: LetterId
     status: ReceiptStatus = ReceiptStatus.STORED
@@ -199,7 +198,7 @@ class LetterResult(BaseModel):
     retry_after: float | None = None
 
     @classmethod
-    def refused(cls, letter_id: str, exc: PsymeshError) -> LetterResult:
+    def refused(cls, letter_id: str, exc: PsymeshError) -> "LetterResult":
         return cls(id=letter_id, status=ReceiptStatus.REFUSED, code=exc.code, reason=exc.message[:500],
                    retry_after=exc.retry_after)
 
