@@ -18,6 +18,7 @@ import uuid
 import httpx
 from a2a.client import A2ACardResolver, ClientConfig, create_client
 from a2a.types import a2a_pb2 as a2a
+from a2a.utils.errors import A2AError
 
 
 def _message(text: str) -> a2a.SendMessageRequest:
@@ -56,4 +57,9 @@ async def main(url: str, key: str, goal: str) -> None:
 if __name__ == "__main__":
     if len(sys.argv) != 4:
         sys.exit(__doc__)
-    asyncio.run(main(*sys.argv[1:4]))
+    try:
+        asyncio.run(main(*sys.argv[1:4]))
+    except (A2AError, httpx.HTTPError) as exc:  # one line, not a traceback: a wrong key is a 401
+        text = str(exc) or type(exc).__name__
+        hint = " (wrong or missing key? the node's api_key_file holds it)" if "401" in text else ""
+        sys.exit(f"error: {text}{hint}")

@@ -16,12 +16,12 @@ from typing import Any, Literal, TypeVar
 import anyio
 import click
 from rich.markup import escape
-from rich.table import Table
 
 from psymesh.node.client import Client
 from psymesh.node.db import storage_error
 from psymesh.node.home import NodeHome
 from psymesh.node.output import Output
+from psymesh.node.output import table as out_table
 from psymesh.protocol import control as c
 from psymesh.protocol.errors import ErrorCode, PsymeshError
 from psymesh.protocol.limits import Limits
@@ -466,7 +466,7 @@ def status(home: str | None, out: Output) -> None:
             con.print(f"listening:   {a}")
         for line in _reachability_lines(st.reachability):
             con.print(f"reachable:   {escape(line)}")
-        table = Table("connected peer", "addresses")
+        table = out_table("connected peer", "addresses")
         for p in st.connected_peers:
             table.add_row(p.name or p.peer_id, " ".join(p.addrs))
         con.print(table if st.connected_peers else "no connected peers")
@@ -655,10 +655,11 @@ def peers(home: str | None, out: Output, active: bool) -> None:
         if not rows:
             con.print("no paired peers; pair one with: psymesh pair invite")
             return
-        table = Table("name", "role", "peer id", "state", "may ask us", "its limits", "we may ask")
+        table = out_table("name", "role", "peer id", "state", "may ask us", "its limits", "we may ask")
         for p in rows:
-            state = "[red]revoked[/red]" if p.revoked_at else ("connected" if p.connected else "paired")
-            table.add_row(p.name, p.role, p.peer_id[:20] + "…", state, "\n".join(p.granted) or "-",
+            state = ("[red]revoked[/red]" if p.revoked_at else "[red]revoked us[/red]" if p.revoked_us_at
+                     else "connected" if p.connected else "paired")
+            table.add_row(escape(p.name), p.role, p.peer_id, state, "\n".join(p.granted) or "-",
                           limits_text(p.granted_limits) if p.granted else "-", "\n".join(p.received) or "-")
         con.print(table)
 
@@ -691,7 +692,7 @@ def discover(home: str | None, out: Output, wait_s: float) -> None:
         if not reply.nodes:
             con.print("no nodes seen yet" + ("; try: psymesh discover --wait 5" if reply.mdns else ""))
             return
-        table = Table("name", "peer id", "fingerprint", "addresses", "via", "last seen")
+        table = out_table("name", "peer id", "fingerprint", "addresses", "via", "last seen")
         now = time.time()
         for n in reply.nodes:
             table.add_row(f"[green]{escape(n.name)}[/green]" if n.name else "[dim]not paired[/dim]",
@@ -827,10 +828,10 @@ def audit(home: str | None, out: Output, peer: str | None, limit: int, denied: b
     rows: list[c.AuditRow] = run_async(go)
 
     def human(con: Any) -> None:
-        table = Table("time", "peer", "operation", "decision", "reason")
+        table = out_table("time", "peer", "operation", "decision", "reason")
         for r in rows:
             verdict = "[green]allowed[/green]" if r.allowed else f"[red]{escape(r.code or 'denied')}[/red]"
-            table.add_row(time.strftime("%m-%d %H:%M:%S", time.localtime(r.ts)), r.peer_id[:16] + "…",
+            table.add_row(time.strftime("%m-%d %H:%M:%S", time.localtime(r.ts)), escape(r.peer_name or r.peer_id),
                           escape(r.operation), verdict, escape(r.reason))
         con.print(table if rows else "no audit entries")
 
@@ -992,8 +993,8 @@ def task_list(home: str | None, out: Output, limit: int) -> None:
 
     r: c.TaskListReply = run_async(go)
 
-    def table(title: str, who: str) -> Table:
-        return Table("task", "kind", who, "state", "events", title=title, title_justify="left")
+    def table(title: str, who: str) -> Any:
+        return out_table("task", "kind", who, "state", "events", title=title, title_justify="left")
 
     def human(con: Any) -> None:
         submitted = table("delegated by this node", "target")
@@ -1431,7 +1432,7 @@ def model_list(home: str | None, out: Output) -> None:
             for r in rows]
 
     def human(con: Any) -> None:
-        table = Table("name", "path", "context", "threads")
+        table = out_table("name", "path", "context", "threads")
         for r in rows:
             table.add_row(r["name"], r["path"], str(r["n_ctx"]), str(r["n_threads"] or "all"))
         con.print(table if rows else "no models; add one with: psymesh model add NAME PATH.gguf")

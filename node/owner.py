@@ -188,7 +188,8 @@ class Owner:
     async def _audit(self, req: c.AuditRequest, _: FramedStream) -> c.AuditReply:
         peer_id = req.peer if req.peer is None or is_peer_id(req.peer) else self.node.trust.resolve(req.peer).peer_id
         rows = self.node.audit.query(peer_id=peer_id, limit=req.limit, denied_only=req.denied_only)
-        return c.AuditReply(rows=[c.AuditRow.model_validate(r) for r in rows])
+        names = {p.peer_id: p.name for p in self.node.trust.list()}
+        return c.AuditReply(rows=[c.AuditRow.model_validate({**r, "peer_name": names.get(r["peer_id"])}) for r in rows])
 
     async def _task_submit(self, req: c.TaskSubmitRequest, _: FramedStream) -> c.TaskSubmitted:
         try:
@@ -280,7 +281,7 @@ class Owner:
         assert received.release_seq is not None
         return c.InboxLetter(seq=received.release_seq, id=letter.id, sender=letter.sender,
                              sender_name=self._name(letter.sender), thread=letter.thread, tseq=letter.tseq,
-                             kind=letter.kind, text=letter.text, body=letter.body, at=letter.at,
+                             kind=letter.kind, text=letter.text, body=letter.body, at=letter.at / 1000,
                              received_at=received.received_at, reply_to=letter.reply_to, group=letter.group)
 
     async def _msg_send(self, req: c.MsgSendRequest, _: FramedStream) -> c.MsgSentReply:

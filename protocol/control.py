@@ -11,7 +11,6 @@ An `error` reply for a failure of the network (the daemon could not reach a peer
 lost it mid-request) says so in `details["network"]` (see `error_reply`), so the SDK
 raises it as the NetworkError it was, apart from refusals (RemoteError).
 """
-from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Annotated
@@ -40,7 +39,7 @@ class View(BaseModel):
     """One item inside a control reply (never sent alone). Frozen and typed; keys it does
     not know are ignored, so a newer daemon may add fields without breaking an older SDK."""
 
-    model_config = ConfigDict(frozen=True, extra="ignore")
+    model_config = ConfigDict(frozen=True, extra="ignore", defer_build=True)
 
 
 class PeerAway(View):
@@ -324,6 +323,7 @@ class AuditRow(View):
     allowed: bool
     code: str | None = None  # the ErrorCode of a refusal
     reason: str = ""
+    peer_name: str | None = None  # the paired peer's name (None: a stranger)
 
 
 class AuditReply(Message):
@@ -506,8 +506,8 @@ class InboxLetter(Message):
     kind: LetterKind
     text: str = ""
     body: dict = Field(default_factory=dict)
-    at: int                 # Unix ms, the sender's clock
-    received_at: float
+    at: float               # when the sender wrote it, Unix seconds by its clock (the letter's `at` / 1000)
+    received_at: float      # when this node stored it, Unix seconds
     reply_to: str | None = None
     group: str | None = None
 

@@ -232,7 +232,7 @@ async def test_grant_adds_and_removes_single_capabilities_and_grants_presets(tmp
         home = nodes["home"].home.path
         await pair(home, nodes["phone"].home.path, grant="phone", grant_back=None)
         rc, before, _ = await _cli(home, "peers")
-        phone_caps = before["peers"][0]["granted"]
+        phone_caps = before[0]["granted"]
         assert "task.infer" in phone_caps and "tool:system.info" in phone_caps
 
         rc, r, err = await _cli(home, "grant", "phone", "-task.infer", "+task.infer:models=botpsy*", "--expires",
@@ -365,3 +365,32 @@ async def test_a_second_joiner_with_a_taken_name_is_renamed_and_told(tmp_path: P
             assert names == ["phone", "phone-2"]
             rc, r, err = await _cli(home.home.path, "grant", "phone-2", "+msg.send")
             assert rc == 0 and r["peer"]["peer_id"] == nodes["tablet"].identity.peer_id, err
+
+
+# -- 9. output: names, whole words, one unit of time ------------------------------------------------
+
+
+async def test_output_names_peers_wraps_tables_and_keeps_one_unit_of_time(tmp_path: Path) -> None:
+    """Before: `doctor` printed `peer☎ phone` (rich read `:phone:` as an emoji code), tables cut
+    text at 80 columns (`task.inf…`), `audit` showed peer ids, the phone's `peers` still said
+    "paired" after home revoked it, and `msg inbox --json` gave `at` in ms beside `received_at`
+    in seconds."""
+    async with run_nodes(tmp_path, "home", "phone", profiles={"phone": "phone"}) as nodes:
+        home, phone = nodes["home"].home.path, nodes["phone"].home.path
+        await pair(home, phone, grant="phone")
+        rc, text, err = await _cli(phone, "doctor", json_mode=False)
+        assert "peer:home" in text + err and "☎" not in text + err
+        rc, text, _ = await _cli(home, "peers", json_mode=False)  # a pipe: 80 columns
+        assert "phone" in text and "…" not in text  # folded over lines, never cut
+        rc, sent, err = await _cli(phone, "msg", "send", "home", "hi", "--wait")
+        assert rc == 0, err
+        rc, letters, _ = await _cli(home, "msg", "inbox")
+        assert abs(letters[0]["at"] - letters[0]["received_at"]) < 60  # both Unix seconds
+        rc, text, _ = await _cli(home, "audit", "--limit", "5", json_mode=False)
+        assert "phone" in text and nodes["phone"].identity.peer_id[:16] not in text
+        rc, _, err = await _cli(home, "revoke", "phone")
+        assert rc == 0, err
+        await wait_until(lambda: nodes["phone"].trust.get(nodes["home"].identity.peer_id).revoked_us_at is not None,
+                         "the phone to take home's notice")
+        rc, text, _ = await _cli(phone, "peers", json_mode=False)
+        assert "revoked us" in text
