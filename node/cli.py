@@ -627,7 +627,8 @@ def pair_invite(home: str | None, out: Output, name: str | None, grant: str, ttl
 @pair.command("join")
 @command
 @click.argument("invite")
-@click.option("--address", default=None, help="The inviter's address, when INVITE is a bare code.")
+@click.option("--address", default=None, help="The inviter's address, when INVITE is a bare code (default: the "
+                                               "unpaired nodes discovered on the LAN are tried in turn).")
 @click.option("--grant", default=None, help="Grant preset to give the inviter in return (e.g. messaging).")
 def pair_join(home: str | None, out: Output, invite: str, address: str | None, grant: str | None) -> None:
     """Join a node with its invite string (or its code plus --address)."""
@@ -670,7 +671,7 @@ def peers(home: str | None, out: Output, active: bool) -> None:
 @main.command()
 @command
 @click.option("--wait", "wait_s", type=click.FloatRange(0, 60), default=0, show_default=True, metavar="SECONDS",
-              help="Listen this many seconds more before listing.")
+              help="With no node seen yet, listen up to this many seconds for the first one.")
 def discover(home: str | None, out: Output, wait_s: float) -> None:
     """Nodes seen on the LAN (mDNS) or at static addresses, paired or not, with fingerprints.
 

@@ -144,6 +144,7 @@ class Node:
         self.discovery = Discovery(self.identity.peer_id, mdns=self.config.mdns, static_peers=self.config.static_peers,
                                    host=self.p2p, peers=self.trust,
                                    probe=lambda peer_id: self.sessions.request(peer_id, Ping(seq=0), Pong))
+        self.pairing.nearby = self.discovery.seen  # `pair join CODE` finds its inviter among them
         # Bridges (docs/bridges.md): MCP servers' tools join self.tools; apps speaking OpenAI's API get
         # this node's models, and its paired homes' (imported only when on: it brings an HTTP server).
         self.mcp = McpTools(self.config.mcp, self.tools, home.path)

@@ -394,3 +394,45 @@ async def test_output_names_peers_wraps_tables_and_keeps_one_unit_of_time(tmp_pa
                          "the phone to take home's notice")
         rc, text, _ = await _cli(phone, "peers", json_mode=False)
         assert "revoked us" in text
+
+
+# -- 11. on a LAN, a code alone pairs -------------------------------------------------------------
+
+from test_discovery import Lan, NetnsDaemon, daemons, lan  # noqa: E402,F401  (the two-namespace LAN fixture)
+
+
+@pytest.mark.netns
+async def test_on_a_lan_a_bare_code_finds_its_inviter_and_discover_returns_at_once(lan: Lan, tmp_path: Path) -> None:
+    """Before: with mDNS on, `pair join CODE` said "a bare pairing code needs the inviter's
+    address too" although `discover` had just listed the inviter, and `discover --wait 5`
+    waited the full 5 s with the inviter already listed. Now the joiner tries the unpaired
+    nodes it discovered, and discover answers as soon as it has something to show."""
+    home = NetnsDaemon(lan.a, tmp_path / "home", "home")
+    phone = NetnsDaemon(lan.b, tmp_path / "phone", "phone")
+    async with daemons(home, phone):
+        sh = await home.start()
+        await phone.start()
+        t0 = anyio.current_time()
+        rc, nodes, err = await _cli(phone.home, "discover", "--wait", "30")  # returns with the first node seen
+        assert rc == 0, err
+        assert [n["peer_id"] for n in nodes] == [sh.peer_id] and anyio.current_time() - t0 < 25
+        t0 = anyio.current_time()
+        rc, nodes, err = await _cli(phone.home, "discover", "--wait", "5")  # it holds the node: at once
+        assert rc == 0 and nodes and anyio.current_time() - t0 < 4, err
+
+        send, receive = anyio.create_memory_object_stream[Any](1)
+        paired: list[Any] = []
+
+        async def inviter() -> None:
+            async with Client(home.home) as h:
+                paired.append(await h.pair_invite_and_wait(send.send_nowait, grant="phone"))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(inviter)
+            invite = await receive.receive()
+            rc, joined, err = await _cli(phone.home, "pair", "join", invite.code)  # the code alone
+            assert rc == 0, err
+        assert joined["peer_id"] == sh.peer_id and joined["name"] == "home"
+        assert paired[0].verification == joined["verification"]
+        rc, pong, err = await _cli(phone.home, "ping", "home", "--count", "1")
+        assert rc == 0, err
