@@ -47,7 +47,7 @@ from psymesh.node.groups import Groups
 from psymesh.node.home import NodeConfig, NodeHome
 from psymesh.node.logs import fields
 from psymesh.node.mcp_tools import McpTools
-from psymesh.node.p2p import P2PNode, P2PStream
+from psymesh.node.p2p import P2PNode, P2PStream, local_ipv4_addresses
 from psymesh.node.relay import Relaying
 from psymesh.node.pairing import PairingService
 from psymesh.node.liveness import Liveness
@@ -63,15 +63,15 @@ from psymesh.node.reach import Reach
 from psymesh.node.session import Call, SessionPool, serve_session
 from psymesh.node.submitter import TaskSubmitter
 from psymesh.node.taskstore import ExecutorStore, Outbox
-from psymesh.node.trust import TrustStore
+from psymesh.node.trust import Peer, TrustStore
 from psymesh.node.web import WebKeys, WebRouter
 from psymesh.node.webserve import WebServer
 from psymesh.node.webtools import web_tools
 from psymesh.protocol import ids
-from psymesh.protocol.addresses import AddrsPush
+from psymesh.protocol.addresses import AddrsPush, dial_addresses, is_loopback_addr
 from psymesh.protocol.identity import is_peer_id
 from psymesh.protocol.errors import ErrorCode, PsymeshError
-from psymesh.protocol.manifest import Manifest, ManifestOk, ManifestPush, ManifestRevoke, revocation
+from psymesh.protocol.manifest import Manifest, ManifestOk, ManifestPush, ManifestRevoke, Operation, check, revocation
 from psymesh.protocol.common import Ping, Pong
 from psymesh.protocol.dialback import DialBack
 from psymesh.protocol.messages import Message
@@ -321,8 +321,20 @@ class Node:
         if known is None:  # a peer id we are not paired with (a stranger's ping): the open connection
             return await self.p2p.open_stream(peer, protocol)
         known.refuse_if_revoked_us()
-        return await self.p2p.open_stream_any(known.peer_id, known.addrs, protocol,
+        return await self.p2p.open_stream_any(known.peer_id, self._dial_addresses(known), protocol,
                                               who=f"{known.name} ({known.peer_id})")
+
+    def _dial_addresses(self, peer: Peer) -> list[str]:
+        """The peer's stored addresses, then circuits through every paired relay that granted
+        us `relay` (protocol/addresses.py `dial_addresses`): a home that took a reservation
+        after the phone last reached it is still found."""
+        now = time.time()
+        relays = [(r.peer_id, list(r.addrs)) for r in self.trust.list(include_revoked=False)
+                  if r.peer_id != peer.peer_id and r.received is not None and r.revoked_us_at is None
+                  and check(r.received, Operation(name="relay"), local_peer_id=r.peer_id,
+                            remote_peer_id=self.identity.peer_id, now=now).allowed]
+        local = frozenset(local_ipv4_addresses()) if any(map(is_loopback_addr, peer.addrs)) else frozenset()
+        return dial_addresses(peer.peer_id, list(peer.addrs), relays, local)
 
     async def push_manifest(self, peer_id: str, manifest: Manifest) -> bool:
         """Hand `peer_id` its current grant; best effort (it can also learn it at the next pairing)."""

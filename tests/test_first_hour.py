@@ -436,3 +436,74 @@ async def test_on_a_lan_a_bare_code_finds_its_inviter_and_discover_returns_at_on
         assert paired[0].verification == joined["verification"]
         rc, pong, err = await _cli(phone.home, "ping", "home", "--count", "1")
         assert rc == 0, err
+
+
+# -- 12. a relay added after pairing -----------------------------------------------------------------
+
+from netns import Namespaces, ip, namespaces  # noqa: E402,F401  (a fixture, used by name)
+from netns import NetnsDaemon as NsDaemon  # noqa: E402
+
+
+@pytest.mark.netns
+async def test_a_phone_paired_before_home_had_a_relay_reaches_home_through_it(namespaces: Namespaces,
+                                                                             tmp_path: Path) -> None:
+    """Before: a phone paired over a direct link before home took a reservation at a relay
+    only ever dialed home's old addresses (and 127.0.0.1:4001, its own listener), so once the
+    direct link was gone `task send --wait` waited in silence. Now a peer not reached at its
+    stored addresses is tried through the relays this node is paired with."""
+    from psymesh.node.home import NodeHome
+    from psymesh.protocol.relay import RelaySettings
+
+    relay_ns, home_ns, phone_ns = namespaces.add("r"), namespaces.add("h"), namespaces.add("p")
+    namespaces.link(relay_ns, "10.72.1.1", home_ns, "10.72.1.2")
+    namespaces.link(relay_ns, "10.72.2.1", phone_ns, "10.72.2.2")
+    namespaces.link(home_ns, "10.72.3.1", phone_ns, "10.72.3.2")
+    relay_home = NodeHome(tmp_path / "relay")
+    relay_home.init(name="relay")
+    relay_home.save_config(relay_home.load_config().model_copy(update={"relay": RelaySettings(enabled=True)}))
+    relay = NsDaemon(relay_ns, tmp_path / "relay", "relay")
+    home = NsDaemon(home_ns, tmp_path / "home", "home")
+    phone = NsDaemon(phone_ns, tmp_path / "phone", "phone", profile="phone")
+    async with daemons(relay, home, phone):
+        await relay.start()
+        home_id = (await home.start()).peer_id
+        await phone.start()
+        await pair(home.home, phone.home, grant="phone", grant_back=None)  # over the direct link
+        await pair(relay.home, home.home, grant="messaging")
+        await pair(relay.home, phone.home, grant="messaging")
+        async with relay.client() as r:
+            await r.grant("home", ["relay"])
+            await r.grant("phone", ["relay"])
+
+        # The direct link goes; home restarts keeping a reservation at the relay (a new port, too).
+        await home.stop()
+        ip("-n", home_ns, "link", "del", f"to{phone_ns[-8:]}")
+        config = NodeHome(tmp_path / "home").load_config()
+        NodeHome(tmp_path / "home").save_config(config.model_copy(update={"relay": RelaySettings(relays=["relay"])}))
+        await home.start()
+
+        async def reserved() -> bool:
+            async with home.client() as h:
+                return any("/p2p-circuit/" in a for a in (await h.status()).addrs)
+
+        await wait_until(reserved, "home's reservation at the relay", timeout=40)
+        with anyio.fail_after(90):
+            rc, result, err = await _cli(phone.home, "task", "send", "--to", "home", "--tool", "system.info",
+                                         "--wait", json_mode=False)
+        assert rc == 0 and "psymesh_version" in result, err
+        async with phone.client() as p:
+            connections = {c.peer_id: c.addrs for c in (await p.status()).connected_peers}
+        assert all("/p2p-circuit/" in a for a in connections[home_id])
+
+
+def test_a_peers_loopback_address_is_dialed_only_when_it_is_this_host() -> None:
+    from psymesh.protocol.addresses import dial_addresses
+
+    home, relay = "12D3KooWHome", "12D3KooWRelay"
+    lan, loop = f"/ip4/10.0.0.2/tcp/4001/p2p/{home}", f"/ip4/127.0.0.1/tcp/4001/p2p/{home}"
+    circuit = f"/ip4/10.9.0.1/tcp/4001/p2p/{relay}/p2p-circuit/p2p/{home}"
+    elsewhere = dial_addresses(home, [lan, loop], [(relay, ["/ip4/10.9.0.1/tcp/4001"])], frozenset({"10.0.0.9"}))
+    assert elsewhere == [lan, circuit]  # its 127.0.0.1 would be our own listener
+    assert dial_addresses(home, [lan, loop], [], frozenset({"10.0.0.2"})) == [lan, loop]  # it is this host
+    assert dial_addresses(home, [loop], [], frozenset()) == [loop]  # nothing else to go by
+    assert dial_addresses(home, [circuit], [(relay, ["/ip4/10.9.0.1/tcp/4001"])], frozenset()) == [circuit]
