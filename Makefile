@@ -23,6 +23,7 @@ bench: $(STAMP)
 	$(PY) bench/inference.py
 	$(PY) bench/messaging.py
 	$(PY) bench/web.py
+	$(PY) bench/cli.py
 
 clean:
 	rm -rf .venv .pytest_cache .hypothesis build *.egg-info .demo .bench
