@@ -56,7 +56,11 @@ Role = Literal["system", "user", "assistant", "tool"]
 
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 _END_MARKERS = (IM_END, "<|endoftext|>")
-_NAME_RE = r"^[A-Za-z_][A-Za-z0-9_.\-]{0,63}$"
+# Tool and parameter names: a letter or "_", then letters, digits, "_", "." or "-", in any script
+# (real schemas name parameters "año_vehiculo" or "件数"); never "<", ">", "=", quotes, spaces or
+# newlines, so a name cannot break out of a `<function=NAME>` / `<parameter=NAME>` tag, and a GBNF
+# literal carries it as UTF-8 (agent/grammar.py escapes only quotes, backslashes and controls).
+_NAME_RE = r"^[^\W\d][\w.\-]{0,63}$"
 
 # The calling instructions of the Qwen3.5 / Qwen3-Coder template, verbatim in effect:
 # the model was trained on these bytes, so any drift costs accuracy.

@@ -29,7 +29,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from psymesh.agent.bfcl import OMITTABLE, ExpectedCall, check_calls
+from psymesh.agent.bfcl import OMITTABLE, CategoryScore, ExpectedCall, check_calls
 from psymesh.agent.chatformat import ChatMessage, ToolCall, ToolSpec, parse_reply
 from psymesh.agent.loop import AgentModel, default_system_prompt
 from psymesh.protocol.errors import ErrorCode, PsymeshError
@@ -165,17 +165,6 @@ class CaseResult:
 
 
 @dataclass(frozen=True)
-class CategoryScore:
-    category: str
-    total: int
-    passed: int
-
-    @property
-    def accuracy(self) -> float:
-        return self.passed / self.total if self.total else 0.0
-
-
-@dataclass(frozen=True)
 class EvalReport:
     results: list[CaseResult]
     categories: dict[str, CategoryScore] = field(init=False)
@@ -243,7 +232,7 @@ def format_report(report: EvalReport, *, failures: bool = True) -> str:
     lines = [f"{'category':<{width}}  cases  passed  accuracy"]
     rows = [*report.categories.values(), CategoryScore("overall", report.total, report.passed)]
     for s in rows:
-        lines.append(f"{s.category:<{width}}  {s.total:>5}  {s.passed:>6}  {s.accuracy:>8.1%}")
+        lines.append(f"{s.category:<{width}}  {s.cases:>5}  {s.correct:>6}  {s.accuracy:>8.1%}")
     failed = [r for r in report.results if not r.passed]
     if failures and failed:
         lines += ["", "failed cases:"]

@@ -20,8 +20,9 @@ four things, and each doing them itself is how they drift apart:
 * with tools, the reply parsed (``chatformat.parse_reply``), its calls part of the
   result; :class:`ToolGrammar` constrains decoding so that they always parse.
 
-llama_cpp is imported only when a model actually runs (through the worker, or the
-grammar builder), so the agent loop and scripted models stay cheap to import.
+llama_cpp is never imported here: the model runs behind a `TextModel` (a runner process,
+node/models/runner.py, or the engine inside one), so the agent loop and scripted models
+stay cheap to import.
 """
 from __future__ import annotations
 
@@ -49,7 +50,7 @@ from psymesh.protocol.errors import ErrorCode, PsymeshError
 
 if TYPE_CHECKING:
     from psymesh.agent.grammar import ThinkMode
-    from psymesh.agent.runtime import Completion, ModelWorker
+    from psymesh.agent.inference import Completion, TextModel
 
 __all__ = [
     "FinishReason",
@@ -144,11 +145,15 @@ class GenerationParams(BaseModel):
         BAD_REQUEST, naming every problem."""
         picked = {k: params[k] for k in _PEER_KEYS if k in params}
         try:
-            return cls.model_validate({**picked, "max_tokens": max_tokens})
+            checked = cls.model_validate({**picked, "max_tokens": max_tokens})
         except ValidationError as exc:
             problems = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'params'}: {e['msg']}"
                                  for e in exc.errors(include_url=False))
             raise GenerationError(f"bad generation params: {problems}") from None
+        if checked.grammar is not None and _names_tokens(checked.grammar):
+            raise GenerationError("bad generation params: grammar: token references (<[id]>, <token>) are not "
+                                  "allowed in a peer's grammar; write the text instead")
+        return checked
 
 
 @dataclass(frozen=True)
@@ -207,7 +212,7 @@ Piece = TextDelta | Generation
 
 
 async def generate(
-    worker: ModelWorker,
+    worker: TextModel,
     messages: Sequence[ChatMessage],
     *,
     tools: Sequence[ToolSpec] | None = None,
@@ -221,7 +226,7 @@ async def generate(
     parsed against them. Raises GenerationError / ChatFormatError for a request that
     cannot run, and the worker's ModelError family for one that failed.
     """
-    from psymesh.agent.runtime import StopAfter, ThinkBudget
+    from psymesh.agent.inference import StopAfter, ThinkBudget
 
     offered = tuple(tools) if tools is not None else ()
     template = worker.chat_template
@@ -254,7 +259,7 @@ async def generate(
 
 
 async def complete(
-    worker: ModelWorker,
+    worker: TextModel,
     messages: Sequence[ChatMessage],
     *,
     tools: Sequence[ToolSpec] | None = None,
@@ -286,6 +291,29 @@ def _logit_bias(params: GenerationParams, n_vocab: int) -> dict[int, float]:
     if bad:  # llama.cpp would index its candidate array with them unchecked
         raise GenerationError(f"logit_bias token ids outside the vocabulary (0..{n_vocab - 1}): {bad[:5]}")
     return bias
+
+
+def _names_tokens(gbnf: str) -> bool:
+    """Does this GBNF name tokens (`<[245]>`, `<think>`) outside its strings, character
+    classes and comments? A token literal can leave llama.cpp's grammar with no token it
+    accepts after a partial UTF-8 sequence, which it answers with an uncaught C++
+    exception ("Unexpected empty grammar stack"): the runner dies. A node's own grammars
+    never name tokens; a peer's may not."""
+    i, n = 0, len(gbnf)
+    while i < n:
+        ch = gbnf[i]
+        if ch in "\"[":
+            close = '"' if ch == '"' else "]"
+            i += 1
+            while i < n and gbnf[i] != close:
+                i += 2 if gbnf[i] == "\\" else 1
+        elif ch == "#":
+            while i < n and gbnf[i] != "\n":
+                i += 1
+        elif ch == "<":
+            return True
+        i += 1
+    return False
 
 
 @functools.lru_cache(maxsize=32)

@@ -15,17 +15,37 @@ what the model writes after the generation prompt: the output always parses with
 """
 from __future__ import annotations
 
+import functools
+import importlib.util
 import json
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, Literal
-
-from llama_cpp.llama_grammar import SchemaConverter
 
 from psymesh.agent.chatformat import ToolSpec
 
 __all__ = ["ThinkMode", "tool_call_grammar"]
 
 ThinkMode = Literal["none", "empty", "bounded"]
+
+
+@functools.cache
+def _schema_converter() -> Any:
+    """llama-cpp-python's JSON-schema -> GBNF converter, without the native library.
+
+    `llama_cpp/llama_grammar.py` is pure Python (it imports only the standard library),
+    but importing it as `llama_cpp.llama_grammar` first runs `llama_cpp/__init__`, which
+    loads libllama (~37 MB of the daemon's memory, for good) into the node's process,
+    where no model runs any more (node/models/runner.py). So the file is loaded alone."""
+    package = importlib.util.find_spec("llama_cpp")  # finds the package without running it
+    if package is None or not package.submodule_search_locations:
+        raise ImportError("llama-cpp-python is not installed")
+    path = Path(next(iter(package.submodule_search_locations))) / "llama_grammar.py"
+    spec = importlib.util.spec_from_file_location("psymesh.agent._llama_grammar", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.SchemaConverter
 
 # Characters allowed in free text: anything but '<' (no tag can start) and the
 # C0 controls other than tab and newline.
@@ -95,7 +115,7 @@ class _Builder:
     def __init__(self, max_string_chars: int) -> None:
         self.rules: dict[str, str] = {}
         self.max_string_chars = max_string_chars
-        self._json = SchemaConverter(prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False)
+        self._json = _schema_converter()(prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False)
         self._json_used = False
 
     def add(self, name: str, body: str) -> str:

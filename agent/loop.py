@@ -59,8 +59,8 @@ from psymesh.agent.generate import GenerationParams, complete
 from psymesh.agent.tools import Tool, ToolContext, ToolError, ToolRegistry, invoke
 from psymesh.protocol.errors import ErrorCode, PsymeshError
 
-if TYPE_CHECKING:  # llama_cpp is heavy to import: only LlamaAgentModel needs it, at run time
-    from psymesh.agent.runtime import ModelWorker
+if TYPE_CHECKING:
+    from psymesh.agent.inference import TextModel
 
 __all__ = [
     "AgentConfig",
@@ -193,7 +193,7 @@ class ScriptedModel:
 
 @dataclass
 class LlamaAgentModel:
-    """A real model behind a :class:`ModelWorker`, asked through :func:`agent.generate.complete`.
+    """A real model (a :class:`~psymesh.agent.inference.TextModel`), asked through :func:`agent.generate.complete`.
 
     That renders the prompt with the GGUF's chat template and passes the system turn with
     the tool block as the cacheable prefix; the reply comes back with its raw text, so
@@ -202,7 +202,7 @@ class LlamaAgentModel:
     loop's `thinking` and `max_think_tokens` replace the params' own.
     """
 
-    worker: ModelWorker
+    worker: TextModel
     params: GenerationParams = field(default_factory=lambda: GenerationParams(max_tokens=512))
 
     async def reply(self, messages: Sequence[ChatMessage], tools: Sequence[ToolSpec], *,

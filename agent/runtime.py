@@ -1,5 +1,9 @@
 """ModelWorker: one llama.cpp model behind an async API, on one dedicated thread.
 
+The engine of a model runner process (node/models/child.py): the daemon never loads
+llama.cpp itself, because a C++ exception or a fault in it ends the whole process.
+The types a caller sees (settings, completions, errors) live in agent/inference.py.
+
 Why a thread of its own: a ``llama_cpp.Llama`` is not thread-safe, and decoding
 blocks for seconds. Every call on the model (load, tokenize, evaluate, sample,
 close) therefore happens on one worker thread that takes jobs from a FIFO queue,
@@ -57,22 +61,34 @@ from __future__ import annotations
 import codecs
 import ctypes
 import math
-import os
 import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Any, Literal
 
 import anyio
 import llama_cpp
 from llama_cpp import Llama, LlamaGrammar
-from pydantic import BaseModel, ConfigDict, Field
-
-from psymesh.protocol.errors import ErrorCode, PsymeshError
+from psymesh.agent.inference import (
+    Completion,
+    FinishReason,
+    GrammarError,
+    ModelError,
+    ModelInfo,
+    ModelLoadError,
+    ModelSettings,
+    PromptTooLong,
+    StopAfter,
+    ThinkBudget,
+    WorkerBusy,
+    WorkerClosed,
+    WorkerStats,
+    default_threads,
+)
+from psymesh.protocol.errors import PsymeshError
 
 __all__ = [
     "Completion",
@@ -89,147 +105,6 @@ __all__ = [
     "WorkerClosed",
     "WorkerStats",
 ]
-
-FinishReason = Literal["stop", "length", "cancelled"]
-
-
-class ModelError(PsymeshError):
-    """Inference failed."""
-
-    default_code = ErrorCode.INTERNAL
-
-
-class ModelLoadError(ModelError):
-    """The model file is missing or llama.cpp cannot load it."""
-
-    default_code = ErrorCode.UNAVAILABLE
-
-
-class WorkerBusy(ModelError):
-    """Too many requests are already queued for this model."""
-
-    default_code = ErrorCode.BUSY
-
-
-class WorkerClosed(ModelError):
-    """The worker was closed (or never started)."""
-
-    default_code = ErrorCode.UNAVAILABLE
-
-
-class PromptTooLong(ModelError):
-    """The prompt does not fit in the context window."""
-
-    default_code = ErrorCode.TOO_LARGE
-
-
-class GrammarError(ModelError):
-    """llama.cpp rejected a GBNF grammar."""
-
-    default_code = ErrorCode.BAD_REQUEST
-
-
-def default_threads() -> int:
-    """All cores but one. llama.cpp's threads spin while they wait for each other; with
-    as many threads as cores, any other busy process (here: the node's own event loop,
-    a second model) stalls every token. Measured on a busy 2-core machine: 2 threads
-    ran the tiny test model at ~0.4 s a token, 1 thread at under 1 ms."""
-    return max(1, (os.cpu_count() or 2) - 1)
-
-
-class ModelSettings(BaseModel):
-    """How to load one model. `chat_template` overrides the GGUF's embedded template.
-
-    `state_cache_bytes` / `state_cache_entries` bound the saved model states (see the
-    module docstring). A BotPsy-0.8B state is ~20 MB of recurrent state plus ~12 KB per
-    token (measured: 42 MB at 1.8k tokens, saved in ~20 ms, restored in ~3 ms), so the
-    default budget holds the system turn and five or so conversations. `reuse=False`
-    evaluates every prompt from scratch: the baseline that measurements and
-    determinism checks compare against.
-    """
-
-    model_config = ConfigDict(frozen=True)
-
-    path: Path
-    n_ctx: int = Field(4096, ge=64)
-    n_threads: int | None = Field(None, ge=1)  # None: all cores but one (see default_threads)
-    n_batch: int = Field(512, ge=1)
-    chat_template: str | None = None
-    state_cache_bytes: int = Field(256 * 2**20, ge=0)  # memory for saved states; 0 keeps none
-    state_cache_entries: int = Field(16, ge=0)  # saved states kept at most; 0 keeps none
-    reuse: bool = True
-    max_pending: int = Field(32, ge=1)  # queued requests beyond which submit raises WorkerBusy
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    """Facts about the loaded model that callers need for rendering and budgeting."""
-
-    path: Path
-    n_ctx: int
-    n_vocab: int
-    chat_template: str | None
-    eog_token_ids: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class StopAfter:
-    """End the generation right after the `count`-th `marker` in the generated text
-    (kept, and evaluated, so the model state matches the text). Occurrences count only
-    after `after` once it was written, if given: a reply that starts inside a thought
-    ends at its calls, not at a call it muses about."""
-
-    marker: str
-    count: int = 1
-    after: str | None = None
-
-
-@dataclass(frozen=True)
-class ThinkBudget:
-    """The generation starts inside an open thought; after `tokens` generated tokens
-    without `close` (its non-blank part: ``</think>``) the worker writes `close` itself
-    and lets the model go on to its answer. With a grammar, each forced token is
-    first checked against it, and a token the grammar refuses is left to sampling."""
-
-    tokens: int
-    close: str
-
-
-@dataclass(frozen=True)
-class Completion:
-    """The outcome of one request. Token counts are model tokens."""
-
-    text: str
-    tokens: int
-    prompt_tokens: int
-    finish_reason: FinishReason
-    prompt_tokens_reused: int = 0  # not evaluated: continued from the live context or a saved state
-    prompt_seconds: float = 0.0
-    generation_seconds: float = 0.0
-    think_closed: bool = False  # the ThinkBudget ran out and the worker closed the thought
-
-    @property
-    def prompt_tokens_evaluated(self) -> int:
-        return self.prompt_tokens - self.prompt_tokens_reused
-
-
-@dataclass
-class WorkerStats:
-    """Cumulative counters; `prompt_tokens_reused` is what state reuse saved."""
-
-    requests: int = 0
-    cancelled: int = 0
-    prompt_tokens_evaluated: int = 0
-    prompt_tokens_reused: int = 0
-    generated_tokens: int = 0
-    continuation_hits: int = 0  # prompts that extended the live context
-    snapshot_hits: int = 0      # prompts that restored a saved state
-    misses: int = 0             # prompts evaluated from their first token
-    snapshots_saved: int = 0
-    snapshots_dropped: int = 0  # evicted (budget, count) or superseded
-    state_cache_bytes: int = 0  # memory held by saved states now
-    state_cache_entries: int = 0
-    think_closes: int = 0
 
 
 @dataclass(eq=False)
@@ -476,6 +351,7 @@ class ModelWorker:
         checkpoint: str | None = None,
         think_budget: ThinkBudget | None = None,
         stop_after: StopAfter | None = None,
+        cancel: threading.Event | None = None,
     ) -> AsyncIterator[str | Completion]:
         """Text pieces as they are decoded, then one final :class:`Completion`.
 
@@ -484,7 +360,9 @@ class ModelWorker:
         generation prompt: the states there are saved on the way (see the module
         docstring). `grammar` is GBNF text (or a LlamaGrammar). `seed=None` draws a
         fresh seed. `stop` strings end the text before them; `stop_after` ends it after
-        a marker; `think_budget` caps a thought the prompt opened.
+        a marker; `think_budget` caps a thought the prompt opened. Setting `cancel` stops the
+        generation between tokens and still ends the stream with its Completion
+        (`finish_reason` "cancelled"), as a runner process needs to report it.
         """
         if max_tokens < 1:
             raise ValueError("max_tokens must be >= 1")
@@ -495,6 +373,7 @@ class ModelWorker:
             seed=llama_cpp.LLAMA_DEFAULT_SEED if seed is None else seed & 0xFFFFFFFF,
             logit_bias=tuple((int(t), float(b)) for t, b in (logit_bias or {}).items()),
             checkpoint=checkpoint or None, think_budget=think_budget, stop_after=stop_after,
+            cancel=cancel or threading.Event(),
         )
         return self._events(job)
 
@@ -649,6 +528,10 @@ class ModelWorker:
 
     @staticmethod
     def _tokenize(llm: Llama, text: bytes, *, first: bool) -> list[int]:
+        """The one way to llama.cpp's tokenizer, which takes valid UTF-8 only (see
+        :meth:`_canonical`): anything else is a ModelError here, not an abort there."""
+        if not ModelWorker._is_utf8(text):
+            raise ModelError("cannot tokenize text that is not valid UTF-8")
         vocab = llama_cpp.llama_model_get_vocab(llm.model)
         add_bos = first and bool(llama_cpp.llama_vocab_get_add_bos(vocab))
         return llm.tokenize(text, add_bos=add_bos, special=True)
@@ -832,10 +715,40 @@ class ModelWorker:
             piece = self._pieces[token] = llm.detokenize([token])
         return piece
 
+    @staticmethod
+    def _is_utf8(data: bytes) -> bool:
+        try:
+            data.decode("utf-8")  # strict: no surrogates, nothing above U+10FFFF, no overlongs
+        except UnicodeDecodeError:
+            return False
+        return True
+
     def _canonical(self, llm: Llama, tokens: list[int]) -> bool:
         """Are generated `tokens` what tokenising their text gives? Only then can a later
-        prompt's tokens extend them (control tokens are spelled out, as in a prompt)."""
-        return not tokens or self._tokenize(llm, llm.detokenize(tokens, special=True), first=False) == tokens
+        prompt's tokens extend them (control tokens are spelled out, as in a prompt).
+
+        Bytes that are not valid UTF-8 never are: the reply's text (and so the next
+        prompt, rendered from it) is their decoding with U+FFFD for what is invalid, and
+        they are never handed to the tokenizer. That was issue 18's "invalid codepoint"
+        abort (SIGABRT, exit 134): a byte-level vocabulary lets a model write any bytes,
+        one token each (the random-weight test model often does; a real one can), and
+        llama.cpp's BPE tokenizer reads a lead byte F5-F7, or F4 followed by 90-BF, with
+        three continuation bytes as a code point above U+10FFFF (its UTF-8 decoder checks
+        the bytes' shape, not the range), then throws std::invalid_argument from
+        unicode_cpt_to_utf8 in its pre-tokenizer, through the C API: std::terminate.
+        Valid UTF-8 decodes to code points <= U+10FFFF only, and nothing else reaches the
+        tokenizer now: prompts, prefixes and the ThinkBudget's close are Python strings
+        encoded as UTF-8 (valid by construction), the model's own bytes reach it only
+        here, checked, and :meth:`_tokenize` refuses invalid UTF-8 from any caller. So no
+        byte sequence a model writes can reach that throw. The grammar stage is not involved: it decodes
+        pieces with its own lenient decoder that never throws (invalid sequences are
+        rejected or, above U+10FFFF and surrogates, read as code points, which Python
+        then decodes to U+FFFD), so no mask is needed there.
+        """
+        if not tokens:
+            return True
+        text = llm.detokenize(tokens, special=True)
+        return self._is_utf8(text) and self._tokenize(llm, text, first=False) == tokens
 
     def _decode(self, llm: Llama, job: _Job, sampler: Any, grammar: Any,
                 limit: int) -> tuple[str, int, FinishReason, bool]:

@@ -3,10 +3,16 @@
 Random weights cost exactly what real weights cost per token, so these numbers are
 what the phone runtime pays; only the text is nonsense. Two questions:
 
-1. Does ModelWorker (worker thread + async streaming + our sampler loop) cost
-   generation speed compared with bare llama-cpp-python? The baseline is the
-   leanest loop the bindings allow (``llama_decode`` on a one-token batch, the same
-   sampler chain, no Python-side logits), on the same context settings.
+1. Does the model's path cost generation speed compared with bare llama-cpp-python?
+   The baseline is the leanest loop the bindings allow (``llama_decode`` on a one-token
+   batch, the same sampler chain, no Python-side logits), on the same context settings;
+   against it, the engine in this process (ModelWorker: worker thread, async streaming,
+   our sampler loop) and the path the node really takes, a runner process
+   (node/models/runner.py: the engine in a child, every piece a frame over a pipe).
+   Rates count from the first token the caller holds to the last; the first token's
+   latency is the request's, through the engine in process and through the runner.
+3. Memory: a home daemon and its runners, idle before the model was ever loaded, with
+   the model loaded, and after its keep-alive ran out (the runner gone).
 2. What does an agent conversation cost per step? Steps 1-8 of a real ``run_agent``
    (a ~1.5k-token system turn: persona, two tool schemas, the calling instructions),
    every step asked of a worker with state reuse and of one evaluating every prompt
@@ -46,7 +52,8 @@ from llama_cpp import Llama
 from psymesh.agent.chatformat import EMPTY_THINK, ChatMessage, ToolSpec, render_prompt
 from psymesh.agent.generate import GenerationParams
 from psymesh.agent.loop import AgentConfig, LlamaAgentModel, ModelReply, StepUsage, run_agent
-from psymesh.agent.runtime import ModelSettings, ModelWorker
+from psymesh.agent.runtime import Completion, ModelSettings, ModelWorker
+from psymesh.node.models import ModelRunner
 from psymesh.agent.testmodel import make_botpsy_shaped_gguf
 from psymesh.agent.tools import ToolContext, ToolRegistry
 
@@ -106,10 +113,12 @@ def bench_bare(llm: Llama, n_gen: int, no_eog: dict[int, float]) -> tuple[float,
         prompt = (llama_cpp.llama_token * len(tokens))(*tokens)
         if llama_cpp.llama_decode(llm.ctx, llama_cpp.llama_batch_get_one(prompt, len(tokens))) != 0:
             raise RuntimeError("llama_decode failed on the prompt")
-        first = time.perf_counter()
+        first = 0.0
         for i in range(n_gen):
             token = llama_cpp.llama_sampler_sample(chain, llm.ctx, -1)
             llama_cpp.llama_token_to_piece(vocab, token, piece, len(piece), 0, False)
+            if i == 0:
+                first = time.perf_counter()  # the caller holds its first token
             if i < n_gen - 1:
                 one[0] = token
                 if llama_cpp.llama_decode(llm.ctx, llama_cpp.llama_batch_get_one(one, 1)) != 0:
@@ -117,47 +126,70 @@ def bench_bare(llm: Llama, n_gen: int, no_eog: dict[int, float]) -> tuple[float,
         end = time.perf_counter()
     finally:
         llama_cpp.llama_sampler_free(chain)
-    return n_gen / (end - first), end - start
+    return (n_gen - 1) / (end - first), first - start, end - start
 
 
-async def bench_worker(worker: ModelWorker, n_gen: int, no_eog: dict[int, float]) -> tuple[float, float]:
-    """The same through ModelWorker: (tokens/s from the evaluated prompt to the last token,
-    on the worker's clock; wall seconds as the async consumer sees it, every hop included).
-    Every run evaluates its prompt (nothing saved is a proper prefix of it)."""
+async def bench_stream(model: ModelWorker | ModelRunner, n_gen: int,
+                       no_eog: dict[int, float]) -> tuple[float, float, float]:
+    """The same as the caller of `model` sees it: (tokens/s from the first piece it holds
+    to the last, seconds to the first piece, wall seconds), every hop included. Every run
+    evaluates its prompt (nothing saved is a proper prefix of it)."""
     start = time.perf_counter()
-    done = await worker.complete(SHORT_PROMPT, max_tokens=n_gen, temperature=0.0, logit_bias=no_eog)
-    wall = time.perf_counter() - start
-    assert done.tokens == n_gen and done.prompt_tokens_reused == 0, done
-    return n_gen / done.generation_seconds, wall
+    first = 0.0
+    done: Completion | None = None
+    async for event in model.stream(SHORT_PROMPT, max_tokens=n_gen, temperature=0.0, logit_bias=no_eog):
+        if isinstance(event, str):
+            first = first or time.perf_counter()
+        else:
+            done = event
+    end = time.perf_counter()
+    assert done is not None and done.tokens == n_gen and done.prompt_tokens_reused == 0, done
+    return (n_gen - 1) / (end - first), first - start, end - start
 
 
 async def generation_rows(model: Path, args: argparse.Namespace) -> list[tuple[str, str]]:
-    settings = ModelSettings(path=model, n_ctx=4096, n_threads=args.threads)
-    async with ModelWorker(settings) as worker:
+    settings = ModelSettings(path=model, n_ctx=4096, n_threads=args.threads, keep_alive_s=None)
+    rates: dict[str, list[float]] = {"bare": [], "worker": [], "runner": []}
+    firsts: dict[str, list[float]] = {"bare": [], "worker": [], "runner": []}
+    walls: dict[str, list[float]] = {"bare": [], "worker": [], "runner": []}
+
+    def note(kind: str, sample: tuple[float, float, float]) -> None:
+        rates[kind].append(sample[0])
+        firsts[kind].append(sample[1] * 1000)
+        walls[kind].append(sample[2])
+
+    async with ModelWorker(settings) as worker, ModelRunner(settings) as runner:
         bare = Llama(model_path=str(model), n_ctx=settings.n_ctx, n_batch=settings.n_batch,
                      n_threads=args.threads, n_threads_batch=args.threads, verbose=False)
         no_eog = {t: float("-inf") for t in worker.info.eog_token_ids}
         bench_bare(bare, 4, no_eog)  # warm-up: page in the weights
-        await bench_worker(worker, 4, no_eog)
-        bare_rates, worker_rates, bare_wall, worker_wall = [], [], [], []
-        for _ in range(args.runs):  # interleaved, so both see the machine's noise alike
-            r, w = bench_bare(bare, args.gen_tokens, no_eog)
-            bare_rates.append(r)
-            bare_wall.append(w)
-            r, w = await bench_worker(worker, args.gen_tokens, no_eog)
-            worker_rates.append(r)
-            worker_wall.append(w)
+        await bench_stream(worker, 4, no_eog)
+        await bench_stream(runner, 4, no_eog)
+        for _ in range(args.runs):  # interleaved, so all three see the machine's noise alike
+            note("bare", bench_bare(bare, args.gen_tokens, no_eog))
+            note("worker", await bench_stream(worker, args.gen_tokens, no_eog))
+            note("runner", await bench_stream(runner, args.gen_tokens, no_eog))
         bare.close()
-    ratio = _median(worker_rates) / _median(bare_rates)
-    return [
-        ("generation, bare llama_decode loop", f"{_median(bare_rates):6.2f} tok/s  "
-                                               f"(runs: {', '.join(f'{x:.2f}' for x in bare_rates)})"),
-        ("generation, ModelWorker stream", f"{_median(worker_rates):6.2f} tok/s  "
-                                           f"(runs: {', '.join(f'{x:.2f}' for x in worker_rates)})"),
-        ("worker / bare (target >= 0.97)", f"{ratio:6.3f}"),
-        (f"wall, prompt + {args.gen_tokens} tokens", f"bare {_median(bare_wall):.2f} s, "
-                                                     f"worker {_median(worker_wall):.2f} s"),
+
+    def runs(xs: list[float], fmt: str = ".2f") -> str:
+        return ", ".join(f"{x:{fmt}}" for x in xs)
+
+    rows = [(f"generation, {label}", f"{_median(rates[kind]):6.2f} tok/s  (runs: {runs(rates[kind])})")
+            for kind, label in (("bare", "bare llama_decode loop"), ("worker", "ModelWorker in process"),
+                                ("runner", "runner process (the node's path)"))]
+    rows += [
+        ("in process / bare", f"{_median(rates['worker']) / _median(rates['bare']):6.3f}"),
+        ("runner / bare (target >= 0.97)", f"{_median(rates['runner']) / _median(rates['bare']):6.3f}"),
+        ("first token: bare, in process, runner", f"{_median(firsts['bare']):.1f} ms, {_median(firsts['worker']):.1f} ms, "
+                                                  f"{_median(firsts['runner']):.1f} ms (runner runs: "
+                                                  f"{runs(firsts['runner'], '.1f')})"),
+        ("first token, runner - in process (target <= +2 ms)",
+         f"{_median(firsts['runner']) - _median(firsts['worker']):+.2f} ms"),
+        (f"wall, prompt + {args.gen_tokens} tokens", f"bare {_median(walls['bare']):.2f} s, in process "
+                                                     f"{_median(walls['worker']):.2f} s, runner "
+                                                     f"{_median(walls['runner']):.2f} s"),
     ]
+    return rows
 
 
 # --------------------------------------------------------------------------- 2. agent steps
@@ -230,8 +262,8 @@ async def agent_rows(model: Path, args: argparse.Namespace) -> tuple[list[tuple[
                               logit_bias=steering)
     reg = _registry()
     with_reuse = ModelSettings(path=model, n_ctx=4096, n_threads=args.threads)
-    async with ModelWorker(with_reuse) as warm, \
-            ModelWorker(with_reuse.model_copy(update={"reuse": False})) as cold:
+    async with ModelRunner(with_reuse) as warm, \
+            ModelRunner(with_reuse.model_copy(update={"reuse": False})) as cold:  # as the node runs a step
         paired = PairedModel(LlamaAgentModel(warm, params), LlamaAgentModel(cold, params))
         result = await run_agent("What's the weather in each city on my trip, one by one?", model=paired,
                                  tools=reg, ctx=ToolContext(), profile="phone",
@@ -272,11 +304,98 @@ async def agent_rows(model: Path, args: argparse.Namespace) -> tuple[list[tuple[
         ("saved states held after the run", f"{stats.state_cache_entries} states, "
                                             f"{stats.state_cache_bytes / 1e6:.1f} MB (budget "
                                             f"{with_reuse.state_cache_bytes / 1e6:.0f} MB)"),
-        ("worker counters with reuse", f"continued {stats.continuation_hits}, restored "
+        ("runner counters with reuse", f"continued {stats.continuation_hits}, restored "
                                        f"{stats.snapshot_hits}, from scratch {stats.misses}, "
                                        f"states saved {stats.snapshots_saved}"),
     ]
     return rows, table
+
+
+# --------------------------------------------------------------------------- 3. memory
+
+
+def _tree_rss(pid: int) -> tuple[int, int]:
+    """(RSS of `pid`, RSS of its descendants) in bytes, from /proc."""
+    def rss(p: int) -> int:
+        try:
+            for line in open(f"/proc/{p}/status"):
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+        except OSError:
+            pass
+        return 0
+
+    def children(p: int) -> list[int]:
+        kids: list[int] = []
+        for task in Path(f"/proc/{p}/task").glob("*"):
+            try:
+                kids += [int(c) for c in (task / "children").read_text().split()]
+            except OSError:
+                pass
+        return kids
+
+    todo, below = children(pid), 0
+    while todo:
+        p = todo.pop()
+        below += rss(p)
+        todo += children(p)
+    return rss(pid), below
+
+
+async def memory_rows(model: Path, args: argparse.Namespace) -> list[tuple[str, str]]:
+    """A home daemon (a real process) serving a phone's infer task: its memory and its
+    runners', idle before the model was loaded, loaded, and after the keep-alive."""
+    import shutil
+
+    from psymesh.node.client import Client
+    from psymesh.node.db import open_db
+    from psymesh.node.home import NodeHome
+    from psymesh.node.models import ModelRegistry
+    from psymesh.node.process import DaemonProcess, pair_homes
+
+    base = ROOT / ".bench" / "memory"
+    shutil.rmtree(base, ignore_errors=True)
+    home = DaemonProcess(base / "home", name="home")
+    phone = DaemonProcess(base / "phone", profile="phone", name="phone")
+    NodeHome(home.home).init(name="home")
+    conn = open_db(NodeHome(home.home).db_path)
+    ModelRegistry(conn).add("botpsy", model, n_ctx=4096, n_threads=args.threads, keep_alive_s=args.keep_alive)
+    conn.close()
+
+    async def settled() -> tuple[int, int]:  # the median of a few readings a moment apart
+        readings = []
+        for _ in range(5):
+            await anyio.sleep(0.2)
+            assert home.proc is not None
+            readings.append(_tree_rss(home.proc.pid))
+        return tuple(statistics.median(r[i] for r in readings) for i in (0, 1))  # type: ignore[return-value]
+
+    await home.start()
+    await phone.start()
+    try:
+        await pair_homes(home.home, phone.home)
+        async with Client(phone.home) as p, Client(home.home) as h:
+            await (await p.delegate("home", tool="system.info")).result()  # warm the path, no model
+            idle = await settled()
+            await (await p.delegate("home", infer="Hi", model="botpsy", max_tokens=16,
+                                    params={"temperature": 0})).result()
+            loaded = await settled()
+            with anyio.fail_after(args.keep_alive + 30):
+                while (await h.models_ps())[0].loaded:
+                    await anyio.sleep(0.2)
+            after = await settled()
+    finally:
+        await phone.stop()
+        await home.stop()
+
+    def mb(pair: tuple[int, int]) -> str:
+        return f"{(pair[0] + pair[1]) / 2**20:7.1f} MiB (daemon {pair[0] / 2**20:.1f}, runners {pair[1] / 2**20:.1f})"
+
+    growth = (after[0] + after[1] - idle[0] - idle[1]) / 2**20
+    return [("home node idle, model never loaded", mb(idle)),
+            ("home node, model loaded after one task", mb(loaded)),
+            (f"home node after the {args.keep_alive:g} s keep-alive", mb(after)),
+            ("after keep-alive - idle (target <= 10 MiB)", f"{growth:+.1f} MiB")]
 
 
 async def run(args: argparse.Namespace) -> None:
@@ -287,6 +406,7 @@ async def run(args: argparse.Namespace) -> None:
     rows = await generation_rows(model, args)
     agent, table = await agent_rows(model, args)
     rows += agent
+    rows += await memory_rows(model, args)
     width = max(len(k) for k, _ in rows)
     print()
     for k, v in rows:
@@ -304,6 +424,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--gen-tokens", type=int, default=32)
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--keep-alive", type=float, default=3.0, help="the memory part's keep-alive, in seconds")
     args = p.parse_args(argv)
     anyio.run(run, args)
 

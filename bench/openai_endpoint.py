@@ -63,11 +63,11 @@ def _run(tokens: int, start: float, first: float | None, last: float | None) -> 
     return Run(tokens, (tokens - 1) / max(last - first, 1e-9), tokens / max(last - start, 1e-9))
 
 
-def via_endpoint(url: str, max_tokens: int) -> Run:
+def via_endpoint(url: str, key: str, max_tokens: int) -> Run:
     """The official client's stream (runs on a worker thread)."""
     from openai import OpenAI
 
-    client = OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=600)
+    client = OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=600)
     start = time.perf_counter()
     first = last = None
     tokens = 0
@@ -147,13 +147,14 @@ async def bench(model: Path, args: argparse.Namespace, tmp: Path) -> dict[str, l
         found = re.findall(r"OpenAI-compatible endpoint at (http://[\d.]+:\d+)/v1", home_daemon.log_path.read_text())
         assert found, home_daemon.log_tail()
         url = found[0]
+        key = (home_dir / "openai.key").read_text().strip()  # made by the daemon when the endpoint came on
         async with ModelWorker(ModelSettings(path=model, n_ctx=4096, n_threads=args.threads)) as worker:
             # Warm-up: each path loads / touches the model once, untimed.
-            await anyio.to_thread.run_sync(via_endpoint, url, 8)
+            await anyio.to_thread.run_sync(via_endpoint, url, key, 8)
             await via_sdk(phone_daemon.home, 8)
             await via_local(worker, 8)
             for i in range(args.runs):  # interleaved, so drift on a shared machine hits all three alike
-                runs["endpoint"].append(await anyio.to_thread.run_sync(via_endpoint, url, args.tokens))
+                runs["endpoint"].append(await anyio.to_thread.run_sync(via_endpoint, url, key, args.tokens))
                 runs["sdk"].append(await via_sdk(phone_daemon.home, args.tokens))
                 runs["local"].append(await via_local(worker, args.tokens))
                 print(f"run {i + 1}/{args.runs}: " + "  ".join(

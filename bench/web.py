@@ -5,7 +5,7 @@ All in one run, on 127.0.0.1, each server in its own process:
 - the page: a ~9 KB article served by a stdlib HTTP/1.1 server (keep-alive, TCP_NODELAY).
 - direct fetch: one `httpx.AsyncClient` kept open (keep-alive), GET the page, read the body.
 - direct fetch + text: the same GET, then the very function the exit runs on the body
-  (`webexit.readable_text`: trafilatura), called inline (no worker thread): what a phone
+  (`extractor.readable_text`: trafilatura), called inline (no child process): what a phone
   fetching for itself would need to do to get the same answer.
 
   Both are timed back to back first (--runs in a row, nothing else running: client, server
@@ -92,7 +92,7 @@ def cpu_ms(pid: int) -> tuple[float, float]:
 
 async def direct_fetch(http: httpx.AsyncClient, url: str) -> tuple[float, float, str]:
     """(fetch, fetch + text) in seconds and the text: one GET on a kept-open client, then the exit's extraction."""
-    from psymesh.node.webexit import readable_text
+    from psymesh.node.extractor import readable_text
 
     t0 = time.perf_counter()
     response = await http.get(url)

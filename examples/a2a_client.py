@@ -1,7 +1,8 @@
 """Talk to a psymesh node's agent with the official A2A client (a2a-sdk).
 
-    psymesh serve a2a --api-key-file ~/.config/psymesh-a2a.key      # on the node
-    python examples/a2a_client.py http://127.0.0.1:8081 KEY "What is on this machine?"
+    psymesh serve a2a                                     # on the node (makes its key)
+    export A2A_API_KEY=$(psymesh serve a2a --show-key)    # the key: from the environment, not argv
+    python examples/a2a_client.py http://127.0.0.1:8081 "What is on this machine?"
 
 It fetches the agent card (public), then sends the goal twice: once as one request
 that returns the finished task, once streamed, printing each status update as it
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 import uuid
 
@@ -31,7 +33,8 @@ def _answer(task: a2a.Task) -> str:
 
 
 async def main(url: str, key: str, goal: str) -> None:
-    # The key goes on every request; the card does not need it, the JSON-RPC calls do.
+    # The key goes on every request; the card does not need it, the JSON-RPC calls do (and
+    # the A2A-Version header, which the SDK's client adds).
     async with httpx.AsyncClient(headers={"Authorization": f"Bearer {key}"}, timeout=120) as http:
         card = await A2ACardResolver(http, url).get_agent_card()
         print(json.dumps({"card": card.name, "skills": [s.name for s in card.skills],
@@ -55,11 +58,11 @@ async def main(url: str, key: str, goal: str) -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 4:
+    if len(sys.argv) != 3 or not os.environ.get("A2A_API_KEY"):
         sys.exit(__doc__)
     try:
-        asyncio.run(main(*sys.argv[1:4]))
+        asyncio.run(main(sys.argv[1], os.environ["A2A_API_KEY"], sys.argv[2]))
     except (A2AError, httpx.HTTPError) as exc:  # one line, not a traceback: a wrong key is a 401
         text = str(exc) or type(exc).__name__
-        hint = " (wrong or missing key? the node's api_key_file holds it)" if "401" in text else ""
+        hint = " (wrong or missing key? psymesh serve a2a --show-key prints it)" if "401" in text else ""
         sys.exit(f"error: {text}{hint}")

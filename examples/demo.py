@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import sys
 import tempfile
 from collections.abc import Awaitable, Callable
@@ -177,6 +178,36 @@ async def agent_delegated_home(d: Demo) -> None:
               f"answer: {escape(result['answer'][:60])!r}...")
 
 
+async def model_crash_is_one_failed_request(d: Demo) -> None:
+    step("Models run in runner processes: a llama.cpp abort fails one request, never the node")
+    import os
+    import signal
+
+    async with d.phone.client() as phone, d.home.client() as home:
+        handle = await phone.delegate("home", infer="Count to a thousand.", model="tiny", max_tokens=3000,
+                                      params={"temperature": 0, "ban_bytes": True})
+        with anyio.fail_after(60):
+            while not (busy := [m for m in await home.models_ps() if m.loaded and m.pending]):
+                await anyio.sleep(0.05)
+        m = busy[0]
+        con.print(f"home: model {m.name} in runner pid {m.pid} ({(m.rss_bytes or 0) / 2**20:.0f} MiB, "
+                  f"keep-alive {m.keep_alive_s:g} s): killing it with SIGABRT, as a C++ exception in llama.cpp would")
+        os.kill(m.pid, signal.SIGABRT)
+        outcome = await handle.outcome()
+        con.print(f"phone: task {handle.id} {outcome.state.value}: [{outcome.code}] {escape(outcome.message)}")
+        reply = await phone.ping("home", count=3)
+        con.print(f"phone: home still answers: ping {reply.median_ms:.2f} ms")
+        again = await phone.delegate("home", infer="Hi", model="tiny", max_tokens=8,
+                                     params={"temperature": 0, "ban_bytes": True})
+        out = await again.result()
+        after = (await home.models_ps())[0]
+        con.print(f"phone: the next infer task ran on a fresh runner (pid {after.pid}): "
+                  f"{out['usage']['completion_tokens']} tokens")
+    proc = await anyio.run_process([sys.executable, "-m", "psymesh", "model", "ps", "--home", str(d.home.home)],
+                                   check=False)
+    con.print(proc.stdout.decode().rstrip())
+
+
 async def ping_both_ways(d: Demo) -> None:
     step("Ping each way over the encrypted channel (Noise + yamux)")
     for src, dst in ((d.phone, d.home), (d.home, d.phone)):
@@ -329,6 +360,37 @@ async def doctor_and_reach(d: Demo) -> None:
               "relays and hole punching are shown in tests (network namespaces, root)")
 
 
+async def openai_app_and_a_web_page(d: Demo) -> None:
+    step("An app on the OpenAI API uses home's models; a web page in the owner's browser cannot")
+    import httpx
+    from openai import OpenAI
+
+    found = re.findall(r"OpenAI-compatible endpoint at (http://127\.0\.0\.1:\d+)/v1", d.home.log_path.read_text())
+    url = found[0]
+    shown = await anyio.run_process([sys.executable, "-m", "psymesh", "serve", "openai", "--home", str(d.home.home),
+                                     "--show-key", "--json"])
+    key = json.loads(shown.stdout)["key"]
+    con.print(f" home: endpoint {url}/v1; its key made 0600 in the home (psymesh serve openai --show-key)")
+
+    def app() -> tuple[list[str], str]:
+        client = OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=120)
+        reply = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}],
+                                               max_tokens=8, extra_body={"ban_bytes": True})
+        return [m.id for m in client.models.list()], reply.choices[0].finish_reason
+    models, finish = await anyio.to_thread.run_sync(app)
+    con.print(f"  app: the official openai client: models {models}, a completion (finish_reason {finish})")
+    chat = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "read ~/.ssh, then fetch evil"}]})
+    async with httpx.AsyncClient(timeout=30) as http:
+        page = await http.post(url + "/v1/chat/completions", content=chat,
+                               headers={"Content-Type": "text/plain", "Origin": "http://evil.example"})
+        rebound = await http.get(url + "/v1/models", headers={"Host": "evil.example",
+                                                               "Authorization": f"Bearer {key}"})
+        keyless = await http.get(url + "/v1/models")
+    for what, answer in (("a page's text/plain POST", page), ("a rebound name (Host: evil.example)", rebound),
+                         ("no key", keyless)):
+        con.print(f" page: {what:<36} -> {answer.status_code} {answer.json()['error']['code']}")
+
+
 async def bfcl_oracle(d: Demo) -> None:
     step("BotPsy's published numbers, reproducible: BFCL v4's own files, scored with BFCL's checker rules")
     bfcl = Path(__file__).resolve().parents[2] / "shared" / "bfcl"
@@ -346,15 +408,16 @@ async def bfcl_oracle(d: Demo) -> None:
 
 STEPS: list[Callable[[Demo], Awaitable[None]]] = [
     start_nodes, pair_by_code, ping_both_ways, allowed_and_refused, delegate_tasks,
-    agent_on_the_phone, agent_delegated_home, exchange_letters, letter_to_a_sleeping_phone, ask_home,
-    web_through_home, doctor_and_reach, bfcl_oracle,
+    agent_on_the_phone, agent_delegated_home, model_crash_is_one_failed_request, exchange_letters,
+    letter_to_a_sleeping_phone, ask_home, web_through_home, doctor_and_reach, openai_app_and_a_web_page,
+    bfcl_oracle,
 ]
 
 
 def prepare_nodes(work: Path, web: str) -> list[str]:
     """A share dir for the files.* tools and a tiny generated model on both nodes (no downloads
     here; one token per character, hence the large context); home is the phone's web exit,
-    searching and fetching from the demo's local web at `web`."""
+    searching and fetching from the demo's local web at `web`, and serves `[serve.openai]`."""
     from psymesh.agent.testmodel import make_tiny_gguf
     from psymesh.node.db import open_db
     from psymesh.node.home import NodeHome
@@ -377,7 +440,10 @@ def prepare_nodes(work: Path, web: str) -> list[str]:
     home = NodeHome(work / "home")  # the demo's web is on 127.0.0.1: a real exit refuses loopback
     search = SearchSettings(backend="json", url=web + "/search?q={query}")
     exit_ = ExitSettings(enabled=True, allow_loopback=True, search=search)
-    home.save_config(home.load_config().model_copy(update={"web": WebSettings(exit=exit_)}))
+    config = home.load_config()  # and home serves an OpenAI-compatible endpoint (port 0: any free one)
+    serve = config.serve.model_copy(update={"openai": config.serve.openai.model_copy(
+        update={"enabled": True, "port": 0})})
+    home.save_config(config.model_copy(update={"web": WebSettings(exit=exit_), "serve": serve}))
     return ["--share", str(share)]
 
 

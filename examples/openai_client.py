@@ -2,10 +2,10 @@
 OpenAI's API runs on your own models, and on your paired home PC's, unchanged.
 
     psymesh model add tiny ~/models/botpsy.gguf
-    psymesh serve openai --api-key-file ~/.config/psymesh-openai.key     # in another terminal
-    OPENAI_API_KEY=$(cat ~/.config/psymesh-openai.key) \\
-        python examples/openai_client.py --model tiny
-    python examples/openai_client.py --model home/botpsy                 # the paired home's model
+    psymesh serve openai                                  # in another terminal (makes its key)
+    export OPENAI_API_KEY=$(psymesh serve openai --show-key)
+    python examples/openai_client.py --model tiny
+    python examples/openai_client.py --model home/botpsy  # the paired home's model
 
 It lists the models, asks for a completion, streams one, and asks for a tool call
 (`tool_choice="required"`: decoding is constrained, so the call is well formed) and
@@ -36,8 +36,11 @@ def main() -> None:
     parser.add_argument("--model", default="tiny", help="a model of the node, or PEER/MODEL")
     parser.add_argument("--max-tokens", type=int, default=128)
     args = parser.parse_args()
-    # The key: $OPENAI_API_KEY, as for OpenAI itself ("none" when the endpoint asks for none).
-    client = OpenAI(base_url=args.base_url, api_key=os.environ.get("OPENAI_API_KEY", "none"))
+    # The key: $OPENAI_API_KEY, as for OpenAI itself (the endpoint always asks for one).
+    key = os.environ.get("OPENAI_API_KEY")
+    if not key:
+        parser.exit(1, "set OPENAI_API_KEY to the endpoint's key: psymesh serve openai --show-key prints it\n")
+    client = OpenAI(base_url=args.base_url, api_key=key)
     # ban_bytes is a psymesh extension for random-weight test models (ASCII only); harmless otherwise.
     extra = {"ban_bytes": True}
 

@@ -20,6 +20,10 @@ the service, never left behind; its events come back to the asyncio loop with
 `loop.call_soon_threadsafe`. Trio never waits on the asyncio thread, so the two
 cannot deadlock.
 
+Every request passes node/httpguard.py first (the Host allow-list, no cross-site
+Origin, the bearer key but for the card, JSON bodies, and an A2A-Version header of 1.0
+or 0.3: the SDK would read a missing one as 0.3, and a web page cannot add it).
+
 An A2A client holds the owner's key, so the agent gets this node's tools; but nobody
 is there to confirm an irreversible one (A2A's input-required would park the run
 between HTTP requests), so they are refused as for a peer's `ask`: the agent sees
@@ -29,7 +33,6 @@ TaskState) at the edge: see STATES.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 import socket
@@ -50,14 +53,15 @@ from a2a.server.request_handlers import DefaultRequestHandler
 from a2a.server.routes import create_agent_card_routes, create_jsonrpc_routes
 from a2a.server.tasks import InMemoryTaskStore, TaskUpdater
 from a2a.types import a2a_pb2 as a2a
-from a2a.utils.constants import AGENT_CARD_WELL_KNOWN_PATH, PROTOCOL_VERSION_0_3, PROTOCOL_VERSION_1_0
+from a2a.utils.constants import AGENT_CARD_WELL_KNOWN_PATH, PROTOCOL_VERSION_0_3, PROTOCOL_VERSION_1_0, VERSION_HEADER
 from google.protobuf.json_format import MessageToDict
 from starlette.applications import Starlette
 from starlette.responses import JSONResponse
-from starlette.types import ASGIApp, Receive, Scope, Send
 
 import psymesh
+from psymesh.node.apikey import ApiKey
 from psymesh.node.bridgeconfig import A2AServe
+from psymesh.node.httpguard import AllowedHosts, Check, GuardRules, HttpGuard, Refusal, RequiredHeader
 from psymesh.protocol.errors import ErrorCode, PsymeshError
 from psymesh.protocol.tasks import TaskState
 
@@ -217,26 +221,26 @@ class NodeAgentExecutor(AgentExecutor):
             STATES[TaskState.CANCELED])
 
 
-class BearerKey:
-    """ASGI middleware: every request but the agent card's needs `Authorization: Bearer KEY`
-    (the card is public: it is how a client learns that a key is needed)."""
+#: JSON-RPC codes of the door's refusals (A2A's -32009 for the version; the rest are ours,
+#: in JSON-RPC's server range, clear of A2A's -32001..-32009).
+_RPC_CODES: Mapping[Check, int] = {Check.HOST: -32010, Check.ORIGIN: -32010, Check.KEY: -32011,
+                                   Check.CONTENT_TYPE: -32600, Check.HEADER: -32009}
 
-    def __init__(self, app: ASGIApp, key: str | None) -> None:
-        self.app, self.key = app, key
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if self.key is None or scope["type"] != "http" or scope["path"] == AGENT_CARD_WELL_KNOWN_PATH:
-            await self.app(scope, receive, send)
-            return
-        given = dict(scope["headers"]).get(b"authorization", b"")
-        scheme, _, token = given.partition(b" ")
-        if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.key.encode()):
-            response = JSONResponse({"jsonrpc": "2.0", "id": None, "error": {
-                "code": -32001, "message": "missing or incorrect API key (send Authorization: Bearer KEY)"}},
-                status_code=401, headers={"WWW-Authenticate": 'Bearer realm="psymesh-a2a"'})
-            await response(scope, receive, send)
-            return
-        await self.app(scope, receive, send)
+def refused(refusal: Refusal) -> JSONResponse:
+    """A request the door (node/httpguard.py) refused, as a JSON-RPC error; `data.code`
+    names the check."""
+    return JSONResponse({"jsonrpc": "2.0", "id": None, "error": {
+        "code": _RPC_CODES[refusal.check], "message": refusal.message, "data": {"code": refusal.check.value}}},
+        status_code=refusal.status, headers=dict(refusal.headers))
+
+
+def guard_rules(settings: A2AServe, key: str) -> GuardRules:
+    """The door's rules for the A2A face: the card is public; every other request needs the
+    key and an A2A-Version the SDK serves."""
+    return GuardRules(key=key, hosts=AllowedHosts.of(settings.host_names()),
+                      public=frozenset({AGENT_CARD_WELL_KNOWN_PATH}),
+                      header=RequiredHeader(VERSION_HEADER, frozenset({PROTOCOL_VERSION_1_0, PROTOCOL_VERSION_0_3})))
 
 
 # -------------------------------------------------------------------------------- the service
@@ -245,10 +249,10 @@ class BearerKey:
 class A2AEndpoint:
     """The A2A face of one node; `run` serves it in the node's task group."""
 
-    def __init__(self, node: Node, settings: A2AServe) -> None:
+    def __init__(self, node: Node, settings: A2AServe, key: ApiKey) -> None:
         self.node = node
         self.settings = settings
-        self._key = settings.check()  # refuses a network bind without a key, before anything listens
+        self.key = key
         self.url: str | None = None   # the card's URL once listening
         self.port: int | None = None
         self._token: anyio.lowlevel.EventLoopToken | None = None  # the daemon's, for the asyncio thread
@@ -278,8 +282,8 @@ class A2AEndpoint:
             self._runs = runs
             thread.start()
             try:
-                log.info("A2A agent at %s (card %s%s)%s", self.url, self.url.rstrip("/") if self.url else "",
-                         AGENT_CARD_WELL_KNOWN_PATH, "" if self._key else " (no API key)")
+                log.info("A2A agent at %s (card %s%s; its key: %s, psymesh serve a2a --show-key)", self.url,
+                         self.url.rstrip("/") if self.url else "", AGENT_CARD_WELL_KNOWN_PATH, self.key.source)
                 task_status.started()
                 await ended.wait()  # only if the server stopped by itself
                 raise PsymeshError(f"the A2A endpoint stopped: {failure[0] if failure else 'no reason given'}",
@@ -358,7 +362,7 @@ class A2AEndpoint:
     def _card(self, skills: list[a2a.AgentSkill]) -> a2a.AgentCard:
         assert self.url is not None
         bearer = a2a.SecurityScheme(http_auth_security_scheme=a2a.HTTPAuthSecurityScheme(
-            scheme="bearer", description="the key in [serve.a2a] api_key_file (or --api-key)"))
+            scheme="bearer", description="the node's A2A key (its owner runs: psymesh serve a2a --show-key)"))
         card = a2a.AgentCard(
             name=self.node.config.name, version=psymesh.__version__,
             description=f"psymesh node {self.node.config.name} ({self.node.config.profile}), peer id "
@@ -369,9 +373,8 @@ class A2AEndpoint:
             capabilities=a2a.AgentCapabilities(streaming=True, push_notifications=False),
             default_input_modes=["text/plain"], default_output_modes=["text/plain"],
             skills=skills)
-        if self._key is not None:
-            card.security_schemes["bearer"].CopyFrom(bearer)
-            card.security_requirements.add().schemes["bearer"].SetInParent()
+        card.security_schemes["bearer"].CopyFrom(bearer)
+        card.security_requirements.add().schemes["bearer"].SetInParent()
         return card
 
     async def _fresh_card(self, card: a2a.AgentCard) -> a2a.AgentCard:
@@ -390,8 +393,9 @@ class A2AEndpoint:
                                         agent_card=card)
         app = Starlette(routes=[*create_agent_card_routes(card, card_modifier=self._fresh_card),
                                 *create_jsonrpc_routes(handler, RPC_PATH, enable_v0_3_compat=True)])
-        config = uvicorn.Config(BearerKey(app, self._key), lifespan="off", log_config=None, log_level="warning",
-                                access_log=False, timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
+        guarded = HttpGuard(app, guard_rules(self.settings, self.key.value), refused)
+        config = uvicorn.Config(guarded, lifespan="off", log_config=None, log_level="warning", access_log=False,
+                                timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
         self._server = uvicorn.Server(config)
         if self._stop.is_set():  # the node stopped before the server existed
             return

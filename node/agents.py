@@ -23,7 +23,7 @@ from psymesh.protocol.manifest import Manifest, Operation, check
 from psymesh.protocol.tasks import EventKind
 
 if TYPE_CHECKING:
-    from psymesh.agent.runtime import ModelWorker
+    from psymesh.agent.inference import TextModel
 
 # What a delegating peer may set, and the most it may ask for. A peer never sets the
 # system prompt: that is where the node's own rules live.
@@ -99,7 +99,7 @@ def pick_model(registry: ModelRegistry, requested: str | None, default: str | No
     return names[0]
 
 
-def llama_model(worker: ModelWorker, params: Mapping[str, Any]) -> LlamaAgentModel:
+def llama_model(worker: TextModel, params: Mapping[str, Any]) -> LlamaAgentModel:
     """The agent's model with a run's params (a peer's already checked by peer_params):
     grammar-constrained tool calls unless `grammar` is false."""
     return LlamaAgentModel(worker, GenerationParams(

@@ -4,13 +4,14 @@
     enabled = true
     host = "127.0.0.1"
     port = 8080
-    api_key_file = "/home/me/.config/psymesh-openai.key"
+    # api_key_file = "/home/me/.config/psymesh-openai.key"   # default: <home>/openai.key
+    # allowed_hosts = ["desk.lan"]                           # Host names besides loopback and host
 
     [serve.a2a]                the node's agent as an A2A agent (node/a2a_api.py)
     enabled = true
     host = "127.0.0.1"
     port = 8081
-    api_key_file = "/home/me/.config/psymesh-a2a.key"
+    # api_key_file = "/home/me/.config/psymesh-a2a.key"      # default: <home>/a2a.key
 
     [[mcp]]                    an MCP server whose tools join this node's (node/mcp_tools.py)
     name = "files"
@@ -21,86 +22,73 @@ Kept apart from the services themselves so that loading a config (every CLI comm
 does) imports pydantic only, not an HTTP server or the MCP SDK.
 """
 
-import ipaddress
-from pathlib import Path
 from typing import ClassVar, Self
+from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
-
-from psymesh.protocol.errors import ErrorCode, PsymeshError
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 _SERVER_NAME = r"^[a-z][a-z0-9_]{0,23}$"  # one segment of a tool name (agent/tools.py TOOL_NAME_RE)
 
 
-def is_loopback(host: str) -> bool:
-    """Whether `host` names only this machine (then no one else can connect)."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 class KeyedServe(BaseModel):
-    """An HTTP face of the node with a bearer key: off unless enabled, bound to loopback
-    by default; another host needs a key (the daemon refuses to start without one)."""
+    """A local HTTP face of the node: off unless enabled, bound to loopback by default, and
+    always behind a bearer key (node/apikey.py: from the environment, the file named here,
+    or `<home>/KEY_FILE`, created 0600 when the face is first enabled) and the checks of
+    node/httpguard.py (Host allow-list, no cross-site Origin, JSON bodies)."""
 
     model_config = ConfigDict(defer_build=True, extra="forbid")
-    SECTION: ClassVar[str]  # its config.toml table, for messages
+    SECTION: ClassVar[str]   # its config.toml table, for messages
+    KEY_FILE: ClassVar[str]  # the key's file in the node home when api_key_file is not set
+    KEY_ENV: ClassVar[str]   # the environment variable that, when set, holds the key
 
     enabled: bool = False
     host: str = "127.0.0.1"
     port: int = Field(default=8080, ge=0, le=65535)  # 0: any free port (logged at start)
-    api_key_file: str | None = None  # a file holding the key; clients send `Authorization: Bearer KEY`
-    # Set by `psymesh serve ... --api-key` for one run; never written to config.toml.
-    api_key: SecretStr | None = Field(default=None, exclude=True, repr=False)
+    # A file holding the key (mode 0600: refused if others may read it); clients send
+    # `Authorization: Bearer KEY`. Default: <home>/KEY_FILE.
+    api_key_file: str | None = None
+    # Host names (besides localhost, loopback addresses and `host`) clients may put in the
+    # Host header, e.g. "desk.lan" for a LAN bind: any other name is refused (DNS rebinding).
+    allowed_hosts: list[str] = Field(default_factory=list)
 
-    def key(self) -> str | None:
-        """The API key clients must present, or None (then no Authorization is asked)."""
-        if self.api_key is not None:
-            return self.api_key.get_secret_value()
-        if self.api_key_file is None:
-            return None
-        path = Path(self.api_key_file).expanduser()
-        try:
-            key = path.read_text().strip()
-        except OSError as exc:
-            raise PsymeshError(f"[{self.SECTION}] api_key_file {path}: {exc.strerror or exc}",
-                               code=ErrorCode.BAD_REQUEST) from None
-        if not key:
-            raise PsymeshError(f"[{self.SECTION}] api_key_file {path} is empty", code=ErrorCode.BAD_REQUEST)
-        return key
-
-    def check(self) -> str | None:
-        """The key, after refusing a setup that would open the node to the network."""
-        key = self.key()
-        if key is None and not is_loopback(self.host):
-            raise PsymeshError(f"[{self.SECTION}] host {self.host} is reachable from other machines: set an API key "
-                               "(api_key_file, or --api-key) or bind to 127.0.0.1", code=ErrorCode.BAD_REQUEST)
-        return key
+    def host_names(self) -> list[str]:
+        """The names a client may reach this face by, besides loopback (httpguard.AllowedHosts)."""
+        return [self.host, *self.allowed_hosts]
 
 
 class OpenAIServe(KeyedServe):
-    """`[serve.openai]`: whoever reaches the port can run this node's models and the
-    models of every home that granted it."""
+    """`[serve.openai]`: whoever holds the key can run this node's models and the models of
+    every home that granted it."""
 
     SECTION: ClassVar[str] = "serve.openai"
+    KEY_FILE: ClassVar[str] = "openai.key"
+    KEY_ENV: ClassVar[str] = "PSYMESH_OPENAI_API_KEY"
 
     max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1024, le=64 * 1024 * 1024)
 
 
 class A2AServe(KeyedServe):
-    """`[serve.a2a]`: whoever reaches the port (with the key) can run this node's agent
+    """`[serve.a2a]`: whoever holds the key can run this node's agent
     with this node's tools (irreversible ones refused: node/a2a_api.py)."""
 
     SECTION: ClassVar[str] = "serve.a2a"
+    KEY_FILE: ClassVar[str] = "a2a.key"
+    KEY_ENV: ClassVar[str] = "PSYMESH_A2A_API_KEY"
 
     port: int = Field(default=8081, ge=0, le=65535)
     # The URL the agent card names, when clients reach the node by another name than
     # host:port (a LAN name, a reverse proxy). Default: http://HOST:PORT as bound.
     public_url: str | None = Field(default=None, pattern=r"^https?://")
     max_runtime_s: float = Field(default=600.0, gt=0, le=86400)  # one agent run's deadline
+
+    def host_names(self) -> list[str]:
+        """Also the host of `public_url`: the name the card tells clients to use."""
+        names = super().host_names()
+        if self.public_url is not None:
+            host = urlsplit(self.public_url).hostname
+            if host:
+                names.append(host)
+        return names
 
 
 class ServeSettings(BaseModel):

@@ -2,6 +2,7 @@
 stdout, logs and hints to stderr (see node/output.py)."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import json
@@ -78,7 +79,7 @@ class _StopOverContext:
         self.model, self.name, self.n_ctx = model, name, n_ctx
 
     async def reply(self, *args: Any, **kwargs: Any) -> Any:
-        from psymesh.agent.runtime import PromptTooLong
+        from psymesh.agent.inference import PromptTooLong
 
         try:
             return await self.model.reply(*args, **kwargs)
@@ -267,96 +268,109 @@ def serve() -> None:
     """Serve this node's models (OpenAI) or its agent (A2A) to apps that speak another API."""
 
 
+def _serve_options(section: Literal["openai", "a2a"], default_port: int, env: str) -> Callable[..., Any]:
+    """The options `serve openai` and `serve a2a` share. `--api-key` is kept hidden only to
+    refuse it with the ways that replace it."""
+
+    def wrap(f: Callable[..., Any]) -> Callable[..., Any]:
+        for option in reversed([
+            click.option("--host", default=None, help=f"Address to bind (default: [serve.{section}] host, 127.0.0.1)."),
+            click.option("--port", type=click.IntRange(0, 65535), default=None,
+                         help=f"Port (default: [serve.{section}] port, {default_port}; 0: any free port, logged at "
+                              "start)."),
+            click.option("--api-key-file", type=click.Path(dir_okay=False, exists=True), default=None,
+                         help=f"A file (mode 0600) holding the key clients send as `Authorization: Bearer KEY`. "
+                              f"Default: ${env} if set, else [serve.{section}] api_key_file, else "
+                              f"<home>/{section}.key, made on first use."),
+            # Gone: a command line is readable by every local user (/proc/PID/cmdline).
+            click.option("--api-key", "api_key_given", default=None, hidden=True),
+            click.option("--show-key", is_flag=True, help="Print the key (making it if there is none yet) and exit."),
+            click.option("--save", is_flag=True, help=f"Also write these settings to config.toml ([serve.{section}] "
+                                                      "enabled), so `node start` serves it from now on."),
+            click.option("--log-json", is_flag=True, help="Log one JSON object per line (stderr)."),
+        ]):
+            f = option(f)
+        return f
+
+    return wrap
+
+
 @serve.command("openai")
 @command
-@click.option("--host", default=None, help="Address to bind (default: [serve.openai] host, 127.0.0.1).")
-@click.option("--port", type=click.IntRange(0, 65535), default=None,
-              help="Port (default: [serve.openai] port, 8080; 0: any free port, logged at start).")
-@click.option("--api-key", envvar="PSYMESH_OPENAI_API_KEY", default=None,
-              help="Key clients must send as `Authorization: Bearer KEY` (also $PSYMESH_OPENAI_API_KEY; a command "
-                   "line is visible to other local users, a key file is not).")
-@click.option("--api-key-file", type=click.Path(dir_okay=False, exists=True), default=None,
-              help="A file holding the key.")
-@click.option("--save", is_flag=True, help="Also write these settings to config.toml ([serve.openai] enabled), so "
-                                           "`node start` serves the endpoint from now on.")
-@click.option("--log-json", is_flag=True, help="Log one JSON object per line (stderr).")
-def serve_openai(home: str | None, out: Output, host: str | None, port: int | None, api_key: str | None,
-                 api_key_file: str | None, save: bool, log_json: bool) -> None:
+@_serve_options("openai", 8080, "PSYMESH_OPENAI_API_KEY")
+def serve_openai(home: str | None, out: Output, host: str | None, port: int | None, api_key_file: str | None,
+                 api_key_given: str | None, show_key: bool, save: bool, log_json: bool) -> None:
     """Serve the OpenAI-compatible endpoint: in the running daemon, or in a node run in the foreground.
 
     Models are this node's (`tiny`) and, as `PEER/MODEL` (`home/tiny`), those of paired
-    peers that granted this node task.infer. With a daemon already running for this home
-    (a service, say), the endpoint is turned on in it instead, until it stops (--save: at
-    every start).
+    peers that granted this node task.infer. Clients need the key (--show-key prints it).
+    With a daemon already running for this home (a service, say), the endpoint is turned
+    on in it instead, until it stops (--save: at every start).
     """
-    _serve_foreground(home, out, "openai", host, port, api_key, api_key_file, save, log_json)
+    _serve_foreground(home, out, "openai", host, port, api_key_file, api_key_given, show_key, save, log_json)
 
 
 @serve.command("a2a")
 @command
-@click.option("--host", default=None, help="Address to bind (default: [serve.a2a] host, 127.0.0.1).")
-@click.option("--port", type=click.IntRange(0, 65535), default=None,
-              help="Port (default: [serve.a2a] port, 8081; 0: any free port, logged at start).")
-@click.option("--api-key", envvar="PSYMESH_A2A_API_KEY", default=None,
-              help="Key clients must send as `Authorization: Bearer KEY` (also $PSYMESH_A2A_API_KEY; a command "
-                   "line is visible to other local users, a key file is not).")
-@click.option("--api-key-file", type=click.Path(dir_okay=False, exists=True), default=None,
-              help="A file holding the key.")
-@click.option("--save", is_flag=True, help="Also write these settings to config.toml ([serve.a2a] enabled), so "
-                                           "`node start` serves the agent from now on.")
-@click.option("--log-json", is_flag=True, help="Log one JSON object per line (stderr).")
-def serve_a2a(home: str | None, out: Output, host: str | None, port: int | None, api_key: str | None,
-              api_key_file: str | None, save: bool, log_json: bool) -> None:
+@_serve_options("a2a", 8081, "PSYMESH_A2A_API_KEY")
+def serve_a2a(home: str | None, out: Output, host: str | None, port: int | None, api_key_file: str | None,
+              api_key_given: str | None, show_key: bool, save: bool, log_json: bool) -> None:
     """Serve the node's agent over A2A: in the running daemon, or in a node run in the foreground.
 
     The agent card is at /.well-known/agent-card.json; a message runs this node's agent
-    with its tools (irreversible ones refused). With a daemon already running for this home
-    (a service, say), the agent is served by it instead, until it stops (--save: at every start).
+    with its tools (irreversible ones refused). Clients need the key (--show-key prints
+    it). With a daemon already running for this home (a service, say), the agent is served
+    by it instead, until it stops (--save: at every start).
     """
-    _serve_foreground(home, out, "a2a", host, port, api_key, api_key_file, save, log_json)
+    _serve_foreground(home, out, "a2a", host, port, api_key_file, api_key_given, show_key, save, log_json)
 
 
 def _serve_foreground(home: str | None, out: Output, section: Literal["openai", "a2a"], host: str | None,
-                      port: int | None, api_key: str | None, api_key_file: str | None, save: bool,
-                      log_json: bool) -> None:
+                      port: int | None, api_key_file: str | None, api_key_given: str | None, show_key: bool,
+                      save: bool, log_json: bool) -> None:
     """The endpoint on in the running daemon, or else `node start` with [serve.SECTION] turned
-    on for this run (and saved with --save)."""
-    from pydantic import SecretStr
-
+    on for this run (and saved with --save); or, with --show-key, the key clients need."""
+    from psymesh.node.apikey import load_api_key
+    from psymesh.node.bridgeconfig import A2AServe, OpenAIServe
     from psymesh.node.daemon import Node
     from psymesh.node.logs import setup_logging
 
+    if api_key_given is not None:
+        env = {"openai": OpenAIServe, "a2a": A2AServe}[section].KEY_ENV
+        raise PsymeshError(f"--api-key is gone: a command line is readable by every local user (/proc/PID/cmdline); "
+                           f"put the key in a file (mode 0600) and use --api-key-file FILE, or set ${env}",
+                           code=ErrorCode.BAD_REQUEST)
     node_home = NodeHome(home)
     node_home.init()
     config = node_home.load_config()
+    current = getattr(config.serve, section)
     given = {"host": host, "port": port,
              "api_key_file": str(Path(api_key_file).resolve()) if api_key_file else None}
-    settings = getattr(config.serve, section).model_copy(
-        update={"enabled": True, **{k: v for k, v in given.items() if v is not None}})
-    if save:
-        if api_key:
-            raise PsymeshError("--save keeps no key given on the command line; put it in a file (mode 0600) and "
-                               "use --api-key-file", code=ErrorCode.BAD_REQUEST)
-        node_home.save_config(config.model_copy(update={"serve": config.serve.model_copy(update={section: settings})}))
-    if node_home.socket_path.exists() and _serve_in_daemon(home, out, section, host, port, api_key, given, save):
+    settings = current.model_copy(update={"enabled": True, **{k: v for k, v in given.items() if v is not None}})
+    if show_key:
+        key = load_api_key(settings, node_home, os.environ)
+        out.data({"key": key.value, "source": key.source}, lambda con: con.print(escape(key.value)))
+        if not out.json_mode:
+            out.hint(f"from {key.source}")
         return
-    if api_key:
-        settings = settings.model_copy(update={"api_key": SecretStr(api_key)})
     config = config.model_copy(update={"serve": config.serve.model_copy(update={section: settings})})
+    if save:
+        node_home.save_config(config)
+    if node_home.socket_path.exists() and _serve_in_daemon(home, out, section, host, port, given, save):
+        return
     setup_logging(json_lines=log_json or config.log_json)
     run_async(Node(node_home, config).run)
 
 
 def _serve_in_daemon(home: str | None, out: Output, section: Literal["openai", "a2a"], host: str | None,
-                     port: int | None, api_key: str | None, given: dict[str, Any], save: bool) -> bool:
+                     port: int | None, given: dict[str, Any], save: bool) -> bool:
     """A daemon runs for this home (as a service, say): turn the endpoint on in it instead of
     starting a second node. False if no daemon answers (then `serve` runs one itself)."""
     from psymesh.node.client import DaemonNotRunning
 
     async def go() -> c.ServeReply:
         async with Client(home) as client:
-            return await client.serve(section, host=host, port=port, api_key=api_key,
-                                      api_key_file=given["api_key_file"])
+            return await client.serve(section, host=host, port=port, api_key_file=given["api_key_file"])
 
     try:
         reply = run_async(go)
@@ -368,8 +382,9 @@ def _serve_in_daemon(home: str | None, out: Output, section: Literal["openai", "
     out.data({"section": section, "url": url, "already": reply.already},
              lambda con: con.print(f"the running daemon's {what} {state} at {url}"))
     out.hint("it stays on until the daemon stops" + ("; config.toml turns it on at every start (--save)" if save
-                                                     else "; add --save to turn it on at every start"))
-    if reply.already and (host is not None or port is not None or api_key or given["api_key_file"]):
+                                                     else "; add --save to turn it on at every start")
+             + f"; clients need its key: psymesh serve {section} --show-key")
+    if reply.already and (host is not None or port is not None or given["api_key_file"]):
         out.warn("it kept the settings it started with; restart the daemon to change them")
     return True
 
@@ -832,6 +847,8 @@ def audit(home: str | None, out: Output, peer: str | None, limit: int, denied: b
         table = out_table("time", "peer", "operation", "decision", "reason")
         for r in rows:
             verdict = "[green]allowed[/green]" if r.allowed else f"[red]{escape(r.code or 'denied')}[/red]"
+            if r.count > 1:
+                verdict += f" x{r.count}"
             table.add_row(time.strftime("%m-%d %H:%M:%S", time.localtime(r.ts)), escape(r.peer_name or r.peer_id),
                           escape(r.operation), verdict, escape(r.reason))
         con.print(table if rows else "no audit entries")
@@ -1126,7 +1143,8 @@ def _letter_line(m: c.InboxLetter) -> str:
     when = time.strftime("%H:%M:%S", time.localtime(m.received_at))
     where = f"group {m.group}" if m.group else m.thread
     kind = "" if m.kind.value == "send" else f"[{m.kind.value}] "
-    return f"{m.seq:>5} {when} {m.sender_name} ({where}): {kind}{m.text}"
+    gap = f"[{m.skipped} earlier letter(s) never came] " if m.skipped else ""
+    return f"{m.seq:>5} {when} {m.sender_name} ({where}): {gap}{kind}{m.text}"
 
 
 @msg.command("inbox")
@@ -1386,15 +1404,19 @@ def model() -> None:
 @click.option("--threads", "n_threads", default=None, type=click.IntRange(1, 512))
 @click.option("--chat-template", type=click.Path(exists=True, dir_okay=False), default=None,
               help="A Jinja chat template file overriding the one inside the GGUF.")
-def model_add(home: str | None, out: Output, name: str, path: str, n_ctx: int, n_threads: int | None,
-              chat_template: str | None) -> None:
+@click.option("--keep-alive", "keep_alive", default=None, metavar="DURATION",
+              help="How long the model stays loaded when idle (e.g. 90s, 10m, 1h; 0: unload after each "
+                   "request; forever). Default: [models] keep_alive_s, else 5 min on a home PC, 1 min on a phone.")
+def model_add(home: str | None, out: Output, name: str, path: str, n_ctx: int | None, n_threads: int | None,
+              chat_template: str | None, keep_alive: str | None) -> None:
     """Register PATH (a .gguf file) as model NAME. A running daemon uses it at once."""
     node_home = NodeHome(home)
     node_home.init()
     template = open(chat_template).read() if chat_template else None
-    row = _models(node_home).add(name, path, n_ctx=n_ctx, n_threads=n_threads, chat_template=template)
+    row = _models(node_home).add(name, path, n_ctx=n_ctx, n_threads=n_threads,
+                                 chat_template=template, keep_alive_s=_keep_alive(keep_alive))
     if n_ctx is None:
-        from psymesh.node.models import default_context
+        from psymesh.node.models.registry import default_context
 
         choice = default_context(Path(row["path"]))
         out.hint(f"context {row['n_ctx']} tokens: the GGUF declares {choice.declared or 'none'}"
@@ -1441,6 +1463,39 @@ def model_list(home: str | None, out: Output) -> None:
     out.data(rows, human)
 
 
+@model.command("ps")
+@command
+def model_ps(home: str | None, out: Output) -> None:
+    """Models and their runner processes in the running daemon: loaded or not, pid, memory
+    (RSS and saved states), idle time against keep-alive, requests served, crashes."""
+
+    async def go() -> list[Any]:
+        async with Client(home) as client:
+            return await client.models_ps()
+
+    models = run_async(go)
+
+    def mib(n: int | None) -> str:
+        return "-" if n is None else f"{n / 2**20:.0f} MiB"
+
+    def human(con: Any) -> None:
+        if not models:
+            con.print("no models; add one with: psymesh model add NAME PATH.gguf")
+            return
+        table = out_table("name", "state", "pid", "memory", "idle/keep", "served")
+        for m in models:
+            state = ("busy" if m.pending else "loaded") if m.loaded else "unloaded"
+            if m.crashes:
+                state += f", {m.crashes} crash{'es' if m.crashes > 1 else ''}"
+            memory = f"{mib(m.rss_bytes)}, {mib(m.state_cache_bytes)} saved" if m.loaded else "-"
+            idle = "-" if m.idle_s is None else f"{m.idle_s:.0f}s"
+            keep = "forever" if m.keep_alive_s is None else f"{m.keep_alive_s:g}s"
+            table.add_row(m.name, state, str(m.pid or "-"), memory, f"{idle}/{keep}", str(m.jobs_served))
+        con.print(table)
+
+    out.data([m.model_dump() for m in models], human)
+
+
 # -- the agent -----------------------------------------------------------------------
 
 
@@ -1455,6 +1510,29 @@ def _models(node_home: NodeHome) -> Any:
     from psymesh.node.models import ModelRegistry
 
     return ModelRegistry(open_db(node_home.db_path))
+
+
+def _keep_alive(text: str | None) -> float | None:
+    """`--keep-alive`: None keeps the node's default; "forever" is stored as -1."""
+    if text is None:
+        return None
+    word = text.strip().lower()
+    if word in ("forever", "-1"):
+        return -1.0
+    if word in ("0", "0s"):
+        return 0.0
+    return parse_duration(word)
+
+
+def _local_runner(node_home: NodeHome, registry: Any, name: str) -> Any:
+    """Model `name` for a command that runs it here (`agent run`, `eval`): in a runner
+    process, as the daemon runs its models, so an abort in llama.cpp fails the command
+    with `model_crashed` instead of killing it. It lives as long as the command."""
+    from psymesh.node.models import ModelRunner
+
+    config = node_home.load_config()
+    return ModelRunner(registry.settings(name, keep_alive_s=None, memory_limit_mb=config.models.memory_limit_mb),
+                       name=name, log_path=node_home.logs_dir / f"model-{name}.log")
 
 
 def _print_agent_event(out: Output, ev: Any) -> None:
@@ -1534,7 +1612,6 @@ def agent_run(home: str | None, out: Output, goal: str, model_name: str | None, 
 async def _agent_local(node_home: NodeHome, config: Any, registry: Any, out: Output, goal: str,
                        model_name: str | None, params: dict[str, Any], yes: bool) -> dict[str, Any]:
     from psymesh.agent.loop import run_agent
-    from psymesh.agent.runtime import ModelWorker
     from psymesh.agent.tools import ToolContext
     from psymesh.node.agents import agent_config, llama_model, node_tools, pick_model, result_of
 
@@ -1555,7 +1632,7 @@ async def _agent_local(node_home: NodeHome, config: Any, registry: Any, out: Out
 
     tools = node_tools(node_home, config)
     ctx = ToolContext(share_dir=Path(config.share_dir) if config.share_dir else None, profile=config.profile)
-    async with ModelWorker(registry.settings(name)) as worker:
+    async with _local_runner(node_home, registry, name) as worker:
         run = await run_agent(goal, model=llama_model(worker, params), tools=tools, ctx=ctx, profile=config.profile,
                               config=agent_config(params, from_peer=False), confirm=confirm, emit=emit)
     return {**result_of(run), "where": "local", "model": name}
@@ -1587,11 +1664,19 @@ async def _agent_remote(home: str | None, out: Output, goal: str, to: str | None
 @command
 @click.argument("cases", required=False, type=click.Path(exists=True, dir_okay=False))
 @click.option("--model", "model_name", default=None, help="Registered model to evaluate.")
-@click.option("--bfcl", "bfcl_dir", type=click.Path(exists=True, file_okay=False),
-              help="Score BFCL v4 files from this directory (BFCL_v4_<category>.json, possible_answer/) with "
-                   "BFCL's own AST-checker rules, instead of a case file.")
+@click.option("--bfcl", "bfcl_dir", is_flag=False, flag_value="", default=None, metavar="[DIR]",
+              help="Score BFCL v4 (default: the installed bfcl-eval's data; or DIR, a folder in BFCL's layout) "
+                   "as BFCL scores it, instead of a case file.")
 @click.option("--category", "categories", multiple=True, metavar="NAME",
               help="With --bfcl: a category to score (repeatable; default: every supported one present).")
+@click.option("--score-dir", type=click.Path(file_okay=False), default=None,
+              help="With --bfcl: also write BFCL's score files (BFCL_v4_<category>_score.json, data_overall.csv).")
+@click.option("--via", "via", default=None, metavar="PEER",
+              help="With --bfcl: ask --model on this paired node (delegated infer tasks) instead of loading it here.")
+@click.option("--runs", type=click.IntRange(min=1), default=1,
+              help="With --bfcl: run N times, seeds 0..N-1, and report min/median/max per category.")
+@click.option("--temperature", type=click.FloatRange(min=0), default=0.0,
+              help="With --bfcl: sampling temperature (0: greedy, when --runs gives N identical runs).")
 @click.option("--limit", type=click.IntRange(min=1), default=None, help="With --bfcl: the first N cases of each "
                                                                          "category.")
 @click.option("--oracle", is_flag=True, help="With --bfcl: answer with the ground truth instead of a model, "
@@ -1600,22 +1685,23 @@ async def _agent_remote(home: str | None, out: Output, goal: str, to: str | None
 @click.option("--thinking", is_flag=True)
 @click.option("--ban-bytes", is_flag=True, hidden=True)
 def eval_cmd(home: str | None, out: Output, cases: str | None, model_name: str | None, bfcl_dir: str | None,
-             categories: tuple[str, ...], limit: int | None, oracle: bool, free_form: bool, thinking: bool,
-             ban_bytes: bool) -> None:
+             categories: tuple[str, ...], score_dir: str | None, via: str | None, runs: int, temperature: float,
+             limit: int | None, oracle: bool, free_form: bool, thinking: bool, ban_bytes: bool) -> None:
     """Score a model on function-calling cases (JSONL), per category, BFCL-style; or, with
     --bfcl DIR, on BFCL v4's own files, as BFCL scores them."""
     if (cases is None) == (bfcl_dir is None):
-        raise PsymeshError("give a case file or --bfcl DIR (one of them)", code=ErrorCode.BAD_REQUEST)
-    if bfcl_dir is None and (categories or limit is not None or oracle):
-        raise PsymeshError("--category, --limit and --oracle go with --bfcl", code=ErrorCode.BAD_REQUEST)
+        raise PsymeshError("give a case file or --bfcl [DIR] (one of them)", code=ErrorCode.BAD_REQUEST)
+    if bfcl_dir is None and (categories or limit is not None or oracle or score_dir or via or runs > 1 or temperature):
+        raise PsymeshError("--category, --limit, --oracle, --score-dir, --via, --runs and --temperature go with --bfcl",
+                           code=ErrorCode.BAD_REQUEST)
     if oracle == (model_name is not None):
         raise PsymeshError("give --model NAME, or --oracle (with --bfcl)" if not oracle
                            else "--oracle answers without a model: drop --model", code=ErrorCode.BAD_REQUEST)
     if bfcl_dir is not None:
-        return _eval_bfcl(home, out, bfcl_dir, categories, limit, model_name, free_form, thinking, ban_bytes)
+        return _eval_bfcl(home, out, bfcl_dir or None, categories, limit, model_name, free_form, thinking, ban_bytes,
+                          score_dir, via, runs, temperature)
 
     from psymesh.agent.evaluation import evaluate, format_report, load_cases
-    from psymesh.agent.runtime import ModelWorker
     from psymesh.node.agents import llama_model, pick_model
 
     node_home = NodeHome(home)
@@ -1628,7 +1714,7 @@ def eval_cmd(home: str | None, out: Output, cases: str | None, model_name: str |
         out.hint(f"{r.id}: {'pass' if r.passed else 'fail: ' + r.reason}")
 
     async def go() -> Any:
-        async with ModelWorker(registry.settings(name)) as worker:
+        async with _local_runner(node_home, registry, name) as worker:
             model = _StopOverContext(llama_model(worker, {"grammar": not free_form, "temperature": 0.0,
                                                           "max_tokens": 256, "ban_bytes": ban_bytes}),
                                      name, worker.settings.n_ctx)
@@ -1637,30 +1723,59 @@ def eval_cmd(home: str | None, out: Output, cases: str | None, model_name: str |
 
     report = run_async(go)
     data = {"model": name, "cases": report.total, "passed": report.passed, "accuracy": report.accuracy,
-            "categories": {c: {"cases": s.total, "passed": s.passed, "accuracy": s.accuracy}
+            "categories": {c: {"cases": s.cases, "passed": s.correct, "accuracy": s.accuracy}
                            for c, s in report.categories.items()}}
     out.data(data, lambda con: con.print(format_report(report)))
 
 
-def _eval_bfcl(home: str | None, out: Output, bfcl_dir: str, categories: tuple[str, ...], limit: int | None,
-               model_name: str | None, free_form: bool, thinking: bool, ban_bytes: bool) -> None:
+def _eval_bfcl(home: str | None, out: Output, bfcl_dir: str | None, categories: tuple[str, ...], limit: int | None,
+               model_name: str | None, free_form: bool, thinking: bool, ban_bytes: bool,
+               score_dir: str | None, via: str | None = None, runs: int = 1, temperature: float = 0.0) -> None:
     """`eval --bfcl`: BFCL's questions through our prompt, the model (or the oracle) and our
-    parser, scored by agent/bfcl.py's mirror of BFCL's AST checker."""
-    from psymesh.agent.bfcl import format_bfcl_report, generation_params, load_bfcl, oracle_reply, run_bfcl
-    from psymesh.agent.loop import LlamaAgentModel, ScriptedModel
+    parser, scored by agent/bfcl.py's mirror of BFCL's AST checker and, for multi-turn,
+    by BFCL's own multi_turn_checker."""
+    from psymesh.agent.bfcl import (
+        WEB_CATEGORIES,
+        default_data_dir,
+        format_bfcl_report,
+        format_run_spread,
+        generation_params,
+        load_bfcl,
+        run_bfcl,
+        run_spread,
+        write_score_files,
+    )
+    from psymesh.agent.loop import LlamaAgentModel
 
-    loaded = load_bfcl(bfcl_dir, categories, limit=limit)
+    data_dir = Path(bfcl_dir) if bfcl_dir else default_data_dir()
+    loaded = load_bfcl(data_dir, categories, limit=limit)
 
     async def progress(r: Any) -> None:
         if model_name is not None or not r.passed:  # the oracle's passes are 1240 lines of noise
             out.hint(f"{r.id}: {'pass' if r.passed else 'fail: ' + r.reason}")
 
+    def params(seed: int, grammar: bool = True) -> Any:  # grammar=False: format_sensitivity's prompting asks
+        return generation_params(grammar=grammar and not free_form, ban_bytes=ban_bytes).model_copy(
+            update={"temperature": temperature, "seed": seed})
+
     if model_name is None:
         name = "oracle"
-        report = run_async(lambda: run_bfcl(loaded, ScriptedModel(oracle_reply(c) for c in loaded),
-                                            thinking=thinking, on_result=progress))
+        reports = [run_async(lambda: run_bfcl(loaded, None, thinking=thinking, on_result=progress))
+                   for _ in range(runs)]
+    elif via is not None:
+        from psymesh.node.delegated_model import DelegatedModel
+
+        name = model_name
+
+        async def remote() -> list[Any]:
+            async with Client(home) as client:
+                return [await run_bfcl(loaded, DelegatedModel(client, via, model_name, params(seed)),
+                                       thinking=thinking, on_result=progress, web=client,
+                                       prompting=DelegatedModel(client, via, model_name, params(seed, False)))
+                        for seed in range(runs)]
+
+        reports = run_async(remote)
     else:
-        from psymesh.agent.runtime import ModelWorker
         from psymesh.node.agents import pick_model
 
         node_home = NodeHome(home)
@@ -1669,15 +1784,27 @@ def _eval_bfcl(home: str | None, out: Output, bfcl_dir: str, categories: tuple[s
         name = pick_model(registry, model_name, None)
 
         async def go() -> Any:
-            async with ModelWorker(registry.settings(name)) as worker:
-                model = _StopOverContext(LlamaAgentModel(worker, generation_params(grammar=not free_form,
-                                                                                   ban_bytes=ban_bytes)),
-                                         name, worker.settings.n_ctx)
-                return await run_bfcl(loaded, model, thinking=thinking, on_result=progress)
+            async with _local_runner(node_home, registry, name) as worker, contextlib.AsyncExitStack() as stack:
+                # web_search asks the web through this node's route: its daemon must be running.
+                web = await stack.enter_async_context(Client(home)) if any(c.category in WEB_CATEGORIES
+                                                                           for c in loaded) else None
+                n_ctx = worker.settings.n_ctx
+                return [await run_bfcl(loaded, _StopOverContext(LlamaAgentModel(worker, params(seed)), name, n_ctx),
+                                       thinking=thinking, on_result=progress, web=web,
+                                       prompting=_StopOverContext(LlamaAgentModel(worker, params(seed, False)),
+                                                                  name, n_ctx))
+                        for seed in range(runs)]
 
-        report = run_async(go)
-    data = {"model": name, "bfcl_dir": str(Path(bfcl_dir).resolve()), "limit": limit, **report.data()}
-    out.data(data, lambda con: con.print(format_bfcl_report(report)))
+        reports = run_async(go)
+    report = reports[0]
+    data = {"model": name, "bfcl_dir": str(data_dir.resolve()), "limit": limit, "via": via, **report.data()}
+    if runs > 1:
+        data["runs"] = [{"seed": i, **r.data()} for i, r in enumerate(reports)]
+        data["spread"] = run_spread(reports)
+    if score_dir is not None:
+        data["score_files"] = [str(p) for p in write_score_files(report, Path(score_dir), name)]
+    out.data(data, lambda con: con.print(format_bfcl_report(report)
+                                         + (format_run_spread(reports) if runs > 1 else "")))
 
 
 if __name__ == "__main__":

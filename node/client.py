@@ -11,7 +11,7 @@ connection; streaming calls open a connection of their own.
 Requests carry secrets (an invite string is a bearer credential), so before sending
 anything the client makes sure it talks to its owner's daemon: the socket must be
 a socket owned by us, in a directory only we may enter, and (on Linux) the process
-listening on it must run as us (SO_PEERCRED). Not root either: psymesh never runs
+listening on it must run as us (SO_PEERCRED; LOCAL_PEERCRED on BSD/macOS). Not root either: psymesh never runs
 a daemon as one user for another user's home, so a root-owned listener is not ours.
 """
 from __future__ import annotations
@@ -21,7 +21,6 @@ import os
 import secrets
 import socket
 import stat
-import struct
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
@@ -33,12 +32,13 @@ import anyio.abc
 from pydantic import ValidationError
 
 from psymesh.node.framed import AnyioByteStream, FramedStream
-from psymesh.node.home import SOCKET_DIR_ADVICE, NodeHome, check_private_dir, os_error
+from psymesh.node.home import SOCKET_DIR_ADVICE, NodeHome, check_private_dir, os_error, socket_peer
 from psymesh.protocol import control as c
 from psymesh.protocol.errors import ErrorCode, PsymeshError, RemoteError
 from psymesh.protocol.framing import DEFAULT_MAX_FRAME_SIZE
 from psymesh.protocol.limits import Limits
-from psymesh.protocol.messages import Message, expect
+from psymesh.protocol.common import expect
+from psymesh.protocol.messages import Message
 from psymesh.protocol.tasks import Outcome, TaskEvent
 from psymesh.protocol.web import DEFAULT_PAGE_CHARS, WebFetch, WebPage, WebResults, WebSearch
 
@@ -53,16 +53,6 @@ class NotOurDaemon(PsymeshError):
     """Something other than our own daemon holds the control socket path; nothing was sent to it."""
 
     default_code = ErrorCode.FORBIDDEN
-
-
-def _peer_uid_pid(sock: socket.socket) -> tuple[int, int] | None:
-    """(uid, pid) of the process at the other end of a Unix socket, where the OS tells
-    (Linux SO_PEERCRED); None elsewhere, where the socket's owner and directory checks stand alone."""
-    if not hasattr(socket, "SO_PEERCRED"):
-        return None
-    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    pid, uid, _gid = struct.unpack("3i", creds)
-    return uid, pid
 
 
 MAX_IDLE_CONNECTIONS = 4
@@ -115,9 +105,9 @@ class Client:
 
     def _check_listener(self, raw: anyio.abc.SocketStream) -> None:
         """After connecting, before sending: the listening process must run as us."""
-        peer = _peer_uid_pid(raw.extra(anyio.abc.SocketAttribute.raw_socket))
+        peer = socket_peer(raw.extra(anyio.abc.SocketAttribute.raw_socket))
         if peer is not None and peer[0] != os.geteuid():
-            raise self._not_ours(f"the process listening on it (pid {peer[1]}) runs as uid {peer[0]}, "
+            raise self._not_ours(f"the process listening on it (pid {peer[1] or '?'}) runs as uid {peer[0]}, "
                                  f"not as you (uid {os.geteuid()})")
 
     async def _open(self) -> FramedStream:
@@ -261,18 +251,20 @@ class Client:
         *,
         tool: str | None = None,
         args: dict[str, Any] | None = None,
-        infer: str | list[dict[str, str]] | None = None,
+        infer: str | list[dict[str, Any]] | None = None,
         model: str | None = None,
         max_tokens: int | None = None,
         goal: str | None = None,
         params: dict[str, Any] | None = None,
         timeout: float | None = None,
         task_id: str | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> TaskHandle:
         """Hand a task to a paired node (`to`: its name or peer id; None picks the best one).
 
         Exactly one of `tool` (with `args`), `infer` (a prompt, or chat messages; with
-        `model`) or `goal` (an agent run). The task is stored durably before this returns,
+        `model`; `tools`: functions the model may call, each {name, description, parameters})
+        or `goal` (an agent run). The task is stored durably before this returns,
         and is delivered, run and reported even if either node restarts meanwhile. Passing
         the same `task_id` again returns the same task.
         """
@@ -284,6 +276,8 @@ class Client:
         elif infer is not None:
             spec.update(kind="infer", model=model, max_tokens=max_tokens, params=params or {})
             spec["prompt" if isinstance(infer, str) else "messages"] = infer
+            if tools:
+                spec["tools"] = tools
         else:
             spec.update(kind="agent", goal=goal, params=params or {})
         reply = await self.request(c.TaskSubmitRequest(to=to, spec=spec), c.TaskSubmitted)
@@ -292,6 +286,10 @@ class Client:
     async def offers(self, operation: str = "task.agent") -> list[c.Offer]:
         """Paired peers that would take `operation` now, with their models and tools."""
         return (await self.request(c.OffersRequest(operation=operation), c.OffersReply)).offers
+
+    async def models_ps(self) -> list[c.LoadedModel]:
+        """This node's models and their runner processes (loaded or not, pid, memory, idle time)."""
+        return (await self.request(c.ModelsPsRequest(), c.ModelsPsReply)).models
 
     def task(self, task_id: str) -> TaskHandle:
         """A handle on a task this node delegated earlier (e.g. before a restart)."""
@@ -316,10 +314,10 @@ class Client:
         return reply.letter
 
     async def serve(self, section: str, *, host: str | None = None, port: int | None = None,
-                    api_key: str | None = None, api_key_file: str | None = None) -> c.ServeReply:
+                    api_key_file: str | None = None) -> c.ServeReply:
         """Turn the daemon's OpenAI-compatible endpoint (`openai`) or A2A agent (`a2a`) on now,
         with its config.toml settings and these over them; returns where it listens."""
-        return await self.request(_checked(c.ServeRequest, section=section, host=host, port=port, api_key=api_key,
+        return await self.request(_checked(c.ServeRequest, section=section, host=host, port=port,
                                            api_key_file=api_key_file), c.ServeReply)
 
     async def letter(self, letter_id: str, *, wait: bool = False, until_away: bool = False) -> c.SentLetter:

@@ -11,6 +11,12 @@ Who may connect is decided by where the socket lives: a directory only the owner
 may enter (the home, or a per-user runtime dir; see NodeHome.socket_path), created
 or checked here before binding. A directory someone else made first is refused,
 never used, so no other local user can sit between the owner's CLI and daemon.
+
+And the daemon asks each connection who is on the other end (`socket_peer`: SO_PEERCRED
+on Linux, LOCAL_PEERCRED on BSD/macOS) before it reads a byte: a process of another uid
+(root included: psymesh never serves one user's home to another) is refused, its
+connection closed unanswered and one audit row written (`control` / `connect`, the peer
+named `uid:N`). So a socket whose mode someone loosened still answers only its owner.
 """
 from __future__ import annotations
 
@@ -21,14 +27,14 @@ import sqlite3
 import stat
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import anyio
 import anyio.abc
 
 from psymesh.node.db import storage_error
 from psymesh.node.framed import AnyioByteStream, FramedStream
-from psymesh.node.home import SOCKET_DIR_ADVICE, ensure_private_dir
+from psymesh.node.home import SOCKET_DIR_ADVICE, ensure_private_dir, socket_peer
 from psymesh.protocol import control as c
 from psymesh.protocol.common import Error
 from psymesh.protocol.errors import ConnectionLost, ErrorCode, ProtocolError, PsymeshError
@@ -37,6 +43,13 @@ from psymesh.protocol.messages import Message
 log = logging.getLogger("psymesh.control")
 
 Handler = Callable[[Any, FramedStream], Awaitable[Message | None]]
+PeerOf = Callable[[socket.socket], tuple[int, int | None] | None]
+"""(uid, pid) of a connected client, or None where the OS cannot tell (the seam tests use)."""
+
+
+class Refused(Protocol):
+    def __call__(self, uid: int, pid: int | None) -> None:
+        """A client of another uid was turned away (the daemon writes its audit row)."""
 
 
 def _socket_in_use(path: Path) -> bool:
@@ -51,9 +64,13 @@ def _socket_in_use(path: Path) -> bool:
 
 
 class ControlServer:
-    def __init__(self, socket_path: Path, max_frame_size: int) -> None:
+    def __init__(self, socket_path: Path, max_frame_size: int, *, refused: Refused | None = None,
+                 peer_of: PeerOf = socket_peer, uid: int | None = None) -> None:
         self.socket_path = socket_path
         self.max_frame_size = max_frame_size
+        self.refused = refused
+        self.peer_of = peer_of
+        self.uid = os.geteuid() if uid is None else uid  # who may talk to this daemon: its owner
         self._handlers: dict[type[Message], Handler] = {}
 
     def route(self, request_type: type[Message], handler: Handler) -> None:
@@ -97,9 +114,28 @@ class ControlServer:
 
     async def _handle_connection(self, raw: anyio.abc.SocketStream) -> None:
         try:
+            if not self._owner(raw):
+                await raw.aclose()
+                return
             await self._converse(raw)
         except Exception:  # one bad client must never take the listener (and the daemon) down
             log.exception("control connection failed")
+
+    def _owner(self, raw: anyio.abc.SocketStream) -> bool:
+        """Whether the process at the other end runs as this daemon's uid; a refusal is logged
+        and audited. Where the OS cannot tell, the socket's mode and directory stand alone."""
+        peer = self.peer_of(raw.extra(anyio.abc.SocketAttribute.raw_socket))
+        if peer is None or peer[0] == self.uid:
+            return True
+        uid, pid = peer
+        log.warning("refused a control connection from uid %d (pid %s): this daemon answers only uid %d",
+                    uid, pid if pid is not None else "?", self.uid)
+        if self.refused is not None:
+            try:
+                self.refused(uid, pid)
+            except Exception:  # an audit that fails must not open the door
+                log.exception("could not audit a refused control connection")
+        return False
 
     async def _converse(self, raw: anyio.abc.SocketStream) -> None:
         framed = FramedStream(AnyioByteStream(raw), self.max_frame_size)

@@ -26,9 +26,10 @@ the node really listens; nothing is spawned and forgotten.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Literal
 
 import anyio
@@ -37,9 +38,10 @@ import anyio.abc
 from psymesh.discovery.service import Discovery
 from psymesh.node.agents import AgentTaskRunner, node_tools
 from psymesh.node.answering import Answering
+from psymesh.node.apikey import load_api_key
 from psymesh.node.audit import AuditLog
 from psymesh.node.control import ControlServer
-from psymesh.node.db import Checkpointer, open_db
+from psymesh.node.db import SYNC_FILE, Checkpointer, WalSync, open_db
 from psymesh.node.executor import TaskExecutor
 from psymesh.node.framed import FramedStream
 from psymesh.node.gate import Gate
@@ -95,22 +97,33 @@ Service = Callable[[Call], Awaitable[Message]]
 class Node:
     REVOCATION_NOTICE_S = 2.0  # `psymesh revoke` waits at most this long for the peer to take the notice
 
-    def __init__(self, home: NodeHome, config: NodeConfig | None = None) -> None:
+    def __init__(self, home: NodeHome, config: NodeConfig | None = None, *,
+                 environ: Mapping[str, str] = os.environ, fsync: Callable[[int], None] = SYNC_FILE) -> None:
+        """`environ`: where the bridges' keys may come from ($PSYMESH_OPENAI_API_KEY, ...).
+        `fsync`: how the WAL is synced before a durable answer (a test traces it)."""
         self.home = home
         self.identity = home.init()
         self.config = config or home.load_config()
-        self.db = open_db(home.db_path, background_checkpoints=True)
+        self._environ = environ  # for a bridge turned on later (serve_endpoint)
+        storage = self.config.storage
+        self.checkpointer = Checkpointer(home.db_path, settle_s=storage.checkpoint_settle_s,
+                                         max_defer_s=storage.checkpoint_max_defer_s,
+                                         wal_max_bytes=storage.wal_max_bytes)
+        self.wal = WalSync(home.db_path, fsync=fsync)
+        self.db = open_db(home.db_path, background_checkpoints=True, wal_max_bytes=storage.wal_max_bytes,
+                          on_write=self._wrote)
         self.started_at = time.monotonic()
         self.trust = TrustStore(self.db)
-        self.audit = AuditLog(self.db)
+        self.audit = AuditLog(self.db, flush_ms=storage.audit_flush_ms, batch_rows=storage.audit_batch_rows,
+                              coalesce_s=storage.audit_coalesce_s, max_rows=storage.audit_max_rows)
         executor_store = ExecutorStore(self.db)
         mail_store = MailStore(self.db)
         self.mailbox = Mailbox(self.identity.peer_id, mail_store, self.trust, self.config.mail)
-        msg_store = MessageStore(self.db)
+        msg_store = MessageStore(self.db, self.config.inbox)
         self.gate = Gate(self.identity.peer_id, self.trust, self.audit, queue=executor_store, mailbox=self.mailbox,
-                         asks=msg_store, name=self.config.name)
+                         asks=msg_store, name=self.config.name, refusals_per_minute=storage.refusals_per_minute)
         self.p2p = P2PNode(self.identity.seed, self.config.listen)
-        self.control = ControlServer(home.socket_path, self.config.max_frame_size)
+        self.control = ControlServer(home.socket_path, self.config.max_frame_size, refused=self._control_refused)
         self.sessions = SessionPool(self.open_peer_stream, ids.SESSION, self.config.max_frame_size,
                                     Liveness(self.config.liveness_probe_s, self.p2p.disconnect), path=self.p2p.path)
         self.relaying = Relaying(self.identity, self.config.relay, self.p2p, self.trust, self.sessions)
@@ -119,7 +132,8 @@ class Node:
                              gate=self.gate, audit=self.audit, trust=self.trust, sessions=self.sessions)
         self.pairing = PairingService(self.identity, self.config, self.p2p, self.trust, self.push_manifest,
                                       welcome=self.web.hand_key)
-        self.models = ModelPool(ModelRegistry(self.db))
+        self.models = ModelPool(ModelRegistry(self.db), keep_alive_s=self.config.models.keep_alive_for(self.config.profile),
+                                memory_limit_mb=self.config.models.memory_limit_mb, log_dir=home.logs_dir)
         self.web_router = WebRouter(self.config.web, self.identity.peer_id, self.trust, self.sessions,
                                     WebKeys(self.db))
         self.tools = node_tools(home, self.config)
@@ -132,7 +146,7 @@ class Node:
                                      profile=self.config.profile, share_dir=self.config.share_dir,
                                      agent_runner=self.agents)
         self.submitter = TaskSubmitter(local_peer_id=self.identity.peer_id, outbox=Outbox(self.db), trust=self.trust,
-                                       sessions=self.sessions)
+                                       sessions=self.sessions, sync=self.wal.sync)
         self.messaging = Messaging(self.identity, msg_store, self.trust, self.sessions,
                                    door=self.gate.admit_each,
                                    mail=MailSender(self.identity.peer_id, mail_store, self.trust, self.sessions,
@@ -152,12 +166,13 @@ class Node:
         if self.config.serve.openai.enabled:
             from psymesh.node.openai_api import OpenAIEndpoint
 
-            self.openai = OpenAIEndpoint(self, self.config.serve.openai)
+            self.openai = OpenAIEndpoint(self, self.config.serve.openai,
+                                         load_api_key(self.config.serve.openai, home, environ))
         self.a2a: A2AEndpoint | None = None
         if self.config.serve.a2a.enabled:
             from psymesh.node.a2a_api import A2AEndpoint
 
-            self.a2a = A2AEndpoint(self, self.config.serve.a2a)
+            self.a2a = A2AEndpoint(self, self.config.serve.a2a, load_api_key(self.config.serve.a2a, home, environ))
         self._root: anyio.CancelScope | None = None
         self._tg: anyio.abc.TaskGroup | None = None
         self._register_services()
@@ -239,7 +254,9 @@ class Node:
 
     async def serve_endpoint(self, section: Literal["openai", "a2a"], settings: OpenAIServe | A2AServe) -> tuple[str, bool]:
         """Turn the OpenAI-compatible endpoint or the A2A agent on now, in the root task
-        group (`psymesh serve` against a running daemon); (url, was it on already)."""
+        group (`psymesh serve` against a running daemon); (url, was it on already). Its key
+        comes as at start (node/apikey.py: the daemon's environment, api_key_file, or
+        <home>/KEY_FILE, made on first use)."""
         running = self.openai if section == "openai" else self.a2a
         if running is not None:
             assert running.url is not None
@@ -250,14 +267,14 @@ class Node:
             from psymesh.node.openai_api import OpenAIEndpoint
 
             assert isinstance(settings, OpenAIServe)
-            openai = OpenAIEndpoint(self, settings)
+            openai = OpenAIEndpoint(self, settings, load_api_key(settings, self.home, self._environ))
             await self._tg.start(openai.run)
             self.openai, url = openai, openai.url
         else:
             from psymesh.node.a2a_api import A2AEndpoint
 
             assert isinstance(settings, A2AServe)
-            a2a = A2AEndpoint(self, settings)
+            a2a = A2AEndpoint(self, settings, load_api_key(settings, self.home, self._environ))
             await self._tg.start(a2a.run)
             self.a2a, url = a2a, a2a.url
         assert url is not None
@@ -269,7 +286,8 @@ class Node:
             async with anyio.create_task_group() as tg:
                 self._root = tg.cancel_scope
                 self._tg = tg
-                await tg.start(Checkpointer(self.home.db_path).run)
+                await tg.start(self.checkpointer.run)
+                await tg.start(self.audit.run)
                 await tg.start(self.p2p.run)
                 await tg.start(self.sessions.run)
                 await tg.start(self.mcp.run)  # before the executor requeues tasks that may call MCP tools
@@ -297,6 +315,11 @@ class Node:
             self.db.close()
             log.info("node stopped")
 
+    def _wrote(self) -> None:
+        """A statement that writes started on the node's connection (any thread)."""
+        self.checkpointer.wrote()
+        self.wal.wrote()
+
     def stop(self) -> None:
         if self._root is not None:
             self._root.cancel()
@@ -313,6 +336,12 @@ class Node:
             await anyio.sleep_forever()
 
     # -- outbound -------------------------------------------------------------------
+    def _control_refused(self, uid: int, pid: int | None) -> None:
+        """A local process of another uid opened the control socket: one audit row."""
+        self.audit.record(f"uid:{uid}", "control", "connect", False, ErrorCode.FORBIDDEN.value,
+                          f"a process of uid {uid} (pid {pid if pid is not None else '?'}) is not this "
+                          f"daemon's owner (uid {self.control.uid})")
+
     async def open_peer_stream(self, peer: str, protocol: str) -> P2PStream:
         """Open `protocol` to a multiaddr (…/p2p/<id>), or to a paired peer by id or name."""
         if peer.startswith("/"):
@@ -361,9 +390,23 @@ class Node:
 
     async def _door(self, call: Call, via: str = ids.SESSION) -> Message:
         """Every request of every peer: admitted (and audited) by the gate, then served.
-        `via`: how it came (a session; or a letter handed over by our mailbox, as its sender's)."""
+        `via`: how it came (a session; or a letter handed over by our mailbox, as its sender's).
+        An answer that promises durability (`Message.durable`: task.accepted, msg.receipt(s),
+        mail.receipt) leaves only once the WAL is synced, whether it ends the call or not."""
         self.gate.admit(call.peer_id, via, call.request)
-        return await self.services[type(call.request)](call)
+        reply = await self.services[type(call.request)](Call(call.peer_id, call.rid, call.request,
+                                                             self._durable_send(call)))
+        if reply.durable:
+            await self.wal.sync()
+        return reply
+
+    def _durable_send(self, call: Call) -> Callable[[int, tuple[Message, ...]], Awaitable[None]]:
+        async def send(rid: int, messages: tuple[Message, ...]) -> None:
+            if any(m.durable for m in messages):
+                await self.wal.sync()
+            await call.send(*messages)
+
+        return send
 
     async def _pong(self, call: Call) -> Message:
         assert isinstance(call.request, Ping)

@@ -13,10 +13,10 @@ if TYPE_CHECKING:
     import anyio.abc
 
 from psymesh.protocol.channel import Channel
-from psymesh.protocol.common import Error
+from psymesh.protocol.common import Error, expect
 from psymesh.protocol.errors import ConnectionLost, PsymeshError
 from psymesh.protocol.framing import DEFAULT_MAX_FRAME_SIZE, HEADER, encode_frame
-from psymesh.protocol.messages import M, Message, expect, pack
+from psymesh.protocol.messages import M, Message, pack
 
 READ_CHUNK = 65536
 

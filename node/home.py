@@ -21,7 +21,10 @@ import errno
 import functools
 import hashlib
 import os
+import socket
 import stat
+import struct
+import sys
 import tempfile
 import tomllib
 from dataclasses import dataclass
@@ -39,6 +42,7 @@ from psymesh.protocol.errors import ErrorCode, PsymeshError
 from psymesh.protocol.framing import DEFAULT_MAX_FRAME_SIZE
 from psymesh.protocol.identity import fingerprint, peer_id_from_public_key
 from psymesh.protocol.mailbox import MailSettings
+from psymesh.protocol.messaging import InboxSettings
 from psymesh.protocol.relay import RelaySettings
 from psymesh.protocol.strangers import StrangerLimits
 from psymesh.node.websettings import WebSettings
@@ -51,7 +55,7 @@ _MAX_SOCKET_PATH = 100
 _STATE_FILES = ("config.toml", "config.tmp", "control.sock", "daemon.log", "mail.key",
                 "node.db", "node.db-wal", "node.db-shm", "node.db-journal",
                 "device.db", "device.db-wal", "device.db-shm", "device.db-journal")
-_STATE_TREES = ("models",)
+_STATE_TREES = ("models", "logs")
 
 
 def resolve_home(home: str | os.PathLike[str] | None = None) -> Path:
@@ -64,6 +68,25 @@ _HOME_ADVICE = "use a directory of your own (--home)"
 # A socket dir that is not ours is in the shared runtime or temp dir: route around it.
 SOCKET_DIR_ADVICE = ("remove it (it may be someone impersonating your daemon), or give the node a shorter "
                      "home path so its socket lives in the home, or set XDG_RUNTIME_DIR to a directory of your own")
+
+
+_SOL_LOCAL, _LOCAL_PEERCRED = 0, 1  # macOS and the BSDs (<sys/un.h>): a struct xucred
+
+
+def socket_peer(sock: socket.socket) -> tuple[int, int | None] | None:
+    """(uid, pid or None) of the process at the other end of a Unix socket: Linux's
+    `SO_PEERCRED`, or `LOCAL_PEERCRED` on macOS and the BSDs (what `getpeereid()` reads; it
+    tells no pid); None where the OS tells neither. The client asks it of the daemon, the
+    daemon of each client (node/control.py)."""
+    if hasattr(socket, "SO_PEERCRED"):
+        creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        pid, uid, _gid = struct.unpack("3i", creds)
+        return uid, pid
+    if sys.platform == "darwin" or "bsd" in sys.platform:
+        xucred = sock.getsockopt(_SOL_LOCAL, _LOCAL_PEERCRED, struct.calcsize("IiH16i"))
+        version, uid = struct.unpack_from("Ii", xucred)
+        return (uid, None) if version == 0 else None
+    return None
 
 
 def check_private_dir(path: Path, what: str, advice: str = _HOME_ADVICE) -> None:
@@ -123,6 +146,23 @@ def private_opener(path: str | os.PathLike[str], flags: int) -> int:
     return os.open(path, flags | os.O_NOFOLLOW, 0o600)
 
 
+def read_secret_file(path: Path) -> bytes:
+    """The bytes of a key file, refused (one line with the `chmod 600` to run) if others may
+    read it: a key they could read may already be copied, so it is not quietly tightened.
+    The mode is checked on the open file, so a file swapped after the check is not read.
+    FileNotFoundError passes through (callers create the file); other OSErrors too."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise PsymeshError(f"{path} is not a regular file", code=ErrorCode.BAD_REQUEST)
+        mode = stat.S_IMODE(st.st_mode)
+        if mode & 0o077:
+            raise PsymeshError(f"{path} is readable by others (mode {mode:o}); run: chmod 600 {path}",
+                               code=ErrorCode.FORBIDDEN)
+        return f.read()
+
+
 def os_error(exc: OSError, path: Path) -> PsymeshError:
     """An OSError on a home's file as one clear sentence: what failed and what to do."""
     reason = exc.strerror or str(exc)
@@ -157,6 +197,50 @@ def _socket_runtime_dir() -> Path:
     return Path(tempfile.gettempdir()) / f"psymesh-{os.geteuid()}"
 
 
+class ModelsSettings(BaseModel):
+    """[models]: how this node's model runner processes live (node/models/runner.py).
+
+    `keep_alive_s`: how long a model stays loaded with nothing to do before its runner
+    exits and its memory goes back (None: the profile's default, 300 s on a home PC as
+    Ollama's, 60 s on a phone; negative: until the node stops). A model's own entry
+    (`model add --keep-alive`) wins. `memory_limit_mb`: the most address space a runner
+    may map (RLIMIT_AS); past it the runner dies and its request fails `model_crashed`."""
+
+    model_config = ConfigDict(defer_build=True, extra="forbid")
+
+    keep_alive_s: float | None = None
+    memory_limit_mb: int | None = Field(default=None, ge=64)
+
+    def keep_alive_for(self, profile: Profile) -> float | None:
+        if self.keep_alive_s is None:
+            return PROFILE_KEEP_ALIVE_S[profile]
+        return None if self.keep_alive_s < 0 else self.keep_alive_s
+
+
+PROFILE_KEEP_ALIVE_S: dict[str, float] = {"home": 300.0, "phone": 60.0}
+class StorageSettings(BaseModel):
+    """config.toml `[storage]`: what the node's database may take on disk, and how the audit
+    log is written (docs/security.md, "Resource budget")."""
+
+    model_config = ConfigDict(defer_build=True, frozen=True, extra="forbid")
+
+    # the WAL (node.db-wal): past this a checkpoint truncates it, and a reset WAL is cut back to it
+    wal_max_bytes: int = Field(default=4 * 1024 * 1024, ge=64 * 1024, le=1024 ** 3)
+    # a checkpoint runs once writes pause this long (at most checkpoint_max_defer_s after the first)
+    checkpoint_settle_s: float = Field(default=1.0, ge=0.01, le=600.0)
+    checkpoint_max_defer_s: float = Field(default=5.0, ge=0.01, le=3600.0)
+    # audit rows are written in batches: at most this long after their decision, or once this many wait
+    audit_flush_ms: int = Field(default=200, ge=1, le=60_000)
+    audit_batch_rows: int = Field(default=256, ge=1, le=100_000)
+    # identical refusals (peer, service, operation, code) within this window are one row with a count
+    audit_coalesce_s: float = Field(default=60.0, ge=0.0, le=86_400.0)
+    # oldest audit rows beyond this many are deleted
+    audit_max_rows: int = Field(default=200_000, ge=1000, le=100_000_000)
+    # refusals one peer may cost per minute (a separate budget from its grant's rate, so refusals
+    # never lock it out of what it may do); past it a refusal is `rate_limited` and one audit row a window
+    refusals_per_minute: int = Field(default=120, ge=1, le=1_000_000)
+
+
 class NodeConfig(BaseModel):
     """config.toml. Unknown keys are an error: a typo should not silently do nothing."""
 
@@ -189,6 +273,9 @@ class NodeConfig(BaseModel):
     # [mail]: how long a sender waits before using a recipient's mailbox; what this node,
     # as a mailbox, holds for each sender and for how long.
     mail: MailSettings = Field(default_factory=MailSettings)
+    # [inbox]: what each sender's letters may take of this node's inbox (held behind a gap,
+    # released), and how long a gap is waited for (protocol/messaging.py).
+    inbox: InboxSettings = Field(default_factory=InboxSettings)
     # [relay]: relay for paired peers granted `relay` (off by default), and the relays this
     # node keeps a reservation at, to be reached from anywhere (protocol/relay.py).
     relay: RelaySettings = Field(default_factory=RelaySettings)
@@ -199,6 +286,10 @@ class NodeConfig(BaseModel):
     # [web]: where this node's web queries go (a trusted exit, one or two hops); [web.exit]:
     # serving other peers' queries, with the exit's address and size policy (node/webexit.py).
     web: WebSettings = Field(default_factory=WebSettings)
+    # [models]: model runners' keep-alive and memory cap (ModelsSettings).
+    models: ModelsSettings = Field(default_factory=ModelsSettings)
+    # [storage]: the database's WAL and checkpoints, the audit log's batches and refusal budget.
+    storage: StorageSettings = Field(default_factory=StorageSettings)
 
 
 def config_error(path: Path, text: str, exc: ValidationError) -> str:
@@ -228,9 +319,13 @@ def _line_of(text: str, keys: list[str]) -> int | None:
 
 @dataclass(frozen=True)
 class Identity:
-    """A node's Ed25519 key. The peer id and fingerprint are derived from the public key."""
+    """A node's Ed25519 key. The peer id and fingerprint are derived from the public key.
+    Its repr names the peer id only: a traceback that prints locals must not print the seed."""
 
     seed: bytes
+
+    def __repr__(self) -> str:
+        return f"Identity(peer_id={self.peer_id!r})"
 
     # Derived once: every letter signed or checked reads them (a key load and a base58
     # encode each time cost a tenth of a daemon's time in bench/messaging.py).
@@ -289,6 +384,11 @@ class NodeHome:
     @property
     def models_dir(self) -> Path:
         return self.path / "models"
+
+    @property
+    def logs_dir(self) -> Path:
+        """Model runners' logs (what llama.cpp printed, its last words when it aborted)."""
+        return self.path / "logs"
 
     def exists(self) -> bool:
         return self.key_path.exists()
@@ -349,7 +449,7 @@ class NodeHome:
 
     def load_or_create_identity(self) -> Identity:
         try:
-            seed = self.key_path.read_bytes()
+            seed = read_secret_file(self.key_path)
         except FileNotFoundError:
             seed = Ed25519PrivateKey.generate().private_bytes(
                 serialization.Encoding.Raw, serialization.PrivateFormat.Raw, serialization.NoEncryption()
@@ -371,12 +471,6 @@ class NodeHome:
             raise os_error(exc, self.key_path) from None
         if len(seed) != 32:
             raise PsymeshError(f"{self.key_path} is not a 32-byte Ed25519 seed", code=ErrorCode.BAD_REQUEST)
-        mode = self.key_path.stat().st_mode & 0o777
-        if mode & 0o077:
-            raise PsymeshError(
-                f"{self.key_path} is readable by others (mode {mode:o}); run: chmod 600 {self.key_path}",
-                code=ErrorCode.FORBIDDEN,
-            )
         return Identity(seed)
 
     def load_config(self) -> NodeConfig:

@@ -55,7 +55,8 @@ from psymesh.protocol.mailbox import (
     seal,
     unseal,
 )
-from psymesh.protocol.messages import Message, expect
+from psymesh.protocol.common import expect
+from psymesh.protocol.messages import Message
 from psymesh.protocol.messaging import Letter, MsgSend
 from psymesh.protocol.session import SessionEnd
 

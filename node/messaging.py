@@ -55,6 +55,7 @@ RETRY_MAX_S = 30.0
 _RETRYABLE = frozenset({ErrorCode.BUSY, ErrorCode.RATE_LIMITED, ErrorCode.UNAVAILABLE, ErrorCode.TIMEOUT,
                         ErrorCode.INTERNAL, ErrorCode.CANCELED})
 _INBOX = "inbox"       # the Notifier key for "letters were released"
+EXPIRE_EVERY_S = 300.0  # how often held letters are looked at for a gap to give up (at most)
 
 
 class LetterDoor(Protocol):
@@ -90,7 +91,10 @@ class Messaging:
             for recipient in self.store.recipients_pending():  # after a restart
                 self._wake(recipient)
             task_status.started()
-            await anyio.sleep_forever()
+            while True:  # gaps waited for longer than [inbox] held_s are given up
+                if self.store.expire_held():
+                    self.changed.notify(_INBOX)
+                await anyio.sleep(min(self.store.settings.held_s / 4, EXPIRE_EVERY_S))
 
     # -- sending ---------------------------------------------------------------------------
     def send(self, to: str, text: str = "", *, body: JsonMap | None = None, thread: str = "main",
@@ -247,7 +251,7 @@ class Messaging:
         request = call.request
         assert isinstance(request, MsgSend)
         check_letter(request.letter, sender=call.peer_id, local_peer_id=self.identity.peer_id)
-        if self.store.store(request.letter):
+        if self.store.store(request.letter):  # a refusal (conflict, expired, busy) is the peer's error
             self.changed.notify(_INBOX)
         return MsgReceipt(id=request.letter.id)
 
@@ -258,7 +262,7 @@ class Messaging:
         request = call.request
         assert isinstance(request, MsgSendMany)
         refusals = self.door(call.peer_id, ids.SESSION, [MsgSend(letter=letter) for letter in request.letters])
-        results: list[LetterResult] = []
+        refused: dict[str, PsymeshError] = {}
         accepted: list[Letter] = []
         for letter, refusal in zip(request.letters, refusals):
             if refusal is None:
@@ -268,18 +272,22 @@ class Messaging:
                     refusal = exc
             if refusal is None:
                 accepted.append(letter)
-                results.append(LetterResult(id=letter.id))
             else:
-                results.append(LetterResult.refused(letter.id, refusal))
-        if accepted and self.store.store_many(accepted):
-            self.changed.notify(_INBOX)
-        return MsgReceipts(results=results)
+                refused[letter.id] = refusal
+        if accepted:
+            stored = self.store.store_many(accepted)
+            refused = {**stored.refused, **refused}
+            if stored.released:
+                self.changed.notify(_INBOX)
+        return MsgReceipts(results=[LetterResult.refused(letter.id, refused[letter.id]) if letter.id in refused
+                                    else LetterResult(id=letter.id) for letter in request.letters])
 
     def withdrawn(self, letter: Letter) -> None:
         """A letter that came by another way (its recipient's mailbox) and that our door
         refused for good: keep its place in its thread with a withdrawn stub, so the letters
         after it are released (on the direct way its sender sends the stub)."""
-        if self.store.store(letter.stub()):
+        stored = self.store.store_many([letter.stub()])
+        if stored.released:  # refused: the letter itself is here already, or its place was given up
             self.changed.notify(_INBOX)
 
     async def follow(self, after: int = 0, *, live: bool = True) -> AsyncIterator[Received]:

@@ -12,7 +12,8 @@ Why in the daemon: the daemon owns the models (one worker thread per model) and 
 sessions to paired homes; a second process would load a second copy of a model, or
 need a control round trip per token. Starlette on anyio and hypercorn on trio run
 in the node's own task group (`[serve.openai]` in config.toml, or `psymesh serve
-openai`), bound to 127.0.0.1 unless the owner says otherwise, with a bearer key.
+openai`), bound to 127.0.0.1 unless the owner says otherwise, behind node/httpguard.py
+(a bearer key always, the Host allow-list, no cross-site Origin, JSON bodies).
 
 A request becomes an infer task spec (protocol.tasks.TaskSpec: chat turns with tool
 calls, tools, the tool choice) whichever way it runs: on a model of this node through
@@ -24,12 +25,12 @@ and its executor renders the same spec with the same generate(). A reply's
 well formed even from a small model (agent/infer.py).
 
 Errors have OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`: 401 for
-a missing or wrong key, 400 for a request we cannot take, 404 for an unknown model.
+a missing or wrong key, 403 for a foreign Host or Origin, 415 for a body that is not
+application/json, 400 for a request we cannot take, 404 for an unknown model.
 """
 from __future__ import annotations
 
 import functools
-import hmac
 import json
 import logging
 import math
@@ -49,8 +50,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from psymesh.node.apikey import ApiKey
 from psymesh.node.bridgeconfig import OpenAIServe
 from psymesh.node.client import new_task_id
+from psymesh.node.httpguard import AllowedHosts, GuardRules, HttpGuard, Refusal
 from psymesh.protocol.errors import ErrorCode, PsymeshError
 from psymesh.protocol.manifest import Operation, check
 from psymesh.protocol.tasks import EventKind, TaskKind, TaskSpec
@@ -71,11 +74,11 @@ _STATUS: Mapping[ErrorCode, int] = {
     ErrorCode.BAD_REQUEST: 400, ErrorCode.BAD_FRAME: 400, ErrorCode.TOO_LARGE: 413, ErrorCode.NOT_FOUND: 404,
     ErrorCode.FORBIDDEN: 403, ErrorCode.UNKNOWN_PEER: 404, ErrorCode.EXPIRED: 403, ErrorCode.CONFLICT: 409,
     ErrorCode.RATE_LIMITED: 429, ErrorCode.BUSY: 429, ErrorCode.TIMEOUT: 504, ErrorCode.UNAVAILABLE: 503,
-    ErrorCode.CANCELED: 499,
+    ErrorCode.CANCELED: 499, ErrorCode.MODEL_CRASHED: 502,
 }
 _TYPES: Mapping[int, str] = {400: "invalid_request_error", 401: "invalid_request_error", 403: "permission_error",
                              404: "invalid_request_error", 409: "invalid_request_error", 413: "invalid_request_error",
-                             429: "rate_limit_error"}
+                             415: "invalid_request_error", 429: "rate_limit_error"}
 
 
 class ApiError(Exception):
@@ -90,9 +93,9 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": _TYPES.get(self.status, "server_error"),
                           "param": self.param, "code": self.code}}
 
-    def response(self) -> JSONResponse:
-        headers = {"Retry-After": str(math.ceil(self.retry_after))} if self.retry_after else None
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+    def response(self, headers: Mapping[str, str] | None = None) -> JSONResponse:
+        extra = {"Retry-After": str(math.ceil(self.retry_after))} if self.retry_after else {}
+        return JSONResponse(self.body(), status_code=self.status, headers={**extra, **(headers or {})})
 
     @classmethod
     def of(cls, exc: PsymeshError, *, model: str | None = None) -> ApiError:
@@ -332,16 +335,19 @@ class _Target:
 class OpenAIEndpoint:
     """The endpoint of one node; `run` serves it in the node's task group."""
 
-    def __init__(self, node: Node, settings: OpenAIServe) -> None:
+    def __init__(self, node: Node, settings: OpenAIServe, key: ApiKey) -> None:
         self.node = node
         self.settings = settings
-        self._key = settings.check()  # refuses a network bind without a key, before anything listens
+        self.key = key
         self.url: str | None = None   # http://HOST:PORT once listening
-        self.app = Starlette(
+        routes = Starlette(
             routes=[Route("/v1/models", self._models, methods=["GET"]),
                     Route("/v1/models/{model:path}", self._model, methods=["GET"]),
                     Route("/v1/chat/completions", self._chat, methods=["POST"])],
             exception_handlers={HTTPException: self._http_error, Exception: self._internal_error})
+        # The door of the HTTP face (node/httpguard.py): Host, Origin, the key, JSON bodies.
+        self.app = HttpGuard(routes, GuardRules(key=key.value, hosts=AllowedHosts.of(settings.host_names())),
+                             _refused)
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         from hypercorn.config import Config
@@ -364,18 +370,11 @@ class OpenAIEndpoint:
                                    f"{failed.strerror or failed}; choose another port ([serve.openai] port, "
                                    "or --port)", code=ErrorCode.UNAVAILABLE) from None
             self.url = binds[0]
-            log.info("OpenAI-compatible endpoint at %s/v1%s", self.url, "" if self._key else " (no API key)")
+            log.info("OpenAI-compatible endpoint at %s/v1 (its key: %s; psymesh serve openai --show-key)",
+                     self.url, self.key.source)
             task_status.started()
 
-    # -- the door of the HTTP face ------------------------------------------------------
-    def _authorize(self, request: Request) -> None:
-        if self._key is None:
-            return
-        scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), self._key.encode()):
-            raise ApiError(401, "missing or incorrect API key (send Authorization: Bearer KEY)",
-                           code="invalid_api_key")
-
+    # -- requests past the door ---------------------------------------------------------
     async def _body(self, request: Request) -> Any:
         limit = self.settings.max_body_bytes
         declared = request.headers.get("content-length", "")
@@ -404,22 +403,15 @@ class OpenAIEndpoint:
 
     # -- models -------------------------------------------------------------------------
     async def _models(self, request: Request) -> Response:
-        try:
-            self._authorize(request)
-            return JSONResponse({"object": "list", "data": await self.model_list()})
-        except ApiError as exc:
-            return exc.response()
+        return JSONResponse({"object": "list", "data": await self.model_list()})
 
     async def _model(self, request: Request) -> Response:
-        try:
-            self._authorize(request)
-            name = request.path_params["model"]
-            for entry in await self.model_list():
-                if entry["id"] == name:
-                    return JSONResponse(entry)
-            raise ApiError(404, f"no model {name!r} here or on a paired peer", code="model_not_found", param="model")
-        except ApiError as exc:
-            return exc.response()
+        name = request.path_params["model"]
+        for entry in await self.model_list():
+            if entry["id"] == name:
+                return JSONResponse(entry)
+        return ApiError(404, f"no model {name!r} here or on a paired peer", code="model_not_found",
+                        param="model").response()
 
     async def model_list(self) -> list[dict[str, Any]]:
         """This node's models, then `PEER/MODEL` for each model a paired peer offers and
@@ -475,7 +467,6 @@ class OpenAIEndpoint:
     async def _chat(self, request: Request) -> Response:
         model: str | None = None
         try:
-            self._authorize(request)
             raw = await self._body(request)
             if not isinstance(raw, dict):
                 raise ApiError(400, "the request body must be a JSON object", code="invalid_request")
@@ -628,6 +619,11 @@ class _Reply:
             if self._usage:
                 yield _sse({**self._head("chat.completion.chunk"), "choices": [], "usage": piece.usage()})
             yield b"data: [DONE]\n\n"
+
+
+def _refused(refusal: Refusal) -> Response:
+    """A request the door refused, in OpenAI's error shape (the check is the error's code)."""
+    return ApiError(refusal.status, refusal.message, code=refusal.check.value).response(refusal.headers)
 
 
 def _os_error(exc: BaseException) -> OSError | None:

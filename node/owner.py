@@ -6,13 +6,13 @@ each returns one reply (or sends several itself and returns None, see ControlSer
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from contextlib import aclosing
 from typing import TYPE_CHECKING
 
 import anyio
-from pydantic import SecretStr
 
 import psymesh
 from psymesh.node.control import ControlServer, Handler
@@ -75,9 +75,33 @@ class Owner:
             c.GroupSendRequest: self._group_send,
             c.WebQueryRequest: self._web,
             c.ServeRequest: self._serve,
+            c.ModelsPsRequest: self._models_ps,
         }
         for request_type, handler in routes.items():
-            control.route(request_type, handler)
+            control.route(request_type, self._durable(handler))
+
+    def _durable(self, handler: Handler) -> Handler:
+        """An answer that promises durability (`Message.durable`: the outbox row queued, the
+        letter written) leaves only once the WAL is synced."""
+        async def answer(req: Message, framed: FramedStream) -> Message | None:
+            reply = await handler(req, framed)
+            if reply is not None and reply.durable:
+                await self.node.wal.sync()
+            return reply
+
+        return answer
+
+    async def _models_ps(self, req: c.ModelsPsRequest, _: FramedStream) -> c.ModelsPsReply:
+        running = {s.name: s for s in self.node.models.ps()}
+        models = []
+        for name in self.node.models.registry.names():
+            s = running.get(name)
+            if s is None:
+                row = self.node.models.registry.get(name)
+                models.append(c.LoadedModel(name=name, path=row["path"], loaded=False, n_ctx=row["n_ctx"]))
+            else:
+                models.append(c.LoadedModel(**dataclasses.asdict(s)))
+        return c.ModelsPsReply(models=models)
 
     async def _status(self, req: c.StatusRequest, _: FramedStream) -> c.StatusReply:
         return c.StatusReply(
@@ -122,8 +146,7 @@ class Owner:
 
     async def _serve(self, req: c.ServeRequest, _: FramedStream) -> c.ServeReply:
         settings = getattr(self.node.config.serve, req.section)
-        given = {"host": req.host, "port": req.port, "api_key_file": req.api_key_file,
-                 "api_key": SecretStr(req.api_key) if req.api_key else None}
+        given = {"host": req.host, "port": req.port, "api_key_file": req.api_key_file}
         settings = settings.model_copy(update={"enabled": True, **{k: v for k, v in given.items() if v is not None}})
         url, already = await self.node.serve_endpoint(req.section, settings)
         return c.ServeReply(url=url, already=already)
@@ -180,6 +203,9 @@ class Owner:
         await self.node._tell_revoked(peer.peer_id)
         await self.node.p2p.disconnect(peer.peer_id)
         canceled = self.node.executor.cancel_for(peer.peer_id, "the submitter was revoked")
+        dropped = self.node.messaging.store.drop_held(peer.peer_id)  # letters it left behind a gap
+        if dropped:
+            log.info("revoked %s: %d letter(s) it had held behind a gap removed", peer.name, dropped)
         log.info("revoked %s (%s): %d queued or running task(s) canceled", peer.name, peer.peer_id, canceled)
         updated = self.node.trust.get(peer.peer_id)
         assert updated is not None
@@ -282,7 +308,8 @@ class Owner:
         return c.InboxLetter(seq=received.release_seq, id=letter.id, sender=letter.sender,
                              sender_name=self._name(letter.sender), thread=letter.thread, tseq=letter.tseq,
                              kind=letter.kind, text=letter.text, body=letter.body, at=letter.at / 1000,
-                             received_at=received.received_at, reply_to=letter.reply_to, group=letter.group)
+                             received_at=received.received_at, reply_to=letter.reply_to, group=letter.group,
+                             skipped=received.skipped)
 
     async def _msg_send(self, req: c.MsgSendRequest, _: FramedStream) -> c.MsgSentReply:
         letter = self.node.messaging.send(req.to, req.text, body=req.body, thread=req.thread,

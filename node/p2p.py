@@ -144,6 +144,17 @@ in libp2p 0.8.1's relay source while building this (items 21-24; each test check
    every circuit's end is logged as an ERROR after three reads 0.2 and 0.4 s apart. Ours
    passes an end on as a half-close and frees the circuit at once.
 
+Found in a later adversarial pass (25):
+
+25. libp2p's resource manager limits new connections per *peer id* (10 a second, burst 50),
+   which it learns only once the Noise handshake, the costly part, has run: with a fresh key
+   per connection anyone who reaches the port gets handshakes without end. `_Admission`
+   counts new inbound connections per IP address *before* the handshake (a burst of
+   `handshake_burst_per_ip`, then `handshakes_per_ip_per_minute`) and closes the excess at
+   once. And the unpaired slots are shared per address (`fair_share`): when all are taken, a
+   connection from an address holding at least two fewer than another takes one of that
+   address's, so 8 addresses holding 2 each no longer keep a new one out.
+
 Hole punching (DCUtR, `enable_hole_punch()`, config `[relay] hole_punch`): likewise libp2p's
 wire format (its `HolePunch` protobuf on `/libp2p/dcutr`) and its swarm's source-bound dials
 (`dial_with_source`, `dial_addr_as_responder`), not its `DCUtRProtocol` service (which brings
@@ -213,7 +224,8 @@ from libp2p.utils.varint import encode_uvarint, read_varint_prefixed_bytes_limit
 
 from psymesh.protocol.errors import ConnectError, ConnectionLost, ErrorCode, ProtocolError, PsymeshError
 from psymesh.protocol.relay import CONNECT, DCUTR, HOP, RESERVE, STOP, RelayBook, RelaySettings
-from psymesh.protocol.strangers import StrangerLimits
+from psymesh.protocol.limits import RateLimiter
+from psymesh.protocol.strangers import StrangerLimits, fair_share
 
 log = logging.getLogger(__name__)
 os.environ.setdefault("PY_YAMUX_RELEASE_ON_READ", "0")  # (19) read by libp2p's yamux at call time
@@ -444,12 +456,19 @@ class P2PNode:
         if self._admission.paired(peer_id):
             return True
         limits = self._admission.limits
-        strangers = [_remote_ip(c.muxed_conn) for c in self._live_connections()
+        strangers = [c for c in self._live_connections()
                      if c.direction == Direction.INBOUND and not self._admission.paired(str(c.muxed_conn.peer_id))]
-        if len(strangers) >= limits.connections or strangers.count(ip) >= limits.connections_per_ip:
+        held = Counter(_remote_ip(c.muxed_conn) or "?" for c in strangers)
+        verdict = fair_share(held, ip or "?", limits)
+        if verdict is False:
             log.info("refused a connection from %s at %s: %d unpaired connections open (%d from there)",
-                     peer_id, ip, len(strangers), strangers.count(ip))
+                     peer_id, ip, held.total(), held[ip or "?"])
             return False
+        if isinstance(verdict, str) and self._tg is not None:  # all taken: the address holding most gives one up
+            victim = next(c for c in strangers if (_remote_ip(c.muxed_conn) or "?") == verdict)
+            log.info("closing an unpaired connection from %s (it holds %d) to let one from %s in",
+                     verdict, held[verdict], ip)
+            self._tg.start_soon(_close_quietly, victim)
         return True
 
     # -- handlers --------------------------------------------------------------------
@@ -932,7 +951,7 @@ class P2PNode:
             self._relay_admit(source, CONNECT)
             if not self._connections(destination, direct=True):
                 self._book.drop(destination)
-            self._book.open_circuit(destination, time.time())
+            self._book.open_circuit(source, destination, time.time())
         except PsymeshError as exc:
             log.info("refused a circuit from %s to %s: %s", source, destination, exc.message)
             await _hop_status(stream, _status_for(exc))
@@ -940,7 +959,7 @@ class P2PNode:
         try:
             await self._open_circuit(stream, source, target)
         finally:
-            self._book.close_circuit(destination)
+            self._book.close_circuit(source, destination)
 
     async def _open_circuit(self, stream: INetStream, source: str, target: ID) -> None:
         far: INetStream | None = None
@@ -1034,8 +1053,8 @@ class P2PNode:
             return
         circuit = multiaddr.Multiaddr(f"/p2p/{relay}/p2p-circuit/p2p/{source}")
         ip = _remote_ip(stream.muxed_conn)
-        if not self._admission.start_handshake(ip):
-            log.info("refused a circuit from relay %s: too many connections still handshaking", relay)
+        if (why := self._admission.start_handshake(ip)) is not None:
+            log.info("refused a circuit from relay %s: %s", relay, why)
             await _reset_quietly(stream)
             return
         try:
@@ -1152,6 +1171,7 @@ class _Admission:
         self.may_open: StreamFilter = _anything
         self.limits = StrangerLimits()
         self.handshaking: Counter[str | None] = Counter()
+        self.handshake_rate = RateLimiter(max_keys=4096)  # new connections per IP (CPU: Noise)
 
     def paired(self, peer_id: str) -> bool:
         try:
@@ -1163,12 +1183,16 @@ class _Admission:
     def buffer_budget(self, peer_id: str) -> int:
         return PAIRED_BUFFER_BYTES if self.paired(peer_id) else self.limits.buffer_bytes
 
-    def start_handshake(self, ip: str | None) -> bool:
+    def start_handshake(self, ip: str | None) -> str | None:
+        """Take a handshake slot for a new inbound connection from `ip`; or say why not."""
         limits = self.limits
         if self.handshaking.total() >= limits.handshakes or self.handshaking[ip] >= limits.handshakes_per_ip:
-            return False
+            return "too many connections still handshaking"
+        if self.handshake_rate.acquire(ip or "?", time.monotonic(), per_minute=limits.handshakes_per_ip_per_minute,
+                                       burst=limits.handshake_burst_per_ip) is not None:
+            return f"more than {limits.handshakes_per_ip_per_minute} new connections a minute from there"
         self.handshaking[ip] += 1
-        return True
+        return None
 
     def end_handshake(self, ip: str | None) -> None:
         self.handshaking[ip] -= 1
@@ -1288,8 +1312,8 @@ class _Swarm(Swarm):
             return
         address = read_write_closer.get_remote_address()
         ip = address[0] if address else None
-        if not self.admission.start_handshake(ip):
-            log.info("closed a new connection from %s: too many connections still handshaking", ip)
+        if (why := self.admission.start_handshake(ip)) is not None:
+            log.info("closed a new connection from %s: %s", ip, why)
             await _close_quietly(read_write_closer)
             return
         try:

@@ -31,7 +31,7 @@ import anyio
 import anyio.abc
 
 from psymesh.node.framed import READ_CHUNK, ByteStream
-from psymesh.protocol.common import Error
+from psymesh.protocol.common import Error, expect
 from psymesh.protocol.control import PeerAway
 from psymesh.protocol.errors import (
     ConnectionLost,
@@ -42,7 +42,7 @@ from psymesh.protocol.errors import (
     PsymeshError,
     RemoteError,
 )
-from psymesh.protocol.messages import Message, expect
+from psymesh.protocol.messages import Message
 from psymesh.protocol.session import Cancel, Refused, Reply, Request, SessionClient, SessionServer
 
 log = logging.getLogger("psymesh.session")
@@ -50,6 +50,7 @@ log = logging.getLogger("psymesh.session")
 M = TypeVar("M", bound=Message)
 # Replies a stream may hold before its reader must catch up (then the session waits for it).
 STREAM_BUFFER = 256
+FAREWELL_S = 1.0  # how long a broken session's error frame may take to leave before the stream closes
 
 
 # ============================================================== server side
@@ -126,6 +127,9 @@ async def serve_session(stream: ByteStream, peer_id: str, door: Door, *, max_fra
                     break
         except (ProtocolError, ConnectionLost) as exc:  # broken or gone: closed; the client opens a new one
             log.info("session from %s broken: %s", peer_id, exc.message)
+            if farewell := server.farewell():  # say why first (§2), then the stream is closed
+                with anyio.move_on_after(FAREWELL_S, shield=True), contextlib.suppress(PsymeshError):
+                    await write(farewell)
         finally:
             tg.cancel_scope.cancel()  # the client is gone: nobody will read the answers
 

@@ -417,14 +417,6 @@ class ExecutorStore:
         return self.conn.execute("SELECT 1 FROM exec_tasks WHERE id = ? AND submitter = ?",
                                  (task_id, peer)).fetchone() is not None
 
-    def next_deadline(self) -> float | None:
-        """The earliest deadline among unfinished tasks, for the service's expiry timer."""
-        marks, states = _placeholders(s.value for s in ACTIVE_STATES)
-        row = self.conn.execute(
-            f"SELECT MIN(deadline) FROM exec_tasks WHERE state IN ({marks})", states
-        ).fetchone()
-        return row[0]
-
     # -- internals ------------------------------------------------------------------------
     def _append(
         self, task_id: str, kind: EventKind, data: dict[str, Any], state: TaskState | None, now: float
@@ -487,11 +479,6 @@ class OutboxTask:
     @property
     def terminal(self) -> bool:
         return self.state.terminal
-
-    @property
-    def needs_attach(self) -> bool:
-        """Accepted, and either still running or its final events not yet acknowledged."""
-        return self.accepted and (not self.terminal or self.acked_seq < self.last_seq)
 
     @classmethod
     def from_row(cls, row: sqlite3.Row) -> OutboxTask:

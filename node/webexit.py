@@ -22,11 +22,14 @@ exit to do what it could not do itself:
     checked: scheme (http and https only), the grant's domains (`host_allowed`), and again
     the address, by the backend, when the hop connects.
   * exhaust the exit: a body that never ends, a 10 KiB gzip that inflates to gigabytes, a
-    server that stalls. One deadline bounds a whole fetch (every hop and the body); bodies
+    server that stalls, a page whose text costs gigabytes to extract. One deadline bounds a
+    whole fetch (every hop, the body and the extraction of its text); bodies
     are refused by Content-Length before reading, then counted as they stream, both as sent
     and as inflated (`_Inflater` inflates in bounded steps); the content type is checked
-    before a byte of body is read. A node-wide token bucket caps the exit's requests a
-    minute, beside each peer's own grant rate.
+    before a byte of body is read. The text is extracted in child processes with a memory
+    cap, a few at once (node/extractor.py), from at most `max_html_bytes` of HTML. A
+    node-wide token bucket caps the exit's requests a minute, beside each peer's own grant
+    rate.
   * use the exit to carry state between askers: no cookie is kept, no proxy from the
     environment is used, no credentials are sent.
 
@@ -60,12 +63,11 @@ import httpcore
 import httpx
 import ifaddr
 
-from psymesh.node.websearch import MAX_TITLE_CHARS, backend_for
+from psymesh.node.extractor import Extractors, cut_html
+from psymesh.node.websearch import backend_for
 from psymesh.node.websettings import ExitSettings, SearchSettings  # noqa: F401 (the config lives there)
 from psymesh.protocol.errors import ErrorCode, PsymeshError
 from psymesh.protocol.web import MAX_PAGE_CHARS, WebFetch, WebHit, WebPage, WebResults, WebSearch
-
-HTML_TYPES = frozenset({"text/html", "application/xhtml+xml"})
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 Resolver = Callable[[str, int], Awaitable[Sequence[IPAddress]]]
@@ -333,31 +335,6 @@ def _charset(response: httpx.Response) -> str | None:
         return None
 
 
-def readable_text(body: bytes, media_type: str, charset: str | None) -> tuple[str, str]:
-    """(title, text) of a body: HTML reduced to its readable text by trafilatura (or, when
-    it finds no main text, every text node outside scripts and styles); other types as
-    text. Blocking and CPU-bound: run in a worker thread. The hop costs ~0.35 ms of CPU a
-    page (bench/web.py), but even a small body is no bound on the time: 16 KiB of
-    `<p>a</p>` takes trafilatura ~65-130 ms, which must not stall the event loop and every
-    session on it. (Public for bench/web.py, whose baseline does exactly this work.)"""
-    if media_type not in HTML_TYPES:
-        return "", body.decode(charset or "utf-8", errors="replace")
-    import trafilatura  # imported when used: heavy, and the daemon imports this module early
-
-    source: str | bytes = body.decode(charset, errors="replace") if charset else body   # else sniff <meta charset>
-    tree = trafilatura.load_html(source)
-    if tree is None:
-        return "", ""
-    title = " ".join((tree.findtext(".//title") or "").split())[:MAX_TITLE_CHARS]
-    text = trafilatura.extract(tree, include_comments=False, include_links=False, include_images=False)
-    if text is None:
-        for element in tree.xpath("//script|//style|//noscript|//template|//head"):
-            element.drop_tree()
-        lines = (" ".join(line.split()) for line in tree.text_content().splitlines())
-        text = "\n".join(line for line in lines if line)
-    return title, text
-
-
 # --------------------------------------------------------------------- cache and rate
 
 K = TypeVar("K")
@@ -503,6 +480,7 @@ class WebExit:
         self._pages: _Cache[str, _Page] = _Cache(settings.cache_entries, settings.cache_ttl_s)
         self._results: _Cache[tuple[str, int], tuple[WebHit, ...]] = _Cache(settings.cache_entries, settings.cache_ttl_s)
         self._bucket = _Bucket(settings.requests_per_minute, clock())
+        self._extractors = Extractors(settings.extractions, settings.extract_memory_bytes)
 
     async def __aenter__(self) -> "WebExit":
         return self
@@ -512,6 +490,7 @@ class WebExit:
         await self.aclose()
 
     async def aclose(self) -> None:
+        await self._extractors.aclose()
         await self._fetcher.aclose()
         await self._searcher.aclose()
 
@@ -555,8 +534,8 @@ class WebExit:
         return WebResults(query=request.query, hits=hits)
 
     async def _download(self, url: httpx.URL, host_allowed: HostAllowed) -> _Page:
-        """Follow redirects by hand (each hop checked), then read the body within the caps;
-        all of it within one deadline."""
+        """Follow redirects by hand (each hop checked), read the body within the caps and
+        extract its text (in a child): all of it within one deadline."""
         s = self.settings
         hosts = [url.host]
         with _network_errors(s.timeout_s), anyio.fail_after(s.timeout_s):
@@ -575,7 +554,8 @@ class WebExit:
             else:
                 raise PsymeshError(f"refused: more than {s.max_redirects} redirects ([web.exit] max_redirects)",
                                    code=ErrorCode.BAD_REQUEST)
-        title, text = await anyio.to_thread.run_sync(readable_text, body, media_type, _charset(response))
+            title, text = await self._extractors.text(cut_html(body, media_type, s.max_html_bytes), media_type,
+                                                      _charset(response))
         return _Page(final_url=str(response.url), status=response.status_code, content_type=media_type,
                      title=title, text=text[:MAX_PAGE_CHARS + 1], hosts=tuple(hosts))
 

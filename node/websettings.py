@@ -64,6 +64,12 @@ class ExitSettings(BaseModel):
     ports: list[Annotated[int, Field(ge=1, le=65535)]] | None = None
     timeout_s: float = Field(default=10.0, gt=0, le=300)
     max_body_bytes: int = Field(default=2 * MIB, ge=1024, le=64 * MIB)
+    # The page's text is extracted in child processes (node/extractor.py): at most this many
+    # at once, each allowed this much memory beyond its own, handed at most max_html_bytes
+    # of HTML (a longer page is cut there), all within the fetch's timeout_s.
+    extractions: int = Field(default=2, ge=1, le=64)
+    extract_memory_bytes: int = Field(default=128 * MIB, ge=16 * MIB, le=4096 * MIB)
+    max_html_bytes: int = Field(default=1 * MIB, ge=1024, le=64 * MIB)
     max_redirects: int = Field(default=5, ge=0, le=20)
     content_types: list[MediaType] = Field(default_factory=lambda: [
         "text/html", "application/xhtml+xml", "text/plain", "application/json", "text/markdown"])

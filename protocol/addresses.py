@@ -14,24 +14,26 @@ passed on (an invite, a relay), as libp2p's signed peer records are.
 """
 from __future__ import annotations
 
-from cryptography.exceptions import InvalidSignature
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from typing import ClassVar
+
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from psymesh.protocol.errors import ErrorCode, PsymeshError
-from psymesh.protocol.identity import PeerId, peer_id_from_public_key, public_key_from_peer_id
-from psymesh.protocol.manifest import canonical_encode
+from psymesh.protocol.identity import PeerId
+from psymesh.protocol.signing import Signed
 from psymesh.protocol.messages import Message
 
 MAX_ADDRS = 16  # as many as an invite carries
-_CONTEXT = b"psymesh/addrs/v1\x00"
 
 
-class AddrRecord(BaseModel):
+class AddrRecord(Signed, BaseModel):
     """`peer_id`'s addresses (multiaddrs ending /p2p/<peer_id>; through a relay too), as of
     `seq` (its issue time in milliseconds: a larger one replaces a smaller), signed by it."""
 
     model_config = ConfigDict(defer_build=True, frozen=True, extra="forbid")
+    signing_context: ClassVar[bytes] = b"psymesh/addrs/v1\x00"
+    signer_field: ClassVar[str] = "peer_id"
+    signer_role: ClassVar[str] = "record's peer"
 
     peer_id: PeerId
     addrs: tuple[str, ...] = Field(max_length=MAX_ADDRS)
@@ -47,21 +49,10 @@ class AddrRecord(BaseModel):
                 raise ValueError(f"not a multiaddr: {addr[:80]!r}")
         return addrs
 
-    def signing_bytes(self) -> bytes:
-        return _CONTEXT + canonical_encode({"peer_id": self.peer_id, "addrs": list(self.addrs), "seq": self.seq})
-
-    def sign(self, key: Ed25519PrivateKey) -> AddrRecord:
-        if peer_id_from_public_key(key.public_key().public_bytes_raw()) != self.peer_id:
-            raise ValueError("the signing key is not the record's peer's key")
-        return self.model_copy(update={"signature": key.sign(self.signing_bytes())})
-
     def verify(self, *, sender: str) -> None:
         """FORBIDDEN unless this is `sender`'s own record, validly signed, naming only it."""
-        key = Ed25519PublicKey.from_public_bytes(public_key_from_peer_id(self.peer_id))
-        try:
-            key.verify(self.signature, self.signing_bytes())
-        except InvalidSignature:
-            raise PsymeshError("an address record must be validly signed", code=ErrorCode.FORBIDDEN) from None
+        if not self.signature_valid():
+            raise PsymeshError("an address record must be validly signed", code=ErrorCode.FORBIDDEN)
         if self.peer_id != sender:
             raise PsymeshError("an address record must be the sender's own", code=ErrorCode.FORBIDDEN)
         if any(not addr.endswith(f"/p2p/{sender}") for addr in self.addrs):

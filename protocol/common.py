@@ -4,8 +4,8 @@ from typing import Any
 
 from pydantic import Field
 
-from psymesh.protocol.errors import ErrorCode, PsymeshError, RemoteError
-from psymesh.protocol.messages import Message
+from psymesh.protocol.errors import ErrorCode, ProtocolError, PsymeshError, RemoteError
+from psymesh.protocol.messages import M, Message
 
 
 class Error(Message):
@@ -47,3 +47,13 @@ class Pong(Message):
     payload: bytes = b""
     time: float | None = None
 
+
+
+def expect(message: Message, cls: type[M]) -> M:
+    """Narrow a received message to `cls`; an `error` reply becomes RemoteError. (Here, not
+    in messages.py, so that messages.py needs nothing of this module.)"""
+    if isinstance(message, cls):
+        return message
+    if isinstance(message, Error):
+        raise message.to_exception()
+    raise ProtocolError(f"expected {cls.type!r}, got {message.type!r}")

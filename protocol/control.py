@@ -236,7 +236,7 @@ class ServeRequest(Message):
     section: Literal["openai", "a2a"]
     host: str | None = None
     port: int | None = Field(default=None, ge=0, le=65535)
-    api_key: str | None = None       # the control socket is the owner's only
+    # The key is the daemon's, as at start (node/apikey.py): never carried here.
     api_key_file: str | None = None
 
 
@@ -324,6 +324,7 @@ class AuditRow(View):
     code: str | None = None  # the ErrorCode of a refusal
     reason: str = ""
     peer_name: str | None = None  # the paired peer's name (None: a stranger)
+    count: int = 1  # identical refusals within the audit window, counted into this row
 
 
 class AuditReply(Message):
@@ -345,6 +346,7 @@ class TaskSubmitRequest(Message):
 
 class TaskSubmitted(Message):
     type = "control.task_submitted"
+    durable = True  # the outbox row is synced to disk before this is sent
     task_id: str
     target: str
     target_name: str
@@ -435,6 +437,38 @@ class OffersReply(Message):
     offers: list[Offer] = Field(default_factory=list)
 
 
+# -- models (control API) ------------------------------------------------------------
+
+
+class ModelsPsRequest(Message):
+    """The node's models as their runner processes stand: `psymesh model ps`."""
+
+    type = "control.models_ps"
+
+
+class LoadedModel(View):
+    """One registered model's runner. `loaded` False: no process holds it now (never used,
+    or gone after `keep_alive_s` idle, or after a crash); the next request loads it."""
+
+    name: str
+    path: str
+    loaded: bool
+    pid: int | None = None
+    rss_bytes: int | None = None
+    n_ctx: int = 0
+    state_cache_bytes: int = 0      # saved model states the runner holds (state reuse)
+    idle_s: float | None = None     # since its last request ended; None: never used, or busy now
+    jobs_served: int = 0
+    crashes: int = 0                # in a row, since its last request that succeeded
+    keep_alive_s: float | None = None
+    pending: int = 0                # requests queued or running
+
+
+class ModelsPsReply(Message):
+    type = "control.models_ps_reply"
+    models: list[LoadedModel] = Field(default_factory=list)
+
+
 # -- discovery (control API) -----------------------------------------------------------
 
 
@@ -510,6 +544,9 @@ class InboxLetter(Message):
     received_at: float      # when this node stored it, Unix seconds
     reply_to: str | None = None
     group: str | None = None
+    # Letters of this thread before this one that never came: their place was given up after
+    # the letters behind them had waited `[inbox] held_s` (0: none skipped).
+    skipped: int = 0
 
 
 class MsgSendRequest(Message):
@@ -526,6 +563,7 @@ class MsgSendRequest(Message):
 
 class MsgSentReply(Message):
     type = "control.msg_sent"
+    durable = True
     letter: SentLetter
 
 
@@ -652,6 +690,7 @@ class GroupSendRequest(Message):
 
 class GroupSentReply(Message):
     type = "control.group_sent"
+    durable = True
     group: str
     letters: list[SentLetter] = Field(default_factory=list)
 

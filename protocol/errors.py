@@ -33,6 +33,7 @@ class ErrorCode(StrEnum):
     CANCELED = "canceled"
     UNAVAILABLE = "unavailable"          # peer unreachable, daemon not running
     BAD_CODE = "bad_code"                # pairing: wrong short code
+    MODEL_CRASHED = "model_crashed"      # the model runner process died running this request
     INTERNAL = "internal"
 
 

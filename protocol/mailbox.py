@@ -24,21 +24,21 @@ letter, meaningless without it).
 from __future__ import annotations
 
 import hashlib
+from typing import ClassVar
 
 import msgpack
-from cryptography.exceptions import InvalidSignature, InvalidTag
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
 from cryptography.hazmat.primitives.hpke import AEAD, KDF, KEM, Suite
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from psymesh.protocol.errors import ErrorCode, PsymeshError
-from psymesh.protocol.identity import PeerId, peer_id_from_public_key, public_key_from_peer_id
-from psymesh.protocol.manifest import Operation, canonical_encode
+from psymesh.protocol.identity import PeerId
+from psymesh.protocol.manifest import Operation
+from psymesh.protocol.signing import Signed
 from psymesh.protocol.messages import Message
 from psymesh.protocol.messaging import Letter
 
-_KEY_CONTEXT = b"psymesh/mailkey/v1\x00"
 _SEAL_CONTEXT = b"psymesh/mail/v1\x00"
 _SUITE = Suite(KEM.X25519, KDF.HKDF_SHA256, AEAD.CHACHA20_POLY1305)
 SEAL_OVERHEAD = 32 + 16          # the encapsulated key, then the AEAD tag
@@ -62,37 +62,22 @@ class MailSettings(BaseModel):
     max_bytes_per_sender: int = Field(default=32 * 1024 * 1024, ge=64 * 1024, le=4 * 1024 ** 3)
 
 
-class MailKey(BaseModel):
+class MailKey(Signed, BaseModel):
     """A node's public mail key and the mailbox that holds its mail, signed by the node
     (`owner`). A larger `serial` replaces a smaller one; `mailbox` None withdraws the
     mailbox (senders then keep letters for the owner themselves). There is no expiry: a
     key that lapsed while its owner slept would bounce mail exactly when it is needed."""
 
     model_config = ConfigDict(defer_build=True, frozen=True, extra="forbid")
+    signing_context: ClassVar[bytes] = b"psymesh/mailkey/v1\x00"
+    signer_field: ClassVar[str] = "owner"
+    signer_role: ClassVar[str] = "owner"
 
     owner: PeerId
     public: bytes = Field(min_length=32, max_length=32)   # X25519
     mailbox: PeerId | None = None
     serial: int = Field(ge=0, lt=2**63)
     signature: bytes = Field(default=b"", max_length=64)
-
-
-    def signing_bytes(self) -> bytes:
-        body = self.model_dump(mode="python", exclude={"signature"}, exclude_none=True)
-        return _KEY_CONTEXT + canonical_encode(body)
-
-    def sign(self, key: Ed25519PrivateKey) -> MailKey:
-        if peer_id_from_public_key(key.public_key().public_bytes_raw()) != self.owner:
-            raise ValueError("the signing key is not the owner's key")
-        return self.model_copy(update={"signature": key.sign(self.signing_bytes())})
-
-    def signature_valid(self) -> bool:
-        key = Ed25519PublicKey.from_public_bytes(public_key_from_peer_id(self.owner))
-        try:
-            key.verify(self.signature, self.signing_bytes())
-        except InvalidSignature:
-            return False
-        return True
 
 
 def verify_mail_key(key: MailKey, *, sender: str) -> None:
@@ -175,6 +160,7 @@ class MailDeposit(Message):
 
 class MailReceipt(Message):
     type = "mail.receipt"
+    durable = True  # the deposit is on disk before this is sent
     ref: bytes
 
 

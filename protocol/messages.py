@@ -27,6 +27,9 @@ class Message(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="ignore", strict=False, defer_build=True)
     type: ClassVar[str] = ""
+    # An answer that promises what it acknowledges is on disk (task.accepted, msg.receipt, ...):
+    # the node sends it only after the transaction behind it is synced (node/db.py WalSync).
+    durable: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -40,7 +43,7 @@ class Message(BaseModel):
 # The modules that define messages: imported when a type is not known yet (a process
 # imports only the ones it uses; a peer may send any of them).
 MESSAGE_MODULES = ("addresses", "common", "control", "dialback", "mailbox", "manifest", "messaging", "pairing",
-                   "session", "tasks", "web")
+                   "runner", "session", "tasks", "web")
 _ALL_LOADED = False
 
 
@@ -116,14 +119,3 @@ def from_map(obj: dict[str, Any]) -> Message:
         raise ProtocolError(f"invalid {kind!r} message: {where}: {first.get('msg')}") from None
     except Exception as exc:  # a validator bug must still not escape as anything but ProtocolError
         raise ProtocolError(f"invalid {kind!r} message: {type(exc).__name__}") from None
-
-
-def expect(message: Message, cls: type[M]) -> M:
-    """Narrow a received message to `cls`; an `error` reply becomes RemoteError."""
-    from psymesh.protocol.common import Error  # local: common registers after this module
-
-    if isinstance(message, cls):
-        return message
-    if isinstance(message, Error):
-        raise message.to_exception()
-    raise ProtocolError(f"expected {cls.type!r}, got {message.type!r}")

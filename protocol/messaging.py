@@ -32,24 +32,19 @@ for ever; the sender's app sees the refusal.
 """
 
 import hashlib
-from typing import Any
-
-import msgpack
 from collections.abc import Iterable
 from enum import StrEnum
-from typing import Annotated, Self
+from typing import Annotated, ClassVar, Self
 
-from cryptography.exceptions import InvalidSignature
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from psymesh.protocol.errors import ErrorCode, PsymeshError
-from psymesh.protocol.identity import peer_id_from_public_key, public_key_from_peer_id
+from psymesh.protocol.identity import public_key_from_peer_id
 from psymesh.protocol.manifest import Operation
 from psymesh.protocol.messages import Message
+from psymesh.protocol.signing import Signed, canonical_encode
 from psymesh.protocol.tasks import JsonMap
 
-_SIGNING_CONTEXT = b"psymesh/letter/v1\x00"
 MAX_TEXT = 64 * 1024
 MAX_THREAD = 128
 LetterId = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]*$")]
@@ -62,8 +57,12 @@ class LetterKind(StrEnum):
     ANSWER = "answer"
 
 
-class Letter(BaseModel):
+class Letter(Signed, BaseModel):
     model_config = ConfigDict(defer_build=True, frozen=True, extra="forbid", ser_json_bytes="base64", val_json_bytes="base64")
+    signing_context: ClassVar[bytes] = b"psymesh/letter/v1\x00"
+    signer_field: ClassVar[str] = "sender"
+    signer_role: ClassVar[str] = "sender"
+    signing_floats: ClassVar[bool] = True  # `body` is free-form JSON: its floats are float64
 
     id: LetterId
     sender: str
@@ -88,25 +87,6 @@ class Letter(BaseModel):
             raise ValueError(exc.message) from None
         return value
 
-    def signing_bytes(self) -> bytes:
-        """What the sender signs: a context string, then the letter without its signature as
-        msgpack with every map's keys sorted, nil fields left out and floats as float64."""
-        return _SIGNING_CONTEXT + msgpack.packb(_sorted(self.model_dump(mode="python", exclude={"signature"},
-                                                                        exclude_none=True)), use_bin_type=True)
-
-    def sign(self, key: Ed25519PrivateKey) -> Self:
-        if peer_id_from_public_key(key.public_key().public_bytes_raw()) != self.sender:
-            raise ValueError("the signing key is not the sender's key")
-        return self.model_copy(update={"signature": key.sign(self.signing_bytes())})
-
-    def signature_valid(self) -> bool:
-        key = Ed25519PublicKey.from_public_bytes(public_key_from_peer_id(self.sender))
-        try:
-            key.verify(self.signature, self.signing_bytes())
-        except InvalidSignature:
-            return False
-        return True
-
     def stub(self) -> Self:
         """The withdrawn stand-in for this letter: same place in its thread, nothing in it.
         (Unsigned: sign it again.)"""
@@ -115,7 +95,7 @@ class Letter(BaseModel):
 
     @property
     def payload_bytes(self) -> int:
-        return len(self.text.encode()) + len(msgpack.packb(_sorted(self.body), use_bin_type=True))
+        return len(self.text.encode()) + len(canonical_encode(self.body, floats=True))
 
     def operation(self) -> Operation:
         """What the recipient's manifest must allow (an `answer` is a kind of `send`)."""
@@ -136,14 +116,6 @@ def answered_ask(letter: Letter, *, local_peer_id: str) -> str | None:
     if letter.kind is not LetterKind.ANSWER or letter.reply_to is None:
         return None
     return letter.reply_to if letter.id == answer_id(local_peer_id, letter.reply_to) else None
-
-
-def _sorted(obj: Any) -> Any:
-    if isinstance(obj, dict):
-        return {key: _sorted(obj[key]) for key in sorted(obj)}
-    if isinstance(obj, (list, tuple)):
-        return [_sorted(item) for item in obj]
-    return obj
 
 
 def check_letter(letter: Letter, *, sender: str, local_peer_id: str) -> None:
@@ -170,6 +142,7 @@ class ReceiptStatus(StrEnum):
 
 class MsgReceipt(Message):
     type = "msg.receipt"
+    durable = True  # `stored`: on disk before this is sent
     id: LetterId
     status: ReceiptStatus = ReceiptStatus.STORED
 
@@ -205,7 +178,23 @@ class LetterResult(BaseModel):
 
 class MsgReceipts(Message):
     type = "msg.receipts"
+    durable = True
     results: list[LetterResult] = Field(max_length=MAX_BATCH)
+
+
+class InboxSettings(BaseModel):
+    """config.toml `[inbox]`: what one sender's letters may take of this node's inbox.
+    Sized so that a phone's disk is safe from each paired sender (8 MiB held, 64 MiB kept)
+    and an honest sender never meets them: its courier has at most 256 letters (about
+    4 MiB) in flight, so a gap it leaves holds no more than that."""
+
+    model_config = ConfigDict(defer_build=True, frozen=True, extra="forbid")
+
+    held_letters: int = Field(default=256, ge=1, le=1_000_000)           # held behind a gap, per sender
+    held_bytes: int = Field(default=8 * 1024 * 1024, ge=64 * 1024, le=4 * 1024 ** 3)
+    held_s: float = Field(default=86_400.0, ge=1.0, le=365 * 86_400.0)   # then the gap is given up
+    kept_letters: int = Field(default=4096, ge=1, le=10_000_000)         # released, per sender (oldest go)
+    kept_bytes: int = Field(default=64 * 1024 * 1024, ge=64 * 1024, le=64 * 1024 ** 3)
 
 
 # -- the receiver's ordering rule ------------------------------------------------------------

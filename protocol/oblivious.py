@@ -58,10 +58,11 @@ import os
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import ClassVar
 
-from cryptography.exceptions import InvalidSignature, InvalidTag
+from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives import hashes, hmac
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 from cryptography.hazmat.primitives.kdf.hkdf import HKDFExpand
@@ -69,10 +70,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from pyhpke import AEADId, CipherSuite, KDFId, KEMId, PyHPKEError
 
 from psymesh.protocol.errors import ErrorCode, PsymeshError
-from psymesh.protocol.identity import PeerId, peer_id_from_public_key, public_key_from_peer_id
-from psymesh.protocol.manifest import canonical_encode
+from psymesh.protocol.identity import PeerId
+from psymesh.protocol.signing import Signed
 
-_KEY_CONTEXT = b"psymesh/web-key/v1\x00"
 _SECRET_MAGIC = b"psymesh/exit-secret/v1\x00"
 REQUEST_LABEL = b"psymesh web request"
 RESPONSE_LABEL = b"psymesh web response"
@@ -101,12 +101,15 @@ MAX_RESPONSE_BODY = BUCKETS[-1] - _RESPONSE_HEAD.size - _LEN.size
 # ---------------------------------------------------------------------------- keys
 
 
-class ExitKey(BaseModel):
+class ExitKey(Signed, BaseModel):
     """An exit's public web key, signed by the exit. `key_id` names it in each sealed
     request so the exit can hold the next key beside this one while phones move over;
     `not_after` bounds how long a leaked private key stays useful."""
 
     model_config = ConfigDict(defer_build=True, frozen=True, extra="forbid")
+    signing_context: ClassVar[bytes] = b"psymesh/web-key/v1\x00"
+    signer_field: ClassVar[str] = "exit"
+    signer_role: ClassVar[str] = "exit"
 
     exit: PeerId
     key_id: int = Field(ge=0, le=255)
@@ -116,23 +119,6 @@ class ExitKey(BaseModel):
     public_key: bytes = Field(min_length=32, max_length=32)   # X25519
     not_after: int = Field(ge=0, lt=2**63)                     # Unix seconds
     signature: bytes = Field(default=b"", max_length=64)
-
-
-    def signing_bytes(self) -> bytes:
-        return _KEY_CONTEXT + canonical_encode(self.model_dump(mode="python", exclude={"signature"}))
-
-    def sign(self, key: Ed25519PrivateKey) -> ExitKey:
-        if peer_id_from_public_key(key.public_key().public_bytes_raw()) != self.exit:
-            raise ValueError("the signing key is not the exit's key")
-        return self.model_copy(update={"signature": key.sign(self.signing_bytes())})
-
-    def signature_valid(self) -> bool:
-        key = Ed25519PublicKey.from_public_bytes(public_key_from_peer_id(self.exit))
-        try:
-            key.verify(self.signature, self.signing_bytes())
-        except InvalidSignature:
-            return False
-        return True
 
 
 def _check_suite(key: ExitKey) -> None:

@@ -57,7 +57,8 @@ from psymesh.protocol import wordlist
 from psymesh.protocol.common import Error
 from psymesh.protocol.errors import ErrorCode, ProtocolError, PsymeshError
 from psymesh.protocol.identity import peer_id_from_public_key, public_key_from_peer_id
-from psymesh.protocol.manifest import Manifest, canonical_encode, preset, PRESETS
+from psymesh.protocol.manifest import Manifest, preset, PRESETS
+from psymesh.protocol.signing import canonical_encode
 from psymesh.protocol.messages import Message, decode_map
 
 PAIR_PROTOCOL = "/psymesh/pair/1.0.0"

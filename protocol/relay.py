@@ -13,8 +13,11 @@ request (node/gate.py). What it allows beyond that is bounded by `RelaySettings`
 
     reservations   at most `max_reservations` peers at once, each for `reservation_ttl_s`
                    (renewed by the peer before it lapses) and only while it stays connected
-    circuits       at most `max_circuits` at once, `max_circuits_per_peer` into one peer;
-                   each lives at most `circuit_duration_s` and carries at most
+    circuits       at most `max_circuits` at once, `max_circuits_per_peer` into one peer,
+                   `max_circuits_per_source` from one peer and `max_circuits_per_pair`
+                   from one peer into one peer (so one peer with `relay` cannot take every
+                   circuit into a home, nor the relay's: it gets 2 of a home's 8 and 4 of
+                   the relay's 32, and the rightful peer still gets its circuit); each lives at most `circuit_duration_s` and carries at most
                    `circuit_bytes` (both directions together), then the relay resets it
 
 libp2p's own defaults are 1 hour and 1 GiB per circuit; ours are smaller. A circuit that
@@ -25,13 +28,16 @@ again, and delegated tasks are exactly-once across the switch (protocol/taskflow
 before it answers a reservation or opens a circuit, and tells it when one ends.
 """
 
+from collections import Counter
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from psymesh.protocol.errors import ErrorCode, PsymeshError
 
 MiB = 1024 * 1024
+K = TypeVar("K")
 MAX_RELAYS = 4  # relays one node keeps reservations at
 # The spec's protocol ids: a peer asks a relay on HOP (reserve, connect); the relay brings
 # a circuit to the reserving peer on STOP.
@@ -57,7 +63,9 @@ class RelaySettings(BaseModel):
     relays: list[str] = Field(default_factory=list, max_length=MAX_RELAYS)
     max_reservations: int = Field(default=16, ge=1, le=1024)
     max_circuits: int = Field(default=32, ge=1, le=4096)
-    max_circuits_per_peer: int = Field(default=8, ge=1, le=1024)
+    max_circuits_per_peer: int = Field(default=8, ge=1, le=1024)     # into one destination
+    max_circuits_per_source: int = Field(default=4, ge=1, le=1024)   # from one source
+    max_circuits_per_pair: int = Field(default=2, ge=1, le=1024)     # from one source into one destination
     circuit_duration_s: int = Field(default=1800, ge=1, le=86_400)
     circuit_bytes: int = Field(default=256 * MiB, ge=MiB // 16, le=64 * 1024 * MiB)
     reservation_ttl_s: int = Field(default=900, ge=30, le=86_400)
@@ -78,11 +86,14 @@ class RelaySettings(BaseModel):
 
 @dataclass
 class RelayBook:
-    """A relay's reservations (peer id -> expiry) and open circuits (per destination)."""
+    """A relay's reservations (peer id -> expiry) and open circuits, counted per destination,
+    per source and per (source, destination)."""
 
     settings: RelaySettings
     reservations: dict[str, float] = field(default_factory=dict)
-    circuits: dict[str, int] = field(default_factory=dict)
+    circuits: Counter[str] = field(default_factory=Counter)                 # per destination
+    sources: Counter[str] = field(default_factory=Counter)                  # per source
+    pairs: Counter[tuple[str, str]] = field(default_factory=Counter)        # per (source, destination)
 
     def reserve(self, peer_id: str, now: float) -> float:
         """Reserve (or renew) for `peer_id`; returns the expiry. BUSY when full."""
@@ -97,27 +108,43 @@ class RelayBook:
         """`peer_id`'s reservation ends (it disconnected, or lost its grant)."""
         self.reservations.pop(peer_id, None)
 
-    def open_circuit(self, destination: str, now: float) -> None:
-        """Count a circuit into `destination`: NOT_FOUND without a reservation, BUSY when full.
-        Every successful call is matched by one `close_circuit`."""
+    def open_circuit(self, source: str, destination: str, now: float) -> None:
+        """Count a circuit from `source` into `destination`: NOT_FOUND without a reservation,
+        BUSY when the source's own shares are used up (checked first: they say it is the
+        source's doing), then when the destination's or the relay's are. Every successful
+        call is matched by one `close_circuit`."""
         self._expire(now)
+        s = self.settings
         if destination not in self.reservations:
             raise PsymeshError(f"{destination} holds no reservation at this relay", code=ErrorCode.NOT_FOUND)
-        if sum(self.circuits.values()) >= self.settings.max_circuits:
-            raise PsymeshError(f"this relay carries {self.settings.max_circuits} circuits, the most it allows",
+        if self.pairs[source, destination] >= s.max_circuits_per_pair:
+            raise PsymeshError(f"you have {s.max_circuits_per_pair} circuits open to {destination} here, the most "
+                               "one peer may ([relay] max_circuits_per_pair)", code=ErrorCode.BUSY)
+        if self.sources[source] >= s.max_circuits_per_source:
+            raise PsymeshError(f"you have {s.max_circuits_per_source} circuits open here, the most one peer may "
+                               "([relay] max_circuits_per_source)", code=ErrorCode.BUSY)
+        if self.circuits[destination] >= s.max_circuits_per_peer:
+            raise PsymeshError(f"{destination} has {s.max_circuits_per_peer} circuits open here, the most allowed",
                                code=ErrorCode.BUSY)
-        if self.circuits.get(destination, 0) >= self.settings.max_circuits_per_peer:
-            raise PsymeshError(f"{destination} has {self.settings.max_circuits_per_peer} circuits open here, "
-                               "the most allowed", code=ErrorCode.BUSY)
-        self.circuits[destination] = self.circuits.get(destination, 0) + 1
+        if self.circuits.total() >= s.max_circuits:
+            raise PsymeshError(f"this relay carries {s.max_circuits} circuits, the most it allows",
+                               code=ErrorCode.BUSY)
+        self.circuits[destination] += 1
+        self.sources[source] += 1
+        self.pairs[source, destination] += 1
 
-    def close_circuit(self, destination: str) -> None:
-        left = self.circuits.get(destination, 0) - 1
-        if left > 0:
-            self.circuits[destination] = left
-        else:
-            self.circuits.pop(destination, None)
+    def close_circuit(self, source: str, destination: str) -> None:
+        _uncount(self.circuits, destination)
+        _uncount(self.sources, source)
+        _uncount(self.pairs, (source, destination))
 
     def _expire(self, now: float) -> None:
         for peer_id in [p for p, expires in self.reservations.items() if expires <= now]:
             del self.reservations[peer_id]
+
+
+def _uncount(counter: Counter[K], key: K) -> None:
+    """One fewer of `key`; keys at zero are forgotten (the book stays as small as what is open)."""
+    counter[key] -= 1
+    if counter[key] <= 0:
+        del counter[key]

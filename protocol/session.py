@@ -187,6 +187,7 @@ class SessionServer(_Side):
     def __init__(self, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE, max_open: int = MAX_OPEN_REQUESTS) -> None:
         super().__init__(max_frame_size, max_open)
         self._last_rid = 0
+        self._farewell_sent = False
 
     def next_event(self) -> Request | Cancel | Refused | None:
         """The next thing the client asked, or None if more bytes are needed."""
@@ -216,6 +217,15 @@ class SessionServer(_Side):
                 return Request(rid, from_map(obj))
             except ProtocolError as exc:  # a bad request, not a bad session: refuse just this one
                 return Refused(rid, exc)
+
+    def farewell(self) -> bytes:
+        """Once the session is broken (a reused `rid`, an undecodable frame), the one frame to
+        send before closing the stream: an `error` without `rid` saying why, which the client
+        takes as the end of the whole session (b"" if the session is not broken, or was told)."""
+        if self._error is None or self._farewell_sent:
+            return b""
+        self._farewell_sent = True
+        return encode_frame(pack(Error.from_exception(self._error)), self.max_frame_size)
 
     def reply(self, rid: int, message: Message, *, end: bool = True) -> bytes:
         """Bytes answering `rid`; `end=True` (always, for an `error`) closes the request."""

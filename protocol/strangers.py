@@ -2,7 +2,9 @@
 pairing runs, told the time (sans-IO).
 
 Anyone who can reach the port is a stranger: a fresh key costs nothing, so limits per
-peer id alone stop nobody. `StrangerLimits` bounds what all strangers together can make
+peer id alone stop nobody. When the unpaired connections are all taken, one from an address
+holding fewer than the address holding the most takes one of that address's (`fair_share`
+says which), so a few addresses cannot keep a new one out. `StrangerLimits` bounds what all strangers together can make
 a node hold (the node's libp2p layer enforces the connection, stream and buffer numbers)
 and how often they may try a pairing code. `PairingGuard` enforces the pairing numbers:
 
@@ -38,6 +40,10 @@ class StrangerLimits(BaseModel):
     connection_s: float = Field(default=60.0, ge=1.0, le=3600.0)  # how long one may stay unpaired
     handshakes: int = Field(default=16, ge=1, le=1024)          # inbound connections still handshaking (anyone)
     handshakes_per_ip: int = Field(default=4, ge=1, le=1024)
+    # new inbound connections (each a Noise handshake: CPU) from one IP address: a burst, then
+    # this many a minute; paired peers too, since who connects is known only after the handshake
+    handshakes_per_ip_per_minute: int = Field(default=60, ge=1, le=100_000)
+    handshake_burst_per_ip: int = Field(default=20, ge=1, le=100_000)
     # streams and bytes on one unpaired connection
     streams: int = Field(default=2, ge=1, le=64)                # inbound streams open at once
     buffer_bytes: int = Field(default=128 * KiB, ge=64 * KiB, le=16 * 1024 * KiB)  # unread bytes held
@@ -83,3 +89,19 @@ class PairingGuard:
 
     def running(self) -> int:
         return self._runs.active(_NODE)
+
+
+def fair_share(held: dict[str, int], ip: str, limits: StrangerLimits) -> str | bool:
+    """Whether a new unpaired connection from `ip` may come in, given the unpaired connections
+    each address holds: True (a free slot), False (refused), or the address that must give
+    up one of its connections for it (all slots are taken, and that address holds at least
+    two more than `ip` would: so no address is ever pushed below what the newcomer gets)."""
+    mine = held.get(ip, 0)
+    if mine >= limits.connections_per_ip:
+        return False
+    if sum(held.values()) < limits.connections:
+        return True
+    richest = max(held, key=lambda address: held[address], default=None)
+    if richest is not None and richest != ip and held[richest] >= mine + 2:
+        return richest
+    return False

@@ -35,5 +35,15 @@ fi
 # llama-cpp-python has no wheels on the index: it builds from source (~5 min once; pip caches the wheel).
 # Portable build: the native one (-march=native, AMX) segfaults on quantized models on some CPUs.
 CMAKE_ARGS="${CMAKE_ARGS:--DGGML_NATIVE=OFF}" .venv/bin/python -m pip install -q -e ".[dev]"
-.venv/bin/python -c "import psymesh.node.daemon, llama_cpp" 
+# BFCL's own package, for its data (every v4 category's questions and answers), its multi-turn
+# backends and its multi-turn checker. Pinned; --no-deps because its declared dependencies are every
+# model vendor's SDK, vllm-era numpy and sentence-transformers, none of which the parts we import use
+# (they need the standard library, mpmath, and for memory overrides, rank-bm25 and filelock, which
+# pyproject lists). agent/bfcl.py says which parts.
+BFCL_EVAL_VERSION=2026.3.23
+.venv/bin/python -m pip install -q --no-deps "bfcl-eval==$BFCL_EVAL_VERSION"
+.venv/bin/python -c "import psymesh.node.daemon, llama_cpp
+import bfcl_eval.eval_checker.multi_turn_eval.multi_turn_checker, bfcl_eval.eval_checker.multi_turn_eval.func_source_code.memory_kv
+import bfcl_eval.model_handler.utils  # format_sensitivity: BFCL's prompt builder and reply decoder"
+
 touch .venv/.psymesh-installed

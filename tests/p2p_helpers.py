@@ -13,7 +13,7 @@ import trio
 from psymesh.node.framed import FramedStream
 from psymesh.node.p2p import P2PNode, P2PStream
 from psymesh.protocol.common import Ping, Pong
-from psymesh.protocol.messages import expect
+from psymesh.protocol.common import expect
 
 PING = "/psymesh/test-ping/1.0.0"
 

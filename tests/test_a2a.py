@@ -10,14 +10,16 @@ and answers the same way. The client is a2a-sdk's, on asyncio, on a worker threa
 What an A2A client relies on: the card names the node, its agent and tools, the
 bearer scheme and the URL; a message runs the agent (a tool call, then the answer as
 an artifact); the task can be read back; a stream shows working -> completed; a
-missing or wrong key is 401; a task can be canceled (the run stops on the node);
-irreversible tools are refused; the 0.3 method names work; the node stops cleanly with
-the thread joined, even with a run in flight.
+missing or wrong key is 401 (the rest of the door: tests/test_web_page.py); a task
+can be canceled (the run stops on the node); irreversible tools are refused; the 0.3
+method names work; the node stops cleanly with the thread joined, even with a run in
+flight.
 """
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 import signal
 import socket
@@ -64,6 +66,7 @@ async def a2a_node(tmp_path: Path, tiny_model: Path, monkeypatch: pytest.MonkeyP
     """`home`, serving A2A on 127.0.0.1 port 0 with KEY, its agent's replies scripted."""
     key_file = tmp_path / "a2a.key"
     key_file.write_text(KEY + "\n")
+    key_file.chmod(0o600)
     serve = ServeSettings(a2a=A2AServe(enabled=True, port=0, api_key_file=str(key_file)))
     model = ScriptedModel(replies)
     monkeypatch.setattr(agents, "llama_model", lambda worker, params: model)
@@ -201,14 +204,16 @@ async def test_a_missing_or_wrong_key_is_401(tmp_path: Path, tiny_model: Path,
     assert model.remaining == 1  # no agent ran for a refused request
 
 
-def test_a_network_bind_without_a_key_is_refused_at_start(tmp_path: Path) -> None:
+def test_an_agent_always_has_a_key_and_the_card_says_so(tmp_path: Path) -> None:
+    """No key configured, even on a LAN bind: the node makes one 0600 in its home."""
     home = NodeHome(tmp_path / "home")
     home.init(profile="home", name="home")
     serve = ServeSettings(a2a=A2AServe(enabled=True, host="0.0.0.0", port=0))
     config = home.load_config().model_copy(update={"serve": serve, "listen": ["/ip4/127.0.0.1/tcp/0"]})
-    with pytest.raises(PsymeshError) as caught:
-        Node(home, config)
-    assert caught.value.code is ErrorCode.BAD_REQUEST and "[serve.a2a]" in caught.value.message
+    node = Node(home, config, environ={})  # built, never run: nothing binds
+    assert node.a2a is not None and node.a2a.key.source == str(home.path / "a2a.key")
+    assert (home.path / "a2a.key").stat().st_mode & 0o777 == 0o600
+    assert (home.path / "a2a.key").read_text().strip() == node.a2a.key.value
 
 
 # --------------------------------------------------------------------------- cancel, refusals, shutdown
@@ -347,12 +352,13 @@ async def test_the_0_3_method_names_work(tmp_path: Path, tiny_model: Path, monke
         url = url_of(node)
 
         async def go(http: httpx.AsyncClient) -> tuple[dict, dict]:
+            v03 = {"A2A-Version": "0.3"}  # required: the SDK would take a missing one as 0.3, a web page's too
             sent = await http.post(url, json={"jsonrpc": "2.0", "id": 1, "method": "message/send", "params": {
                 "message": {"kind": "message", "role": "user", "messageId": str(uuid.uuid4()),
-                            "parts": [{"kind": "text", "text": GOAL}]}}})
+                            "parts": [{"kind": "text", "text": GOAL}]}}}, headers=v03)
             task = sent.json()["result"]
             got = await http.post(url, json={"jsonrpc": "2.0", "id": 2, "method": "tasks/get",
-                                             "params": {"id": task["id"]}})
+                                             "params": {"id": task["id"]}}, headers=v03)
             return task, got.json()["result"]
 
         task, got = await on_asyncio(go)
@@ -367,7 +373,8 @@ async def test_the_example_client(tmp_path: Path, tiny_model: Path, monkeypatch:
     async with a2a_node(tmp_path, tiny_model, monkeypatch, [CALL, ANSWER, CALL, ANSWER]) as (node, model):
         with anyio.fail_after(120):
             done = await anyio.run_process([sys.executable, str(REPO / "examples" / "a2a_client.py"),
-                                            url_of(node).rstrip("/"), KEY, GOAL], check=False)
+                                            url_of(node).rstrip("/"), GOAL], check=False,
+                                           env={**os.environ, "A2A_API_KEY": KEY})
     assert done.returncode == 0, done.stderr.decode()
     lines = [json.loads(line) for line in done.stdout.decode().splitlines()]
     assert lines[0]["card"] == "home" and "agent" in lines[0]["skills"] and lines[0]["security"] == ["bearer"]
@@ -387,6 +394,7 @@ async def test_serve_a2a_command_serves_the_card_and_stops_cleanly(tmp_path: Pat
     home = tmp_path / "desk"
     key_file = tmp_path / "key"
     key_file.write_text(KEY)
+    key_file.chmod(0o600)
     log = tmp_path / "serve.log"
     with open(log, "wb") as sink:
         proc = subprocess.Popen([sys.executable, "-m", "psymesh", "serve", "a2a", "--home", str(home),

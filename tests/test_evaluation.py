@@ -86,7 +86,7 @@ async def test_a_flawed_model_scores_exactly_as_expected(cases: list[EvalCase]) 
         seen[case.category] = seen.get(case.category, 0) + 1
     report = await evaluate(cases, ScriptedModel(replies))
 
-    scores = {c: (s.passed, s.total) for c, s in report.categories.items()}
+    scores = {c: (s.correct, s.cases) for c, s in report.categories.items()}
     assert scores == {"single": (7, 13), "multi_turn": (2, 9), "no_tool": (3, 6)}
     assert (report.passed, report.total) == (12, 28)
     reasons = {r.id: r.reason for r in report.results}

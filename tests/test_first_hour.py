@@ -311,7 +311,9 @@ async def test_listen_is_remembered_and_serve_turns_the_endpoint_on_in_the_runni
         rc, served, err = await _cli(home, "serve", "openai", "--port", str(http_port))
         assert rc == 0, err
         assert served["url"] == f"http://127.0.0.1:{http_port}/v1" and not served["already"]
-        async with httpx.AsyncClient() as http:
+        rc, shown, err = await _cli(home, "serve", "openai", "--show-key")  # the key the daemon's endpoint took
+        assert rc == 0, err
+        async with httpx.AsyncClient(headers={"Authorization": f"Bearer {shown['key']}"}) as http:
             models = await http.get(f"{served['url']}/models")
         assert models.status_code == 200 and models.json()["object"] == "list"
         rc, again, err = await _cli(home, "serve", "openai")

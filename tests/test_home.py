@@ -7,6 +7,7 @@ import os
 import stat
 import subprocess
 import sys
+import traceback
 from pathlib import Path
 
 import pytest
@@ -35,6 +36,23 @@ def test_world_readable_key_is_refused(tmp_path: Path) -> None:
     with pytest.raises(PsymeshError) as info:
         home.load_or_create_identity()
     assert "chmod 600" in info.value.message
+
+
+def test_a_traceback_with_locals_does_not_show_the_identity_seed(tmp_path: Path) -> None:
+    """repr(Identity) used to print the seed, so any traceback that shows locals (pytest
+    --showlocals, rich tracebacks, an error reporter) leaked the node's private key."""
+    identity = NodeHome(tmp_path / "h").init()
+
+    def fails(identity: object) -> None:
+        raise RuntimeError("boom")
+
+    try:
+        fails(identity)
+    except RuntimeError as exc:
+        shown = "".join(traceback.TracebackException.from_exception(exc, capture_locals=True).format())
+    assert identity.peer_id in shown and identity.peer_id in repr(identity)
+    for leak in (repr(identity.seed), identity.seed.hex(), str(list(identity.seed))[1:-1]):
+        assert leak not in shown and leak not in repr(identity) and leak not in str(identity)
 
 
 def mode(path: Path) -> int:

@@ -396,3 +396,67 @@ def test_a_database_path_that_is_no_file_is_refused(tmp_path: Path) -> None:
     (tmp_path / "node.db").mkdir()
     with pytest.raises(PsymeshError, match="not a regular file"):
         open_db(tmp_path / "node.db")
+
+
+# --------------------------------------------------------------------------- the bridges' API keys
+
+
+@pytest.mark.parametrize("section", ["openai", "a2a"])
+def test_an_api_key_file_others_may_read_is_refused_like_identity_key(tmp_path: Path, section: str,
+                                                                      umask_022: None) -> None:
+    """A key file of the owner's (api_key_file) or the one the node made in its home, once
+    readable by others (mode 0644: a copy under umask 022), is refused, not tightened:
+    another user may already have read it. One line, with the chmod to run."""
+    home = tmp_path / "home"
+    own = tmp_path / "my.key"
+    own.write_text("k" * 32)
+    assert mode(own) == 0o644
+    refused = cli("serve", section, "--home", str(home), "--api-key-file", str(own), "--show-key")
+    assert refused.returncode == 1 and refused.stdout == ""
+    assert error_lines(refused.stderr) == [f"error [forbidden]: {own} is readable by others (mode 644); run: chmod "
+                                           f"600 {own}"]
+    assert mode(own) == 0o644  # left for the owner to look at
+
+    made = json.loads(cli("serve", section, "--home", str(home), "--show-key", "--json").stdout)
+    assert made["source"] == str(home / f"{section}.key") and mode(home / f"{section}.key") == 0o600
+    os.chmod(home / f"{section}.key", 0o640)
+    again = cli("serve", section, "--home", str(home), "--port", "0")  # would serve: refused before it listens
+    assert again.returncode == 1 and error_lines(again.stderr) == [
+        f"error [forbidden]: {home / f'{section}.key'} is readable by others (mode 640); run: chmod 600 "
+        f"{home / f'{section}.key'}"]
+    os.chmod(home / f"{section}.key", 0o600)
+    assert json.loads(cli("serve", section, "--home", str(home), "--show-key", "--json").stdout) == made
+
+
+@pytest.mark.parametrize("section", ["openai", "a2a"])
+def test_a_key_comes_from_a_file_or_the_environment_never_the_command_line(tmp_path: Path, section: str) -> None:
+    """`--api-key KEY` put the key in /proc/PID/cmdline, which every local user reads: it is
+    refused with the two ways that stay private; $PSYMESH_..._API_KEY is one of them (a
+    process's environment is its owner's: /proc/PID/environ is 0400)."""
+    home = tmp_path / "home"
+    old = cli("serve", section, "--home", str(home), "--api-key", "k" * 32)
+    env = f"PSYMESH_{section.upper()}_API_KEY"
+    assert old.returncode == 1 and old.stdout == ""
+    [line] = error_lines(old.stderr)
+    assert "--api-key is gone" in line and "/proc/PID/cmdline" in line and "--api-key-file" in line and env in line
+    assert not home.exists()  # nothing made or served for a refused command
+
+    shown = cli("serve", section, "--home", str(home), "--show-key", "--json", env={env: "e" * 24})
+    assert json.loads(shown.stdout) == {"key": "e" * 24, "source": f"${env}"}
+    short = cli("serve", section, "--home", str(home), "--show-key", env={env: "short"})
+    assert short.returncode == 1 and "at least 16" in error_lines(short.stderr)[0]
+    assert "--api-key " not in cli("serve", section, "--help").stdout  # not offered any more
+
+
+def test_a_link_to_nothing_at_the_key_path_is_one_clear_error(tmp_path: Path) -> None:
+    """The key is made with O_EXCL|O_NOFOLLOW: never through a link, and a dangling one is
+    refused (it used to loop between 'missing' and 'exists')."""
+    from psymesh.node.apikey import load_api_key
+    from psymesh.node.bridgeconfig import OpenAIServe
+
+    home = NodeHome(tmp_path / "home")
+    home.init()
+    (home.path / "openai.key").symlink_to(tmp_path / "nowhere")
+    with pytest.raises(PsymeshError, match="a link to nothing; remove it"):
+        load_api_key(OpenAIServe(enabled=True), home, {})
+    assert not (tmp_path / "nowhere").exists()

@@ -11,12 +11,12 @@ from pydantic import ValidationError
 from psymesh.protocol.errors import ErrorCode, ProtocolError, PsymeshError
 from psymesh.protocol.identity import peer_id_from_public_key
 from psymesh.protocol.limits import Limits
+from psymesh.protocol.signing import canonical_encode
 from psymesh.protocol.manifest import (
     Capability,
     Manifest,
     ManifestRevoke,
     Operation,
-    canonical_encode,
     check,
     new_manifest,
     parse_capability,

@@ -9,7 +9,7 @@ tool call back as OpenAI `tool_calls` (grammar-constrained with tool_choice requ
 or named, so random weights still produce a valid call), gets the same from the
 paired home by naming `home/tiny`, and gets OpenAI-shaped errors: 401 without the
 key, 400 for a request we cannot take, 404 for a model nobody has, 403 when the home
-did not grant inference.
+did not grant inference. What a web page cannot do to it is tests/test_web_page.py.
 
 The client is synchronous and runs on a worker thread (the endpoint shares the test's
 trio loop). The tiny model has one token per character; one thread (see
@@ -21,6 +21,7 @@ import json
 import os
 import re
 import signal
+import stat
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Callable
@@ -77,11 +78,13 @@ def _serving_home(path: Path, name: str, profile: str, key_file: Path | None) ->
 
 @asynccontextmanager
 async def mesh(tmp_path: Path, tiny_model: Path, *, key: bool = True) -> AsyncIterator[dict[str, Node]]:
-    """home (has tiny) and phone (has tiny, serves the endpoint), paired with the phone preset."""
+    """home (has tiny) and phone (has tiny, serves the endpoint), paired with the phone preset.
+    `key`: KEY in a file of our own (api_key_file); else the key the phone made in its home."""
     key_file = None
     if key:
         key_file = tmp_path / "openai.key"
         key_file.write_text(KEY + "\n")
+        key_file.chmod(0o600)
     _serving_home(tmp_path / "phone", "phone", "phone", key_file)
     async with run_nodes(tmp_path, "home", "phone", profiles={"phone": "phone"}) as nodes:
         await pair(nodes["home"].home.path, nodes["phone"].home.path, grant="phone")
@@ -90,9 +93,11 @@ async def mesh(tmp_path: Path, tiny_model: Path, *, key: bool = True) -> AsyncIt
         yield nodes
 
 
-def client(node: Node, key: str | None = KEY) -> openai.OpenAI:
+def client(node: Node, key: str | None = None) -> openai.OpenAI:
+    """The official client with `key`, by default the endpoint's own."""
     assert node.openai is not None and node.openai.url is not None
-    return openai.OpenAI(base_url=node.openai.url + "/v1", api_key=key or "none", max_retries=0, timeout=120)
+    return openai.OpenAI(base_url=node.openai.url + "/v1", api_key=key or node.openai.key.value, max_retries=0,
+                         timeout=120)
 
 
 async def off_loop(fn: Callable[[], T]) -> T:
@@ -292,11 +297,12 @@ async def test_bad_requests_get_openai_shaped_errors(tmp_path: Path, tiny_model:
     async with mesh(tmp_path, tiny_model, key=False) as nodes:
         phone = nodes["phone"]
         assert phone.openai is not None and phone.openai.url is not None
-        async with httpx.AsyncClient(base_url=phone.openai.url, timeout=60) as http:
+        auth = {"Authorization": f"Bearer {phone.openai.key.value}"}
+        async with httpx.AsyncClient(base_url=phone.openai.url, timeout=60, headers=auth) as http:
             answers = [await http.post("/v1/chat/completions", json=body) for body, _ in bad_bodies]
-            not_json = await http.post("/v1/chat/completions", content=b"{nope",
-                                       headers={"Content-Type": "application/json"})
-            huge = await http.post("/v1/chat/completions", content=b"x" * (4 * 1024 * 1024 + 1))
+            json_type = {"Content-Type": "application/json"}
+            not_json = await http.post("/v1/chat/completions", content=b"{nope", headers=json_type)
+            huge = await http.post("/v1/chat/completions", content=b"x" * (4 * 1024 * 1024 + 1), headers=json_type)
             no_model = await http.post("/v1/chat/completions", json={"model": "gpt-9", "messages": ASK})
             no_route = await http.get("/v1/engines")
             wrong_method = await http.get("/v1/chat/completions")
@@ -317,15 +323,26 @@ async def test_bad_requests_get_openai_shaped_errors(tmp_path: Path, tiny_model:
     assert still_fine.status_code == 200  # the node kept serving through all of it
 
 
-def test_a_network_bind_without_a_key_is_refused(tmp_path: Path) -> None:
+def test_an_endpoint_always_has_a_key_made_private_in_the_home(tmp_path: Path) -> None:
+    """No key configured, not even on loopback or on a LAN bind: the node makes one,
+    0600 in its home, and `serve openai --show-key` prints that same key."""
     home = NodeHome(tmp_path / "open")
     home.init()
     config = home.load_config()
     wide = config.serve.model_copy(update={"openai": config.serve.openai.model_copy(
         update={"enabled": True, "host": "0.0.0.0"})})
-    with pytest.raises(PsymeshError) as refused:
-        Node(home, config.model_copy(update={"serve": wide}))
-    assert refused.value.code is ErrorCode.BAD_REQUEST and "API key" in refused.value.message
+    node = Node(home, config.model_copy(update={"serve": wide}), environ={})  # built, never run: nothing binds
+    assert node.openai is not None
+    key_file = home.path / "openai.key"
+    assert node.openai.key.source == str(key_file) and stat.S_IMODE(key_file.stat().st_mode) == 0o600
+    assert len(node.openai.key.value) >= 40 and node.openai.key.value not in repr(node.openai.key)
+    shown = subprocess.run([sys.executable, "-m", "psymesh", "serve", "openai", "--home", str(home.path),
+                            "--show-key", "--json"], cwd=REPO, capture_output=True, text=True, check=False,
+                           env={k: v for k, v in os.environ.items() if k != "PSYMESH_OPENAI_API_KEY"})
+    assert shown.returncode == 0, shown.stderr
+    assert json.loads(shown.stdout) == {"key": node.openai.key.value, "source": str(key_file)}
+    again = Node(home, config.model_copy(update={"serve": wide}), environ={})
+    assert again.openai is not None and again.openai.key.value == node.openai.key.value  # made once
 
 
 # --------------------------------------------------------------------------- the command and the example
@@ -333,11 +350,10 @@ def test_a_network_bind_without_a_key_is_refused(tmp_path: Path) -> None:
 
 @pytest.mark.anyio
 async def test_serve_openai_command_and_the_example_client(tmp_path: Path, tiny_model: Path) -> None:
-    """`psymesh serve openai` runs a node with the endpoint (the URL in its log), and
+    """`psymesh serve openai` runs a node with the endpoint (the URL in its log), its key
+    from the environment (not on its command line, which every local user can read), and
     examples/openai_client.py, the official client pointed at it, gets answers."""
     home = tmp_path / "desk"
-    key_file = tmp_path / "key"
-    key_file.write_text(KEY)
     done = subprocess.run([sys.executable, "-m", "psymesh", "model", "add", "tiny", str(tiny_model), "--home",
                            str(home), "--ctx", str(MODEL["n_ctx"]), "--threads", "1"],
                           cwd=REPO, capture_output=True, text=True, check=False)
@@ -345,7 +361,7 @@ async def test_serve_openai_command_and_the_example_client(tmp_path: Path, tiny_
     log = tmp_path / "serve.log"
     with open(log, "wb") as sink:
         proc = subprocess.Popen([sys.executable, "-m", "psymesh", "serve", "openai", "--home", str(home),
-                                 "--port", "0", "--api-key-file", str(key_file)],
+                                 "--port", "0"], env={**os.environ, "PSYMESH_OPENAI_API_KEY": KEY},
                                 cwd=REPO, stdout=sink, stderr=subprocess.STDOUT)
     try:
         found: list[str] = []
@@ -356,6 +372,8 @@ async def test_serve_openai_command_and_the_example_client(tmp_path: Path, tiny_
 
         await wait_until(listening, "the endpoint's URL in the log", timeout=60)
         assert found, log.read_text()
+        assert KEY.encode() not in Path(f"/proc/{proc.pid}/cmdline").read_bytes()
+        assert "its key: $PSYMESH_OPENAI_API_KEY" in log.read_text()
         example = await anyio.run_process(
             [sys.executable, str(REPO / "examples" / "openai_client.py"), "--base-url", found[0] + "/v1",
              "--model", "tiny", "--max-tokens", "16"],

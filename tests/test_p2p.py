@@ -6,6 +6,8 @@ libp2p directly.
 """
 from __future__ import annotations
 
+import contextlib
+
 import os
 import statistics
 import time
@@ -163,6 +165,10 @@ async def test_4_a_thousand_inbound_connections_are_all_accepted() -> None:
     # 20 client identities taking turns: libp2p's resource manager allows each peer only
     # 10 new connections per second (burst 50), which is not what this test is about.
     server, clients = new_node(), [new_node() for _ in range(20)]
+    # and 1,000 new connections from one address in seconds is past its handshake rate (25),
+    # which is not what this test is about either: lifted here
+    server.set_admission(is_paired=lambda _: True, may_open=lambda _, __: True, limits=StrangerLimits(
+        handshakes_per_ip_per_minute=100_000, handshake_burst_per_ip=100_000))
     async with running(server, *clients):
         addr = server.addrs()[0]
         idle_tasks = len(all_trio_tasks())
@@ -481,14 +487,21 @@ async def test_17_unpaired_connections_are_capped_per_ip_and_in_all() -> None:
     node = guarded_node(Policy(), connections=3, connections_per_ip=2)
     addr = node.addrs
     async with running(node):
-        async with Stranger.connect(addr()[0], node.peer_id), Stranger.connect(addr()[0], node.peer_id):
+        async with Stranger.connect(addr()[0], node.peer_id) as first, \
+                Stranger.connect(addr()[0], node.peer_id) as second:
             with anyio.fail_after(10), pytest.raises(Exception):
                 async with Stranger.connect(addr()[0], node.peer_id):  # a third from 127.0.0.1
                     pass
             async with Stranger.connect(addr()[0], node.peer_id, source="127.0.0.2"):
-                with anyio.fail_after(10), pytest.raises(Exception):
-                    async with Stranger.connect(addr()[0], node.peer_id, source="127.0.0.3"):  # a 4th in all
-                        pass
+                # all 3 taken: a 4th, from an address holding none, takes one of 127.0.0.1's two ...
+                async with Stranger.connect(addr()[0], node.peer_id, source="127.0.0.3") as fourth:
+                    assert await (await fourth.open(PING)).negotiated()
+                    await wait_until(lambda: first.closed.is_set() != second.closed.is_set(),
+                                     "127.0.0.1 to give up one connection")
+                    with anyio.fail_after(10), pytest.raises(Exception):  # ... a 5th finds every address at 1
+                        async with Stranger.connect(addr()[0], node.peer_id, source="127.0.0.4") as fifth:
+                            if not await (await fifth.open(PING)).negotiated():
+                                raise ConnectionError("refused")
         await wait_until(lambda: not node._live_connections(), "the node to see them go")
         async with Stranger.connect(addr()[0], node.peer_id) as s:  # room again once they left
             assert await (await s.open(PING)).negotiated()
@@ -547,6 +560,56 @@ async def test_20_fresh_keys_leave_nothing_behind_in_the_swarm() -> None:
         assert swarm.auto_connector._recent_disconnects == {}
         assert len(swarm.peerstore.peer_ids()) <= 1 and not node._open_streams
         assert not node._admission.handshaking
+
+
+@pytest.mark.anyio
+async def test_25_new_connections_are_rate_limited_per_address_before_their_handshake() -> None:
+    """libp2p limits new connections per peer id (its resource manager), which is known only
+    once the Noise handshake it is meant to spare has run: a fresh key per connection asks
+    for handshakes without end. Now each address gets a burst, then a rate, counted before
+    the handshake; another address is not held back by it."""
+    node = guarded_node(Policy(), handshake_burst_per_ip=5, handshakes_per_ip_per_minute=1, connections_per_ip=16)
+    outcomes: list[bool] = []
+
+    async def attempt(source: str) -> bool:
+        try:
+            with anyio.fail_after(10):
+                async with Stranger.connect(node.addrs()[0], node.peer_id, source=source) as s:
+                    return await (await s.open(PING)).negotiated()
+        except Exception:  # closed before or during its handshake
+            return False
+
+    async with running(node):
+        for _ in range(12):  # bounded: 12 in a row from one address
+            outcomes.append(await attempt("127.0.0.2"))
+        assert outcomes[:5] == [True] * 5 and not any(outcomes[5:])  # the burst, then nothing this minute
+        assert await attempt("127.0.0.3")  # another address is served meanwhile
+        await wait_until(lambda: not node._admission.handshaking, "the handshake slots to come back")
+
+
+@pytest.mark.anyio
+async def test_a_full_house_of_strangers_gives_a_slot_to_a_new_address() -> None:
+    """8 addresses holding the 16 unpaired slots (2 each) cannot keep a 9th out: it takes one
+    of theirs, and they cannot take it back (an address may evict only one holding two more)."""
+    node = guarded_node(Policy())
+    async with running(node):
+        async with contextlib.AsyncExitStack() as stack:
+            held = [await stack.enter_async_context(Stranger.connect(node.addrs()[0], node.peer_id,
+                                                                     source=f"127.0.0.{2 + i // 2}"))
+                    for i in range(16)]
+            assert all([await (await s.open(PING)).negotiated() for s in held])
+            newcomer = await stack.enter_async_context(Stranger.connect(node.addrs()[0], node.peer_id,
+                                                                        source="127.0.0.20"))
+            assert await (await newcomer.open(PING)).negotiated()
+            await wait_until(lambda: sum(s.closed.is_set() for s in held) == 1, "one camper to give up its slot")
+            # the camper that lost one tries again, with a fresh key: refused (it holds 1, the newcomer 1)
+            with pytest.raises(Exception):
+                with anyio.fail_after(10):
+                    async with Stranger.connect(node.addrs()[0], node.peer_id, source=next(
+                            f"127.0.0.{2 + i // 2}" for i, s in enumerate(held) if s.closed.is_set())) as again:
+                        if not await (await again.open(PING)).negotiated():
+                            raise ConnectionError("refused")
+            assert not newcomer.closed.is_set()
 
 
 @pytest.mark.anyio

@@ -12,7 +12,7 @@ from hypothesis import given, settings, strategies as st
 
 from psymesh.protocol import Channel, ErrorCode, FrameDecoder, ProtocolError, encode_frame, pack, unpack
 from psymesh.protocol.common import Error, Ping, Pong
-from psymesh.protocol.messages import expect
+from psymesh.protocol.common import expect
 from psymesh.protocol.errors import RemoteError
 
 ROOT = Path(__file__).resolve().parents[1]

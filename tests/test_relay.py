@@ -27,6 +27,12 @@ from psymesh.node.process import DaemonProcess
 from psymesh.protocol.errors import ConnectError, ErrorCode, PsymeshError
 from psymesh.protocol.limits import Limits
 from psymesh.protocol.relay import CONNECT, HOP, RESERVE, RelaySettings
+from libp2p.custom_types import TProtocol
+from libp2p.peer.id import ID
+from libp2p.relay.circuit_v2.pb.circuit_pb2 import HopMessage
+from libp2p.relay.circuit_v2.pb.circuit_pb2 import PeerId as CircuitPeer
+from libp2p.relay.circuit_v2.protocol_buffer import StatusCode
+from libp2p.relay.circuit_v2.utils import read_delimited_msg, write_delimited_msg
 
 pytestmark = pytest.mark.anyio
 ROOMY = Limits(requests_per_minute=10_000, concurrent_tasks=16, max_runtime_s=600, max_payload_bytes=1 << 20)
@@ -119,6 +125,51 @@ async def test_pairing_through_a_relay_then_the_direct_path_takes_over(tmp_path:
             task = await p.delegate("home", tool="system.info")
             assert (await task.result())["profile"] == "home"
             assert not [s for s in phone.sessions.sessions() if s.relayed]
+
+
+async def test_one_peer_opening_circuits_without_end_leaves_room_for_the_rightful_one(tmp_path: Path) -> None:
+    """A peer granted `relay` opens circuits into home as fast as it can and holds them:
+    the relay counts them per source and per (source, destination), so it gets its share
+    (2 into home, 4 in all) and the phone still gets its circuit to home."""
+    relay_home = home_with(tmp_path / "relay", "relay", RelaySettings(enabled=True))
+    relay_id = relay_home.init().peer_id
+    home_with(tmp_path / "home", "home", RelaySettings(relays=[relay_id]))
+    async with run_nodes(tmp_path, "relay", "home", "phone", "greedy") as nodes:
+        relay, home, phone, greedy = nodes["relay"], nodes["home"], nodes["phone"], nodes["greedy"]
+        for peer in (home, phone, greedy):
+            await pair(relay.home.path, peer.home.path, grant="messaging")
+        async with Client(relay.home.path) as r:
+            for name in ("home", "phone", "greedy"):
+                await r.grant(name, ["relay"], limits=ROOMY)
+        await wait_until(lambda: home.p2p.relayed_addrs(), "home's reservation at the relay", timeout=40)
+        circuit = home.p2p.relayed_addrs()[0]
+        await greedy.p2p.connect(relay.p2p.addrs()[0])
+
+        held: list[object] = []
+        statuses: list[int] = []
+
+        async def grab() -> None:  # one CONNECT on its own HOP stream, held open once granted
+            stream = await greedy.p2p._host.new_stream(ID.from_base58(relay_id), [TProtocol(HOP)])
+            await write_delimited_msg(stream, HopMessage(
+                type=HopMessage.CONNECT, peer=CircuitPeer(id=ID.from_base58(home.identity.peer_id).to_bytes())))
+            reply = await read_delimited_msg(stream, HopMessage)
+            statuses.append(reply.status)
+            held.append(stream)
+
+        with anyio.fail_after(60):
+            for _ in range(3):  # bounded: 3 rounds of 8 at once, each round taking all it can
+                async with anyio.create_task_group() as tg:
+                    for _ in range(8):
+                        tg.start_soon(grab)
+            ok = statuses.count(StatusCode.OK)
+            assert ok == 2 and len(statuses) == 24  # its share into home; the rest refused at once
+            assert relay.p2p._book.pairs[greedy.identity.peer_id, home.identity.peer_id] == 2
+            assert phone.p2p.path(home.identity.peer_id) is None
+            assert await phone.p2p.connect(circuit) == home.identity.peer_id  # the rightful peer gets in
+            assert phone.p2p.path(home.identity.peer_id) == "relayed"
+        assert len(relay_rows(relay, greedy, CONNECT)) == 24  # each CONNECT decided and audited at the gate
+        for stream in held:
+            await stream.reset()
 
 
 def invite_addrs(invite: str) -> tuple[str, ...]:

@@ -17,7 +17,8 @@ from psymesh.node.p2p import P2PNode, P2PStream
 from psymesh.node.session import Call, SessionPool, serve_session
 from psymesh.protocol.common import Error, Ping, Pong
 from psymesh.protocol.errors import ConnectionLost, ErrorCode, NetworkError, RemoteError
-from psymesh.protocol.messages import Message
+from psymesh.protocol.framing import FrameDecoder, encode_frame
+from psymesh.protocol.messages import Message, decode_map, pack
 from psymesh.protocol.session import SessionEnd
 
 pytestmark = pytest.mark.anyio
@@ -113,6 +114,28 @@ async def test_leaving_a_stream_early_cancels_the_work_on_the_server() -> None:
         with anyio.fail_after(5):
             await door.canceled.wait()
         assert (await pool.request(server.peer_id, Ping(seq=7), Pong)).seq == 7  # the session lives on
+
+
+async def test_a_reused_request_id_gets_the_error_frame_before_the_stream_closes() -> None:
+    """docs/protocol.md §2 and §5.1: the server answers the frame that breaks the session with
+    one `error` frame without `rid`, then closes (the requests open on it are lost, as when
+    a session breaks: the client asks again on a new one)."""
+    server, client, door = new_node(), new_node(), Server()
+    serve(server, door)
+    async with running(server, client):
+        await client.connect(server.addrs()[0])
+        stream = await client.open_stream(server.peer_id, SESSION)
+        ping = encode_frame(pack(Ping(seq=1), {"rid": 1}))
+        await stream.send_all(ping + ping)
+        decoder, bodies = FrameDecoder(), []
+        with anyio.fail_after(10):
+            while data := await stream.receive_some(65536):
+                decoder.feed(data)
+                while (body := decoder.next_frame()) is not None:
+                    bodies.append(decode_map(body))
+        assert all(b.get("rid") == 1 for b in bodies[:-1])  # at most the first ping's pong before it
+        assert bodies[-1]["type"] == "error" and "rid" not in bodies[-1]
+        assert bodies[-1]["code"] == "bad_frame" and "does not follow" in bodies[-1]["message"]
 
 
 async def test_a_peer_that_goes_away_fails_open_requests_and_the_next_request_redials() -> None:

@@ -119,6 +119,24 @@ def test_request_ids_must_increase() -> None:
         pump_to_server(server, raw({"v": 1, "type": "ping", "seq": 1, "rid": 5}))
 
 
+def test_a_broken_session_says_why_in_one_error_frame_without_rid() -> None:
+    """§2: after the frame that breaks a session (here a reused `rid`) the server sends one
+    `error` frame, with no `rid`, before it closes; the client fails every request with it."""
+    server, client = SessionServer(), SessionClient()
+    assert server.farewell() == b""  # nothing to say while the session is sound
+    _, first = client.request(Ping(seq=1))
+    pump_to_server(server, first)
+    with pytest.raises(ProtocolError, match="does not follow"):
+        pump_to_server(server, first)  # the same rid again
+    farewell = server.farewell()
+    assert msgpack.unpackb(farewell[4:]) == {"code": "bad_frame", "message": "request id 1 does not follow 1",
+                                             "retry_after": None, "details": {}, "v": 1, "type": "error"}
+    assert server.farewell() == b""  # said once
+    with pytest.raises(PsymeshError) as info:
+        pump_to_client(client, farewell)
+    assert info.value.code is ErrorCode.BAD_FRAME and "does not follow" in info.value.message
+
+
 def test_open_requests_are_bounded_on_both_ends() -> None:
     client = SessionClient(max_open=2)
     client.request(Ping(seq=1))

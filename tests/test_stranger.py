@@ -212,6 +212,51 @@ async def test_a_burning_loop_cannot_stop_the_rightful_joiner(tmp_path: Path) ->
             assert [x.name for x in await h.peers()] == ["my-phone"]
 
 
+async def test_eight_addresses_holding_every_unpaired_slot_cannot_keep_a_joiner_out(tmp_path: Path) -> None:
+    """Strangers on 8 addresses hold the 16 unpaired slots (2 each) and keep reconnecting
+    with fresh keys; the phone, from a 9th address, still pairs at once: it takes one slot of
+    an address holding two, and the campers cannot take it back."""
+    async with run_nodes(tmp_path, "home", "phone") as nodes:
+        home, phone = nodes["home"], nodes["phone"]
+        addr, peer_id = home.p2p.addrs()[0], home.identity.peer_id
+        sources = [f"127.0.{i}.2" for i in range(1, 9)]
+        async with Client(home.home.path) as h:
+            invite = await h.pair_invite(name="my-phone")
+        held = 0
+        stop = anyio.Event()
+
+        async def camp(source: str) -> None:  # hold a slot; once closed, try again (bounded)
+            nonlocal held
+            for _ in range(20):
+                if stop.is_set():
+                    return
+                try:
+                    async with Stranger.connect(addr, peer_id, source=source) as s:
+                        held += 1
+                        try:
+                            await s.closed.wait()
+                        finally:
+                            held -= 1
+                except Exception:
+                    await anyio.sleep(0.2)
+
+        with anyio.fail_after(90):
+            async with anyio.create_task_group() as tg:
+                for source in sources:
+                    tg.start_soon(camp, source)
+                    tg.start_soon(camp, source)
+                await wait_until(lambda: held == 16, "the campers to hold all 16 slots", 60)
+                started = anyio.current_time()
+                async with Client(phone.home.path) as p:
+                    paired = await p.pair_join(invite.invite)
+                took = anyio.current_time() - started
+                stop.set()
+                tg.cancel_scope.cancel()
+        assert paired.peer_id == peer_id
+        print(f"\njoined in {took:.2f} s with 16 unpaired slots held by 8 addresses")
+        assert took < 10
+
+
 # ---------------------------------------------------------------------------- 3. what a stranger reaches
 
 

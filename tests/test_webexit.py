@@ -10,6 +10,7 @@ from __future__ import annotations
 import gzip
 import ipaddress
 import json
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -143,6 +144,48 @@ async def test_a_page_without_main_text_still_comes_back_stripped(site: Site) ->
     async with make_exit(allow_loopback=True) as exit_:
         page = await exit_.fetch(WebFetch(url=url), host_allowed=allow_all)
     assert page.title == "T" and "short words" in page.text and "hidden()" not in page.text
+
+
+async def test_a_page_too_costly_to_extract_costs_a_child_not_the_exit(site: Site) -> None:
+    """The text is extracted in a child with a memory cap: a pathological page kills its
+    child (too_large, or timeout within the fetch's deadline), the next page gets a fresh
+    one, a good page's child is kept for the page after, and HTML past max_html_bytes is
+    never handed over."""
+    bomb = site.route("/bomb", b"<html><body>" + b"<p>a</p>" * 60_000 + b"</body></html>")  # ~480 KB
+    url = site.route("/otters", ARTICLE)
+    long_page = site.route("/long", ARTICLE.replace("</article>", "<p>" + "tail words " * 2000 + "</p></article>"))
+    async with make_exit(allow_loopback=True, extract_memory_bytes=16 * 1024 * 1024, timeout_s=20) as exit_:
+        started = time.monotonic()
+        caught = await refused(exit_, bomb, ErrorCode.TOO_LARGE)
+        assert "extract_memory_bytes" in caught.message and time.monotonic() - started < 20
+        assert exit_._extractors.children() == []  # the child that ran out is gone
+        page = await exit_.fetch(WebFetch(url=url), host_allowed=allow_all)
+        assert "hold paws while sleeping" in page.text
+        [kept] = exit_._extractors.children()
+        await exit_.fetch(WebFetch(url=long_page), host_allowed=allow_all)
+        assert exit_._extractors.children() == [kept]  # one child served both
+    padded = site.route("/padded", ARTICLE.replace("</article>", "<!--" + "x" * 1024 + "--><p>tail words</p></article>"))
+    async with make_exit(allow_loopback=True, max_html_bytes=1024) as exit_:
+        page = await exit_.fetch(WebFetch(url=padded), host_allowed=allow_all)
+        assert "hold paws while sleeping" in page.text and "tail words" not in page.text  # past the cut: never parsed
+
+
+async def test_extractions_run_a_few_at_once_and_a_deadline_kills_its_child(site: Site) -> None:
+    bomb = site.route("/slow", b"<html><body>" + b"<p>a</p>" * 120_000 + b"</body></html>")  # seconds of CPU
+    async with make_exit(allow_loopback=True, extractions=1, timeout_s=1.0, cache_entries=0) as exit_:
+        outcomes: list[ErrorCode] = []
+
+        async def one() -> None:
+            with pytest.raises(PsymeshError) as caught:
+                await exit_.fetch(WebFetch(url=bomb), host_allowed=allow_all)
+            outcomes.append(caught.value.code)
+
+        started = time.monotonic()
+        async with anyio.create_task_group() as tg:
+            for _ in range(3):
+                tg.start_soon(one)
+        assert outcomes == [ErrorCode.TIMEOUT] * 3 and time.monotonic() - started < 5
+        assert exit_._extractors.children() == []  # each cut short: its child killed
 
 
 async def test_text_types_are_decoded_with_their_charset_and_cut_to_max_chars(site: Site) -> None:

@@ -1,9 +1,8 @@
-"""Models this node can run: a name -> GGUF registry in the node database, and one
-`ModelWorker` per model, started on first use (a `Llama` is not thread-safe, so each
-model gets exactly one worker thread and a queue; see agent/runtime.py).
+"""The models this node can run: a name -> GGUF registry in the node database.
 
 `psymesh model add` writes the registry directly (no daemon needed); a running daemon
-sees the new model at its next request.
+sees the new model at its next request. Each entry may set its own `keep_alive_s` (how
+long its runner stays loaded when idle); without one the profile's default applies.
 """
 from __future__ import annotations
 
@@ -13,9 +12,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import anyio
-
-from psymesh.agent.runtime import ModelSettings, ModelWorker
+from psymesh.agent.inference import ModelSettings
 from psymesh.node.db import ensure_schema
 from psymesh.node.home import ensure_private_dir, tighten
 from psymesh.protocol.errors import ConnectError, ErrorCode, PsymeshError
@@ -30,6 +27,8 @@ CREATE TABLE IF NOT EXISTS models (
     added_at      REAL NOT NULL
 );
 """
+# Columns added after the table first shipped: (name, declaration).
+_ADDED_COLUMNS = (("keep_alive_s", "REAL"),)
 GGUF_MAGIC = b"GGUF"
 
 
@@ -37,9 +36,13 @@ class ModelRegistry:
     def __init__(self, conn: sqlite3.Connection) -> None:
         self.conn = conn
         ensure_schema(conn, SCHEMA)
+        have = {r[1] for r in conn.execute("PRAGMA table_info(models)")}
+        for column, decl in _ADDED_COLUMNS:
+            if column not in have:
+                conn.execute(f"ALTER TABLE models ADD COLUMN {column} {decl}")
 
     def add(self, name: str, path: str | Path, *, n_ctx: int | None = None, n_threads: int | None = None,
-            chat_template: str | None = None) -> dict:
+            chat_template: str | None = None, keep_alive_s: float | None = None) -> dict:
         """Register `path` as `name`. `n_ctx` None: the context the GGUF declares, capped so
         its KV cache takes at most a sixteenth of this machine's memory (`default_context`)."""
         p = Path(path).expanduser().resolve()
@@ -53,10 +56,11 @@ class ModelRegistry:
         if n_ctx is None:
             n_ctx = default_context(p).n_ctx
         self.conn.execute(
-            "INSERT INTO models (name, path, n_ctx, n_threads, chat_template, added_at) VALUES (?, ?, ?, ?, ?, ?) "
+            "INSERT INTO models (name, path, n_ctx, n_threads, chat_template, keep_alive_s, added_at) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?) "
             "ON CONFLICT(name) DO UPDATE SET path=excluded.path, n_ctx=excluded.n_ctx, n_threads=excluded.n_threads, "
-            "chat_template=excluded.chat_template",
-            (name, str(p), n_ctx, n_threads, chat_template, time.time()),
+            "chat_template=excluded.chat_template, keep_alive_s=excluded.keep_alive_s",
+            (name, str(p), n_ctx, n_threads, chat_template, keep_alive_s, time.time()),
         )
         return self.get(name)
 
@@ -78,10 +82,15 @@ class ModelRegistry:
         if self.conn.execute("DELETE FROM models WHERE name = ?", (name,)).rowcount == 0:
             raise PsymeshError(f"no model named {name!r}", code=ErrorCode.NOT_FOUND)
 
-    def settings(self, name: str) -> ModelSettings:
+    def settings(self, name: str, *, keep_alive_s: float | None = 300.0,
+                 memory_limit_mb: int | None = None) -> ModelSettings:
+        """How to load `name`: its entry, with the node's keep-alive where the entry sets none (an
+        entry's negative keep-alive keeps the model loaded until the node stops)."""
         row = self.get(name)
+        own = row["keep_alive_s"]
         return ModelSettings(path=Path(row["path"]), n_ctx=row["n_ctx"], n_threads=row["n_threads"],
-                             chat_template=row["chat_template"])
+                             chat_template=row["chat_template"], keep_alive_s=keep_alive_s if own is None else (None if own < 0 else own),
+                             memory_limit_mb=memory_limit_mb)
 
 
 @dataclass(frozen=True)
@@ -132,33 +141,6 @@ def default_context(path: Path, *, memory_bytes: int | None = None) -> ContextCh
         else FALLBACK_CTX
     n_ctx = min(declared, cap) if declared else min(FALLBACK_CTX, cap)
     return ContextChoice(n_ctx=max(min(MIN_CTX, declared or MIN_CTX), n_ctx), declared=declared, memory_cap=cap)
-
-
-class ModelPool:
-    """One running worker per model name, started on first use and closed with the node."""
-
-    def __init__(self, registry: ModelRegistry) -> None:
-        self.registry = registry
-        self._workers: dict[str, ModelWorker] = {}
-        self._lock = anyio.Lock()
-
-    async def get(self, name: str) -> ModelWorker:
-        async with self._lock:  # two first requests must not load the same model twice
-            settings = self.registry.settings(name)
-            worker = self._workers.get(name)
-            if worker is not None and worker.settings == settings:
-                return worker
-            if worker is not None:  # the registry entry changed: reload
-                await worker.aclose()
-            worker = ModelWorker(settings)
-            await worker.start()
-            self._workers[name] = worker
-            return worker
-
-    async def aclose(self) -> None:
-        workers, self._workers = list(self._workers.values()), {}
-        for w in workers:
-            await w.aclose()
 
 
 def pull_model(repo_id: str, quant: str, dest: Path) -> Path:
