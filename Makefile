@@ -26,6 +26,7 @@ bench: $(STAMP)
 	$(PY) bench/denied.py
 	$(PY) bench/web.py
 	$(PY) bench/ui.py
+	$(PY) bench/cli.py
 
 clean:
 	rm -rf .venv .pytest_cache .hypothesis build *.egg-info .demo .bench

@@ -107,6 +107,7 @@ class Discovery:
         self._retry_at: dict[str, float] = {}
         self._checks: dict[str, int] = {}     # checks that did not move a pending peer, per announcement
         self._wake = anyio.Event()
+        self._seen = anyio.Event()            # set (and replaced) whenever a node is seen
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Reports started at once: mDNS probing takes seconds and the node need not wait for it."""
@@ -126,6 +127,7 @@ class Discovery:
         if peer_id == self.peer_id:
             return  # our own announcement, heard back
         self.table.saw(peer_id, event.announcement.addrs, "mdns", self.clock())
+        self._saw()
         self._pending.add(peer_id)
         self._retry_at.pop(peer_id, None)  # a new announcement deserves new tries
         self._checks.pop(peer_id, None)
@@ -134,6 +136,7 @@ class Discovery:
     def _reached(self, peer_id: str, addr: str) -> None:
         """A static peer answered at `addr`: the dial proved it, so a paired one is stored there."""
         self.table.saw(peer_id, (addr,), "static", self.clock())
+        self._saw()
         peer = self.peers.get(peer_id)
         if peer is not None and not peer.revoked and without_peer_id(addr) not in {without_peer_id(a) for a in peer.addrs}:
             self._store(peer_id, peer, addr, [addr])
@@ -216,12 +219,22 @@ class Discovery:
         log.info("%s (%s) is now at %s", peer.name, peer_id, " ".join(announced))
 
     # -- the owner's view ---------------------------------------------------------------
+    def _saw(self) -> None:
+        self._seen.set()
+        self._seen = anyio.Event()
+
+    def seen(self) -> list[SeenNode]:
+        """Every node seen, most recent first (as `discovered` lists them, now)."""
+        return [self._view(s) for s in self.table.all()]
+
     async def discovered(self, wait_s: float = 0.0) -> DiscoverReply:
-        """Every node seen, most recent first; after listening `wait_s` more seconds if asked."""
-        if wait_s > 0:
-            await anyio.sleep(wait_s)
+        """Every node seen, most recent first. `wait_s`: with none seen yet, listen until the
+        first one is (or that many seconds passed); with some seen, answer at once."""
+        if wait_s > 0 and not self.table.all():
+            with anyio.move_on_after(wait_s):
+                await self._seen.wait()
         return DiscoverReply(mdns=self.mdns is not None, announced=self.mdns.announced if self.mdns else [],
-                             static_peers=len(self.static.peers), nodes=[self._view(s) for s in self.table.all()])
+                             static_peers=len(self.static.peers), nodes=self.seen())
 
     def _view(self, seen: Sighting) -> SeenNode:
         peer = self.peers.get(seen.peer_id)

@@ -20,6 +20,7 @@ import uuid
 import httpx
 from a2a.client import A2ACardResolver, ClientConfig, create_client
 from a2a.types import a2a_pb2 as a2a
+from a2a.utils.errors import A2AError
 
 
 def _message(text: str) -> a2a.SendMessageRequest:
@@ -59,4 +60,9 @@ async def main(url: str, key: str, goal: str) -> None:
 if __name__ == "__main__":
     if len(sys.argv) != 3 or not os.environ.get("A2A_API_KEY"):
         sys.exit(__doc__)
-    asyncio.run(main(sys.argv[1], os.environ["A2A_API_KEY"], sys.argv[2]))
+    try:
+        asyncio.run(main(sys.argv[1], os.environ["A2A_API_KEY"], sys.argv[2]))
+    except (A2AError, httpx.HTTPError) as exc:  # one line, not a traceback: a wrong key is a 401
+        text = str(exc) or type(exc).__name__
+        hint = " (wrong or missing key? psymesh serve a2a --show-key prints it)" if "401" in text else ""
+        sys.exit(f"error: {text}{hint}")

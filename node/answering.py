@@ -19,7 +19,6 @@ while answering is run again after the restart.
 """
 from __future__ import annotations
 
-import hashlib
 import logging
 import sqlite3
 import time
@@ -38,6 +37,7 @@ from psymesh.agent.tools import ToolRegistry
 from psymesh.protocol.errors import ErrorCode, PsymeshError
 from psymesh.protocol.manifest import Manifest, check
 from psymesh.protocol.messaging import Letter, LetterKind
+from psymesh.protocol.messaging import answer_id as protocol_answer_id
 from psymesh.protocol.tasks import JsonMap
 
 log = logging.getLogger("psymesh.answering")
@@ -51,8 +51,8 @@ CREATE TABLE IF NOT EXISTS msg_answered (
 
 
 def answer_id(ask: Letter) -> str:
-    """The id of our answer to `ask`: the same every time (ask ids are unique per sender only)."""
-    return "ans-" + hashlib.sha256(f"{ask.sender}\0{ask.id}".encode()).hexdigest()[:40]
+    """The id of our answer to `ask`: the same every time (protocol.messaging.answer_id)."""
+    return protocol_answer_id(ask.sender, ask.id)
 
 
 class Answering:

@@ -26,7 +26,6 @@
 Kept apart from the services themselves so that loading a config (every CLI command
 does) imports pydantic only, not an HTTP server or the MCP SDK.
 """
-from __future__ import annotations
 
 from typing import ClassVar, Self
 from urllib.parse import urlsplit
@@ -42,7 +41,7 @@ class KeyedServe(BaseModel):
     or `<home>/KEY_FILE`, created 0600 when the face is first enabled) and the checks of
     node/httpguard.py (Host allow-list, no cross-site Origin, JSON bodies)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(defer_build=True, extra="forbid")
     SECTION: ClassVar[str]   # its config.toml table, for messages
     KEY_FILE: ClassVar[str]  # the key's file in the node home when api_key_file is not set
     KEY_ENV: ClassVar[str]   # the environment variable that, when set, holds the key
@@ -117,7 +116,7 @@ class UiServe(KeyedServe):
 class ServeSettings(BaseModel):
     """`[serve]`: HTTP faces of this node for apps that speak another ecosystem's API (OpenAI, A2A)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(defer_build=True, extra="forbid")
 
     openai: OpenAIServe = Field(default_factory=OpenAIServe)
     a2a: A2AServe = Field(default_factory=A2AServe)
@@ -128,7 +127,7 @@ class McpServerConfig(BaseModel):
     peer as `tool:mcp.NAME.*`). Exactly one of `command` (stdio: the node starts it and
     restarts it with backoff when it dies) and `url` (streamable HTTP)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(defer_build=True, extra="forbid")
 
     name: str = Field(pattern=_SERVER_NAME)
     command: list[str] | None = Field(default=None, min_length=1)

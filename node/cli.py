@@ -17,12 +17,12 @@ from typing import Any, Literal, TypeVar
 import anyio
 import click
 from rich.markup import escape
-from rich.table import Table
 
 from psymesh.node.client import Client
 from psymesh.node.db import storage_error
 from psymesh.node.home import NodeHome
 from psymesh.node.output import Output
+from psymesh.node.output import table as out_table
 from psymesh.protocol import control as c
 from psymesh.protocol.errors import ErrorCode, PsymeshError
 from psymesh.protocol.limits import Limits
@@ -50,6 +50,8 @@ def _as_psymesh_error(exc: BaseException, home: str | None) -> PsymeshError | No
     """
     if isinstance(exc, PsymeshError):
         return exc
+    if isinstance(exc, EvalStopped):
+        return exc.error
     if isinstance(exc, sqlite3.Error):
         return storage_error(exc, NodeHome(home).db_path)
     if isinstance(exc, BaseExceptionGroup):
@@ -57,6 +59,35 @@ def _as_psymesh_error(exc: BaseException, home: str | None) -> PsymeshError | No
         if mapped and all(m is not None for m in mapped):
             return mapped[0]
     return None
+
+
+class EvalStopped(Exception):
+    """An eval that cannot mean anything (not a PsymeshError, so the scoring loops, which
+    count a model error as one failed case, let it through): `error` is what to tell."""
+
+    def __init__(self, error: PsymeshError) -> None:
+        super().__init__(error.message)
+        self.error = error
+
+
+class _StopOverContext:
+    """An eval's model, stopping the whole eval at the first prompt over the model's
+    context: every case would fail the same way and score 0 % with exit status 0. Both
+    eval paths (a case file, --bfcl) wrap their model in it."""
+
+    def __init__(self, model: Any, name: str, n_ctx: int) -> None:
+        self.model, self.name, self.n_ctx = model, name, n_ctx
+
+    async def reply(self, *args: Any, **kwargs: Any) -> Any:
+        from psymesh.agent.inference import PromptTooLong
+
+        try:
+            return await self.model.reply(*args, **kwargs)
+        except PromptTooLong as exc:
+            raise EvalStopped(PsymeshError(
+                f"eval stopped: {exc.message}; give model {self.name} a larger context: "
+                f"psymesh model add {self.name} PATH.gguf --ctx {max(2 * self.n_ctx, 8192)}",
+                code=ErrorCode.TOO_LARGE)) from None
 
 
 def command(f: Callable[..., Any]) -> Callable[..., Any]:
@@ -69,7 +100,7 @@ def command(f: Callable[..., Any]) -> Callable[..., Any]:
         out = Output(json_mode)
         try:
             return f(*args, home=home, out=out, **kwargs)
-        except (PsymeshError, sqlite3.Error, BaseExceptionGroup) as exc:
+        except (PsymeshError, EvalStopped, sqlite3.Error, BaseExceptionGroup) as exc:
             error = _as_psymesh_error(exc, home)
             if error is None:
                 raise
@@ -107,7 +138,8 @@ def node() -> None:
 
 @node.command("start")
 @command
-@click.option("--listen", multiple=True, metavar="MULTIADDR", help="Listen address (repeatable), e.g. /ip4/127.0.0.1/tcp/4001.")
+@click.option("--listen", multiple=True, metavar="MULTIADDR",
+              help="Listen address (repeatable), e.g. /ip4/127.0.0.1/tcp/4001 (saved in config.toml).")
 @click.option("--profile", type=click.Choice(["home", "phone"]), default=None, help="Node profile (saved in config.toml).")
 @click.option("--name", default=None, help="Human name of this node (saved in config.toml).")
 @click.option("--share", type=click.Path(file_okay=False, exists=True), default=None,
@@ -132,11 +164,11 @@ def node_start(home: str | None, out: Output, listen: tuple[str, ...], profile: 
         changes["name"] = name
     if share:
         changes["share_dir"] = str(Path(share).resolve())
+    if listen and list(listen) != config.listen:  # remembered: `serve` and the unit `node install` writes use it
+        changes["listen"] = list(listen)
     if changes:
         config = config.model_copy(update=changes)
         node_home.save_config(config)
-    if listen:
-        config = config.model_copy(update={"listen": list(listen)})  # for this run only
     setup_logging(json_lines=log_json or config.log_json, log_file=Path(log_file) if log_file else None)
     daemon = Node(node_home, config)
     # What is loaded by now (modules, schemas, the node's services) lives as long as the
@@ -268,12 +300,12 @@ def _serve_options(section: Literal["openai", "a2a"], default_port: int, env: st
 @_serve_options("openai", 8080, "PSYMESH_OPENAI_API_KEY")
 def serve_openai(home: str | None, out: Output, host: str | None, port: int | None, api_key_file: str | None,
                  api_key_given: str | None, show_key: bool, save: bool, log_json: bool) -> None:
-    """Run the node in the foreground with its OpenAI-compatible endpoint on, until SIGINT/SIGTERM.
+    """Serve the OpenAI-compatible endpoint: in the running daemon, or in a node run in the foreground.
 
     Models are this node's (`tiny`) and, as `PEER/MODEL` (`home/tiny`), those of paired
     peers that granted this node task.infer. Clients need the key (--show-key prints it).
-    A daemon already running for this home keeps running without it: stop it first, or
-    set [serve.openai] enabled = true and restart it.
+    With a daemon already running for this home (a service, say), the endpoint is turned
+    on in it instead, until it stops (--save: at every start).
     """
     _serve_foreground(home, out, "openai", host, port, api_key_file, api_key_given, show_key, save, log_json)
 
@@ -283,12 +315,12 @@ def serve_openai(home: str | None, out: Output, host: str | None, port: int | No
 @_serve_options("a2a", 8081, "PSYMESH_A2A_API_KEY")
 def serve_a2a(home: str | None, out: Output, host: str | None, port: int | None, api_key_file: str | None,
               api_key_given: str | None, show_key: bool, save: bool, log_json: bool) -> None:
-    """Run the node in the foreground with its agent served over A2A, until SIGINT/SIGTERM.
+    """Serve the node's agent over A2A: in the running daemon, or in a node run in the foreground.
 
     The agent card is at /.well-known/agent-card.json; a message runs this node's agent
     with its tools (irreversible ones refused). Clients need the key (--show-key prints
-    it). A daemon already running for this home keeps running without it: stop it first,
-    or set [serve.a2a] enabled = true and restart it.
+    it). With a daemon already running for this home (a service, say), the agent is served
+    by it instead, until it stops (--save: at every start).
     """
     _serve_foreground(home, out, "a2a", host, port, api_key_file, api_key_given, show_key, save, log_json)
 
@@ -296,8 +328,8 @@ def serve_a2a(home: str | None, out: Output, host: str | None, port: int | None,
 def _serve_foreground(home: str | None, out: Output, section: Literal["openai", "a2a"], host: str | None,
                       port: int | None, api_key_file: str | None, api_key_given: str | None, show_key: bool,
                       save: bool, log_json: bool) -> None:
-    """`node start` with [serve.SECTION] turned on for this run (and saved with --save);
-    or, with --show-key, the key clients need."""
+    """The endpoint on in the running daemon, or else `node start` with [serve.SECTION] turned
+    on for this run (and saved with --save); or, with --show-key, the key clients need."""
     from psymesh.node.apikey import load_api_key
     from psymesh.node.bridgeconfig import A2AServe, OpenAIServe
     from psymesh.node.daemon import Node
@@ -324,8 +356,111 @@ def _serve_foreground(home: str | None, out: Output, section: Literal["openai", 
     config = config.model_copy(update={"serve": config.serve.model_copy(update={section: settings})})
     if save:
         node_home.save_config(config)
+    if node_home.socket_path.exists() and _serve_in_daemon(home, out, section, host, port, given, save):
+        return
     setup_logging(json_lines=log_json or config.log_json)
     run_async(Node(node_home, config).run)
+
+
+def _serve_in_daemon(home: str | None, out: Output, section: Literal["openai", "a2a"], host: str | None,
+                     port: int | None, given: dict[str, Any], save: bool) -> bool:
+    """A daemon runs for this home (as a service, say): turn the endpoint on in it instead of
+    starting a second node. False if no daemon answers (then `serve` runs one itself)."""
+    from psymesh.node.client import DaemonNotRunning
+
+    async def go() -> c.ServeReply:
+        async with Client(home) as client:
+            return await client.serve(section, host=host, port=port, api_key_file=given["api_key_file"])
+
+    try:
+        reply = run_async(go)
+    except DaemonNotRunning:
+        return False
+    what = "OpenAI-compatible endpoint" if section == "openai" else "A2A agent"
+    url = reply.url + ("/v1" if section == "openai" else "")
+    state = "was already on" if reply.already else "is on"
+    out.data({"section": section, "url": url, "already": reply.already},
+             lambda con: con.print(f"the running daemon's {what} {state} at {url}"))
+    out.hint("it stays on until the daemon stops" + ("; config.toml turns it on at every start (--save)" if save
+                                                     else "; add --save to turn it on at every start")
+             + f"; clients need its key: psymesh serve {section} --show-key")
+    if reply.already and (host is not None or port is not None or given["api_key_file"]):
+        out.warn("it kept the settings it started with; restart the daemon to change them")
+    return True
+
+
+@main.group()
+def mcp() -> None:
+    """MCP servers whose tools this node serves as mcp.NAME.* (the [[mcp]] tables of config.toml)."""
+
+
+def _restart_hint(out: Output, home: str | None) -> None:
+    if NodeHome(home).socket_path.exists():
+        out.hint("restart the daemon to apply it: psymesh node stop, then psymesh node start")
+
+
+@mcp.command("add")
+@command
+@click.argument("name")
+@click.argument("server_command", nargs=-1, required=False, metavar="-- COMMAND [ARGS]...")
+@click.option("--url", default=None, help="A streamable HTTP server instead of a command.")
+@click.option("--env", "env_pairs", multiple=True, metavar="KEY=VALUE", help="Environment for a command (repeatable).")
+@click.option("--cwd", default=None, help="Working directory for a command.")
+def mcp_add(home: str | None, out: Output, name: str, server_command: tuple[str, ...], url: str | None,
+            env_pairs: tuple[str, ...], cwd: str | None) -> None:
+    """Add (or replace) the MCP server NAME: `psymesh mcp add notes -- python server.py ~/notes`.
+    Its tools become mcp.NAME.*; grant them to a peer with `psymesh grant PEER +tool:mcp.NAME.*`."""
+    from pydantic import ValidationError
+
+    from psymesh.node.bridgeconfig import McpServerConfig
+
+    env = {}
+    for pair_ in env_pairs:
+        key, sep, value = pair_.partition("=")
+        if not sep:
+            raise click.BadParameter(f"{pair_!r} is not KEY=VALUE", param_hint="--env")
+        env[key] = value
+    try:
+        entry = McpServerConfig(name=name, command=list(server_command) or None, url=url, env=env, cwd=cwd)
+    except ValidationError as exc:
+        raise click.UsageError(exc.errors()[0]["msg"].removeprefix("Value error, ")) from None
+    node_home = NodeHome(home)
+    node_home.init()
+    config = node_home.load_config()
+    servers = [m for m in config.mcp if m.name != name] + [entry]
+    node_home.save_config(config.model_copy(update={"mcp": servers}))
+    out.data(entry, lambda con: con.print(f"mcp server {name} added: its tools are mcp.{name}.*"))
+    _restart_hint(out, home)
+
+
+@mcp.command("remove")
+@command
+@click.argument("name")
+def mcp_remove(home: str | None, out: Output, name: str) -> None:
+    """Remove the MCP server NAME from config.toml."""
+    node_home = NodeHome(home)
+    config = node_home.load_config()
+    if not any(m.name == name for m in config.mcp):
+        raise PsymeshError(f"no MCP server {name!r} in {node_home.config_path}; see: psymesh mcp list",
+                           code=ErrorCode.NOT_FOUND)
+    node_home.save_config(config.model_copy(update={"mcp": [m for m in config.mcp if m.name != name]}))
+    out.data({"removed": name}, lambda con: con.print(f"mcp server {name} removed"))
+    _restart_hint(out, home)
+
+
+@mcp.command("list")
+@command
+def mcp_list(home: str | None, out: Output) -> None:
+    """The MCP servers in config.toml."""
+    servers = NodeHome(home).load_config().mcp
+
+    def human(con: Any) -> None:
+        if not servers:
+            con.print("no MCP servers (add one: psymesh mcp add NAME -- COMMAND ...)")
+        for m in servers:
+            con.print(escape(f"{m.name}: {' '.join(m.command) if m.command else m.url}  (tools mcp.{m.name}.*)"))
+
+    out.data(servers, human)
 
 
 @main.command()
@@ -346,7 +481,7 @@ def status(home: str | None, out: Output) -> None:
             con.print(f"listening:   {a}")
         for line in _reachability_lines(st.reachability):
             con.print(f"reachable:   {escape(line)}")
-        table = Table("connected peer", "addresses")
+        table = out_table("connected peer", "addresses")
         for p in st.connected_peers:
             table.add_row(p.name or p.peer_id, " ".join(p.addrs))
         con.print(table if st.connected_peers else "no connected peers")
@@ -453,7 +588,10 @@ def _show_invite(out: Output, inv: Any) -> None:
 
 def _show_paired(out: Output, p: Any) -> None:
     def human(con: Any) -> None:
-        con.print(f"[green]paired[/green] with [bold]{p.name}[/bold] ({p.role}) {p.peer_id}")
+        con.print(f"[green]paired[/green] with [bold]{escape(p.name)}[/bold] ({p.role}) {p.peer_id}")
+        if p.asked_name:
+            con.print(f"[yellow]named {escape(p.name)} here[/yellow]: another paired peer is called "
+                      f"{escape(p.asked_name)}; commands take {escape(p.name)} (or its peer id) for this one")
         con.print(f"verification words: [bold]{p.verification}[/bold]  (both screens must show the same)")
         con.print(f"it may ask this node:  {', '.join(p.granted) or 'nothing'}")
         if p.received:
@@ -504,7 +642,8 @@ def pair_invite(home: str | None, out: Output, name: str | None, grant: str, ttl
 @pair.command("join")
 @command
 @click.argument("invite")
-@click.option("--address", default=None, help="The inviter's address, when INVITE is a bare code.")
+@click.option("--address", default=None, help="The inviter's address, when INVITE is a bare code (default: the "
+                                               "unpaired nodes discovered on the LAN are tried in turn).")
 @click.option("--grant", default=None, help="Grant preset to give the inviter in return (e.g. messaging).")
 def pair_join(home: str | None, out: Output, invite: str, address: str | None, grant: str | None) -> None:
     """Join a node with its invite string (or its code plus --address)."""
@@ -532,10 +671,11 @@ def peers(home: str | None, out: Output, active: bool) -> None:
         if not rows:
             con.print("no paired peers; pair one with: psymesh pair invite")
             return
-        table = Table("name", "role", "peer id", "state", "may ask us", "its limits", "we may ask")
+        table = out_table("name", "role", "peer id", "state", "may ask us", "its limits", "we may ask")
         for p in rows:
-            state = "[red]revoked[/red]" if p.revoked_at else ("connected" if p.connected else "paired")
-            table.add_row(p.name, p.role, p.peer_id[:20] + "…", state, "\n".join(p.granted) or "-",
+            state = ("[red]revoked[/red]" if p.revoked_at else "[red]revoked us[/red]" if p.revoked_us_at
+                     else "connected" if p.connected else "paired")
+            table.add_row(escape(p.name), p.role, p.peer_id, state, "\n".join(p.granted) or "-",
                           limits_text(p.granted_limits) if p.granted else "-", "\n".join(p.received) or "-")
         con.print(table)
 
@@ -546,7 +686,7 @@ def peers(home: str | None, out: Output, active: bool) -> None:
 @main.command()
 @command
 @click.option("--wait", "wait_s", type=click.FloatRange(0, 60), default=0, show_default=True, metavar="SECONDS",
-              help="Listen this many seconds more before listing.")
+              help="With no node seen yet, listen up to this many seconds for the first one.")
 def discover(home: str | None, out: Output, wait_s: float) -> None:
     """Nodes seen on the LAN (mDNS) or at static addresses, paired or not, with fingerprints.
 
@@ -568,7 +708,7 @@ def discover(home: str | None, out: Output, wait_s: float) -> None:
         if not reply.nodes:
             con.print("no nodes seen yet" + ("; try: psymesh discover --wait 5" if reply.mdns else ""))
             return
-        table = Table("name", "peer id", "fingerprint", "addresses", "via", "last seen")
+        table = out_table("name", "peer id", "fingerprint", "addresses", "via", "last seen")
         now = time.time()
         for n in reply.nodes:
             table.add_row(f"[green]{escape(n.name)}[/green]" if n.name else "[dim]not paired[/dim]",
@@ -626,27 +766,43 @@ def parse_limits(text: str) -> dict[str, int | None]:
         raise PsymeshError(f"--limits: {exc}", code=ErrorCode.BAD_REQUEST) from None
 
 
-@main.command()
+@main.command(context_settings={"ignore_unknown_options": True})
 @command
 @click.argument("peer")
-@click.argument("capabilities", nargs=-1, required=True)
+@click.argument("capabilities", nargs=-1, metavar="[CAP | +CAP | -CAP]...")
+@click.option("--preset", default=None, metavar="PRESET",
+              help="Start from a preset's capabilities and limits (phone, messaging).")
 @click.option("--expires", type=Duration(), default=None, help="Grant lifetime (default: until revoked).")
 @click.option("--preset-limits", "preset_limits", default=None, metavar="PRESET",
               help="Start from a preset's limits (phone, messaging) instead of the current grant's.")
 @click.option("--limits", "limits_spec", default=None, metavar="NAME=N,...",
-              help="Set single limits over those: requests_per_minute, concurrent_tasks, max_runtime_s, "
-                   "max_payload_bytes; NAME=none clears one. E.g. requests_per_minute=600,concurrent_tasks=8")
-def grant(home: str | None, out: Output, peer: str, capabilities: tuple[str, ...], expires: float | None,
-          preset_limits: str | None, limits_spec: str | None) -> None:
-    """Replace what PEER may ask of this node, e.g. `psymesh grant phone tool:files.* msg.send`.
+              help="Set single limits: requests_per_minute, concurrent_tasks, max_runtime_s, max_payload_bytes "
+                   "(N, or none for no limit).")
+def grant(home: str | None, out: Output, peer: str, capabilities: tuple[str, ...], preset: str | None,
+          expires: float | None, preset_limits: str | None, limits_spec: str | None) -> None:
+    """Change what PEER may ask of this node: `+CAP` adds one, `-CAP` takes one away
+    (`psymesh grant phone +tool:system.info -msg.send`), bare CAPs replace the whole list
+    (`psymesh grant phone tool:files.* msg.send`), `--preset phone` starts from a preset.
 
-    Its limits stay those of the current grant unless --preset-limits or --limits change them."""
+    Its limits stay those of the current grant unless --preset, --preset-limits or --limits change them."""
     set_limits = parse_limits(limits_spec) if limits_spec is not None else None
+    unknown = [cap for cap in capabilities if cap.startswith("--")]
+    if unknown:
+        raise click.UsageError(f"no such option: {unknown[0]}")
+    add = [cap[1:] for cap in capabilities if cap.startswith("+")]
+    remove = [cap[1:] for cap in capabilities if cap.startswith("-")]
+    whole = [cap for cap in capabilities if not cap.startswith(("+", "-"))]
+    if not (whole or add or remove or preset):
+        raise click.UsageError("name what to grant: CAP..., +CAP / -CAP, or --preset NAME")
+    from psymesh.protocol.manifest import PRESETS
+
+    if named := next((cap for cap in whole if cap in PRESETS), None):
+        raise click.UsageError(f"{named!r} is a preset, not a capability: psymesh grant {peer} --preset {named}")
 
     async def go() -> c.PeerReply:
         async with Client(home) as client:
-            return await client.grant(peer, list(capabilities), expires_s=expires, preset_limits=preset_limits,
-                                      set_limits=set_limits)
+            return await client.grant(peer, whole, add=add, remove=remove, preset=preset, expires_s=expires,
+                                      preset_limits=preset_limits, set_limits=set_limits)
 
     r = run_async(go)
 
@@ -708,12 +864,12 @@ def audit(home: str | None, out: Output, peer: str | None, limit: int, denied: b
     rows: list[c.AuditRow] = run_async(go)
 
     def human(con: Any) -> None:
-        table = Table("time", "peer", "operation", "decision", "reason")
+        table = out_table("time", "peer", "operation", "decision", "reason")
         for r in rows:
             verdict = "[green]allowed[/green]" if r.allowed else f"[red]{escape(r.code or 'denied')}[/red]"
             if r.count > 1:
                 verdict += f" x{r.count}"
-            table.add_row(time.strftime("%m-%d %H:%M:%S", time.localtime(r.ts)), r.peer_id[:16] + "…",
+            table.add_row(time.strftime("%m-%d %H:%M:%S", time.localtime(r.ts)), escape(r.peer_name or r.peer_id),
                           escape(r.operation), verdict, escape(r.reason))
         con.print(table if rows else "no audit entries")
 
@@ -813,8 +969,14 @@ def task_send(home: str | None, out: Output, to: str | None, tool: str | None, a
                                            max_tokens=max_tokens, goal=goal, timeout=timeout, task_id=task_id)
             where = "accepted by" if handle.accepted else "queued for"
             out.hint(f"task {handle.id} {where} {handle.target_name}")
+            if handle.away is not None:
+                out.warn(f"{_away_text(handle.target_name, handle.away)}; the task is kept here and delivered "
+                         f"when {handle.target_name} is back"
+                         + ("; waiting for it (Ctrl-C stops waiting, the task stays queued)" if wait
+                            else f" (see: psymesh task watch {handle.id})"))
             if not wait:
-                return {"task_id": handle.id, "target": handle.target, "accepted": handle.accepted}
+                return {"task_id": handle.id, "target": handle.target, "accepted": handle.accepted,
+                        "away": handle.away.model_dump() if handle.away else None}
             return await _follow(handle, out)
 
     result = run_async(go)
@@ -869,13 +1031,14 @@ def task_list(home: str | None, out: Output, limit: int) -> None:
 
     r: c.TaskListReply = run_async(go)
 
-    def table(title: str, who: str) -> Table:
-        return Table("task", "kind", who, "state", "events", title=title, title_justify="left")
+    def table(title: str, who: str) -> Any:
+        return out_table("task", "kind", who, "state", "events", title=title, title_justify="left")
 
     def human(con: Any) -> None:
         submitted = table("delegated by this node", "target")
         for s in r.submitted:
-            submitted.add_row(s.task_id, s.kind.value, s.target, s.state.value, str(s.events))
+            state = s.state.value + (f" ({_away_text(s.target, s.away)})" if s.away else "")
+            submitted.add_row(s.task_id, s.kind.value, s.target, state, str(s.events))
         con.print(submitted if r.submitted else "delegated by this node: none")
         executing = table("run by this node for others", "submitter")
         for e in r.executing:
@@ -919,9 +1082,18 @@ def _json_object(text: str | None, option: str) -> dict[str, Any]:
     return value
 
 
+def _away_text(name: str, away: c.PeerAway, now: float | None = None) -> str:
+    """`home is unreachable since 19:20:01 (3 min ago): <why>`."""
+    ago = max(0.0, (time.time() if now is None else now) - away.since)
+    when = time.strftime("%H:%M:%S", time.localtime(away.since))
+    span = f"{ago:.0f} s" if ago < 120 else f"{ago / 60:.0f} min" if ago < 7200 else f"{ago / 3600:.0f} h"
+    return f"{name} is unreachable since {when} ({span} ago): {away.reason}"
+
+
 def _sent_line(s: c.SentLetter) -> str:
     why = f": {s.code} {s.reason}" if s.state == "refused" else ""
-    return f"{s.id} -> {s.recipient_name} ({s.thread} #{s.tseq}): {s.state}{why}"
+    away = f" ({_away_text(s.recipient_name, s.away)}; kept, delivered when it is back)" if s.away else ""
+    return f"{s.id} -> {s.recipient_name} ({s.thread} #{s.tseq}): {s.state}{why}{away}"
 
 
 def _code(text: str | None, default: ErrorCode) -> ErrorCode:
@@ -955,7 +1127,15 @@ def msg_send(home: str | None, out: Output, peer: str, text: str, thread: str, b
     async def go() -> c.SentLetter:
         async with Client(home) as client:
             sent = await client.send(peer, text, body=body, thread=thread, letter_id=letter_id)
-            return await client.letter(sent.id, wait=True) if wait else sent
+            if not wait:
+                return sent
+            out.hint(f"letter {sent.id} to {sent.recipient_name}: waiting until it holds it")
+            sent = await client.letter(sent.id, wait=True, until_away=True)
+            if sent.state == "pending" and sent.away is not None:
+                out.warn(f"{_away_text(sent.recipient_name, sent.away)}; the letter is kept here and delivered "
+                         "when it is back; waiting for it (Ctrl-C stops waiting, the letter stays queued)")
+                sent = await client.letter(sent.id, wait=True)
+            return sent
 
     sent = run_async(go)
     out.data(sent, lambda con: con.print(escape(_sent_line(sent))))
@@ -1238,14 +1418,16 @@ def model() -> None:
 @command
 @click.argument("name")
 @click.argument("path", type=click.Path(dir_okay=False))
-@click.option("--ctx", "n_ctx", default=4096, show_default=True, type=click.IntRange(64, 1 << 20))
+@click.option("--ctx", "n_ctx", default=None, type=click.IntRange(64, 1 << 20),
+              help="Context length in tokens (default: what the GGUF declares, capped to fit this machine's "
+                   "memory, at most 32768).")
 @click.option("--threads", "n_threads", default=None, type=click.IntRange(1, 512))
 @click.option("--chat-template", type=click.Path(exists=True, dir_okay=False), default=None,
               help="A Jinja chat template file overriding the one inside the GGUF.")
 @click.option("--keep-alive", "keep_alive", default=None, metavar="DURATION",
               help="How long the model stays loaded when idle (e.g. 90s, 10m, 1h; 0: unload after each "
                    "request; forever). Default: [models] keep_alive_s, else 5 min on a home PC, 1 min on a phone.")
-def model_add(home: str | None, out: Output, name: str, path: str, n_ctx: int, n_threads: int | None,
+def model_add(home: str | None, out: Output, name: str, path: str, n_ctx: int | None, n_threads: int | None,
               chat_template: str | None, keep_alive: str | None) -> None:
     """Register PATH (a .gguf file) as model NAME. A running daemon uses it at once."""
     node_home = NodeHome(home)
@@ -1253,8 +1435,15 @@ def model_add(home: str | None, out: Output, name: str, path: str, n_ctx: int, n
     template = open(chat_template).read() if chat_template else None
     row = _models(node_home).add(name, path, n_ctx=n_ctx, n_threads=n_threads,
                                  chat_template=template, keep_alive_s=_keep_alive(keep_alive))
+    if n_ctx is None:
+        from psymesh.node.models.registry import default_context
+
+        choice = default_context(Path(row["path"]))
+        out.hint(f"context {row['n_ctx']} tokens: the GGUF declares {choice.declared or 'none'}"
+                 + (f", capped to {choice.memory_cap} for this machine's memory" if row["n_ctx"] < (choice.declared or 0)
+                    else "") + "; --ctx N sets another")
     out.data({k: v for k, v in row.items() if k != "chat_template"},
-             lambda con: con.print(f"model {name} -> {row['path']}"))
+             lambda con: con.print(f"model {name} -> {row['path']} (context {row['n_ctx']})"))
 
 
 @model.command("pull")
@@ -1286,7 +1475,7 @@ def model_list(home: str | None, out: Output) -> None:
             for r in rows]
 
     def human(con: Any) -> None:
-        table = Table("name", "path", "context", "threads")
+        table = out_table("name", "path", "context", "threads")
         for r in rows:
             table.add_row(r["name"], r["path"], str(r["n_ctx"]), str(r["n_threads"] or "all"))
         con.print(table if rows else "no models; add one with: psymesh model add NAME PATH.gguf")
@@ -1313,7 +1502,7 @@ def model_ps(home: str | None, out: Output) -> None:
         if not models:
             con.print("no models; add one with: psymesh model add NAME PATH.gguf")
             return
-        table = Table("name", "state", "pid", "memory", "idle/keep", "served")
+        table = out_table("name", "state", "pid", "memory", "idle/keep", "served")
         for m in models:
             state = ("busy" if m.pending else "loaded") if m.loaded else "unloaded"
             if m.crashes:
@@ -1431,7 +1620,9 @@ def agent_run(home: str | None, out: Output, goal: str, model_name: str | None, 
             battery_low=config.battery_low, memory_low=config.memory_low))
         out.hint(f"running {'on a paired home PC' if decision.where == 'remote' else 'here'}: {decision.reason}")
         if decision.where == "remote":
-            return await _agent_remote(home, out, goal, to, params, yes)
+            remote = await _agent_remote(home, out, goal, to, params, yes, fall_back=delegate == "auto")
+            if remote is not None:
+                return remote
         return await _agent_local(node_home, config, registry, out, goal, model_name, params, yes)
 
     result = run_async(go)
@@ -1468,9 +1659,18 @@ async def _agent_local(node_home: NodeHome, config: Any, registry: Any, out: Out
 
 
 async def _agent_remote(home: str | None, out: Output, goal: str, to: str | None, params: dict[str, Any],
-                        yes: bool) -> dict[str, Any]:
+                        yes: bool, fall_back: bool = False) -> dict[str, Any] | None:
+    """Run the goal as a delegated agent task. `fall_back`: if the home PC turns out to be
+    unreachable, take the task back and return None (the caller runs it here)."""
     async with Client(home) as client:
         handle = await client.delegate(to, goal=goal, params=params)
+        if handle.away is not None and fall_back:
+            await handle.cancel()
+            out.warn(f"{_away_text(handle.target_name, handle.away)}; running here instead")
+            return None
+        if handle.away is not None:
+            out.warn(f"{_away_text(handle.target_name, handle.away)}; the task is kept and delivered when it "
+                     "is back; waiting for it (Ctrl-C stops waiting, the task stays queued)")
         out.hint(f"task {handle.id} -> {handle.target_name}")
         outcome = await _follow(handle, out, approve=yes, json_events=False)
     if outcome is None:
@@ -1535,8 +1735,9 @@ def eval_cmd(home: str | None, out: Output, cases: str | None, model_name: str |
 
     async def go() -> Any:
         async with _local_runner(node_home, registry, name) as worker:
-            model = llama_model(worker, {"grammar": not free_form, "temperature": 0.0, "max_tokens": 256,
-                                         "ban_bytes": ban_bytes})
+            model = _StopOverContext(llama_model(worker, {"grammar": not free_form, "temperature": 0.0,
+                                                          "max_tokens": 256, "ban_bytes": ban_bytes}),
+                                     name, worker.settings.n_ctx)
             return await evaluate(loaded, model, thinking=thinking,
                                   on_result=progress)
 
@@ -1607,9 +1808,11 @@ def _eval_bfcl(home: str | None, out: Output, bfcl_dir: str | None, categories: 
                 # web_search asks the web through this node's route: its daemon must be running.
                 web = await stack.enter_async_context(Client(home)) if any(c.category in WEB_CATEGORIES
                                                                            for c in loaded) else None
-                return [await run_bfcl(loaded, LlamaAgentModel(worker, params(seed)), thinking=thinking,
-                                       on_result=progress, web=web,
-                                       prompting=LlamaAgentModel(worker, params(seed, False)))
+                n_ctx = worker.settings.n_ctx
+                return [await run_bfcl(loaded, _StopOverContext(LlamaAgentModel(worker, params(seed)), name, n_ctx),
+                                       thinking=thinking, on_result=progress, web=web,
+                                       prompting=_StopOverContext(LlamaAgentModel(worker, params(seed, False)),
+                                                                  name, n_ctx))
                         for seed in range(runs)]
 
         reports = run_async(go)

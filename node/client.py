@@ -214,17 +214,21 @@ class Client:
     async def peers(self, *, include_revoked: bool = True) -> list[c.PeerView]:
         return (await self.request(c.PeersRequest(include_revoked=include_revoked), c.PeersReply)).peers
 
-    async def grant(self, peer: str, capabilities: list[str], *, expires_s: float | None = None,
+    async def grant(self, peer: str, capabilities: list[str] | None = None, *, add: list[str] | None = None,
+                    remove: list[str] | None = None, preset: str | None = None, expires_s: float | None = None,
                     preset_limits: str | None = None, limits: Limits | None = None,
                     set_limits: Mapping[str, int | None] | None = None) -> c.PeerReply:
-        """Replace what `peer` may ask of this node (capabilities in CLI spelling, e.g. "tool:files.*").
-        Limits: `limits` if given, else a preset's (`preset_limits`), else the current grant's;
-        then each of `set_limits` (e.g. `{"concurrent_tasks": 8, "max_runtime_s": None}`)
-        replaces one of them, None meaning no limit from the grant. Unknown names or values
-        out of range raise PsymeshError (bad_request) before anything is sent."""
+        """A new grant to `peer` (capabilities in CLI spelling, e.g. "tool:files.*"):
+        `capabilities` if given, else the preset `preset`'s (e.g. "phone"), else the current
+        grant's; then `remove` taken out and `add` put in. Limits: `limits` if given, else a
+        preset's (`preset_limits`, else `preset`), else the current grant's; then each of
+        `set_limits` (e.g. `{"concurrent_tasks": 8, "max_runtime_s": None}`) replaces one of
+        them, None meaning no limit from the grant. Unknown names or values out of range raise
+        PsymeshError (bad_request) before anything is sent."""
         try:
-            req = c.GrantRequest(peer=peer, capabilities=capabilities, expires_s=expires_s,
-                                 preset_limits=preset_limits, limits=limits, set_limits=dict(set_limits or {}))
+            req = c.GrantRequest(peer=peer, capabilities=capabilities or [], add=add or [], remove=remove or [],
+                                 preset=preset, expires_s=expires_s, preset_limits=preset_limits, limits=limits,
+                                 set_limits=dict(set_limits or {}))
         except ValidationError as exc:
             first = exc.errors()[0]
             raise PsymeshError(f"invalid grant: {first['msg'].removeprefix('Value error, ')}",
@@ -313,14 +317,22 @@ class Client:
                                               letter_id=letter_id), c.MsgSentReply)
         return reply.letter
 
-    async def letter(self, letter_id: str, *, wait: bool = False) -> c.SentLetter:
+    async def serve(self, section: str, *, host: str | None = None, port: int | None = None,
+                    api_key_file: str | None = None) -> c.ServeReply:
+        """Turn the daemon's OpenAI-compatible endpoint (`openai`) or A2A agent (`a2a`) on now,
+        with its config.toml settings and these over them; returns where it listens."""
+        return await self.request(_checked(c.ServeRequest, section=section, host=host, port=port,
+                                           api_key_file=api_key_file), c.ServeReply)
+
+    async def letter(self, letter_id: str, *, wait: bool = False, until_away: bool = False) -> c.SentLetter:
         """A sent letter's state (`pending`, `delivered`, `refused` with code and reason);
-        with `wait`, once it is no longer pending."""
+        with `wait`, once it is no longer pending, or (`until_away`) once its recipient has
+        been found unreachable (then `away` says since when and why)."""
         if wait:  # may take long: a connection of its own
             framed = await self._open()
             try:
-                return (await self._request_on(framed, _checked(c.MsgStatusRequest, id=letter_id, wait=True),
-                                               c.MsgSentReply)).letter
+                request = _checked(c.MsgStatusRequest, id=letter_id, wait=True, until_away=until_away)
+                return (await self._request_on(framed, request, c.MsgSentReply)).letter
             finally:
                 await framed.aclose()
         return (await self.request(_checked(c.MsgStatusRequest, id=letter_id), c.MsgSentReply)).letter
@@ -434,6 +446,7 @@ class TaskHandle:
         self.target = submitted.target
         self.target_name = submitted.target_name
         self.accepted = submitted.accepted
+        self.away = submitted.away  # not accepted because the target is unreachable: since when, why
 
     def __repr__(self) -> str:
         return f"<TaskHandle {self.id} -> {self.target_name or self.target}>"

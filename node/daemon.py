@@ -30,7 +30,7 @@ import os
 import signal
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import anyio
 import anyio.abc
@@ -49,7 +49,7 @@ from psymesh.node.groups import Groups
 from psymesh.node.home import NodeConfig, NodeHome
 from psymesh.node.logs import fields
 from psymesh.node.mcp_tools import McpTools
-from psymesh.node.p2p import P2PNode, P2PStream
+from psymesh.node.p2p import P2PNode, P2PStream, local_ipv4_addresses
 from psymesh.node.relay import Relaying
 from psymesh.node.pairing import PairingService
 from psymesh.node.liveness import Liveness
@@ -61,19 +61,20 @@ from psymesh.node.models import ModelPool, ModelRegistry
 from psymesh.node.notify import Pulse
 from psymesh.node.owner import Owner
 from psymesh.node.ping import pong_time
+from psymesh.node.bridgeconfig import A2AServe, OpenAIServe
 from psymesh.node.reach import Reach
 from psymesh.node.session import Call, SessionPool, serve_session
 from psymesh.node.submitter import TaskSubmitter
 from psymesh.node.taskstore import ExecutorStore, Outbox
-from psymesh.node.trust import TrustStore
+from psymesh.node.trust import Peer, TrustStore
 from psymesh.node.web import WebKeys, WebRouter
 from psymesh.node.webserve import WebServer
 from psymesh.node.webtools import web_tools
 from psymesh.protocol import ids
-from psymesh.protocol.addresses import AddrsPush
+from psymesh.protocol.addresses import AddrsPush, dial_addresses, is_loopback_addr
 from psymesh.protocol.identity import is_peer_id
 from psymesh.protocol.errors import ErrorCode, PsymeshError
-from psymesh.protocol.manifest import Manifest, ManifestOk, ManifestPush, ManifestRevoke, revocation
+from psymesh.protocol.manifest import Manifest, ManifestOk, ManifestPush, ManifestRevoke, Operation, check, revocation
 from psymesh.protocol.common import Ping, Pong
 from psymesh.protocol.dialback import DialBack
 from psymesh.protocol.messages import Message
@@ -115,6 +116,7 @@ class Node:
         self.home = home
         self.identity = home.init()
         self.config = config or home.load_config()
+        self._environ = environ  # for a bridge turned on later (serve_endpoint)
         storage = self.config.storage
         self.checkpointer = Checkpointer(home.db_path, settle_s=storage.checkpoint_settle_s,
                                          max_defer_s=storage.checkpoint_max_defer_s,
@@ -129,9 +131,10 @@ class Node:
         executor_store = ExecutorStore(self.db)
         mail_store = MailStore(self.db)
         self.mailbox = Mailbox(self.identity.peer_id, mail_store, self.trust, self.config.mail)
+        msg_store = MessageStore(self.db, self.config.inbox)
         self.gate = Gate(self.identity.peer_id, self.trust, self.audit, queue=executor_store, mailbox=self.mailbox,
-                         refusals_per_minute=storage.refusals_per_minute)
-        self.p2p = P2PNode(self.identity.seed, self.config.listen, allow_peer=self.gate.allow_connection)
+                         asks=msg_store, name=self.config.name, refusals_per_minute=storage.refusals_per_minute)
+        self.p2p = P2PNode(self.identity.seed, self.config.listen)
         self.control = ControlServer(home.socket_path, self.config.max_frame_size, refused=self._control_refused)
         self.sessions = SessionPool(self.open_peer_stream, ids.SESSION, self.config.max_frame_size,
                                     Liveness(self.config.liveness_probe_s, self.p2p.disconnect), path=self.p2p.path)
@@ -156,7 +159,7 @@ class Node:
                                      agent_runner=self.agents)
         self.submitter = TaskSubmitter(local_peer_id=self.identity.peer_id, outbox=Outbox(self.db), trust=self.trust,
                                        sessions=self.sessions, sync=self.wal.sync)
-        self.messaging = Messaging(self.identity, MessageStore(self.db, self.config.inbox), self.trust, self.sessions,
+        self.messaging = Messaging(self.identity, msg_store, self.trust, self.sessions,
                                    door=self.gate.admit_each,
                                    mail=MailSender(self.identity.peer_id, mail_store, self.trust, self.sessions,
                                                    self.mailbox), grace_s=self.config.mail.grace_s,
@@ -168,6 +171,7 @@ class Node:
         self.discovery = Discovery(self.identity.peer_id, mdns=self.config.mdns, static_peers=self.config.static_peers,
                                    host=self.p2p, peers=self.trust,
                                    probe=lambda peer_id: self.sessions.request(peer_id, Ping(seq=0), Pong))
+        self.pairing.nearby = self.discovery.seen  # `pair join CODE` finds its inviter among them
         # Bridges (docs/bridges.md): MCP servers' tools join self.tools; apps speaking OpenAI's API get
         # this node's models, and its paired homes' (imported only when on: it brings an HTTP server).
         self.mcp = McpTools(self.config.mcp, self.tools, home.path)
@@ -276,6 +280,34 @@ class Node:
             return False
         return True
 
+    async def serve_endpoint(self, section: Literal["openai", "a2a"], settings: OpenAIServe | A2AServe) -> tuple[str, bool]:
+        """Turn the OpenAI-compatible endpoint or the A2A agent on now, in the root task
+        group (`psymesh serve` against a running daemon); (url, was it on already). Its key
+        comes as at start (node/apikey.py: the daemon's environment, api_key_file, or
+        <home>/KEY_FILE, made on first use)."""
+        running = self.openai if section == "openai" else self.a2a
+        if running is not None:
+            assert running.url is not None
+            return running.url, True
+        if self._tg is None:
+            raise PsymeshError("the node is not running", code=ErrorCode.UNAVAILABLE)
+        if section == "openai":
+            from psymesh.node.openai_api import OpenAIEndpoint
+
+            assert isinstance(settings, OpenAIServe)
+            openai = OpenAIEndpoint(self, settings, load_api_key(settings, self.home, self._environ))
+            await self._tg.start(openai.run)
+            self.openai, url = openai, openai.url
+        else:
+            from psymesh.node.a2a_api import A2AEndpoint
+
+            assert isinstance(settings, A2AServe)
+            a2a = A2AEndpoint(self, settings, load_api_key(settings, self.home, self._environ))
+            await self._tg.start(a2a.run)
+            self.a2a, url = a2a, a2a.url
+        assert url is not None
+        return url, False
+
     # -- lifecycle ------------------------------------------------------------
     async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         try:
@@ -368,8 +400,20 @@ class Node:
         if known is None:  # a peer id we are not paired with (a stranger's ping): the open connection
             return await self.p2p.open_stream(peer, protocol)
         known.refuse_if_revoked_us()
-        return await self.p2p.open_stream_any(known.peer_id, known.addrs, protocol,
+        return await self.p2p.open_stream_any(known.peer_id, self._dial_addresses(known), protocol,
                                               who=f"{known.name} ({known.peer_id})")
+
+    def _dial_addresses(self, peer: Peer) -> list[str]:
+        """The peer's stored addresses, then circuits through every paired relay that granted
+        us `relay` (protocol/addresses.py `dial_addresses`): a home that took a reservation
+        after the phone last reached it is still found."""
+        now = time.time()
+        relays = [(r.peer_id, list(r.addrs)) for r in self.trust.list(include_revoked=False)
+                  if r.peer_id != peer.peer_id and r.received is not None and r.revoked_us_at is None
+                  and check(r.received, Operation(name="relay"), local_peer_id=r.peer_id,
+                            remote_peer_id=self.identity.peer_id, now=now).allowed]
+        local = frozenset(local_ipv4_addresses()) if any(map(is_loopback_addr, peer.addrs)) else frozenset()
+        return dial_addresses(peer.peer_id, list(peer.addrs), relays, local)
 
     async def push_manifest(self, peer_id: str, manifest: Manifest) -> bool:
         """Hand `peer_id` its current grant; best effort (it can also learn it at the next pairing)."""

@@ -24,12 +24,13 @@ session (libp2p), never from the request. Like syncthing's connection checks, th
 is fixed and the list lives here only: the daemon calls `admit()` from one place (its
 session door), `admit_each()` for the letters of a batch the door let in (each as the
 `msg.send` it stands for, through the same checks), `admit_stream()` for every inbound
-stream, `allow_connection()` for every inbound connection, `recheck()` when a queued
+stream (a revoked peer that took our notice may open pairing only), `recheck()` when a queued
 task starts, and `admit_relay()` for each reservation and circuit asked of this node as
 a relay (protocol/relay.py: steps 1 and 3, the grant covering `relay`).
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -56,7 +57,7 @@ from psymesh.protocol.manifest import (
     verify_grant,
 )
 from psymesh.protocol.messages import Message
-from psymesh.protocol.messaging import MsgAck, check_receipt
+from psymesh.protocol.messaging import MsgAck, MsgSend, MsgSendMany, answered_ask, check_receipt
 from psymesh.protocol.relay import DCUTR, HOLE_PUNCH, HOP, STOP
 from psymesh.protocol.oblivious import verify_exit_key
 from psymesh.protocol.web import WebKeyPush
@@ -85,6 +86,13 @@ class MailDesk(Protocol):
     def admit_receipt(self, owner: str) -> None: ...
 
 
+class AskLedger(Protocol):
+    """The asks this node sent (the message store answers)."""
+
+    def asked(self, peer_id: str, ask_id: str) -> bool:
+        """This node sent `peer_id` the ask `ask_id`."""
+
+
 @dataclass(frozen=True)
 class QueueLimits:
     max_queue: int = 256             # unfinished tasks held for all peers
@@ -95,14 +103,17 @@ class QueueLimits:
 class Gate:
     def __init__(self, local_peer_id: str, trust: TrustStore, audit: AuditLog, *,
                  queue: QueueGauge | None = None, queue_limits: QueueLimits | None = None,
-                 mailbox: MailDesk | None = None, clock: Callable[[], float] = time.time,
+                 mailbox: MailDesk | None = None, asks: AskLedger | None = None,
+                 clock: Callable[[], float] = time.time, name: str = "this node",
                  refusals_per_minute: int = 120) -> None:
         self.local_peer_id = local_peer_id
+        self.name = name  # ours, in refusals: "home has not granted friend web.fetch"
         self.trust = trust
         self.audit = audit
         self.queue = queue
         self.queue_limits = queue_limits or QueueLimits()
         self.mailbox = mailbox
+        self.asks = asks
         self.clock = clock
         self.rate = RateLimiter()
         self.refusals = RateLimiter()  # each peer's refusal budget, apart from its grant's rate
@@ -173,9 +184,12 @@ class Gate:
                 raise PsymeshError(f"stale revocation: serial {request.serial} is older than the grant held",
                                    code=ErrorCode.CONFLICT)
             return Decision(True)
+        if self._answers_our_asks(peer_id, request):
+            return Decision(True)
         grant = _grant_of(peer)
         if rule.need is Need.CAPABILITY and operation is not None:
-            decision = check(grant, operation, local_peer_id=self.local_peer_id, remote_peer_id=peer_id, now=now)
+            decision = self._whose(peer, check(grant, operation, local_peer_id=self.local_peer_id,
+                                               remote_peer_id=peer_id, now=now))
         else:
             decision = verify_grant(grant, local_peer_id=self.local_peer_id, remote_peer_id=peer_id, now=now)
         decision.raise_if_denied()
@@ -193,6 +207,34 @@ class Gate:
             self._charge(peer_id, grant, now)
         return decision
 
+    def _whose(self, peer: Peer, decision: Decision) -> Decision:
+        """A missing capability, said with whose grant lacks it: on a two-hop query the
+        refusal reaches someone else than the peer refused (the phone, for its relay)."""
+        details = decision.details or {}
+        if decision.allowed or "missing" not in details:
+            return decision
+        same_kind = details.get("granted") or []
+        reason = (f"{self.name} has not granted {peer.name} {details['missing']}"
+                  + (f" (it grants {peer.name}: {', '.join(same_kind)})" if same_kind else ""))
+        return dataclasses.replace(decision, reason=reason)
+
+    def _answers_our_asks(self, peer_id: str, request: Message) -> bool:
+        """The answer to a question this node asked `peer_id` (or a batch of nothing but
+        such answers): admitted without a grant from us, uncharged. Asking is the
+        permission: the README's pairing gives the asker nothing to grant back, and one
+        answer per ask is all a peer can send this way (its id derives from the ask)."""
+        if self.asks is None:
+            return False
+        letters = [request.letter] if isinstance(request, MsgSend) else \
+            list(request.letters) if isinstance(request, MsgSendMany) else []
+        if not letters:
+            return False
+        for letter in letters:
+            ask = answered_ask(letter, local_peer_id=self.local_peer_id)
+            if ask is None or not self.asks.asked(peer_id, ask):
+                return False
+        return True
+
     def recheck(self, peer_id: str, spec: TaskSpec) -> Decision:
         """A queued task about to start: does the submitter's grant, as it is *now*, still
         cover it? Returns the decision (denied ones too, for the executor to report);
@@ -200,9 +242,9 @@ class Gate:
         now = self.clock()
         what = task_operation(spec).required()
         try:
-            grant = _grant_of(self.paired(peer_id))
-            decision = check(grant, task_operation(spec), local_peer_id=self.local_peer_id,
-                             remote_peer_id=peer_id, now=now)
+            peer = self.paired(peer_id)
+            decision = self._whose(peer, check(_grant_of(peer), task_operation(spec),
+                                               local_peer_id=self.local_peer_id, remote_peer_id=peer_id, now=now))
         except PsymeshError as exc:
             decision = Decision(False, exc.code, exc.message)
         if decision.allowed:
@@ -243,16 +285,12 @@ class Gate:
                                code=ErrorCode.UNKNOWN_PEER)
         return peer
 
-    def allow_connection(self, peer_id: str) -> bool:
-        """Asked by the p2p host right after the Noise handshake proves `peer_id`, and before
-        every inbound stream: a revoked peer that has been told so gets no connection at all."""
-        peer = self.trust.get(peer_id)
-        return peer is None or not peer.shut_out
-
     def admit_stream(self, peer_id: str, protocol: str) -> None:
         """May `peer_id` open `protocol`? Anyone may pair; only paired peers open a session
         (a revoked one too, until it knows: its requests are refused, one by one, with
-        `unknown_peer`, which is how it learns), and only paired peers not revoked speak
+        `unknown_peer`, which is how it learns; once it took our notice it is a stranger
+        again, held to the stranger limits, who may only pair: revocation ends the grant,
+        not the key), and only paired peers not revoked speak
         circuit relay (each reservation and circuit is then `admit_relay`'s to decide; the
         p2p host takes a circuit on STOP only from a relay holding our reservation) and
         hole punching (DCUtR: one audit row per exchange, allowed or not; the p2p host serves
@@ -261,7 +299,7 @@ class Gate:
         if protocol == ids.PAIR:
             return
         peer = self.trust.get(peer_id)
-        if peer is not None and protocol == ids.SESSION:
+        if peer is not None and not peer.shut_out and protocol == ids.SESSION:
             return
         if peer is not None and not peer.revoked and protocol in (HOP, STOP):
             return

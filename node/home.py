@@ -16,7 +16,6 @@ they may only read is tightened), psymesh creates its files 0600 and directories
 older version or another tool left them looser. The key is the exception: one that
 others could read may already be copied, so it is refused, not quietly fixed.
 """
-from __future__ import annotations
 
 import errno
 import functools
@@ -207,7 +206,7 @@ class ModelsSettings(BaseModel):
     (`model add --keep-alive`) wins. `memory_limit_mb`: the most address space a runner
     may map (RLIMIT_AS); past it the runner dies and its request fails `model_crashed`."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(defer_build=True, extra="forbid")
 
     keep_alive_s: float | None = None
     memory_limit_mb: int | None = Field(default=None, ge=64)
@@ -223,7 +222,7 @@ class StorageSettings(BaseModel):
     """config.toml `[storage]`: what the node's database may take on disk, and how the audit
     log is written (docs/security.md, "Resource budget")."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(defer_build=True, frozen=True, extra="forbid")
 
     # the WAL (node.db-wal): past this a checkpoint truncates it, and a reset WAL is cut back to it
     wal_max_bytes: int = Field(default=4 * 1024 * 1024, ge=64 * 1024, le=1024 ** 3)
@@ -245,7 +244,7 @@ class StorageSettings(BaseModel):
 class NodeConfig(BaseModel):
     """config.toml. Unknown keys are an error: a typo should not silently do nothing."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(defer_build=True, extra="forbid")
 
     name: str = Field(default="psymesh-node", max_length=64)
     profile: Profile = "home"
@@ -293,6 +292,31 @@ class NodeConfig(BaseModel):
     models: ModelsSettings = Field(default_factory=ModelsSettings)
     # [storage]: the database's WAL and checkpoints, the audit log's batches and refusal budget.
     storage: StorageSettings = Field(default_factory=StorageSettings)
+
+
+def config_error(path: Path, text: str, exc: ValidationError) -> str:
+    """One line for a config.toml that parses but does not validate: file, line, key, why
+    (`config.toml:7: mcp[0].command: ...`), not pydantic's paragraphs and URL."""
+    first = exc.errors()[0]
+    loc = [str(part) for part in first["loc"]]
+    key = ".".join(f"[{p}]" if p.isdigit() else p for p in loc).replace(".[", "[")
+    line = _line_of(text, [p for p in loc if not p.isdigit()])
+    more = len(exc.errors()) - 1
+    msg = first["msg"].removeprefix("Value error, ")
+    return (f"{path}{f':{line}' if line else ''}: {key or '(top level)'}: {msg}"
+            + (f" (and {more} more)" if more else ""))
+
+
+def _line_of(text: str, keys: list[str]) -> int | None:
+    """The line where the innermost of `keys` is set or opened as a table (best effort)."""
+    lines = text.splitlines()
+    for key in reversed(keys):
+        for number, line in enumerate(lines, 1):
+            stripped = line.strip()
+            if stripped.startswith(f"{key} ") or stripped.startswith(f"{key}=") or \
+                    (stripped.startswith("[") and stripped.strip("[]").split(".")[-1].strip() == key):
+                return number
+    return None
 
 
 @dataclass(frozen=True)
@@ -460,12 +484,17 @@ class NodeHome:
             raise os_error(exc, self.config_path) from None
         try:
             return NodeConfig.model_validate(tomllib.loads(text))
-        except (tomllib.TOMLDecodeError, ValidationError) as exc:
+        except tomllib.TOMLDecodeError as exc:  # its message ends "(at line N, column M)"
             raise PsymeshError(f"{self.config_path}: {exc}", code=ErrorCode.BAD_REQUEST) from None
+        except ValidationError as exc:
+            raise PsymeshError(config_error(self.config_path, text, exc), code=ErrorCode.BAD_REQUEST) from None
 
     def save_config(self, config: NodeConfig) -> None:
-        """Write config.toml whole (via config.tmp and a rename), mode 0600 like everything here."""
-        data = tomli_w.dumps(config.model_dump(exclude_none=True)).encode()
+        """Write config.toml (via config.tmp and a rename), mode 0600 like everything here.
+        Only what differs from the defaults is written, so a section the docs tell people to
+        append (`[[mcp]]`, `[web.exit]`, `[serve.openai]`) is never there already, empty."""
+        changed = config.model_dump(exclude_none=True, exclude_defaults=True)
+        data = tomli_w.dumps({"name": config.name, "profile": config.profile, **changed}).encode()
         tmp = self.config_path.with_suffix(".tmp")
         try:
             with open(tmp, "wb", opener=private_opener) as f:

@@ -213,6 +213,9 @@ class Messaging:
             proof = None
         except (NetworkError, ProtocolError, TimeoutError) as exc:
             log.debug("%d letter(s) to %s: %s", len(batch), recipient, exc)
+            if recipient not in self._away:  # a sender waiting on these is told the recipient is away
+                for sent in batch:
+                    self.changed.notify(sent.letter.id)
             away = self._away.setdefault(recipient, time.monotonic())
             if time.monotonic() - away < self.grace_s:
                 retry_after.append(RETRY_MIN_S)
@@ -313,13 +316,16 @@ class Messaging:
             self.changed.notify(letter.id)
         return True
 
-    async def wait_sent(self, letter_id: str) -> Sent:
-        """Until the letter is delivered, deposited at the recipient's mailbox, or refused."""
+    async def wait_sent(self, letter_id: str, *, until_away: bool = False) -> Sent:
+        """Until the letter is delivered, deposited at the recipient's mailbox, or refused;
+        `until_away`: or, still pending, until its recipient is found unreachable."""
         while True:
             sent = self.store.sent(letter_id)
             if sent is None:
                 raise PsymeshError(f"no letter {letter_id!r} was sent from here", code=ErrorCode.NOT_FOUND)
             if sent.state is not OutState.PENDING:
+                return sent
+            if until_away and self.sessions.away(sent.letter.recipient) is not None:
                 return sent
             await self.changed.wait(letter_id)
 

@@ -39,7 +39,7 @@ from typing import Protocol
 
 from psymesh.node.db import ensure_schema, transaction
 from psymesh.protocol.errors import ErrorCode, PsymeshError
-from psymesh.protocol.messaging import InboxSettings, Letter, Receipt, missing, releasable
+from psymesh.protocol.messaging import InboxSettings, Letter, LetterKind, Receipt, missing, releasable
 
 RETRY_HELD_S = 30.0  # a letter refused for the sender's held share: when to send it again
 
@@ -262,6 +262,11 @@ class MessageStore:
     def sent(self, letter_id: str) -> Sent | None:
         row = self.conn.execute("SELECT * FROM msg_outbox WHERE id = ?", (letter_id,)).fetchone()
         return None if row is None else _sent(row)
+
+    def asked(self, peer_id: str, ask_id: str) -> bool:
+        """This node sent `peer_id` the ask `ask_id` (the gate admits its answer)."""
+        sent = self.sent(ask_id)
+        return sent is not None and sent.letter.recipient == peer_id and sent.letter.kind is LetterKind.ASK
 
     def outbox(self, limit: int = 100) -> list[Sent]:
         rows = self.conn.execute("SELECT id FROM msg_outbox ORDER BY rowid DESC LIMIT ?", (limit,)).fetchall()

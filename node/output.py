@@ -25,6 +25,17 @@ from psymesh.protocol.errors import NetworkError, PsymeshError
 PEER_NEXT_STEP = "is its daemon running and reachable? try again later, or see: psymesh peers"
 
 
+def table(*headers: str, **options: Any) -> Any:
+    """A rich table whose cells wrap (folding a long word such as `task.infer:models=botpsy*`
+    over lines) instead of ending in `…` when the terminal, or a pipe's 80 columns, is narrow."""
+    from rich.table import Table
+
+    t = Table(**options)
+    for header in headers:
+        t.add_column(header, overflow="fold")
+    return t
+
+
 def to_data(obj: Any) -> Any:
     if isinstance(obj, BaseModel):
         return obj.model_dump(mode="json")
@@ -38,8 +49,9 @@ def to_data(obj: Any) -> Any:
 class Output:
     def __init__(self, json_mode: bool = False) -> None:
         self.json_mode = json_mode
-        self.out = Console(highlight=False, soft_wrap=True)
-        self.err = Console(stderr=True, highlight=False, soft_wrap=True)
+        # emoji=False: `peer:phone:` is a check's name, not the ☎ emoji code
+        self.out = Console(highlight=False, soft_wrap=True, emoji=False)
+        self.err = Console(stderr=True, highlight=False, soft_wrap=True, emoji=False)
 
     def data(self, obj: Any, human: Callable[[Console], None] | None = None) -> None:
         if self.json_mode or human is None:

@@ -25,7 +25,7 @@ from psymesh.protocol import control as c
 from psymesh.protocol.errors import ErrorCode, NetworkTimeout, PsymeshError
 from psymesh.protocol.identity import is_peer_id
 from psymesh.protocol.limits import Limits
-from psymesh.protocol.manifest import PRESETS, Operation, check, new_manifest
+from psymesh.protocol.manifest import PRESETS, Operation, check, edit_capabilities, new_manifest
 from psymesh.protocol.messages import Message
 from psymesh.protocol.messaging import Letter, LetterKind
 from psymesh.protocol.tasks import TaskSpec
@@ -74,6 +74,7 @@ class Owner:
             c.GroupListRequest: self._group_list,
             c.GroupSendRequest: self._group_send,
             c.WebQueryRequest: self._web,
+            c.ServeRequest: self._serve,
             c.ModelsPsRequest: self._models_ps,
             c.UiRequest: self._ui,
         }
@@ -149,6 +150,13 @@ class Owner:
     def _connected(self) -> set[str]:
         return {p["peer_id"] for p in self.node.p2p.connected_peers()}
 
+    async def _serve(self, req: c.ServeRequest, _: FramedStream) -> c.ServeReply:
+        settings = getattr(self.node.config.serve, req.section)
+        given = {"host": req.host, "port": req.port, "api_key_file": req.api_key_file}
+        settings = settings.model_copy(update={"enabled": True, **{k: v for k, v in given.items() if v is not None}})
+        url, already = await self.node.serve_endpoint(req.section, settings)
+        return c.ServeReply(url=url, already=already)
+
     async def _peers(self, req: c.PeersRequest, _: FramedStream) -> c.PeersReply:
         connected = self._connected()
         return c.PeersReply(peers=[p.view(connected=p.peer_id in connected)
@@ -159,17 +167,28 @@ class Owner:
         peer = self.node.trust.resolve(req.peer)
         if peer.revoked:
             raise PsymeshError(f"{peer.name} was revoked; pair again first", code=ErrorCode.UNKNOWN_PEER)
-        if req.preset_limits is not None and req.preset_limits not in PRESETS:
-            raise PsymeshError(f"unknown preset {req.preset_limits!r} (known: {', '.join(sorted(PRESETS))})",
-                               code=ErrorCode.BAD_REQUEST)
+        for name in (req.preset_limits, req.preset):
+            if name is not None and name not in PRESETS:
+                raise PsymeshError(f"unknown preset {name!r} (known: {', '.join(sorted(PRESETS))})",
+                                   code=ErrorCode.BAD_REQUEST)
         if req.limits is not None:
             base = req.limits
-        elif req.preset_limits:
-            base = PRESETS[req.preset_limits][1]
+        elif req.preset_limits or req.preset:
+            base = PRESETS[req.preset_limits or req.preset][1]  # type: ignore[index]
         else:
             base = peer.granted.limits if peer.granted else Limits()
         limits = req.limits_over(base)
-        manifest = new_manifest(self.node.identity.peer_id, peer.peer_id, req.capabilities, now=time.time(),
+        if req.capabilities:
+            start = req.capabilities
+        elif req.preset:
+            start = list(PRESETS[req.preset][0])
+        else:
+            start = peer.granted.grants() if peer.granted else []
+        capabilities = edit_capabilities(start, add=req.add, remove=req.remove)
+        if not capabilities:
+            raise PsymeshError(f"that would leave {peer.name} no capability; to cut it off: psymesh revoke {peer.name}",
+                               code=ErrorCode.BAD_REQUEST)
+        manifest = new_manifest(self.node.identity.peer_id, peer.peer_id, capabilities, now=time.time(),
                                 ttl=req.expires_s, limits=limits).sign(self.node.identity.private_key)
         self.node.trust.set_granted(peer.peer_id, manifest)
         log.info("grant to %s is now: %s", peer.name, ", ".join(manifest.grants()))
@@ -201,7 +220,8 @@ class Owner:
     async def _audit(self, req: c.AuditRequest, _: FramedStream) -> c.AuditReply:
         peer_id = req.peer if req.peer is None or is_peer_id(req.peer) else self.node.trust.resolve(req.peer).peer_id
         rows = self.node.audit.query(peer_id=peer_id, limit=req.limit, denied_only=req.denied_only)
-        return c.AuditReply(rows=[c.AuditRow.model_validate(r) for r in rows])
+        names = {p.peer_id: p.name for p in self.node.trust.list()}
+        return c.AuditReply(rows=[c.AuditRow.model_validate({**r, "peer_name": names.get(r["peer_id"])}) for r in rows])
 
     async def _task_submit(self, req: c.TaskSubmitRequest, _: FramedStream) -> c.TaskSubmitted:
         try:
@@ -211,7 +231,7 @@ class Owner:
         target, accepted = await self.node.submitter.submit(spec, req.to, self.node.offers)
         peer = self.node.trust.get(target)
         return c.TaskSubmitted(task_id=spec.id, target=target, target_name=peer.name if peer else target,
-                               accepted=accepted)
+                               accepted=accepted, away=None if accepted else self.node.sessions.away(target))
 
     async def _task_input(self, req: c.TaskInputRequest, _: FramedStream) -> c.Ok:
         await self.node.submitter.respond(req.task_id, req.data)
@@ -261,7 +281,8 @@ class Owner:
         names = {p.peer_id: p.name for p in self.node.trust.list()}
         submitted = [c.SubmittedTaskView(task_id=t.id, kind=t.spec.kind, target=names.get(t.target, t.target),
                                          state=t.state, accepted=t.accepted, events=t.last_seq,
-                                         created_at=t.created_at, updated_at=t.updated_at)
+                                         created_at=t.created_at, updated_at=t.updated_at,
+                                         away=None if t.terminal else self.node.sessions.away(t.target))
                      for t in self.node.submitter.outbox.list()[-req.limit:]]
         executing = [c.ExecutingTaskView(**r.status().model_dump(), submitter=names.get(r.submitter, r.submitter))
                      for r in self.node.executor.store.list(limit=req.limit)]
@@ -279,7 +300,8 @@ class Owner:
         letter = sent.letter
         return c.SentLetter(id=letter.id, recipient=letter.recipient, recipient_name=self._name(letter.recipient),
                             thread=letter.thread, tseq=letter.tseq, kind=letter.kind, group=letter.group,
-                            state=sent.state.value, code=sent.code, reason=sent.reason)
+                            state=sent.state.value, code=sent.code, reason=sent.reason,
+                            away=self.node.sessions.away(letter.recipient) if sent.state is OutState.PENDING else None)
 
     def _written(self, letter: Letter) -> c.SentLetter:
         sent = self.node.messaging.store.sent(letter.id)
@@ -291,7 +313,7 @@ class Owner:
         assert received.release_seq is not None
         return c.InboxLetter(seq=received.release_seq, id=letter.id, sender=letter.sender,
                              sender_name=self._name(letter.sender), thread=letter.thread, tseq=letter.tseq,
-                             kind=letter.kind, text=letter.text, body=letter.body, at=letter.at,
+                             kind=letter.kind, text=letter.text, body=letter.body, at=letter.at / 1000,
                              received_at=received.received_at, reply_to=letter.reply_to, group=letter.group,
                              skipped=received.skipped)
 
@@ -304,7 +326,7 @@ class Owner:
 
     async def _msg_status(self, req: c.MsgStatusRequest, _: FramedStream) -> c.MsgSentReply:
         messaging = self.node.messaging
-        sent = await messaging.wait_sent(req.id) if req.wait else messaging.store.sent(req.id)
+        sent = await messaging.wait_sent(req.id, until_away=req.until_away) if req.wait else messaging.store.sent(req.id)
         if sent is None:
             raise PsymeshError(f"no letter {req.id!r} was sent from here", code=ErrorCode.NOT_FOUND)
         return c.MsgSentReply(letter=self._sent(sent))

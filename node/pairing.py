@@ -32,14 +32,18 @@ from psymesh.protocol.pairing import (
     PAIR_MAX_FRAME,
     PAIR_RUN_TIMEOUT_S,
     PAIR_STEP_TIMEOUT_S,
+    INVITE_PREFIX,
     Invite,
     InviteState,
+    InviteTicket,
     PairingInviter,
+    PairingCode,
     PairingJoiner,
     PairState,
     PeerInfo,
     encode_invite,
     new_invite,
+    parse_code,
     parse_invite,
 )
 from psymesh.protocol.strangers import PairingGuard
@@ -48,13 +52,15 @@ log = logging.getLogger("psymesh.pair")
 
 PushManifest = Callable[[str, Manifest], Awaitable[None]]
 Welcome = Callable[[str], Awaitable[object]]  # a peer just paired (either side): hand it what it needs from us
+Nearby = Callable[[], list[c.SeenNode]]       # the nodes discovery lists now, most recently seen first
 
 
 class PairingService:
     def __init__(self, identity: Identity, config: NodeConfig, p2p: P2PNode, trust: TrustStore,
                  push_manifest: PushManifest, welcome: Welcome | None = None,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, nearby: Nearby | None = None) -> None:
         self.identity = identity
+        self.nearby: Nearby = nearby or (lambda: [])  # unpaired nodes discovered on the LAN (the daemon sets it)
         self.clock = clock  # wall time: when invites expire and grants are issued (a test moves it)
         self.config = config
         self.p2p = p2p
@@ -145,7 +151,8 @@ class PairingService:
         peer = self.trust.add(result.peer_id, name=result.name, role=result.role, addrs=list(result.addrs),
                               granted=result.manifest, received=None)
         self._paired[invite.id] = c.PairedReply(peer_id=peer.peer_id, name=peer.name, role=peer.role,
-                                                verification=result.verification, granted=result.manifest.grants())
+                                                verification=result.verification, granted=result.manifest.grants(),
+                                                asked_name=result.name if peer.name != result.name else None)
         self._notify(invite)
         log.info("paired with %s (%s); verification: %s", result.name, result.peer_id, result.verification)
         if self.welcome is not None:
@@ -153,12 +160,41 @@ class PairingService:
 
     # -- joiner --------------------------------------------------------------------
     async def join(self, req: c.PairJoinRequest, _: FramedStream) -> c.PairedReply:
+        if req.address is None and not req.invite.strip().lower().startswith(INVITE_PREFIX):
+            return await self._join_nearby(parse_code(req.invite), req)
         ticket = parse_invite(req.invite, req.address)
         if ticket.peer_id is None or not ticket.addrs:
             raise PsymeshError("need the inviter's address ending in /p2p/<peer id> (the invite string has it)",
                                code=ErrorCode.BAD_REQUEST)
         if ticket.peer_id == self.identity.peer_id:
             raise PsymeshError("that invite is from this node itself", code=ErrorCode.BAD_REQUEST)
+        return await self._join_at(ticket, req)
+
+    async def _join_nearby(self, code: PairingCode, req: c.PairJoinRequest) -> c.PairedReply:
+        """A bare code: the inviter is one of the unpaired nodes discovered on the LAN. Each
+        is tried in turn, most recently seen first, with the code. A node without an open
+        invite of that number answers with a decoy (it fails like a wrong code and charges no
+        invite), so only the real inviter counts the run as one of its invite's attempts,
+        exactly as a join with its address would (protocol.md §4)."""
+        candidates = [n for n in self.nearby() if not n.paired and n.addrs and n.peer_id != self.identity.peer_id]
+        if not candidates:
+            raise PsymeshError("a bare pairing code needs the inviter's address too (--address), or both nodes "
+                               "on one LAN with mdns = true in config.toml, so that the inviter is found: no "
+                               "unpaired node is discovered here (see: psymesh discover)", code=ErrorCode.BAD_REQUEST)
+        failures: list[str] = []
+        for node in candidates:
+            ticket = InviteTicket(code=code, peer_id=node.peer_id, addrs=tuple(node.addrs))
+            try:
+                return await self._join_at(ticket, req)
+            except PsymeshError as exc:  # not this one (or unreachable): the next
+                log.info("pairing code tried at %s: %s", node.peer_id, exc.message)
+                failures.append(f"{node.peer_id[-8:]}: {exc.message}")
+        raise PsymeshError(f"none of the {len(candidates)} unpaired node(s) discovered here took the code "
+                           f"({'; '.join(failures)}); check it, or give the inviter's invite string",
+                           code=ErrorCode.FORBIDDEN)
+
+    async def _join_at(self, ticket: InviteTicket, req: c.PairJoinRequest) -> c.PairedReply:
+        assert ticket.peer_id is not None
         stream = await self.p2p.open_stream_any(ticket.peer_id, ticket.addrs, ids.PAIR, who="the inviter")
         framed = FramedStream(stream, PAIR_MAX_FRAME)
         try:
@@ -188,4 +224,5 @@ class PairingService:
             await self.welcome(result.peer_id)
         log.info("paired with %s (%s); verification: %s", result.name, result.peer_id, result.verification)
         return c.PairedReply(peer_id=peer.peer_id, name=peer.name, role=peer.role, verification=result.verification,
-                             granted=granted_back.grants() if granted_back else [], received=result.manifest.grants())
+                             granted=granted_back.grants() if granted_back else [], received=result.manifest.grants(),
+                             asked_name=result.name if peer.name != result.name else None)

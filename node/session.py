@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
@@ -31,9 +32,11 @@ import anyio.abc
 
 from psymesh.node.framed import READ_CHUNK, ByteStream
 from psymesh.protocol.common import Error, expect
+from psymesh.protocol.control import PeerAway
 from psymesh.protocol.errors import (
     ConnectionLost,
     ErrorCode,
+    NetworkError,
     NetworkTimeout,
     ProtocolError,
     PsymeshError,
@@ -286,7 +289,9 @@ class SessionPool:
     """One outbound session per peer, opened when first needed and reused until it dies, or
     (`path` given) until a direct connection replaces the relayed one it runs on. Runs its
     sessions' reader tasks (and a watcher beside each) in its own task group (start it with
-    `tg.start`)."""
+    `tg.start`). It also remembers which peers it could not reach, since when and why
+    (`away`), until a session to them opens again: what the CLI tells a user who is
+    waiting for a task or a letter (issue 22 item 1)."""
 
     def __init__(self, open_stream: OpenStream, protocol: str, max_frame_size: int,
                  watcher: SessionWatcher | None = None, path: PathOf | None = None) -> None:
@@ -297,6 +302,7 @@ class SessionPool:
         self._max_frame_size = max_frame_size
         self._sessions: dict[str, OutboundSession] = {}
         self._opening: dict[str, anyio.Lock] = {}
+        self._away: dict[str, PeerAway] = {}
         self._tg: anyio.abc.TaskGroup | None = None
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
@@ -323,7 +329,13 @@ class SessionPool:
                 await current.retire()
             if self._tg is None:
                 raise PsymeshError("the session pool is not running", code=ErrorCode.UNAVAILABLE)
-            stream = await self._open_stream(peer_id, self._protocol)
+            try:
+                stream = await self._open_stream(peer_id, self._protocol)
+            except NetworkError as exc:
+                since = self._away[peer_id].since if peer_id in self._away else time.time()
+                self._away[peer_id] = PeerAway(since=since, reason=exc.message)
+                raise
+            self._away.pop(peer_id, None)
             session = OutboundSession(peer_id, stream, self._max_frame_size)
             session.relayed = self._path is not None and self._path(peer_id) == "relayed"
             self._sessions[peer_id] = session
@@ -331,6 +343,10 @@ class SessionPool:
             if self._watcher is not None:
                 self._tg.start_soon(self._watcher.watch, session)
             return session
+
+    def away(self, peer_id: str) -> PeerAway | None:
+        """Since when (and why) `peer_id` could not be reached, if the last try failed."""
+        return self._away.get(peer_id)
 
     def _direct_now(self, session: OutboundSession) -> bool:
         """Opened over a relay, and a direct connection to its peer is open now."""

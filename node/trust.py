@@ -151,9 +151,12 @@ class TrustStore:
 
     def add(self, peer_id: str, *, name: str, role: str, addrs: list[str], granted: Manifest | None,
             received: Manifest | None, now: float | None = None) -> Peer:
-        """Store a newly paired peer (re-pairing replaces the old entry and clears both revocations)."""
+        """Store a newly paired peer (re-pairing replaces the old entry and clears both revocations).
+        A name another paired peer holds is made unique (`phone-2`), so that every command
+        naming a peer means one peer: see `unique_name`."""
         now = time.time() if now is None else now
         with transaction(self.conn):
+            name = self.unique_name(name, peer_id)
             self.conn.execute(
                 "INSERT INTO peers (peer_id, name, role, addrs, paired_at, revoked_at, granted, received) "
                 "VALUES (?, ?, ?, ?, ?, NULL, ?, ?) ON CONFLICT(peer_id) DO UPDATE SET name=excluded.name, "
@@ -165,6 +168,17 @@ class TrustStore:
         peer = self.get(peer_id)
         assert peer is not None
         return peer
+
+    def unique_name(self, name: str, peer_id: str) -> str:
+        """`name`, or `name-2`, `name-3`, ... if another peer not revoked is called that."""
+        taken = {r["name"] for r in self.conn.execute(
+            "SELECT name FROM peers WHERE peer_id != ? AND revoked_at IS NULL", (peer_id,))}
+        if name not in taken:
+            return name
+        n = 2
+        while f"{name}-{n}" in taken:
+            n += 1
+        return f"{name}-{n}"
 
     def set_granted(self, peer_id: str, manifest: Manifest) -> None:
         self._update(peer_id, "granted", _encode_manifest(manifest))

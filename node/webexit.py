@@ -56,66 +56,25 @@ from contextlib import aclosing, contextmanager
 from dataclasses import dataclass
 from http.cookiejar import CookieJar, DefaultCookiePolicy
 from types import TracebackType
-from typing import Annotated, Generic, TypeVar
+from typing import Generic, TypeVar
 
 import anyio
 import httpcore
 import httpx
 import ifaddr
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
 from psymesh.node.extractor import Extractors, cut_html
-from psymesh.node.websearch import SearchSettings, backend_for
+from psymesh.node.websearch import backend_for
+from psymesh.node.websettings import ExitSettings, SearchSettings  # noqa: F401 (the config lives there)
 from psymesh.protocol.errors import ErrorCode, PsymeshError
 from psymesh.protocol.web import MAX_PAGE_CHARS, WebFetch, WebHit, WebPage, WebResults, WebSearch
-
-MIB = 1024 * 1024
-USER_AGENT = "psymesh-exit/0.1"
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 Resolver = Callable[[str, int], Awaitable[Sequence[IPAddress]]]
 """(host, port) -> the addresses `host` resolves to, in the order to try them."""
 LocalAddresses = Callable[[], frozenset[IPAddress]]
-MediaType = Annotated[str, StringConstraints(strip_whitespace=True, to_lower=True, min_length=3, max_length=100)]
 HostAllowed = Callable[[str], bool]
 """Whether the asker's grant lets it fetch from this host (called for every hop)."""
-
-
-class ExitSettings(BaseModel):
-    """config.toml `[web.exit]`: whether this node serves web queries, and within what.
-
-    Everything outside the public internet is shut unless opened here: loopback
-    (`allow_loopback`, which also opens this machine's own addresses), private and other
-    non-global ranges (`allow_private`: RFC 1918, CGNAT 100.64/10, ULA fc00::/7, ...).
-    Link-local (169.254/16 holds cloud metadata), multicast, unspecified and reserved
-    addresses are never fetched. `ports = [80, 443]` shuts every other port."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    enabled: bool = False
-    allow_loopback: bool = False
-    allow_private: bool = False
-    ports: list[Annotated[int, Field(ge=1, le=65535)]] | None = None
-    timeout_s: float = Field(default=10.0, gt=0, le=300)
-    max_body_bytes: int = Field(default=2 * MIB, ge=1024, le=64 * MIB)
-    # The page's text is extracted in child processes (node/extractor.py): at most this many
-    # at once, each allowed this much memory beyond its own, handed at most max_html_bytes
-    # of HTML (a longer page is cut there), all within the fetch's timeout_s.
-    extractions: int = Field(default=2, ge=1, le=64)
-    extract_memory_bytes: int = Field(default=128 * MIB, ge=16 * MIB, le=4096 * MIB)
-    max_html_bytes: int = Field(default=1 * MIB, ge=1024, le=64 * MIB)
-    max_redirects: int = Field(default=5, ge=0, le=20)
-    content_types: list[MediaType] = Field(default_factory=lambda: [
-        "text/html", "application/xhtml+xml", "text/plain", "application/json", "text/markdown"])
-    cache_entries: int = Field(default=256, ge=0, le=100_000)
-    cache_ttl_s: float = Field(default=300.0, ge=0)
-    requests_per_minute: int = Field(default=120, ge=1, le=100_000)
-    # the exit's HPKE key: a new one this often; the old one stays in date this much longer
-    # (relays and phones move over), and its secret is deleted a replay window after that
-    key_rotate_s: float = Field(default=7 * 86_400.0, ge=1.0, le=365 * 86_400.0)
-    key_overlap_s: float = Field(default=3600.0, ge=0.0, le=30 * 86_400.0)
-    user_agent: str = Field(default=USER_AGENT, min_length=1, max_length=200)
-    search: SearchSettings = Field(default_factory=SearchSettings)
 
 
 # ------------------------------------------------------------------------- addresses

@@ -23,14 +23,14 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Literal, Protocol
-from urllib.parse import quote, urlsplit
+from typing import Protocol
+from urllib.parse import quote
 
 import anyio
 import httpx
-from pydantic import BaseModel, ConfigDict, model_validator
 
 from psymesh.protocol.errors import ErrorCode, PsymeshError
+from psymesh.node.websettings import SearchSettings  # noqa: F401 (the config lives there)
 from psymesh.protocol.web import MAX_URL_CHARS, WebHit
 
 MAX_TITLE_CHARS = 300
@@ -38,40 +38,6 @@ MAX_SNIPPET_CHARS = 1000
 
 Get = Callable[[str], Awaitable[bytes]]
 """GET a URL on the search pool; the body, within the exit's timeout and size cap."""
-
-
-class SearchSettings(BaseModel):
-    """config.toml `[web.exit.search]`: how this exit answers `web.search`.
-
-    `url` is the SearXNG base URL (backend "searxng"), or a URL template with `{query}` and
-    optionally `{limit}` (backend "json"). The `*_key` names say where a JSON API keeps its
-    hits (`results_key`, dotted for nested objects: "data.items") and each hit's fields;
-    SearXNG's own JSON uses results[].title/url/content and needs none of them."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    backend: Literal["none", "searxng", "ddgs", "json"] = "none"
-    url: str | None = None
-    results_key: str = "results"
-    title_key: str = "title"
-    url_key: str = "url"
-    snippet_key: str = "snippet"
-
-    @model_validator(mode="after")
-    def _url_fits_backend(self) -> "SearchSettings":
-        if self.backend not in ("searxng", "json"):
-            return self
-        if not self.url:
-            raise ValueError(f"[web.exit.search] backend = {self.backend!r} needs a url")
-        parts = urlsplit(self.url)
-        if parts.scheme not in ("http", "https") or not parts.netloc:
-            raise ValueError(f"[web.exit.search] url must be an http(s) URL, not {self.url!r}")
-        if self.backend == "json":
-            if "{query}" not in self.url:
-                raise ValueError("[web.exit.search] url must contain {query} for backend = 'json'")
-            if "{" in parts.netloc:   # the asker's words must never choose the server
-                raise ValueError("[web.exit.search] url: {query} and {limit} belong after the host")
-        return self
 
 
 class SearchBackend(Protocol):

@@ -30,7 +30,7 @@ class AddrRecord(Signed, BaseModel):
     """`peer_id`'s addresses (multiaddrs ending /p2p/<peer_id>; through a relay too), as of
     `seq` (its issue time in milliseconds: a larger one replaces a smaller), signed by it."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(defer_build=True, frozen=True, extra="forbid")
     signing_context: ClassVar[bytes] = b"psymesh/addrs/v1\x00"
     signer_field: ClassVar[str] = "peer_id"
     signer_role: ClassVar[str] = "record's peer"
@@ -71,3 +71,41 @@ class AddrsPush(Message):
 class AddrsOk(Message):
     type = "addrs.ok"
     seq: int  # the seq of the record now held for the sender (a newer one may be held already)
+
+
+# ---------------------------------------------------------------- where to dial a paired peer
+
+
+def _ip_of(addr: str) -> str | None:
+    parts = addr.split("/")
+    return parts[2] if len(parts) > 2 and parts[1] in ("ip4", "ip6") else None
+
+
+def is_loopback_addr(addr: str) -> bool:
+    ip = _ip_of(addr)
+    return ip is not None and (ip.startswith("127.") or ip == "::1")
+
+
+def dial_addresses(peer_id: str, stored: list[str], relays: list[tuple[str, list[str]]],
+                   local_ips: frozenset[str]) -> list[str]:
+    """Where to look for `peer_id`: its stored addresses, then a circuit through each relay
+    this node is paired with (`relays`: each relay's id and its direct addresses), for the
+    peer that took a reservation there after we last heard from it (a circuit address needs
+    only the relay's and the peer's ids). A loopback address names the peer only when the
+    peer is this host: it is kept when the peer lists nothing else, or lists an address of
+    this machine (`local_ips`); otherwise it would reach our own listener."""
+    others = [a for a in stored if not is_loopback_addr(a) and "/p2p-circuit" not in a]
+    here = not others or any(_ip_of(a) in local_ips for a in others)
+    out = [a for a in stored if here or not is_loopback_addr(a)]
+    via = {a.partition("/p2p-circuit")[0] for a in out if "/p2p-circuit" in a}
+    for relay_id, relay_addrs in relays:
+        if relay_id == peer_id:
+            continue
+        for addr in relay_addrs:
+            if "/p2p-circuit" in addr:
+                continue
+            base = addr if f"/p2p/{relay_id}" in addr else f"{addr}/p2p/{relay_id}"
+            if base not in via:
+                out.append(f"{base}/p2p-circuit/p2p/{peer_id}")
+                via.add(base)
+    return out

@@ -1,5 +1,4 @@
 """Messages shared by every service: the typed error reply and ping."""
-from __future__ import annotations
 
 from typing import Any
 

@@ -11,7 +11,6 @@ An `error` reply for a failure of the network (the daemon could not reach a peer
 lost it mid-request) says so in `details["network"]` (see `error_reply`), so the SDK
 raises it as the NetworkError it was, apart from refusals (RemoteError).
 """
-from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Annotated
@@ -40,7 +39,15 @@ class View(BaseModel):
     """One item inside a control reply (never sent alone). Frozen and typed; keys it does
     not know are ignored, so a newer daemon may add fields without breaking an older SDK."""
 
-    model_config = ConfigDict(frozen=True, extra="ignore")
+    model_config = ConfigDict(frozen=True, extra="ignore", defer_build=True)
+
+
+class PeerAway(View):
+    """A peer this node could not reach when it last tried: since when (the first failed
+    try in a row, unix seconds) and the last failure. Cleared once a session opens."""
+
+    since: float
+    reason: str
 
 
 class StatusRequest(Message):
@@ -189,6 +196,7 @@ class PairedReply(Message):
     verification: str
     granted: list[str] = Field(default_factory=list)   # what the peer may ask of us
     received: list[str] = Field(default_factory=list)  # what we may ask of the peer
+    asked_name: str | None = None  # the name it came with, when another peer here holds it (`name` is unique)
 
 
 class PeersRequest(Message):
@@ -219,15 +227,39 @@ class PeersReply(Message):
     peers: list[PeerView] = Field(default_factory=list)
 
 
-class GrantRequest(Message):
-    """Replace the grant to `peer` with these capabilities (CLI spelling, e.g. `tool:files.*`).
+class ServeRequest(Message):
+    """Turn an endpoint on in the running daemon (`psymesh serve openai|a2a` while the
+    daemon runs): the bridge's `[serve.SECTION]` settings from config.toml, with these
+    over them. It stays on until the daemon stops (config.toml says whether it comes back)."""
 
-    Its limits: `limits` if given, else the preset `preset_limits`'s, else the current
-    grant's; then each of `set_limits` replaces one of them (None: no limit from the grant)."""
+    type = "control.serve"
+    section: Literal["openai", "a2a"]
+    host: str | None = None
+    port: int | None = Field(default=None, ge=0, le=65535)
+    # The key is the daemon's, as at start (node/apikey.py): never carried here.
+    api_key_file: str | None = None
+
+
+class ServeReply(Message):
+    type = "control.serve_reply"
+    url: str              # where it listens (the A2A agent's JSON-RPC URL; the OpenAI base without /v1)
+    already: bool = False  # it was on already (these settings changed nothing)
+
+
+class GrantRequest(Message):
+    """A new grant to `peer`. Its capabilities (CLI spelling, e.g. `tool:files.*`):
+    `capabilities` if given, else the preset `preset`'s, else the current grant's; then
+    `remove` taken out and `add` put in (`grant phone +tool:system.info -msg.send`).
+
+    Its limits: `limits` if given, else the preset `preset_limits`'s (or `preset`'s), else
+    the current grant's; then each of `set_limits` replaces one of them (None: no limit)."""
 
     type = "control.grant"
     peer: str
-    capabilities: list[str] = Field(min_length=1, max_length=128)
+    capabilities: list[str] = Field(default_factory=list, max_length=128)
+    add: list[str] = Field(default_factory=list, max_length=128)
+    remove: list[str] = Field(default_factory=list, max_length=128)
+    preset: str | None = None
     expires_s: float | None = Field(default=None, gt=0)
     preset_limits: str | None = None
     limits: Limits | None = None
@@ -291,6 +323,7 @@ class AuditRow(View):
     allowed: bool
     code: str | None = None  # the ErrorCode of a refusal
     reason: str = ""
+    peer_name: str | None = None  # the paired peer's name (None: a stranger)
     count: int = 1  # identical refusals within the audit window, counted into this row
 
 
@@ -318,6 +351,7 @@ class TaskSubmitted(Message):
     target: str
     target_name: str
     accepted: bool  # False: stored and queued for delivery (the target was unreachable or busy)
+    away: PeerAway | None = None  # not accepted because the target is unreachable: since when, why
 
 
 class TaskWatchRequest(Message):
@@ -350,6 +384,7 @@ class SubmittedTaskView(View):
     events: int          # events mirrored so far
     created_at: float
     updated_at: float
+    away: PeerAway | None = None  # unfinished, and the target could not be reached when last tried
 
 
 class ExecutingTaskView(View):
@@ -504,6 +539,7 @@ class SentLetter(View):
     state: str              # pending | delivered | refused
     code: str | None = None
     reason: str = ""
+    away: PeerAway | None = None  # pending, and the recipient could not be reached when last tried
 
 
 class InboxLetter(Message):
@@ -521,8 +557,8 @@ class InboxLetter(Message):
     kind: LetterKind
     text: str = ""
     body: dict = Field(default_factory=dict)
-    at: int                 # Unix ms, the sender's clock
-    received_at: float
+    at: float               # when the sender wrote it, Unix seconds by its clock (the letter's `at` / 1000)
+    received_at: float      # when this node stored it, Unix seconds
     reply_to: str | None = None
     group: str | None = None
     # Letters of this thread before this one that never came: their place was given up after
@@ -554,6 +590,7 @@ class MsgStatusRequest(Message):
     type = "control.msg_status"
     id: LetterId
     wait: bool = False
+    until_away: bool = False  # with wait: also answer (still pending) once the recipient is found unreachable
 
 
 class MsgInboxRequest(Message):

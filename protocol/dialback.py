@@ -18,7 +18,6 @@ A dial succeeds when whatever answers the port speaks first the way a libp2p lis
 not prove the key (no Noise handshake is made): it is a reachability check, and pairing
 and every later connection prove who is there.
 """
-from __future__ import annotations
 
 import ipaddress
 from typing import Annotated
@@ -46,7 +45,7 @@ class DialBack(Message):
 class DialBackResult(BaseModel):
     """One port tried: `addr` is the multiaddr dialed (the observed IP and the port)."""
 
-    model_config = ConfigDict(frozen=True, extra="ignore")
+    model_config = ConfigDict(defer_build=True, frozen=True, extra="ignore")
 
     addr: str
     ok: bool

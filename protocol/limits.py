@@ -16,7 +16,6 @@ The rate limiter is GCRA (the "virtual scheduling" form of a token bucket): one
 float per key, the theoretical arrival time of the next request, so memory does
 not grow with the rate, and the refusal comes with an exact `retry_after`.
 """
-from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -25,7 +24,7 @@ class Limits(BaseModel):
     """Numeric limits for one peer. `None` means "no limit from the manifest" (the node's
     own global limits still apply)."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(defer_build=True, frozen=True, extra="forbid")
 
     requests_per_minute: int | None = Field(default=None, ge=1, le=1_000_000)
     concurrent_tasks: int | None = Field(default=None, ge=1, le=10_000)

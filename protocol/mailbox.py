@@ -58,7 +58,7 @@ VIA_MAILBOX = "mailbox"          # how the audit log names a letter admitted fro
 class MailSettings(BaseModel):
     """config.toml `[mail]`: the sender's patience and what a mailbox holds for one sender."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(defer_build=True, frozen=True, extra="forbid")
 
     # sender: how long a recipient must stay unreachable before its letters go to its mailbox
     grace_s: float = Field(default=5.0, ge=0.0, le=86_400.0)
@@ -79,7 +79,7 @@ class MailKey(Signed, BaseModel):
     mailbox (senders then keep letters for the owner themselves). There is no expiry: a
     key that lapsed while its owner slept would bounce mail exactly when it is needed."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(defer_build=True, frozen=True, extra="forbid")
     signing_context: ClassVar[bytes] = b"psymesh/mailkey/v1\x00"
     signer_field: ClassVar[str] = "owner"
     signer_role: ClassVar[str] = "owner"

@@ -34,7 +34,6 @@ On `/psymesh/manifest/1.0.0` the issuer hands its subject the current grant
 (`ManifestPush`) and, when the owner revokes the pairing, a signed notice of that
 (`ManifestRevoke`), so the subject stops using a grant that no longer holds.
 """
-from __future__ import annotations
 
 import fnmatch
 import ipaddress
@@ -148,7 +147,7 @@ class Operation(BaseModel):
     (None: the node's default, capped by the grant; see `Decision.max_tokens`).
     """
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(defer_build=True, frozen=True, extra="forbid")
 
     name: str
     tool: str | None = None
@@ -213,7 +212,7 @@ class Operation(BaseModel):
 class Capability(BaseModel):
     """One grant. `name` is a kind, or `tool:PATTERN`; parameters narrow it (None: any)."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(defer_build=True, frozen=True, extra="forbid")
 
     name: str = Field(max_length=140)
     models: tuple[str, ...] | None = Field(default=None, min_length=1, max_length=32)
@@ -328,7 +327,7 @@ class Manifest(Signed, BaseModel):
     `expires=None` means valid until the pairing is revoked. `serial` lets a newer
     grant for the same subject replace an older one."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(defer_build=True, frozen=True, extra="forbid")
     signing_context: ClassVar[bytes] = b"psymesh/manifest/v1\x00"
     signer_field: ClassVar[str] = "issuer"
     signer_role: ClassVar[str] = "issuer"
@@ -396,6 +395,23 @@ PRESETS: dict[str, tuple[tuple[str, ...], Limits]] = {
         Limits(requests_per_minute=30, concurrent_tasks=1, max_runtime_s=120, max_payload_bytes=64 * 1024),
     ),
 }
+
+
+def edit_capabilities(current: Iterable[str], add: Iterable[str] = (), remove: Iterable[str] = ()) -> list[str]:
+    """`current` with `remove` taken out and `add` put in (each in CLI spelling, compared
+    as parsed, so `tool:files.*` and ` tool:files.* ` are one). Removing one that is not
+    there is a BAD_REQUEST naming what is; adding one already there changes nothing."""
+    out = [str(parse_capability(c)) for c in current]
+    for text in remove:
+        cap = str(parse_capability(text))
+        if cap not in out:
+            raise PsymeshError(f"the grant has no {cap} to remove (it has: {', '.join(out) or 'nothing'})",
+                               code=ErrorCode.BAD_REQUEST)
+        out.remove(cap)
+    for text in add:
+        if (cap := str(parse_capability(text))) not in out:
+            out.append(cap)
+    return out
 
 
 def preset(name: str, issuer: str, subject: str, now: float, ttl: float | None = None,

@@ -25,7 +25,7 @@ M = TypeVar("M", bound="Message")
 class Message(BaseModel):
     """Base of every wire message. Subclasses set `type` and are registered by it."""
 
-    model_config = ConfigDict(frozen=True, extra="ignore", strict=False)
+    model_config = ConfigDict(frozen=True, extra="ignore", strict=False, defer_build=True)
     type: ClassVar[str] = ""
     # An answer that promises what it acknowledges is on disk (task.accepted, msg.receipt, ...):
     # the node sends it only after the transaction behind it is synced (node/db.py WalSync).
@@ -40,8 +40,26 @@ class Message(BaseModel):
             _REGISTRY[name] = cls
 
 
+# The modules that define messages: imported when a type is not known yet (a process
+# imports only the ones it uses; a peer may send any of them).
+MESSAGE_MODULES = ("addresses", "common", "control", "dialback", "mailbox", "manifest", "messaging", "pairing",
+                   "runner", "session", "tasks", "web")
+_ALL_LOADED = False
+
+
+def _load_all() -> dict[str, type["Message"]]:
+    global _ALL_LOADED
+    import importlib
+
+    for name in MESSAGE_MODULES:
+        importlib.import_module(f"psymesh.protocol.{name}")
+    _ALL_LOADED = True
+    return _REGISTRY
+
+
 def message_types() -> dict[str, type[Message]]:
-    return dict(_REGISTRY)
+    """Every message type of the protocol, by name."""
+    return dict(_load_all())
 
 
 def pack(message: Message, envelope: Mapping[str, Any] | None = None) -> bytes:
@@ -89,6 +107,8 @@ def from_map(obj: dict[str, Any]) -> Message:
     if not isinstance(kind, str):
         raise ProtocolError("frame has no string 'type'")
     cls = _REGISTRY.get(kind)
+    if cls is None and not _ALL_LOADED:
+        cls = _load_all().get(kind)
     if cls is None:
         raise ProtocolError(f"unknown message type {kind!r}")
     try:

@@ -40,9 +40,9 @@ changed, the letter is too large) is replaced on the wire by a *withdrawn* stub 
 same id and tseq (no text, no body), so the letters after it in its thread are not held
 for ever; the sender's app sees the refusal.
 """
-from __future__ import annotations
 
 import itertools
+import hashlib
 from collections.abc import Iterable
 from enum import StrEnum
 from typing import Annotated, ClassVar, Self
@@ -69,7 +69,7 @@ class LetterKind(StrEnum):
 
 
 class Letter(Signed, BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid", ser_json_bytes="base64", val_json_bytes="base64")
+    model_config = ConfigDict(defer_build=True, frozen=True, extra="forbid", ser_json_bytes="base64", val_json_bytes="base64")
     signing_context: ClassVar[bytes] = b"psymesh/letter/v1\x00"
     signer_field: ClassVar[str] = "sender"
     signer_role: ClassVar[str] = "sender"
@@ -112,6 +112,21 @@ class Letter(Signed, BaseModel):
         """What the recipient's manifest must allow (an `answer` is a kind of `send`)."""
         name = "msg.ask" if self.kind is LetterKind.ASK else "msg.send"
         return Operation(name=name, payload_bytes=self.payload_bytes)
+
+
+def answer_id(ask_sender: str, ask_id: str) -> str:
+    """The id of the one answer to the ask `ask_id` of `ask_sender`: derived, so the answerer
+    writes the same one after a restart, and the asker can tell an answer to its own
+    question from any other letter (ask ids are unique per sender only)."""
+    return "ans-" + hashlib.sha256(f"{ask_sender}\0{ask_id}".encode()).hexdigest()[:40]
+
+
+def answered_ask(letter: Letter, *, local_peer_id: str) -> str | None:
+    """The id of the ask of ours that `letter` claims to answer (an `answer` letter whose
+    id is that ask's answer id), else None. Whether we asked it is the caller's to check."""
+    if letter.kind is not LetterKind.ANSWER or letter.reply_to is None:
+        return None
+    return letter.reply_to if letter.id == answer_id(local_peer_id, letter.reply_to) else None
 
 
 def check_letter(letter: Letter, *, sender: str, local_peer_id: str) -> None:
@@ -185,7 +200,7 @@ class LetterResult(BaseModel):
     """What became of one letter of a batch. A refused one carries the code (and, when it is
     worth retrying, `retry_after`) that a lone `msg.send` would have got as its error."""
 
-    model_config = ConfigDict(frozen=True, extra="ignore")
+    model_config = ConfigDict(defer_build=True, frozen=True, extra="ignore")
 
     id: LetterId
     status: ReceiptStatus = ReceiptStatus.STORED
@@ -194,7 +209,7 @@ class LetterResult(BaseModel):
     retry_after: float | None = None
 
     @classmethod
-    def refused(cls, letter_id: str, exc: PsymeshError) -> LetterResult:
+    def refused(cls, letter_id: str, exc: PsymeshError) -> "LetterResult":
         return cls(id=letter_id, status=ReceiptStatus.REFUSED, code=exc.code, reason=exc.message[:500],
                    retry_after=exc.retry_after)
 
@@ -239,7 +254,7 @@ class InboxSettings(BaseModel):
     and an honest sender never meets them: its courier has at most 256 letters (about
     4 MiB) in flight, so a gap it leaves holds no more than that."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(defer_build=True, frozen=True, extra="forbid")
 
     held_letters: int = Field(default=256, ge=1, le=1_000_000)           # held behind a gap, per sender
     held_bytes: int = Field(default=8 * 1024 * 1024, ge=64 * 1024, le=4 * 1024 ** 3)

@@ -106,7 +106,7 @@ class ExitKey(Signed, BaseModel):
     request so the exit can hold the next key beside this one while phones move over;
     `not_after` bounds how long a leaked private key stays useful."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(defer_build=True, frozen=True, extra="forbid")
     signing_context: ClassVar[bytes] = b"psymesh/web-key/v1\x00"
     signer_field: ClassVar[str] = "exit"
     signer_role: ClassVar[str] = "exit"

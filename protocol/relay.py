@@ -27,7 +27,6 @@ again, and delegated tasks are exactly-once across the switch (protocol/taskflow
 `RelayBook` is the relay's table, told the time (`now`): the node's p2p layer asks it
 before it answers a reservation or opens a circuit, and tells it when one ends.
 """
-from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
@@ -55,7 +54,7 @@ HOLE_PUNCH = "relay.holepunch"  # what the gate audits, once per DCUtR stream a 
 class RelaySettings(BaseModel):
     """config.toml `[relay]`."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(defer_build=True, frozen=True, extra="forbid")
 
     # Serve as a relay for paired peers granted `relay` (off: this node relays for nobody).
     enabled: bool = False

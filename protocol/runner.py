@@ -30,7 +30,6 @@ This module holds the messages and :class:`RunnerLink`, the node's side of the
 conversation: it frames what the node sends, checks what the runner answers against
 the one request in flight, and turns the end of the process into the right outcome.
 """
-from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum

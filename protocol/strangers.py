@@ -19,7 +19,6 @@ then node-wide, then per peer id: a hello refused for its IP spends nothing node
 one address cannot use up the node's budget and lock out a joiner elsewhere, and per-peer
 state is only created for runs that got that far (fresh keys cannot grow it).
 """
-from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -33,7 +32,7 @@ _NODE = "*"  # the ConcurrencyLimiter key for node-wide runs (IPs never look lik
 class StrangerLimits(BaseModel):
     """config.toml `[strangers]`. Paired peers get the larger fixed limits of `node/p2p.py`."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(defer_build=True, frozen=True, extra="forbid")
 
     # connections (checked when the Noise handshake has proved the key, before any stream)
     connections: int = Field(default=16, ge=1, le=1024)         # unpaired inbound connections at once

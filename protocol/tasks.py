@@ -45,7 +45,6 @@ Event kinds and their `data` (extra keys are allowed and kept):
 Every event carries the task state *after* it, so a client never has to replay
 the log to know where a task stands.
 """
-from __future__ import annotations
 
 import json
 from collections.abc import Mapping
@@ -370,7 +369,7 @@ class TaskEvent(Message):
         return self
 
     @property
-    def outcome(self) -> Outcome | None:
+    def outcome(self) -> "Outcome | None":
         """How the task ended, if this is its final event."""
         return Outcome.from_event(self) if self.state.terminal else None
 
@@ -385,7 +384,7 @@ class Outcome:
     message: str = ""
 
     @classmethod
-    def from_event(cls, event: TaskEvent) -> Outcome:
+    def from_event(cls, event: TaskEvent) -> "Outcome":
         data, state = event.data, event.state
         if state is _S.COMPLETED:
             return cls(state, value=data.get("result"))

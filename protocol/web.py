@@ -28,7 +28,6 @@ The relay sees the phone, the exit, bucketed sizes and timing; never the query. 
 sees the relay and the query; never the phone. The exit admits the opened request by the
 *relay's* grant: it serves what the relay may ask, on behalf of whoever the relay serves.
 """
-from __future__ import annotations
 
 from typing import Annotated
 

@@ -22,7 +22,7 @@ from psymesh.protocol.addresses import AddrRecord, AddrsPush
 from psymesh.protocol.admission import REQUESTS, Need
 from psymesh.protocol.common import Error, Ping
 from psymesh.protocol.dialback import DialBack
-from psymesh.protocol.errors import NetworkError
+from psymesh.protocol.errors import NetworkError, PsymeshError
 from psymesh.protocol.mailbox import (
     MailAck,
     MailDeposit,
@@ -209,15 +209,17 @@ async def test_every_message_the_node_serves_has_a_row_in_the_door_table(tmp_pat
     assert served == set(REQUESTS), "a service whose requests are not in protocol/admission.py skips the door"
 
 
-async def test_a_revoked_peer_that_was_told_is_refused_at_the_connection(tmp_path: Path) -> None:
+async def test_a_revoked_peer_that_was_told_may_open_pairing_only(tmp_path: Path) -> None:
     async with run_nodes(tmp_path, "home", "phone") as nodes:
         home, phone = nodes["home"], nodes["phone"]
         await pair(home.home.path, phone.home.path)
         async with Client(home.home.path) as h:
             await h.revoke("phone")
         assert home.trust.get(phone.identity.peer_id).revocation_told_at is not None
-        assert not home.gate.allow_connection(phone.identity.peer_id)
-        # even a phone that ignored the notice gets no connection, so no session, no request
+        home.gate.admit_stream(phone.identity.peer_id, ids.PAIR)  # it may pair again (a new invite)
+        with pytest.raises(PsymeshError):
+            home.gate.admit_stream(phone.identity.peer_id, ids.SESSION)
+        # even a phone that ignored the notice gets no session, so no request
         phone.trust.conn.execute("UPDATE peers SET revoked_us_at = NULL")
         with pytest.raises(Exception):
             await phone.p2p.connect(home.p2p.addrs()[0])

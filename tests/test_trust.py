@@ -150,7 +150,8 @@ async def test_revocation_closes_an_open_connection_and_refuses_what_follows(tmp
                 await p.ping("home", count=1)
         # the phone took home's notice: it knows, and does not even dial (home would refuse it)
         assert info.value.code == ErrorCode.FORBIDDEN and "revoked this node" in info.value.message
-        assert not home.gate.allow_connection(phone.identity.peer_id)
+        with pytest.raises(PsymeshError):  # a session is refused it; pairing again is not
+            home.gate.admit_stream(phone.identity.peer_id, ids.SESSION)
 
 
 async def test_rate_limit_refuses_with_retry_after(tmp_path: Path) -> None:

@@ -7,7 +7,8 @@ the OOM killer in a model ends one request, never the node. May import agent/ an
 protocol/, and node/ helpers of the home and database; nothing imports the daemon.
 """
 from psymesh.node.models.pool import ModelPool
-from psymesh.node.models.registry import GGUF_MAGIC, ModelRegistry, pull_model
+from psymesh.node.models.registry import GGUF_MAGIC, ContextChoice, ModelRegistry, default_context, pull_model
 from psymesh.node.models.runner import ModelRunner, RunnerStatus
 
-__all__ = ["GGUF_MAGIC", "ModelPool", "ModelRegistry", "ModelRunner", "RunnerStatus", "pull_model"]
+__all__ = ["GGUF_MAGIC", "ContextChoice", "ModelPool", "ModelRegistry", "ModelRunner", "RunnerStatus",
+           "default_context", "pull_model"]

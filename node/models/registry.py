@@ -6,8 +6,10 @@ long its runner stays loaded when idle); without one the profile's default appli
 """
 from __future__ import annotations
 
+import os
 import sqlite3
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from psymesh.agent.inference import ModelSettings
@@ -39,8 +41,10 @@ class ModelRegistry:
             if column not in have:
                 conn.execute(f"ALTER TABLE models ADD COLUMN {column} {decl}")
 
-    def add(self, name: str, path: str | Path, *, n_ctx: int = 4096, n_threads: int | None = None,
+    def add(self, name: str, path: str | Path, *, n_ctx: int | None = None, n_threads: int | None = None,
             chat_template: str | None = None, keep_alive_s: float | None = None) -> dict:
+        """Register `path` as `name`. `n_ctx` None: the context the GGUF declares, capped so
+        its KV cache takes at most a sixteenth of this machine's memory (`default_context`)."""
         p = Path(path).expanduser().resolve()
         try:
             with open(p, "rb") as f:
@@ -49,6 +53,8 @@ class ModelRegistry:
             raise PsymeshError(f"cannot read {p}: {exc.strerror}", code=ErrorCode.NOT_FOUND) from None
         if magic != GGUF_MAGIC:
             raise PsymeshError(f"{p} is not a GGUF file", code=ErrorCode.BAD_REQUEST)
+        if n_ctx is None:
+            n_ctx = default_context(p).n_ctx
         self.conn.execute(
             "INSERT INTO models (name, path, n_ctx, n_threads, chat_template, keep_alive_s, added_at) "
             "VALUES (?, ?, ?, ?, ?, ?, ?) "
@@ -85,6 +91,56 @@ class ModelRegistry:
         return ModelSettings(path=Path(row["path"]), n_ctx=row["n_ctx"], n_threads=row["n_threads"],
                              chat_template=row["chat_template"], keep_alive_s=keep_alive_s if own is None else (None if own < 0 else own),
                              memory_limit_mb=memory_limit_mb)
+
+
+@dataclass(frozen=True)
+class ContextChoice:
+    """The context `model add` gives a model: what its GGUF declares, and the memory cap."""
+
+    n_ctx: int
+    declared: int | None     # `<arch>.context_length` (None: the GGUF does not say)
+    memory_cap: int          # the most whose KV cache fits in a sixteenth of this machine's RAM (<= 32768)
+
+
+FALLBACK_CTX = 4096          # a GGUF that declares no context length
+MIN_CTX = 2048
+MAX_DEFAULT_CTX = 32768      # more only when asked (--ctx): prompt processing grows with it
+
+
+def default_context(path: Path, *, memory_bytes: int | None = None) -> ContextChoice:
+    """The GGUF's declared context length, capped by memory: its f16 KV cache (attention
+    layers x KV heads x (key + value length) x 2 bytes a token; a hybrid model such as
+    qwen35 has attention in every `full_attention_interval`-th layer only) may take a
+    sixteenth of `memory_bytes` (default: this machine's RAM), and at most 32768 tokens
+    unless asked. Never below 2048 tokens, nor above what the GGUF declares."""
+    from gguf import GGUFReader
+
+    def field(key: str) -> int | None:
+        f = reader.fields.get(key)
+        if f is None or not f.data:
+            return None
+        value = f.parts[f.data[0]]
+        return int(value[0]) if len(value) else None
+
+    try:
+        reader = GGUFReader(path)
+        arch_field = reader.fields.get("general.architecture")
+        arch = bytes(arch_field.parts[arch_field.data[0]]).decode() if arch_field is not None else ""
+    except (OSError, ValueError) as exc:
+        raise PsymeshError(f"cannot read the GGUF metadata of {path}: {exc}", code=ErrorCode.BAD_REQUEST) from None
+    declared = field(f"{arch}.context_length")
+    layers = field(f"{arch}.block_count") or 0
+    interval = field(f"{arch}.full_attention_interval") or 1
+    kv_heads = field(f"{arch}.attention.head_count_kv") or field(f"{arch}.attention.head_count") or 0
+    head_dim = (field(f"{arch}.embedding_length") or 0) // max(1, field(f"{arch}.attention.head_count") or 1)
+    per_token = (max(1, layers // interval) * kv_heads * ((field(f"{arch}.attention.key_length") or head_dim)
+                                                          + (field(f"{arch}.attention.value_length") or head_dim)) * 2)
+    if memory_bytes is None:
+        memory_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    cap = min(MAX_DEFAULT_CTX, max(MIN_CTX, (memory_bytes // 16 // per_token) // 1024 * 1024)) if per_token \
+        else FALLBACK_CTX
+    n_ctx = min(declared, cap) if declared else min(FALLBACK_CTX, cap)
+    return ContextChoice(n_ctx=max(min(MIN_CTX, declared or MIN_CTX), n_ctx), declared=declared, memory_cap=cap)
 
 
 def pull_model(repo_id: str, quant: str, dest: Path) -> Path:

@@ -1,0 +1,76 @@
+"""CLI start-up: wall time of `psymesh status` against a running daemon, beside `python -c pass`.
+
+Scripts call the CLI in loops and a phone CPU is 3-4x slower than this machine, so the
+time a command takes before it does anything is felt on every call. Each sample is one
+new process, timed from spawn to exit (what a user waits for), and its CPU time (what it
+costs, steadier than the wall time when other work shares the machine); the medians of
+--count runs are shown, with `import psymesh` alone and `psymesh --help` for where the time
+goes.
+Target (issue 22): `psymesh status` <= 150 ms median wall here.
+
+Usage: .venv/bin/python bench/cli.py [--count N]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import anyio
+from _common import summarize
+
+from psymesh.node.process import DaemonProcess
+
+
+# As installed: bytecode cached (an environment with PYTHONDONTWRITEBYTECODE=1 would compile
+# every psymesh module again on every run, which no user's install does).
+ENV = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+
+
+def timed_ms(cmd: list[str], count: int) -> tuple[list[float], list[float]]:
+    """Wall and CPU (user + system) milliseconds of each run, after one to warm the caches.
+    On a shared machine the wall time swings with the load; the CPU time is what the
+    command itself costs."""
+    subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=True, env=ENV)
+    walls, cpus = [], []
+    for _ in range(count):
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        t0 = time.perf_counter()
+        subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=True, env=ENV)
+        walls.append((time.perf_counter() - t0) * 1000)
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpus.append((after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime) * 1000)
+    return walls, cpus
+
+
+async def main(count: int) -> None:
+    with tempfile.TemporaryDirectory(prefix="psy-bench-cli-") as tmp:
+        daemon = DaemonProcess(Path(tmp) / "home", name="home")
+        await daemon.start()
+        try:
+            py = sys.executable
+            rows = [
+                ("python -c pass", [py, "-c", "pass"]),
+                ("python -c 'import psymesh'", [py, "-c", "import psymesh"]),
+                ("psymesh --help", [py, "-m", "psymesh", "--help"]),
+                ("psymesh status", [py, "-m", "psymesh", "status", "--home", str(daemon.home)]),
+            ]
+            print(f"{'command':32} {'wall median':>12} {'wall p99':>9} {'cpu median':>11}   ({count} runs each, ms)")
+            for label, cmd in rows:
+                walls, cpus = timed_ms(cmd, count)
+                (med, p99), (cpu, _) = summarize(walls), summarize(cpus)
+                print(f"{label:32} {med:12.1f} {p99:9.1f} {cpu:11.1f}")
+            print(f"load average: {' '.join(f'{x:.1f}' for x in os.getloadavg())} on {os.cpu_count()} cores")
+        finally:
+            await daemon.stop()
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--count", type=int, default=20)
+    anyio.run(main, parser.parse_args().count, backend="trio")
