@@ -144,6 +144,24 @@ async def _leave_when_idle(r: _Runner, keep_alive_s: float, scope: trio.CancelSc
             return
 
 
+def _die_with_the_node() -> None:
+    """On Linux, ask the kernel to SIGKILL us when the node that started us dies, whatever
+    state our own loop is in (stdin closing at its death is the portable way, and the
+    first); if it died before we asked, go now."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    parent = os.getppid()
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:
+        os._exit(0)
+
+
 async def main() -> None:
     # Our frames go to the node on the original stdout; anything a library prints to fd 1
     # afterwards (llama.cpp, ggml) goes to stderr, the runner's log, instead of into them.
@@ -184,6 +202,7 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
+    _die_with_the_node()
     try:
         trio.run(main)
     except KeyboardInterrupt:  # the node handles the terminal's Ctrl-C; we just go
