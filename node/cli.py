@@ -690,6 +690,8 @@ def audit(home: str | None, out: Output, peer: str | None, limit: int, denied: b
         table = Table("time", "peer", "operation", "decision", "reason")
         for r in rows:
             verdict = "[green]allowed[/green]" if r.allowed else f"[red]{escape(r.code or 'denied')}[/red]"
+            if r.count > 1:
+                verdict += f" x{r.count}"
             table.add_row(time.strftime("%m-%d %H:%M:%S", time.localtime(r.ts)), r.peer_id[:16] + "…",
                           escape(r.operation), verdict, escape(r.reason))
         con.print(table if rows else "no audit entries")

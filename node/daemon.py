@@ -41,7 +41,7 @@ from psymesh.node.answering import Answering
 from psymesh.node.apikey import load_api_key
 from psymesh.node.audit import AuditLog
 from psymesh.node.control import ControlServer
-from psymesh.node.db import Checkpointer, open_db
+from psymesh.node.db import Checkpointer, WalSync, open_db
 from psymesh.node.executor import TaskExecutor
 from psymesh.node.framed import FramedStream
 from psymesh.node.gate import Gate
@@ -97,19 +97,28 @@ class Node:
     REVOCATION_NOTICE_S = 2.0  # `psymesh revoke` waits at most this long for the peer to take the notice
 
     def __init__(self, home: NodeHome, config: NodeConfig | None = None, *,
-                 environ: Mapping[str, str] = os.environ) -> None:
-        """`environ`: where the bridges' keys may come from ($PSYMESH_OPENAI_API_KEY, ...)."""
+                 environ: Mapping[str, str] = os.environ, fsync: Callable[[int], None] = os.fsync) -> None:
+        """`environ`: where the bridges' keys may come from ($PSYMESH_OPENAI_API_KEY, ...).
+        `fsync`: how the WAL is synced before a durable answer (a test traces it)."""
         self.home = home
         self.identity = home.init()
         self.config = config or home.load_config()
-        self.db = open_db(home.db_path, background_checkpoints=True)
+        storage = self.config.storage
+        self.checkpointer = Checkpointer(home.db_path, settle_s=storage.checkpoint_settle_s,
+                                         max_defer_s=storage.checkpoint_max_defer_s,
+                                         wal_max_bytes=storage.wal_max_bytes)
+        self.wal = WalSync(home.db_path, fsync=fsync)
+        self.db = open_db(home.db_path, background_checkpoints=True, wal_max_bytes=storage.wal_max_bytes,
+                          on_write=self._wrote)
         self.started_at = time.monotonic()
         self.trust = TrustStore(self.db)
-        self.audit = AuditLog(self.db)
+        self.audit = AuditLog(self.db, flush_ms=storage.audit_flush_ms, batch_rows=storage.audit_batch_rows,
+                              coalesce_s=storage.audit_coalesce_s, max_rows=storage.audit_max_rows)
         executor_store = ExecutorStore(self.db)
         mail_store = MailStore(self.db)
         self.mailbox = Mailbox(self.identity.peer_id, mail_store, self.trust, self.config.mail)
-        self.gate = Gate(self.identity.peer_id, self.trust, self.audit, queue=executor_store, mailbox=self.mailbox)
+        self.gate = Gate(self.identity.peer_id, self.trust, self.audit, queue=executor_store, mailbox=self.mailbox,
+                         refusals_per_minute=storage.refusals_per_minute)
         self.p2p = P2PNode(self.identity.seed, self.config.listen, allow_peer=self.gate.allow_connection)
         self.control = ControlServer(home.socket_path, self.config.max_frame_size)
         self.sessions = SessionPool(self.open_peer_stream, ids.SESSION, self.config.max_frame_size,
@@ -134,7 +143,7 @@ class Node:
                                      profile=self.config.profile, share_dir=self.config.share_dir,
                                      agent_runner=self.agents)
         self.submitter = TaskSubmitter(local_peer_id=self.identity.peer_id, outbox=Outbox(self.db), trust=self.trust,
-                                       sessions=self.sessions)
+                                       sessions=self.sessions, sync=self.wal.sync)
         self.messaging = Messaging(self.identity, MessageStore(self.db), self.trust, self.sessions,
                                    door=self.gate.admit_each,
                                    mail=MailSender(self.identity.peer_id, mail_store, self.trust, self.sessions,
@@ -245,7 +254,8 @@ class Node:
             async with anyio.create_task_group() as tg:
                 self._root = tg.cancel_scope
                 self._tg = tg
-                await tg.start(Checkpointer(self.home.db_path).run)
+                await tg.start(self.checkpointer.run)
+                await tg.start(self.audit.run)
                 await tg.start(self.p2p.run)
                 await tg.start(self.sessions.run)
                 await tg.start(self.mcp.run)  # before the executor requeues tasks that may call MCP tools
@@ -272,6 +282,11 @@ class Node:
                 await self.models.aclose()
             self.db.close()
             log.info("node stopped")
+
+    def _wrote(self) -> None:
+        """A statement that writes started on the node's connection (any thread)."""
+        self.checkpointer.wrote()
+        self.wal.wrote()
 
     def stop(self) -> None:
         if self._root is not None:
@@ -325,9 +340,23 @@ class Node:
 
     async def _door(self, call: Call, via: str = ids.SESSION) -> Message:
         """Every request of every peer: admitted (and audited) by the gate, then served.
-        `via`: how it came (a session; or a letter handed over by our mailbox, as its sender's)."""
+        `via`: how it came (a session; or a letter handed over by our mailbox, as its sender's).
+        An answer that promises durability (`Message.durable`: task.accepted, msg.receipt(s),
+        mail.receipt) leaves only once the WAL is synced, whether it ends the call or not."""
         self.gate.admit(call.peer_id, via, call.request)
-        return await self.services[type(call.request)](call)
+        reply = await self.services[type(call.request)](Call(call.peer_id, call.rid, call.request,
+                                                             self._durable_send(call)))
+        if reply.durable:
+            await self.wal.sync()
+        return reply
+
+    def _durable_send(self, call: Call) -> Callable[[int, tuple[Message, ...]], Awaitable[None]]:
+        async def send(rid: int, messages: tuple[Message, ...]) -> None:
+            if any(m.durable for m in messages):
+                await self.wal.sync()
+            await call.send(*messages)
+
+        return send
 
     async def _pong(self, call: Call) -> Message:
         assert isinstance(call.request, Ping)

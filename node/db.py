@@ -17,6 +17,9 @@ import logging
 import os
 import sqlite3
 import stat
+import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import anyio
@@ -84,13 +87,28 @@ def _private_db_file(path: Path) -> None:
         os.close(fd)
 
 
-def open_db(path: Path | str, *, background_checkpoints: bool = False) -> sqlite3.Connection:
+# What a reset WAL is cut back to (`PRAGMA journal_size_limit`), and the size past which the
+# checkpointer stops being polite (TRUNCATE instead of PASSIVE): [storage] wal_max_bytes.
+WAL_MAX_BYTES = 4 * 1024 * 1024
+# Statements that may write (what `on_write` hears of; an empty BEGIN ... COMMIT, as a housekeeping
+# loop runs every second, writes nothing and wakes nobody).
+_WRITES = ("INSERT", "UPDATE", "DELETE", "REPLACE", "CREATE", "DROP", "ALTER", "WITH")
+
+
+def open_db(path: Path | str, *, background_checkpoints: bool = False, wal_max_bytes: int = WAL_MAX_BYTES,
+            on_write: Callable[[], None] | None = None) -> sqlite3.Connection:
     """Open (creating if needed) a database tuned for a small always-on daemon.
     Every failure is a StorageError naming the file and the fix (see `storage_error`).
 
+    Commits are `synchronous=NORMAL`: durable across a crash of the process at once, and
+    across a power cut once the WAL is synced (at a checkpoint, or by `WalSync` before an
+    answer that promises durability). A reset WAL is cut back to `wal_max_bytes`.
+
     `background_checkpoints`: this connection never checkpoints the WAL itself (a
     checkpoint syncs the database file: a stall of milliseconds in the middle of some
-    request); the owner runs `Checkpointer` beside it instead."""
+    request); the owner runs `Checkpointer` beside it instead. `on_write`: called (on the
+    thread that runs it) as every statement that may write starts, so the checkpointer and
+    `WalSync` learn that there is something to do without polling."""
     path = Path(path)
     conn: sqlite3.Connection | None = None
     try:
@@ -98,7 +116,8 @@ def open_db(path: Path | str, *, background_checkpoints: bool = False) -> sqlite
         conn = sqlite3.connect(str(path), timeout=10.0, isolation_level=None, check_same_thread=False)
         conn.row_factory = sqlite3.Row
         conn.execute("PRAGMA journal_mode=WAL")  # reads the header: a file that is no database fails here
-        conn.execute("PRAGMA synchronous=NORMAL")  # durable across process crashes; WAL fsyncs at checkpoint
+        conn.execute("PRAGMA synchronous=NORMAL")  # the WAL is synced at checkpoints and by WalSync
+        conn.execute(f"PRAGMA journal_size_limit={int(wal_max_bytes)}")
         if background_checkpoints:
             conn.execute("PRAGMA wal_autocheckpoint=0")
         conn.execute("PRAGMA foreign_keys=ON")
@@ -108,6 +127,12 @@ def open_db(path: Path | str, *, background_checkpoints: bool = False) -> sqlite
         if conn is not None:
             conn.close()
         raise storage_error(exc, path) from None
+    if on_write is not None:
+        def trace(sql: str) -> None:
+            if sql.lstrip()[:7].upper().startswith(_WRITES):
+                on_write()
+
+        conn.set_trace_callback(trace)
     return conn
 
 
@@ -134,26 +159,147 @@ class transaction:
 
 
 class Checkpointer:
-    """Copies the WAL back into the database every `every_s` seconds, on a thread of its own
-    with its own connection (PASSIVE: it never blocks the daemon's readers or writer), so
-    the daemon's connection can run with `wal_autocheckpoint=0` and never stall on it."""
+    """Copies the WAL back into the database after writes, on a thread of its own with its
+    own connection, so the daemon's connection can run with `wal_autocheckpoint=0` and never
+    stall on it.
 
-    def __init__(self, path: Path, every_s: float = 2.0) -> None:
+    Driven by writes, not a clock: `wrote()` (the daemon's `open_db(on_write=...)`) wakes it;
+    an idle node's thread sleeps on an event and never wakes up. Once woken it waits until
+    `settle_s` pass without a write (at most `max_defer_s` under a sustained load, and no
+    longer once the WAL is past `wal_max_bytes`), then checkpoints PASSIVE (never blocks the daemon's readers or writer). A PASSIVE checkpoint
+    under continuous commits never catches up, so the WAL would never restart and only
+    grow: past `wal_max_bytes` it checkpoints TRUNCATE instead (waits, up to `busy_s`, for
+    the writer between two transactions, copies everything back and cuts the WAL to zero
+    bytes; the daemon's writer waits meanwhile, a few ms per MiB)."""
+
+    def __init__(self, path: Path, *, settle_s: float = 1.0, max_defer_s: float = 5.0,
+                 wal_max_bytes: int = WAL_MAX_BYTES, busy_s: float = 2.0) -> None:
         self.path = path
-        self.every_s = every_s
+        self.settle_s = settle_s
+        self.max_defer_s = max_defer_s
+        self.wal_max_bytes = wal_max_bytes
+        self.busy_s = busy_s
+        self.checkpoints = 0  # how many ran (tests and `status` read it)
+        self._wrote = threading.Event()
+        self._stop = threading.Event()
+        self._checkpointed: tuple[int, int] | None = None  # the WAL's (size, mtime) after the last checkpoint
+
+    def wrote(self) -> None:
+        """Something was written (any thread): a checkpoint is due once the writes settle."""
+        self._wrote.set()
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        self._stop.clear()
+        thread = threading.Thread(target=self._loop, name="psymesh-checkpoint", daemon=True)
+        thread.start()
         task_status.started()
+        try:
+            await anyio.sleep_forever()
+        finally:
+            self._stop.set()
+            self._wrote.set()
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(thread.join)
+
+    def _loop(self) -> None:
         while True:
-            await anyio.sleep(self.every_s)
+            self._wrote.wait()
+            if self._stop.is_set():
+                return
+            give_up = time.monotonic() + self.max_defer_s
+            while True:  # wait for the writes to settle
+                self._wrote.clear()
+                if self._stop.wait(self.settle_s):
+                    return
+                if not self._wrote.is_set() or time.monotonic() >= give_up or self.wal_bytes() > self.wal_max_bytes:
+                    break
             try:
-                await anyio.to_thread.run_sync(self._checkpoint)
+                if self._wal_state() != self._checkpointed and self.checkpoint():  # else: nothing was written
+                    self._checkpointed = self._wal_state()
             except (sqlite3.Error, OSError) as exc:  # a full disk, say: the WAL grows; the node keeps serving
                 log.warning("WAL checkpoint failed: %s", storage_error(exc, self.path).message)
 
-    def _checkpoint(self) -> None:
-        conn = sqlite3.connect(str(self.path), timeout=1.0, isolation_level=None)
+    def _wal_state(self) -> tuple[int, int]:
         try:
-            conn.execute("PRAGMA wal_checkpoint(PASSIVE)")
+            st = os.stat(f"{self.path}-wal")
+        except FileNotFoundError:
+            return (0, 0)
+        return (st.st_size, st.st_mtime_ns)
+
+    def wal_bytes(self) -> int:
+        try:
+            return os.stat(f"{self.path}-wal").st_size
+        except FileNotFoundError:
+            return 0
+
+    def checkpoint(self) -> bool:
+        """One checkpoint now: PASSIVE, or TRUNCATE when the WAL is past `wal_max_bytes`.
+        Returns whether it copied the whole WAL back (else it runs again after the next settle)."""
+        conn = sqlite3.connect(str(self.path), timeout=self.busy_s, isolation_level=None)
+        try:
+            conn.execute(f"PRAGMA journal_size_limit={int(self.wal_max_bytes)}")
+            mode = "TRUNCATE" if self.wal_bytes() > self.wal_max_bytes else "PASSIVE"
+            busy, frames, copied = conn.execute(f"PRAGMA wal_checkpoint({mode})").fetchone()
+            self.checkpoints += 1
         finally:
             conn.close()
+        done = not busy and copied >= frames
+        if not done:
+            log.debug("WAL checkpoint (%s) did not finish (%d of %d frames); again after the next settle",
+                      mode, copied, frames)
+            self._wrote.set()
+        return done
+
+
+class WalSync:
+    """Group commit for answers that promise durability (`Message.durable`): `await sync()`
+    returns once every transaction committed before the call is on disk (the WAL file
+    fsynced: what `synchronous=FULL` does at each commit), so a power cut cannot roll back
+    what the answer acknowledged.
+
+    One fsync serves every caller that arrived before it started: while one runs, later
+    callers wait for it and share the next, so a burst of N answers pays about two syncs,
+    not N. A sync with nothing written since the last is skipped (`wrote()`, from
+    `open_db(on_write=...)`, counts writes). The fsync runs on a worker thread: the event
+    loop serves other requests meanwhile. `fsync` is the seam a test uses to trace the
+    syncs (or to model a power cut that keeps only what was synced)."""
+
+    def __init__(self, path: Path, *, fsync: Callable[[int], None] = os.fsync) -> None:
+        self.path = Path(path)
+        self.fsync = fsync
+        self.syncs = 0  # fsyncs done (benches and tests read it)
+        self._written = 0  # writes seen (a counter only ever compared, never reset)
+        self._synced = 0  # writes known to be on disk
+        self._running: anyio.Event | None = None
+
+    def wrote(self) -> None:
+        self._written += 1
+
+    async def sync(self) -> None:
+        target = self._written
+        while self._synced < target:
+            if self._running is not None:
+                await self._running.wait()  # it may have started before our commit: loop, maybe sync again
+                continue
+            self._running = done = anyio.Event()
+            covers = self._written
+            try:
+                with anyio.CancelScope(shield=True):  # the answer waits; a cancel must not leave waiters hanging
+                    await anyio.to_thread.run_sync(self._fsync_wal)
+            finally:
+                self._running = None
+                done.set()
+            self._synced = max(self._synced, covers)
+
+    def _fsync_wal(self) -> None:
+        try:
+            fd = os.open(f"{self.path}-wal", os.O_RDONLY)
+        except FileNotFoundError:
+            return  # no WAL: everything is in the database file, which checkpoints sync
+        try:
+            self.fsync(fd)
+            self.syncs += 1
+        except OSError as exc:
+            raise storage_error(exc, self.path) from None
+        finally:
+            os.close(fd)

@@ -12,8 +12,12 @@
        deposits of mail: the recipient named this node its mailbox, and the sender's
        share of it has room                                    forbidden / too_large / busy
 
-The first failure wins; nothing runs for a denied request. Every decision, allowed or
-denied, is exactly one row in the audit log. The remote peer id comes from the Noise
+The first failure wins; nothing runs for a denied request. A refusal is charged to the
+peer's refusal budget (`refusals_per_minute`, a rate of its own beside the grant's, so
+refusals never spend what the peer may do); past it the refusal is `rate_limited`
+(retry_after), counted into one audit row a window (operation `*`). Every decision,
+allowed or denied, is in the audit log: one row each when allowed, identical refusals
+counted into one row a window (node/audit.py). The remote peer id comes from the Noise
 session (libp2p), never from the request. Like syncthing's connection checks, the order
 is fixed and the list lives here only: the daemon calls `admit()` from one place (its
 session door), `admit_each()` for the letters of a batch the door let in (each as the
@@ -31,7 +35,6 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from psymesh.node.audit import AuditLog
-from psymesh.node.db import transaction
 from psymesh.node.logs import fields
 from psymesh.node.trust import Peer, TrustStore
 from psymesh.protocol import ids
@@ -58,6 +61,7 @@ from psymesh.protocol.tasks import TaskSpec, TaskSubmit
 
 log = logging.getLogger("psymesh.gate")
 RECHECK = "task.start"  # the audit row of a queued task re-checked as it starts (not a wire request)
+OVER_BUDGET = "*"  # the operation of the audit row counting a peer's refusals past its refusal budget
 
 
 class QueueGauge(Protocol):
@@ -86,7 +90,8 @@ class QueueLimits:
 class Gate:
     def __init__(self, local_peer_id: str, trust: TrustStore, audit: AuditLog, *,
                  queue: QueueGauge | None = None, queue_limits: QueueLimits | None = None,
-                 mailbox: MailDesk | None = None, clock: Callable[[], float] = time.time) -> None:
+                 mailbox: MailDesk | None = None, clock: Callable[[], float] = time.time,
+                 refusals_per_minute: int = 120) -> None:
         self.local_peer_id = local_peer_id
         self.trust = trust
         self.audit = audit
@@ -95,6 +100,8 @@ class Gate:
         self.mailbox = mailbox
         self.clock = clock
         self.rate = RateLimiter()
+        self.refusals = RateLimiter()  # each peer's refusal budget, apart from its grant's rate
+        self.refusals_per_minute = refusals_per_minute
 
     # -- requests ------------------------------------------------------------------
     def admit(self, peer_id: str, service: str, request: Message) -> Decision:
@@ -105,17 +112,16 @@ class Gate:
         """The items of a batch the door already let in (`msg.send_many`: each letter as its
         `msg.send`), each decided exactly as if it had come alone: same checks, one unit
         charged, one audit row. Returns, per item, None (allowed) or why it was refused;
-        one refusal does not refuse the rest. The rows are written in one transaction."""
+        one refusal does not refuse the rest. The rows go in the audit log's next batch."""
         now = self.clock()
         out: list[PsymeshError | None] = []
-        with transaction(self.audit.conn):
-            for request in requests:
-                try:
-                    self._admit_one(peer_id, service, request, now)
-                except PsymeshError as exc:
-                    out.append(exc)
-                    continue
-                out.append(None)
+        for request in requests:
+            try:
+                self._admit_one(peer_id, service, request, now)
+            except PsymeshError as exc:
+                out.append(exc)
+                continue
+            out.append(None)
         return out
 
     def _admit_one(self, peer_id: str, service: str, request: Message, now: float) -> Decision:
@@ -125,8 +131,7 @@ class Gate:
         try:
             decision = self._decide(peer_id, request, operation, now)
         except PsymeshError as exc:
-            self._record(peer_id, service, what, exc, now)
-            raise
+            raise self._refuse(peer_id, service, what, exc, now) from None
         self.audit.record(peer_id, service, what, True, now=now)
         return decision
 
@@ -247,8 +252,7 @@ class Gate:
             return
         state = "is not paired with this node" if peer is None else "may not open this protocol"
         exc = PsymeshError(f"peer {peer_id} {state}; pair first (psymesh pair join)", code=ErrorCode.UNKNOWN_PEER)
-        self._record(peer_id, protocol, HOLE_PUNCH if protocol == DCUTR else protocol, exc, self.clock())
-        raise exc
+        raise self._refuse(peer_id, protocol, HOLE_PUNCH if protocol == DCUTR else protocol, exc, self.clock())
 
     def admit_relay(self, peer_id: str, what: str) -> None:
         """May `peer_id` have `what` (protocol/relay.py RESERVE or CONNECT) of this node as a
@@ -260,13 +264,28 @@ class Gate:
             check(grant, Operation(name="relay"), local_peer_id=self.local_peer_id, remote_peer_id=peer_id,
                   now=now).raise_if_denied()
         except PsymeshError as exc:
-            self._record(peer_id, HOP, what, exc, now)
-            raise
+            raise self._refuse(peer_id, HOP, what, exc, now) from None
         self.audit.record(peer_id, HOP, what, True, now=now)
 
+    def _refuse(self, peer_id: str, service: str, what: str, exc: PsymeshError, now: float) -> PsymeshError:
+        """A peer's request refused: charged to its refusal budget, audited; the error to send.
+        Past the budget the refusal says `rate_limited` (when to ask again), and all such
+        refusals of the window share one audit row whatever they asked (operation `*`), so
+        varying the request buys no more rows."""
+        wait = self.refusals.acquire(peer_id, now, per_minute=self.refusals_per_minute)
+        if wait is not None:
+            exc = PsymeshError(f"over {self.refusals_per_minute} refused requests per minute; retry in {wait:.1f} s",
+                               code=ErrorCode.RATE_LIMITED, retry_after=wait)
+            if self.audit.record(peer_id, service, OVER_BUDGET, False, exc.code.value, exc.message, now=now):
+                log.info("refusing %s's requests for %.1f s: over its refusal budget", peer_id, wait,
+                         extra=fields(code=exc.code.value))
+            return exc
+        self._record(peer_id, service, what, exc, now)
+        return exc
+
     def _record(self, peer_id: str, service: str, what: str, exc: PsymeshError, now: float) -> None:
-        self.audit.record(peer_id, service, what, False, exc.code.value, exc.message, now=now)
-        log.info("denied %s to %s: %s", what, peer_id, exc.message, extra=fields(code=exc.code.value))
+        if self.audit.record(peer_id, service, what, False, exc.code.value, exc.message, now=now):
+            log.info("denied %s to %s: %s", what, peer_id, exc.message, extra=fields(code=exc.code.value))
 
 
 def _grant_of(peer: Peer) -> Manifest:

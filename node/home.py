@@ -196,6 +196,27 @@ class ModelsSettings(BaseModel):
 
 
 PROFILE_KEEP_ALIVE_S: dict[str, float] = {"home": 300.0, "phone": 60.0}
+class StorageSettings(BaseModel):
+    """config.toml `[storage]`: what the node's database may take on disk, and how the audit
+    log is written (docs/security.md, "Resource budget")."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    # the WAL (node.db-wal): past this a checkpoint truncates it, and a reset WAL is cut back to it
+    wal_max_bytes: int = Field(default=4 * 1024 * 1024, ge=64 * 1024, le=1024 ** 3)
+    # a checkpoint runs once writes pause this long (at most checkpoint_max_defer_s after the first)
+    checkpoint_settle_s: float = Field(default=1.0, ge=0.01, le=600.0)
+    checkpoint_max_defer_s: float = Field(default=5.0, ge=0.01, le=3600.0)
+    # audit rows are written in batches: at most this long after their decision, or once this many wait
+    audit_flush_ms: int = Field(default=200, ge=1, le=60_000)
+    audit_batch_rows: int = Field(default=256, ge=1, le=100_000)
+    # identical refusals (peer, service, operation, code) within this window are one row with a count
+    audit_coalesce_s: float = Field(default=60.0, ge=0.0, le=86_400.0)
+    # oldest audit rows beyond this many are deleted
+    audit_max_rows: int = Field(default=200_000, ge=1000, le=100_000_000)
+    # refusals one peer may cost per minute (a separate budget from its grant's rate, so refusals
+    # never lock it out of what it may do); past it a refusal is `rate_limited` and one audit row a window
+    refusals_per_minute: int = Field(default=120, ge=1, le=1_000_000)
 
 
 class NodeConfig(BaseModel):
@@ -242,6 +263,8 @@ class NodeConfig(BaseModel):
     web: WebSettings = Field(default_factory=WebSettings)
     # [models]: model runners' keep-alive and memory cap (ModelsSettings).
     models: ModelsSettings = Field(default_factory=ModelsSettings)
+    # [storage]: the database's WAL and checkpoints, the audit log's batches and refusal budget.
+    storage: StorageSettings = Field(default_factory=StorageSettings)
 
 
 @dataclass(frozen=True)

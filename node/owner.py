@@ -77,7 +77,18 @@ class Owner:
             c.ModelsPsRequest: self._models_ps,
         }
         for request_type, handler in routes.items():
-            control.route(request_type, handler)
+            control.route(request_type, self._durable(handler))
+
+    def _durable(self, handler: Handler) -> Handler:
+        """An answer that promises durability (`Message.durable`: the outbox row queued, the
+        letter written) leaves only once the WAL is synced."""
+        async def answer(req: Message, framed: FramedStream) -> Message | None:
+            reply = await handler(req, framed)
+            if reply is not None and reply.durable:
+                await self.node.wal.sync()
+            return reply
+
+        return answer
 
     async def _models_ps(self, req: c.ModelsPsRequest, _: FramedStream) -> c.ModelsPsReply:
         running = {s.name: s for s in self.node.models.ps()}

@@ -86,8 +86,12 @@ class TaskSubmitter:
     #: the next task (it costs the executor a request, a door decision and an audit row).
     ACK_DELAY_S = 0.05
 
-    def __init__(self, *, local_peer_id: str, outbox: Outbox, trust: TrustStore, sessions: SessionPool) -> None:
+    def __init__(self, *, local_peer_id: str, outbox: Outbox, trust: TrustStore, sessions: SessionPool,
+                 sync: Callable[[], Awaitable[None]] | None = None) -> None:
+        """`sync`: returns once what is committed is on disk (node/db.py WalSync); a task.ack
+        promises the executor that the events it covers are, so it waits for this first."""
         self.local_peer_id = local_peer_id
+        self.sync = sync
         self.outbox = outbox
         self.trust = trust
         self.sessions = sessions
@@ -277,6 +281,8 @@ class TaskSubmitter:
         try:
             await anyio.sleep(self.ACK_DELAY_S)
             del self._acks[target]  # later acks start the next batch
+            if self.sync is not None:
+                await self.sync()  # the events acknowledged are on disk before the executor may forget them
             async with self.sessions.stream(target, TaskAcks(acks=batch.acks)) as replies:
                 async for message in replies:
                     batch.reply = message

@@ -291,6 +291,7 @@ class AuditRow(View):
     allowed: bool
     code: str | None = None  # the ErrorCode of a refusal
     reason: str = ""
+    count: int = 1  # identical refusals within the audit window, counted into this row
 
 
 class AuditReply(Message):
@@ -312,6 +313,7 @@ class TaskSubmitRequest(Message):
 
 class TaskSubmitted(Message):
     type = "control.task_submitted"
+    durable = True  # the outbox row is synced to disk before this is sent
     task_id: str
     target: str
     target_name: str
@@ -522,6 +524,7 @@ class MsgSendRequest(Message):
 
 class MsgSentReply(Message):
     type = "control.msg_sent"
+    durable = True
     letter: SentLetter
 
 
@@ -647,6 +650,7 @@ class GroupSendRequest(Message):
 
 class GroupSentReply(Message):
     type = "control.group_sent"
+    durable = True
     group: str
     letters: list[SentLetter] = Field(default_factory=list)
 

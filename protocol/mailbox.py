@@ -175,6 +175,7 @@ class MailDeposit(Message):
 
 class MailReceipt(Message):
     type = "mail.receipt"
+    durable = True  # the deposit is on disk before this is sent
     ref: bytes
 
 

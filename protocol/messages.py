@@ -27,6 +27,9 @@ class Message(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="ignore", strict=False)
     type: ClassVar[str] = ""
+    # An answer that promises what it acknowledges is on disk (task.accepted, msg.receipt, ...):
+    # the node sends it only after the transaction behind it is synced (node/db.py WalSync).
+    durable: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

@@ -155,6 +155,7 @@ class ReceiptStatus(StrEnum):
 
 class MsgReceipt(Message):
     type = "msg.receipt"
+    durable = True  # `stored`: on disk before this is sent
     id: LetterId
     status: ReceiptStatus = ReceiptStatus.STORED
 
@@ -190,6 +191,7 @@ class LetterResult(BaseModel):
 
 class MsgReceipts(Message):
     type = "msg.receipts"
+    durable = True
     results: list[LetterResult] = Field(max_length=MAX_BATCH)
 
 

@@ -436,6 +436,7 @@ class TaskAccepted(Message):
     """The executor holds the task durably. `created` is False for a resubmit."""
 
     type = "task.accepted"
+    durable = True  # the task is on disk before this is sent
     status: TaskStatus
     created: bool
 

@@ -11,7 +11,7 @@ def anyio_backend() -> str:
 
 
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import anyio
@@ -19,9 +19,11 @@ import anyio
 
 @contextlib.asynccontextmanager
 async def run_nodes(tmp_path: Path, *names: str, profiles: dict[str, str] | None = None,
-                    configs: dict[str, dict] | None = None) -> AsyncIterator[dict]:
+                    configs: dict[str, dict] | None = None,
+                    fsyncs: dict[str, Callable[[int], None]] | None = None) -> AsyncIterator[dict]:
     """Run in-process daemons (one per name) under one task group; cancel them all on exit.
-    `configs[name]`: config.toml fields to set on that node (as NodeConfig values)."""
+    `configs[name]`: config.toml fields to set on that node (as NodeConfig values);
+    `fsyncs[name]`: how that node syncs its WAL before a durable answer (default os.fsync)."""
     from psymesh.node.daemon import Node
     from psymesh.node.home import NodeHome
 
@@ -33,7 +35,7 @@ async def run_nodes(tmp_path: Path, *names: str, profiles: dict[str, str] | None
             home.init(profile=profiles.get(name, "home"), name=name)  # type: ignore[arg-type]
             update = {"listen": ["/ip4/127.0.0.1/tcp/0"], **(configs or {}).get(name, {})}
             config = home.load_config().model_copy(update=update)
-            node = Node(home, config)
+            node = Node(home, config, **({"fsync": fsyncs[name]} if fsyncs and name in fsyncs else {}))
             await tg.start(node.run)
             nodes[name] = node
         try:
