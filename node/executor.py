@@ -58,6 +58,7 @@ from psymesh.protocol.tasks import (
 )
 
 log = logging.getLogger("psymesh.tasks")
+PURGE_EVERY_S = 3600.0  # finished tasks (fetched, or past retention) are forgotten this often
 
 
 class Emit(Protocol):
@@ -109,6 +110,7 @@ class TaskExecutor:
         self.agent_runner = agent_runner
         self._inputs: dict[str, _Answer] = {}
         self._changed = Notifier()
+        self._deadlines = anyio.Event()  # set when a task with a deadline is accepted
         self._running: dict[str, tuple[anyio.CancelScope, ToolContext]] = {}
         self._send, self._receive = anyio.create_memory_object_stream[str](math.inf)
 
@@ -126,21 +128,30 @@ class TaskExecutor:
             task_status.started()
 
     async def _housekeeping(self) -> None:
-        """Fail queued tasks whose deadline passed (every second); forget old finished ones (every minute)."""
-        last_purge = 0.0
+        """Fail unfinished tasks whose deadline passed, at that deadline; forget old finished
+        ones every PURGE_EVERY_S. Asleep in between: an idle node has no timer here but the
+        purge's (a new task with an earlier deadline wakes it, `_deadlines`)."""
+        next_purge = 0.0
         while True:
-            await anyio.sleep(1.0)
-            for rec in self.store.expire(time.time()):
+            now = time.time()
+            for rec in self.store.expire(now):
                 self._changed.notify(rec.id)
-            if time.monotonic() - last_purge >= 60:
-                self.store.purge(time.time(), self.limits.retention_s)
-                last_purge = time.monotonic()
+            if now >= next_purge:
+                self.store.purge(now, self.limits.retention_s)
+                next_purge = now + PURGE_EVERY_S
+            deadline = self.store.next_deadline()
+            wake_at = next_purge if deadline is None else min(next_purge, deadline)
+            with anyio.move_on_after(max(0.0, wake_at - time.time())):
+                await self._deadlines.wait()
+            self._deadlines = anyio.Event()
 
     # -- requests (already admitted by the gate) -------------------------------------------
     async def handle(self, call: Call) -> Message:
         request, peer_id = call.request, call.peer_id
         if isinstance(request, TaskSubmit):
             record, created = self.store.submit(request.spec, peer_id)  # durable before the answer
+            if created and record.deadline is not None:
+                self._deadlines.set()
             accepted = TaskAccepted(status=record.status(), created=created)
             if created:
                 log.info("accepted %s task %s from %s", request.spec.kind.value, request.spec.id, peer_id,

@@ -1,4 +1,4 @@
-"""Wake whoever waits on a key (a task id): attached followers, local watchers."""
+"""Wake whoever waits on a key (a task id): attached followers, local watchers; `first_of` events."""
 from __future__ import annotations
 
 import anyio
@@ -41,3 +41,16 @@ class Notifier:
 
     def __len__(self) -> int:
         return len(self._waiting)
+
+
+async def first_of(*events: anyio.Event) -> None:
+    """Return as soon as any of `events` is set (wrap in `move_on_after` for a timeout)."""
+    if any(event.is_set() for event in events):
+        return
+    async with anyio.create_task_group() as tg:
+        async def wait(event: anyio.Event) -> None:
+            await event.wait()
+            tg.cancel_scope.cancel()
+
+        for event in events:
+            tg.start_soon(wait, event)
