@@ -156,7 +156,9 @@ states between peers' messages):
    manager's recovery timer (30 s, `run_periodic_recovery`) runs only once something was
    degraded (`_QuietRecovery`). Keeping a NAT
    binding or noticing a dead peer is not their job: liveness (node/liveness.py) pings
-   only while requests wait on a session. P2PNode's `changes()` (the swarm's notifee) wakes
+   only while requests wait on a session. Ours also looked again every `connection_s`
+   (60 s) whether a paired peer's inbound connection was still paired, for its life: now
+   only an unpaired one has that timer. P2PNode's `changes()` (the swarm's notifee) wakes
    what follows connections and addresses, instead of a 1 s poll.
 
 Hole punching (DCUtR, `enable_hole_punch()`, config `[relay] hole_punch`): likewise libp2p's
@@ -226,7 +228,7 @@ from libp2p.security.noise.transport import Transport as NoiseTransport
 from libp2p.stream_muxer.muxer_multistream import MuxerMultistream
 from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
 from libp2p.stream_muxer.yamux.yamux import (
-    _STALE_STREAM_SWEEP_INTERVAL,
+    _STALE_STREAM_GRACE_SECONDS,
     FLAG_SYN,
     TYPE_PING,
     YAMUX_HEADER_FORMAT,
@@ -1327,14 +1329,34 @@ class _BoundedYamux(Yamux):
             return
 
     async def _stale_stream_sweeper(self) -> None:
-        """(25) libp2p's sweep, run only while a closed stream may wait to be reclaimed."""
+        """(25) libp2p's sweep, run when a closed stream's entry can be reclaimed (at once
+        if it holds no unread data, else when its grace ends); asleep on a stream's close
+        otherwise. Upstream's runs every 30 s, for the connection's life."""
         while not self.event_shutting_down.is_set():
-            if not any(stream.closed for stream in self.streams.values()):
+            due = self._sweep_due()
+            if due is None:
                 await self._stream_closed().wait()
                 self.__dict__.pop("_psymesh_closed", None)
-            await trio.sleep(_STALE_STREAM_SWEEP_INTERVAL)
+                continue
+            await trio.sleep(max(1.0, due - trio.current_time()))
             async with self.streams_lock:
-                self._sweep_stale_streams()
+                stuck = not self._sweep_stale_streams() and self._sweep_due() == due
+            if stuck:  # nothing came of it (a stream upstream never reclaims): until the next close
+                await self._stream_closed().wait()
+                self.__dict__.pop("_psymesh_closed", None)
+
+    def _sweep_due(self) -> float | None:
+        """When `_sweep_stale_streams` would reclaim a stream next (None: never, as things are)."""
+        due: float | None = None
+        for sid, stream in self.streams.items():
+            if not stream.closed:
+                continue
+            if not self.stream_buffers.get(sid):
+                return trio.current_time()
+            if stream._closed_at != 0.0:
+                at = stream._closed_at + _STALE_STREAM_GRACE_SECONDS
+                due = at if due is None else min(due, at)
+        return due
 
 
 class _NegotiationFailed(Exception):
@@ -1386,7 +1408,7 @@ class _Swarm(Swarm):
         """Until the connection closes (4); an unpaired one is closed after `connection_s`
         (17): a pairing run takes seconds, and a stranger must not camp on the few slots."""
         muxer, peer = _muxer_of(muxed_conn), str(muxed_conn.peer_id)
-        while not muxer.event_closed.is_set():
+        if not self.admission.paired(peer):
             with anyio.move_on_after(self.admission.limits.connection_s):
                 await muxer.event_closed.wait()
             if not muxer.event_closed.is_set() and not self.admission.paired(peer):
@@ -1396,6 +1418,8 @@ class _Swarm(Swarm):
                         await _close_quietly(conn)
                 await _close_quietly(muxed_conn)
                 return
+        # (25) paired: no timer for the connection's life (a revocation closes it: `disconnect`)
+        await muxer.event_closed.wait()
 
     def prepare_dial(self, peer_id: ID, *, new_address: bool = False) -> None:
         """Before a dial someone asked for: forget a recent failure to reach the peer (8),
