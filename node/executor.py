@@ -98,7 +98,7 @@ class TaskExecutor:
 
     def __init__(self, *, store: ExecutorStore, gate: Gate, trust: TrustStore, tools: ToolRegistry,
                  models: ModelPool, profile: str, share_dir: str | None, limits: ExecutorLimits | None = None,
-                 agent_runner: AgentRunner | None = None) -> None:
+                 agent_runner: AgentRunner | None = None, wake: WakeLock | None = None) -> None:
         self.store = store
         self.gate = gate
         self.trust = trust
@@ -108,6 +108,7 @@ class TaskExecutor:
         self.share_dir = share_dir
         self.limits = limits or ExecutorLimits()
         self.agent_runner = agent_runner
+        self.wake = wake or WakeLock(None)  # held while a task runs (a phone's CPU stays up for it)
         self._inputs: dict[str, _Answer] = {}
         self._changed = Notifier()
         self._deadlines = anyio.Event()  # set when a task with a deadline is accepted
@@ -233,7 +234,8 @@ class TaskExecutor:
     async def _worker(self) -> None:
         async for task_id in self._receive:
             try:
-                await self._execute(task_id)
+                with self.wake.held():
+                    await self._execute(task_id)
             except Exception:  # a bug in one task must not stop the worker
                 log.exception("task %s crashed its worker", task_id)
                 self._fail(task_id, ErrorCode.INTERNAL, "the executor failed; see its log")

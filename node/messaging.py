@@ -29,6 +29,7 @@ from psymesh.node.msgstore import MessageStore, OutState, Received, Sent
 from psymesh.node.notify import Notifier
 from psymesh.node.session import Call, SessionPool
 from psymesh.node.trust import TrustStore
+from psymesh.node.wakelock import WakeLock
 from psymesh.protocol import ids
 from psymesh.protocol.errors import ErrorCode, NetworkError, ProtocolError, PsymeshError, RemoteError
 from psymesh.protocol.messages import Message
@@ -71,8 +72,10 @@ class MailDrop(Protocol):
 
 class Messaging:
     def __init__(self, identity: Identity, store: MessageStore, trust: TrustStore, sessions: SessionPool,
-                 door: LetterDoor, mail: MailDrop | None = None, grace_s: float = 5.0) -> None:
+                 door: LetterDoor, mail: MailDrop | None = None, grace_s: float = 5.0,
+                 wake: WakeLock | None = None) -> None:
         self.identity = identity
+        self.wake = wake or WakeLock(None)  # held while letters wait to be delivered
         self.door = door
         self.store = store
         self.trust = trust
@@ -124,22 +127,24 @@ class Messaging:
         self._tg.start_soon(self._courier, recipient)
 
     async def _courier(self, recipient: str) -> None:
-        """Deliver `recipient`'s pending letters, WINDOW at a time in batches, until none is left."""
+        """Deliver `recipient`'s pending letters, WINDOW at a time in batches, until none is left
+        (the wake lock held meanwhile: a phone's CPU stays up while letters wait to leave)."""
         backoff = 0.0
         try:
-            while True:
-                pending = self.store.pending(recipient, limit=WINDOW)
-                if not pending:
-                    return
-                retry_after: list[float] = []
-                async with anyio.create_task_group() as tg:
-                    for batch in _batches(pending):
-                        tg.start_soon(self._deliver, recipient, batch, retry_after)
-                if any(retry_after):  # the recipient is away or busy: wait (new letters wait too)
-                    backoff = min(RETRY_MAX_S, max(RETRY_MIN_S, backoff * 2, max(retry_after)))
-                    await anyio.sleep(backoff)
-                elif not retry_after:
-                    backoff = 0.0
+            with self.wake.held():
+                while True:
+                    pending = self.store.pending(recipient, limit=WINDOW)
+                    if not pending:
+                        return
+                    retry_after: list[float] = []
+                    async with anyio.create_task_group() as tg:
+                        for batch in _batches(pending):
+                            tg.start_soon(self._deliver, recipient, batch, retry_after)
+                    if any(retry_after):  # the recipient is away or busy: wait (new letters wait too)
+                        backoff = min(RETRY_MAX_S, max(RETRY_MIN_S, backoff * 2, max(retry_after)))
+                        await anyio.sleep(backoff)
+                    elif not retry_after:
+                        backoff = 0.0
         finally:
             self._couriers.discard(recipient)  # (no await since the last read: no letter is missed)
             self._away.pop(recipient, None)
