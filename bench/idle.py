@@ -4,7 +4,9 @@ Two real daemons (home, phone: `--profile phone`), paired, the phone's session t
 open (one ping), mDNS off, then `--seconds` (60) of nothing. For each process, read from
 /proc over the window:
 
-- CPU ms: utime + stime of the whole process (every thread, living or gone).
+- CPU ms: the scheduler's run time of each thread (/proc/PID/task/TID/schedstat, in ns;
+  a thread that starts during the window counts from zero), and, beside it, utime + stime
+  of the whole process (every thread, living or gone; in clock ticks of 10 ms).
 - wakeups: voluntary + involuntary context switches summed over its threads (a thread
   that starts during the window counts from zero; one that ends during it is lost).
 - RSS MB at the end.
@@ -32,7 +34,8 @@ CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 @dataclass(frozen=True)
 class Sample:
-    cpu_ms: float
+    cpu_ms: float             # utime + stime, all threads (10 ms ticks)
+    run_ns: dict[int, int]    # tid -> time on a CPU (schedstat)
     switches: dict[int, int]  # tid -> voluntary + involuntary context switches
     rss_mb: float
 
@@ -41,9 +44,11 @@ def sample(pid: int) -> Sample:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     cpu_ms = (int(fields[11]) + int(fields[12])) * 1000 / CLK_TCK  # utime, stime (all threads)
     switches: dict[int, int] = {}
+    run_ns: dict[int, int] = {}
     for task in Path(f"/proc/{pid}/task").iterdir():
         try:
             status = (task / "status").read_text()
+            run_ns[int(task.name)] = int((task / "schedstat").read_text().split()[0])
         except FileNotFoundError:  # the thread ended while we read
             continue
         n = 0
@@ -53,12 +58,13 @@ def sample(pid: int) -> Sample:
         switches[int(task.name)] = n
     rss_kb = next(int(line.split()[1]) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
                   if line.startswith("VmRSS"))
-    return Sample(cpu_ms, switches, rss_kb / 1024)
+    return Sample(cpu_ms, run_ns, switches, rss_kb / 1024)
 
 
 @dataclass(frozen=True)
 class Idle:
-    cpu_ms: float
+    cpu_ms: float    # schedstat, all threads
+    tick_ms: float   # utime + stime (10 ms resolution)
     wakeups: int
     threads: int
     rss_mb: float
@@ -66,7 +72,8 @@ class Idle:
 
 def over(before: Sample, after: Sample) -> Idle:
     wakeups = sum(n - before.switches.get(tid, 0) for tid, n in after.switches.items())
-    return Idle(after.cpu_ms - before.cpu_ms, wakeups, len(after.switches), after.rss_mb)
+    run_ns = sum(n - before.run_ns.get(tid, 0) for tid, n in after.run_ns.items())
+    return Idle(run_ns / 1e6, after.cpu_ms - before.cpu_ms, wakeups, len(after.switches), after.rss_mb)
 
 
 async def measure(pids: dict[str, int], seconds: float) -> dict[str, Idle]:
@@ -105,12 +112,12 @@ def main() -> None:
     got = anyio.run(bench, args.seconds, backend="trio")
     per_min = 60 / args.seconds
     print(f"idle for {args.seconds:.0f} s: a paired phone and home (session open, mDNS off), and a bare python\n")
-    print(f"{'process':<14}{'CPU ms/min':>12}{'wakeups/min':>13}{'threads':>9}{'RSS MB':>9}")
+    print(f"{'process':<14}{'CPU ms/min':>12}{'(ticks)':>9}{'wakeups/min':>13}{'threads':>9}{'RSS MB':>9}")
     for name, idle in got.items():
-        print(f"{name:<14}{idle.cpu_ms * per_min:>12.1f}{idle.wakeups * per_min:>13.1f}{idle.threads:>9}"
-              f"{idle.rss_mb:>9.1f}")
+        print(f"{name:<14}{idle.cpu_ms * per_min:>12.2f}{idle.tick_ms * per_min:>9.0f}{idle.wakeups * per_min:>13.1f}"
+              f"{idle.threads:>9}{idle.rss_mb:>9.1f}")
     phone, bare = got["phone"], got["bare python"]
-    print(f"\nphone beyond bare python: CPU {(phone.cpu_ms - bare.cpu_ms) * per_min:+.1f} ms/min, "
+    print(f"\nphone beyond bare python: CPU {(phone.cpu_ms - bare.cpu_ms) * per_min:+.2f} ms/min, "
           f"wakeups {(phone.wakeups - bare.wakeups) * per_min:+.1f}/min, RSS {phone.rss_mb - bare.rss_mb:+.1f} MB")
     print("targets (phone): <= 20 ms CPU a minute, <= 12 wakeups a minute, RSS <= 100 MB")
 
