@@ -22,6 +22,8 @@ bench: $(STAMP)
 	$(PY) bench/delegate.py
 	$(PY) bench/inference.py
 	$(PY) bench/messaging.py
+	$(PY) bench/durable.py
+	$(PY) bench/denied.py
 	$(PY) bench/web.py
 
 clean:

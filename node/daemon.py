@@ -42,7 +42,7 @@ from psymesh.node.answering import Answering
 from psymesh.node.apikey import load_api_key
 from psymesh.node.audit import AuditLog
 from psymesh.node.control import ControlServer
-from psymesh.node.db import Checkpointer, WalSync, open_db
+from psymesh.node.db import SYNC_FILE, Checkpointer, WalSync, open_db
 from psymesh.node.executor import TaskExecutor
 from psymesh.node.framed import FramedStream
 from psymesh.node.gate import Gate
@@ -99,7 +99,7 @@ class Node:
     REVOCATION_NOTICE_S = 2.0  # `psymesh revoke` waits at most this long for the peer to take the notice
 
     def __init__(self, home: NodeHome, config: NodeConfig | None = None, *,
-                 environ: Mapping[str, str] = os.environ, fsync: Callable[[int], None] = os.fsync,
+                 environ: Mapping[str, str] = os.environ, fsync: Callable[[int], None] = SYNC_FILE,
                  wake_commands: WakeCommands | None | Literal["termux"] = "termux") -> None:
         """`environ`: where the bridges' keys may come from ($PSYMESH_OPENAI_API_KEY, ...).
         `fsync`: how the WAL is synced before a durable answer (a test traces it).

@@ -93,6 +93,9 @@ WAL_MAX_BYTES = 4 * 1024 * 1024
 # Statements that may write (what `on_write` hears of; an empty BEGIN ... COMMIT, as a housekeeping
 # loop runs every second, writes nothing and wakes nobody).
 _WRITES = ("INSERT", "UPDATE", "DELETE", "REPLACE", "CREATE", "DROP", "ALTER", "WITH")
+# How WalSync puts the WAL on disk: the file's data and the size it grew to, not its mtime
+# (fdatasync, what SQLite itself uses on Linux); fsync where there is no fdatasync.
+SYNC_FILE: Callable[[int], None] = getattr(os, "fdatasync", os.fsync)
 
 
 def open_db(path: Path | str, *, background_checkpoints: bool = False, wal_max_bytes: int = WAL_MAX_BYTES,
@@ -254,7 +257,7 @@ class Checkpointer:
 class WalSync:
     """Group commit for answers that promise durability (`Message.durable`): `await sync()`
     returns once every transaction committed before the call is on disk (the WAL file
-    fsynced: what `synchronous=FULL` does at each commit), so a power cut cannot roll back
+    fdatasynced: what `synchronous=FULL` does at each commit), so a power cut cannot roll back
     what the answer acknowledged.
 
     One fsync serves every caller that arrived before it started: while one runs, later
@@ -264,7 +267,7 @@ class WalSync:
     loop serves other requests meanwhile. `fsync` is the seam a test uses to trace the
     syncs (or to model a power cut that keeps only what was synced)."""
 
-    def __init__(self, path: Path, *, fsync: Callable[[int], None] = os.fsync) -> None:
+    def __init__(self, path: Path, *, fsync: Callable[[int], None] = SYNC_FILE) -> None:
         self.path = Path(path)
         self.fsync = fsync
         self.syncs = 0  # fsyncs done (benches and tests read it)
