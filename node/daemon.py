@@ -1,6 +1,7 @@
 """The node daemon: one root task group that owns every service.
 
     Node.run()
+      ├── WakeLock.run         under Termux: a wake lock only while work is in flight (node/wakelock.py)
       ├── P2PNode.run          libp2p host (Noise + yamux over TCP), our protocol handlers
       ├── SessionPool.run      one outbound session per peer (+ a liveness watcher each)
       ├── McpTools.run         [[mcp]] servers' tools mounted as mcp.NAME.*, restarted when they die
@@ -69,6 +70,7 @@ from psymesh.node.taskstore import ExecutorStore, Outbox
 from psymesh.node.trust import Peer, TrustStore
 from psymesh.node.web import WebKeys, WebRouter
 from psymesh.node.webserve import WebServer
+from psymesh.node.wakelock import WakeCommands, WakeLock, termux_commands
 from psymesh.node.webtools import web_tools
 from psymesh.protocol import ids
 from psymesh.protocol.addresses import AddrsPush, dial_addresses, is_loopback_addr
@@ -110,9 +112,12 @@ class Node:
     REVOCATION_NOTICE_S = 2.0  # `psymesh revoke` waits at most this long for the peer to take the notice
 
     def __init__(self, home: NodeHome, config: NodeConfig | None = None, *,
-                 environ: Mapping[str, str] = os.environ, fsync: Callable[[int], None] = SYNC_FILE) -> None:
+                 environ: Mapping[str, str] = os.environ, fsync: Callable[[int], None] = SYNC_FILE,
+                 wake_commands: WakeCommands | None | Literal["termux"] = "termux") -> None:
         """`environ`: where the bridges' keys may come from ($PSYMESH_OPENAI_API_KEY, ...).
-        `fsync`: how the WAL is synced before a durable answer (a test traces it)."""
+        `fsync`: how the WAL is synced before a durable answer (a test traces it).
+        `wake_commands`: how a wake lock is taken and let go while work is in flight
+        (node/wakelock.py); by default Termux's, when the node runs under Termux."""
         self.home = home
         self.identity = home.init()
         self.config = config or home.load_config()
@@ -125,6 +130,7 @@ class Node:
         self.db = open_db(home.db_path, background_checkpoints=True, wal_max_bytes=storage.wal_max_bytes,
                           on_write=self._wrote)
         self.started_at = time.monotonic()
+        self.wake = WakeLock(termux_commands(environ) if wake_commands == "termux" else wake_commands)
         self.trust = TrustStore(self.db)
         self.audit = AuditLog(self.db, flush_ms=storage.audit_flush_ms, batch_rows=storage.audit_batch_rows,
                               coalesce_s=storage.audit_coalesce_s, max_rows=storage.audit_max_rows)
@@ -156,14 +162,14 @@ class Node:
                                       self.config.agent_model)
         self.executor = TaskExecutor(store=executor_store, gate=self.gate, trust=self.trust, tools=self.tools, models=self.models,
                                      profile=self.config.profile, share_dir=self.config.share_dir,
-                                     agent_runner=self.agents)
+                                     agent_runner=self.agents, wake=self.wake)
         self.submitter = TaskSubmitter(local_peer_id=self.identity.peer_id, outbox=Outbox(self.db), trust=self.trust,
-                                       sessions=self.sessions, sync=self.wal.sync)
+                                       sessions=self.sessions, sync=self.wal.sync, wake=self.wake)
         self.messaging = Messaging(self.identity, msg_store, self.trust, self.sessions,
                                    door=self.gate.admit_each,
                                    mail=MailSender(self.identity.peer_id, mail_store, self.trust, self.sessions,
                                                    self.mailbox), grace_s=self.config.mail.grace_s,
-                                   gap_s=self.config.mail.gap_s)
+                                   gap_s=self.config.mail.gap_s, wake=self.wake)
         self.mail = MailOwner(home, self.identity, self.config.mailbox, mail_store, self.trust, self.sessions,
                               self._door, self.messaging, self.config.mail)
         self.groups = Groups(self.db, self.trust, self.messaging)
@@ -315,6 +321,7 @@ class Node:
                 self._root = tg.cancel_scope
                 self._tg = tg
                 await tg.start(self.checkpointer.run)
+                await tg.start(self.wake.run)
                 await tg.start(self.audit.run)
                 await tg.start(self.p2p.run)
                 await tg.start(self.sessions.run)

@@ -58,6 +58,7 @@ from psymesh.protocol.tasks import (
 )
 
 log = logging.getLogger("psymesh.tasks")
+PURGE_EVERY_S = 3600.0  # finished tasks (fetched, or past retention) are forgotten this often
 
 
 class Emit(Protocol):
@@ -97,7 +98,7 @@ class TaskExecutor:
 
     def __init__(self, *, store: ExecutorStore, gate: Gate, trust: TrustStore, tools: ToolRegistry,
                  models: ModelPool, profile: str, share_dir: str | None, limits: ExecutorLimits | None = None,
-                 agent_runner: AgentRunner | None = None) -> None:
+                 agent_runner: AgentRunner | None = None, wake: WakeLock | None = None) -> None:
         self.store = store
         self.gate = gate
         self.trust = trust
@@ -107,8 +108,10 @@ class TaskExecutor:
         self.share_dir = share_dir
         self.limits = limits or ExecutorLimits()
         self.agent_runner = agent_runner
+        self.wake = wake or WakeLock(None)  # held while a task runs (a phone's CPU stays up for it)
         self._inputs: dict[str, _Answer] = {}
         self.changed = Notifier()  # per task id: an event was written (the daemon adds its activity pulse)
+        self._deadlines = anyio.Event()  # set when a task with a deadline is accepted
         self._running: dict[str, tuple[anyio.CancelScope, ToolContext]] = {}
         self._send, self._receive = anyio.create_memory_object_stream[str](math.inf)
 
@@ -126,21 +129,30 @@ class TaskExecutor:
             task_status.started()
 
     async def _housekeeping(self) -> None:
-        """Fail queued tasks whose deadline passed (every second); forget old finished ones (every minute)."""
-        last_purge = 0.0
+        """Fail unfinished tasks whose deadline passed, at that deadline; forget old finished
+        ones every PURGE_EVERY_S. Asleep in between: an idle node has no timer here but the
+        purge's (a new task with an earlier deadline wakes it, `_deadlines`)."""
+        next_purge = 0.0
         while True:
-            await anyio.sleep(1.0)
-            for rec in self.store.expire(time.time()):
+            now = time.time()
+            for rec in self.store.expire(now):
                 self.changed.notify(rec.id)
-            if time.monotonic() - last_purge >= 60:
-                self.store.purge(time.time(), self.limits.retention_s)
-                last_purge = time.monotonic()
+            if now >= next_purge:
+                self.store.purge(now, self.limits.retention_s)
+                next_purge = now + PURGE_EVERY_S
+            deadline = self.store.next_deadline()
+            wake_at = next_purge if deadline is None else min(next_purge, deadline)
+            with anyio.move_on_after(max(0.0, wake_at - time.time())):
+                await self._deadlines.wait()
+            self._deadlines = anyio.Event()
 
     # -- requests (already admitted by the gate) -------------------------------------------
     async def handle(self, call: Call) -> Message:
         request, peer_id = call.request, call.peer_id
         if isinstance(request, TaskSubmit):
             record, created = self.store.submit(request.spec, peer_id)  # durable before the answer
+            if created and record.deadline is not None:
+                self._deadlines.set()
             accepted = TaskAccepted(status=record.status(), created=created)
             if created:
                 log.info("accepted %s task %s from %s", request.spec.kind.value, request.spec.id, peer_id,
@@ -222,7 +234,8 @@ class TaskExecutor:
     async def _worker(self) -> None:
         async for task_id in self._receive:
             try:
-                await self._execute(task_id)
+                with self.wake.held():
+                    await self._execute(task_id)
             except Exception:  # a bug in one task must not stop the worker
                 log.exception("task %s crashed its worker", task_id)
                 self._fail(task_id, ErrorCode.INTERNAL, "the executor failed; see its log")

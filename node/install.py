@@ -5,8 +5,8 @@
              stderr goes to journald (`journalctl --user -u psymesh`)
     macos    a launchd agent, ~/Library/LaunchAgents/org.psymesh.node.plist: started at
              login, restarted when it fails; the node logs to a rotating file in its home
-    termux   a Termux:Boot script, ~/.termux/boot/psymesh: started at boot (with a wake lock,
-             so Android does not put the CPU to sleep under it), started again when it fails
+    termux   a Termux:Boot script, ~/.termux/boot/psymesh: started at boot, started again when
+             it fails; no wake lock for good (the daemon holds one only while work is in flight)
 
 What is written is a pure function of (platform, python, home): `plan()` renders the file
 and the commands that switch it on and off, so tests check every platform's file without
@@ -137,8 +137,8 @@ def render_termux(python: str, home: Path) -> str:
     return "\n".join([
         f"#!{TERMUX_SH}",
         "# Started by Termux:Boot at boot. Written by `psymesh node install`; removed by `psymesh node uninstall`.",
-        "# Keep the CPU awake while the node runs (Android would suspend it otherwise).",
-        "termux-wake-lock",
+        "# No wake lock here: the daemon takes one (termux-wake-lock) only while work is in flight",
+        "# and lets it go after (node/wakelock.py), so the phone's CPU may sleep the rest of the time.",
         "# Start it again when it fails (as systemd's Restart=on-failure); a clean stop ends the loop.",
         f"until {cmd} 2>>{shlex.quote(str(home / START_LOG))}; do",
         f"    sleep {RESTART_DELAY_S}",

@@ -17,6 +17,7 @@ from typing import Protocol
 
 import anyio
 
+from psymesh.node.notify import first_of
 from psymesh.node.session import OutboundSession
 from psymesh.protocol.common import Ping
 from psymesh.protocol.errors import NetworkError
@@ -34,17 +35,21 @@ class Liveness:
         self.drop_connection = drop_connection
 
     async def watch(self, session: OutboundSession) -> None:
-        """Run beside `session` until it ends."""
+        """Run beside `session` until it ends. Asleep while no request is open on it: a quiet
+        session with nothing pending costs no timer and no traffic."""
         idle_since = session.last_heard
         while session.alive:
+            if session.open_requests == 0:  # nobody waits on it: nothing to check until someone does
+                await first_of(session.next_request(), session.closed)
+                idle_since = anyio.current_time()
+                continue
             quiet_until = max(session.last_heard, idle_since) + self.probe_s
             with anyio.move_on_after(max(0.0, quiet_until - anyio.current_time())):
                 await session.closed.wait()
             now = anyio.current_time()
             if not session.alive or now - max(session.last_heard, idle_since) < self.probe_s:
                 continue
-            if session.open_requests == 0:  # nobody waits on it: nothing to check yet
-                idle_since = now
+            if session.open_requests == 0:
                 continue
             if not await self._answers(session):
                 log.info("%s did not answer a liveness ping; dropping the connection", session.peer_id)

@@ -7,8 +7,9 @@
                                  names (or keep it here, if that is us)
     MailOwner.run()
       ├── publisher   our mail key and mailbox (config `mailbox`), signed, to every paired
-      │               peer: at start, when it changes, and to peers paired since (a rescan
-      │               every RESCAN_S; a peer that did not answer is retried with backoff)
+      │               peer: at start, when it changes, and to peers paired since (woken
+      │               by the trust store's changes, no timer; a peer that did not answer
+      │               is retried with backoff, from RESCAN_S)
       └── fetcher     while the mailbox can be reached, one `mail.fetch` open on it: each
                       item is opened, checked, and admitted through this node's own door as
                       the sender's `msg.send` (audited `mailbox`), stored in the inbox
@@ -162,7 +163,7 @@ class MailSender:
 class MailOwner:
     """This node's own mail: its key published, its mail fetched (start with `tg.start`)."""
 
-    RESCAN_S = 5.0            # how often peers are checked for one that lacks our key, and config re-read
+    RESCAN_S = 5.0            # the first wait before a peer that did not take our key is asked again
     PUSH_RETRY_MAX_S = 900.0  # the longest between two attempts to hand a silent peer our key
     FETCH_WAIT_S = 300.0      # one fetch stays open this long, then the next is sent
     RETRY_MIN_S, RETRY_MAX_S = 0.5, 30.0
@@ -184,6 +185,12 @@ class MailOwner:
         self._told: dict[str, int] = {}                   # peer -> serial of ours it took
         self._retry: dict[str, tuple[float, float]] = {}  # peer -> (next attempt, backoff)
         self._after: dict[str, int] = {}                  # mailbox -> last item taken from it
+        self._peers_changed = anyio.Event()               # a peer was paired or revoked (trust.on_change)
+        self._key_made = anyio.Event()                    # the publisher made or checked our key
+        trust.on_change(self._on_peers)
+
+    def _on_peers(self) -> None:
+        self._peers_changed.set()
 
     @functools.cached_property
     def ring(self) -> KeyRing:
@@ -233,17 +240,25 @@ class MailOwner:
         return None if peer.revoked or peer.revoked_us_at is not None else peer.peer_id
 
     async def _publish_forever(self) -> None:
+        """Our key to each peer that lacks it: at start, and then only when a peer is paired
+        or revoked (or the mailbox named becomes one) or a retry is due; no timer otherwise."""
         while True:
+            self._peers_changed = anyio.Event()
             key = self.current_key()
+            self._key_made.set()
+            wake_at = math.inf
             if key is not None:
                 now = anyio.current_time()
-                due = [p.peer_id for p in self.trust.list(include_revoked=False)
-                       if p.revoked_us_at is None and self._told.get(p.peer_id) != key.serial
-                       and self._retry.get(p.peer_id, (0.0, 0.0))[0] <= now]
+                untold = [p.peer_id for p in self.trust.list(include_revoked=False)
+                          if p.revoked_us_at is None and self._told.get(p.peer_id) != key.serial]
+                due = [p for p in untold if self._retry.get(p, (0.0, 0.0))[0] <= now]
                 async with anyio.create_task_group() as tg:
                     for peer_id in due:
                         tg.start_soon(self._tell, peer_id, key)
-            await anyio.sleep(self.RESCAN_S)
+                retries = [self._retry[p][0] for p in untold if p in self._retry]
+                wake_at = min(retries, default=math.inf)
+            with anyio.move_on_after(max(0.0, wake_at - anyio.current_time())):
+                await self._peers_changed.wait()
 
     async def _tell(self, peer_id: str, key: MailKey) -> None:
         try:
@@ -261,8 +276,9 @@ class MailOwner:
         delay = 0.0
         while True:
             key = self.store.key_of(self.identity.peer_id)
-            if key is None or key.mailbox is None:
-                await anyio.sleep(self.RESCAN_S)
+            if key is None or key.mailbox is None:  # no mailbox (yet): until the publisher names one
+                self._key_made = anyio.Event()
+                await self._key_made.wait()
                 continue
             try:
                 await self._fetch(key.mailbox)

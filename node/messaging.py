@@ -43,6 +43,7 @@ from psymesh.node.msgstore import MessageStore, OutState, Received, Sent, Stored
 from psymesh.node.notify import Notifier
 from psymesh.node.session import Call, SessionPool
 from psymesh.node.trust import TrustStore
+from psymesh.node.wakelock import WakeLock
 from psymesh.protocol import ids
 from psymesh.protocol.errors import ErrorCode, NetworkError, ProtocolError, PsymeshError, RemoteError
 from psymesh.protocol.messages import Message
@@ -107,8 +108,9 @@ class MailDrop(Protocol):
 class Messaging:
     def __init__(self, identity: Identity, store: MessageStore, trust: TrustStore, sessions: SessionPool,
                  door: LetterDoor, mail: MailDrop | None = None, grace_s: float = 5.0,
-                 gap_s: float = 600.0) -> None:
+                 gap_s: float = 600.0, wake: WakeLock | None = None) -> None:
         self.identity = identity
+        self.wake = wake or WakeLock(None)  # held while letters wait to be delivered
         self.door = door
         self.store = store
         self.trust = trust
@@ -167,7 +169,8 @@ class Messaging:
         self._tg.start_soon(self._courier, recipient)
 
     async def _courier(self, recipient: str) -> None:
-        """Deliver `recipient`'s pending letters, WINDOW at a time in batches, until none is left."""
+        """Deliver `recipient`'s pending letters, WINDOW at a time in batches, until none is left
+        (the wake lock held meanwhile: a phone's CPU stays up while letters wait to leave)."""
         backoff = 0.0
         try:
             while True:
@@ -175,13 +178,15 @@ class Messaging:
                 if not pending:
                     return
                 retry_after: list[float] = []
-                async with anyio.create_task_group() as tg:
-                    for batch in _batches(pending):
-                        tg.start_soon(self._deliver, recipient, batch, retry_after)
-                if any(retry_after):  # the recipient is away or busy: wait (new letters wait too)
-                    parked = all(sent.state is OutState.DEPOSITED for sent in self.store.pending(recipient, WINDOW))
+                with self.wake.held():  # awake while handing letters over, not while waiting to retry
+                    async with anyio.create_task_group() as tg:
+                        for batch in _batches(pending):
+                            tg.start_soon(self._deliver, recipient, batch, retry_after)
+                    parked = bool(retry_after) and all(sent.state is OutState.DEPOSITED
+                                                       for sent in self.store.pending(recipient, WINDOW))
                     if parked and await self._take_receipts(recipient):
                         continue
+                if any(retry_after):  # the recipient is away or busy: wait (new letters wait too)
                     cap = PARKED_RETRY_MAX_S if parked else RETRY_MAX_S
                     backoff = min(cap, max(RETRY_MIN_S, backoff * 2, max(retry_after)))
                     with anyio.move_on_after(backoff):  # a new letter, or word from the recipient, cuts it short

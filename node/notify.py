@@ -1,5 +1,5 @@
-"""Wake whoever waits on a key (a task id): attached followers, local watchers; and, with
-a Pulse, whoever waits for anything at all to happen (the dashboard's open pages)."""
+"""Wake whoever waits on a key (a task id): attached followers, local watchers; `first_of`
+events; and, with a Pulse, whoever waits for anything at all to happen (the dashboard's open pages)."""
 from __future__ import annotations
 
 import anyio
@@ -66,3 +66,16 @@ class Pulse:
         """Return once fired more than `after` times in all (at once if it already was)."""
         while self.count <= after:
             await self._event.wait()
+
+
+async def first_of(*events: anyio.Event) -> None:
+    """Return as soon as any of `events` is set (wrap in `move_on_after` for a timeout)."""
+    if any(event.is_set() for event in events):
+        return
+    async with anyio.create_task_group() as tg:
+        async def wait(event: anyio.Event) -> None:
+            await event.wait()
+            tg.cancel_scope.cancel()
+
+        for event in events:
+            tg.start_soon(wait, event)

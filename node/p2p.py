@@ -155,6 +155,23 @@ Found in a later adversarial pass (25):
    connection from an address holding at least two fewer than another takes one of that
    address's, so 8 addresses holding 2 each no longer keep a new one out.
 
+Found while making an idle node sleep (issue 23: a phone's CPU should reach its deep idle
+states between peers' messages):
+
+26. yamux pings every connection every 30 s (`_measure_rtt_loop`, `RTT_MEASURE_INTERVAL`),
+   both ends, only to tune its receive window, and sweeps its streams every 30 s
+   (`_stale_stream_sweeper`) whether any stream closed or not: on an idle paired phone
+   these were 6 of its ~2 wakeups a second (with our own 1 s loops, since made event-driven).
+   `_BoundedYamux` measures the RTT once, when the connection starts, and sweeps only
+   while a closed stream may await reclaiming (woken by a stream's close); and its resource
+   manager's recovery timer (30 s, `run_periodic_recovery`) runs only once something was
+   degraded (`_QuietRecovery`). Keeping a NAT
+   binding or noticing a dead peer is not their job: liveness (node/liveness.py) pings
+   only while requests wait on a session. Ours also looked again every `connection_s`
+   (60 s) whether a paired peer's inbound connection was still paired, for its life: now
+   only an unpaired one has that timer. P2PNode's `changes()` (the swarm's notifee) wakes
+   what follows connections and addresses, instead of a 1 s poll.
+
 Hole punching (DCUtR, `enable_hole_punch()`, config `[relay] hole_punch`): likewise libp2p's
 wire format (its `HolePunch` protobuf on `/libp2p/dcutr`) and its swarm's source-bound dials
 (`dial_with_source`, `dial_addr_as_responder`), not its `DCUtRProtocol` service (which brings
@@ -179,6 +196,7 @@ import ipaddress
 import math
 import os
 import socket
+import struct
 from collections import Counter
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -191,7 +209,7 @@ import multiaddr
 import sniffio
 import trio
 from libp2p import new_host
-from libp2p.abc import IMuxedConn, INetConn, INetStream, IRawConnection, ISecureConn, ReadWriteCloser
+from libp2p.abc import IMuxedConn, INetConn, INetStream, INetwork, INotifee, IRawConnection, ISecureConn, ReadWriteCloser
 from libp2p.connection_types import ConnectionType
 from libp2p.crypto.ed25519 import create_new_key_pair as ed25519_key_pair
 from libp2p.crypto.keys import KeyPair
@@ -208,6 +226,7 @@ from libp2p.network.swarm import Swarm
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
 from libp2p.rcmgr import Direction
+from libp2p.rcmgr.graceful_degradation import GracefulDegradation
 from libp2p.relay.circuit_v2.pb.circuit_pb2 import HopMessage, Limit, StopMessage
 from libp2p.relay.circuit_v2.pb.circuit_pb2 import PeerId as CircuitPeer
 from libp2p.relay.circuit_v2.pb.circuit_pb2 import Reservation as CircuitReservation
@@ -219,7 +238,14 @@ from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
 from libp2p.security.noise.transport import Transport as NoiseTransport
 from libp2p.stream_muxer.muxer_multistream import MuxerMultistream
 from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
-from libp2p.stream_muxer.yamux.yamux import Yamux, YamuxStream
+from libp2p.stream_muxer.yamux.yamux import (
+    _STALE_STREAM_GRACE_SECONDS,
+    FLAG_SYN,
+    TYPE_PING,
+    YAMUX_HEADER_FORMAT,
+    Yamux,
+    YamuxStream,
+)
 from libp2p.utils.varint import encode_uvarint, read_varint_prefixed_bytes_limited
 
 from psymesh.protocol.errors import ConnectError, ConnectionLost, ErrorCode, ProtocolError, PsymeshError
@@ -359,6 +385,9 @@ class P2PNode:
         swarm.__class__ = _Swarm  # (4) same object and state, fixed inbound handler
         swarm.admission = self._admission  # (15)
         swarm.auto_connector = _NoAutoConnect(swarm)  # (9)
+        degradation = getattr(swarm._resource_manager, "graceful_degradation", None)
+        if type(degradation) is GracefulDegradation:
+            degradation.__class__ = _QuietRecovery  # (26) no 30 s timer while nothing is degraded
         muxers = swarm.upgrader.muxer_multistream
         muxers.__class__ = _MuxerSelect  # (14) every new yamux connection becomes a _BoundedYamux
         muxers.admission = self._admission
@@ -381,6 +410,8 @@ class P2PNode:
         self._listening = anyio.Event()
         self._stop = anyio.Event()
         self._ran = False
+        self._changes = anyio.Event()  # (26) set and replaced at each change of connections or addresses
+        swarm.register_notifee(_Changes(self._changed))
 
     # -- lifecycle -------------------------------------------------------------------
     async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
@@ -399,6 +430,8 @@ class P2PNode:
                 tg.start_soon(self._host_lifetime)
                 try:
                     await self._listening.wait()
+                    if any(_is_wildcard(a) for a in self._listen):  # addrs() follows the interfaces
+                        tg.start_soon(_watch_local_addresses, self._changed)
                     task_status.started()
                     await anyio.sleep_forever()
                 finally:  # cancelled (or failed to listen): _host_lifetime shuts down in order
@@ -563,12 +596,27 @@ class P2PNode:
         return [f"{addr}/p2p-circuit/p2p/{self.peer_id}" for relay, held in self._held.items()
                 if held.expires > now and self._connections(relay, direct=True) for addr in held.addrs]
 
+    def changes(self) -> anyio.Event:
+        """An event set at the next change of this node's connections or addresses (a peer
+        connected or left, a listener opened or closed, a relay took a reservation): read
+        the state, take this event, wait on it, read again. So nothing here needs a timer
+        to notice a path or an address change."""
+        return self._changes
+
+    def _changed(self) -> None:
+        self._changes.set()
+        self._changes = anyio.Event()
+
     def path(self, peer_id: str) -> Path | None:
         """How we are connected to `peer_id` now: `direct` if any open connection is (new
         streams take it), `relayed` if only through a relay, None if not at all."""
         if self._connections(peer_id, direct=True):
             return "direct"
         return "relayed" if self._connections(peer_id, direct=False) else None
+
+    def path_relayed_too(self, peer_id: str) -> bool:
+        """Whether a connection to `peer_id` through a relay is open (beside a direct one, say)."""
+        return bool(self._connections(peer_id, direct=False))
 
     def _connections(self, peer_id: str, *, direct: bool) -> list[INetConn]:
         try:
@@ -711,6 +759,7 @@ class P2PNode:
         relay_addrs = [a for a in map(_bytes_to_addr, reply.reservation.addrs)
                        if a is not None and a.endswith(f"/p2p/{relay}") and not _is_circuit(a)]
         self._held[relay] = _Held(float(reply.reservation.expire), tuple(relay_addrs[:MAX_RELAY_ADDRS]))
+        self._changed()
         self._note_observed(relay, reply)
         log.info("reservation at relay %s until %s", relay, time.strftime("%H:%M:%S", time.localtime(reply.reservation.expire)))
         return float(reply.reservation.expire)
@@ -1281,6 +1330,57 @@ class _BoundedYamux(Yamux):
         if stream.reset_received and (buffer := self.stream_buffers.get(stream.stream_id)):
             buffer.clear()  # nobody can read a reset stream: drop its data now, not in 60-90 s
         super()._finalize_stream_locked(stream, fully_closed=fully_closed)
+        self._stream_closed().set()
+
+    def _stream_closed(self) -> trio.Event:
+        event = self.__dict__.get("_psymesh_closed")
+        if event is None:
+            event = self.__dict__["_psymesh_closed"] = trio.Event()
+        return event
+
+    async def _measure_rtt_loop(self) -> None:
+        """(26) One RTT measurement, when the connection starts (the window tuning's input),
+        not one every 30 s for the connection's life."""
+        await trio.sleep(0.5)
+        try:
+            self._ping_id += 1
+            self._ping_event = trio.Event()
+            await self._write_frame(struct.pack(YAMUX_HEADER_FORMAT, 0, TYPE_PING, FLAG_SYN, 0, self._ping_id))
+            self._ping_sent_time = trio.current_time()
+            with trio.move_on_after(10.0):
+                await self._ping_event.wait()
+        except Exception:  # the connection closed: nothing to measure
+            return
+
+    async def _stale_stream_sweeper(self) -> None:
+        """(26) libp2p's sweep, run when a closed stream's entry can be reclaimed (at once
+        if it holds no unread data, else when its grace ends); asleep on a stream's close
+        otherwise. Upstream's runs every 30 s, for the connection's life."""
+        while not self.event_shutting_down.is_set():
+            due = self._sweep_due()
+            if due is None:
+                await self._stream_closed().wait()
+                self.__dict__.pop("_psymesh_closed", None)
+                continue
+            await trio.sleep(max(1.0, due - trio.current_time()))
+            async with self.streams_lock:
+                stuck = not self._sweep_stale_streams() and self._sweep_due() == due
+            if stuck:  # nothing came of it (a stream upstream never reclaims): until the next close
+                await self._stream_closed().wait()
+                self.__dict__.pop("_psymesh_closed", None)
+
+    def _sweep_due(self) -> float | None:
+        """When `_sweep_stale_streams` would reclaim a stream next (None: never, as things are)."""
+        due: float | None = None
+        for sid, stream in self.streams.items():
+            if not stream.closed:
+                continue
+            if not self.stream_buffers.get(sid):
+                return trio.current_time()
+            if stream._closed_at != 0.0:
+                at = stream._closed_at + _STALE_STREAM_GRACE_SECONDS
+                due = at if due is None else min(due, at)
+        return due
 
 
 class _NegotiationFailed(Exception):
@@ -1332,7 +1432,7 @@ class _Swarm(Swarm):
         """Until the connection closes (4); an unpaired one is closed after `connection_s`
         (17): a pairing run takes seconds, and a stranger must not camp on the few slots."""
         muxer, peer = _muxer_of(muxed_conn), str(muxed_conn.peer_id)
-        while not muxer.event_closed.is_set():
+        if not self.admission.paired(peer):
             with anyio.move_on_after(self.admission.limits.connection_s):
                 await muxer.event_closed.wait()
             if not muxer.event_closed.is_set() and not self.admission.paired(peer):
@@ -1342,6 +1442,8 @@ class _Swarm(Swarm):
                         await _close_quietly(conn)
                 await _close_quietly(muxed_conn)
                 return
+        # (26) paired: no timer for the connection's life (a revocation closes it: `disconnect`)
+        await muxer.event_closed.wait()
 
     def prepare_dial(self, peer_id: ID, *, new_address: bool = False) -> None:
         """Before a dial someone asked for: forget a recent failure to reach the peer (8),
@@ -1353,6 +1455,56 @@ class _Swarm(Swarm):
                 self.remove_conn(conn)
         if new_address and not self.get_connections(peer_id):
             self.peerstore.clear_addrs(peer_id)
+
+
+class _Changes(INotifee):
+    """The swarm's connection and listener events, as one callback (P2PNode.changes)."""
+
+    def __init__(self, changed: Callable[[], None]) -> None:
+        self._changed = changed
+
+    async def opened_stream(self, network: INetwork, stream: INetStream) -> None:
+        return
+
+    async def closed_stream(self, network: INetwork, stream: INetStream) -> None:
+        return
+
+    async def connected(self, network: INetwork, conn: INetConn) -> None:
+        self._changed()
+
+    async def disconnected(self, network: INetwork, conn: INetConn) -> None:
+        self._changed()
+
+    async def listen(self, network: INetwork, addr: multiaddr.Multiaddr) -> None:
+        self._changed()
+
+    async def listen_close(self, network: INetwork, addr: multiaddr.Multiaddr) -> None:
+        self._changed()
+
+
+class _QuietRecovery(GracefulDegradation):
+    """(26) libp2p's resource manager tries to undo a degradation every 30 s, for the node's
+    life; this one sleeps until something was degraded, then does the same."""
+
+    def _degraded(self) -> trio.Event:
+        event = self.__dict__.get("_psymesh_degraded")
+        if event is None:
+            event = self.__dict__["_psymesh_degraded"] = trio.Event()
+        return event
+
+    def handle_resource_exhaustion(self, resource_type: str) -> bool:
+        applied = super().handle_resource_exhaustion(resource_type)
+        self._degraded().set()
+        return applied
+
+    async def run_periodic_recovery(self, interval: float = 30.0) -> None:
+        while True:
+            if self.degradation_level == 0:
+                await self._degraded().wait()
+                self.__dict__.pop("_psymesh_degraded", None)
+            await trio.sleep(interval)
+            if self.degradation_level > 0:
+                self.recover()
 
 
 class _NoAutoConnect(AutoConnector):
@@ -1579,6 +1731,41 @@ def _check_port_free(addr: multiaddr.Multiaddr) -> None:
             probe.bind((ip, port))
         except OSError as exc:
             raise PsymeshError(f"cannot listen on {addr}: {exc.strerror or exc}", code=ErrorCode.UNAVAILABLE) from None
+
+
+ADDRESS_POLL_S = 60.0  # where the kernel cannot tell us (no netlink): how often addresses are looked at
+_RTMGRP_IPV4_IFADDR, _RTMGRP_IPV6_IFADDR = 0x10, 0x100
+
+
+def _is_wildcard(addr: multiaddr.Multiaddr) -> bool:
+    return str(addr).startswith(("/ip4/0.0.0.0/", "/ip6/::/"))
+
+
+async def _watch_local_addresses(changed: Callable[[], None]) -> None:
+    """(26) Call `changed()` when this machine's IP addresses change (a Wi-Fi network joined,
+    a link up): told by the kernel (a netlink socket, Linux and Android), so nothing wakes
+    while they stay the same; where that socket cannot be had, looked at every ADDRESS_POLL_S."""
+    try:
+        sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, socket.NETLINK_ROUTE)
+        sock.bind((0, _RTMGRP_IPV4_IFADDR | _RTMGRP_IPV6_IFADDR))
+        sock.setblocking(False)
+    except (OSError, AttributeError) as exc:
+        log.debug("no netlink socket (%s): local addresses are looked at every %.0f s", exc, ADDRESS_POLL_S)
+        seen = local_ipv4_addresses()
+        while True:
+            await anyio.sleep(ADDRESS_POLL_S)
+            if (now := local_ipv4_addresses()) != seen:
+                seen = now
+                changed()
+    with sock:
+        while True:
+            await anyio.wait_socket_readable(sock)
+            try:
+                while sock.recv(65536):
+                    pass
+            except BlockingIOError:
+                pass
+            changed()
 
 
 def local_ipv4_addresses() -> list[str]:

@@ -6,7 +6,8 @@ circuit included, is node/p2p.py's; this module decides when and where.
       ├── _keep(relay)   one per `[relay] relays` entry: a reservation held there (dialed at
       │                  the relay's stored addresses), renewed halfway through its time,
       │                  taken again as soon as it lapses or the connection to the relay drops
-      ├── _paths()       every second: a paired peer reached only through a relay is dialed
+      ├── _paths()       at each change of connections (every second only while a paired
+      │                  peer is reached through a relay): such a peer is dialed
       │                  at its direct addresses (every `direct_retry_s`, and at once when it
       │                  tells us new ones); with `hole_punch` on, a peer that came to us
       │                  through a relay is first asked for a hole punch (DCUtR: the spec's
@@ -15,8 +16,10 @@ circuit included, is node/p2p.py's; this module decides when and where.
       │                  Beside a direct connection, a relayed one is closed as soon as it
       │                  carries no stream, after `overlap_s` at the latest. New sessions
       │                  take the direct connection (node/session.py).
-      └── _announce()    every second: our addresses, signed, to each connected paired peer
-                         that has not taken them yet (`addrs.push`)
+      └── _announce()    at each change of connections or addresses (P2PNode.changes, no
+                         timer): our addresses, signed, to each connected paired peer
+                         that has not taken them yet (`addrs.push`; one not reached is
+                         tried again a second later)
     Relaying.receive(call)   a peer's `addrs.push` (the door admitted it): kept in the trust
                              store; its direct addresses tried at once if it is relayed
 
@@ -27,6 +30,7 @@ node/messaging.py) sends them again, exactly once.
 from __future__ import annotations
 
 import logging
+import math
 import random
 import time
 
@@ -34,6 +38,7 @@ import anyio
 import anyio.abc
 
 from psymesh.node.home import Identity
+from psymesh.node.notify import first_of
 from psymesh.node.p2p import P2PNode
 from psymesh.node.session import Call, SessionPool
 from psymesh.node.trust import Peer, TrustStore
@@ -63,7 +68,13 @@ class Relaying:
         self._told: dict[str, tuple[str, ...]] = {}  # peer id -> the addresses it took from us
         self._retry_at: dict[str, float] = {}        # peer id -> when to dial it directly again
         self._direct_since: dict[str, float] = {}    # peer id -> when a direct connection joined a relayed one
-        self._wake = anyio.Event()
+        self._wake = anyio.Event()       # _paths: a peer told us new addresses, or a peer was paired
+        self._paired = anyio.Event()     # _announce: a peer was paired (trust.on_change)
+        trust.on_change(self._peers_changed)
+
+    def _peers_changed(self) -> None:
+        self._wake.set()
+        self._paired.set()
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         if self.settings.hole_punch:
@@ -83,14 +94,17 @@ class Relaying:
             try:
                 relay = self.trust.resolve(name)
                 relay.refuse_if_revoked_us()
+                changes = self.p2p.changes()
                 if self.p2p.reservation(relay.peer_id) is None or time.time() >= renew_at:
                     now = time.time()
                     expires = await self.p2p.reserve(relay.peer_id, relay.addrs)
                     renew_at = now + (expires - now) / 2
                     if failures:
                         log.info("relay %s holds a reservation for this node", name)
+                    changes = self.p2p.changes()
                 failures = 0
-                await anyio.sleep(TICK_S)
+                with anyio.move_on_after(max(0.0, renew_at - time.time())):  # or its connection drops
+                    await changes.wait()
             except PsymeshError as exc:
                 delay = min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2 ** min(failures, 10)) * (1 - random.random() / 4)
                 failures += 1
@@ -100,14 +114,20 @@ class Relaying:
 
     # -- which path to a peer ------------------------------------------------------------------
     async def _paths(self) -> None:
+        """Asleep while every connected peer is reached directly and alone: woken by a change
+        of connections, or a peer's new addresses; ticks (TICK_S) only while a peer is reached
+        through a relay (a direct dial is due every `direct_retry_s`) or has both paths."""
         while True:
-            with anyio.move_on_after(TICK_S):
-                await self._wake.wait()
-            self._wake = anyio.Event()
+            changes = self.p2p.changes()
+            tick = False
             for peer in self._connected_peers():
-                await self._check_path(peer)
+                tick |= await self._check_path(peer)
+            with anyio.move_on_after(TICK_S if tick else math.inf):
+                await first_of(changes, self._wake)
+            self._wake = anyio.Event()
 
-    async def _check_path(self, peer: Peer) -> None:
+    async def _check_path(self, peer: Peer) -> bool:
+        """Act on how `peer` is reached; True while that needs looking at again soon."""
         now = time.monotonic()
         path = self.p2p.path(peer.peer_id)
         if path == "relayed":
@@ -117,12 +137,16 @@ class Relaying:
                 if self.settings.hole_punch and self.p2p.relayed_inbound(peer.peer_id):
                     if await self.p2p.hole_punch(peer.peer_id):
                         log.info("%s is reached directly now: hole punched through its NAT and ours", peer.name)
-                        return
+                        return True
                 await self._dial_direct(peer)
-        elif path == "direct":
+            return True
+        if path == "direct" and self.p2p.path_relayed_too(peer.peer_id):
             since = self._direct_since.setdefault(peer.peer_id, now)
             if await self.p2p.drop_relayed(peer.peer_id, idle_only=now - since < self.settings.overlap_s):
                 log.info("closed the relayed connection to %s: it is reached directly now", peer.name)
+            return True
+        self._direct_since.pop(peer.peer_id, None)
+        return False
 
     async def _dial_direct(self, peer: Peer) -> None:
         for addr in [a for a in peer.addrs if CIRCUIT not in a]:
@@ -137,24 +161,32 @@ class Relaying:
 
     # -- our addresses, to our peers ---------------------------------------------------------------
     async def _announce(self) -> None:
+        """Asleep until our connections or addresses change (a peer connected, a reservation
+        was taken) or a peer is paired; a peer that could not be told is tried again after TICK_S."""
         while True:
+            changes = self.p2p.changes()
             addrs = tuple(self.p2p.addrs()[:MAX_ADDRS])
+            untold = False
             for peer in self._connected_peers():
                 if self._told.get(peer.peer_id) != addrs and peer.revoked_us_at is None:
-                    await self._tell(peer, addrs)
-            await anyio.sleep(TICK_S)
+                    untold |= not await self._tell(peer, addrs)
+            with anyio.move_on_after(TICK_S if untold else math.inf):
+                await first_of(changes, self._paired)
+            self._paired = anyio.Event()
 
-    async def _tell(self, peer: Peer, addrs: tuple[str, ...]) -> None:
+    async def _tell(self, peer: Peer, addrs: tuple[str, ...]) -> bool:
+        """True once `peer` answered (a refusal too: not asked again for these addresses)."""
         record = AddrRecord(peer_id=self.identity.peer_id, addrs=addrs, seq=time.time_ns() // 1_000_000)
         push = AddrsPush(record=record.sign(self.identity.private_key))
         try:
             await self.sessions.request(peer.peer_id, push, AddrsOk, timeout=PUSH_TIMEOUT_S)
         except NetworkError as exc:  # not reached: told again next time
             log.debug("could not tell %s our addresses: %s", peer.name, exc.message)
-            return
+            return False
         except PsymeshError as exc:  # it answered (a refusal too): not asked again for these
             log.info("%s did not take our addresses: %s", peer.name, exc.message)
         self._told[peer.peer_id] = addrs
+        return True
 
     async def receive(self, call: Call) -> Message:
         """A paired peer's own addresses (the door checked the record is its own, signed)."""

@@ -148,6 +148,7 @@ class OutboundSession:
         self._write_lock = anyio.Lock()
         self._dead: PsymeshError | None = None  # a NetworkError, or the server's refusal
         self.closed = anyio.Event()
+        self._opened = anyio.Event()  # set (and replaced) as each request is sent
         self.last_heard = anyio.current_time()
         self.relayed = False   # opened while the peer was reachable through a relay only
         self._retired = False  # replaced by a session on a direct connection: closes when idle
@@ -159,6 +160,10 @@ class OutboundSession:
     @property
     def open_requests(self) -> int:
         return len(self._client.open_requests)
+
+    def next_request(self) -> anyio.Event:
+        """An event set when the next request is sent on this session."""
+        return self._opened
 
     async def run(self) -> None:
         """Read replies and hand each to its request, until the stream ends."""
@@ -219,6 +224,8 @@ class OutboundSession:
         rid, data = self._client.request(message)
         send, receive = anyio.create_memory_object_stream[Reply](STREAM_BUFFER)
         self._inboxes[rid] = send
+        self._opened.set()
+        self._opened = anyio.Event()
         try:
             await self._write(data)
             yield _Replies(receive, self)

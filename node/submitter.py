@@ -28,6 +28,7 @@ from psymesh.node.notify import Notifier
 from psymesh.node.session import SessionPool
 from psymesh.node.taskstore import Outbox, OutboxTask, TaskNotFound
 from psymesh.node.trust import TrustStore
+from psymesh.node.wakelock import WakeLock
 from psymesh.protocol.admission import task_operation
 from psymesh.protocol.common import Error
 from psymesh.protocol.errors import ConnectionLost, ErrorCode, NetworkError, ProtocolError, PsymeshError, RemoteError
@@ -87,9 +88,10 @@ class TaskSubmitter:
     ACK_DELAY_S = 0.05
 
     def __init__(self, *, local_peer_id: str, outbox: Outbox, trust: TrustStore, sessions: SessionPool,
-                 sync: Callable[[], Awaitable[None]] | None = None) -> None:
+                 sync: Callable[[], Awaitable[None]] | None = None, wake: WakeLock | None = None) -> None:
         """`sync`: returns once what is committed is on disk (node/db.py WalSync); a task.ack
-        promises the executor that the events it covers are, so it waits for this first."""
+        promises the executor that the events it covers are, so it waits for this first.
+        `wake`: held while a task is being driven (node/wakelock.py)."""
         self.local_peer_id = local_peer_id
         self.sync = sync
         self.outbox = outbox
@@ -99,6 +101,7 @@ class TaskSubmitter:
         self._drivers: dict[str, anyio.CancelScope] = {}
         self._acks: dict[str, _AckBatch] = {}   # executor -> the batch being filled
         self._tg: anyio.abc.TaskGroup | None = None
+        self.wake = wake or WakeLock(None)
         self.retention_s = 7 * 86400.0   # finished tasks (and their events) are kept this long for the app
         self.purge_every_s = 3600.0
         self._retention_changed = anyio.Event()
@@ -225,7 +228,7 @@ class TaskSubmitter:
 
         not_before = -math.inf
         try:
-            with scope:
+            with scope, self.wake.held():
                 while (request := machine.next_request()) is not None:
                     if not_before > time.time():
                         await anyio.sleep(not_before - time.time())

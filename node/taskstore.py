@@ -417,6 +417,14 @@ class ExecutorStore:
         return self.conn.execute("SELECT 1 FROM exec_tasks WHERE id = ? AND submitter = ?",
                                  (task_id, peer)).fetchone() is not None
 
+    def next_deadline(self) -> float | None:
+        """The earliest deadline among unfinished tasks: when the executor's expiry wakes next."""
+        marks, states = _placeholders(s.value for s in ACTIVE_STATES)
+        row = self.conn.execute(
+            f"SELECT MIN(deadline) FROM exec_tasks WHERE state IN ({marks})", states
+        ).fetchone()
+        return row[0]
+
     # -- internals ------------------------------------------------------------------------
     def _append(
         self, task_id: str, kind: EventKind, data: dict[str, Any], state: TaskState | None, now: float

@@ -14,6 +14,7 @@ import functools
 import json
 import sqlite3
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import msgpack
@@ -117,6 +118,7 @@ class Peer:
 class TrustStore:
     def __init__(self, conn: sqlite3.Connection) -> None:
         self.conn = conn
+        self._listeners: list[Callable[[], None]] = []
         ensure_schema(conn, SCHEMA)
         _add_column(conn, "peers", "revoked_us_at REAL")  # databases made before they existed
         _add_column(conn, "peers", "revocation_told_at REAL")
@@ -127,6 +129,15 @@ class TrustStore:
         return Peer(row["peer_id"], row["name"], row["role"], json.loads(row["addrs"]), row["paired_at"],
                     row["revoked_at"], _decode_manifest(row["granted"]), _decode_manifest(row["received"]),
                     row["revoked_us_at"], row["revocation_told_at"])
+
+    def on_change(self, listener: Callable[[], None]) -> None:
+        """Call `listener()` whenever a peer is paired, revoked, or revokes us (what a
+        service that waits on the set of peers needs, instead of a rescan timer)."""
+        self._listeners.append(listener)
+
+    def _changed(self) -> None:
+        for listener in self._listeners:
+            listener()
 
     def get(self, peer_id: str) -> Peer | None:
         row = self.conn.execute("SELECT * FROM peers WHERE peer_id = ?", (peer_id,)).fetchone()
@@ -167,6 +178,7 @@ class TrustStore:
             )
         peer = self.get(peer_id)
         assert peer is not None
+        self._changed()
         return peer
 
     def unique_name(self, name: str, peer_id: str) -> str:
@@ -207,6 +219,7 @@ class TrustStore:
 
     def revoke(self, peer_id: str, now: float | None = None) -> None:
         self._update(peer_id, "revoked_at", time.time() if now is None else now)
+        self._changed()
 
     def revocation_told(self, peer_id: str, now: float | None = None) -> None:
         """The revoked peer acknowledged our signed notice."""
@@ -219,6 +232,8 @@ class TrustStore:
             cur = self.conn.execute("UPDATE peers SET received = NULL, revoked_us_at = ? "
                                     "WHERE peer_id = ? AND revoked_us_at IS NULL",
                                     (time.time() if now is None else now, peer_id))
+        if cur.rowcount == 1:
+            self._changed()
         return cur.rowcount == 1
 
     def _update(self, peer_id: str, column: str, value: object) -> None:

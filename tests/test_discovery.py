@@ -604,6 +604,8 @@ async def test_a_static_peer_is_dialed_at_start_and_again_after_it_restarts(tmp_
         a_id = a_node.identity.peer_id
 
         await wait_until(lambda: b_node.p2p.remote_ip(a_id) is not None, "a dials b at start")
+        # b sees the connection a moment before a's dial returns and a records the sighting
+        await wait_until(lambda: a_node.discovery.table.get(b_id) is not None, "a records where it reached b")
         async with Client(a_home.path) as client:
             reply = await client.discovered()
         assert (reply.mdns, reply.announced, reply.static_peers) == (False, [], 1)

@@ -37,7 +37,7 @@ from multiaddr import Multiaddr
 
 from p2p_helpers import PING, all_trio_tasks, new_node, running, unused_port
 from stranger_client import Stranger, delim, flood_before_handshake
-from waiting import wait_until
+from waiting import wait_until, wait_until_no_timer_within
 from psymesh.node.framed import FramedStream
 from psymesh.node.p2p import MAX_PROPOSALS, P2PNode, P2PStream
 from psymesh.protocol.common import Ping, Pong
@@ -745,3 +745,19 @@ async def test_a_stop_stream_from_a_relay_we_hold_no_reservation_at_is_refused()
         with pytest.raises(ConnectError, match="connection_failed"):  # ... home does not take the circuit
             await phone.connect(f"{relay.addrs()[0]}/p2p-circuit/p2p/{home.peer_id}")
         assert phone.path(home.peer_id) is None
+
+
+@pytest.mark.anyio
+async def test_26_an_idle_connection_sets_no_timer() -> None:
+    """yamux's 30 s RTT pings and stream sweeps, and the resource manager's recovery timer,
+    would wake an idle node every 30 s for good: with a connection open and a stream
+    used and closed, the whole trio run settles with no timer due for a minute."""
+    a, b = new_node(), new_node()
+    async with running(a, b):
+        stream = await a.open_stream(b.addrs()[0], PING)
+        framed = FramedStream(stream)
+        await framed.send(Ping(seq=1))
+        expect_pong = await framed.receive()
+        assert isinstance(expect_pong, Pong)
+        await stream.aclose()
+        await wait_until_no_timer_within(60, "an idle connection")

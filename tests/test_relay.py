@@ -113,8 +113,9 @@ async def test_pairing_through_a_relay_then_the_direct_path_takes_over(tmp_path:
             await wait_until(lambda: home.p2p.relayed_addrs(), "home's reservation at the relay", timeout=40)
             invite = await h.pair_invite()
             assert any(a.endswith("/p2p-circuit") for a in invite_addrs(invite.invite))  # a relayed address
-            await p.pair_join(invite.code, address=home.p2p.relayed_addrs()[0])
-            assert phone.p2p.path(home.identity.peer_id) == "relayed"
+            await p.pair_join(invite.code, address=home.p2p.relayed_addrs()[0])  # the only address given
+            # (no check that the path is still relayed here: once paired, each side dials the
+            # other's direct addresses at once, woken by the pairing, not a second later)
             await h.grant("phone", ["tool:system.info"])
             task = await p.delegate("home", tool="system.info")
             assert (await task.result())["profile"] == "home"
