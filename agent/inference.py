@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import AsyncIterator, Mapping, Sequence
+from contextlib import aclosing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol
@@ -31,6 +32,7 @@ __all__ = [
     "ModelSettings",
     "PromptTooLong",
     "StopAfter",
+    "StreamingModel",
     "TextModel",
     "ThinkBudget",
     "WorkerBusy",
@@ -193,6 +195,29 @@ class WorkerStats:
     state_cache_bytes: int = 0  # memory held by saved states now
     state_cache_entries: int = 0
     think_closes: int = 0
+
+
+class StreamingModel:
+    """`generate` and `complete`, written once over a model's `stream` (the engine's and a
+    runner handle's): text pieces only, or the final Completion only."""
+
+    def stream(self, prompt: str, **kwargs: Any) -> AsyncIterator[str | Completion]:
+        raise NotImplementedError
+
+    async def generate(self, prompt: str, **kwargs: Any) -> AsyncIterator[str]:
+        """Stream the completion of `prompt` as text pieces (arguments as `stream`)."""
+        async with aclosing(self.stream(prompt, **kwargs)) as events:
+            async for event in events:
+                if isinstance(event, str):
+                    yield event
+
+    async def complete(self, prompt: str, **kwargs: Any) -> Completion:
+        """The whole completion of `prompt` (arguments as `stream`)."""
+        async with aclosing(self.stream(prompt, **kwargs)) as events:
+            async for event in events:
+                if isinstance(event, Completion):
+                    return event
+        raise ModelError("the model ended a request without a result")
 
 
 class TextModel(Protocol):

@@ -82,6 +82,7 @@ from psymesh.agent.inference import (
     ModelSettings,
     PromptTooLong,
     StopAfter,
+    StreamingModel,
     ThinkBudget,
     WorkerBusy,
     WorkerClosed,
@@ -248,7 +249,7 @@ class _Watch:
         return close[1:] if close.startswith("\n") and self.text.endswith("\n") else close
 
 
-class ModelWorker:
+class ModelWorker(StreamingModel):
     """One model, one thread, many async callers.
 
     >>> async with ModelWorker(ModelSettings(path=p)) as worker:
@@ -376,21 +377,6 @@ class ModelWorker:
             cancel=cancel or threading.Event(),
         )
         return self._events(job)
-
-    async def generate(self, prompt: str, **kwargs: Any) -> AsyncIterator[str]:
-        """Stream the completion of `prompt` as text pieces (arguments as :meth:`stream`)."""
-        async with aclosing(self.stream(prompt, **kwargs)) as events:
-            async for event in events:
-                if isinstance(event, str):
-                    yield event
-
-    async def complete(self, prompt: str, **kwargs: Any) -> Completion:
-        """The whole completion of `prompt` (arguments as :meth:`stream`)."""
-        async with aclosing(self.stream(prompt, **kwargs)) as events:
-            async for event in events:
-                if isinstance(event, Completion):
-                    return event
-        raise ModelError("model worker ended a request without a result")
 
     async def tokenize(self, text: str) -> list[int]:
         """Token ids of `text` (special tokens parsed), for context budgeting."""

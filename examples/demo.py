@@ -194,7 +194,7 @@ async def model_crash_is_one_failed_request(d: Demo) -> None:
                   f"keep-alive {m.keep_alive_s:g} s): killing it with SIGABRT, as a C++ exception in llama.cpp would")
         os.kill(m.pid, signal.SIGABRT)
         outcome = await handle.outcome()
-        con.print(f"phone: task {handle.id} {outcome.state.value}: [{outcome.code}] {escape(outcome.message)}")
+        con.print(f"phone: task {handle.id} {outcome.state.value}: {escape(f'[{outcome.code}] {outcome.message}')}")
         reply = await phone.ping("home", count=3)
         con.print(f"phone: home still answers: ping {reply.median_ms:.2f} ms")
         again = await phone.delegate("home", infer="Hi", model="tiny", max_tokens=8,

@@ -48,6 +48,7 @@ from psymesh.agent.inference import (
     ModelLoadError,
     ModelSettings,
     StopAfter,
+    StreamingModel,
     ThinkBudget,
     WorkerBusy,
     WorkerClosed,
@@ -132,7 +133,7 @@ def _how_it_ended(returncode: int | None) -> tuple[str, dict[str, object]]:
     return f"exit status {returncode}", {"exit_code": returncode}
 
 
-class ModelRunner:
+class ModelRunner(StreamingModel):
     """One model behind a runner process (see the module docstring)."""
 
     def __init__(self, settings: ModelSettings, *, name: str | None = None, log_path: Path | None = None,
@@ -257,19 +258,6 @@ class ModelRunner:
             stop_after=StopAfterRule(marker=stop_after.marker, count=stop_after.count, after=stop_after.after)
             if stop_after else None)
         return self._request(Generate, fields)
-
-    async def generate(self, prompt: str, **kwargs: object) -> AsyncIterator[str]:
-        async with aclosing(self.stream(prompt, **kwargs)) as events:  # type: ignore[arg-type]
-            async for event in events:
-                if isinstance(event, str):
-                    yield event
-
-    async def complete(self, prompt: str, **kwargs: object) -> Completion:
-        async with aclosing(self.stream(prompt, **kwargs)) as events:  # type: ignore[arg-type]
-            async for event in events:
-                if isinstance(event, Completion):
-                    return event
-        raise ModelError("the model runner ended a request without a result")
 
     async def tokenize(self, text: str) -> list[int]:
         async with aclosing(self._request(Tokenize, {"text": text})) as events:
