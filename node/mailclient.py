@@ -205,12 +205,14 @@ class MailOwner:
 
     async def _rotate_forever(self) -> None:
         """One timer, at the ring's next deadline (on the injected clock): a new mail key, or a
-        retired one deleted. The publisher hands the new key out at its next rescan."""
+        retired one deleted; a new key wakes the publisher, which hands it out (it has no rescan
+        timer of its own)."""
         while True:
             await anyio.sleep(min(max(0.0, self.ring.next_deadline() - self.clock()), MAX_TIMER_S))
             if self.ring.step(self.clock()):
                 save_ring(self.home, MAIL_KEY_FILE, self.ring)
                 log.info("mail keys now held: %s", [k.key_id for k in self.ring.keys])
+                self._peers_changed.set()
 
     # -- our key ---------------------------------------------------------------------------
     def current_key(self) -> MailKey | None:

@@ -172,7 +172,9 @@ async def test_the_home_daemon_survives_delegated_goals_and_required_tool_calls(
             return bool(found)
 
         await wait_until(listening, "the endpoint's URL in the daemon's log", timeout=30)
-        async with httpx.AsyncClient(base_url=found[0], timeout=240) as api:
+        key = (home.home / "openai.key").read_text().strip()  # made 0600 when the endpoint was enabled
+        async with httpx.AsyncClient(base_url=found[0], timeout=240,
+                                     headers={"Authorization": f"Bearer {key}"}) as api:
             for seed in (*CRASHED_SEEDS, None):
                 body = {"model": "tiny", "messages": [{"role": "user", "content": "Weather in Paris?"}],
                         "tools": [WEATHER], "tool_choice": "required", "max_tokens": 200}
