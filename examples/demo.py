@@ -184,7 +184,7 @@ async def model_crash_is_one_failed_request(d: Demo) -> None:
     import signal
 
     async with d.phone.client() as phone, d.home.client() as home:
-        handle = await phone.delegate("home", infer="Count to a thousand.", model="tiny", max_tokens=3000,
+        handle = await phone.delegate("home", infer="Count to a thousand.", model="tiny", max_tokens=15000,
                                       params={"temperature": 0, "ban_bytes": True})
         with anyio.fail_after(60):
             while not (busy := [m for m in await home.models_ps() if m.loaded and m.pending]):

@@ -146,10 +146,13 @@ async def test_a_memory_cap_turns_a_runaway_into_a_clean_error(tiny_model: Path)
 # --------------------------------------------------------------------------- the node
 
 
-def _register(home: NodeHome, model: Path, **kw: object) -> None:
+LONG = 15_000  # tokens a delegated generation asks for: seconds of work, so a kill lands in the middle of it
+
+
+def _register(home: NodeHome, model: Path, n_ctx: int = 4096, **kw: object) -> None:
     conn = open_db(home.db_path)
     try:
-        ModelRegistry(conn).add("tiny", model, n_ctx=4096, n_threads=1, **kw)  # type: ignore[arg-type]
+        ModelRegistry(conn).add("tiny", model, n_ctx=n_ctx, n_threads=1, **kw)  # type: ignore[arg-type]
     finally:
         conn.close()
 
@@ -161,11 +164,11 @@ async def test_a_crash_in_a_peers_task_leaves_the_node_serving(tmp_path: Path, t
     infer task runs on a fresh runner."""
     async with run_nodes(tmp_path, "home", "phone", "tablet",
                          profiles={"phone": "phone", "tablet": "phone"}) as nodes:
-        _register(nodes["home"].home, tiny_model)
+        _register(nodes["home"].home, tiny_model, n_ctx=LONG + 1024)
         await pair(tmp_path / "home", tmp_path / "phone")
         await pair(tmp_path / "home", tmp_path / "tablet")
         async with Client(tmp_path / "phone") as phone, Client(tmp_path / "tablet") as tablet:
-            handle = await phone.delegate("home", infer="Count to a thousand.", model="tiny", max_tokens=3000,
+            handle = await phone.delegate("home", infer="Count to a thousand.", model="tiny", max_tokens=LONG,
                                           params={"temperature": 0, "ban_bytes": True})
             models = nodes["home"].models
             await wait_until(lambda: any(s.loaded and s.pending for s in models.ps()), "the runner working")
@@ -283,13 +286,13 @@ async def test_a_task_that_crashed_its_runner_stays_failed_across_daemon_kills(t
     home = DaemonProcess(tmp_path / "home", name="home")
     phone = DaemonProcess(tmp_path / "phone", profile="phone", name="phone")
     NodeHome(home.home).init(name="home")
-    _register(NodeHome(home.home), tiny_model)
+    _register(NodeHome(home.home), tiny_model, n_ctx=LONG + 1024)
     await home.start()
     await phone.start()
     try:
         await pair(home.home, phone.home)
         async with Client(phone.home) as c:
-            handle = await c.delegate("home", infer="Count to a thousand.", model="tiny", max_tokens=3000,
+            handle = await c.delegate("home", infer="Count to a thousand.", model="tiny", max_tokens=LONG,
                                       params={"temperature": 0, "ban_bytes": True})
 
             async def runner_pid() -> int | None:
