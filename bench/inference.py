@@ -161,7 +161,11 @@ async def generation_rows(model: Path, args: argparse.Namespace) -> list[tuple[s
     async with ModelWorker(settings) as worker, ModelRunner(settings) as runner:
         bare = Llama(model_path=str(model), n_ctx=settings.n_ctx, n_batch=settings.n_batch,
                      n_threads=args.threads, n_threads_batch=args.threads, verbose=False)
-        no_eog = {t: float("-inf") for t in worker.info.eog_token_ids}
+        # No end of generation, and no control token (its piece is empty: greedy on random weights
+        # can pick one for ever, and then no caller would ever hold a first token).
+        vocab = llama_cpp.llama_model_get_vocab(bare.model)
+        no_eog = {t: float("-inf") for t in range(bare.n_vocab())
+                  if llama_cpp.llama_vocab_is_eog(vocab, t) or llama_cpp.llama_vocab_is_control(vocab, t)}
         bench_bare(bare, 4, no_eog)  # warm-up: page in the weights
         await bench_stream(worker, 4, no_eog)
         await bench_stream(runner, 4, no_eog)

@@ -320,6 +320,7 @@ class Node:
             async with anyio.create_task_group() as tg:
                 self._root = tg.cancel_scope
                 self._tg = tg
+                await tg.start(self._watch_signals, tg.cancel_scope)
                 await tg.start(self.checkpointer.run)
                 await tg.start(self.wake.run)
                 await tg.start(self.audit.run)
@@ -342,7 +343,6 @@ class Node:
                 if self.config.ui.on_for(self.config.profile):  # before the control socket answers: a
                     await self.start_ui(required=False)        # signal then always finds its handler
                 await tg.start(self.control.serve)
-                tg.start_soon(self._watch_signals, tg.cancel_scope)
                 log.info("node %s (%s) listening on %s", self.identity.peer_id, self.config.profile,
                          " ".join(self.p2p.addrs()))
                 task_status.started()
@@ -381,15 +381,20 @@ class Node:
         if self._root is not None:
             self._root.cancel()
 
-    async def _watch_signals(self, scope: anyio.CancelScope) -> None:
+    async def _watch_signals(self, scope: anyio.CancelScope, *,
+                             task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """SIGINT/SIGTERM cancel `scope`. Started first, so that a signal at any moment of the
+        start (a service already announced, the next one still starting) stops the node cleanly."""
         try:
             with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                task_status.started()
                 async for signum in signals:
                     log.info("received %s, shutting down", signal.Signals(signum).name)
                     scope.cancel()
                     return
         except (ValueError, RuntimeError, NotImplementedError):
             # not the main thread (e.g. a node embedded in tests): the owner stops us
+            task_status.started()
             await anyio.sleep_forever()
 
     # -- outbound -------------------------------------------------------------------
