@@ -172,7 +172,10 @@ async def test_a_page_too_costly_to_extract_costs_a_child_not_the_exit(site: Sit
 
 async def test_extractions_run_a_few_at_once_and_a_deadline_kills_its_child(site: Site) -> None:
     bomb = site.route("/slow", b"<html><body>" + b"<p>a</p>" * 120_000 + b"</body></html>")  # seconds of CPU
-    async with make_exit(allow_loopback=True, extractions=1, timeout_s=1.0, cache_entries=0) as exit_:
+    # Memory enough that only the deadline can stop it (on a fast machine the 128 MiB default cap
+    # would end it first, as too_large: tests/test_web_bounds.py checks that one).
+    async with make_exit(allow_loopback=True, extractions=1, timeout_s=1.0, cache_entries=0,
+                         extract_memory_bytes=1024 * 2**20) as exit_:
         outcomes: list[ErrorCode] = []
 
         async def one() -> None:
