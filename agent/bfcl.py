@@ -103,14 +103,14 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from psymesh.agent.chatformat import ChatMessage, ToolCall, ToolSpec, parse_reply
-from psymesh.agent.generate import GenerationParams, ToolGrammar
-from psymesh.agent.loop import AgentModel, tool_call_text
-from psymesh.protocol.errors import ErrorCode, PsymeshError
+from .chatformat import ChatMessage, ToolCall, ToolSpec, parse_reply
+from .generate import GenerationParams, ToolGrammar
+from .loop import AgentModel, tool_call_text
+from ..protocol.errors import ErrorCode, PsymeshError
 
 if TYPE_CHECKING:
-    from psymesh.agent.bfcl_format import FormatSensitivity
-    from psymesh.agent.bfcl_multiturn import MultiTurnCase, WebRoute
+    from .bfcl_format import FormatSensitivity
+    from .bfcl_multiturn import MultiTurnCase, WebRoute
 
 __all__ = [
     "AST_CATEGORIES",
@@ -701,8 +701,8 @@ def load_bfcl(directory: str | Path | None = None, categories: Sequence[str] = (
     if not chosen:
         raise BfclDataError(f"{directory} holds none of the BFCL files {FILE_PREFIX}<category>.json "
                             f"for {', '.join(CATEGORIES)}", code=ErrorCode.NOT_FOUND)
-    from psymesh.agent.bfcl_format import load_format_sensitivity
-    from psymesh.agent.bfcl_multiturn import load_memory, load_multi_turn, load_web_search
+    from .bfcl_format import load_format_sensitivity
+    from .bfcl_multiturn import load_memory, load_multi_turn, load_web_search
 
     return [case for c in chosen
             for case in (load_multi_turn(directory, c, limit) if c in MULTI_TURN_CATEGORIES
@@ -766,7 +766,7 @@ def _readings(calls: list[ToolCall], literal: list[ToolCall], limit: int = 64) -
 def score_reply(case: BfclCase, text: str) -> BfclResult:
     """Score one raw reply as BFCL would."""
     if case.prompt_format:
-        from psymesh.agent.bfcl_format import score_format_reply
+        from .bfcl_format import score_format_reply
 
         return score_format_reply(case, text)
     if case.wants_call is not None:
@@ -838,7 +838,7 @@ def oracle_reply(case: BfclCase) -> str:
     call in the Qwen3.5 tool-call form (format_sensitivity: in the case's prompt format);
     plain text where no function fits."""
     if case.prompt_format:
-        from psymesh.agent.bfcl_format import format_oracle_reply
+        from .bfcl_format import format_oracle_reply
 
         return format_oracle_reply(case)
     if case.wants_call:  # BFCL's relevance check asks for any well-formed call
@@ -1013,7 +1013,7 @@ class BfclReport:
 
     def format_sensitivity(self) -> FormatSensitivity | None:
         """BFCL's format_sensitivity statistics (per config; max delta, variance, std)."""
-        from psymesh.agent.bfcl_format import format_sensitivity
+        from .bfcl_format import format_sensitivity
 
         return format_sensitivity(self.results)
 
@@ -1049,7 +1049,7 @@ class BfclReport:
 
 
 def _web_note() -> str:
-    from psymesh.agent.bfcl_multiturn import WEB_NOTE
+    from .bfcl_multiturn import WEB_NOTE
 
     return WEB_NOTE
 
@@ -1081,7 +1081,7 @@ async def run_bfcl(
 async def _run(cases: Iterable[BfclCase | MultiTurnCase], model: AgentModel | None, thinking: bool,
                on_result: Callable[[BfclResult], Awaitable[None]] | None, workdir: Path,
                web: WebRoute | None, prompting: AgentModel | None) -> BfclReport:
-    from psymesh.agent.bfcl_multiturn import MultiTurnCase, oracle_model, run_multi_turn_case
+    from .bfcl_multiturn import MultiTurnCase, oracle_model, run_multi_turn_case
 
     results = []
     for case in cases:
@@ -1169,7 +1169,7 @@ def write_score_files(report: BfclReport, directory: Path, model_name: str) -> l
     written.append(path)
     fs = report.format_sensitivity()
     if fs is not None:  # BFCL's data_format_sensitivity.csv: its columns, its 26 configs in its order
-        from psymesh.agent.bfcl_format import all_configs
+        from .bfcl_format import all_configs
 
         configs = all_configs()
         path = directory / "data_format_sensitivity.csv"

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from typing import Any
 from xml.sax.saxutils import escape, quoteattr
 
-from psymesh.agent.bfcl import (
+from .bfcl import (
     PYTHON,
     BfclCase,
     BfclDataError,
@@ -56,7 +56,7 @@ from psymesh.agent.bfcl import (
     check_calls,
     tool_spec,
 )
-from psymesh.agent.chatformat import ChatMessage, ToolCall
+from .chatformat import ChatMessage, ToolCall
 
 FORMAT_CATEGORY = "format_sensitivity"
 

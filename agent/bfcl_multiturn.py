@@ -56,7 +56,7 @@ from typing import Any, Protocol
 
 from pydantic import ValidationError
 
-from psymesh.agent.bfcl import (
+from .bfcl import (
     FILE_PREFIX,
     MULTI_TURN_CATEGORIES,
     BfclDataError,
@@ -67,10 +67,10 @@ from psymesh.agent.bfcl import (
     offline_vector_encoder,
     tool_spec,
 )
-from psymesh.agent.chatformat import ChatMessage, ParsedReply, ToolCall, ToolSpec, parse_reply
-from psymesh.agent.loop import AgentModel, ScriptedModel, tool_call_text
-from psymesh.protocol.errors import PsymeshError
-from psymesh.protocol.web import WebPage, WebResults
+from .chatformat import ChatMessage, ParsedReply, ToolCall, ToolSpec, parse_reply
+from .loop import AgentModel, ScriptedModel, tool_call_text
+from ..protocol.errors import PsymeshError
+from ..protocol.web import WebPage, WebResults
 
 __all__ = [
     "ADDITIONAL_FUNCTION_PROMPT",

@@ -31,9 +31,9 @@ from typing import Annotated, Any, BinaryIO
 
 from pydantic import Field
 
-from psymesh.agent.device import DeviceState, register_device_tools
-from psymesh.agent.tools import ToolContext, ToolError, ToolRegistry
-from psymesh.protocol.errors import ErrorCode
+from .device import DeviceState, register_device_tools
+from .tools import ToolContext, ToolError, ToolRegistry
+from ..protocol.errors import ErrorCode
 
 __all__ = [
     "FILE_PROFILES",

@@ -37,7 +37,7 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from psymesh.protocol.errors import ErrorCode, PsymeshError
+from ..protocol.errors import ErrorCode, PsymeshError
 
 __all__ = [
     "ChatFormatError",

@@ -25,8 +25,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
-from psymesh.agent.tools import ToolError, ToolRegistry
-from psymesh.protocol.errors import ErrorCode
+from .tools import ToolError, ToolRegistry
+from ..protocol.errors import ErrorCode
 
 __all__ = [
     "MESSAGE_RESERVE_BYTES",

@@ -29,10 +29,10 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from psymesh.agent.bfcl import OMITTABLE, CategoryScore, ExpectedCall, check_calls
-from psymesh.agent.chatformat import ChatMessage, ToolCall, ToolSpec, parse_reply
-from psymesh.agent.loop import AgentModel, default_system_prompt
-from psymesh.protocol.errors import ErrorCode, PsymeshError
+from .bfcl import OMITTABLE, CategoryScore, ExpectedCall, check_calls
+from .chatformat import ChatMessage, ToolCall, ToolSpec, parse_reply
+from .loop import AgentModel, default_system_prompt
+from ..protocol.errors import ErrorCode, PsymeshError
 
 __all__ = [
     "CaseResult",

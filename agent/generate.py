@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from psymesh.agent.chatformat import (
+from .chatformat import (
     THINK_CLOSE,
     TOOL_CALL_CLOSE,
     ChatMessage,
@@ -46,11 +46,11 @@ from psymesh.agent.chatformat import (
     render_prompt,
     split_generation_prompt,
 )
-from psymesh.protocol.errors import ErrorCode, PsymeshError
+from ..protocol.errors import ErrorCode, PsymeshError
 
 if TYPE_CHECKING:
-    from psymesh.agent.grammar import ThinkMode
-    from psymesh.agent.inference import Completion, TextModel
+    from .grammar import ThinkMode
+    from .inference import Completion, TextModel
 
 __all__ = [
     "FinishReason",
@@ -226,7 +226,7 @@ async def generate(
     parsed against them. Raises GenerationError / ChatFormatError for a request that
     cannot run, and the worker's ModelError family for one that failed.
     """
-    from psymesh.agent.inference import StopAfter, ThinkBudget
+    from .inference import StopAfter, ThinkBudget
 
     offered = tuple(tools) if tools is not None else ()
     template = worker.chat_template
@@ -320,7 +320,7 @@ def _names_tokens(gbnf: str) -> bool:
 def _tool_grammar(tools_json: tuple[str, ...], think: ThinkMode, rules: ToolGrammar) -> str:
     """GBNF for these tools, cached: an agent asks with the same tools at every step, and
     building the grammar (JSON-schema conversion) costs more than parsing the key."""
-    from psymesh.agent.grammar import tool_call_grammar
+    from .grammar import tool_call_grammar
 
     try:
         return tool_call_grammar([ToolSpec.model_validate_json(t) for t in tools_json], think=think,

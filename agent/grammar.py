@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-from psymesh.agent.chatformat import ToolSpec
+from .chatformat import ToolSpec
 
 __all__ = ["ThinkMode", "tool_call_grammar"]
 

@@ -2,7 +2,7 @@
 shapes the reply.
 
 A peer's delegated infer task and the owner's OpenAI-compatible endpoint
-(node/openai_api.py) describe a completion the same way (protocol.tasks.TaskSpec);
+(node/bridges/openai.py) describe a completion the same way (protocol.tasks.TaskSpec);
 this one translation turns it into :func:`psymesh.agent.generate.generate`'s
 arguments, so a request asked of a paired home renders, samples and parses exactly
 as it would on this node.
@@ -26,10 +26,10 @@ from dataclasses import dataclass
 
 from pydantic import ValidationError
 
-from psymesh.agent.chatformat import ChatMessage, ToolCall, ToolSpec
-from psymesh.agent.generate import GenerationError, GenerationParams, ToolGrammar
-from psymesh.protocol.tasks import ChatMessage as WireMessage
-from psymesh.protocol.tasks import TaskSpec, ToolDef
+from .chatformat import ChatMessage, ToolCall, ToolSpec
+from .generate import GenerationError, GenerationParams, ToolGrammar
+from ..protocol.tasks import ChatMessage as WireMessage
+from ..protocol.tasks import TaskSpec, ToolDef
 
 __all__ = ["InferInputs", "infer_inputs"]
 

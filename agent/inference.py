@@ -19,7 +19,7 @@ from typing import Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from psymesh.protocol.errors import ErrorCode, PsymeshError
+from ..protocol.errors import ErrorCode, PsymeshError
 
 __all__ = [
     "Completion",

@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 import anyio
 import anyio.lowlevel
 
-from psymesh.agent.chatformat import (
+from .chatformat import (
     ChatMessage,
     ParsedReply,
     ToolCall,
@@ -55,12 +55,12 @@ from psymesh.agent.chatformat import (
     render_prompt,
     split_generation_prompt,
 )
-from psymesh.agent.generate import GenerationParams, complete
-from psymesh.agent.tools import Tool, ToolContext, ToolError, ToolRegistry, invoke
-from psymesh.protocol.errors import ErrorCode, PsymeshError
+from .generate import GenerationParams, complete
+from .tools import Tool, ToolContext, ToolError, ToolRegistry, invoke
+from ..protocol.errors import ErrorCode, PsymeshError
 
 if TYPE_CHECKING:
-    from psymesh.agent.inference import TextModel
+    from .inference import TextModel
 
 __all__ = [
     "AgentConfig",

@@ -72,7 +72,7 @@ from typing import Any, Literal
 import anyio
 import llama_cpp
 from llama_cpp import Llama, LlamaGrammar
-from psymesh.agent.inference import (
+from .inference import (
     Completion,
     FinishReason,
     GrammarError,
@@ -89,7 +89,7 @@ from psymesh.agent.inference import (
     WorkerStats,
     default_threads,
 )
-from psymesh.protocol.errors import PsymeshError
+from ..protocol.errors import PsymeshError
 
 __all__ = [
     "Completion",

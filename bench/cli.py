@@ -24,7 +24,7 @@ from pathlib import Path
 import anyio
 from _common import summarize
 
-from psymesh.node.process import DaemonProcess
+from psymesh.node.control.process import DaemonProcess
 
 
 # As installed: bytecode cached (an environment with PYTHONDONTWRITEBYTECODE=1 would compile

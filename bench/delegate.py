@@ -136,9 +136,9 @@ class MeshFigures:
 
 @contextlib.asynccontextmanager
 async def daemons(tmp: Path, model: Path) -> AsyncIterator[tuple[object, object]]:
-    from psymesh.node.db import open_db
+    from psymesh.node.core.db import open_db
     from psymesh.node.models import ModelRegistry
-    from psymesh.node.process import DaemonProcess, pair_homes
+    from psymesh.node.control.process import DaemonProcess, pair_homes
     from psymesh.protocol.limits import Limits
 
     home = DaemonProcess(tmp / "home", name="home")
@@ -219,11 +219,11 @@ async def first_token_in_process(max_tokens: int, model: Path) -> float:
 
 async def bench_unbatched(max_tokens: int, model: Path, tmp: Path) -> MeshFigures:
     """The same token stream from in-process nodes with batching off: one event per token."""
-    from psymesh.node.client import Client
+    from psymesh.node.control.client import Client
     from psymesh.node.daemon import Node
-    from psymesh.node.home import NodeHome
-    from psymesh.node.process import pair_homes
-    from psymesh.node.executor import ExecutorLimits
+    from psymesh.node.core.home import NodeHome
+    from psymesh.node.control.process import pair_homes
+    from psymesh.node.tasks.executor import ExecutorLimits
 
     figures = MeshFigures([], [])
     async with anyio.create_task_group() as tg:

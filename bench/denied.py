@@ -21,10 +21,10 @@ from pathlib import Path
 
 import anyio
 
-from psymesh.node.client import Client
+from psymesh.node.control.client import Client
 from psymesh.node.daemon import Node
-from psymesh.node.home import NodeHome
-from psymesh.node.process import DaemonProcess, pair_homes
+from psymesh.node.core.home import NodeHome
+from psymesh.node.control.process import DaemonProcess, pair_homes
 from psymesh.protocol.common import Ping, Pong
 from psymesh.protocol.errors import PsymeshError
 from psymesh.protocol.tasks import TaskAccepted, TaskSpec, TaskSubmit

@@ -21,11 +21,11 @@ from pathlib import Path
 
 import anyio
 
-from psymesh.node.client import Client
+from psymesh.node.control.client import Client
 from psymesh.node.daemon import Node
-from psymesh.node.db import SYNC_FILE
-from psymesh.node.home import NodeHome
-from psymesh.node.process import pair_homes
+from psymesh.node.core.db import SYNC_FILE
+from psymesh.node.core.home import NodeHome
+from psymesh.node.control.process import pair_homes
 from psymesh.protocol.messaging import Letter, MsgReceipts, MsgSendMany
 from psymesh.protocol.tasks import TaskAccepted, TaskSpec, TaskSubmit
 

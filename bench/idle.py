@@ -83,7 +83,7 @@ async def measure(pids: dict[str, int], seconds: float) -> dict[str, Idle]:
 
 
 async def bench(seconds: float) -> dict[str, Idle]:
-    from psymesh.node.process import DaemonProcess, pair_homes
+    from psymesh.node.control.process import DaemonProcess, pair_homes
 
     with tempfile.TemporaryDirectory(prefix="psymesh-idle-") as tmp:
         home, phone = DaemonProcess(Path(tmp) / "home"), DaemonProcess(Path(tmp) / "phone", profile="phone")

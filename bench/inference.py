@@ -354,11 +354,11 @@ async def memory_rows(model: Path, args: argparse.Namespace) -> list[tuple[str, 
     runners', idle before the model was loaded, loaded, and after the keep-alive."""
     import shutil
 
-    from psymesh.node.client import Client
-    from psymesh.node.db import open_db
-    from psymesh.node.home import NodeHome
+    from psymesh.node.control.client import Client
+    from psymesh.node.core.db import open_db
+    from psymesh.node.core.home import NodeHome
     from psymesh.node.models import ModelRegistry
-    from psymesh.node.process import DaemonProcess, pair_homes
+    from psymesh.node.control.process import DaemonProcess, pair_homes
 
     base = ROOT / ".bench" / "memory"
     shutil.rmtree(base, ignore_errors=True)

@@ -58,7 +58,7 @@ class Figures:
 
 @contextlib.asynccontextmanager
 async def two_daemons(tmp: Path) -> AsyncIterator[tuple[object, object]]:
-    from psymesh.node.process import DaemonProcess, pair_homes
+    from psymesh.node.control.process import DaemonProcess, pair_homes
     from psymesh.protocol.limits import Limits
 
     home = DaemonProcess(tmp / "home", name="home")
@@ -128,9 +128,9 @@ def check_once_in_order(got: list[object], expected: list[str]) -> None:
 async def bench_fanout(tmp: Path, members: int, rounds: int, figures: Figures) -> None:
     """One sender daemon; `members` nodes in this process, all in group `all`."""
     from psymesh.node.daemon import Node
-    from psymesh.node.home import NodeHome
-    from psymesh.node.process import DaemonProcess, pair_homes
-    from psymesh.node.client import Client
+    from psymesh.node.core.home import NodeHome
+    from psymesh.node.control.process import DaemonProcess, pair_homes
+    from psymesh.node.control.client import Client
     from psymesh.protocol.limits import Limits
 
     sender = DaemonProcess(tmp / "sender", name="sender")

@@ -83,7 +83,7 @@ def via_endpoint(url: str, key: str, max_tokens: int) -> Run:
 
 
 async def via_sdk(phone_home: Path, max_tokens: int) -> Run:
-    from psymesh.node.client import Client
+    from psymesh.node.control.client import Client
     from psymesh.protocol.tasks import EventKind
 
     async with Client(phone_home) as phone:
@@ -121,10 +121,10 @@ async def via_local(worker: object, max_tokens: int) -> Run:
 
 async def bench(model: Path, args: argparse.Namespace, tmp: Path) -> dict[str, list[Run]]:
     from psymesh.agent.runtime import ModelSettings, ModelWorker
-    from psymesh.node.db import open_db
-    from psymesh.node.home import NodeHome
+    from psymesh.node.core.db import open_db
+    from psymesh.node.core.home import NodeHome
     from psymesh.node.models import ModelRegistry
-    from psymesh.node.process import DaemonProcess, pair_homes
+    from psymesh.node.control.process import DaemonProcess, pair_homes
 
     home_dir = tmp / "home"
     home = NodeHome(home_dir)

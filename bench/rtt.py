@@ -13,7 +13,7 @@ All three run in the same session, on 127.0.0.1, each server in its own process:
 - through a relay (root only: it needs network namespaces of its own): home and phone in
   namespaces with no route between them, a third daemon relaying (circuit relay v2) with
   a veth link into each; the phone pings home through it. Then a direct veth link between
-  home and phone appears, the phone moves to it (node/relay.py), and the same pings run
+  home and phone appears, the phone moves to it (node/reach/relaying.py), and the same pings run
   direct, over the same kind of link, for the ratio. The target: relayed <= direct + one
   relay hop (the relay forwards each ping and pong once more, in its own process).
 
@@ -112,7 +112,7 @@ def bench_tcp(count: int) -> list[float]:
 
 
 async def bench_psymesh(count: int) -> tuple[list[float], float]:
-    from psymesh.node.process import DaemonProcess, pair_homes
+    from psymesh.node.control.process import DaemonProcess, pair_homes
     from psymesh.protocol.limits import Limits
 
     with tempfile.TemporaryDirectory(prefix="psymesh-bench-") as tmp:
@@ -144,8 +144,8 @@ async def bench_relayed(count: int) -> tuple[list[float], list[float]] | None:
     our own; None without root (or iproute2)."""
     if os.geteuid() != 0 or shutil.which("ip") is None:
         return None
-    from psymesh.node.home import NodeHome
-    from psymesh.node.process import DaemonProcess, pair_homes
+    from psymesh.node.core.home import NodeHome
+    from psymesh.node.control.process import DaemonProcess, pair_homes
     from psymesh.protocol.limits import Limits
     from psymesh.protocol.relay import RelaySettings
 

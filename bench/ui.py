@@ -1,4 +1,4 @@
-"""The dashboard (node/dashboard.py): how long a page takes, and how long an event takes to
+"""The dashboard (node/control/dashboard.py): how long a page takes, and how long an event takes to
 show in an open page. Measured, not asserted (targets: a page <= 100 ms; an event in the
 page <= 250 ms after it happens).
 
@@ -30,10 +30,10 @@ from pathlib import Path
 import anyio
 import httpx
 
-from psymesh.node.bridgeconfig import UiServe
-from psymesh.node.client import Client
-from psymesh.node.home import NodeHome
-from psymesh.node.process import DaemonProcess, pair_homes
+from psymesh.node.core.bridgeconfig import UiServe
+from psymesh.node.control.client import Client
+from psymesh.node.core.home import NodeHome
+from psymesh.node.control.process import DaemonProcess, pair_homes
 from psymesh.protocol.errors import RemoteError
 
 PAGES = ["/", "/pair", "/peers", "/activity", "/agent", "/models"]

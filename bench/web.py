@@ -92,7 +92,7 @@ def cpu_ms(pid: int) -> tuple[float, float]:
 
 async def direct_fetch(http: httpx.AsyncClient, url: str) -> tuple[float, float, str]:
     """(fetch, fetch + text) in seconds and the text: one GET on a kept-open client, then the exit's extraction."""
-    from psymesh.node.extractor import readable_text
+    from psymesh.node.web.extractor import readable_text
 
     t0 = time.perf_counter()
     response = await http.get(url)
@@ -126,10 +126,10 @@ async def bench(tmp: Path, url: str, runs: int, server_pid: int
                 ) -> tuple[dict[str, list[float]], dict[str, dict[str, float]]]:
     """Each kind's latencies in ms, timed in turn, `runs` rounds, through three real daemons;
     then each mesh kind's CPU ms per query by process (CPU_COLUMNS)."""
-    from psymesh.node.home import NodeHome
-    from psymesh.node.process import DaemonProcess, pair_homes
-    from psymesh.node.webexit import ExitSettings
-    from psymesh.node.websettings import WebSettings
+    from psymesh.node.core.home import NodeHome
+    from psymesh.node.control.process import DaemonProcess, pair_homes
+    from psymesh.node.web.exit import ExitSettings
+    from psymesh.node.core.websettings import WebSettings
     from psymesh.protocol.limits import Limits
 
     exit_home = NodeHome(tmp / "exit")

@@ -29,7 +29,7 @@ import anyio.abc
 import trio
 from zeroconf import DNSText, IPVersion, ServiceBrowser, ServiceInfo, ServiceStateChange, Zeroconf, current_time_millis
 
-from psymesh.discovery.records import SERVICE_TYPE, Announcement, advertised, encode_txt, instance_label, parse_announcement
+from .records import SERVICE_TYPE, Announcement, advertised, encode_txt, instance_label, parse_announcement
 
 log = logging.getLogger("psymesh.discovery")
 

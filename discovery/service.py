@@ -36,13 +36,13 @@ from typing import Protocol
 import anyio
 import anyio.abc
 
-from psymesh.discovery.mdns import Left, Mdns, MdnsEvent
-from psymesh.discovery.records import dialable, without_peer_id
-from psymesh.discovery.static import Dialer, StaticPeers, check_static_peers
-from psymesh.discovery.table import SeenTable, Sighting
-from psymesh.protocol.control import DiscoverReply, SeenNode, network_kind
-from psymesh.protocol.errors import PsymeshError
-from psymesh.protocol.identity import is_peer_id, peer_fingerprint
+from .mdns import Left, Mdns, MdnsEvent
+from .records import dialable, without_peer_id
+from .static import Dialer, StaticPeers, check_static_peers
+from .table import SeenTable, Sighting
+from ..protocol.control import DiscoverReply, SeenNode, network_kind
+from ..protocol.errors import PsymeshError
+from ..protocol.identity import is_peer_id, peer_fingerprint
 
 log = logging.getLogger("psymesh.discovery")
 
@@ -56,7 +56,7 @@ MAX_STORED = 8         # addresses kept per paired peer
 
 
 class Host(Dialer, Protocol):
-    """What discovery needs of the p2p host (node/p2p.py P2PNode)."""
+    """What discovery needs of the p2p host (node/net/p2p.py P2PNode)."""
 
     def addrs(self) -> list[str]: ...
 
@@ -71,7 +71,7 @@ class Probe(Protocol):
 
 
 class KnownPeer(Protocol):
-    """A paired peer as the trust store holds it (node/trust.py Peer)."""
+    """A paired peer as the trust store holds it (node/door/trust.py Peer)."""
 
     @property
     def name(self) -> str: ...
@@ -84,7 +84,7 @@ class KnownPeer(Protocol):
 
 
 class PeerBook(Protocol):
-    """The trust store (node/trust.py TrustStore), as far as addresses go."""
+    """The trust store (node/door/trust.py TrustStore), as far as addresses go."""
 
     def get(self, peer_id: str) -> KnownPeer | None: ...
 

@@ -20,9 +20,9 @@ from typing import Protocol
 import anyio
 import anyio.abc
 
-from psymesh.discovery.records import addr_peer_id
-from psymesh.protocol.errors import ErrorCode, PsymeshError
-from psymesh.protocol.identity import is_peer_id
+from .records import addr_peer_id
+from ..protocol.errors import ErrorCode, PsymeshError
+from ..protocol.identity import is_peer_id
 
 log = logging.getLogger("psymesh.discovery")
 
@@ -34,7 +34,7 @@ BACKOFF_MAX_S = 300.0
 
 
 class Dialer(Protocol):
-    """What static peers need of the p2p host (node/p2p.py P2PNode)."""
+    """What static peers need of the p2p host (node/net/p2p.py P2PNode)."""
 
     async def connect(self, addr: str) -> str: ...
 

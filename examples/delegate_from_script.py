@@ -17,7 +17,7 @@ import argparse
 import asyncio
 
 import psymesh
-from psymesh.node.client import TaskHandle
+from psymesh.node.control.client import TaskHandle
 from psymesh.protocol.errors import PsymeshError
 from psymesh.protocol.tasks import EventKind
 

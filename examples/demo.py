@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from localweb import local_web
-from psymesh.node.process import DaemonProcess
+from psymesh.node.control.process import DaemonProcess
 from psymesh.protocol.control import StatusReply
 from psymesh.protocol.errors import RemoteError
 
@@ -297,7 +297,7 @@ async def web_through_home(d: Demo) -> None:
     step("The phone's agent looks it up (scripted stand-in for BotPsy; web.search and web.fetch go through home)")
     from psymesh.agent.loop import ScriptedModel, run_agent, tool_call_text
     from psymesh.agent.tools import ToolContext, ToolRegistry
-    from psymesh.node.webtools import web_tools
+    from psymesh.node.web.tools import web_tools
     from psymesh.protocol.web import WebAnswer, WebRequest, WebSearch
 
     async with d.phone.client() as phone:
@@ -324,7 +324,7 @@ async def web_through_home(d: Demo) -> None:
     friend = DaemonProcess(d.workdir / "friend", name="friend")
     friend_id = (await friend.start()).peer_id
     try:
-        from psymesh.node.process import pair_homes
+        from psymesh.node.control.process import pair_homes
 
         await pair_homes(d.home.home, friend.home, grant="messaging")
         await pair_homes(friend.home, d.phone.home, grant="messaging")
@@ -419,12 +419,12 @@ def prepare_nodes(work: Path, web: str) -> list[str]:
     here; one token per character, hence the large context); home is the phone's web exit,
     searching and fetching from the demo's local web at `web`, and serves `[serve.openai]`."""
     from psymesh.agent.testmodel import make_tiny_gguf
-    from psymesh.node.db import open_db
-    from psymesh.node.home import NodeHome
+    from psymesh.node.core.db import open_db
+    from psymesh.node.core.home import NodeHome
     from psymesh.node.models import ModelRegistry
-    from psymesh.node.webexit import ExitSettings
-    from psymesh.node.websearch import SearchSettings
-    from psymesh.node.websettings import WebSettings
+    from psymesh.node.web.exit import ExitSettings
+    from psymesh.node.web.search import SearchSettings
+    from psymesh.node.core.websettings import WebSettings
 
     share = work / "share"
     (share / "notes").mkdir(parents=True)

@@ -1,21 +1,21 @@
 """The node daemon: one root task group that owns every service.
 
     Node.run()
-      ├── WakeLock.run         under Termux: a wake lock only while work is in flight (node/wakelock.py)
+      ├── WakeLock.run         under Termux: a wake lock only while work is in flight (node/core/wakelock.py)
       ├── P2PNode.run          libp2p host (Noise + yamux over TCP), our protocol handlers
       ├── SessionPool.run      one outbound session per peer (+ a liveness watcher each)
       ├── McpTools.run         [[mcp]] servers' tools mounted as mcp.NAME.*, restarted when they die
       ├── TaskExecutor.run     recover unfinished tasks, N workers, expiry/purge housekeeping
       ├── TaskSubmitter.run    one driver per unfinished delegated task
-      ├── OpenAIEndpoint.run   [serve.openai]: an OpenAI-compatible HTTP endpoint (node/openai_api.py)
+      ├── OpenAIEndpoint.run   [serve.openai]: an OpenAI-compatible HTTP endpoint (node/bridges/openai.py)
       ├── A2AEndpoint.run      [serve.a2a]: the agent as an A2A agent, a2a-sdk on its own asyncio thread
       ├── Messaging.run        one courier per recipient with letters to deliver
-      ├── Answering.run        peers' asks answered by the agent, one at a time (node/answering.py)
+      ├── Answering.run        peers' asks answered by the agent, one at a time (node/messaging/answering.py)
       ├── Mailbox.run          mail held for peers that named this node: expiry housekeeping
       ├── MailOwner.run        our mail key to every peer; our mail fetched from our mailbox
       ├── Discovery.run        mDNS (if configured), static peers; paired peers' addresses follow them
-      ├── Relaying.run         reservations at our relays; direct paths preferred; our addresses told (node/relay.py)
-      ├── ControlServer.serve  local Unix socket for the CLI and scripts (handlers: node/owner.py)
+      ├── Relaying.run         reservations at our relays; direct paths preferred; our addresses told (node/reach/relaying.py)
+      ├── ControlServer.serve  local Unix socket for the CLI and scripts (handlers: node/control/owner.py)
       └── signal watcher       SIGINT/SIGTERM -> cancel the root scope -> clean shutdown
 
 Every request a peer sends arrives on a session (`/psymesh/session/1.0.0`) and passes
@@ -36,55 +36,55 @@ from typing import TYPE_CHECKING, Literal
 import anyio
 import anyio.abc
 
-from psymesh.discovery.service import Discovery
-from psymesh.node.agents import AgentTaskRunner, node_tools
-from psymesh.node.answering import Answering
-from psymesh.node.apikey import load_api_key
-from psymesh.node.audit import AuditLog
-from psymesh.node.control import ControlServer
-from psymesh.node.db import SYNC_FILE, Checkpointer, WalSync, open_db
-from psymesh.node.executor import TaskExecutor
-from psymesh.node.framed import FramedStream
-from psymesh.node.gate import Gate
-from psymesh.node.groups import Groups
-from psymesh.node.home import NodeConfig, NodeHome
-from psymesh.node.logs import fields
-from psymesh.node.mcp_tools import McpTools
-from psymesh.node.p2p import P2PNode, P2PStream, local_ipv4_addresses
-from psymesh.node.relay import Relaying
-from psymesh.node.pairing import PairingService
-from psymesh.node.liveness import Liveness
-from psymesh.node.mailbox import Mailbox, MailStore
-from psymesh.node.mailclient import MailOwner, MailSender
-from psymesh.node.messaging import Messaging
-from psymesh.node.msgstore import MessageStore
-from psymesh.node.models import ModelPool, ModelRegistry
-from psymesh.node.notify import Pulse
-from psymesh.node.owner import Owner
-from psymesh.node.ping import pong_time
-from psymesh.node.bridgeconfig import A2AServe, OpenAIServe
-from psymesh.node.reach import Reach
-from psymesh.node.session import Call, SessionPool, serve_session
-from psymesh.node.submitter import TaskSubmitter
-from psymesh.node.taskstore import ExecutorStore, Outbox
-from psymesh.node.trust import Peer, TrustStore
-from psymesh.node.web import WebKeys, WebRouter
-from psymesh.node.webserve import WebServer
-from psymesh.node.wakelock import WakeCommands, WakeLock, termux_commands
-from psymesh.node.webtools import web_tools
-from psymesh.protocol import ids
-from psymesh.protocol.addresses import AddrsPush, dial_addresses, is_loopback_addr
-from psymesh.protocol.identity import is_peer_id
-from psymesh.protocol.errors import ErrorCode, PsymeshError
-from psymesh.protocol.manifest import Manifest, ManifestOk, ManifestPush, ManifestRevoke, Operation, check, revocation
-from psymesh.protocol.common import Ping, Pong
-from psymesh.protocol.dialback import DialBack
-from psymesh.protocol.messages import Message
-from psymesh.protocol.mailbox import MailAck, MailDeposit, MailFetch, MailKeyPush, MailLeaveReceipt, MailTakeReceipts
-from psymesh.protocol.messaging import MsgAck, MsgMissing, MsgSend, MsgSendMany
-from psymesh.protocol.pairing import PAIR_MAX_FRAME
-from psymesh.protocol.session import MAX_OPEN_REQUESTS
-from psymesh.protocol.web import (
+from ..discovery.service import Discovery
+from .models.agents import AgentTaskRunner, node_tools
+from .messaging.answering import Answering
+from .bridges.apikey import load_api_key
+from .door.audit import AuditLog
+from .control.server import ControlServer
+from .core.db import SYNC_FILE, Checkpointer, WalSync, open_db
+from .tasks.executor import TaskExecutor
+from .net.framed import FramedStream
+from .door.gate import Gate
+from .messaging.groups import Groups
+from .core.home import NodeConfig, NodeHome
+from .core.logs import fields
+from .bridges.mcp import McpTools
+from .net.p2p import P2PNode, P2PStream, local_ipv4_addresses
+from .reach.relaying import Relaying
+from .door.pairing import PairingService
+from .net.liveness import Liveness
+from .messaging.mailbox import Mailbox, MailStore
+from .messaging.mailclient import MailOwner, MailSender
+from .messaging.service import Messaging
+from .messaging.store import MessageStore
+from .models import ModelPool, ModelRegistry
+from .core.notify import Pulse
+from .control.owner import Owner
+from .net.ping import pong_time
+from .core.bridgeconfig import A2AServe, OpenAIServe
+from .reach.dialback import Reach
+from .net.session import Call, SessionPool, serve_session
+from .tasks.submitter import TaskSubmitter
+from .tasks.store import ExecutorStore, Outbox
+from .door.trust import Peer, TrustStore
+from .web.router import WebKeys, WebRouter
+from .web.serve import WebServer
+from .core.wakelock import WakeCommands, WakeLock, termux_commands
+from .web.tools import web_tools
+from ..protocol import ids
+from ..protocol.addresses import AddrsPush, dial_addresses, is_loopback_addr
+from ..protocol.identity import is_peer_id
+from ..protocol.errors import ErrorCode, PsymeshError
+from ..protocol.manifest import Manifest, ManifestOk, ManifestPush, ManifestRevoke, Operation, check, revocation
+from ..protocol.common import Ping, Pong
+from ..protocol.dialback import DialBack
+from ..protocol.messages import Message
+from ..protocol.mailbox import MailAck, MailDeposit, MailFetch, MailKeyPush, MailLeaveReceipt, MailTakeReceipts
+from ..protocol.messaging import MsgAck, MsgMissing, MsgSend, MsgSendMany
+from ..protocol.pairing import PAIR_MAX_FRAME
+from ..protocol.session import MAX_OPEN_REQUESTS
+from ..protocol.web import (
     WebAnswer,
     WebFetch,
     WebKeyGet,
@@ -95,12 +95,12 @@ from psymesh.protocol.web import (
     WebSealed,
     WebSearch,
 )
-from psymesh.protocol.tasks import TaskAck, TaskAcks, TaskAttach, TaskCancel, TaskCaps, TaskCapsReply, TaskInput, TaskList, TaskSubmit
+from ..protocol.tasks import TaskAck, TaskAcks, TaskAttach, TaskCancel, TaskCaps, TaskCapsReply, TaskInput, TaskList, TaskSubmit
 
 if TYPE_CHECKING:
-    from psymesh.node.a2a_api import A2AEndpoint
-    from psymesh.node.dashboard import Dashboard
-    from psymesh.node.openai_api import OpenAIEndpoint
+    from .bridges.a2a import A2AEndpoint
+    from .control.dashboard import Dashboard
+    from .bridges.openai import OpenAIEndpoint
 
 log = logging.getLogger("psymesh.node")
 
@@ -117,7 +117,7 @@ class Node:
         """`environ`: where the bridges' keys may come from ($PSYMESH_OPENAI_API_KEY, ...).
         `fsync`: how the WAL is synced before a durable answer (a test traces it).
         `wake_commands`: how a wake lock is taken and let go while work is in flight
-        (node/wakelock.py); by default Termux's, when the node runs under Termux."""
+        (node/core/wakelock.py); by default Termux's, when the node runs under Termux."""
         self.home = home
         self.identity = home.init()
         self.config = config or home.load_config()
@@ -183,16 +183,16 @@ class Node:
         self.mcp = McpTools(self.config.mcp, self.tools, home.path)
         self.openai: OpenAIEndpoint | None = None
         if self.config.serve.openai.enabled:
-            from psymesh.node.openai_api import OpenAIEndpoint
+            from .bridges.openai import OpenAIEndpoint
 
             self.openai = OpenAIEndpoint(self, self.config.serve.openai,
                                          load_api_key(self.config.serve.openai, home, environ))
         self.a2a: A2AEndpoint | None = None
         if self.config.serve.a2a.enabled:
-            from psymesh.node.a2a_api import A2AEndpoint
+            from .bridges.a2a import A2AEndpoint
 
             self.a2a = A2AEndpoint(self, self.config.serve.a2a, load_api_key(self.config.serve.a2a, home, environ))
-        # The dashboard (node/dashboard.py): on for a home unless [ui] says otherwise; on a phone
+        # The dashboard (node/control/dashboard.py): on for a home unless [ui] says otherwise; on a phone
         # started on demand (start_ui), so an idle phone never imports or runs an HTTP server.
         self.activity = Pulse()  # fired by every task event, letter and audit row: the open pages re-read
         self.audit.pulse = self.activity
@@ -289,7 +289,7 @@ class Node:
     async def serve_endpoint(self, section: Literal["openai", "a2a"], settings: OpenAIServe | A2AServe) -> tuple[str, bool]:
         """Turn the OpenAI-compatible endpoint or the A2A agent on now, in the root task
         group (`psymesh serve` against a running daemon); (url, was it on already). Its key
-        comes as at start (node/apikey.py: the daemon's environment, api_key_file, or
+        comes as at start (node/bridges/apikey.py: the daemon's environment, api_key_file, or
         <home>/KEY_FILE, made on first use)."""
         running = self.openai if section == "openai" else self.a2a
         if running is not None:
@@ -298,14 +298,14 @@ class Node:
         if self._tg is None:
             raise PsymeshError("the node is not running", code=ErrorCode.UNAVAILABLE)
         if section == "openai":
-            from psymesh.node.openai_api import OpenAIEndpoint
+            from .bridges.openai import OpenAIEndpoint
 
             assert isinstance(settings, OpenAIServe)
             openai = OpenAIEndpoint(self, settings, load_api_key(settings, self.home, self._environ))
             await self._tg.start(openai.run)
             self.openai, url = openai, openai.url
         else:
-            from psymesh.node.a2a_api import A2AEndpoint
+            from .bridges.a2a import A2AEndpoint
 
             assert isinstance(settings, A2AServe)
             a2a = A2AEndpoint(self, settings, load_api_key(settings, self.home, self._environ))
@@ -364,7 +364,7 @@ class Node:
         if self.ui is not None and self.ui.url is not None:
             return self.ui
         assert self._tg is not None, "the node is not running"
-        from psymesh.node.dashboard import Dashboard
+        from .control.dashboard import Dashboard
 
         ui = Dashboard(self, self.config.ui, load_api_key(self.config.ui, self.home, self._environ))
         try:

@@ -18,10 +18,10 @@ from typing import ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from psymesh.protocol.errors import ErrorCode, PsymeshError
-from psymesh.protocol.identity import PeerId
-from psymesh.protocol.signing import Signed
-from psymesh.protocol.messages import Message
+from .errors import ErrorCode, PsymeshError
+from .identity import PeerId
+from .signing import Signed
+from .messages import Message
 
 MAX_ADDRS = 16  # as many as an invite carries
 

@@ -36,16 +36,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 
-from psymesh.protocol.addresses import AddrsPush
-from psymesh.protocol.common import Ping
-from psymesh.protocol.dialback import DialBack
-from psymesh.protocol.mailbox import MailAck, MailDeposit, MailFetch, MailKeyPush, MailLeaveReceipt, MailTakeReceipts
-from psymesh.protocol.errors import ErrorCode, PsymeshError
-from psymesh.protocol.manifest import ManifestPush, ManifestRevoke, Operation
-from psymesh.protocol.messages import Message
-from psymesh.protocol.messaging import MsgAck, MsgMissing, MsgSend, MsgSendMany
-from psymesh.protocol.web import WebFetch, WebKeyGet, WebKeyOf, WebKeyPush, WebRelay, WebSealed, WebSearch
-from psymesh.protocol.tasks import (
+from .addresses import AddrsPush
+from .common import Ping
+from .dialback import DialBack
+from .mailbox import MailAck, MailDeposit, MailFetch, MailKeyPush, MailLeaveReceipt, MailTakeReceipts
+from .errors import ErrorCode, PsymeshError
+from .manifest import ManifestPush, ManifestRevoke, Operation
+from .messages import Message
+from .messaging import MsgAck, MsgMissing, MsgSend, MsgSendMany
+from .web import WebFetch, WebKeyGet, WebKeyOf, WebKeyPush, WebRelay, WebSealed, WebSearch
+from .tasks import (
     TaskAck,
     TaskAcks,
     TaskAttach,

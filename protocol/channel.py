@@ -12,9 +12,9 @@ further use raises the same error, so a half-parsed stream is never trusted.
 """
 from __future__ import annotations
 
-from psymesh.protocol.errors import ProtocolError
-from psymesh.protocol.framing import DEFAULT_MAX_FRAME_SIZE, FrameDecoder, encode_frame
-from psymesh.protocol.messages import Message, pack, unpack
+from .errors import ProtocolError
+from .framing import DEFAULT_MAX_FRAME_SIZE, FrameDecoder, encode_frame
+from .messages import Message, pack, unpack
 
 
 class FrameReader:

@@ -4,8 +4,8 @@ from typing import Any
 
 from pydantic import Field
 
-from psymesh.protocol.errors import ErrorCode, ProtocolError, PsymeshError, RemoteError
-from psymesh.protocol.messages import M, Message
+from .errors import ErrorCode, ProtocolError, PsymeshError, RemoteError
+from .messages import M, Message
 
 
 class Error(Message):

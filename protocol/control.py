@@ -18,9 +18,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from psymesh.protocol.common import Error
-from psymesh.protocol.dialback import DialBackReply
-from psymesh.protocol.errors import (
+from .common import Error
+from .dialback import DialBackReply
+from .errors import (
     ConnectError,
     ConnectionLost,
     NetworkError,
@@ -28,11 +28,11 @@ from psymesh.protocol.errors import (
     PsymeshError,
     RemoteError,
 )
-from psymesh.protocol.limits import Limits
-from psymesh.protocol.messages import Message
-from psymesh.protocol.messaging import LetterId, LetterKind, Thread
-from psymesh.protocol.tasks import TaskKind, TaskState
-from psymesh.protocol.web import WebFetch, WebPage, WebResults, WebSearch
+from .limits import Limits
+from .messages import Message
+from .messaging import LetterId, LetterKind, Thread
+from .tasks import TaskKind, TaskState
+from .web import WebFetch, WebPage, WebResults, WebSearch
 
 
 class View(BaseModel):
@@ -236,7 +236,7 @@ class ServeRequest(Message):
     section: Literal["openai", "a2a"]
     host: str | None = None
     port: int | None = Field(default=None, ge=0, le=65535)
-    # The key is the daemon's, as at start (node/apikey.py): never carried here.
+    # The key is the daemon's, as at start (node/bridges/apikey.py): never carried here.
     api_key_file: str | None = None
 
 
@@ -625,7 +625,7 @@ class MsgAnswerReply(Message):
 class WebQueryRequest(Message):
     """Run one web query through a trusted exit: exactly one of `search` / `fetch`. `via`
     names the exit, `relay` the relay (two hops); unset, the node's `[web]` config and its
-    grants decide (see node/web.py)."""
+    grants decide (see node/web/router.py)."""
 
     type = "control.web"
     search: WebSearch | None = None
@@ -725,7 +725,7 @@ NETWORK_FAILURES: dict[str, type[NetworkError]] = {
 
 def network_kind(exc: PsymeshError) -> str | None:
     """How the network failed, if `exc` is the network failing rather than a refusal. The
-    transport (node/p2p.py, node/framed.py) raises its failures as NetworkErrors, so the
+    transport (node/net/p2p.py, node/net/framed.py) raises its failures as NetworkErrors, so the
     class alone says it: a ProtocolError, whatever its code, is never the network."""
     for kind, cls in NETWORK_FAILURES.items():
         if isinstance(exc, cls):

@@ -24,7 +24,7 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from psymesh.protocol.messages import Message
+from .messages import Message
 
 MAX_PORTS = 4
 DIAL_TIMEOUT_S = 5.0

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import struct
 
-from psymesh.protocol.errors import ErrorCode, ProtocolError
+from .errors import ErrorCode, ProtocolError
 
 HEADER = struct.Struct(">I")
 DEFAULT_MAX_FRAME_SIZE = 4 * 1024 * 1024

@@ -16,7 +16,7 @@ import hashlib
 import base58
 from pydantic import AfterValidator
 
-from psymesh.protocol.errors import ErrorCode, ProtocolError
+from .errors import ErrorCode, ProtocolError
 
 # protobuf: field 1 (KeyType) = 1 (Ed25519), field 2 (Data) = 32 bytes
 _ED25519_PROTO_PREFIX = b"\x08\x01\x12\x20"

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field, replace
 import msgpack
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
-from psymesh.protocol.errors import ErrorCode, PsymeshError
+from .errors import ErrorCode, PsymeshError
 
 _MAGIC = b"psymesh/keyring/v1\x00"
 MAX_KEY_ID = 255

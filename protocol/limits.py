@@ -9,7 +9,7 @@ state machines that are told the time instead of reading a clock:
 
     slots = ConcurrencyLimiter()   # things at once per key (pairing runs per address, ...)
 
-The gate (node/gate.py) applies a grant's rate; its queue limits count the executor's
+The gate (node/door/gate.py) applies a grant's rate; its queue limits count the executor's
 unfinished tasks in SQLite, which survive a restart.
 
 The rate limiter is GCRA (the "virtual scheduling" form of a token bucket): one

@@ -37,13 +37,13 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X
 from cryptography.hazmat.primitives.hpke import AEAD, KDF, KEM, Suite
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from psymesh.protocol.errors import ErrorCode, PsymeshError
-from psymesh.protocol.identity import PeerId
-from psymesh.protocol.manifest import Operation
-from psymesh.protocol.signing import Signed
-from psymesh.protocol.messages import Message
-from psymesh.protocol.messaging import Letter, Receipt
-from psymesh.protocol.oblivious import is_bucket, pad, unpad
+from .errors import ErrorCode, PsymeshError
+from .identity import PeerId
+from .manifest import Operation
+from .signing import Signed
+from .messages import Message
+from .messaging import Letter, Receipt
+from .oblivious import is_bucket, pad, unpad
 
 _SEAL_CONTEXT = b"psymesh/mail/v2\x00"
 _PAD_HEAD = b"\x01"             # the padded plaintext's version

@@ -44,11 +44,11 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from psymesh.protocol.errors import ErrorCode, PsymeshError
-from psymesh.protocol.identity import PeerId
-from psymesh.protocol.limits import Limits
-from psymesh.protocol.messages import Message
-from psymesh.protocol.signing import Signed
+from .errors import ErrorCode, PsymeshError
+from .identity import PeerId
+from .limits import Limits
+from .messages import Message
+from .signing import Signed
 
 MANIFEST_VERSION = 1
 
@@ -479,7 +479,7 @@ def check(manifest: Manifest, operation: Operation, *, local_peer_id: str, remot
     3. a capability covers this exact request                         (FORBIDDEN, names the missing one)
     4. the payload is within the limit                                (TOO_LARGE)
 
-    Rate and queue limits need state: the gate applies them (`node/gate.py`).
+    Rate and queue limits need state: the gate applies them (`node/door/gate.py`).
     """
     valid = verify_grant(manifest, local_peer_id=local_peer_id, remote_peer_id=remote_peer_id, now=now)
     if not valid.allowed:

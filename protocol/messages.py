@@ -13,7 +13,7 @@ from typing import Any, ClassVar, TypeVar
 import msgpack
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from psymesh.protocol.errors import ErrorCode, ProtocolError
+from .errors import ErrorCode, ProtocolError
 
 SCHEMA_VERSION = 1
 SUPPORTED_VERSIONS = frozenset({1})
@@ -28,7 +28,7 @@ class Message(BaseModel):
     model_config = ConfigDict(frozen=True, extra="ignore", strict=False, defer_build=True)
     type: ClassVar[str] = ""
     # An answer that promises what it acknowledges is on disk (task.accepted, msg.receipt, ...):
-    # the node sends it only after the transaction behind it is synced (node/db.py WalSync).
+    # the node sends it only after the transaction behind it is synced (node/core/db.py WalSync).
     durable: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:

@@ -49,12 +49,12 @@ from typing import Annotated, ClassVar, Self
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from psymesh.protocol.errors import ErrorCode, PsymeshError
-from psymesh.protocol.identity import PeerId, public_key_from_peer_id
-from psymesh.protocol.manifest import Operation
-from psymesh.protocol.messages import Message
-from psymesh.protocol.signing import Signed, canonical_encode
-from psymesh.protocol.tasks import JsonMap
+from .errors import ErrorCode, PsymeshError
+from .identity import PeerId, public_key_from_peer_id
+from .manifest import Operation
+from .messages import Message
+from .signing import Signed, canonical_encode
+from .tasks import JsonMap
 
 MAX_TEXT = 64 * 1024
 MAX_THREAD = 128

@@ -69,9 +69,9 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDFExpand
 from pydantic import BaseModel, ConfigDict, Field
 from pyhpke import AEADId, CipherSuite, KDFId, KEMId, PyHPKEError
 
-from psymesh.protocol.errors import ErrorCode, PsymeshError
-from psymesh.protocol.identity import PeerId
-from psymesh.protocol.signing import Signed
+from .errors import ErrorCode, PsymeshError
+from .identity import PeerId
+from .signing import Signed
 
 _SECRET_MAGIC = b"psymesh/exit-secret/v1\x00"
 REQUEST_LABEL = b"psymesh web request"

@@ -53,13 +53,13 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from pydantic import BaseModel, ConfigDict, Field, StrictBytes, StrictInt, StrictStr, field_validator
 from spake2 import SPAKE2_A, SPAKE2_B
 
-from psymesh.protocol import wordlist
-from psymesh.protocol.common import Error
-from psymesh.protocol.errors import ErrorCode, ProtocolError, PsymeshError
-from psymesh.protocol.identity import peer_id_from_public_key, public_key_from_peer_id
-from psymesh.protocol.manifest import Manifest, preset, PRESETS
-from psymesh.protocol.signing import canonical_encode
-from psymesh.protocol.messages import Message, decode_map
+from . import wordlist
+from .common import Error
+from .errors import ErrorCode, ProtocolError, PsymeshError
+from .identity import peer_id_from_public_key, public_key_from_peer_id
+from .manifest import Manifest, preset, PRESETS
+from .signing import canonical_encode
+from .messages import Message, decode_map
 
 PAIR_PROTOCOL = "/psymesh/pair/1.0.0"
 INVITE_PREFIX = "psymesh1:"

@@ -9,7 +9,7 @@ ciphertext only and cannot pose as either (it would need their keys).
 
 A relay serves only peers whose grant (the manifest it issued them) has the `relay`
 capability: reservations and circuits are decided by the gate and audited like every
-request (node/gate.py). What it allows beyond that is bounded by `RelaySettings`:
+request (node/door/gate.py). What it allows beyond that is bounded by `RelaySettings`:
 
     reservations   at most `max_reservations` peers at once, each for `reservation_ttl_s`
                    (renewed by the peer before it lapses) and only while it stays connected
@@ -34,7 +34,7 @@ from typing import TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from psymesh.protocol.errors import ErrorCode, PsymeshError
+from .errors import ErrorCode, PsymeshError
 
 MiB = 1024 * 1024
 K = TypeVar("K")

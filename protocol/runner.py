@@ -37,9 +37,9 @@ from typing import Literal
 
 from pydantic import Field
 
-from psymesh.protocol.channel import Channel
-from psymesh.protocol.errors import ErrorCode, ProtocolError
-from psymesh.protocol.messages import Message
+from .channel import Channel
+from .errors import ErrorCode, ProtocolError
+from .messages import Message
 
 __all__ = [
     "MAX_RUNNER_FRAME",

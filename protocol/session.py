@@ -45,11 +45,11 @@ from typing import Any
 
 from pydantic import Field
 
-from psymesh.protocol.common import Error
-from psymesh.protocol.errors import ErrorCode, ProtocolError, PsymeshError, RemoteError
-from psymesh.protocol.channel import FrameReader
-from psymesh.protocol.framing import DEFAULT_MAX_FRAME_SIZE, encode_frame
-from psymesh.protocol.messages import Message, decode_map, from_map, pack
+from .common import Error
+from .errors import ErrorCode, ProtocolError, PsymeshError, RemoteError
+from .channel import FrameReader
+from .framing import DEFAULT_MAX_FRAME_SIZE, encode_frame
+from .messages import Message, decode_map, from_map, pack
 
 MAX_OPEN_REQUESTS = 256
 _MAX_RID = (1 << 63) - 1

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Self
 import msgpack
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
-from psymesh.protocol.identity import peer_id_from_public_key, public_key_from_peer_id
+from .identity import peer_id_from_public_key, public_key_from_peer_id
 
 
 def canonical_encode(obj: Any, *, floats: bool = False) -> bytes:

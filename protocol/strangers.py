@@ -22,15 +22,15 @@ state is only created for runs that got that far (fresh keys cannot grow it).
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from psymesh.protocol.errors import ErrorCode, PsymeshError
-from psymesh.protocol.limits import ConcurrencyLimiter, RateLimiter
+from .errors import ErrorCode, PsymeshError
+from .limits import ConcurrencyLimiter, RateLimiter
 
 KiB = 1024
 _NODE = "*"  # the ConcurrencyLimiter key for node-wide runs (IPs never look like this)
 
 
 class StrangerLimits(BaseModel):
-    """config.toml `[strangers]`. Paired peers get the larger fixed limits of `node/p2p.py`."""
+    """config.toml `[strangers]`. Paired peers get the larger fixed limits of `node/net/p2p.py`."""
 
     model_config = ConfigDict(defer_build=True, frozen=True, extra="forbid")
 

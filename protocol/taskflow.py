@@ -3,7 +3,7 @@
 The messages are in `protocol/tasks.py`; this module decides who sends what next.
 The node drives each machine over a session (`protocol/session.py`): it sends what
 the machine asks for, feeds it every frame that comes back and carries out the
-actions it returns, like `node/pairing.py` drives the pairing machines.
+actions it returns, like `node/door/pairing.py` drives the pairing machines.
 
 Submitter (one `SubmitterTask` per delegated task), phases:
 
@@ -24,11 +24,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
-from psymesh.protocol.common import Error
-from psymesh.protocol.errors import ErrorCode, ProtocolError
-from psymesh.protocol.messages import Message
-from psymesh.protocol.session import SessionEnd
-from psymesh.protocol.tasks import (
+from .common import Error
+from .errors import ErrorCode, ProtocolError
+from .messages import Message
+from .session import SessionEnd
+from .tasks import (
     EventKind,
     TaskAccepted,
     TaskAck,

@@ -54,8 +54,8 @@ from typing import Annotated, Any, Self
 
 from pydantic import AfterValidator, Field, JsonValue, model_validator
 
-from psymesh.protocol.errors import ErrorCode, ProtocolError, RemoteError
-from psymesh.protocol.messages import Message
+from .errors import ErrorCode, ProtocolError, RemoteError
+from .messages import Message
 
 # -- limits ------------------------------------------------------------------------------
 MAX_TASK_ID = 64

@@ -33,10 +33,10 @@ from typing import Annotated
 
 from pydantic import Field, StringConstraints, field_validator
 
-from psymesh.protocol.identity import PeerId
-from psymesh.protocol.manifest import Operation
-from psymesh.protocol.messages import Message
-from psymesh.protocol.oblivious import ExitKey
+from .identity import PeerId
+from .manifest import Operation
+from .messages import Message
+from .oblivious import ExitKey
 
 MAX_QUERY_CHARS = 512
 MAX_URL_CHARS = 2048

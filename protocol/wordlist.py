@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import difflib
 
-from psymesh.protocol.errors import ErrorCode, PsymeshError
+from .errors import ErrorCode, PsymeshError
 
 EVEN: tuple[str, ...] = tuple("""
     aardvark absurd accrue acme adrift adult afflict ahead aimless algol allow alone ammo

@@ -6,7 +6,7 @@ Public API for scripts::
     async with psymesh.Client(home="~/.psymesh-home") as node:
         print(await node.status())
 """
-from psymesh.protocol.errors import (
+from .protocol.errors import (
     ConnectError,
     ConnectionLost,
     ErrorCode,
@@ -25,7 +25,7 @@ __all__ = ["Client", "ConnectError", "ConnectionLost", "ErrorCode", "NetworkErro
 
 def __getattr__(name: str):  # the SDK pulls in anyio; import it only when asked for
     if name == "Client":
-        from psymesh.node.client import Client
+        from .node.control.client import Client
 
         return Client
     raise AttributeError(name)

@@ -1,3 +1,3 @@
-from psymesh.cli import main
+from .cli import main
 
 main()

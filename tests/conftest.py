@@ -24,9 +24,9 @@ async def run_nodes(tmp_path: Path, *names: str, profiles: dict[str, str] | None
     """Run in-process daemons (one per name) under one task group; cancel them all on exit.
     `configs[name]`: config.toml fields to set on that node (as NodeConfig values);
     `fsyncs[name]`: how that node syncs its WAL before a durable answer (default os.fsync)."""
-    from psymesh.node.bridgeconfig import UiServe
+    from psymesh.node.core.bridgeconfig import UiServe
     from psymesh.node.daemon import Node
-    from psymesh.node.home import NodeHome
+    from psymesh.node.core.home import NodeHome
 
     profiles = profiles or {}
     nodes = {}
@@ -46,7 +46,7 @@ async def run_nodes(tmp_path: Path, *names: str, profiles: dict[str, str] | None
             tg.cancel_scope.cancel()
 
 
-from psymesh.node.process import pair_homes as pair  # noqa: E402  (tests say `pair(home, phone)`)
+from psymesh.node.control.process import pair_homes as pair  # noqa: E402  (tests say `pair(home, phone)`)
 
 
 @pytest.fixture(scope="session")

@@ -8,7 +8,7 @@ from pathlib import Path
 import anyio
 
 from conftest import pair, run_nodes
-from psymesh.node.client import Client
+from psymesh.node.control.client import Client
 from psymesh.node.daemon import Node
 from psymesh.protocol.limits import Limits
 from psymesh.protocol.messaging import Letter

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from psymesh.node.process import DaemonProcess
+from psymesh.node.control.process import DaemonProcess
 
 
 @functools.cache

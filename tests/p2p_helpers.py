@@ -10,8 +10,8 @@ from typing import Any
 import anyio
 import trio
 
-from psymesh.node.framed import FramedStream
-from psymesh.node.p2p import P2PNode, P2PStream
+from psymesh.node.net.framed import FramedStream
+from psymesh.node.net.p2p import P2PNode, P2PStream
 from psymesh.protocol.common import Ping, Pong
 from psymesh.protocol.common import expect
 

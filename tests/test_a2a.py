@@ -41,11 +41,11 @@ from a2a.types import a2a_pb2 as a2a
 from conftest import run_nodes
 from psymesh.agent.loop import ScriptedModel, tool_call_text
 from psymesh.agent.tools import tool_from_function
-from psymesh.node import agents
-from psymesh.node.a2a_api import STATES, THREAD_NAME
-from psymesh.node.bridgeconfig import A2AServe, ServeSettings
+from psymesh.node.models import agents
+from psymesh.node.bridges.a2a import STATES, THREAD_NAME
+from psymesh.node.core.bridgeconfig import A2AServe, ServeSettings
 from psymesh.node.daemon import Node
-from psymesh.node.home import NodeHome
+from psymesh.node.core.home import NodeHome
 from psymesh.protocol.errors import ErrorCode, PsymeshError
 from psymesh.protocol.tasks import TaskState
 from waiting import wait_until

@@ -25,13 +25,13 @@ import pytest
 from conftest import pair, run_nodes
 from psymesh.agent.loop import ScriptedModel, tool_call_text
 from psymesh.agent.tools import tool_from_function
-from psymesh.node import agents
-from psymesh.node.client import Client, TaskHandle
+from psymesh.node.models import agents
+from psymesh.node.control.client import Client, TaskHandle
 from psymesh.node.daemon import Node
-from psymesh.node.db import open_db
-from psymesh.node.home import NodeHome
+from psymesh.node.core.db import open_db
+from psymesh.node.core.home import NodeHome
 from psymesh.node.models import ModelRegistry
-from psymesh.node.process import DaemonProcess
+from psymesh.node.control.process import DaemonProcess
 from psymesh.protocol.errors import ErrorCode, RemoteError
 from psymesh.protocol.tasks import EventKind, TaskEvent, TaskState
 

@@ -16,9 +16,9 @@ from conftest import pair, run_nodes
 from waiting import wait_until
 from psymesh.agent.loop import ScriptedModel, tool_call_text
 from psymesh.agent.tools import tool_from_function
-from psymesh.node import agents
-from psymesh.node.answering import answer_id
-from psymesh.node.client import Client
+from psymesh.node.models import agents
+from psymesh.node.messaging.answering import answer_id
+from psymesh.node.control.client import Client
 from psymesh.protocol.errors import ErrorCode, RemoteError
 from psymesh.protocol.limits import Limits
 from psymesh.protocol.messaging import LetterKind

@@ -320,8 +320,8 @@ async def test_eval_via_a_paired_home_gives_the_local_scores(tmp_path: Any, tiny
 
     from psymesh.agent.bfcl import generation_params
     from psymesh.agent.loop import LlamaAgentModel
-    from psymesh.node.client import Client
-    from psymesh.node.delegated_model import DelegatedModel
+    from psymesh.node.control.client import Client
+    from psymesh.node.control.delegated_model import DelegatedModel
 
     cases = [*load_bfcl(None, ["parallel", "irrelevance", "live_simple"], limit=1),
              *load_bfcl(None, ["multi_turn_base"], limit=1)]
@@ -378,9 +378,9 @@ async def test_web_search_goes_through_this_node_s_web_route(tmp_path: Any) -> N
     from websites import serving
 
     from psymesh.agent.bfcl import format_bfcl_report
-    from psymesh.node.client import Client
-    from psymesh.node.webexit import ExitSettings, SearchSettings
-    from psymesh.node.websettings import WebSettings
+    from psymesh.node.control.client import Client
+    from psymesh.node.web.exit import ExitSettings, SearchSettings
+    from psymesh.node.core.websettings import WebSettings
 
     case = load_bfcl(None, ["web_search_base"], limit=1)[0]
     assert case.web is not None and case.web.answers == ("Zhang Yiming",)

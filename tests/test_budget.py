@@ -16,10 +16,10 @@ import pytest
 
 from conftest import pair, run_nodes
 from waiting import wait_until
-from psymesh.node.client import Client
+from psymesh.node.control.client import Client
 from psymesh.node.daemon import Node
-from psymesh.node.db import transaction
-from psymesh.node.home import StorageSettings
+from psymesh.node.core.db import transaction
+from psymesh.node.core.home import StorageSettings
 from psymesh.protocol.common import Ping, Pong
 from psymesh.protocol.errors import PsymeshError
 from psymesh.protocol.tasks import TaskAccepted, TaskSpec, TaskSubmit

@@ -23,11 +23,11 @@ import pytest
 from waiting import wait_until
 from worktool import TOOL_NAME, tool_log, tool_runs, unfinished_runs  # noqa: F401  (tool_log: a fixture)
 
-from psymesh.node.client import Client
-from psymesh.node.db import open_db
+from psymesh.node.control.client import Client
+from psymesh.node.core.db import open_db
 from psymesh.node.models import ModelRegistry
-from psymesh.node.process import DaemonProcess, pair_homes
-from psymesh.node.taskstore import ExecutorStore, Outbox, TaskNotFound
+from psymesh.node.control.process import DaemonProcess, pair_homes
+from psymesh.node.tasks.store import ExecutorStore, Outbox, TaskNotFound
 from psymesh.protocol.errors import ErrorCode, RemoteError
 from psymesh.protocol.limits import Limits
 from psymesh.protocol.tasks import EventKind, TaskEvent, TaskState

@@ -13,9 +13,9 @@ import pytest
 
 from conftest import pair, run_nodes
 from psymesh.agent.tools import tool_from_function
-from psymesh.node.client import Client
+from psymesh.node.control.client import Client
 from psymesh.node.daemon import Node
-from psymesh.node.process import DaemonProcess
+from psymesh.node.control.process import DaemonProcess
 from psymesh.protocol import control as c
 from psymesh.protocol.common import Error
 from psymesh.protocol.dialback import DialBackReply

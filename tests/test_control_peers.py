@@ -19,8 +19,8 @@ from pathlib import Path
 import anyio
 import pytest
 
-from psymesh.node.control import ControlServer
-from psymesh.node.home import socket_peer
+from psymesh.node.control.server import ControlServer
+from psymesh.node.core.home import socket_peer
 from psymesh.protocol import control as c
 from psymesh.protocol.framing import encode_frame
 from psymesh.protocol.messages import pack
@@ -85,7 +85,7 @@ async def test_another_uid_on_a_loosened_socket_is_refused_and_audited(open_tmp:
             assert [(r["protocol"], r["operation"], r["code"]) for r in rows] == [("control", "connect", "forbidden")]
             assert f"uid {NOBODY}" in rows[0]["reason"]
 
-            from psymesh.node.client import Client
+            from psymesh.node.control.client import Client
             async with Client(home=node.home.path) as owner:  # the owner is served meanwhile
                 status = await owner.status()
             assert status.peer_id == node.identity.peer_id

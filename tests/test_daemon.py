@@ -14,9 +14,9 @@ import pytest
 
 from conftest import pair, run_nodes
 from waiting import wait_until
-from psymesh.node.client import Client, DaemonNotRunning
-from psymesh.node.home import NodeHome
-from psymesh.node.process import DaemonProcess
+from psymesh.node.control.client import Client, DaemonNotRunning
+from psymesh.node.core.home import NodeHome
+from psymesh.node.control.process import DaemonProcess
 from psymesh.protocol.errors import ConnectError, ErrorCode, RemoteError
 
 pytestmark = pytest.mark.anyio

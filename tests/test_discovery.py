@@ -41,12 +41,12 @@ from psymesh.discovery.records import (
 from psymesh.discovery.service import MAX_CHECKS, RETRY_S, Discovery
 from psymesh.discovery.static import BACKOFF_MAX_S, backoff_s, check_static_peers
 from psymesh.discovery.table import SeenTable
-from psymesh.node.client import Client
+from psymesh.node.control.client import Client
 from psymesh.node.daemon import Node
-from psymesh.node.db import open_db
-from psymesh.node.home import NodeConfig, NodeHome
-from psymesh.node.process import DaemonProcess
-from psymesh.node.trust import TrustStore
+from psymesh.node.core.db import open_db
+from psymesh.node.core.home import NodeConfig, NodeHome
+from psymesh.node.control.process import DaemonProcess
+from psymesh.node.door.trust import TrustStore
 from psymesh.protocol import control as c
 from psymesh.protocol.errors import ErrorCode, NetworkTimeout, ProtocolError, PsymeshError
 from psymesh.protocol.identity import peer_id_from_public_key

@@ -17,11 +17,11 @@ import pytest
 
 from conftest import pair, run_nodes
 from waiting import wait_until
-from psymesh.node import doctor
-from psymesh.node.client import Client
-from psymesh.node.home import NodeHome
-from psymesh.node.ping import CLOCK_OFFSET_ENV, clock_skew
-from psymesh.node.process import DaemonProcess
+from psymesh.node.control import doctor
+from psymesh.node.control.client import Client
+from psymesh.node.core.home import NodeHome
+from psymesh.node.net.ping import CLOCK_OFFSET_ENV, clock_skew
+from psymesh.node.control.process import DaemonProcess
 from psymesh.protocol import control as c
 from psymesh.protocol.dialback import DialBack, DialBackReply
 
@@ -182,7 +182,7 @@ async def test_a_peer_whose_clock_runs_two_minutes_ahead_fails_the_clock_check(
 
 @pytest.mark.anyio
 async def test_status_lists_the_relayed_address_a_reservation_gives(tmp_path: Path) -> None:
-    from psymesh.node.cli import _reachability_lines
+    from psymesh.node.cli.main import _reachability_lines
     from psymesh.protocol.relay import RelaySettings
 
     relay_home = NodeHome(tmp_path / "relay")

@@ -16,7 +16,7 @@ import pytest
 
 from conftest import pair, run_nodes
 from waiting import wait_until
-from psymesh.node.client import Client
+from psymesh.node.control.client import Client
 from psymesh.protocol.manifest import revocation
 
 pytestmark = pytest.mark.anyio
@@ -294,8 +294,8 @@ async def test_listen_is_remembered_and_serve_turns_the_endpoint_on_in_the_runni
     config.toml, and `serve` against a running daemon turns the endpoint on in it."""
     import httpx
 
-    from psymesh.node.home import NodeHome
-    from psymesh.node.process import DaemonProcess
+    from psymesh.node.core.home import NodeHome
+    from psymesh.node.control.process import DaemonProcess
 
     home = tmp_path / "home"
     port = _free_port()
@@ -453,7 +453,7 @@ async def test_a_phone_paired_before_home_had_a_relay_reaches_home_through_it(na
     only ever dialed home's old addresses (and 127.0.0.1:4001, its own listener), so once the
     direct link was gone `task send --wait` waited in silence. Now a peer not reached at its
     stored addresses is tried through the relays this node is paired with."""
-    from psymesh.node.home import NodeHome
+    from psymesh.node.core.home import NodeHome
     from psymesh.protocol.relay import RelaySettings
 
     relay_ns, home_ns, phone_ns = namespaces.add("r"), namespaces.add("h"), namespaces.add("p")

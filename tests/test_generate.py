@@ -29,8 +29,8 @@ from psymesh.agent.generate import (
 )
 from psymesh.agent.runtime import ModelSettings, ModelWorker
 from psymesh.agent.testmodel import tiny_model_path
-from psymesh.node.agents import llama_model
-from psymesh.node.client import Client
+from psymesh.node.models.agents import llama_model
+from psymesh.node.control.client import Client
 from psymesh.protocol.errors import ErrorCode, RemoteError
 from psymesh.protocol.tasks import EventKind
 from waiting import wait_until

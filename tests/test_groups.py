@@ -9,9 +9,9 @@ import pytest
 
 from conftest import pair, run_nodes
 from waiting import wait_until
-from psymesh.node.client import Client
+from psymesh.node.control.client import Client
 from psymesh.node.daemon import Node
-from psymesh.node.msgstore import OutState
+from psymesh.node.messaging.store import OutState
 from psymesh.protocol.errors import ErrorCode, PsymeshError
 from psymesh.protocol.limits import Limits
 from psymesh.protocol.messaging import LetterKind

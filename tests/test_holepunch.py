@@ -26,7 +26,7 @@ from test_relay import ROOMY, connection_to, daemons, home_with
 from waiting import wait_until
 from worktool import TOOL_NAME, tool_log, tool_runs  # noqa: F401  (tool_log: a fixture)
 from psymesh.node.daemon import Node
-from psymesh.node.p2p import P2PNode
+from psymesh.node.net.p2p import P2PNode
 from psymesh.protocol.errors import ConnectError, ErrorCode, PsymeshError
 from psymesh.protocol.relay import DCUTR, HOLE_PUNCH, RelaySettings
 

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from psymesh.node.db import open_db
-from psymesh.node.home import NodeHome
+from psymesh.node.core.db import open_db
+from psymesh.node.core.home import NodeHome
 from psymesh.protocol.errors import ErrorCode, PsymeshError
 from psymesh.protocol.identity import peer_fingerprint, public_key_from_peer_id
 

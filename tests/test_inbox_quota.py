@@ -17,9 +17,9 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from letters import inbox, letter_mesh
-from psymesh.node.client import Client
-from psymesh.node.db import open_db
-from psymesh.node.msgstore import MessageStore
+from psymesh.node.control.client import Client
+from psymesh.node.core.db import open_db
+from psymesh.node.messaging.store import MessageStore
 from psymesh.protocol.errors import ErrorCode, PsymeshError
 from psymesh.protocol.identity import peer_id_from_public_key
 from psymesh.protocol.limits import Limits

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from psymesh.node import install as svc
+from psymesh.node.control import install as svc
 
 HOME = Path("/home/ann/psy home/100%$HOME")  # a space, a % and a $: each must reach the daemon as is
 
@@ -169,7 +169,7 @@ def test_the_command_installs_and_uninstalls_in_a_home_of_its_own(tmp_path: Path
 def test_with_a_log_file_the_daemon_logs_there_rotated_by_size(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import logging
 
-    from psymesh.node import logs
+    from psymesh.node.core import logs
 
     root = logging.getLogger()
     saved = (root.handlers[:], root.level, logging.getLogger("psymesh").level)

@@ -30,9 +30,9 @@ import pytest
 
 from conftest import pair
 from test_agent_node import _register_model
-from psymesh.node.client import Client
-from psymesh.node.home import NodeHome
-from psymesh.node.process import DaemonProcess
+from psymesh.node.control.client import Client
+from psymesh.node.core.home import NodeHome
+from psymesh.node.control.process import DaemonProcess
 from psymesh.protocol.tasks import TaskState
 from waiting import wait_until
 

@@ -11,8 +11,8 @@ import pytest
 
 from conftest import run_nodes
 from psymesh.agent.tools import tool_from_function
-from psymesh.node.client import Client
-from psymesh.node.home import NodeHome
+from psymesh.node.control.client import Client
+from psymesh.node.core.home import NodeHome
 
 pytestmark = pytest.mark.anyio
 

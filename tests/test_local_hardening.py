@@ -20,10 +20,10 @@ from pathlib import Path
 
 import pytest
 
-from psymesh.node.client import Client, NotOurDaemon
-from psymesh.node.db import open_db, storage_error
-from psymesh.node.home import NodeHome
-from psymesh.node.process import DaemonProcess
+from psymesh.node.control.client import Client, NotOurDaemon
+from psymesh.node.core.db import open_db, storage_error
+from psymesh.node.core.home import NodeHome
+from psymesh.node.control.process import DaemonProcess
 from psymesh.protocol.errors import ErrorCode, PsymeshError
 
 from conftest import run_nodes
@@ -451,8 +451,8 @@ def test_a_key_comes_from_a_file_or_the_environment_never_the_command_line(tmp_p
 def test_a_link_to_nothing_at_the_key_path_is_one_clear_error(tmp_path: Path) -> None:
     """The key is made with O_EXCL|O_NOFOLLOW: never through a link, and a dangling one is
     refused (it used to loop between 'missing' and 'exists')."""
-    from psymesh.node.apikey import load_api_key
-    from psymesh.node.bridgeconfig import OpenAIServe
+    from psymesh.node.bridges.apikey import load_api_key
+    from psymesh.node.core.bridgeconfig import OpenAIServe
 
     home = NodeHome(tmp_path / "home")
     home.init()

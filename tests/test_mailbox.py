@@ -20,10 +20,10 @@ from conftest import pair, run_nodes
 from letters import inbox, threads_in_order
 from waiting import wait_until
 from psymesh.node.daemon import Node
-from psymesh.node.home import NodeHome
-from psymesh.node.mailbox import Held
-from psymesh.node.mailclient import load_mail_ring
-from psymesh.node.msgstore import OutState
+from psymesh.node.core.home import NodeHome
+from psymesh.node.messaging.mailbox import Held
+from psymesh.node.messaging.mailclient import load_mail_ring
+from psymesh.node.messaging.store import OutState
 from psymesh.protocol import ids
 from psymesh.protocol.errors import ErrorCode, PsymeshError, RemoteError
 from psymesh.protocol.identity import peer_id_from_public_key

@@ -25,12 +25,12 @@ from conftest import pair, run_nodes
 from psymesh.agent.loop import ScriptedModel, tool_call_text
 from psymesh.agent.testmodel import tiny_model_path
 from psymesh.agent.tools import ToolRegistry
-from psymesh.node import agents
-from psymesh.node.bridgeconfig import McpServerConfig
-from psymesh.node.client import Client
+from psymesh.node.models import agents
+from psymesh.node.core.bridgeconfig import McpServerConfig
+from psymesh.node.control.client import Client
 from psymesh.node.daemon import Node
-from psymesh.node.home import NodeHome
-from psymesh.node.mcp_tools import McpTools, local_name
+from psymesh.node.core.home import NodeHome
+from psymesh.node.bridges.mcp import McpTools, local_name
 from psymesh.protocol.errors import ErrorCode, PsymeshError, RemoteError
 from psymesh.protocol.tasks import EventKind, TaskState
 from waiting import wait_until

@@ -12,11 +12,11 @@ import pytest
 from conftest import pair, run_nodes
 from letters import inbox, threads_in_order
 from waiting import wait_until
-from psymesh.node.client import Client
+from psymesh.node.control.client import Client
 from psymesh.node.daemon import Node
-from psymesh.node.db import open_db
-from psymesh.node.home import NodeHome
-from psymesh.node.msgstore import MessageStore, OutState
+from psymesh.node.core.db import open_db
+from psymesh.node.core.home import NodeHome
+from psymesh.node.messaging.store import MessageStore, OutState
 from psymesh.protocol import ids
 from psymesh.protocol.errors import ErrorCode, PsymeshError
 from psymesh.protocol.limits import Limits

@@ -12,7 +12,7 @@ import pytest
 
 from p2p_helpers import unused_port
 from waiting import wait_until
-from psymesh.node.process import DaemonProcess, pair_homes
+from psymesh.node.control.process import DaemonProcess, pair_homes
 from psymesh.protocol.limits import Limits
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]

@@ -12,12 +12,12 @@ import pytest
 
 from conftest import pair, run_nodes
 from psymesh.agent.loop import ScriptedModel
-from psymesh.node import agents
-from psymesh.node.client import Client
-from psymesh.node.db import open_db
-from psymesh.node.home import NodeHome
+from psymesh.node.models import agents
+from psymesh.node.control.client import Client
+from psymesh.node.core.db import open_db
+from psymesh.node.core.home import NodeHome
 from psymesh.node.models import ModelRegistry
-from psymesh.node.process import DaemonProcess
+from psymesh.node.control.process import DaemonProcess
 from psymesh.protocol.errors import ErrorCode, PsymeshError
 from psymesh.protocol.messaging import LetterKind
 

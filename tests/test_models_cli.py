@@ -52,7 +52,7 @@ def test_pull_offline_names_the_file_to_fetch_by_hand(tmp_path: Path) -> None:
 def test_a_phone_without_the_model_is_told_to_run_it_on_home(tmp_path: Path) -> None:
     """On a phone the model usually lives on the home PC: the hint says how to run there
     first, and only then how to add it here (a home PC is told to add it)."""
-    from psymesh.node.home import NodeHome
+    from psymesh.node.core.home import NodeHome
 
     phone = tmp_path / "phone"
     NodeHome(phone).init(profile="phone", name="phone")

@@ -36,9 +36,9 @@ import pytest
 
 from conftest import pair, run_nodes
 from psymesh.agent.testmodel import tiny_model_path
-from psymesh.node.client import Client
+from psymesh.node.control.client import Client
 from psymesh.node.daemon import Node
-from psymesh.node.home import NodeHome
+from psymesh.node.core.home import NodeHome
 from psymesh.protocol.errors import ErrorCode, PsymeshError
 from psymesh.protocol.tasks import TaskKind, TaskState
 from waiting import wait_until

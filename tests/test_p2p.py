@@ -1,6 +1,6 @@
-"""node/p2p.py: real libp2p 0.8.1 hosts on 127.0.0.1, one regression test per defect.
+"""node/net/p2p.py: real libp2p 0.8.1 hosts on 127.0.0.1, one regression test per defect.
 
-Test numbers follow the defect list in node/p2p.py's docstring. Defect 1 needs a
+Test numbers follow the defect list in node/net/p2p.py's docstring. Defect 1 needs a
 misconfigured plain libp2p host as the attacker, so this file (and only tests) imports
 libp2p directly.
 """
@@ -38,8 +38,8 @@ from multiaddr import Multiaddr
 from p2p_helpers import PING, all_trio_tasks, new_node, running, unused_port
 from stranger_client import Stranger, delim, flood_before_handshake
 from waiting import wait_until, wait_until_no_timer_within
-from psymesh.node.framed import FramedStream
-from psymesh.node.p2p import MAX_PROPOSALS, P2PNode, P2PStream
+from psymesh.node.net.framed import FramedStream
+from psymesh.node.net.p2p import MAX_PROPOSALS, P2PNode, P2PStream
 from psymesh.protocol.common import Ping, Pong
 from psymesh.protocol.errors import ConnectError, ConnectionLost, ErrorCode, PsymeshError
 from psymesh.protocol.identity import peer_id_from_public_key
@@ -318,7 +318,7 @@ async def test_8_a_peer_that_was_down_can_be_dialed_as_soon_as_it_is_up() -> Non
 
 def test_wildcard_listen_addresses_become_dialable_ones() -> None:
     """An invite must never carry 0.0.0.0: a phone cannot dial it. (Pure: binds nothing.)"""
-    from psymesh.node.p2p import expand_wildcard
+    from psymesh.node.net.p2p import expand_wildcard
 
     pid = "12D3KooWJCevK34nNaipykeTiL258pTHkFv4WE4NJJQ34nC4TPVy"
     got = expand_wildcard([f"/ip4/0.0.0.0/tcp/4001/p2p/{pid}", f"/ip4/127.0.0.1/tcp/4001/p2p/{pid}"],

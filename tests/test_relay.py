@@ -20,10 +20,10 @@ from conftest import pair, run_nodes
 from netns import Namespaces, NetnsDaemon, namespaces  # noqa: F401  (a fixture, used by name)
 from waiting import wait_until
 from worktool import TOOL_NAME, tool_log, tool_runs  # noqa: F401  (tool_log: a fixture)
-from psymesh.node.client import Client
+from psymesh.node.control.client import Client
 from psymesh.node.daemon import Node
-from psymesh.node.home import NodeHome
-from psymesh.node.process import DaemonProcess
+from psymesh.node.core.home import NodeHome
+from psymesh.node.control.process import DaemonProcess
 from psymesh.protocol.errors import ConnectError, ErrorCode, PsymeshError
 from psymesh.protocol.limits import Limits
 from psymesh.protocol.relay import CONNECT, HOP, RESERVE, RelaySettings
@@ -278,8 +278,8 @@ async def test_home_behind_a_relay_is_reached_through_it_then_directly(namespace
 def test_an_address_record_is_its_peers_own_word(tmp_path: Path) -> None:
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-    from psymesh.node.db import open_db
-    from psymesh.node.trust import TrustStore
+    from psymesh.node.core.db import open_db
+    from psymesh.node.door.trust import TrustStore
     from psymesh.protocol.addresses import AddrRecord
     from psymesh.protocol.identity import peer_id_from_public_key
 

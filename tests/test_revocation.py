@@ -22,9 +22,9 @@ import pytest
 from waiting import wait_until
 from conftest import pair, run_nodes
 from psymesh.agent.tools import tool_from_function
-from psymesh.node.client import Client, TaskHandle
+from psymesh.node.control.client import Client, TaskHandle
 from psymesh.node.daemon import Node
-from psymesh.node.gate import QueueLimits
+from psymesh.node.door.gate import QueueLimits
 from psymesh.protocol.errors import ErrorCode, RemoteError
 from psymesh.protocol.limits import Limits
 from psymesh.protocol.manifest import revocation

@@ -20,11 +20,11 @@ import pytest
 from conftest import pair, run_nodes
 from waiting import wait_until
 from psymesh.agent.inference import ModelCrashed, ModelLoadError, ModelSettings
-from psymesh.node.client import Client
-from psymesh.node.db import open_db
-from psymesh.node.home import NodeHome
+from psymesh.node.control.client import Client
+from psymesh.node.core.db import open_db
+from psymesh.node.core.home import NodeHome
 from psymesh.node.models import ModelRegistry, ModelRunner
-from psymesh.node.process import DaemonProcess
+from psymesh.node.control.process import DaemonProcess
 from psymesh.protocol.errors import ErrorCode, RemoteError
 from psymesh.protocol.tasks import TaskState
 
@@ -204,7 +204,7 @@ async def test_an_ask_and_an_a2a_message_run_the_real_model_to_an_end(tmp_path: 
     import httpx
     from a2a.client import A2ACardResolver, ClientConfig, create_client
 
-    from psymesh.node.bridgeconfig import A2AServe, ServeSettings
+    from psymesh.node.core.bridgeconfig import A2AServe, ServeSettings
 
     key_file = tmp_path / "a2a.key"
     key_file.write_text("runner-test-key-0123456789\n")

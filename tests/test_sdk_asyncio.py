@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 import psymesh
-from psymesh.node.process import DaemonProcess
+from psymesh.node.control.process import DaemonProcess
 
 
 @pytest.mark.asyncio

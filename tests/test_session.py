@@ -11,10 +11,10 @@ import pytest
 
 from p2p_helpers import new_node, running
 from waiting import wait_until
-from psymesh.node.framed import ByteStream
-from psymesh.node.liveness import Liveness
-from psymesh.node.p2p import P2PNode, P2PStream
-from psymesh.node.session import Call, SessionPool, serve_session
+from psymesh.node.net.framed import ByteStream
+from psymesh.node.net.liveness import Liveness
+from psymesh.node.net.p2p import P2PNode, P2PStream
+from psymesh.node.net.session import Call, SessionPool, serve_session
 from psymesh.protocol.common import Error, Ping, Pong
 from psymesh.protocol.errors import ConnectionLost, ErrorCode, NetworkError, RemoteError
 from psymesh.protocol.framing import FrameDecoder, encode_frame

@@ -17,8 +17,8 @@ import pytest
 from conftest import run_nodes
 from stranger_client import Stranger, flood_before_handshake
 from waiting import wait_until
-from psymesh.node.client import Client
-from psymesh.node.process import DaemonProcess, pair_homes
+from psymesh.node.control.client import Client
+from psymesh.node.control.process import DaemonProcess, pair_homes
 from psymesh.protocol import ids
 from psymesh.protocol.common import Error
 from psymesh.protocol.errors import ErrorCode, RemoteError
@@ -288,7 +288,7 @@ async def test_the_stranger_limits_are_small_by_default() -> None:
     """What all strangers together can make a node hold, from the defaults and the fixed
     per-handshake, per-stream and per-connection costs (docs/security.md has the sum):
     under 16 MiB. Connections past the cap can be in flight for at most `handshakes`."""
-    from psymesh.node.p2p import HANDSHAKE_BYTES, MAX_NEGOTIATION_MESSAGE, MAX_PROPOSALS
+    from psymesh.node.net.p2p import HANDSHAKE_BYTES, MAX_NEGOTIATION_MESSAGE, MAX_PROPOSALS
     from psymesh.protocol.pairing import PAIR_MAX_FRAME
 
     connection_objects = 96 * 1024  # measured: ~85 KB per connection with 2 streams, both ends in process
@@ -302,7 +302,7 @@ async def test_the_stranger_limits_are_small_by_default() -> None:
 async def test_a_small_frame_limit_also_bounds_what_framing_reads_ahead() -> None:
     """A pairing stream's frames are at most 8 KiB, so it reads at most one frame at a time:
     a peer's surplus waits in yamux's flow control (bounded per connection), not in memory here."""
-    from psymesh.node.framed import FramedStream
+    from psymesh.node.net.framed import FramedStream
     from psymesh.protocol.channel import Channel
     from psymesh.protocol.pairing import PAIR_MAX_FRAME, PairPake
 

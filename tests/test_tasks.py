@@ -23,14 +23,14 @@ from waiting import wait_until
 from psymesh.protocol.session import SessionEnd
 from conftest import run_nodes
 from psymesh.agent.tools import ToolContext, tool_from_function
-from psymesh.node.client import Client, TaskHandle
+from psymesh.node.control.client import Client, TaskHandle
 from psymesh.node.daemon import Node
-from psymesh.node.db import open_db
-from psymesh.node.home import NodeHome
+from psymesh.node.core.db import open_db
+from psymesh.node.core.home import NodeHome
 from psymesh.node.models import ModelRegistry
-from psymesh.node.process import DaemonProcess, pair_homes
-from psymesh.node.gate import QueueLimits
-from psymesh.node.taskstore import TaskNotFound
+from psymesh.node.control.process import DaemonProcess, pair_homes
+from psymesh.node.door.gate import QueueLimits
+from psymesh.node.tasks.store import TaskNotFound
 from psymesh.protocol.errors import ErrorCode, RemoteError
 from psymesh.protocol.limits import Limits
 from psymesh.protocol.tasks import (

@@ -13,12 +13,12 @@ import pytest
 
 from conftest import pair, run_nodes
 from waiting import wait_until
-from psymesh.node.audit import AuditLog
-from psymesh.node.client import Client
-from psymesh.node.db import open_db
-from psymesh.node.gate import Gate
-from psymesh.node.home import NodeHome
-from psymesh.node.trust import TrustStore
+from psymesh.node.door.audit import AuditLog
+from psymesh.node.control.client import Client
+from psymesh.node.core.db import open_db
+from psymesh.node.door.gate import Gate
+from psymesh.node.core.home import NodeHome
+from psymesh.node.door.trust import TrustStore
 from psymesh.protocol.errors import ErrorCode, PsymeshError, RemoteError
 from psymesh.protocol import ids
 from psymesh.protocol.common import Ping

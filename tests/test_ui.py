@@ -1,4 +1,4 @@
-"""The dashboard (node/dashboard.py) as its owner uses it: a real headless Chromium (Debian's
+"""The dashboard (node/control/dashboard.py) as its owner uses it: a real headless Chromium (Debian's
 `chromium`, driven by Playwright for Python; never a downloaded browser) against real
 daemons on 127.0.0.1. What a person relies on: pairing through the Pair page by code shows
 the same words on both devices; ticking a capability lets the peer's next request through
@@ -26,11 +26,11 @@ import httpx
 import pytest
 
 from conftest import pair, run_nodes
-from psymesh.node.bridgeconfig import UiServe
-from psymesh.node.client import Client
+from psymesh.node.core.bridgeconfig import UiServe
+from psymesh.node.control.client import Client
 from psymesh.node.daemon import Node
-from psymesh.node.home import NodeHome
-from psymesh.node.process import DaemonProcess
+from psymesh.node.core.home import NodeHome
+from psymesh.node.control.process import DaemonProcess
 from psymesh.protocol.errors import ErrorCode, RemoteError
 from websites import serving
 from test_agent_node import SEND, _grant_notes, _scripted_home  # home's irreversible notes.send, scripted
@@ -411,7 +411,7 @@ async def test_psymesh_ui_starts_the_dashboard_of_a_phone_on_demand(tmp_path: Pa
 async def test_an_event_while_a_page_renders_is_not_lost() -> None:
     """A live region notes the pulse's count, renders (awaiting control handlers), then waits
     for a fire after that count: one that came during the render wakes it at once."""
-    from psymesh.node.notify import Pulse
+    from psymesh.node.core.notify import Pulse
 
     pulse = Pulse()
     seen = pulse.count

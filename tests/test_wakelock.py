@@ -1,4 +1,4 @@
-"""The wake lock (node/wakelock.py): taken when work starts, let go `linger_s` after the
+"""The wake lock (node/core/wakelock.py): taken when work starts, let go `linger_s` after the
 last ends, once for a burst, and on a clean stop; nothing runs while nothing is in flight."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import anyio
 import pytest
 
 from waiting import wait_until
-from psymesh.node.wakelock import WakeCommands, WakeLock, termux_commands
+from psymesh.node.core.wakelock import WakeCommands, WakeLock, termux_commands
 
 pytestmark = pytest.mark.anyio
 

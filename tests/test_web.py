@@ -19,7 +19,7 @@ import time
 from conftest import pair, run_nodes
 from waiting import wait_until
 from psymesh.node.daemon import Node
-from psymesh.node.home import NodeHome
+from psymesh.node.core.home import NodeHome
 from psymesh.protocol.common import Error
 from psymesh.protocol.errors import NetworkError
 from psymesh.protocol.messages import pack, unpack
@@ -27,10 +27,10 @@ from psymesh.protocol.oblivious import ExitKey, ExitSecret, seal_request
 from psymesh.protocol.web import WebFetch, WebKeyOk, WebKeyPush, WebPage
 from psymesh.agent.loop import ScriptedModel, run_agent, tool_call_text
 from psymesh.agent.tools import ToolContext
-from psymesh.node import agents
-from psymesh.node.client import Client
-from psymesh.node.webexit import ExitSettings, SearchSettings
-from psymesh.node.websettings import WebSettings
+from psymesh.node.models import agents
+from psymesh.node.control.client import Client
+from psymesh.node.web.exit import ExitSettings, SearchSettings
+from psymesh.node.core.websettings import WebSettings
 from psymesh.protocol import ids
 from psymesh.protocol.errors import ErrorCode, RemoteError
 from psymesh.protocol.tasks import TaskState

@@ -17,11 +17,11 @@ import psutil
 import pytest
 
 from conftest import run_nodes
-from psymesh.node.client import Client
-from psymesh.node.home import NodeHome
-from psymesh.node.process import DaemonProcess, pair_homes
-from psymesh.node.webexit import ExitSettings
-from psymesh.node.websettings import WebSettings
+from psymesh.node.control.client import Client
+from psymesh.node.core.home import NodeHome
+from psymesh.node.control.process import DaemonProcess, pair_homes
+from psymesh.node.web.exit import ExitSettings
+from psymesh.node.core.websettings import WebSettings
 from psymesh.protocol.errors import ErrorCode, PsymeshError
 from websites import Site, serving
 

@@ -1,5 +1,5 @@
 """A web page the owner visits, and another local program, against the node's local HTTP
-faces: the OpenAI-compatible endpoint and the A2A agent (issue 21; node/httpguard.py).
+faces: the OpenAI-compatible endpoint and the A2A agent (issue 21; node/bridges/httpguard.py).
 
 A page can make the browser send a "simple" request to 127.0.0.1 with no preflight: a
 text/plain (or form) POST carrying an `Origin` of the page's site and a
@@ -24,9 +24,9 @@ import httpx
 import pytest
 
 from conftest import run_nodes
-from psymesh.node.bridgeconfig import A2AServe, OpenAIServe, ServeSettings
+from psymesh.node.core.bridgeconfig import A2AServe, OpenAIServe, ServeSettings
 from psymesh.node.daemon import Node
-from psymesh.node.httpguard import AllowedHosts, split_host
+from psymesh.node.bridges.httpguard import AllowedHosts, split_host
 
 pytestmark = pytest.mark.anyio
 

@@ -1,4 +1,4 @@
-"""The web exit (node/webexit.py, node/websearch.py) against real HTTP servers on 127.0.0.1.
+"""The web exit (node/web/exit.py, node/web/search.py) against real HTTP servers on 127.0.0.1.
 
 What must hold: the exit reaches nothing but the public web unless its owner opened more,
 judged on the address actually connected to (names, redirects, embedded IPv4 and a socket
@@ -20,8 +20,8 @@ import httpcore
 import pytest
 from pydantic import ValidationError
 
-from psymesh.node.webexit import ExitSettings, IPAddress, WebExit, resolve_host
-from psymesh.node.websearch import SearchSettings
+from psymesh.node.web.exit import ExitSettings, IPAddress, WebExit, resolve_host
+from psymesh.node.web.search import SearchSettings
 from psymesh.protocol.errors import ErrorCode, PsymeshError
 from psymesh.protocol.web import WebFetch, WebSearch
 from websites import Site, serving, tls_contexts

@@ -6,9 +6,9 @@ Nothing here loads llama.cpp into the node's own process: a C++ exception, a fau
 the OOM killer in a model ends one request, never the node. May import agent/ and
 protocol/, and node/ helpers of the home and database; nothing imports the daemon.
 """
-from psymesh.node.models.pool import ModelPool
-from psymesh.node.models.registry import GGUF_MAGIC, ContextChoice, ModelRegistry, default_context, pull_model
-from psymesh.node.models.runner import ModelRunner, RunnerStatus
+from .pool import ModelPool
+from .registry import GGUF_MAGIC, ContextChoice, ModelRegistry, default_context, pull_model
+from .runner import ModelRunner, RunnerStatus
 
 __all__ = ["GGUF_MAGIC", "ContextChoice", "ModelPool", "ModelRegistry", "ModelRunner", "RunnerStatus",
            "default_context", "pull_model"]

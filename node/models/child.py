@@ -25,11 +25,11 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from psymesh.agent.inference import Completion, ModelSettings, StopAfter, ThinkBudget
-from psymesh.protocol.channel import Channel
-from psymesh.protocol.errors import PsymeshError
-from psymesh.protocol.messages import Message
-from psymesh.protocol.runner import (
+from ...agent.inference import Completion, ModelSettings, StopAfter, ThinkBudget
+from ...protocol.channel import Channel
+from ...protocol.errors import PsymeshError
+from ...protocol.messages import Message
+from ...protocol.runner import (
     MAX_RUNNER_FRAME,
     Cancel,
     Done,
@@ -47,7 +47,7 @@ from psymesh.protocol.runner import (
 )
 
 if TYPE_CHECKING:
-    from psymesh.agent.runtime import ModelWorker
+    from ...agent.runtime import ModelWorker
 
 
 def _limit_memory(limit_mb: int | None) -> None:
@@ -173,7 +173,7 @@ async def main() -> None:
         return
     settings = ModelSettings.model_validate_json(first.settings)
     _limit_memory(settings.memory_limit_mb)
-    from psymesh.agent.runtime import ModelWorker  # llama.cpp is loaded here, in this process only
+    from ...agent.runtime import ModelWorker  # llama.cpp is loaded here, in this process only
 
     worker = ModelWorker(settings)
     try:

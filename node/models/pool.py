@@ -11,8 +11,8 @@ from pathlib import Path
 
 import anyio
 
-from psymesh.node.models.registry import ModelRegistry
-from psymesh.node.models.runner import ModelRunner, RunnerStatus
+from .registry import ModelRegistry
+from .runner import ModelRunner, RunnerStatus
 
 
 class ModelPool:

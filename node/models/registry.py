@@ -12,10 +12,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from psymesh.agent.inference import ModelSettings
-from psymesh.node.db import ensure_schema
-from psymesh.node.home import ensure_private_dir, tighten
-from psymesh.protocol.errors import ConnectError, ErrorCode, PsymeshError
+from ...agent.inference import ModelSettings
+from ..core.db import ensure_schema
+from ..core.home import ensure_private_dir, tighten
+from ...protocol.errors import ConnectError, ErrorCode, PsymeshError
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS models (

@@ -40,7 +40,7 @@ from typing import IO
 import anyio
 from anyio.abc import Process
 
-from psymesh.agent.inference import (
+from ...agent.inference import (
     Completion,
     ModelCrashed,
     ModelError,
@@ -54,9 +54,9 @@ from psymesh.agent.inference import (
     WorkerClosed,
     WorkerStats,
 )
-from psymesh.protocol.errors import ErrorCode, PsymeshError
-from psymesh.protocol.messages import Message
-from psymesh.protocol.runner import (
+from ...protocol.errors import ErrorCode, PsymeshError
+from ...protocol.messages import Message
+from ...protocol.runner import (
     Done,
     Failed,
     Generate,
@@ -482,7 +482,7 @@ class ModelRunner(StreamingModel):
 
 def _engine_error(msg: Failed) -> PsymeshError:
     """A refusal from the engine, as the same error class the in-process engine raises."""
-    from psymesh.agent import inference
+    from ...agent import inference
 
     by_code = {ErrorCode.TOO_LARGE: inference.PromptTooLong, ErrorCode.BAD_REQUEST: inference.GrammarError,
                ErrorCode.BUSY: inference.WorkerBusy, ErrorCode.UNAVAILABLE: inference.WorkerClosed}

@@ -1,0 +1,378 @@
+"""The door of the node's local HTTP faces: one ASGI middleware, the same for the
+OpenAI-compatible endpoint (node/bridges/openai.py), the A2A agent (node/bridges/a2a.py) and
+the local web dashboard (node/control/dashboard.py), so that a web page the owner visits cannot drive them
+(docs/security.md, "A web page the owner visits").
+
+A page can make the browser send a "simple" request anywhere, with no preflight: a GET,
+or a POST whose Content-Type is text/plain, a form's or multipart. It cannot add headers
+(Authorization, A2A-Version) without a CORS preflight, which nothing here answers; and
+with DNS rebinding (its own name re-pointed at 127.0.0.1) it can even read the answers,
+but its requests then carry its own name in Host. So every request passes, in order
+(the first that fails answers, and the app never sees the request):
+
+    1. Host      a loopback address, `localhost`, or a name the owner configured (the
+                 bind host, `allowed_hosts`, the host of the A2A `public_url`); any IP
+                 address when bound to all (0.0.0.0, ::), since rebinding needs a name.
+                 403 `host_not_allowed`. Syncthing's GUI does the same.
+    2. Origin    if sent, the request's own origin (same host and port as Host); an
+                 `Origin: null` or a `Sec-Fetch-Site` other than same-origin or none
+                 (the owner typed the URL) is refused too. 403 `cross_origin`.
+    3. The key   `Authorization: Bearer KEY`, compared in constant time; not asked of
+                 GET/HEAD on the rules' public paths (the A2A card). 401
+                 `invalid_api_key` with `WWW-Authenticate: Bearer`.
+    4. JSON      a request that carries a body (POST, PUT, PATCH, DELETE, or any with a
+                 Content-Length or Transfer-Encoding) says `Content-Type:
+                 application/json` (parameters such as charset allowed). 415
+                 `unsupported_media_type`.
+    5. A header  if the rules name one (A2A: `A2A-Version: 1.0` or `0.3`), it is there
+                 with one of its values; not asked on public paths. 400
+                 `version_not_supported`.
+
+WebSocket connections are closed unheard (no face serves one yet).
+
+API, for a face that serves HTTP:
+
+    rules = GuardRules(key=load_api_key(settings, home, os.environ).value,
+                       hosts=AllowedHosts.of(settings.host_names()),
+                       public=frozenset({"/.well-known/agent-card.json"}),   # optional
+                       header=RequiredHeader("A2A-Version", frozenset({"1.0", "0.3"})))  # optional
+    app = HttpGuard(app, rules, refuse)    # refuse(Refusal) -> starlette Response, in the
+                                           # face's own error shape (OpenAI's, JSON-RPC's)
+    refusal = check_request(rules, method, path, headers)   # the same checks, pure: None
+                                                            # if the request may pass
+
+A Refusal carries the check that failed (`Check`, whose value is the stable error
+code), the HTTP status, a one-line message and the headers to send (WWW-Authenticate).
+
+A browser face (the dashboard, node/control/dashboard.py) adds `session=SessionRules(...)`:
+
+    3. The key   ... or the session cookie (`Cookie: NAME=VALUE`, HttpOnly, SameSite=Strict,
+                 set by the face's login page, a public path, once the owner showed the
+                 token), compared in constant time beside the bearer check.
+    4. The body  a request the cookie admitted that carries a body must also carry the
+                 CSRF token: in the `X-CSRF-Token` header (a JSON body), or as the
+                 `csrf` field of an application/x-www-form-urlencoded body (a form; at
+                 most FORM_MAX_BYTES, read here and handed on to the app unchanged).
+                 403 `csrf_token_invalid` without it; a body of any other type, 415.
+
+Steps 1 and 2 already refuse what a cross-site page or a rebound name could send; the
+cookie is SameSite=Strict, so another site's page cannot make the browser send it; the
+CSRF token is the last line, should one of those ever fail.
+"""
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import logging
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+from urllib.parse import parse_qs, urlsplit
+
+import anyio
+from starlette.datastructures import Headers
+from starlette.responses import Response
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+log = logging.getLogger("psymesh.http")
+
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+_BODY_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+_SAFE_METHODS = frozenset({"GET", "HEAD"})
+_FETCH_SITES = frozenset({"same-origin", "none"})  # Sec-Fetch-Site values of a request we may serve
+_LOOPBACK_NAMES = frozenset({"localhost"})
+_ANY = (ipaddress.ip_address("0.0.0.0"), ipaddress.ip_address("::"))
+FORM = "application/x-www-form-urlencoded"
+FORM_MAX_BYTES = 64 * 1024  # a dashboard form: a letter, a grant; larger is refused unread
+CSRF_HEADER = "x-csrf-token"
+CSRF_FIELD = "csrf"
+
+
+class Check(StrEnum):
+    """The check a request failed; the value is the error code its answer carries."""
+
+    HOST = "host_not_allowed"
+    ORIGIN = "cross_origin"
+    KEY = "invalid_api_key"
+    CONTENT_TYPE = "unsupported_media_type"
+    HEADER = "version_not_supported"
+    CSRF = "csrf_token_invalid"
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Why a request is refused: answer it with `status`, `message` and `headers`."""
+
+    check: Check
+    status: int
+    message: str
+    headers: Mapping[str, str] = field(default_factory=dict)
+
+
+def _ip(host: str) -> IPAddress | None:
+    try:
+        return ipaddress.ip_address(host)
+    except ValueError:
+        return None
+
+
+def _name(host: str) -> str:
+    """A host as compared: lowercase, without the root's trailing dot or IPv6 brackets."""
+    host = host.strip().lower().removesuffix(".")
+    return host[1:-1] if host.startswith("[") and host.endswith("]") else host
+
+
+@dataclass(frozen=True)
+class AllowedHosts:
+    """The Host header values a face answers to (without the port)."""
+
+    names: frozenset[str]
+    ips: frozenset[IPAddress]
+    any_ip: bool  # bound to all addresses: any IP literal (the machine's own, as a client dialed it)
+
+    @classmethod
+    def of(cls, configured: Iterable[str]) -> AllowedHosts:
+        """Loopback and `localhost`, and each configured name or address (the bind host
+        first: 0.0.0.0 or :: there means any IP literal)."""
+        names, ips, any_ip = set(_LOOPBACK_NAMES), set(), False
+        for entry in configured:
+            host = _name(entry)
+            ip = _ip(host)
+            if ip is None:
+                if host:
+                    names.add(host)
+            elif ip in _ANY:
+                any_ip = True
+            else:
+                ips.add(ip)
+        return cls(frozenset(names), frozenset(ips), any_ip)
+
+    def allows(self, host: str) -> bool:
+        host = _name(host)
+        ip = _ip(host)
+        if ip is None:
+            return host in self.names
+        return ip.is_loopback or self.any_ip or ip in self.ips
+
+
+@dataclass(frozen=True)
+class RequiredHeader:
+    """A header every non-public request must carry, with one of `values`."""
+
+    name: str
+    values: frozenset[str]
+
+
+@dataclass(frozen=True)
+class SessionRules:
+    """A browser's credential besides the bearer key: the cookie its login set, and the
+    CSRF token every request with a body it admits must carry (module docstring)."""
+
+    cookie: str                          # the cookie's name
+    value: str = field(repr=False)       # its value: a secret derived from the key (never the key)
+    csrf: str = field(repr=False)        # the CSRF token the face's pages embed
+
+
+@dataclass(frozen=True)
+class GuardRules:
+    """What one face asks of every request (see the module docstring for the order)."""
+
+    key: str = field(repr=False)
+    hosts: AllowedHosts
+    public: frozenset[str] = frozenset()  # paths a GET or HEAD reaches without the key (nor the header)
+    header: RequiredHeader | None = None
+    session: SessionRules | None = None   # a browser face: the cookie and the CSRF token
+
+
+@dataclass(frozen=True)
+class Admitted:
+    """A request that passed the headers' checks; `form_csrf`: the body is a form that
+    must still show the CSRF token (`check_form`) before the app may read it."""
+
+    form_csrf: bool = False
+
+
+def split_host(value: str) -> tuple[str, int | None] | None:
+    """A Host header as (host, port); None if it is not one ("[::1]:8080", "localhost")."""
+    value = value.strip()
+    if value.startswith("["):
+        host, sep, rest = value[1:].partition("]")
+        if not sep or (rest and not rest.startswith(":")):
+            return None
+        port_text = rest[1:] if rest else ""
+    else:
+        host, _, port_text = value.partition(":")
+        if ":" in port_text:  # a bare IPv6 address: not a valid Host
+            return None
+    if not host:
+        return None
+    if not port_text:
+        return host, None
+    if not port_text.isdigit() or not 0 < int(port_text) < 65536:
+        return None
+    return host, int(port_text)
+
+
+def _same_origin(origin: str, host: str, port: int | None) -> bool:
+    """Whether `Origin: origin` names the host and port the request was sent to."""
+    try:
+        parts = urlsplit(origin)
+        origin_port = parts.port
+    except ValueError:
+        return False
+    if parts.scheme not in ("http", "https") or not parts.hostname or parts.path not in ("", "/"):
+        return False
+    if _name(parts.hostname) != _name(host):
+        return False
+    if port is None:  # Host without a port (a reverse proxy's): the name decides
+        return True
+    return (origin_port or (443 if parts.scheme == "https" else 80)) == port
+
+
+def _bearer_matches(headers: Headers, key: str) -> bool:
+    scheme, _, given = headers.get("authorization", "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), key.encode())
+
+
+def _cookie_matches(headers: Headers, session: SessionRules | None) -> bool:
+    if session is None:
+        return False
+    for part in headers.get("cookie", "").split(";"):
+        name, sep, value = part.strip().partition("=")
+        if sep and name == session.cookie and hmac.compare_digest(value.strip().encode(), session.value.encode()):
+            return True
+    return False
+
+
+def _csrf_refusal(where: str) -> Refusal:
+    return Refusal(Check.CSRF, 403, f"the CSRF token is missing or wrong ({where}); reload the page and try again")
+
+
+def csrf_matches(given: str | None, session: SessionRules) -> bool:
+    return given is not None and hmac.compare_digest(given.strip().encode(), session.csrf.encode())
+
+
+def _carries_body(method: str, headers: Headers) -> bool:
+    return (method in _BODY_METHODS or headers.get("content-length", "0").strip() not in ("", "0")
+            or "transfer-encoding" in headers)
+
+
+def check_request(rules: GuardRules, method: str, path: str, headers: Headers) -> Refusal | None:
+    """The first check (module docstring) the request fails, or None if it may pass
+    (a form body's CSRF token aside: `admit` says when `check_form` must still run)."""
+    decision = admit(rules, method, path, headers)
+    return decision if isinstance(decision, Refusal) else None
+
+
+def admit(rules: GuardRules, method: str, path: str, headers: Headers) -> Refusal | Admitted:
+    """The first check the request's headers fail, or what is left to check of its body."""
+    host_header = headers.get("host", "")
+    where = split_host(host_header)
+    if where is None or not rules.hosts.allows(where[0]):
+        return Refusal(Check.HOST, 403, f"Host {host_header!r} is not a name of this node (a page that "
+                                        "re-pointed its own name here?); use 127.0.0.1 or localhost, or add "
+                                        "the name to allowed_hosts")
+    origin = headers.get("origin")
+    if origin is not None and not _same_origin(origin, *where):
+        return Refusal(Check.ORIGIN, 403, f"cross-origin requests are refused (Origin {origin!r})")
+    site = headers.get("sec-fetch-site")
+    if site is not None and site.strip().lower() not in _FETCH_SITES:
+        return Refusal(Check.ORIGIN, 403, f"cross-site requests are refused (Sec-Fetch-Site {site!r})")
+    public = method in _SAFE_METHODS and path in rules.public
+    by_cookie = False
+    if not public and not _bearer_matches(headers, rules.key):
+        by_cookie = _cookie_matches(headers, rules.session)
+        if not by_cookie:
+            return Refusal(Check.KEY, 401, "missing or incorrect API key (send Authorization: Bearer KEY; "
+                                           "psymesh serve ... --show-key prints it; for the dashboard, "
+                                           "open the link psymesh ui prints)",
+                           {"WWW-Authenticate": 'Bearer realm="psymesh"'})
+    form_csrf = False
+    if _carries_body(method, headers):
+        media = headers.get("content-type", "").partition(";")[0].strip().lower()
+        if by_cookie and rules.session is not None:
+            if media == FORM:
+                form_csrf = True
+            elif media == "application/json" and not csrf_matches(headers.get(CSRF_HEADER), rules.session):
+                return _csrf_refusal("X-CSRF-Token header")
+        if media != "application/json" and not form_csrf:
+            return Refusal(Check.CONTENT_TYPE, 415, f"the body must be JSON with Content-Type: application/json "
+                                                    f"(got {media or 'none'!r})")
+    if rules.header is not None and not public:
+        given = headers.get(rules.header.name)
+        if given is None or given.strip() not in rules.header.values:
+            wanted = " or ".join(sorted(rules.header.values))
+            return Refusal(Check.HEADER, 400, f"send the header {rules.header.name}: {wanted} "
+                                              f"(got {'none' if given is None else repr(given)})")
+    return Admitted(form_csrf=form_csrf)
+
+
+def check_form(session: SessionRules, body: bytes) -> Refusal | None:
+    """A form body's CSRF field (the last check of a cookie's request with a form)."""
+    if len(body) > FORM_MAX_BYTES:
+        return Refusal(Check.CSRF, 413, f"a form is at most {FORM_MAX_BYTES} bytes")
+    given = parse_qs(body.decode("latin-1"), keep_blank_values=True).get(CSRF_FIELD, [None])[-1]
+    return None if csrf_matches(given, session) else _csrf_refusal("form field csrf")
+
+
+async def _read_body(receive: Receive, limit: int) -> bytes | None:
+    """The whole request body, or None once it passes `limit` bytes."""
+    chunks, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            return None
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            return None
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+def _replay(body: bytes) -> Receive:
+    """A `receive` that hands the app the body the guard already read, then waits for the
+    client to leave (as a real one does)."""
+    sent = False
+
+    async def receive() -> dict:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await anyio.sleep_forever()
+        raise AssertionError("unreachable")
+
+    return receive
+
+
+class HttpGuard:
+    """ASGI middleware: `app` hears only requests that pass `check_request(rules, ...)`;
+    the others are answered with `refuse(refusal)` and logged."""
+
+    def __init__(self, app: ASGIApp, rules: GuardRules, refuse: Callable[[Refusal], Response]) -> None:
+        self.app, self.rules, self.refuse = app, rules, refuse
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await self.app(scope, receive, send)
+            return
+        if scope["type"] != "http":  # a WebSocket: no face serves one
+            await send({"type": "websocket.close", "code": 1008})
+            return
+        decision = admit(self.rules, scope["method"], scope["path"], Headers(scope=scope))
+        if isinstance(decision, Admitted) and decision.form_csrf and self.rules.session is not None:
+            body = await _read_body(receive, FORM_MAX_BYTES)
+            decision = (check_form(self.rules.session, body) if body is not None else
+                        Refusal(Check.CSRF, 413, f"a form is at most {FORM_MAX_BYTES} bytes")) or decision
+            if isinstance(decision, Admitted):
+                receive = _replay(body or b"")
+        if isinstance(decision, Admitted):
+            await self.app(scope, receive, send)
+            return
+        refusal = decision
+        client = scope.get("client")
+        log.info("refused %s %s from %s: %s", scope["method"], scope["path"],
+                 f"{client[0]}:{client[1]}" if client else "?", refusal.message)
+        await self.refuse(refusal)(scope, receive, send)

@@ -1,0 +1,83 @@
+"""CLI output: data to stdout (JSON with --json, rich tables otherwise); everything else to stderr.
+
+Scripts can always parse stdout of a `--json` command: it holds exactly one JSON
+document (an object, a list — `[]` when empty — or {"error": {...}} on failure).
+
+A failure is one line on stderr, and exit status 1. The network failing (a NetworkError:
+a peer or a server that could not be reached or stopped answering) reads apart from a
+refusal, its JSON error says `"network": <how>`, and when it was the daemon that could
+not reach a peer, the line ends with what to check next.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from pydantic import BaseModel
+from rich.console import Console
+from rich.markup import escape
+
+from ...protocol.control import network_kind
+from ...protocol.errors import NetworkError, PsymeshError
+
+PEER_NEXT_STEP = "is its daemon running and reachable? try again later, or see: psymesh peers"
+
+
+def table(*headers: str, **options: Any) -> Any:
+    """A rich table whose cells wrap (folding a long word such as `task.infer:models=botpsy*`
+    over lines) instead of ending in `…` when the terminal, or a pipe's 80 columns, is narrow."""
+    from rich.table import Table
+
+    t = Table(**options)
+    for header in headers:
+        t.add_column(header, overflow="fold")
+    return t
+
+
+def to_data(obj: Any) -> Any:
+    if isinstance(obj, BaseModel):
+        return obj.model_dump(mode="json")
+    if isinstance(obj, list):
+        return [to_data(o) for o in obj]
+    if isinstance(obj, dict):
+        return {k: to_data(v) for k, v in obj.items()}
+    return obj
+
+
+class Output:
+    def __init__(self, json_mode: bool = False) -> None:
+        self.json_mode = json_mode
+        # emoji=False: `peer:phone:` is a check's name, not the ☎ emoji code
+        self.out = Console(highlight=False, soft_wrap=True, emoji=False)
+        self.err = Console(stderr=True, highlight=False, soft_wrap=True, emoji=False)
+
+    def data(self, obj: Any, human: Callable[[Console], None] | None = None) -> None:
+        if self.json_mode or human is None:
+            sys.stdout.write(json.dumps(to_data(obj), indent=None if self.json_mode else 2) + "\n")
+            sys.stdout.flush()
+        else:
+            human(self.out)
+
+    def hint(self, message: str) -> None:
+        self.err.print(f"[dim]{escape(message)}[/dim]")
+
+    def warn(self, message: str) -> None:
+        self.err.print(f"[yellow]warning:[/yellow] {escape(message)}")
+
+    def error(self, exc: PsymeshError) -> None:
+        network = isinstance(exc, NetworkError)
+        if self.json_mode:
+            error: dict[str, Any] = {"code": exc.code.value, "message": exc.message}
+            if network:
+                error["network"] = network_kind(exc)
+            self.data({"error": error})
+        code = escape(f"[{exc.code.value}]")
+        if network:
+            message = " ".join(exc.message.split())  # one line, whatever the transport said
+            if "network" in exc.details:  # the daemon said so: it could not reach a peer
+                message += f"; {PEER_NEXT_STEP}"
+            self.err.print(f"[red]network error[/red] {code}: {escape(message)}")
+        else:
+            self.err.print(f"[red]error[/red] {code}: {escape(exc.message)}")

@@ -1,0 +1,477 @@
+"""The Python SDK: drive your own node daemon from a script.
+
+    async with psymesh.Client(home="~/psy-home") as node:
+        status = await node.status()
+        result = await node.ping("/ip4/127.0.0.1/tcp/4001/p2p/12D3KooW...")
+
+Talks to the daemon's control socket with anyio, so it runs under asyncio and trio
+alike (libp2p itself lives only inside the daemon). One request at a time per
+connection; streaming calls open a connection of their own.
+
+Requests carry secrets (an invite string is a bearer credential), so before sending
+anything the client makes sure it talks to its owner's daemon: the socket must be
+a socket owned by us, in a directory only we may enter, and (on Linux) the process
+listening on it must run as us (SO_PEERCRED; LOCAL_PEERCRED on BSD/macOS). Not root either: psymesh never runs
+a daemon as one user for another user's home, so a root-owned listener is not ours.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import stat
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import anyio
+import anyio.abc
+from pydantic import ValidationError
+
+from ..net.framed import AnyioByteStream, FramedStream
+from ..tasks.ids import new_task_id
+from ..core.home import SOCKET_DIR_ADVICE, NodeHome, check_private_dir, os_error, socket_peer
+from ...protocol import control as c
+from ...protocol.errors import ErrorCode, PsymeshError, RemoteError
+from ...protocol.framing import DEFAULT_MAX_FRAME_SIZE
+from ...protocol.limits import Limits
+from ...protocol.common import expect
+from ...protocol.messages import Message
+from ...protocol.tasks import Outcome, TaskEvent
+from ...protocol.web import DEFAULT_PAGE_CHARS, WebFetch, WebPage, WebResults, WebSearch
+
+R = TypeVar("R", bound=Message)
+
+
+class DaemonNotRunning(PsymeshError):
+    default_code = ErrorCode.UNAVAILABLE
+
+
+class NotOurDaemon(PsymeshError):
+    """Something other than our own daemon holds the control socket path; nothing was sent to it."""
+
+    default_code = ErrorCode.FORBIDDEN
+
+
+MAX_IDLE_CONNECTIONS = 4
+
+
+@dataclass
+class _Lease:
+    framed: FramedStream
+    clean: bool = False  # the request ended as the protocol says: the connection can serve another
+
+
+class Client:
+    def __init__(
+        self,
+        home: str | os.PathLike[str] | None = None,
+        *,
+        socket_path: str | os.PathLike[str] | None = None,
+        max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
+    ) -> None:
+        self.home = NodeHome(home)
+        self.socket_path = Path(socket_path) if socket_path else self.home.socket_path
+        self.max_frame_size = max_frame_size
+        self._framed: FramedStream | None = None
+        self._lock = anyio.Lock()
+        self._idle: list[FramedStream] = []  # side connections a finished long request handed back
+
+    def _not_running(self, reason: str) -> DaemonNotRunning:
+        return DaemonNotRunning(f"no psymesh daemon is listening at {self.socket_path} ({reason}); "
+                                f"start one with: psymesh node start --home {self.home.path}")
+
+    def _not_ours(self, why: str) -> NotOurDaemon:
+        return NotOurDaemon(f"{self.socket_path} is not your daemon's control socket ({why}); nothing was sent "
+                            "to it. Stop whatever made it (it may be impersonating your daemon) or remove it, "
+                            f"then start your own: psymesh node start --home {self.home.path}")
+
+    def _check_socket_file(self) -> None:
+        """Before connecting: a socket, owned by us, in a directory only we may enter."""
+        path = self.socket_path
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            raise self._not_running("no socket there") from None
+        except OSError as exc:
+            raise os_error(exc, path) from None
+        check_private_dir(path.parent, "the control socket's directory", SOCKET_DIR_ADVICE)
+        if not stat.S_ISSOCK(st.st_mode):
+            raise self._not_ours("it is not a socket")
+        if st.st_uid != os.geteuid():
+            raise self._not_ours(f"it belongs to uid {st.st_uid}, not to you (uid {os.geteuid()})")
+
+    def _check_listener(self, raw: anyio.abc.SocketStream) -> None:
+        """After connecting, before sending: the listening process must run as us."""
+        peer = socket_peer(raw.extra(anyio.abc.SocketAttribute.raw_socket))
+        if peer is not None and peer[0] != os.geteuid():
+            raise self._not_ours(f"the process listening on it (pid {peer[1] or '?'}) runs as uid {peer[0]}, "
+                                 f"not as you (uid {os.geteuid()})")
+
+    async def _open(self) -> FramedStream:
+        self._check_socket_file()
+        try:
+            raw = await anyio.connect_unix(self.socket_path)
+        except (FileNotFoundError, ConnectionRefusedError) as exc:
+            raise self._not_running(exc.strerror or str(exc)) from None
+        try:
+            self._check_listener(raw)
+        except BaseException:
+            await raw.aclose()
+            raise
+        return FramedStream(AnyioByteStream(raw), self.max_frame_size)
+
+    @contextlib.asynccontextmanager
+    async def _side(self) -> AsyncIterator["_Lease"]:
+        """A control connection for one long request (a watch, a wait): an idle one when there
+        is one, handed back for the next when its request ended cleanly (`lease.clean`), closed
+        otherwise. Each `result()` would otherwise connect (and check the socket's owner) anew."""
+        lease = _Lease(self._idle.pop() if self._idle else await self._open())
+        try:
+            yield lease
+        finally:
+            if lease.clean and len(self._idle) < MAX_IDLE_CONNECTIONS:
+                self._idle.append(lease.framed)
+            else:
+                with anyio.CancelScope(shield=True):
+                    await lease.framed.aclose()
+
+    async def __aenter__(self) -> "Client":
+        self._framed = await self._open()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        idle, self._idle = self._idle, []
+        for framed in idle:
+            await framed.aclose()
+        if self._framed is not None:
+            framed, self._framed = self._framed, None
+            await framed.aclose()
+
+    async def request(self, message: Message, reply_type: type[R]) -> R:
+        """Send one control request and return its reply. An `error` reply raises: a
+        NetworkError (ConnectError, NetworkTimeout, ConnectionLost) when the daemon could not
+        reach the peer, which may work later; a RemoteError when the request was refused."""
+        if self._framed is None:
+            raise PsymeshError("use `async with Client(...)` (or await client.__aenter__()) first")
+        async with self._lock:
+            return await self._request_on(self._framed, message, reply_type)
+
+    @staticmethod
+    async def _request_on(framed: FramedStream, message: Message, reply_type: type[R]) -> R:
+        try:
+            return await framed.request(message, reply_type)
+        except RemoteError as exc:
+            raise c.raised(exc) from None
+
+    # -- node ---------------------------------------------------------------
+    async def status(self) -> c.StatusReply:
+        return await self.request(c.StatusRequest(), c.StatusReply)
+
+    async def ping(self, peer: str, count: int = 4, payload_size: int = 32) -> c.PingReply:
+        """Round trips over the encrypted channel to `peer` (multiaddr with /p2p/, or a paired peer's id or name)."""
+        return await self.request(c.PingRequest(peer=peer, count=count, payload_size=payload_size), c.PingReply)
+
+    async def shutdown(self) -> None:
+        await self.request(c.ShutdownRequest(), c.Ok)
+
+    async def doctor(self, timeout_s: float = 10.0, *, dialback: bool = True) -> c.DoctorReply:
+        """The daemon's view for `psymesh doctor`: its listen addresses, how it is reachable,
+        and each paired peer probed now (reachable? path, round trip, clock skew, dial-back)."""
+        return await self.request(c.DoctorRequest(timeout_s=timeout_s, dialback=dialback), c.DoctorReply)
+
+    # -- pairing and trust -----------------------------------------------------
+    async def pair_invite(self, *, name: str | None = None, grant: str = "phone", ttl_s: float = 600.0,
+                          grant_ttl_s: float | None = None) -> c.PairInviteReply:
+        """Make a one-time invite; give its `code` (or `invite` string) to the joining device."""
+        return await self.request(c.PairInviteRequest(name=name, grant=grant, ttl_s=ttl_s, grant_ttl_s=grant_ttl_s),
+                                  c.PairInviteReply)
+
+    async def pair_invite_and_wait(self, on_invite: Callable[[c.PairInviteReply], object], *,
+                                   name: str | None = None, grant: str = "phone", ttl_s: float = 600.0,
+                                   grant_ttl_s: float | None = None) -> c.PairedReply:
+        """Make an invite, hand it to `on_invite` (to show it), then wait until a device pairs
+        with it (-> the pairing, with verification words) or it dies (-> RemoteError)."""
+        framed = await self._open()  # a connection of its own: the wait may be long
+        try:
+            invite = await framed.request(c.PairInviteRequest(name=name, grant=grant, ttl_s=ttl_s,
+                                                              grant_ttl_s=grant_ttl_s, wait=True), c.PairInviteReply)
+            on_invite(invite)
+            return expect(await framed.receive_required(), c.PairedReply)
+        finally:
+            await framed.aclose()
+
+    async def pair_join(self, invite: str, *, address: str | None = None, grant: str | None = None) -> c.PairedReply:
+        """Pair with the node that made `invite` (an invite string, or a code plus `address`).
+        `grant` optionally gives the inviter a preset (e.g. "messaging") in return."""
+        return await self.request(c.PairJoinRequest(invite=invite, address=address, grant=grant), c.PairedReply)
+
+    async def peers(self, *, include_revoked: bool = True) -> list[c.PeerView]:
+        return (await self.request(c.PeersRequest(include_revoked=include_revoked), c.PeersReply)).peers
+
+    async def grant(self, peer: str, capabilities: list[str] | None = None, *, add: list[str] | None = None,
+                    remove: list[str] | None = None, preset: str | None = None, expires_s: float | None = None,
+                    preset_limits: str | None = None, limits: Limits | None = None,
+                    set_limits: Mapping[str, int | None] | None = None) -> c.PeerReply:
+        """A new grant to `peer` (capabilities in CLI spelling, e.g. "tool:files.*"):
+        `capabilities` if given, else the preset `preset`'s (e.g. "phone"), else the current
+        grant's; then `remove` taken out and `add` put in. Limits: `limits` if given, else a
+        preset's (`preset_limits`, else `preset`), else the current grant's; then each of
+        `set_limits` (e.g. `{"concurrent_tasks": 8, "max_runtime_s": None}`) replaces one of
+        them, None meaning no limit from the grant. Unknown names or values out of range raise
+        PsymeshError (bad_request) before anything is sent."""
+        try:
+            req = c.GrantRequest(peer=peer, capabilities=capabilities or [], add=add or [], remove=remove or [],
+                                 preset=preset, expires_s=expires_s, preset_limits=preset_limits, limits=limits,
+                                 set_limits=dict(set_limits or {}))
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            raise PsymeshError(f"invalid grant: {first['msg'].removeprefix('Value error, ')}",
+                               code=ErrorCode.BAD_REQUEST) from None
+        return await self.request(req, c.PeerReply)
+
+    async def revoke(self, peer: str) -> c.PeerReply:
+        return await self.request(c.RevokeRequest(peer=peer), c.PeerReply)
+
+    # -- discovery ---------------------------------------------------------------
+    async def discovered(self, wait_s: float = 0.0) -> c.DiscoverReply:
+        """Nodes seen on the LAN (mDNS) or at static addresses, paired or not, with fingerprints
+        (most recent first), after listening `wait_s` more seconds (at most 60)."""
+        return await self.request(c.DiscoverRequest(wait_s=wait_s), c.DiscoverReply)
+
+    # -- delegated tasks ---------------------------------------------------------
+    async def delegate(
+        self,
+        to: str | None = None,
+        *,
+        tool: str | None = None,
+        args: dict[str, Any] | None = None,
+        infer: str | list[dict[str, Any]] | None = None,
+        model: str | None = None,
+        max_tokens: int | None = None,
+        goal: str | None = None,
+        params: dict[str, Any] | None = None,
+        timeout: float | None = None,
+        task_id: str | None = None,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> TaskHandle:
+        """Hand a task to a paired node (`to`: its name or peer id; None picks the best one).
+
+        Exactly one of `tool` (with `args`), `infer` (a prompt, or chat messages; with
+        `model`; `tools`: functions the model may call, each {name, description, parameters})
+        or `goal` (an agent run). The task is stored durably before this returns,
+        and is delivered, run and reported even if either node restarts meanwhile. Passing
+        the same `task_id` again returns the same task.
+        """
+        if sum(x is not None for x in (tool, infer, goal)) != 1:
+            raise PsymeshError("give exactly one of tool=, infer= or goal=", code=ErrorCode.BAD_REQUEST)
+        spec: dict[str, Any] = {"id": task_id or new_task_id(), "timeout": timeout}
+        if tool is not None:
+            spec.update(kind="tool", tool=tool, args=args or {})
+        elif infer is not None:
+            spec.update(kind="infer", model=model, max_tokens=max_tokens, params=params or {})
+            spec["prompt" if isinstance(infer, str) else "messages"] = infer
+            if tools:
+                spec["tools"] = tools
+        else:
+            spec.update(kind="agent", goal=goal, params=params or {})
+        reply = await self.request(c.TaskSubmitRequest(to=to, spec=spec), c.TaskSubmitted)
+        return TaskHandle(self, reply)
+
+    async def offers(self, operation: str = "task.agent") -> list[c.Offer]:
+        """Paired peers that would take `operation` now, with their models and tools."""
+        return (await self.request(c.OffersRequest(operation=operation), c.OffersReply)).offers
+
+    async def models_ps(self) -> list[c.LoadedModel]:
+        """This node's models and their runner processes (loaded or not, pid, memory, idle time)."""
+        return (await self.request(c.ModelsPsRequest(), c.ModelsPsReply)).models
+
+    async def ui(self) -> c.UiReply:
+        """The dashboard's address (started now if it was not running) and its login link."""
+        return await self.request(c.UiRequest(), c.UiReply)
+
+    def task(self, task_id: str) -> TaskHandle:
+        """A handle on a task this node delegated earlier (e.g. before a restart)."""
+        return TaskHandle(self, c.TaskSubmitted(task_id=task_id, target="", target_name="", accepted=True))
+
+    async def tasks(self, limit: int = 100) -> c.TaskListReply:
+        return await self.request(c.TaskListRequest(limit=limit), c.TaskListReply)
+
+    async def audit(self, *, peer: str | None = None, limit: int = 100,
+                    denied_only: bool = False) -> list[c.AuditRow]:
+        return (await self.request(c.AuditRequest(peer=peer, limit=limit, denied_only=denied_only), c.AuditReply)).rows
+
+    # -- messages between agents -------------------------------------------------------
+    async def send(self, to: str, text: str = "", *, body: Mapping[str, Any] | None = None, thread: str = "main",
+                   letter_id: str | None = None) -> c.SentLetter:
+        """Write a letter to `to` (a paired peer's name or id). It is durable here when this
+        returns (state `pending`); the node delivers it, exactly once, in order within
+        `thread`, retrying while the peer is away. Passing the same `letter_id` again
+        returns the same letter. See `letter()` for its state later."""
+        reply = await self.request(_checked(c.MsgSendRequest, to=to, text=text, body=dict(body or {}), thread=thread,
+                                              letter_id=letter_id), c.MsgSentReply)
+        return reply.letter
+
+    async def serve(self, section: str, *, host: str | None = None, port: int | None = None,
+                    api_key_file: str | None = None) -> c.ServeReply:
+        """Turn the daemon's OpenAI-compatible endpoint (`openai`) or A2A agent (`a2a`) on now,
+        with its config.toml settings and these over them; returns where it listens."""
+        return await self.request(_checked(c.ServeRequest, section=section, host=host, port=port,
+                                           api_key_file=api_key_file), c.ServeReply)
+
+    async def letter(self, letter_id: str, *, wait: bool = False, until_away: bool = False) -> c.SentLetter:
+        """A sent letter's state (`pending`, `delivered`, `refused` with code and reason);
+        with `wait`, once it is no longer pending, or (`until_away`) once its recipient has
+        been found unreachable (then `away` says since when and why)."""
+        if wait:  # may take long: a connection of its own
+            framed = await self._open()
+            try:
+                request = _checked(c.MsgStatusRequest, id=letter_id, wait=True, until_away=until_away)
+                return (await self._request_on(framed, request, c.MsgSentReply)).letter
+            finally:
+                await framed.aclose()
+        return (await self.request(_checked(c.MsgStatusRequest, id=letter_id), c.MsgSentReply)).letter
+
+    async def inbox(self, after: int = 0, *, follow: bool = True, limit: int | None = None
+                    ) -> AsyncIterator[c.InboxLetter]:
+        """Letters from peers, in the order the node released them (within a thread, the
+        order they were written), each once: `async for m in node.inbox(): ...`.
+
+        Live by default (it waits for the next letter); `follow=False` ends after the last
+        one held now. Resume after a restart with `after` = the last `m.seq` handled."""
+        framed = await self._open()  # a stream of its own
+        try:
+            await framed.send(_checked(c.MsgInboxRequest, after=after, follow=follow, limit=limit))
+            while True:
+                message = await framed.receive_required()
+                if isinstance(message, c.Ok):
+                    return
+                yield expect(message, c.InboxLetter)
+        finally:
+            await framed.aclose()
+
+    async def ask(self, to: str, question: str, *, thread: str = "main", params: Mapping[str, Any] | None = None,
+                  timeout: float = 120.0) -> c.InboxLetter:
+        """Ask `to`'s agent (it needs `msg.ask` from us) and return its answer letter: the
+        answer's `text`, and in `body` `ok`, `steps`, `stopped` and the `tool_calls` it made
+        (or `error`). `params`: agent params the peer lets us set (max_steps, seed, ...).
+        A refused ask raises its RemoteError at once; no answer within `timeout` raises
+        TIMEOUT (NetworkTimeout if the ask never reached the peer)."""
+        framed = await self._open()  # may take long: a connection of its own
+        try:
+            reply = await self._request_on(framed, _checked(c.MsgAskRequest, to=to, text=question, thread=thread,
+                                                             params=dict(params or {}), timeout_s=timeout),
+                                           c.MsgAnswerReply)
+        finally:
+            await framed.aclose()
+        return reply.answer
+
+    # -- web queries -------------------------------------------------------------------------
+    async def web_search(self, query: str, *, limit: int = 5, via: str | None = None, relay: str | None = None,
+                         hops: int | None = None) -> WebResults:
+        """Search the web through a trusted exit (this node opens no connection to the web).
+        `via`: the exit; `relay` or `hops=2`: sealed through a relay, so the exit never learns
+        who asked. Results are untrusted text."""
+        reply = await self.web_query(search=query, limit=limit, via=via, relay=relay, hops=hops)
+        assert reply.results is not None
+        return reply.results
+
+    async def web_fetch(self, url: str, *, max_chars: int = DEFAULT_PAGE_CHARS, via: str | None = None,
+                        relay: str | None = None, hops: int | None = None) -> WebPage:
+        """Fetch `url`'s readable text through a trusted exit (see web_search)."""
+        reply = await self.web_query(url=url, max_chars=max_chars, via=via, relay=relay, hops=hops)
+        assert reply.page is not None
+        return reply.page
+
+    async def web_query(self, *, search: str | None = None, url: str | None = None, limit: int = 5,
+                        max_chars: int = DEFAULT_PAGE_CHARS, via: str | None = None, relay: str | None = None,
+                        hops: int | None = None) -> c.WebQueryReply:
+        """A search (`search`) or a fetch (`url`), and the way it went (exit, relay)."""
+        if (search is None) == (url is None):
+            raise PsymeshError("give a search or a url, not both", code=ErrorCode.BAD_REQUEST)
+        query = (_checked(WebSearch, query=search, limit=limit) if search is not None
+                 else _checked(WebFetch, url=url, max_chars=max_chars))
+        request = _checked(c.WebQueryRequest, search=query if isinstance(query, WebSearch) else None,
+                           fetch=query if isinstance(query, WebFetch) else None, via=via, relay=relay, hops=hops)
+        return await self.request(request, c.WebQueryReply)
+
+    # -- groups ----------------------------------------------------------------------------
+    async def group_create(self, name: str, members: list[str] | None = None) -> c.GroupView:
+        """A named list of paired peers (names or ids), kept by this node only."""
+        return (await self.request(_checked(c.GroupCreateRequest, name=name, members=members or []), c.GroupReply)).group
+
+    async def group_add(self, name: str, members: list[str]) -> c.GroupView:
+        return (await self.request(_checked(c.GroupAddRequest, name=name, members=members), c.GroupReply)).group
+
+    async def group_remove(self, name: str, members: list[str]) -> c.GroupView:
+        return (await self.request(_checked(c.GroupRemoveRequest, name=name, members=members), c.GroupReply)).group
+
+    async def groups(self) -> list[c.GroupView]:
+        return (await self.request(c.GroupListRequest(), c.GroupsReply)).groups
+
+    async def group_send(self, name: str, text: str = "", *, body: Mapping[str, Any] | None = None
+                         ) -> list[c.SentLetter]:
+        """One letter to each member of group `name` (thread `group:<name>`), as `send()` would."""
+        reply = await self.request(_checked(c.GroupSendRequest, name=name, text=text, body=dict(body or {})), c.GroupSentReply)
+        return reply.letters
+
+
+def _checked(cls: type[R], **fields: Any) -> R:
+    """A request built from a caller's arguments: a value out of bounds (a thread name
+    too long, a group name with a space) is a BAD_REQUEST naming it, before anything is sent."""
+    try:
+        return cls(**fields)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first.get("loc", ())) or cls.type
+        raise PsymeshError(f"invalid {where}: {first['msg']}", code=ErrorCode.BAD_REQUEST) from None
+
+
+class TaskHandle:
+    """A delegated task, as its submitter sees it (from its own node's durable mirror)."""
+
+    def __init__(self, client: Client, submitted: c.TaskSubmitted) -> None:
+        self._client = client
+        self.id = submitted.task_id
+        self.target = submitted.target
+        self.target_name = submitted.target_name
+        self.accepted = submitted.accepted
+        self.away = submitted.away  # not accepted because the target is unreachable: since when, why
+
+    def __repr__(self) -> str:
+        return f"<TaskHandle {self.id} -> {self.target_name or self.target}>"
+
+    async def events(self, after_seq: int = 0) -> AsyncIterator[TaskEvent]:
+        """Every event after `after_seq`, in order, live until the task ends."""
+        async with self._client._side() as lease:
+            await lease.framed.send(c.TaskWatchRequest(task_id=self.id, after_seq=after_seq))
+            while True:
+                message = await lease.framed.receive_required()
+                if isinstance(message, c.Ok):
+                    lease.clean = True
+                    return
+                yield expect(message, TaskEvent)
+
+    async def outcome(self) -> Outcome:
+        last: TaskEvent | None = None
+        async for ev in self.events():
+            last = ev
+        if last is None or last.outcome is None:
+            raise PsymeshError(f"task {self.id} ended without a final event", code=ErrorCode.INTERNAL)
+        return last.outcome
+
+    async def result(self) -> Any:
+        """Wait for the task to end: its result, or RemoteError with the failure's code."""
+        return (await self.outcome()).unwrap()
+
+    async def cancel(self) -> None:
+        await self._client.request(c.TaskCancelRequest(task_id=self.id), c.Ok)
+
+    async def respond(self, data: dict[str, Any]) -> None:
+        """Answer the task while it is `input-required` (an agent asking to run an
+        irreversible tool: `{"approve": True}` or `{"approve": False}`)."""
+        await self._client.request(c.TaskInputRequest(task_id=self.id, data=data), c.Ok)

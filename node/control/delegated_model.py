@@ -1,0 +1,75 @@
+"""A model on a paired peer, as an :class:`~psymesh.agent.loop.AgentModel`: each reply is
+one delegated infer task (``Client.delegate(peer, infer=..., tools=...)``).
+
+`psymesh eval --via PEER` asks the peer's model this way, so a phone can score the model
+of its home. The task carries what a local run gives ``agent.generate``: the chat (calls
+and tool results included), the tools, and the sampling params a peer may set; a tool
+grammar travels as the GBNF text it compiles to (a peer takes ``grammar``, not our
+``tool_grammar``), built as ``generate`` builds it, so the peer decodes under the same
+constraint and a greedy run gives the same replies, and scores, as a local one.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ...agent.chatformat import ChatMessage, ToolSpec
+from ...agent.generate import GenerationParams
+from .client import Client
+
+__all__ = ["DelegatedModel"]
+
+
+def _wire_message(m: ChatMessage) -> dict[str, Any]:
+    out: dict[str, Any] = {"role": m.role, "content": m.content}
+    if m.tool_calls:
+        out["tool_calls"] = [{"id": c.id, "name": c.name, "arguments": c.arguments} for c in m.tool_calls]
+    if m.tool_call_id is not None:
+        out["tool_call_id"] = m.tool_call_id
+    if m.name is not None:
+        out["name"] = m.name
+    return out
+
+
+@dataclass
+class DelegatedModel:
+    """Replies from `model` on the paired node `peer` (name or peer id), asked through
+    `client` (this node's control socket). `params` as for a local LlamaAgentModel."""
+
+    client: Client
+    peer: str
+    model: str | None
+    params: GenerationParams
+    timeout: float | None = None
+
+    def _peer_params(self, tools: Sequence[ToolSpec], thinking: bool) -> dict[str, Any]:
+        p = self.params
+        out: dict[str, Any] = {"temperature": p.temperature, "top_k": p.top_k, "top_p": p.top_p, "min_p": p.min_p,
+                               "thinking": thinking, "ban_bytes": p.ban_bytes}
+        if p.seed is not None:
+            out["seed"] = p.seed
+        if p.stop:
+            out["stop"] = list(p.stop)
+        if p.max_think_tokens is not None:
+            out["max_think_tokens"] = p.max_think_tokens
+        if p.tool_grammar is not None:
+            from ...agent.grammar import tool_call_grammar
+
+            rules = p.tool_grammar
+            out["grammar"] = tool_call_grammar(list(tools), think="bounded" if thinking else "none",
+                                               require_call=rules.require_call, max_calls=rules.max_calls,
+                                               max_think_chars=rules.max_think_chars,
+                                               max_string_chars=rules.max_string_chars)
+        elif p.grammar is not None:
+            out["grammar"] = p.grammar
+        return out
+
+    async def reply(self, messages: Sequence[ChatMessage], tools: Sequence[ToolSpec], *,
+                    thinking: bool = False) -> str:
+        task = await self.client.delegate(
+            self.peer, infer=[_wire_message(m) for m in messages], model=self.model,
+            max_tokens=self.params.max_tokens, params=self._peer_params(tools, thinking), timeout=self.timeout,
+            tools=[{"name": t.name, "description": t.description, "parameters": t.parameters} for t in tools] or None)
+        result = await task.result()
+        return str(result["text"])

@@ -1,0 +1,507 @@
+"""The node home: one directory holding a node's identity, config, state and control socket.
+
+    <home>/identity.key   32-byte Ed25519 seed, mode 0600, created on first start
+    <home>/config.toml    human-editable settings (written with defaults on first start)
+    <home>/node.db        SQLite (WAL): trust store, tasks, audit log
+    <home>/control.sock   local control API (Unix socket, mode 0600), while the daemon runs
+
+Resolution order: an explicit `--home`, then $PSYMESH_HOME, then the platform's
+user data dir (platformdirs).
+
+Everything in a home is private to its owner: grants, the audit log and task
+arguments and results are as sensitive as the key. So the home is mode 0700 (one
+that others may write is refused, since they could have swapped its contents; one
+they may only read is tightened), psymesh creates its files 0600 and directories
+0700 whatever the umask, and `init()` tightens the files psymesh keeps there if an
+older version or another tool left them looser. The key is the exception: one that
+others could read may already be copied, so it is refused, not quietly fixed.
+"""
+
+import errno
+import functools
+import hashlib
+import os
+import socket
+import stat
+import struct
+import sys
+import tempfile
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import platformdirs
+import tomli_w
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from .bridgeconfig import McpServerConfig, ServeSettings, UiServe
+from ...protocol.errors import ErrorCode, PsymeshError
+from ...protocol.framing import DEFAULT_MAX_FRAME_SIZE
+from ...protocol.identity import fingerprint, peer_id_from_public_key
+from ...protocol.mailbox import MailSettings
+from ...protocol.messaging import InboxSettings
+from ...protocol.relay import RelaySettings
+from ...protocol.strangers import StrangerLimits
+from .websettings import WebSettings
+
+Profile = Literal["home", "phone"]
+# Unix socket paths are limited to 108 bytes (sun_path); leave room for the NUL.
+_MAX_SOCKET_PATH = 100
+# What psymesh itself keeps in a home. `init()` tightens these and no others, so a home
+# that also holds the owner's own files (say `--home ~`) keeps their modes.
+_STATE_FILES = ("config.toml", "config.tmp", "control.sock", "daemon.log", "mail.key",
+                "node.db", "node.db-wal", "node.db-shm", "node.db-journal",
+                "device.db", "device.db-wal", "device.db-shm", "device.db-journal")
+_STATE_TREES = ("models", "logs")
+
+
+def resolve_home(home: str | os.PathLike[str] | None = None) -> Path:
+    if home is None:
+        home = os.environ.get("PSYMESH_HOME") or platformdirs.user_data_dir("psymesh", appauthor=False)
+    return Path(home).expanduser().resolve()
+
+
+_HOME_ADVICE = "use a directory of your own (--home)"
+# A socket dir that is not ours is in the shared runtime or temp dir: route around it.
+SOCKET_DIR_ADVICE = ("remove it (it may be someone impersonating your daemon), or give the node a shorter "
+                     "home path so its socket lives in the home, or set XDG_RUNTIME_DIR to a directory of your own")
+
+
+_SOL_LOCAL, _LOCAL_PEERCRED = 0, 1  # macOS and the BSDs (<sys/un.h>): a struct xucred
+
+
+def socket_peer(sock: socket.socket) -> tuple[int, int | None] | None:
+    """(uid, pid or None) of the process at the other end of a Unix socket: Linux's
+    `SO_PEERCRED`, or `LOCAL_PEERCRED` on macOS and the BSDs (what `getpeereid()` reads; it
+    tells no pid); None where the OS tells neither. The client asks it of the daemon, the
+    daemon of each client (node/control/server.py)."""
+    if hasattr(socket, "SO_PEERCRED"):
+        creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        pid, uid, _gid = struct.unpack("3i", creds)
+        return uid, pid
+    if sys.platform == "darwin" or "bsd" in sys.platform:
+        xucred = sock.getsockopt(_SOL_LOCAL, _LOCAL_PEERCRED, struct.calcsize("IiH16i"))
+        version, uid = struct.unpack_from("Ii", xucred)
+        return (uid, None) if version == 0 else None
+    return None
+
+
+def check_private_dir(path: Path, what: str, advice: str = _HOME_ADVICE) -> None:
+    """Refuse `path` unless it is a real directory (not a symlink) that we own and only we
+    may write; tighten it to owner-only if others may merely read or enter it.
+
+    Owned by us, and by nobody else, root included: psymesh never runs as one user for
+    another user's home, so a directory that belongs to someone else is not one we made.
+    """
+    try:
+        st = os.lstat(path)
+    except OSError as exc:
+        raise os_error(exc, path) from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise PsymeshError(f"{what} {path} is not a directory (a symlink or a file?); {advice}",
+                           code=ErrorCode.FORBIDDEN)
+    if st.st_uid != os.geteuid():
+        raise PsymeshError(f"{what} {path} belongs to uid {st.st_uid}, not to you (uid {os.geteuid()}); "
+                           f"{advice}", code=ErrorCode.FORBIDDEN)
+    mode = stat.S_IMODE(st.st_mode)
+    if mode & 0o022:
+        raise PsymeshError(f"{what} {path} can be written by other users (mode {mode:o}), who could have "
+                           f"replaced what is in it; check its contents, then run: chmod 700 {path}",
+                           code=ErrorCode.FORBIDDEN)
+    if mode & 0o077:
+        tighten(path, st)
+
+
+def ensure_private_dir(path: Path, what: str, advice: str = _HOME_ADVICE) -> None:
+    """Create `path` (mode 0700) if missing, then `check_private_dir` it: a directory
+    someone else created first under the name we wanted is refused, never used."""
+    try:
+        path.mkdir(mode=0o700)
+        os.chmod(path, 0o700)  # exactly: an odd umask (say 0277) must not leave it unwritable
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        raise os_error(exc, path) from None
+    check_private_dir(path, what, advice)
+
+
+def tighten(path: Path, st: os.stat_result | None = None) -> None:
+    """Drop every group and other permission bit of `path` (never adds one)."""
+    try:
+        st = st or os.lstat(path)
+        if stat.S_IMODE(st.st_mode) & 0o077 and not stat.S_ISLNK(st.st_mode):
+            os.chmod(path, stat.S_IMODE(st.st_mode) & 0o700)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        raise os_error(exc, path) from None
+
+
+def private_opener(path: str | os.PathLike[str], flags: int) -> int:
+    """`open(..., opener=private_opener)`: a file we create is born 0600, whatever the umask
+    (os.open's mode is masked by the umask, which only ever removes bits)."""
+    return os.open(path, flags | os.O_NOFOLLOW, 0o600)
+
+
+def read_secret_file(path: Path) -> bytes:
+    """The bytes of a key file, refused (one line with the `chmod 600` to run) if others may
+    read it: a key they could read may already be copied, so it is not quietly tightened.
+    The mode is checked on the open file, so a file swapped after the check is not read.
+    FileNotFoundError passes through (callers create the file); other OSErrors too."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise PsymeshError(f"{path} is not a regular file", code=ErrorCode.BAD_REQUEST)
+        mode = stat.S_IMODE(st.st_mode)
+        if mode & 0o077:
+            raise PsymeshError(f"{path} is readable by others (mode {mode:o}); run: chmod 600 {path}",
+                               code=ErrorCode.FORBIDDEN)
+        return f.read()
+
+
+def os_error(exc: OSError, path: Path) -> PsymeshError:
+    """An OSError on a home's file as one clear sentence: what failed and what to do."""
+    reason = exc.strerror or str(exc)
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return PsymeshError(f"the disk holding {path} is full ({reason}); free some space, then retry",
+                            code=ErrorCode.UNAVAILABLE)
+    if exc.errno == errno.EROFS:
+        return PsymeshError(f"{path} is on a read-only file system; remount it read-write or use another "
+                            "home (--home)", code=ErrorCode.UNAVAILABLE)
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        return PsymeshError(f"no permission to use {path} ({reason}); it must belong to you and be writable "
+                            f"by you: ls -ld {path}", code=ErrorCode.FORBIDDEN)
+    return PsymeshError(f"cannot use {path}: {reason}", code=ErrorCode.UNAVAILABLE)
+
+
+def _socket_runtime_dir() -> Path:
+    """Where the sockets of homes with long paths live: a directory only this user may
+    enter. $XDG_RUNTIME_DIR/psymesh when the session has a usable one (owned by us, not
+    writable by others, short enough), else psymesh-<uid> in the temp dir. The latter
+    has a predictable name, so whoever uses it (daemon or client) first verifies that
+    we own it and that only we may enter it: a squatter's directory is refused."""
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    if xdg and os.path.isabs(xdg):
+        candidate = Path(xdg) / "psymesh"
+        try:
+            st = os.stat(xdg)
+        except OSError:
+            st = None
+        if (st is not None and st.st_uid == os.geteuid() and not st.st_mode & 0o022
+                and len(str(candidate).encode()) + 22 <= _MAX_SOCKET_PATH):
+            return candidate
+    return Path(tempfile.gettempdir()) / f"psymesh-{os.geteuid()}"
+
+
+class ModelsSettings(BaseModel):
+    """[models]: how this node's model runner processes live (node/models/runner.py).
+
+    `keep_alive_s`: how long a model stays loaded with nothing to do before its runner
+    exits and its memory goes back (None: the profile's default, 300 s on a home PC as
+    Ollama's, 60 s on a phone; negative: until the node stops). A model's own entry
+    (`model add --keep-alive`) wins. `memory_limit_mb`: the most address space a runner
+    may map (RLIMIT_AS); past it the runner dies and its request fails `model_crashed`."""
+
+    model_config = ConfigDict(defer_build=True, extra="forbid")
+
+    keep_alive_s: float | None = None
+    memory_limit_mb: int | None = Field(default=None, ge=64)
+
+    def keep_alive_for(self, profile: Profile) -> float | None:
+        if self.keep_alive_s is None:
+            return PROFILE_KEEP_ALIVE_S[profile]
+        return None if self.keep_alive_s < 0 else self.keep_alive_s
+
+
+PROFILE_KEEP_ALIVE_S: dict[str, float] = {"home": 300.0, "phone": 60.0}
+class StorageSettings(BaseModel):
+    """config.toml `[storage]`: what the node's database may take on disk, and how the audit
+    log is written (docs/security.md, "Resource budget")."""
+
+    model_config = ConfigDict(defer_build=True, frozen=True, extra="forbid")
+
+    # the WAL (node.db-wal): past this a checkpoint truncates it, and a reset WAL is cut back to it
+    wal_max_bytes: int = Field(default=4 * 1024 * 1024, ge=64 * 1024, le=1024 ** 3)
+    # a checkpoint runs once writes pause this long (at most checkpoint_max_defer_s after the first)
+    checkpoint_settle_s: float = Field(default=1.0, ge=0.01, le=600.0)
+    checkpoint_max_defer_s: float = Field(default=5.0, ge=0.01, le=3600.0)
+    # audit rows are written in batches: at most this long after their decision, or once this many wait
+    audit_flush_ms: int = Field(default=200, ge=1, le=60_000)
+    audit_batch_rows: int = Field(default=256, ge=1, le=100_000)
+    # identical refusals (peer, service, operation, code) within this window are one row with a count
+    audit_coalesce_s: float = Field(default=60.0, ge=0.0, le=86_400.0)
+    # oldest audit rows beyond this many are deleted
+    audit_max_rows: int = Field(default=200_000, ge=1000, le=100_000_000)
+    # refusals one peer may cost per minute (a separate budget from its grant's rate, so refusals
+    # never lock it out of what it may do); past it a refusal is `rate_limited` and one audit row a window
+    refusals_per_minute: int = Field(default=120, ge=1, le=1_000_000)
+
+
+class NodeConfig(BaseModel):
+    """config.toml. Unknown keys are an error: a typo should not silently do nothing."""
+
+    model_config = ConfigDict(defer_build=True, extra="forbid")
+
+    name: str = Field(default="psymesh-node", max_length=64)
+    profile: Profile = "home"
+    # Loopback by default: a node is reachable from the LAN only once its owner says so
+    # (listen = ["/ip4/0.0.0.0/tcp/4001"]). Port 0 picks a free port at start.
+    listen: list[str] = Field(default_factory=lambda: ["/ip4/127.0.0.1/tcp/0"])
+    max_frame_size: int = Field(default=DEFAULT_MAX_FRAME_SIZE, ge=1024, le=64 * 1024 * 1024)
+    # What peers this node has not paired with may make it hold or try ([strangers] table):
+    # connections, streams, unread bytes, pairing runs and hellos. docs/security.md.
+    strangers: StrangerLimits = Field(default_factory=StrangerLimits)
+    mdns: bool = False  # never on unless turned on: multicast leaves the machine
+    static_peers: list[str] = Field(default_factory=list)
+    share_dir: str | None = None  # files.* tools serve only inside this directory
+    agent_model: str | None = None  # model for agent runs and agent tasks (default: the first registered)
+    # Marks the delegation policy reads on a phone: hand agent goals to the home PC while set.
+    battery_low: bool = False
+    memory_low: bool = False
+    log_json: bool = False
+    # Seconds without news on a delegated task before its executor is pinged (and, if silent
+    # as long again, its connection dropped and redialed): bounds how long a home PC that
+    # lost power can stall a phone. Longer saves a phone's battery.
+    liveness_probe_s: float = Field(default=20.0, ge=1.0, le=3600.0)
+    # The paired peer (name or id) that holds this node's letters while it is offline
+    # (protocol/mailbox.py): a phone names its home PC. None: senders keep them.
+    mailbox: str | None = None
+    # [mail]: how long a sender waits before using a recipient's mailbox; what this node,
+    # as a mailbox, holds for each sender and for how long.
+    mail: MailSettings = Field(default_factory=MailSettings)
+    # [inbox]: what each sender's letters may take of this node's inbox (held behind a gap,
+    # released), and how long a gap is waited for (protocol/messaging.py).
+    inbox: InboxSettings = Field(default_factory=InboxSettings)
+    # [relay]: relay for paired peers granted `relay` (off by default), and the relays this
+    # node keeps a reservation at, to be reached from anywhere (protocol/relay.py).
+    relay: RelaySettings = Field(default_factory=RelaySettings)
+    # [serve.openai]: an OpenAI-compatible endpoint; [[mcp]]: MCP servers whose tools join
+    # this node's (node/core/bridgeconfig.py, docs/bridges.md).
+    serve: ServeSettings = Field(default_factory=ServeSettings)
+    # [ui]: the local dashboard in a browser (node/control/dashboard.py, docs/ui.md).
+    ui: UiServe = Field(default_factory=UiServe)
+    mcp: list[McpServerConfig] = Field(default_factory=list)
+    # [web]: where this node's web queries go (a trusted exit, one or two hops); [web.exit]:
+    # serving other peers' queries, with the exit's address and size policy (node/web/exit.py).
+    web: WebSettings = Field(default_factory=WebSettings)
+    # [models]: model runners' keep-alive and memory cap (ModelsSettings).
+    models: ModelsSettings = Field(default_factory=ModelsSettings)
+    # [storage]: the database's WAL and checkpoints, the audit log's batches and refusal budget.
+    storage: StorageSettings = Field(default_factory=StorageSettings)
+
+
+def config_error(path: Path, text: str, exc: ValidationError) -> str:
+    """One line for a config.toml that parses but does not validate: file, line, key, why
+    (`config.toml:7: mcp[0].command: ...`), not pydantic's paragraphs and URL."""
+    first = exc.errors()[0]
+    loc = [str(part) for part in first["loc"]]
+    key = ".".join(f"[{p}]" if p.isdigit() else p for p in loc).replace(".[", "[")
+    line = _line_of(text, [p for p in loc if not p.isdigit()])
+    more = len(exc.errors()) - 1
+    msg = first["msg"].removeprefix("Value error, ")
+    return (f"{path}{f':{line}' if line else ''}: {key or '(top level)'}: {msg}"
+            + (f" (and {more} more)" if more else ""))
+
+
+def _line_of(text: str, keys: list[str]) -> int | None:
+    """The line where the innermost of `keys` is set or opened as a table (best effort)."""
+    lines = text.splitlines()
+    for key in reversed(keys):
+        for number, line in enumerate(lines, 1):
+            stripped = line.strip()
+            if stripped.startswith(f"{key} ") or stripped.startswith(f"{key}=") or \
+                    (stripped.startswith("[") and stripped.strip("[]").split(".")[-1].strip() == key):
+                return number
+    return None
+
+
+@dataclass(frozen=True)
+class Identity:
+    """A node's Ed25519 key. The peer id and fingerprint are derived from the public key.
+    Its repr names the peer id only: a traceback that prints locals must not print the seed."""
+
+    seed: bytes
+
+    def __repr__(self) -> str:
+        return f"Identity(peer_id={self.peer_id!r})"
+
+    # Derived once: every letter signed or checked reads them (a key load and a base58
+    # encode each time cost a tenth of a daemon's time in bench/messaging.py).
+    @functools.cached_property
+    def private_key(self) -> Ed25519PrivateKey:
+        return Ed25519PrivateKey.from_private_bytes(self.seed)
+
+    @functools.cached_property
+    def public_key(self) -> bytes:
+        return self.private_key.public_key().public_bytes(
+            serialization.Encoding.Raw, serialization.PublicFormat.Raw
+        )
+
+    @functools.cached_property
+    def peer_id(self) -> str:
+        return peer_id_from_public_key(self.public_key)
+
+    @property
+    def fingerprint(self) -> str:
+        return fingerprint(self.public_key)
+
+    def sign(self, data: bytes) -> bytes:
+        return self.private_key.sign(data)
+
+
+class NodeHome:
+    """Paths and on-disk state of one node. Creating one does not touch the disk; `init()` does."""
+
+    def __init__(self, home: str | os.PathLike[str] | None = None) -> None:
+        self.path = resolve_home(home)
+
+    @property
+    def key_path(self) -> Path:
+        return self.path / "identity.key"
+
+    @property
+    def config_path(self) -> Path:
+        return self.path / "config.toml"
+
+    @property
+    def db_path(self) -> Path:
+        return self.path / "node.db"
+
+    @property
+    def socket_path(self) -> Path:
+        """The control socket: in the home, or (when that path is too long for AF_UNIX)
+        named by a hash of the home in a per-user runtime dir. Either way its directory
+        is one only the owner may enter (the daemon creates and checks it; the client
+        checks it before connecting)."""
+        direct = self.path / "control.sock"
+        if len(str(direct).encode()) <= _MAX_SOCKET_PATH:
+            return direct
+        digest = hashlib.sha256(str(self.path).encode()).hexdigest()[:16]
+        return _socket_runtime_dir() / f"{digest}.sock"
+
+    @property
+    def models_dir(self) -> Path:
+        return self.path / "models"
+
+    @property
+    def logs_dir(self) -> Path:
+        """Model runners' logs (what llama.cpp printed, its last words when it aborted)."""
+        return self.path / "logs"
+
+    def exists(self) -> bool:
+        return self.key_path.exists()
+
+    def init(self, *, profile: Profile | None = None, name: str | None = None) -> Identity:
+        """Create the home, key and config on first use; later calls just load them.
+        Either way the home is checked and tightened first (see the module docstring)."""
+        self.secure()
+        identity = self.load_or_create_identity()
+        if not self.config_path.exists():
+            cfg = NodeConfig(profile=profile or "home", name=name or f"{profile or 'home'}-{identity.fingerprint[:4].lower()}")
+            self.save_config(cfg)
+        return identity
+
+    def secure(self) -> None:
+        """Create the home 0700 if missing; refuse one others may write; tighten one others
+        may read, and every file and directory psymesh keeps in it, to owner-only."""
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise os_error(exc, self.path.parent) from None
+        ensure_private_dir(self.path, "the node home")
+        for name in _STATE_FILES:
+            tighten(self.path / name)
+        for name in _STATE_TREES:
+            self._tighten_tree(self.path / name)
+
+    def _tighten_tree(self, top: Path) -> None:
+        """`tighten` top and everything below it, without following symlinks."""
+        try:
+            st = os.lstat(top)
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            raise os_error(exc, top) from None
+        tighten(top, st)
+        if stat.S_ISDIR(st.st_mode):
+            for child in sorted(os.listdir(top)):
+                self._tighten_tree(top / child)
+
+    def private_file(self, name: str) -> Path:
+        """The path of state file `name` in the home, created empty with mode 0600 if missing
+        (for SQLite files made by others: SQLite gives the -wal, -shm and -journal files the
+        mode of the database itself, so the whole family is born private)."""
+        path = self.path / name
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        except FileExistsError:
+            tighten(path)
+            return path
+        except OSError as exc:
+            raise os_error(exc, path) from None
+        try:
+            os.fchmod(fd, 0o600)  # exactly, whatever the umask
+        finally:
+            os.close(fd)
+        return path
+
+    def load_or_create_identity(self) -> Identity:
+        try:
+            seed = read_secret_file(self.key_path)
+        except FileNotFoundError:
+            seed = Ed25519PrivateKey.generate().private_bytes(
+                serialization.Encoding.Raw, serialization.PrivateFormat.Raw, serialization.NoEncryption()
+            )
+            # O_EXCL: two processes starting at once must not both write a key.
+            try:
+                fd = os.open(self.key_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+            except FileExistsError:
+                return self.load_or_create_identity()
+            except OSError as exc:
+                raise os_error(exc, self.key_path) from None
+            with os.fdopen(fd, "wb") as f:
+                os.fchmod(f.fileno(), 0o600)
+                f.write(seed)
+                f.flush()
+                os.fsync(f.fileno())
+            return Identity(seed)
+        except OSError as exc:
+            raise os_error(exc, self.key_path) from None
+        if len(seed) != 32:
+            raise PsymeshError(f"{self.key_path} is not a 32-byte Ed25519 seed", code=ErrorCode.BAD_REQUEST)
+        return Identity(seed)
+
+    def load_config(self) -> NodeConfig:
+        try:
+            text = self.config_path.read_text()
+        except FileNotFoundError:
+            return NodeConfig()
+        except OSError as exc:
+            raise os_error(exc, self.config_path) from None
+        try:
+            return NodeConfig.model_validate(tomllib.loads(text))
+        except tomllib.TOMLDecodeError as exc:  # its message ends "(at line N, column M)"
+            raise PsymeshError(f"{self.config_path}: {exc}", code=ErrorCode.BAD_REQUEST) from None
+        except ValidationError as exc:
+            raise PsymeshError(config_error(self.config_path, text, exc), code=ErrorCode.BAD_REQUEST) from None
+
+    def save_config(self, config: NodeConfig) -> None:
+        """Write config.toml (via config.tmp and a rename), mode 0600 like everything here.
+        Only what differs from the defaults is written, so a section the docs tell people to
+        append (`[[mcp]]`, `[web.exit]`, `[serve.openai]`) is never there already, empty."""
+        changed = config.model_dump(exclude_none=True, exclude_defaults=True)
+        data = tomli_w.dumps({"name": config.name, "profile": config.profile, **changed}).encode()
+        tmp = self.config_path.with_suffix(".tmp")
+        try:
+            with open(tmp, "wb", opener=private_opener) as f:
+                os.fchmod(f.fileno(), 0o600)  # a config.tmp left over from before may be looser
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.config_path)
+        except OSError as exc:
+            raise os_error(exc, self.config_path) from None

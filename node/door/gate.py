@@ -1,0 +1,350 @@
+"""The gate: the one door every inbound request passes, in one place.
+
+    1. the remote peer id is paired and not revoked            unknown_peer
+    2. the request is one this node serves (protocol/admission) bad_request
+    3. by its rule:
+       issuer      the manifest it carries is from the sender, to us, signed      forbidden
+                   (a mail key, an address record, a receipt: the sender's own, signed)
+       paired      nothing more (msg.missing: "send me again what you sent me")
+       grant       we issued the peer a grant, ours, for it, signed, in date       forbidden / expired
+       capability  ... and a capability covers this exact request, payload within  forbidden / too_large
+    4. charged requests: within the grant's request rate       rate_limited (retry_after)
+    5. requests that start a task: within the queue limits     busy (retry_after)
+       deposits of mail: the recipient named this node its mailbox, and the sender's
+       share of it has room                                    forbidden / too_large / busy
+       receipts left here: the owner named this node its mailbox  forbidden
+
+The first failure wins; nothing runs for a denied request. A refusal is charged to the
+peer's refusal budget (`refusals_per_minute`, a rate of its own beside the grant's, so
+refusals never spend what the peer may do); past it the refusal is `rate_limited`
+(retry_after), counted into one audit row a window (operation `*`). Every decision,
+allowed or denied, is in the audit log: one row each when allowed, identical refusals
+counted into one row a window (node/door/audit.py). The remote peer id comes from the Noise
+session (libp2p), never from the request. Like syncthing's connection checks, the order
+is fixed and the list lives here only: the daemon calls `admit()` from one place (its
+session door), `admit_each()` for the letters of a batch the door let in (each as the
+`msg.send` it stands for, through the same checks), `admit_stream()` for every inbound
+stream (a revoked peer that took our notice may open pairing only), `recheck()` when a queued
+task starts, and `admit_relay()` for each reservation and circuit asked of this node as
+a relay (protocol/relay.py: steps 1 and 3, the grant covering `relay`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from .audit import AuditLog
+from ..core.logs import fields
+from .trust import Peer, TrustStore
+from ...protocol import ids
+from ...protocol.addresses import AddrsPush
+from ...protocol.admission import Need, operation_for, rule_for, task_operation
+from ...protocol.errors import ErrorCode, PsymeshError
+from ...protocol.limits import RateLimiter
+from ...protocol.mailbox import MailDeposit, MailKeyPush, MailLeaveReceipt, verify_mail_key
+from ...protocol.manifest import (
+    Decision,
+    Manifest,
+    ManifestPush,
+    ManifestRevoke,
+    Operation,
+    check,
+    verify_from_issuer,
+    verify_grant,
+)
+from ...protocol.messages import Message
+from ...protocol.messaging import MsgAck, MsgSend, MsgSendMany, answered_ask, check_receipt
+from ...protocol.relay import DCUTR, HOLE_PUNCH, HOP, STOP
+from ...protocol.oblivious import verify_exit_key
+from ...protocol.web import WebKeyPush
+from ...protocol.tasks import TaskSpec, TaskSubmit
+
+log = logging.getLogger("psymesh.gate")
+RECHECK = "task.start"  # the audit row of a queued task re-checked as it starts (not a wire request)
+OVER_BUDGET = "*"  # the operation of the audit row counting a peer's refusals past its refusal budget
+
+
+class QueueGauge(Protocol):
+    """How much work the node holds (the executor's store answers)."""
+
+    def active_for(self, peer_id: str) -> int: ...
+
+    def queue_depth(self) -> int: ...
+
+    def holds(self, peer_id: str, task_id: str) -> bool: ...
+
+
+class MailDesk(Protocol):
+    """The mailbox's own admission of a deposit (node/messaging/mailbox.py answers): raises, saying why."""
+
+    def admit_deposit(self, sender: str, deposit: MailDeposit) -> None: ...
+
+    def admit_receipt(self, owner: str) -> None: ...
+
+
+class AskLedger(Protocol):
+    """The asks this node sent (the message store answers)."""
+
+    def asked(self, peer_id: str, ask_id: str) -> bool:
+        """This node sent `peer_id` the ask `ask_id`."""
+
+
+@dataclass(frozen=True)
+class QueueLimits:
+    max_queue: int = 256             # unfinished tasks held for all peers
+    max_queue_per_peer: int = 64     # ... and for one peer (its grant may say less)
+    busy_retry_after: float = 0.5
+
+
+class Gate:
+    def __init__(self, local_peer_id: str, trust: TrustStore, audit: AuditLog, *,
+                 queue: QueueGauge | None = None, queue_limits: QueueLimits | None = None,
+                 mailbox: MailDesk | None = None, asks: AskLedger | None = None,
+                 clock: Callable[[], float] = time.time, name: str = "this node",
+                 refusals_per_minute: int = 120) -> None:
+        self.local_peer_id = local_peer_id
+        self.name = name  # ours, in refusals: "home has not granted friend web.fetch"
+        self.trust = trust
+        self.audit = audit
+        self.queue = queue
+        self.queue_limits = queue_limits or QueueLimits()
+        self.mailbox = mailbox
+        self.asks = asks
+        self.clock = clock
+        self.rate = RateLimiter()
+        self.refusals = RateLimiter()  # each peer's refusal budget, apart from its grant's rate
+        self.refusals_per_minute = refusals_per_minute
+
+    # -- requests ------------------------------------------------------------------
+    def admit(self, peer_id: str, service: str, request: Message) -> Decision:
+        """Allow `request` from `peer_id` (arrived on `service`) or raise; one audit row either way."""
+        return self._admit_one(peer_id, service, request, self.clock())
+
+    def admit_each(self, peer_id: str, service: str, requests: Sequence[Message]) -> list[PsymeshError | None]:
+        """The items of a batch the door already let in (`msg.send_many`: each letter as its
+        `msg.send`), each decided exactly as if it had come alone: same checks, one unit
+        charged, one audit row. Returns, per item, None (allowed) or why it was refused;
+        one refusal does not refuse the rest. The rows go in the audit log's next batch."""
+        now = self.clock()
+        out: list[PsymeshError | None] = []
+        for request in requests:
+            try:
+                self._admit_one(peer_id, service, request, now)
+            except PsymeshError as exc:
+                out.append(exc)
+                continue
+            out.append(None)
+        return out
+
+    def _admit_one(self, peer_id: str, service: str, request: Message, now: float) -> Decision:
+        """One decision and its audit row, named by the capability it needed, else its type."""
+        operation = operation_for(request)
+        what = operation.required() if operation is not None else request.type
+        try:
+            decision = self._decide(peer_id, request, operation, now)
+        except PsymeshError as exc:
+            raise self._refuse(peer_id, service, what, exc, now) from None
+        self.audit.record(peer_id, service, what, True, now=now)
+        return decision
+
+    def _decide(self, peer_id: str, request: Message, operation: Operation | None, now: float) -> Decision:
+        peer = self.paired(peer_id)
+        rule = rule_for(request)
+        if rule.need is Need.ISSUER and isinstance(request, MailKeyPush):
+            verify_mail_key(request.key, sender=peer_id)
+            return Decision(True)
+        if rule.need is Need.ISSUER and isinstance(request, AddrsPush):
+            request.record.verify(sender=peer_id)
+            return Decision(True)
+        if rule.need is Need.ISSUER and isinstance(request, MsgAck):
+            check_receipt(request.receipt, recipient=peer_id, local_peer_id=self.local_peer_id)
+            return Decision(True)
+        if rule.need is Need.PAIRED:
+            return Decision(True)
+        if rule.need is Need.ISSUER and isinstance(request, MailLeaveReceipt):
+            if request.receipt.recipient != peer_id or not request.receipt.signature_valid():
+                raise PsymeshError("a receipt left here must be the sender's own, validly signed",
+                                   code=ErrorCode.FORBIDDEN)
+            if self.mailbox is None:
+                raise PsymeshError("this node keeps no mailbox", code=ErrorCode.UNAVAILABLE)
+            self.mailbox.admit_receipt(peer_id)
+            return Decision(True)
+        if rule.need is Need.ISSUER and isinstance(request, WebKeyPush):
+            verify_exit_key(request.key, exit=peer_id, now=now)
+            return Decision(True)
+        if rule.need is Need.ISSUER:
+            assert isinstance(request, (ManifestPush, ManifestRevoke))
+            signed = request.manifest if isinstance(request, ManifestPush) else request
+            verify_from_issuer(signed, sender=peer_id, local_peer_id=self.local_peer_id)
+            if isinstance(request, ManifestRevoke) and not request.voids(peer.received):
+                raise PsymeshError(f"stale revocation: serial {request.serial} is older than the grant held",
+                                   code=ErrorCode.CONFLICT)
+            return Decision(True)
+        if self._answers_our_asks(peer_id, request):
+            return Decision(True)
+        grant = _grant_of(peer)
+        if rule.need is Need.CAPABILITY and operation is not None:
+            decision = self._whose(peer, check(grant, operation, local_peer_id=self.local_peer_id,
+                                               remote_peer_id=peer_id, now=now))
+        else:
+            decision = verify_grant(grant, local_peer_id=self.local_peer_id, remote_peer_id=peer_id, now=now)
+        decision.raise_if_denied()
+        if rule.starts_task:
+            assert isinstance(request, TaskSubmit)
+            if self.queue is not None and self.queue.holds(peer_id, request.spec.id):
+                return decision  # a resubmit of a task it holds here: already counted
+            self._check_queue(peer_id, grant)
+        if rule.holds_mail:
+            assert isinstance(request, MailDeposit)
+            if self.mailbox is None:
+                raise PsymeshError("this node keeps no mailbox", code=ErrorCode.UNAVAILABLE)
+            self.mailbox.admit_deposit(peer_id, request)
+        if rule.charged:
+            self._charge(peer_id, grant, now)
+        return decision
+
+    def _whose(self, peer: Peer, decision: Decision) -> Decision:
+        """A missing capability, said with whose grant lacks it: on a two-hop query the
+        refusal reaches someone else than the peer refused (the phone, for its relay)."""
+        details = decision.details or {}
+        if decision.allowed or "missing" not in details:
+            return decision
+        same_kind = details.get("granted") or []
+        reason = (f"{self.name} has not granted {peer.name} {details['missing']}"
+                  + (f" (it grants {peer.name}: {', '.join(same_kind)})" if same_kind else ""))
+        return dataclasses.replace(decision, reason=reason)
+
+    def _answers_our_asks(self, peer_id: str, request: Message) -> bool:
+        """The answer to a question this node asked `peer_id` (or a batch of nothing but
+        such answers): admitted without a grant from us, uncharged. Asking is the
+        permission: the README's pairing gives the asker nothing to grant back, and one
+        answer per ask is all a peer can send this way (its id derives from the ask)."""
+        if self.asks is None:
+            return False
+        letters = [request.letter] if isinstance(request, MsgSend) else \
+            list(request.letters) if isinstance(request, MsgSendMany) else []
+        if not letters:
+            return False
+        for letter in letters:
+            ask = answered_ask(letter, local_peer_id=self.local_peer_id)
+            if ask is None or not self.asks.asked(peer_id, ask):
+                return False
+        return True
+
+    def recheck(self, peer_id: str, spec: TaskSpec) -> Decision:
+        """A queued task about to start: does the submitter's grant, as it is *now*, still
+        cover it? Returns the decision (denied ones too, for the executor to report);
+        writes its own audit row."""
+        now = self.clock()
+        what = task_operation(spec).required()
+        try:
+            peer = self.paired(peer_id)
+            decision = self._whose(peer, check(_grant_of(peer), task_operation(spec),
+                                               local_peer_id=self.local_peer_id, remote_peer_id=peer_id, now=now))
+        except PsymeshError as exc:
+            decision = Decision(False, exc.code, exc.message)
+        if decision.allowed:
+            self.audit.record(peer_id, RECHECK, what, True, now=now)
+        else:
+            error = decision.error()
+            assert error is not None
+            self._record(peer_id, RECHECK, what, error, now)
+        return decision
+
+    def _check_queue(self, peer_id: str, grant: Manifest) -> None:
+        if self.queue is None:
+            return
+        limits = self.queue_limits
+        per_peer = min(limits.max_queue_per_peer, grant.limits.concurrent_tasks or limits.max_queue_per_peer)
+        if self.queue.active_for(peer_id) >= per_peer:
+            raise PsymeshError(f"you have {per_peer} unfinished task(s) here, the most allowed; retry later",
+                               code=ErrorCode.BUSY, retry_after=limits.busy_retry_after)
+        if self.queue.queue_depth() >= limits.max_queue:
+            raise PsymeshError("this node's task queue is full; retry later", code=ErrorCode.BUSY,
+                               retry_after=limits.busy_retry_after * 2)
+
+    def _charge(self, peer_id: str, grant: Manifest, now: float) -> None:
+        rpm = grant.limits.requests_per_minute
+        if rpm is None:
+            return
+        retry_after = self.rate.acquire(peer_id, now, per_minute=rpm)
+        if retry_after is not None:
+            raise PsymeshError(f"over {rpm} requests per minute; retry in {retry_after:.1f} s",
+                               code=ErrorCode.RATE_LIMITED, retry_after=retry_after)
+
+    # -- peers, connections, streams -------------------------------------------------
+    def paired(self, peer_id: str) -> Peer:
+        peer = self.trust.get(peer_id)
+        if peer is None or peer.revoked:
+            state = "was revoked" if peer is not None else "is not paired with this node"
+            raise PsymeshError(f"peer {peer_id} {state}; pair first (psymesh pair join)",
+                               code=ErrorCode.UNKNOWN_PEER)
+        return peer
+
+    def admit_stream(self, peer_id: str, protocol: str) -> None:
+        """May `peer_id` open `protocol`? Anyone may pair; only paired peers open a session
+        (a revoked one too, until it knows: its requests are refused, one by one, with
+        `unknown_peer`, which is how it learns; once it took our notice it is a stranger
+        again, held to the stranger limits, who may only pair: revocation ends the grant,
+        not the key), and only paired peers not revoked speak
+        circuit relay (each reservation and circuit is then `admit_relay`'s to decide; the
+        p2p host takes a circuit on STOP only from a relay holding our reservation) and
+        hole punching (DCUtR: one audit row per exchange, allowed or not; the p2p host serves
+        it only over a relayed connection, and only with `[relay] hole_punch` on).
+        Anything else is refused and audited."""
+        if protocol == ids.PAIR:
+            return
+        peer = self.trust.get(peer_id)
+        if peer is not None and not peer.shut_out and protocol == ids.SESSION:
+            return
+        if peer is not None and not peer.revoked and protocol in (HOP, STOP):
+            return
+        if peer is not None and not peer.revoked and protocol == DCUTR:
+            self.audit.record(peer_id, DCUTR, HOLE_PUNCH, True, now=self.clock())
+            return
+        state = "is not paired with this node" if peer is None else "may not open this protocol"
+        exc = PsymeshError(f"peer {peer_id} {state}; pair first (psymesh pair join)", code=ErrorCode.UNKNOWN_PEER)
+        raise self._refuse(peer_id, protocol, HOLE_PUNCH if protocol == DCUTR else protocol, exc, self.clock())
+
+    def admit_relay(self, peer_id: str, what: str) -> None:
+        """May `peer_id` have `what` (protocol/relay.py RESERVE or CONNECT) of this node as a
+        relay? Paired, not revoked, and our grant to it covers `relay`, in date. Raises the
+        reason; one audit row either way (the relay's own limits come after, in node/net/p2p.py)."""
+        now = self.clock()
+        try:
+            grant = _grant_of(self.paired(peer_id))
+            check(grant, Operation(name="relay"), local_peer_id=self.local_peer_id, remote_peer_id=peer_id,
+                  now=now).raise_if_denied()
+        except PsymeshError as exc:
+            raise self._refuse(peer_id, HOP, what, exc, now) from None
+        self.audit.record(peer_id, HOP, what, True, now=now)
+
+    def _refuse(self, peer_id: str, service: str, what: str, exc: PsymeshError, now: float) -> PsymeshError:
+        """A peer's request refused: charged to its refusal budget, audited; the error to send.
+        Past the budget the refusal says `rate_limited` (when to ask again), and all such
+        refusals of the window share one audit row whatever they asked (operation `*`), so
+        varying the request buys no more rows."""
+        wait = self.refusals.acquire(peer_id, now, per_minute=self.refusals_per_minute)
+        if wait is not None:
+            exc = PsymeshError(f"over {self.refusals_per_minute} refused requests per minute; retry in {wait:.1f} s",
+                               code=ErrorCode.RATE_LIMITED, retry_after=wait)
+            if self.audit.record(peer_id, service, OVER_BUDGET, False, exc.code.value, exc.message, now=now):
+                log.info("refusing %s's requests for %.1f s: over its refusal budget", peer_id, wait,
+                         extra=fields(code=exc.code.value))
+            return exc
+        self._record(peer_id, service, what, exc, now)
+        return exc
+
+    def _record(self, peer_id: str, service: str, what: str, exc: PsymeshError, now: float) -> None:
+        if self.audit.record(peer_id, service, what, False, exc.code.value, exc.message, now=now):
+            log.info("denied %s to %s: %s", what, peer_id, exc.message, extra=fields(code=exc.code.value))
+
+
+def _grant_of(peer: Peer) -> Manifest:
+    if peer.granted is None:
+        raise PsymeshError("this node has granted you nothing", code=ErrorCode.FORBIDDEN)
+    return peer.granted

@@ -1,0 +1,243 @@
+"""The trust store: who this node is paired with, what each may ask of us, what we may ask of them.
+
+Backed by SQLite (the node's WAL database), so the CLI can read it while the daemon
+runs and a daemon picks up a new pairing without restart. Rows are never deleted
+on revocation: a revoked peer keeps its history (and its audit trail).
+
+Revocation has two directions: `revoked_at` says we revoked the peer (it may ask
+nothing of us), `revoked_us_at` that the peer revoked us (we may ask nothing of it;
+we learned it from its signed notice or its refusal). Only pairing again clears either.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import sqlite3
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import msgpack
+
+from ..core.db import ensure_schema, transaction
+from ...protocol.control import PeerView
+from ...protocol.errors import ErrorCode, PsymeshError
+from ...protocol.limits import Limits
+from ...protocol.manifest import Manifest
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS peers (
+    peer_id    TEXT PRIMARY KEY,
+    name       TEXT NOT NULL,
+    role       TEXT NOT NULL,
+    addrs      TEXT NOT NULL DEFAULT '[]',   -- JSON list of multiaddrs
+    paired_at  REAL NOT NULL,
+    revoked_at REAL,                          -- we revoked them
+    granted    BLOB,                          -- msgpack Manifest we issued: what they may ask of us
+    received   BLOB,                          -- msgpack Manifest they issued: what we may ask of them
+    revoked_us_at REAL,                       -- they revoked us (their grant is void, `received` cleared)
+    revocation_told_at REAL                   -- we revoked them and they took our signed notice
+);
+CREATE INDEX IF NOT EXISTS peers_name ON peers(name);
+"""
+
+
+def _add_column(conn: sqlite3.Connection, table: str, column_ddl: str) -> None:
+    """ALTER TABLE ADD COLUMN unless the column exists (SQLite has no IF NOT EXISTS for columns);
+    a daemon and a CLI opening the same old database at once may race to add it."""
+    name = column_ddl.split()[0]
+    if any(row["name"] == name for row in conn.execute(f"PRAGMA table_info({table})")):
+        return
+    try:
+        conn.execute(f"ALTER TABLE {table} ADD COLUMN {column_ddl}")
+    except sqlite3.OperationalError as exc:
+        if "duplicate column" not in str(exc):
+            raise
+
+
+def _encode_manifest(m: Manifest | None) -> bytes | None:
+    return None if m is None else msgpack.packb(m.model_dump(mode="python"), use_bin_type=True)
+
+
+@functools.lru_cache(maxsize=256)
+def _decode_manifest(blob: bytes | None) -> Manifest | None:
+    """Manifests are read on every request and change rarely: decode (and validate) each
+    stored blob once. Safe to share: a Manifest is frozen."""
+    return None if blob is None else Manifest.model_validate(msgpack.unpackb(blob, raw=False))
+
+
+@dataclass(frozen=True)
+class Peer:
+    peer_id: str
+    name: str
+    role: str
+    addrs: list[str]
+    paired_at: float
+    revoked_at: float | None
+    granted: Manifest | None
+    received: Manifest | None
+    revoked_us_at: float | None
+    revocation_told_at: float | None = None
+
+    @property
+    def revoked(self) -> bool:
+        return self.revoked_at is not None
+
+    @property
+    def shut_out(self) -> bool:
+        """Revoked, and it took the notice: refused already at the connection from now on.
+        (Until it knows, it may still connect, to hear `unknown_peer` or the notice.)"""
+        return self.revoked_at is not None and self.revocation_told_at is not None
+
+    def refuse_if_revoked_us(self) -> None:
+        """FORBIDDEN, saying why, if this peer revoked our pairing: asking it would only be refused."""
+        if self.revoked_us_at is not None:
+            when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.revoked_us_at))
+            raise PsymeshError(f"{self.name} revoked this node's access at {when}; pair again to use it",
+                               code=ErrorCode.FORBIDDEN)
+
+    def view(self, *, connected: bool = False) -> PeerView:
+        """This peer as the control API shows it to the owner (`connected`: the p2p host knows)."""
+        return PeerView(
+            peer_id=self.peer_id,
+            name=self.name,
+            role=self.role,
+            addrs=self.addrs,
+            paired_at=self.paired_at,
+            revoked_at=self.revoked_at,
+            granted=self.granted.grants() if self.granted else [],
+            granted_expires=self.granted.expires if self.granted else None,
+            granted_limits=self.granted.limits if self.granted else Limits(),
+            received=self.received.grants() if self.received else [],
+            received_expires=self.received.expires if self.received else None,
+            revoked_us_at=self.revoked_us_at,
+            connected=connected,
+        )
+
+
+class TrustStore:
+    def __init__(self, conn: sqlite3.Connection) -> None:
+        self.conn = conn
+        self._listeners: list[Callable[[], None]] = []
+        ensure_schema(conn, SCHEMA)
+        _add_column(conn, "peers", "revoked_us_at REAL")  # databases made before they existed
+        _add_column(conn, "peers", "revocation_told_at REAL")
+        _add_column(conn, "peers", "addrs_seq INTEGER")  # seq of the peer's own record the addrs came from
+
+    @staticmethod
+    def _peer(row: sqlite3.Row) -> Peer:
+        return Peer(row["peer_id"], row["name"], row["role"], json.loads(row["addrs"]), row["paired_at"],
+                    row["revoked_at"], _decode_manifest(row["granted"]), _decode_manifest(row["received"]),
+                    row["revoked_us_at"], row["revocation_told_at"])
+
+    def on_change(self, listener: Callable[[], None]) -> None:
+        """Call `listener()` whenever a peer is paired, revoked, or revokes us (what a
+        service that waits on the set of peers needs, instead of a rescan timer)."""
+        self._listeners.append(listener)
+
+    def _changed(self) -> None:
+        for listener in self._listeners:
+            listener()
+
+    def get(self, peer_id: str) -> Peer | None:
+        row = self.conn.execute("SELECT * FROM peers WHERE peer_id = ?", (peer_id,)).fetchone()
+        return self._peer(row) if row else None
+
+    def resolve(self, name_or_id: str) -> Peer:
+        """A paired peer by peer id or name (names are for people; ambiguity is an error)."""
+        peer = self.get(name_or_id)
+        if peer is not None:
+            return peer
+        rows = self.conn.execute("SELECT * FROM peers WHERE name = ? ORDER BY paired_at DESC", (name_or_id,)).fetchall()
+        live = [r for r in rows if r["revoked_at"] is None] or rows
+        if not live:
+            raise PsymeshError(f"no paired peer named {name_or_id!r}; see: psymesh peers", code=ErrorCode.UNKNOWN_PEER)
+        if len(live) > 1:
+            raise PsymeshError(f"{len(live)} peers are named {name_or_id!r}; use a peer id", code=ErrorCode.CONFLICT)
+        return self._peer(live[0])
+
+    def list(self, *, include_revoked: bool = True) -> list[Peer]:
+        sql = "SELECT * FROM peers" + ("" if include_revoked else " WHERE revoked_at IS NULL") + " ORDER BY paired_at"
+        return [self._peer(r) for r in self.conn.execute(sql)]
+
+    def add(self, peer_id: str, *, name: str, role: str, addrs: list[str], granted: Manifest | None,
+            received: Manifest | None, now: float | None = None) -> Peer:
+        """Store a newly paired peer (re-pairing replaces the old entry and clears both revocations).
+        A name another paired peer holds is made unique (`phone-2`), so that every command
+        naming a peer means one peer: see `unique_name`."""
+        now = time.time() if now is None else now
+        with transaction(self.conn):
+            name = self.unique_name(name, peer_id)
+            self.conn.execute(
+                "INSERT INTO peers (peer_id, name, role, addrs, paired_at, revoked_at, granted, received) "
+                "VALUES (?, ?, ?, ?, ?, NULL, ?, ?) ON CONFLICT(peer_id) DO UPDATE SET name=excluded.name, "
+                "role=excluded.role, addrs=excluded.addrs, paired_at=excluded.paired_at, revoked_at=NULL, "
+                "granted=excluded.granted, received=excluded.received, revoked_us_at=NULL, revocation_told_at=NULL, "
+                "addrs_seq=NULL",
+                (peer_id, name, role, json.dumps(addrs), now, _encode_manifest(granted), _encode_manifest(received)),
+            )
+        peer = self.get(peer_id)
+        assert peer is not None
+        self._changed()
+        return peer
+
+    def unique_name(self, name: str, peer_id: str) -> str:
+        """`name`, or `name-2`, `name-3`, ... if another peer not revoked is called that."""
+        taken = {r["name"] for r in self.conn.execute(
+            "SELECT name FROM peers WHERE peer_id != ? AND revoked_at IS NULL", (peer_id,))}
+        if name not in taken:
+            return name
+        n = 2
+        while f"{name}-{n}" in taken:
+            n += 1
+        return f"{name}-{n}"
+
+    def set_granted(self, peer_id: str, manifest: Manifest) -> None:
+        self._update(peer_id, "granted", _encode_manifest(manifest))
+
+    def set_received(self, peer_id: str, manifest: Manifest) -> None:
+        """Keep a manifest a peer issued to us, unless we already hold a newer one (higher serial),
+        or it revoked us: then only pairing again gives us a grant (a push that raced the
+        revocation must not bring the old access back)."""
+        current = self.get(peer_id)
+        if current and (current.revoked_us_at is not None or
+                        (current.received and current.received.serial >= manifest.serial)):
+            return
+        self._update(peer_id, "received", _encode_manifest(manifest))
+
+    def set_addrs(self, peer_id: str, addrs: list[str]) -> None:
+        self._update(peer_id, "addrs", json.dumps(addrs))
+
+    def set_own_addrs(self, peer_id: str, addrs: list[str], seq: int) -> bool:
+        """The addresses a paired peer told us itself (protocol/addresses.py), in place of
+        those held, unless we hold some from a newer record of its own already (larger
+        `seq`). True if stored."""
+        with transaction(self.conn):
+            cur = self.conn.execute("UPDATE peers SET addrs = ?, addrs_seq = ? WHERE peer_id = ? AND "
+                                    "(addrs_seq IS NULL OR addrs_seq < ?)", (json.dumps(addrs), seq, peer_id, seq))
+        return cur.rowcount == 1
+
+    def revoke(self, peer_id: str, now: float | None = None) -> None:
+        self._update(peer_id, "revoked_at", time.time() if now is None else now)
+        self._changed()
+
+    def revocation_told(self, peer_id: str, now: float | None = None) -> None:
+        """The revoked peer acknowledged our signed notice."""
+        self._update(peer_id, "revocation_told_at", time.time() if now is None else now)
+
+    def revoked_us(self, peer_id: str, now: float | None = None) -> bool:
+        """`peer_id` revoked our pairing: drop the grant it gave us (it is void) and remember when.
+        True the first time; False if we knew already or it is not a peer of ours."""
+        with transaction(self.conn):
+            cur = self.conn.execute("UPDATE peers SET received = NULL, revoked_us_at = ? "
+                                    "WHERE peer_id = ? AND revoked_us_at IS NULL",
+                                    (time.time() if now is None else now, peer_id))
+        if cur.rowcount == 1:
+            self._changed()
+        return cur.rowcount == 1
+
+    def _update(self, peer_id: str, column: str, value: object) -> None:
+        assert column in {"granted", "received", "addrs", "revoked_at", "revocation_told_at"}
+        cur = self.conn.execute(f"UPDATE peers SET {column} = ? WHERE peer_id = ?", (value, peer_id))
+        if cur.rowcount == 0:
+            raise PsymeshError(f"{peer_id} is not a paired peer; see: psymesh peers", code=ErrorCode.UNKNOWN_PEER)

@@ -1,0 +1,533 @@
+"""Messaging on the node: letters out (one courier per recipient) and in (the door's
+`msg.send` service), on the sessions every other request uses.
+
+    send(to, text) ─> outbox (signed, numbered in its thread) ─> courier(recipient)
+        courier: up to WINDOW letters in flight on the session, BATCH to a `msg.send_many`;
+                 its receipts recorded in one transaction: stored -> delivered;
+                 busy / unreachable -> retry with backoff; refused for good -> refused,
+                 and a withdrawn stub goes in its place so its thread is not held;
+                 unreachable for longer than `grace_s` -> sealed and left at the
+                 recipient's mailbox, if it named one (node/messaging/mailclient.py) -> deposited,
+                 and still offered directly (backoff up to PARKED_RETRY_MAX_S) until the
+                 recipient's signed receipt comes back, on a direct delivery or a `msg.ack`
+    msg.send (admitted by the door) ─> check_letter ─> inbox (exactly once) ─> receipt,
+        with `proof`: our signed Receipt over the ids stored
+    msg.ack     (the recipient's signed receipt for letters its mailbox handed over) ─> delivered
+    msg.missing (the recipient held a gap past `gap_s`) ─> those letters pending again
+    gap timer   one timer at the next deadline: a thread held behind a gap for `gap_s`
+                asks its sender for the missing tseqs (again every `gap_s` while it lasts);
+                a gap still open after [inbox] held_s (a day) is given up: the letters
+                behind it are released, each saying how many it skipped
+    acker       letters our mailbox handed us owe their sender a receipt: `msg.ack`, or, when
+                the sender cannot be reached, left at our own mailbox for it to take
+    parked      a courier whose letters all sit at the mailbox takes the receipts the
+                recipient left there, each round, besides offering the letters directly
+    msg.send_many (the envelope admitted by the door, then each letter as its msg.send)
+        ─> check_letter each ─> the accepted ones stored in one transaction ─> receipts
+        released letters wake `follow()` (the app's inbox stream)
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator, Sequence
+from typing import Protocol
+
+import anyio
+import anyio.abc
+
+from ..core.home import Identity
+from .store import MessageStore, OutState, Received, Sent, Stored
+from ..core.notify import Notifier
+from ..net.session import Call, SessionPool
+from ..door.trust import TrustStore
+from ..core.wakelock import WakeLock
+from ...protocol import ids
+from ...protocol.errors import ErrorCode, NetworkError, ProtocolError, PsymeshError, RemoteError
+from ...protocol.messages import Message
+from ...protocol.messaging import (
+    Letter,
+    LetterKind,
+    LetterResult,
+    MsgAck,
+    MsgAckOk,
+    MsgMissing,
+    MsgMissingOk,
+    MsgReceipt,
+    MsgReceipts,
+    MsgSend,
+    MsgSendMany,
+    Receipt,
+    ReceiptStatus,
+    check_letter,
+    check_receipt,
+)
+from ...protocol.tasks import JsonMap
+
+log = logging.getLogger("psymesh.msg")
+
+WINDOW = 256           # letters in flight to one recipient ...
+BATCH = 64             # ... at most this many in one msg.send_many ...
+BATCH_BYTES = 1 << 20  # ... and this much text and body (a frame holds 4 MiB; one big letter goes alone)
+RETRY_MIN_S = 0.2
+RETRY_MAX_S = 30.0
+PARKED_RETRY_MAX_S = 300.0   # a recipient whose letters all sit at its mailbox: offered directly this seldom
+_RETRYABLE = frozenset({ErrorCode.BUSY, ErrorCode.RATE_LIMITED, ErrorCode.UNAVAILABLE, ErrorCode.TIMEOUT,
+                        ErrorCode.INTERNAL, ErrorCode.CANCELED})
+_INBOX = "inbox"       # the Notifier key for "letters were released"
+_HELD = "held"         # ... for "a letter is held behind a gap"
+EXPIRE_EVERY_S = 300.0  # how often held letters are looked at for a gap to give up (at most)
+
+
+def _nudge(peer_id: str) -> str:
+    """The Notifier key that cuts a courier's (or acker's) backoff short."""
+    return f"nudge:{peer_id}"
+
+
+class LetterDoor(Protocol):
+    def __call__(self, peer_id: str, service: str, requests: Sequence[Message]) -> list[PsymeshError | None]:
+        """Admit each letter of a batch as the `msg.send` it stands for (the gate's
+        `admit_each`): per letter, None or why it was refused."""
+
+
+class MailDrop(Protocol):
+    async def deposit(self, letter: Letter) -> bool:
+        """Leave `letter` at its recipient's mailbox: True once held there, False if the
+        recipient named no mailbox we can use. A refusal or a network failure raises."""
+
+    async def leave_receipt(self, receipt: Receipt) -> bool:
+        """Leave our receipt for its sender at our own mailbox: True once held, False if we
+        named none. A refusal or a network failure raises."""
+
+    async def take_receipts(self, recipient: str) -> list[Receipt]:
+        """The receipts `recipient` left for us at its mailbox (unchecked). Raises as above."""
+
+
+class Messaging:
+    def __init__(self, identity: Identity, store: MessageStore, trust: TrustStore, sessions: SessionPool,
+                 door: LetterDoor, mail: MailDrop | None = None, grace_s: float = 5.0,
+                 gap_s: float = 600.0, wake: WakeLock | None = None) -> None:
+        self.identity = identity
+        self.wake = wake or WakeLock(None)  # held while letters wait to be delivered
+        self.door = door
+        self.store = store
+        self.trust = trust
+        self.sessions = sessions
+        self.mail = mail
+        self.grace_s = grace_s      # unreachable this long: letters go to the recipient's mailbox
+        self.gap_s = gap_s          # a thread held this long behind a gap asks its sender again
+        self._away: dict[str, float] = {}  # recipient -> when it was first found unreachable
+        self._asked: dict[tuple[str, str], float] = {}  # (sender, thread) -> when we last sent msg.missing
+        self._ackers: set[str] = set()     # senders we are sending receipts to
+        self.changed = Notifier()   # _INBOX: letters released; letter id: its outbox row changed
+        self._couriers: set[str] = set()   # recipients with a courier at work (it re-reads the outbox each round)
+        self._tg: anyio.abc.TaskGroup | None = None
+
+    async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        async with anyio.create_task_group() as tg:
+            self._tg = tg
+            for recipient in self.store.recipients_pending():  # after a restart
+                self._wake(recipient)
+            for sender in self.store.senders_owed():
+                self._wake_acker(sender)
+            task_status.started()
+            tg.start_soon(self._expire_held)
+            await self._watch_gaps(tg)
+
+    # -- sending ---------------------------------------------------------------------------
+    def send(self, to: str, text: str = "", *, body: JsonMap | None = None, thread: str = "main",
+             kind: LetterKind = LetterKind.SEND, reply_to: str | None = None, group: str | None = None,
+             letter_id: str | None = None) -> Letter:
+        """Write, sign and store a letter for `to` (a paired peer's name or id); a courier
+        delivers it. Returns at once: the letter is durable here."""
+        peer = self.trust.resolve(to)
+        peer.refuse_if_revoked_us()
+        existing = self.store.sent(letter_id) if letter_id else None
+        if existing is not None:  # a script resending the same letter: it is already on its way
+            return existing.letter
+
+        def make(tseq: int) -> Letter:
+            return Letter(id=letter_id or uuid.uuid4().hex, sender=self.identity.peer_id, recipient=peer.peer_id,
+                          thread=thread, tseq=tseq, kind=kind, text=text, body=body or {}, at=int(time.time() * 1000),
+                          reply_to=reply_to, group=group).sign(self.identity.private_key)
+
+        letter = self.store.write(make, peer.peer_id, thread)
+        self._wake(peer.peer_id)
+        return letter
+
+    def _wake(self, recipient: str) -> None:
+        """Make sure a courier is at work for `recipient` (a running one finds the new letters
+        at its next read of the outbox)."""
+        if recipient in self._couriers:
+            self.changed.notify(_nudge(recipient))
+            return
+        if self._tg is None:
+            raise PsymeshError("messaging is not running", code=ErrorCode.UNAVAILABLE)
+        self._couriers.add(recipient)
+        self._tg.start_soon(self._courier, recipient)
+
+    async def _courier(self, recipient: str) -> None:
+        """Deliver `recipient`'s pending letters, WINDOW at a time in batches, until none is left
+        (the wake lock held meanwhile: a phone's CPU stays up while letters wait to leave)."""
+        backoff = 0.0
+        try:
+            while True:
+                pending = self.store.pending(recipient, limit=WINDOW)
+                if not pending:
+                    return
+                retry_after: list[float] = []
+                with self.wake.held():  # awake while handing letters over, not while waiting to retry
+                    async with anyio.create_task_group() as tg:
+                        for batch in _batches(pending):
+                            tg.start_soon(self._deliver, recipient, batch, retry_after)
+                    parked = bool(retry_after) and all(sent.state is OutState.DEPOSITED
+                                                       for sent in self.store.pending(recipient, WINDOW))
+                    if parked and await self._take_receipts(recipient):
+                        continue
+                if any(retry_after):  # the recipient is away or busy: wait (new letters wait too)
+                    cap = PARKED_RETRY_MAX_S if parked else RETRY_MAX_S
+                    backoff = min(cap, max(RETRY_MIN_S, backoff * 2, max(retry_after)))
+                    with anyio.move_on_after(backoff):  # a new letter, or word from the recipient, cuts it short
+                        await self.changed.wait(_nudge(recipient))
+                elif not retry_after:
+                    backoff = 0.0
+        finally:
+            self._couriers.discard(recipient)  # (no await since the last read: no letter is missed)
+            self._away.pop(recipient, None)
+
+    async def _deliver(self, recipient: str, batch: list[Sent], retry_after: list[float]) -> None:
+        """Hand a batch over (a refused letter as the stub that keeps its thread going).
+        Appends to `retry_after` when the courier should try again later."""
+        stubs = [sent.state is OutState.REFUSED for sent in batch]
+        wire = [sent.letter.stub().sign(self.identity.private_key) if stub else sent.letter
+                for sent, stub in zip(batch, stubs)]
+        try:
+            if len(wire) == 1:  # alone: a plain msg.send (one decision at the door, not two)
+                receipt = await self.sessions.request(recipient, MsgSend(letter=wire[0]), MsgReceipt, timeout=30)
+                reply = MsgReceipts(results=[LetterResult(id=receipt.id, status=receipt.status)], proof=receipt.proof)
+            else:
+                reply = await self.sessions.request(recipient, MsgSendMany(letters=wire), MsgReceipts, timeout=30)
+        except RemoteError as exc:
+            if exc.code in _RETRYABLE:
+                retry_after.append(exc.retry_after or RETRY_MIN_S)
+                return
+            # refused for good (a batch's envelope, or a lone letter): each letter is, as it would be alone
+            results = [LetterResult.refused(letter.id, exc) for letter in wire]
+            proof = None
+        except (NetworkError, ProtocolError, TimeoutError) as exc:
+            log.debug("%d letter(s) to %s: %s", len(batch), recipient, exc)
+            if recipient not in self._away:  # a sender waiting on these is told the recipient is away
+                for sent in batch:
+                    self.changed.notify(sent.letter.id)
+            away = self._away.setdefault(recipient, time.monotonic())
+            if time.monotonic() - away < self.grace_s:
+                retry_after.append(RETRY_MIN_S)
+                return
+            for sent, letter, stub in zip(batch, wire, stubs):
+                if sent.state is OutState.DEPOSITED:  # its mailbox holds it: offered directly again later
+                    retry_after.append(RETRY_MIN_S)
+                elif not await self._deposit(sent.letter, letter, stub):
+                    retry_after.append(RETRY_MIN_S)
+            return
+        except PsymeshError as exc:  # e.g. the peer revoked us: they stay pending, the app sees why
+            log.info("%d letter(s) to %s cannot leave: %s", len(batch), recipient, exc.message)
+            retry_after.append(RETRY_MAX_S)
+            return
+        else:
+            self._away.pop(recipient, None)
+            results = reply.results
+            if [r.id for r in results] != [letter.id for letter in wire] or not self._proves(recipient, reply):
+                log.warning("%s answered a batch without its signed receipt for the letters; resending", recipient)
+                retry_after.append(RETRY_MIN_S)
+                return
+            proof = reply.proof
+        self._settle(batch, stubs, results, retry_after, proof if results else None)
+
+    async def _take_receipts(self, recipient: str) -> bool:
+        """The receipts `recipient` left for us at its mailbox, checked and recorded; whether
+        any letter was delivered by them."""
+        if self.mail is None:
+            return False
+        try:
+            receipts = await self.mail.take_receipts(recipient)
+        except (PsymeshError, TimeoutError) as exc:
+            log.debug("receipts from %s's mailbox: %s", recipient, exc)
+            return False
+        done: list[str] = []
+        for receipt in receipts:
+            try:
+                check_receipt(receipt, recipient=recipient, local_peer_id=self.identity.peer_id)
+            except PsymeshError:
+                log.warning("a receipt from %s's mailbox is not %s's: dropped", recipient, recipient)
+                continue
+            done += self.store.confirm(recipient, receipt)
+        for letter_id in done:
+            self.changed.notify(letter_id)
+        return bool(done)
+
+    def _proves(self, recipient: str, reply: MsgReceipts) -> bool:
+        """The reply's proof is the recipient's signature over exactly the ids it stored."""
+        stored = [r.id for r in reply.results if r.status is ReceiptStatus.STORED]
+        if not stored:
+            return reply.proof is None
+        if reply.proof is None or reply.proof.ids != stored:
+            return False
+        try:
+            check_receipt(reply.proof, recipient=recipient, local_peer_id=self.identity.peer_id)
+        except PsymeshError:
+            return False
+        return True
+
+    def _settle(self, batch: list[Sent], stubs: list[bool], results: list[LetterResult],
+                retry_after: list[float], proof: Receipt | None) -> None:
+        """Record what each letter's receipt said, all in one transaction."""
+        delivered: list[str] = []
+        stubs_done: list[str] = []
+        refused: list[tuple[str, str, str]] = []
+        for sent, stub, result in zip(batch, stubs, results):
+            letter = sent.letter
+            code = result.code or ErrorCode.INTERNAL  # a refusal without a code: try again
+            if result.status is ReceiptStatus.STORED:
+                (stubs_done if stub else delivered).append(letter.id)
+            elif code in _RETRYABLE:
+                retry_after.append(result.retry_after or RETRY_MIN_S)
+            elif stub:  # the recipient takes nothing from us now: no thread of ours is held there
+                stubs_done.append(letter.id)
+            else:
+                log.info("letter %s refused by %s: %s", letter.id, letter.recipient, result.reason)
+                refused.append((letter.id, code.value, result.reason))
+                retry_after.append(0.0)  # its stub goes in the next round, at once
+        self.store.settle(delivered, stubs_done, refused, proof)
+        for letter_id in delivered + [r[0] for r in refused]:
+            self.changed.notify(letter_id)
+
+    async def _deposit(self, letter: Letter, wire: Letter, stub: bool) -> bool:
+        """Leave `wire` (the letter, or its stub) at the recipient's mailbox. False if it
+        named none we can use or the mailbox did not take it: the letter stays pending."""
+        if self.mail is None:
+            return False
+        try:
+            if not await self.mail.deposit(wire):
+                return False
+        except (PsymeshError, TimeoutError) as exc:
+            log.info("letter %s for %s: its mailbox did not take it: %s", letter.id, letter.recipient, exc)
+            return False
+        if stub:
+            self.store.stub_done(letter.id)
+        else:
+            self.store.deposited(letter.id)
+            self.changed.notify(letter.id)
+        return True
+
+    async def wait_sent(self, letter_id: str, *, until_away: bool = False) -> Sent:
+        """Until the letter is delivered, deposited at the recipient's mailbox, or refused;
+        `until_away`: or, still pending, until its recipient is found unreachable."""
+        while True:
+            sent = self.store.sent(letter_id)
+            if sent is None:
+                raise PsymeshError(f"no letter {letter_id!r} was sent from here", code=ErrorCode.NOT_FOUND)
+            if sent.state is not OutState.PENDING:
+                return sent
+            if until_away and self.sessions.away(sent.letter.recipient) is not None:
+                return sent
+            await self.changed.wait(letter_id)
+
+    # -- receiving (a door service) ----------------------------------------------------------
+    async def receive(self, call: Call) -> Message:
+        request = call.request
+        assert isinstance(request, MsgSend)
+        check_letter(request.letter, sender=call.peer_id, local_peer_id=self.identity.peer_id)
+        stored = self._stored([request.letter])
+        if request.letter.id in stored.refused:  # a refusal (conflict, expired, busy) is the peer's error
+            raise stored.refused[request.letter.id]
+        return MsgReceipt(id=request.letter.id, proof=self._receipt(call.peer_id, [request.letter.id]))
+
+    def _stored(self, letters: Sequence[Letter]) -> Stored:
+        """Keep letters (durably, exactly once) and wake who waits on what that changed."""
+        stored = self.store.store_many(letters)
+        if stored.released:
+            self.changed.notify(_INBOX)
+        if len(stored.released) < len(letters) - len(stored.refused):  # some may be held behind a gap
+            self.changed.notify(_HELD)
+        return stored
+
+    def _receipt(self, sender: str, ids: list[str]) -> Receipt:
+        return Receipt(recipient=self.identity.peer_id, sender=sender, ids=ids,
+                       at=int(time.time() * 1000)).sign(self.identity.private_key)
+
+    async def receive_many(self, call: Call) -> Message:
+        """A batch: each letter admitted (the door let the envelope in) and checked on its own;
+        the accepted ones stored in one transaction; a receipt per letter, refused ones saying
+        why, so one bad letter refuses only itself."""
+        request = call.request
+        assert isinstance(request, MsgSendMany)
+        refusals = self.door(call.peer_id, ids.SESSION, [MsgSend(letter=letter) for letter in request.letters])
+        refused: dict[str, PsymeshError] = {}
+        accepted: list[Letter] = []
+        for letter, refusal in zip(request.letters, refusals):
+            if refusal is None:
+                try:
+                    check_letter(letter, sender=call.peer_id, local_peer_id=self.identity.peer_id)
+                except PsymeshError as exc:
+                    refusal = exc
+            if refusal is None:
+                accepted.append(letter)
+            else:
+                refused[letter.id] = refusal
+        kept: list[str] = []
+        if accepted:
+            stored = self._stored(accepted)
+            refused = {**stored.refused, **refused}
+            kept = [letter.id for letter in accepted if letter.id not in refused]
+        return MsgReceipts(results=[LetterResult.refused(letter.id, refused[letter.id]) if letter.id in refused
+                                    else LetterResult(id=letter.id) for letter in request.letters],
+                           proof=self._receipt(call.peer_id, kept) if kept else None)
+
+    def withdrawn(self, letter: Letter) -> None:
+        """A letter that came by another way (its recipient's mailbox) and that our door
+        refused for good: keep its place in its thread with a withdrawn stub, so the letters
+        after it are released (on the direct way its sender sends the stub)."""
+        self._stored([letter.stub()])  # refused: the letter itself is here already, or its place was given up
+
+    def took(self, letter: Letter) -> None:
+        """A letter our mailbox handed over was stored: its sender is owed our receipt."""
+        self.store.owe(letter.sender, [letter.id])
+        self._wake_acker(letter.sender)
+
+    # -- receipts and gaps (door services, and the timers behind them) ------------------------
+    async def receive_ack(self, call: Call) -> Message:
+        """The recipient's signed receipt (the door checked it is the peer's own, about our letters)."""
+        request = call.request
+        assert isinstance(request, MsgAck)
+        for letter_id in self.store.confirm(call.peer_id, request.receipt):
+            self.changed.notify(letter_id)
+        self.changed.notify(_nudge(call.peer_id))  # it is reachable: what its mailbox lost goes now
+        return MsgAckOk()
+
+    async def receive_missing(self, call: Call) -> Message:
+        """The recipient lacks these letters of ours: send them again (their stubs, if refused)."""
+        request = call.request
+        assert isinstance(request, MsgMissing)
+        count = self.store.resend(call.peer_id, request.thread, request.tseqs)
+        if count:
+            log.info("%s lacks %d letter(s) of thread %r: sending them again", call.peer_id, count, request.thread)
+            self._wake(call.peer_id)
+        return MsgMissingOk(resending=count)
+
+    def _wake_acker(self, sender: str) -> None:
+        if sender in self._ackers:
+            self.changed.notify(_nudge(sender))
+            return
+        if self._tg is None:
+            return  # run() starts it
+        self._ackers.add(sender)
+        self._tg.start_soon(self._acker, sender)
+
+    async def _acker(self, sender: str) -> None:
+        """Hand `sender` our signed receipts for the letters our mailbox brought, until none is owed."""
+        backoff = 0.0
+        try:
+            while ids := self.store.owed(sender):
+                try:
+                    await self.sessions.request(sender, MsgAck(receipt=self._receipt(sender, ids)), MsgAckOk,
+                                                timeout=30)
+                except RemoteError as exc:
+                    if exc.code not in _RETRYABLE:  # it takes nothing from us: its direct resend gets the receipt
+                        log.info("%s refused our receipt: %s", sender, exc.message)
+                        self.store.paid(sender, ids)
+                        continue
+                except (NetworkError, ProtocolError, TimeoutError, PsymeshError) as exc:
+                    log.debug("receipt to %s: %s", sender, exc)
+                    if await self._leave_receipt(sender, ids):
+                        continue
+                else:
+                    self.store.paid(sender, ids)
+                    backoff = 0.0
+                    continue
+                backoff = min(PARKED_RETRY_MAX_S, max(RETRY_MIN_S, backoff * 2))
+                with anyio.move_on_after(backoff):
+                    await self.changed.wait(_nudge(sender))
+        finally:
+            self._ackers.discard(sender)
+
+    async def _leave_receipt(self, sender: str, ids: list[str]) -> bool:
+        """`sender` cannot be reached: leave our receipt at our mailbox for it to take."""
+        if self.mail is None:
+            return False
+        try:
+            if not await self.mail.leave_receipt(self._receipt(sender, ids)):
+                return False
+        except (PsymeshError, TimeoutError) as exc:
+            log.debug("could not leave a receipt for %s at our mailbox: %s", sender, exc)
+            return False
+        self.store.paid(sender, ids)
+        return True
+
+    async def _expire_held(self) -> None:
+        """Gaps waited for longer than [inbox] held_s are given up (their letters released)."""
+        while True:
+            if self.store.expire_held():
+                self.changed.notify(_INBOX)
+            await anyio.sleep(min(self.store.settings.held_s / 4, EXPIRE_EVERY_S))
+
+    async def _watch_gaps(self, tg: anyio.abc.TaskGroup) -> None:
+        """One timer, at the next deadline: a (sender, thread) held behind a gap for `gap_s`
+        asks its sender for what is missing (and again each `gap_s` while the gap lasts)."""
+        while True:
+            now = time.time()
+            gaps = self.store.gaps()
+            self._asked = {k: v for k, v in self._asked.items() if k in {(g.sender, g.thread) for g in gaps}}
+            due = math.inf
+            for gap in gaps:
+                key = (gap.sender, gap.thread)
+                at = max(gap.since, self._asked.get(key, 0.0)) + self.gap_s
+                if at <= now:
+                    self._asked[key] = now
+                    tg.start_soon(self._ask_missing, gap.sender, MsgMissing(thread=gap.thread, tseqs=gap.lacks))
+                    at = now + self.gap_s
+                due = min(due, at)
+            with anyio.move_on_after(due - now):
+                await self.changed.wait(_HELD)
+
+    async def _ask_missing(self, sender: str, request: MsgMissing) -> None:
+        try:
+            reply = await self.sessions.request(sender, request, MsgMissingOk, timeout=30)
+        except (PsymeshError, TimeoutError) as exc:
+            log.info("could not ask %s for tseq %s of %r: %s", sender, request.tseqs[:8], request.thread, exc)
+            return
+        log.info("%s resends %d of the %d letter(s) missing from thread %r", sender, reply.resending,
+                 len(request.tseqs), request.thread)
+
+    async def follow(self, after: int = 0, *, live: bool = True) -> AsyncIterator[Received]:
+        """Released letters numbered above `after`, in order (withdrawn stubs skipped), then,
+        if `live`, each one as it is released."""
+        cursor = after
+        while True:
+            batch = self.store.released_after(cursor)
+            for received in batch:
+                cursor = received.release_seq or cursor
+                if not received.letter.withdrawn:
+                    yield received
+            if batch:
+                continue
+            if not live:
+                return
+            await self.changed.wait(_INBOX)
+
+
+
+def _batches(pending: list[Sent]) -> Iterator[list[Sent]]:
+    """Oldest first, cut at BATCH letters or BATCH_BYTES of payload (a letter over that goes alone)."""
+    batch: list[Sent] = []
+    size = 0
+    for sent in pending:
+        weight = sent.letter.payload_bytes
+        if batch and (len(batch) == BATCH or size + weight > BATCH_BYTES):
+            yield batch
+            batch, size = [], 0
+        batch.append(sent)
+        size += weight
+    if batch:
+        yield batch

@@ -1,0 +1,394 @@
+"""Sessions on the node: the IO shell around `protocol.session`, both ends.
+
+    SessionPool            one outbound session per peer, opened on first use and kept
+                           (while relayed, only until a direct connection opens);
+      .request(peer, msg)  one request, its one reply
+      .stream(peer, msg)   one request, the frames that answer it, until `end`
+    serve_session(...)     one inbound session: every request passes `door(call)`,
+                           each answered in its own task, frames written one at a time
+
+A session that dies (connection reset, the peer restarted, a liveness ping that got
+no answer) fails every request open on it with a `NetworkError`; the next request to
+that peer opens a new one, so callers that must not lose work (the task submitter)
+retry, and exactly-once stays the job of the task protocol (ids, numbered events).
+
+A session opened while the peer was reachable only through a relay gives way once a
+direct connection is open: the next request opens a new session (the p2p host opens
+new streams on the direct connection), and the old one is closed as soon as the
+requests still on it have ended (node/reach/relaying.py closes the relayed connection then, or
+after `overlap_s` at the latest).
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Protocol, TypeVar
+
+import anyio
+import anyio.abc
+
+from .framed import READ_CHUNK, ByteStream
+from ...protocol.common import Error, expect
+from ...protocol.control import PeerAway
+from ...protocol.errors import (
+    ConnectionLost,
+    ErrorCode,
+    NetworkError,
+    NetworkTimeout,
+    ProtocolError,
+    PsymeshError,
+    RemoteError,
+)
+from ...protocol.messages import Message
+from ...protocol.session import Cancel, Refused, Reply, Request, SessionClient, SessionServer
+
+log = logging.getLogger("psymesh.session")
+
+M = TypeVar("M", bound=Message)
+# Replies a stream may hold before its reader must catch up (then the session waits for it).
+STREAM_BUFFER = 256
+FAREWELL_S = 1.0  # how long a broken session's error frame may take to leave before the stream closes
+
+
+# ============================================================== server side
+
+
+@dataclass
+class Call:
+    """One inbound request, as the door and the services see it."""
+
+    peer_id: str
+    rid: int
+    request: Message
+    _send: Callable[[int, tuple[Message, ...]], Awaitable[None]] = field(repr=False)
+
+    async def send(self, *messages: Message) -> None:
+        """Frames that answer the request without ending it (e.g. task events), in one write."""
+        await self._send(self.rid, messages)
+
+
+class Door(Protocol):
+    async def __call__(self, call: Call) -> Message:
+        """Admit `call.request` and answer it: the return value is the final frame."""
+
+
+async def serve_session(stream: ByteStream, peer_id: str, door: Door, *, max_frame_size: int,
+                        max_open: int) -> None:
+    """Serve one inbound session until the client closes it (or breaks it)."""
+    server = SessionServer(max_frame_size, max_open)
+    write_lock = anyio.Lock()
+    scopes: dict[int, anyio.CancelScope] = {}
+
+    async def write(data: bytes) -> None:
+        async with write_lock:
+            await stream.send_all(data)
+
+    async def send_more(rid: int, messages: tuple[Message, ...]) -> None:
+        await write(b"".join(server.reply(rid, m, end=False) for m in messages))
+
+    async def answer(request: Request) -> None:
+        final: Message
+        with anyio.CancelScope() as scope:
+            scopes[request.rid] = scope
+            try:
+                final = await door(Call(peer_id, request.rid, request.message, send_more))
+            except PsymeshError as exc:
+                final = Error.from_exception(exc)
+            except Exception:
+                log.exception("%s from %s failed", request.message.type, peer_id)
+                final = Error.of(ErrorCode.INTERNAL, f"{request.message.type} failed on this node; see its log")
+        scopes.pop(request.rid, None)
+        if scope.cancelled_caught:
+            final = Error.of(ErrorCode.CANCELED, "canceled by the requester")
+        with anyio.CancelScope(shield=True), contextlib.suppress(PsymeshError):
+            try:
+                data = server.reply(request.rid, final)
+            except ProtocolError as exc:  # e.g. a reply over the frame limit: say so instead
+                data = server.reply(request.rid, Error.from_exception(exc))
+            await write(data)
+
+    async with anyio.create_task_group() as tg:
+        try:
+            while True:
+                data = await stream.receive_some(READ_CHUNK)
+                server.receive_data(data)
+                while (event := server.next_event()) is not None:
+                    if isinstance(event, Request):
+                        tg.start_soon(answer, event)
+                    elif isinstance(event, Cancel):
+                        if (scope := scopes.get(event.rid)) is not None:
+                            scope.cancel()
+                    elif isinstance(event, Refused):
+                        await write(server.reply(event.rid, Error.from_exception(event.error)))
+                if not data:
+                    break
+        except (ProtocolError, ConnectionLost) as exc:  # broken or gone: closed; the client opens a new one
+            log.info("session from %s broken: %s", peer_id, exc.message)
+            if farewell := server.farewell():  # say why first (§2), then the stream is closed
+                with anyio.move_on_after(FAREWELL_S, shield=True), contextlib.suppress(PsymeshError):
+                    await write(farewell)
+        finally:
+            tg.cancel_scope.cancel()  # the client is gone: nobody will read the answers
+
+
+# ============================================================== client side
+
+
+class OutboundSession:
+    """Our end of one session to `peer_id`, read by its own task in the pool."""
+
+    def __init__(self, peer_id: str, stream: ByteStream, max_frame_size: int) -> None:
+        self.peer_id = peer_id
+        self._stream = stream
+        self._client = SessionClient(max_frame_size)
+        self._inboxes: dict[int, anyio.abc.ObjectSendStream[Reply]] = {}
+        self._write_lock = anyio.Lock()
+        self._dead: PsymeshError | None = None  # a NetworkError, or the server's refusal
+        self.closed = anyio.Event()
+        self._opened = anyio.Event()  # set (and replaced) as each request is sent
+        self.last_heard = anyio.current_time()
+        self.relayed = False   # opened while the peer was reachable through a relay only
+        self._retired = False  # replaced by a session on a direct connection: closes when idle
+
+    @property
+    def alive(self) -> bool:
+        return self._dead is None
+
+    @property
+    def open_requests(self) -> int:
+        return len(self._client.open_requests)
+
+    def next_request(self) -> anyio.Event:
+        """An event set when the next request is sent on this session."""
+        return self._opened
+
+    async def run(self) -> None:
+        """Read replies and hand each to its request, until the stream ends."""
+        try:
+            while True:
+                data = await self._stream.receive_some(READ_CHUNK)
+                self.last_heard = anyio.current_time()
+                self._client.receive_data(data)
+                while (reply := self._client.next_reply()) is not None:
+                    inbox = self._inboxes.get(reply.rid)
+                    if inbox is not None:
+                        with contextlib.suppress(anyio.BrokenResourceError):
+                            await inbox.send(reply)
+                    if reply.end:
+                        self._inboxes.pop(reply.rid, None)
+                if not data:
+                    self._die(ConnectionLost(f"the session to {self.peer_id} was closed"))
+                    return
+        except ProtocolError as exc:
+            self._die(ConnectionLost(f"the session to {self.peer_id} broke: {exc.message}"))
+        except RemoteError as exc:  # it refused the whole session: every request gets the reason
+            self._die(exc)
+        finally:
+            self._die(ConnectionLost(f"the session to {self.peer_id} ended"))
+            with anyio.CancelScope(shield=True):
+                await self._stream.aclose()
+
+    def _die(self, exc: PsymeshError) -> None:
+        if self._dead is None:
+            self._dead = exc
+            for inbox in self._inboxes.values():
+                inbox.close()
+            self._inboxes.clear()
+            self.closed.set()
+
+    def kill(self, why: str) -> None:
+        """Take the session for dead now (a liveness ping got no answer)."""
+        self._die(ConnectionLost(f"the session to {self.peer_id} died: {why}"))
+
+    async def retire(self) -> None:
+        """Take no new requests; close our end once the open ones have ended (now, if none)."""
+        self._retired = True
+        await self._close_if_idle()
+
+    async def _close_if_idle(self) -> None:
+        if self._retired and not self._client.open_requests:
+            self._die(ConnectionLost(f"the session to {self.peer_id} was replaced by a direct one"))
+            with anyio.CancelScope(shield=True):
+                await self._stream.aclose()
+
+    @contextlib.asynccontextmanager
+    async def open(self, message: Message) -> AsyncIterator[_Replies]:
+        """Send `message`; yield its replies. Leaving early cancels the request on the server."""
+        if self._dead is not None:
+            raise self._dead
+        if self._retired:
+            raise ConnectionLost(f"the session to {self.peer_id} was replaced by a direct one")
+        rid, data = self._client.request(message)
+        send, receive = anyio.create_memory_object_stream[Reply](STREAM_BUFFER)
+        self._inboxes[rid] = send
+        self._opened.set()
+        self._opened = anyio.Event()
+        try:
+            await self._write(data)
+            yield _Replies(receive, self)
+        finally:
+            self._inboxes.pop(rid, None)
+            receive.close()
+            if self._dead is None and rid in self._client.open_requests:
+                with anyio.CancelScope(shield=True), contextlib.suppress(PsymeshError):
+                    await self._write(self._client.cancel(rid))
+            await self._close_if_idle()
+
+    async def request(self, message: Message, reply_type: type[M]) -> M:
+        """One request on this session and its one reply (an `error` reply raises RemoteError)."""
+        async with self.open(message) as replies:
+            async for reply in replies:
+                return expect(reply, reply_type)
+        raise ConnectionLost(f"{self.peer_id} ended {message.type} without an answer")
+
+    async def _write(self, data: bytes) -> None:
+        if not data:
+            return
+        async with self._write_lock:
+            try:
+                await self._stream.send_all(data)
+            except PsymeshError as exc:
+                self._die(ConnectionLost(f"the session to {self.peer_id} is gone: {exc.message}"))
+                raise self._dead from None  # type: ignore[misc]
+
+
+class _Replies:
+    """The replies to one request; iteration ends after the final frame. A session that
+    dies before it raises its NetworkError."""
+
+    def __init__(self, receive: anyio.abc.ObjectReceiveStream[Reply], session: OutboundSession) -> None:
+        self._receive = receive
+        self._session = session
+        self._done = False
+
+    def __aiter__(self) -> "_Replies":
+        return self
+
+    async def __anext__(self) -> Message:
+        if self._done:
+            raise StopAsyncIteration
+        try:
+            reply = await self._receive.receive()
+        except (anyio.EndOfStream, anyio.ClosedResourceError):
+            raise self._session._dead or ConnectionLost("the session ended") from None
+        self._done = reply.end
+        return reply.message
+
+
+class OpenStream(Protocol):
+    async def __call__(self, peer_id: str, protocol: str) -> ByteStream: ...
+
+
+class SessionWatcher(Protocol):
+    async def watch(self, session: OutboundSession) -> None:
+        """Run beside `session` until it ends (e.g. liveness pings)."""
+
+
+class PathOf(Protocol):
+    def __call__(self, peer_id: str) -> str | None:
+        """How we are connected to `peer_id`: "direct", "relayed" or None (node/net/p2p.py P2PNode.path)."""
+
+
+class SessionPool:
+    """One outbound session per peer, opened when first needed and reused until it dies, or
+    (`path` given) until a direct connection replaces the relayed one it runs on. Runs its
+    sessions' reader tasks (and a watcher beside each) in its own task group (start it with
+    `tg.start`). It also remembers which peers it could not reach, since when and why
+    (`away`), until a session to them opens again: what the CLI tells a user who is
+    waiting for a task or a letter (issue 22 item 1)."""
+
+    def __init__(self, open_stream: OpenStream, protocol: str, max_frame_size: int,
+                 watcher: SessionWatcher | None = None, path: PathOf | None = None) -> None:
+        self._open_stream = open_stream
+        self._watcher = watcher
+        self._path = path
+        self._protocol = protocol
+        self._max_frame_size = max_frame_size
+        self._sessions: dict[str, OutboundSession] = {}
+        self._opening: dict[str, anyio.Lock] = {}
+        self._away: dict[str, PeerAway] = {}
+        self._tg: anyio.abc.TaskGroup | None = None
+
+    async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        async with anyio.create_task_group() as tg:
+            self._tg = tg
+            task_status.started()
+            await anyio.sleep_forever()
+
+    def sessions(self) -> list[OutboundSession]:
+        return [s for s in self._sessions.values() if s.alive]
+
+    async def session(self, peer_id: str) -> OutboundSession:
+        """The live session to `peer_id`, opening one (dialing if needed) when there is none."""
+        current = self._sessions.get(peer_id)
+        if current is not None and current.alive and not self._direct_now(current):
+            return current
+        lock = self._opening.setdefault(peer_id, anyio.Lock())
+        async with lock:  # one dial at a time per peer: concurrent callers share it
+            current = self._sessions.get(peer_id)
+            if current is not None and current.alive:
+                if not self._direct_now(current):
+                    return current
+                del self._sessions[peer_id]
+                await current.retire()
+            if self._tg is None:
+                raise PsymeshError("the session pool is not running", code=ErrorCode.UNAVAILABLE)
+            try:
+                stream = await self._open_stream(peer_id, self._protocol)
+            except NetworkError as exc:
+                since = self._away[peer_id].since if peer_id in self._away else time.time()
+                self._away[peer_id] = PeerAway(since=since, reason=exc.message)
+                raise
+            self._away.pop(peer_id, None)
+            session = OutboundSession(peer_id, stream, self._max_frame_size)
+            session.relayed = self._path is not None and self._path(peer_id) == "relayed"
+            self._sessions[peer_id] = session
+            self._tg.start_soon(self._reader, session)
+            if self._watcher is not None:
+                self._tg.start_soon(self._watcher.watch, session)
+            return session
+
+    def away(self, peer_id: str) -> PeerAway | None:
+        """Since when (and why) `peer_id` could not be reached, if the last try failed."""
+        return self._away.get(peer_id)
+
+    def _direct_now(self, session: OutboundSession) -> bool:
+        """Opened over a relay, and a direct connection to its peer is open now."""
+        return session.relayed and self._path is not None and self._path(session.peer_id) == "direct"
+
+    async def _reader(self, session: OutboundSession) -> None:
+        try:
+            await session.run()
+        finally:
+            if self._sessions.get(session.peer_id) is session:
+                del self._sessions[session.peer_id]
+                self._opening.pop(session.peer_id, None)
+
+    def drop(self, peer_id: str, why: str) -> None:
+        """Forget the session to `peer_id` (its requests fail with ConnectionLost)."""
+        session = self._sessions.pop(peer_id, None)
+        if session is not None:
+            session.kill(why)
+
+    @contextlib.asynccontextmanager
+    async def stream(self, peer_id: str, message: Message) -> AsyncIterator[_Replies]:
+        """Send `message` to `peer_id`; iterate the frames that answer it."""
+        session = await self.session(peer_id)
+        async with session.open(message) as replies:
+            yield replies
+
+    async def request(self, peer_id: str, message: Message, reply_type: type[M], *,
+                      timeout: float = 30.0) -> M:
+        """One request, one reply of `reply_type` (an `error` reply raises RemoteError)."""
+        try:
+            with anyio.fail_after(timeout):
+                session = await self.session(peer_id)
+                return await session.request(message, reply_type)
+        except TimeoutError:
+            raise NetworkTimeout(f"{peer_id} did not answer {message.type} within {timeout:g} s") from None
+
+
+__all__ = ["Call", "Door", "OutboundSession", "SessionPool", "serve_session"]
