@@ -184,7 +184,7 @@ async def model_crash_is_one_failed_request(d: Demo) -> None:
     import signal
 
     async with d.phone.client() as phone, d.home.client() as home:
-        handle = await phone.delegate("home", infer="Count to a thousand.", model="tiny", max_tokens=15000,
+        handle = await phone.delegate("home", infer="Count to a thousand.", model="tiny", max_tokens=120_000,
                                       params={"temperature": 0, "ban_bytes": True})
         with anyio.fail_after(60):
             while not (busy := [m for m in await home.models_ps() if m.loaded and m.pending]):
@@ -434,7 +434,7 @@ def prepare_nodes(work: Path, web: str) -> list[str]:
     for name in ("home", "phone"):
         node = NodeHome(work / name)
         node.init(profile=name, name=name)  # type: ignore[arg-type]
-        ModelRegistry(open_db(node.db_path)).add("tiny", model, n_ctx=16384, n_threads=1)
+        ModelRegistry(open_db(node.db_path)).add("tiny", model, n_ctx=122_880, n_threads=1)  # room for the kill step's long generation
     phone = NodeHome(work / "phone")  # home keeps the phone's letters while it sleeps
     phone.save_config(phone.load_config().model_copy(update={"mailbox": "home"}))
     home = NodeHome(work / "home")  # the demo's web is on 127.0.0.1: a real exit refuses loopback

@@ -146,7 +146,8 @@ async def test_a_memory_cap_turns_a_runaway_into_a_clean_error(tiny_model: Path)
 # --------------------------------------------------------------------------- the node
 
 
-LONG = 15_000  # tokens a delegated generation asks for: seconds of work, so a kill lands in the middle of it
+LONG = 120_000  # tokens a delegated generation asks for: seconds of work even on a quiet machine (the tiny
+# model writes ~30k tokens a second there), so a kill lands in the middle of it
 
 
 def _register(home: NodeHome, model: Path, n_ctx: int = 4096, **kw: object) -> None:
