@@ -430,7 +430,7 @@ def prepare_nodes(work: Path, web: str) -> list[str]:
     (share / "notes").mkdir(parents=True)
     (share / "notes" / "mesh.txt").write_text("psymesh: phones delegate heavy work to home PCs.\n")
     (share / "todo.txt").write_text("buy milk\n")
-    model = make_tiny_gguf(work / "tiny.gguf")
+    model = make_tiny_gguf(work / "tiny.gguf", n_ctx_train=131_072)  # trained context past the kill step's n_ctx
     for name in ("home", "phone"):
         node = NodeHome(work / name)
         node.init(profile=name, name=name)  # type: ignore[arg-type]
