@@ -313,7 +313,7 @@ class Gate:
     def admit_relay(self, peer_id: str, what: str) -> None:
         """May `peer_id` have `what` (protocol/relay.py RESERVE or CONNECT) of this node as a
         relay? Paired, not revoked, and our grant to it covers `relay`, in date. Raises the
-        reason; one audit row either way (the relay's own limits come after, in node/net/p2p.py)."""
+        reason; one audit row either way (the relay's own limits come after, in node/net/circuit.py)."""
         now = self.clock()
         try:
             grant = _grant_of(self.paired(peer_id))
