@@ -276,7 +276,7 @@ class Relaying:
         handshake proves the peer (the relay sees ciphertext only) and, like any inbound
         connection, it is held to the limits for strangers (15, 17)."""
         relay = str(stream.muxed_conn.peer_id)
-        if self.reservation(relay) is None:
+        if not self._admission.take_circuit(relay, self.reservation(relay) is not None):  # audited by the door
             log.info("refused a circuit from %s: we hold no reservation there", relay)
             await _reset_quietly(stream)
             return

@@ -38,7 +38,7 @@ from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
 from libp2p.stream_muxer.yamux.yamux import Yamux
 
 from ...protocol.errors import ConnectError, ErrorCode, ProtocolError, PsymeshError
-from ...protocol.relay import STOP, RelayBook
+from ...protocol.relay import DCUTR, STOP, RelayBook
 from ...protocol.strangers import StrangerLimits, fair_share
 from .addrs import (
     _check_port_free,
@@ -74,7 +74,7 @@ from .patches import (
     _write_multistream_message,
 )
 from .stream import Handler, P2PStream, _close_quietly, _reason, _reset_quietly
-from .strangers import PAIRED_STREAMS, PeerFilter, StreamFilter, _Admission
+from .strangers import PAIRED_STREAMS, CircuitFilter, PeerFilter, PunchFilter, StreamFilter, _Admission
 
 log = logging.getLogger(__name__)
 
@@ -214,14 +214,22 @@ class P2PNode(Relaying, HolePunching):
         await self._host.close()
 
     # -- admission -------------------------------------------------------------------
-    def set_admission(self, *, is_paired: PeerFilter, may_open: StreamFilter, limits: StrangerLimits) -> None:
+    def set_admission(self, *, is_paired: PeerFilter, may_open: StreamFilter, limits: StrangerLimits,
+                      may_punch: PunchFilter | None = None, take_circuit: CircuitFilter | None = None) -> None:
         """Who is a stranger (`is_paired` says no), which protocols each peer may open
         (`may_open`, asked for every inbound stream, libp2p's own protocols included; it
         records its refusals), and how much strangers together may cost (14-18). Call
-        before `run()`. Until then every peer counts as paired and may open anything."""
+        before `run()`. Until then every peer counts as paired and may open anything.
+        `may_punch(peer, relayed)`, if given, decides DCUtR streams instead of `may_open`,
+        knowing whether the stream's connection is relayed; `take_circuit(relay, reserved)`
+        whether a circuit a relay brings on STOP is taken (default: only with a reservation
+        there). Both record their refusals (the daemon's gate)."""
         self._admission.is_paired = is_paired
         self._admission.may_open = may_open
         self._admission.limits = limits
+        self._admission.may_punch = may_punch
+        if take_circuit is not None:
+            self._admission.take_circuit = take_circuit
 
     def _connection_allowed(self, peer_id: str, ip: str | None) -> bool:
         """Asked when Noise has proved an inbound peer's key (7, 17)."""
@@ -296,7 +304,7 @@ class P2PNode(Relaying, HolePunching):
             for _ in range(MAX_PROPOSALS):
                 proposal = await _read_multistream_message(stream)
                 handler = handlers.get(TProtocol(proposal))
-                if handler is not None and self._admission.may_open(peer, proposal):
+                if handler is not None and self._may_open(stream, peer, proposal):
                     await _write_multistream_message(stream, proposal)
                     break
                 await _write_multistream_message(stream, "na")
@@ -306,6 +314,12 @@ class P2PNode(Relaying, HolePunching):
             raise _NegotiationFailed(f"no protocol agreed within {NEGOTIATE_TIMEOUT_S:.0f} s")
         stream.set_protocol(TProtocol(proposal))
         await handler(stream)
+
+    def _may_open(self, stream: INetStream, peer: str, protocol: str) -> bool:
+        """The door's answer for `protocol` from `peer` on `stream`'s connection."""
+        if protocol == DCUTR and self._admission.may_punch is not None:
+            return self._admission.may_punch(peer, _is_relayed(stream.muxed_conn))
+        return self._admission.may_open(peer, protocol)
 
     def remote_ip(self, peer_id: str) -> str | None:
         """The IP address of `peer_id`'s open connection (None without one)."""

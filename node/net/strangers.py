@@ -27,6 +27,8 @@ HANDSHAKE_BYTES = 64 * 1024
 
 PeerFilter = Callable[[str], bool]
 StreamFilter = Callable[[str, str], bool]  # (peer id, protocol) -> may that peer open it?
+PunchFilter = Callable[[str, bool], bool]  # (peer id, over a relayed connection?) -> may it run DCUtR there?
+CircuitFilter = Callable[[str, bool], bool]  # (relay id, we hold a reservation there?) -> take its circuit?
 
 
 class _Admission:
@@ -37,6 +39,8 @@ class _Admission:
     def __init__(self) -> None:
         self.is_paired: PeerFilter = _anyone
         self.may_open: StreamFilter = _anything
+        self.may_punch: PunchFilter | None = None  # None: `may_open(peer, DCUTR)` decides
+        self.take_circuit: CircuitFilter = _if_reserved
         self.limits = StrangerLimits()
         self.handshaking: Counter[str | None] = Counter()
         self.handshake_rate = RateLimiter(max_keys=4096)  # new connections per IP (CPU: Noise)
@@ -74,6 +78,10 @@ def _anyone(_: str) -> bool:
 
 def _anything(_: str, __: str) -> bool:
     return True
+
+
+def _if_reserved(_: str, reserved: bool) -> bool:
+    return reserved
 
 
 class _HandshakeBudget(ReadWriteCloser):
