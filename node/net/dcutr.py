@@ -2,7 +2,8 @@
 (the side a peer reached through a relay), `_serve_dcutr()` its `A`, `_punch()` the
 simultaneous dials from our listening port. libp2p's wire format (its `HolePunch` protobuf on
 `/libp2p/dcutr`) and its swarm's source-bound dials, not its `DCUtRProtocol` service (net/patches.py
-says why). `HolePunching` is mixed into P2PNode (net/host.py)."""
+says why). The rounds (which message when, the RTT, when to dial, when to stop) are
+protocol/dcutr.py's machines; this drives them. `HolePunching` is mixed into P2PNode (net/host.py)."""
 from __future__ import annotations
 
 import ipaddress
@@ -21,7 +22,7 @@ from libp2p.relay.circuit_v2.pb.dcutr_pb2 import HolePunch
 from libp2p.relay.circuit_v2.utils import write_delimited_msg
 from libp2p.utils.varint import read_varint_prefixed_bytes_limited
 
-from ...protocol.errors import ProtocolError
+from ...protocol import dcutr
 from ...protocol.relay import DCUTR
 from .addrs import _bytes_to_addr, _is_loopback, _parse_peer_id, _tcp_endpoint
 from .circuit import RELAY_STEP_TIMEOUT_S
@@ -33,7 +34,7 @@ log = logging.getLogger(__name__)
 # dials may take (a SYN the far NAT dropped is sent again after 1 s and 3 s); addresses sent
 # and tried per round; and the whole exchange's bound.
 MAX_DCUTR_MESSAGE = 4096
-HOLE_PUNCH_ATTEMPTS = 3
+HOLE_PUNCH_ATTEMPTS = dcutr.ATTEMPTS
 HOLE_PUNCH_DIAL_TIMEOUT_S = 5.0
 MAX_PUNCH_ADDRS = 8
 PUNCH_POLL_S = 0.02  # how often a round looks for a direct connection that came in by the listener
@@ -71,18 +72,24 @@ class HolePunching:
         try:
             with anyio.fail_after(HOLE_PUNCH_TIMEOUT_S):
                 stream = await self._host.new_stream(peer, [TProtocol(DCUTR)])
-                for attempt in range(1, HOLE_PUNCH_ATTEMPTS + 1):
-                    sent = time.monotonic()
-                    await _send_punch(stream, HolePunch.CONNECT, self._punch_addrs())
-                    theirs = await _read_punch(stream, HolePunch.CONNECT)
-                    rtt = time.monotonic() - sent
-                    await _send_punch(stream, HolePunch.SYNC)
-                    await anyio.sleep(rtt / 2)
-                    if await self._punch(peer, theirs, responder=True):
-                        log.info("hole punched to %s (attempt %d, relayed RTT %.1f ms)", peer_id, attempt, rtt * 1000)
-                        return True
-                    log.info("hole punch to %s: attempt %d found no way through (%s)", peer_id, attempt,
-                             " ".join(theirs) or "it sent no address")
+                machine = dcutr.Initiator(attempts=HOLE_PUNCH_ATTEMPTS)
+                action: dcutr.Send | dcutr.Finish = machine.start(time.monotonic())
+                while isinstance(action, dcutr.Send):
+                    await self._send_round(stream, action)
+                    kind, theirs = await _read_punch(stream)
+                    dial = await self._answer(stream, machine.receive(kind, theirs, time.monotonic()))
+                    assert dial is not None  # B's machine dials after every CONNECT it is answered
+                    await anyio.sleep(dial.after_s)
+                    punched = await self._punch(peer, dial.addrs, responder=True)
+                    if punched:
+                        log.info("hole punched to %s (attempt %d, relayed RTT %.1f ms)", peer_id, dial.attempt,
+                                 (dial.rtt_s or 0.0) * 1000)
+                    else:
+                        log.info("hole punch to %s: attempt %d found no way through (%s)", peer_id, dial.attempt,
+                                 " ".join(dial.addrs) or "it sent no address")
+                    action = machine.dialed(punched, time.monotonic())
+                if action.punched:
+                    return True
         except Exception as exc:
             log.info("hole punch to %s failed: %s", peer_id, _reason(exc))
         finally:
@@ -102,18 +109,35 @@ class HolePunching:
             await _reset_quietly(stream)
             return
         try:
-            for _ in range(HOLE_PUNCH_ATTEMPTS):
+            machine = dcutr.Responder(attempts=HOLE_PUNCH_ATTEMPTS)
+            while not machine.finished:
                 with anyio.fail_after(RELAY_STEP_TIMEOUT_S):
-                    theirs = await _read_punch(stream, HolePunch.CONNECT)
-                    await _send_punch(stream, HolePunch.CONNECT, self._punch_addrs())
-                    await _read_punch(stream, HolePunch.SYNC)
-                if await self._punch(peer, theirs, responder=False):
+                    dial = None
+                    while dial is None:
+                        kind, theirs = await _read_punch(stream)
+                        dial = await self._answer(stream, machine.receive(kind, theirs, time.monotonic()))
+                punched = await self._punch(peer, dial.addrs, responder=False)
+                if punched:
                     log.info("hole punched to %s", peer)
-                    return
+                machine.dialed(punched, time.monotonic())
         except Exception as exc:  # the peer gave up (closed the stream), or broke the exchange
             log.debug("DCUtR with %s ended: %s", peer, _reason(exc))
         finally:
             await _close_quietly(stream)
+
+    async def _send_round(self, stream: INetStream, send: dcutr.Send) -> None:
+        """One message the machine asked for: a CONNECT carries our addresses as they are now."""
+        await _send_punch(stream, int(send.kind), self._punch_addrs() if send.kind is dcutr.Kind.CONNECT else ())
+
+    async def _answer(self, stream: INetStream, actions: list[dcutr.Action]) -> dcutr.Dial | None:
+        """Do what the machine said after a message: send what it sends; the dial it asks for, if any."""
+        dial = None
+        for action in actions:
+            if isinstance(action, dcutr.Send):
+                await self._send_round(stream, action)
+            elif isinstance(action, dcutr.Dial):
+                dial = action
+        return dial
 
     def _punch_addrs(self) -> list[str]:
         """What we ask a peer to dial (DCUtR's ObsAddrs): each address a relay sees us at, and
@@ -204,10 +228,8 @@ async def _send_punch(stream: INetStream, kind: int, addrs: Sequence[str] = ()) 
     await write_delimited_msg(stream, HolePunch(type=kind, ObsAddrs=[multiaddr.Multiaddr(a).to_bytes() for a in addrs]))
 
 
-async def _read_punch(stream: INetStream, kind: int) -> list[str]:
-    """One DCUtR message of type `kind` (at most the spec's 4 KiB); its plain TCP addresses."""
+async def _read_punch(stream: INetStream) -> tuple[int, tuple[str, ...]]:
+    """One DCUtR message (at most the spec's 4 KiB): its type and its plain TCP addresses."""
     message = HolePunch.FromString(await read_varint_prefixed_bytes_limited(stream, MAX_DCUTR_MESSAGE))
-    if message.type != kind:
-        raise ProtocolError(f"expected DCUtR {HolePunch.Type.Name(kind)}, got type {message.type}")
     addrs = [a for a in map(_bytes_to_addr, message.ObsAddrs[:MAX_PUNCH_ADDRS]) if a is not None]
-    return [a for a in addrs if _tcp_endpoint(a) is not None]
+    return message.type, tuple(a for a in addrs if _tcp_endpoint(a) is not None)
