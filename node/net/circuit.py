@@ -2,7 +2,8 @@
 side (`serve_relay`, answering RESERVE and CONNECT on HOP, then splicing a circuit's two
 streams), the stop side (`_serve_stop`: a relay brings us a peer's circuit, served as an
 inbound connection), reservations we hold (`reserve`), and dialing through a relay
-(`_dial_circuit`). libp2p's wire format, not its relay service or transport: defects 21-24
+(`_dial_circuit`). What a HOP request is answered is protocol/circuit.py's machine (`Hop`);
+this drives it. libp2p's wire format, not its relay service or transport: defects 21-24
 of net/patches.py say why. `Relaying` is mixed into P2PNode (net/host.py), whose host,
 swarm and connections it uses."""
 from __future__ import annotations
@@ -28,8 +29,9 @@ from libp2p.relay.circuit_v2.pb.circuit_pb2 import Reservation as CircuitReserva
 from libp2p.relay.circuit_v2.protocol_buffer import StatusCode
 from libp2p.relay.circuit_v2.utils import read_delimited_msg, write_delimited_msg
 
-from ...protocol.errors import ConnectError, ErrorCode, PsymeshError
-from ...protocol.relay import CONNECT, HOP, RESERVE, STOP, RelayBook, RelaySettings
+from ...protocol.errors import ConnectError, PsymeshError
+from ...protocol.circuit import Answer, Hop, Reserved, Status, refusal, status_name, stop_answer
+from ...protocol.relay import HOP, STOP, RelayBook, RelaySettings
 from .addrs import _bytes_to_addr, _is_circuit, _is_relayed, _parse_peer_id, _peer_info, _tcp_endpoint, _with_peer_id
 from .patches import _remote_ip
 from .stream import READ_CHUNK, _close_quietly, _reason, _reset_quietly
@@ -69,6 +71,7 @@ class Relaying:
         it audits every decision), within `settings`. Call before `run()`."""
         self._book = RelayBook(settings)
         self._relay_admit = admit
+        self._hop = Hop(self._book, admit, lambda peer: bool(self._connections(peer, direct=True)))
         self._host.set_stream_handler(TProtocol(HOP), self._serve_hop)
 
     async def reserve(self, relay: str, addrs: Sequence[str]) -> float:
@@ -100,7 +103,7 @@ class Relaying:
         except Exception as exc:
             raise ConnectError(f"relay {relay} did not answer the reservation: {_reason(exc)}") from exc
         if reply.status != StatusCode.OK:
-            raise _refusal(reply.status, f"relay {relay} refused the reservation")
+            raise refusal(reply.status, f"relay {relay} refused the reservation")
         relay_addrs = [a for a in map(_bytes_to_addr, reply.reservation.addrs)
                        if a is not None and a.endswith(f"/p2p/{relay}") and not _is_circuit(a)]
         self._held[relay] = _Held(float(reply.reservation.expire), tuple(relay_addrs[:MAX_RELAY_ADDRS]))
@@ -141,8 +144,9 @@ class Relaying:
         return Limit(duration=self._book.settings.circuit_duration_s, data=self._book.settings.circuit_bytes)
 
     async def _serve_hop(self, stream: INetStream) -> None:
-        """One HOP request (RESERVE or CONNECT), answered with the spec's STATUS. The peer is
-        the one Noise proved (the message's own `peer` field is not asked who it is: 21)."""
+        """One HOP request (RESERVE or CONNECT), answered with the spec's STATUS as the relay's
+        machine (protocol/circuit.py `Hop`) decides. The peer is the one Noise proved (the
+        message's own `peer` field is not asked who it is: 21)."""
         peer = str(stream.muxed_conn.peer_id)
         try:
             with anyio.fail_after(RELAY_STEP_TIMEOUT_S):
@@ -151,55 +155,37 @@ class Relaying:
             log.debug("a HOP request from %s failed: %s", peer, _reason(exc))
             await _reset_quietly(stream)
             return
+        assert self._hop is not None
+        target: ID | None = None
+        if request.type == HopMessage.CONNECT:
+            try:
+                target = ID(request.peer.id)
+                destination: str | None = target.to_base58()
+            except Exception:
+                destination = None
+        else:
+            destination = None
         try:
-            if _is_relayed(stream.muxed_conn):  # the spec: never reserve or connect over a circuit
-                await _hop_status(stream, StatusCode.PERMISSION_DENIED)
-            elif request.type == HopMessage.RESERVE:
-                await self._hop_reserve(stream, peer)
-            elif request.type == HopMessage.CONNECT:
-                await self._hop_connect(stream, peer, request)
+            action = self._hop.receive(peer, request.type, destination, relayed=_is_relayed(stream.muxed_conn),
+                                       now=time.time())
+            if isinstance(action, Answer):
+                if action.reason is not None:
+                    log.info("%s", action.reason)
+                await _hop_status(stream, StatusCode(int(action.status)))
+            elif isinstance(action, Reserved):
+                own = [a for a in self.addrs() if not _is_circuit(a)][:MAX_RELAY_ADDRS]
+                reservation = CircuitReservation(expire=int(action.expires),
+                                                 addrs=[multiaddr.Multiaddr(a).to_bytes() for a in own])
+                await _hop_status(stream, StatusCode.OK, reservation=reservation, limit=self._circuit_limit(),
+                                  peer=_observation(stream, peer))
             else:
-                await _hop_status(stream, StatusCode.UNEXPECTED_MESSAGE)
+                assert target is not None
+                try:
+                    await self._open_circuit(stream, action.source, target)
+                finally:
+                    self._hop.closed(action.source, action.destination)
         finally:
             await _close_quietly(stream)
-
-    async def _hop_reserve(self, stream: INetStream, peer: str) -> None:
-        assert self._book is not None and self._relay_admit is not None
-        try:
-            self._relay_admit(peer, RESERVE)
-            for other in [p for p in self._book.reservations if not self._connections(p, direct=True)]:
-                self._book.drop(other)  # a reservation lasts only while its peer stays connected
-            expires = self._book.reserve(peer, time.time())
-        except PsymeshError as exc:
-            log.info("refused a reservation to %s: %s", peer, exc.message)
-            await _hop_status(stream, _status_for(exc))
-            return
-        own = [a for a in self.addrs() if not _is_circuit(a)][:MAX_RELAY_ADDRS]
-        reservation = CircuitReservation(expire=int(expires), addrs=[multiaddr.Multiaddr(a).to_bytes() for a in own])
-        await _hop_status(stream, StatusCode.OK, reservation=reservation, limit=self._circuit_limit(),
-                          peer=_observation(stream, peer))
-
-    async def _hop_connect(self, stream: INetStream, source: str, request: HopMessage) -> None:
-        assert self._book is not None and self._relay_admit is not None
-        try:
-            target = ID(request.peer.id)
-            destination = target.to_base58()
-        except Exception:
-            await _hop_status(stream, StatusCode.MALFORMED_MESSAGE)
-            return
-        try:
-            self._relay_admit(source, CONNECT)
-            if not self._connections(destination, direct=True):
-                self._book.drop(destination)
-            self._book.open_circuit(source, destination, time.time())
-        except PsymeshError as exc:
-            log.info("refused a circuit from %s to %s: %s", source, destination, exc.message)
-            await _hop_status(stream, _status_for(exc))
-            return
-        try:
-            await self._open_circuit(stream, source, target)
-        finally:
-            self._book.close_circuit(source, destination)
 
     async def _open_circuit(self, stream: INetStream, source: str, target: ID) -> None:
         far: INetStream | None = None
@@ -210,7 +196,7 @@ class Relaying:
                                                            peer=CircuitPeer(id=_parse_peer_id(source).to_bytes())))
                 answer = await read_delimited_msg(far, StopMessage)
             if answer.status != StatusCode.OK:
-                raise ConnectError(f"it answered {_status_name(answer.status)}")
+                raise ConnectError(f"it answered {status_name(answer.status)}")
         except Exception as exc:
             log.info("circuit from %s to %s failed: %s", source, target, _reason(exc))
             if far is not None:
@@ -284,7 +270,7 @@ class Relaying:
             with anyio.fail_after(RELAY_STEP_TIMEOUT_S):
                 request = await read_delimited_msg(stream, StopMessage)
                 source = ID(request.peer.id)
-                if request.type != StopMessage.CONNECT:
+                if stop_answer(request.type) is not Status.OK:
                     raise ValueError("not a CONNECT")
                 await write_delimited_msg(stream, StopMessage(type=StopMessage.STATUS, status=StatusCode.OK))
         except Exception as exc:
@@ -330,7 +316,7 @@ class Relaying:
                                                              peer=CircuitPeer(id=target.to_bytes())))
                 reply = await read_delimited_msg(stream, HopMessage)
             if reply.status != StatusCode.OK:
-                raise ConnectError(f"relay {relay} refused the circuit to {target}: {_status_name(reply.status)}")
+                raise ConnectError(f"relay {relay} refused the circuit to {target}: {status_name(reply.status)}")
             self._note_observed(relay, reply)
             raw = RawConnection(stream, True, ConnectionType.RELAYED, [multiaddr.Multiaddr(addr)])
             with anyio.fail_after(RELAY_STEP_TIMEOUT_S):
@@ -341,34 +327,6 @@ class Relaying:
             if isinstance(exc, PsymeshError) or not isinstance(exc, Exception):
                 raise
             raise ConnectError(f"cannot connect to {addr}: {_reason(exc)}") from exc
-
-
-def _status_name(status: int) -> str:
-    try:
-        return StatusCode(status).name.lower()
-    except ValueError:
-        return f"status {status}"
-
-
-def _status_for(exc: PsymeshError) -> StatusCode:
-    """A refusal of our relay (the gate's, or its book's) as the spec's status."""
-    if exc.code in (ErrorCode.UNKNOWN_PEER, ErrorCode.FORBIDDEN, ErrorCode.EXPIRED):
-        return StatusCode.PERMISSION_DENIED
-    if exc.code is ErrorCode.BUSY:
-        return StatusCode.RESOURCE_LIMIT_EXCEEDED
-    if exc.code is ErrorCode.NOT_FOUND:
-        return StatusCode.NO_RESERVATION
-    return StatusCode.CONNECTION_FAILED
-
-
-def _refusal(status: int, what: str) -> PsymeshError:
-    """A relay's status other than OK as the PsymeshError for it."""
-    reason = f"{what}: {_status_name(status)}"
-    if status == StatusCode.PERMISSION_DENIED:
-        return PsymeshError(f"{reason} (it has not granted this node `relay`)", code=ErrorCode.FORBIDDEN)
-    if status in (StatusCode.RESOURCE_LIMIT_EXCEEDED, StatusCode.RESERVATION_REFUSED):
-        return PsymeshError(reason, code=ErrorCode.BUSY)
-    return ConnectError(reason)
 
 
 async def _hop_status(stream: INetStream, status: StatusCode, *, reservation: CircuitReservation | None = None,

@@ -37,6 +37,7 @@ from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
 from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
 from libp2p.stream_muxer.yamux.yamux import Yamux
 
+from ...protocol.circuit import Hop
 from ...protocol.errors import ConnectError, ErrorCode, ProtocolError, PsymeshError
 from ...protocol.relay import DCUTR, STOP, RelayBook
 from ...protocol.strangers import StrangerLimits, fair_share
@@ -143,6 +144,7 @@ class P2PNode(Relaying, HolePunching):
         self._held: dict[str, _Held] = {}
         self._book: RelayBook | None = None
         self._relay_admit: RelayAdmit | None = None
+        self._hop: Hop | None = None  # the relay's HOP machine (protocol/circuit.py), with the book
         self._host.set_stream_handler(TProtocol(STOP), self._serve_stop)
         # hole punching (DCUtR), once `enable_hole_punch()` is called: our addresses as each
         # relay sees them (relay id -> transport multiaddr), told in its answers to us
