@@ -5,7 +5,8 @@ dialing, streams), stream.py (P2PStream), circuit.py (relay HOP/STOP), dcutr.py 
 strangers.py (what unpaired peers may cost), addrs.py, and patches.py (the libp2p 0.8.1 defect
 patches, with the numbered list of the upstream defects); p2p.py is their face for callers.
 libp2p is imported only inside node/net/: nothing else in psymesh sees its types or
-exceptions. The conversations' decisions are protocol/'s (relay.py). Then message framing over any byte stream, sessions
+exceptions. The conversations' decisions are protocol/'s (relay.py, circuit.py: relay HOP/STOP; dcutr.py: hole
+punching rounds); the modules here drive them. Then message framing over any byte stream, sessions
 (many requests over one stream, both ends), liveness of a session's peer, and ping. Decides nothing
 about who may ask what: that is the door's. May import core/.
 """
