@@ -56,7 +56,7 @@ MAX_STORED = 8         # addresses kept per paired peer
 
 
 class Host(Dialer, Protocol):
-    """What discovery needs of the p2p host (node/net/p2p.py P2PNode)."""
+    """What discovery needs of the p2p host (node/net/host.py P2PNode)."""
 
     def addrs(self) -> list[str]: ...
 

@@ -34,7 +34,7 @@ BACKOFF_MAX_S = 300.0
 
 
 class Dialer(Protocol):
-    """What static peers need of the p2p host (node/net/p2p.py P2PNode)."""
+    """What static peers need of the p2p host (node/net/host.py P2PNode)."""
 
     async def connect(self, addr: str) -> str: ...
 

@@ -208,7 +208,8 @@ class Node:
     # -- wiring ---------------------------------------------------------------
     def _register_services(self) -> None:
         self._served: set[str] = set()
-        self.p2p.set_admission(is_paired=self._is_paired, may_open=self._may_open, limits=self.config.strangers)
+        self.p2p.set_admission(is_paired=self._is_paired, may_open=self._may_open, limits=self.config.strangers,
+                               may_punch=self.gate.admit_hole_punch, take_circuit=self.gate.admit_circuit)
         if self.config.relay.enabled:
             self.p2p.serve_relay(self.config.relay, self.gate.admit_relay)
         self.inbound(ids.PAIR, self.pairing.serve, max_frame_size=PAIR_MAX_FRAME)

@@ -725,7 +725,7 @@ NETWORK_FAILURES: dict[str, type[NetworkError]] = {
 
 def network_kind(exc: PsymeshError) -> str | None:
     """How the network failed, if `exc` is the network failing rather than a refusal. The
-    transport (node/net/p2p.py, node/net/framed.py) raises its failures as NetworkErrors, so the
+    transport (node/net/host.py, node/net/framed.py) raises its failures as NetworkErrors, so the
     class alone says it: a ProtocolError, whatever its code, is never the network."""
     for kind, cls in NETWORK_FAILURES.items():
         if isinstance(exc, cls):

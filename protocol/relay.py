@@ -49,6 +49,7 @@ CONNECT = "relay.connect"  # ... and once per circuit
 # each other at once, so that both NATs open a mapping for the other (hole punching).
 DCUTR = "/libp2p/dcutr"
 HOLE_PUNCH = "relay.holepunch"  # what the gate audits, once per DCUtR stream a peer opens
+TAKE_CIRCUIT = "relay.stop"  # what the gate audits when a relay brings a circuit we did not reserve for
 
 
 class RelaySettings(BaseModel):

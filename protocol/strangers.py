@@ -30,7 +30,7 @@ _NODE = "*"  # the ConcurrencyLimiter key for node-wide runs (IPs never look lik
 
 
 class StrangerLimits(BaseModel):
-    """config.toml `[strangers]`. Paired peers get the larger fixed limits of `node/net/p2p.py`."""
+    """config.toml `[strangers]`. Paired peers get the larger fixed limits of `node/net/strangers.py`."""
 
     model_config = ConfigDict(defer_build=True, frozen=True, extra="forbid")
 

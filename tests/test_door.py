@@ -13,6 +13,7 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
 from conftest import pair, run_nodes
+from test_relay import home_with
 from waiting import wait_until
 from psymesh.agent.tools import tool_from_function
 from psymesh.node.control.client import Client
@@ -58,6 +59,7 @@ from psymesh.protocol.tasks import (
 )
 
 from psymesh.protocol.oblivious import ExitSecret
+from psymesh.protocol.relay import DCUTR, HOLE_PUNCH, STOP, TAKE_CIRCUIT, RelaySettings
 from psymesh.protocol.web import WebFetch, WebKeyGet, WebKeyOf, WebKeyPush, WebRelay, WebSealed, WebSearch
 
 pytestmark = pytest.mark.anyio
@@ -257,3 +259,38 @@ async def test_a_session_killed_under_a_running_task_completes_it_exactly_once(t
         [again] = phone.sessions.sessions()
         assert again is not first  # the driver redialled and re-attached on a new session
         await wait_until(lambda: home.executor.store.get(task.id).acked_seq == len(events), "home to get the ack")
+
+
+# Checks at the stream, not the session, that go through the door too (issue 19 item 6): what a
+# paired peer opens, and the one audit row its owner then sees (`psymesh audit`).
+IDENTIFY = "/ipfs/id/1.0.0"  # libp2p's identify: psymesh serves it to nobody
+STREAM_CHECKS = {
+    # case: (protocol opened, audit row's protocol, operation, code)
+    "identify from a paired peer": (IDENTIFY, IDENTIFY, IDENTIFY, "bad_request"),   # not "unknown_peer"
+    "DCUtR on a direct connection": (DCUTR, DCUTR, HOLE_PUNCH, "bad_request"),       # nothing to punch
+    "a circuit on STOP without a reservation": (STOP, STOP, TAKE_CIRCUIT, "not_found"),
+}
+
+
+async def test_stream_checks_of_a_paired_peer_are_refused_by_the_door_with_one_row_each(tmp_path: Path) -> None:
+    home_with(tmp_path / "home", "home", RelaySettings(hole_punch=True))
+    async with run_nodes(tmp_path, "home", "phone") as nodes:
+        home, phone = nodes["home"], nodes["phone"]
+        await pair(home.home.path, phone.home.path, grant="messaging")
+        async with Client(home.home.path) as h:
+            for case, (protocol, service, operation, code) in STREAM_CHECKS.items():
+                try:  # refused in the negotiation (`na`) or, once it is open, reset
+                    stream = await phone.p2p.open_stream(home.p2p.addrs()[0], protocol)
+                    assert await stream.receive_some() == b"", case
+                except PsymeshError:
+                    pass
+
+                async def rows() -> list[tuple[str, str, bool, str | None, int]]:
+                    return [(r.protocol, r.operation, r.allowed, r.code, r.count)
+                            for r in await h.audit(peer="phone") if r.protocol == service]
+
+                async def seen() -> bool:  # the row is there once home's handler ran
+                    return bool(await rows())
+
+                await wait_until(seen, case)
+                assert await rows() == [(service, operation, False, code, 1)], case

@@ -10,7 +10,6 @@ delegated task; with it off, the path stays relayed.
 """
 from __future__ import annotations
 
-import contextlib
 import shutil
 import subprocess
 import sys
@@ -27,7 +26,7 @@ from waiting import wait_until
 from worktool import TOOL_NAME, tool_log, tool_runs  # noqa: F401  (tool_log: a fixture)
 from psymesh.node.daemon import Node
 from psymesh.node.net.p2p import P2PNode
-from psymesh.protocol.errors import ConnectError, ErrorCode, PsymeshError
+from psymesh.protocol.errors import ErrorCode, PsymeshError
 from psymesh.protocol.relay import DCUTR, HOLE_PUNCH, RelaySettings
 
 pytestmark = pytest.mark.anyio
@@ -96,13 +95,11 @@ async def test_the_gate_admits_dcutr_from_paired_peers_only_with_one_audit_row_e
                     for r in home.audit.query(peer_id=peer.identity.peer_id, limit=100) if r["protocol"] == DCUTR]
 
         assert rows(stranger) == [(DCUTR, HOLE_PUNCH, False, ErrorCode.UNKNOWN_PEER.value)]
-        # A paired peer is admitted (and audited), but DCUtR runs over a relayed connection
-        # only: on this direct one the stream is reset (before or after the phone has read the
-        # negotiation's answer).
-        with contextlib.suppress(ConnectError):
-            stream = await phone.p2p.open_stream(home.p2p.addrs()[0], DCUTR)
-            assert await stream.receive_some() == b""
-        assert rows(phone) == [(DCUTR, HOLE_PUNCH, True, None)]
+        # A paired peer may run DCUtR over a relayed connection only: on this direct one the
+        # door refuses it (nothing to punch), with one audit row (issue 19 item 6).
+        with pytest.raises(PsymeshError):
+            await phone.p2p.open_stream(home.p2p.addrs()[0], DCUTR)
+        assert rows(phone) == [(DCUTR, HOLE_PUNCH, False, ErrorCode.BAD_REQUEST.value)]
 
 
 # ------------------------------------------------------------- behind two NATs (nftables)

@@ -1,6 +1,6 @@
-"""node/net/p2p.py: real libp2p 0.8.1 hosts on 127.0.0.1, one regression test per defect.
+"""node/net/ (the libp2p host): real libp2p 0.8.1 hosts on 127.0.0.1, one regression test per defect.
 
-Test numbers follow the defect list in node/net/p2p.py's docstring. Defect 1 needs a
+Test numbers follow the defect list in node/net/patches.py's docstring. Defect 1 needs a
 misconfigured plain libp2p host as the attacker, so this file (and only tests) imports
 libp2p directly.
 """

@@ -329,7 +329,7 @@ def check_database(home: NodeHome) -> Check:
 
 
 def bind_error(end: Endpoint) -> OSError | None:
-    """Bind `end` as the daemon would (without SO_REUSEPORT, as node/net/p2p.py's start check)."""
+    """Bind `end` as the daemon would (without SO_REUSEPORT, as node/net/host.py's start check (node/net/patches.py defect 12))."""
     with socket.socket(end.family, socket.SOCK_STREAM) as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:

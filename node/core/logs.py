@@ -51,7 +51,7 @@ def setup_logging(*, json_lines: bool = False, level: int = logging.INFO, log_fi
     root.handlers[:] = [handler]
     root.setLevel(logging.WARNING)  # libraries stay quiet unless something is wrong
     # libp2p 0.8.1 logs expected events (a dial that failed, identify racing a disconnect) at
-    # ERROR with multi-line dumps; node/net/p2p.py reports what matters as psymesh errors.
+    # ERROR with multi-line dumps; node/net/ reports what matters as psymesh errors.
     logging.getLogger("libp2p").setLevel(logging.CRITICAL)
     logging.getLogger("psymesh").setLevel(level)
 

@@ -25,8 +25,10 @@ is fixed and the list lives here only: the daemon calls `admit()` from one place
 session door), `admit_each()` for the letters of a batch the door let in (each as the
 `msg.send` it stands for, through the same checks), `admit_stream()` for every inbound
 stream (a revoked peer that took our notice may open pairing only), `recheck()` when a queued
-task starts, and `admit_relay()` for each reservation and circuit asked of this node as
-a relay (protocol/relay.py: steps 1 and 3, the grant covering `relay`).
+task starts, `admit_relay()` for each reservation and circuit asked of this node as
+a relay (protocol/relay.py: steps 1 and 3, the grant covering `relay`), `admit_hole_punch()`
+for each DCUtR stream (never on a direct connection), and `admit_circuit()` for each circuit
+a relay brings us on STOP (only from a relay holding our reservation).
 """
 from __future__ import annotations
 
@@ -58,7 +60,7 @@ from ...protocol.manifest import (
 )
 from ...protocol.messages import Message
 from ...protocol.messaging import MsgAck, MsgSend, MsgSendMany, answered_ask, check_receipt
-from ...protocol.relay import DCUTR, HOLE_PUNCH, HOP, STOP
+from ...protocol.relay import DCUTR, HOLE_PUNCH, HOP, STOP, TAKE_CIRCUIT
 from ...protocol.oblivious import verify_exit_key
 from ...protocol.web import WebKeyPush
 from ...protocol.tasks import TaskSpec, TaskSubmit
@@ -306,14 +308,46 @@ class Gate:
         if peer is not None and not peer.revoked and protocol == DCUTR:
             self.audit.record(peer_id, DCUTR, HOLE_PUNCH, True, now=self.clock())
             return
-        state = "is not paired with this node" if peer is None else "may not open this protocol"
-        exc = PsymeshError(f"peer {peer_id} {state}; pair first (psymesh pair join)", code=ErrorCode.UNKNOWN_PEER)
+        if peer is not None and not peer.revoked:  # paired: libp2p's identify, ping, ...: not served, to anyone
+            exc = PsymeshError(f"this node does not serve {protocol} (psymesh serves pairing, sessions, relay and "
+                               "hole punching)", code=ErrorCode.BAD_REQUEST)
+        else:
+            state = "is not paired with this node" if peer is None else "may not open this protocol"
+            exc = PsymeshError(f"peer {peer_id} {state}; pair first (psymesh pair join)", code=ErrorCode.UNKNOWN_PEER)
         raise self._refuse(peer_id, protocol, HOLE_PUNCH if protocol == DCUTR else protocol, exc, self.clock())
+
+    def admit_hole_punch(self, peer_id: str, relayed: bool) -> bool:
+        """May `peer_id` run DCUtR on the connection its stream came on (`relayed`: through a
+        relay)? As `admit_stream` for DCUtR, and the connection must be relayed: on a direct
+        one there is nothing to punch (`bad_request`). One audit row either way."""
+        if relayed:
+            try:
+                self.admit_stream(peer_id, DCUTR)
+            except PsymeshError:
+                return False
+            return True
+        try:
+            self.paired(peer_id)
+            exc = PsymeshError("hole punching on a connection that is already direct: there is nothing to punch",
+                               code=ErrorCode.BAD_REQUEST)
+        except PsymeshError as unpaired:
+            exc = unpaired
+        self._refuse(peer_id, DCUTR, HOLE_PUNCH, exc, self.clock())
+        return False
+
+    def admit_circuit(self, relay_id: str, reserved: bool) -> bool:
+        """May relay `relay_id` bring us a circuit on STOP (`reserved`: we hold a reservation
+        there)? Without one it is refused (`not_found`) and audited, one row."""
+        if reserved:
+            return True
+        exc = PsymeshError(f"this node holds no reservation at relay {relay_id}", code=ErrorCode.NOT_FOUND)
+        self._refuse(relay_id, STOP, TAKE_CIRCUIT, exc, self.clock())
+        return False
 
     def admit_relay(self, peer_id: str, what: str) -> None:
         """May `peer_id` have `what` (protocol/relay.py RESERVE or CONNECT) of this node as a
         relay? Paired, not revoked, and our grant to it covers `relay`, in date. Raises the
-        reason; one audit row either way (the relay's own limits come after, in node/net/p2p.py)."""
+        reason; one audit row either way (the relay's own limits come after, in node/net/circuit.py)."""
         now = self.clock()
         try:
             grant = _grant_of(self.paired(peer_id))

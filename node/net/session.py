@@ -289,7 +289,7 @@ class SessionWatcher(Protocol):
 
 class PathOf(Protocol):
     def __call__(self, peer_id: str) -> str | None:
-        """How we are connected to `peer_id`: "direct", "relayed" or None (node/net/p2p.py P2PNode.path)."""
+        """How we are connected to `peer_id`: "direct", "relayed" or None (node/net/host.py P2PNode.path)."""
 
 
 class SessionPool:

@@ -1,6 +1,6 @@
 """Reaching home from anywhere: this node's use of circuit relays, and its addresses that
 follow it (protocol/relay.py, protocol/addresses.py). The relaying itself, both ends of a
-circuit included, is node/net/p2p.py's; this module decides when and where.
+circuit included, is node/net/circuit.py's; this module decides when and where.
 
     Relaying.run()
       ├── _keep(relay)   one per `[relay] relays` entry: a reservation held there (dialed at

@@ -1,0 +1,87 @@
+"""`P2PStream`: one libp2p stream as a `node.net.framed.ByteStream` (bytes in, bytes out, b"" at
+the end), and the quiet close/reset every part of the host uses on libp2p's streams and
+connections, with `_reason()`, which turns a libp2p exception chain into a sentence for people."""
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from libp2p.abc import INetStream
+
+from ...protocol.errors import ConnectionLost
+
+log = logging.getLogger(__name__)
+
+READ_CHUNK = 65536
+
+
+class P2PStream:
+    """One libp2p stream as a `node.framed.ByteStream`: bytes in, bytes out, b"" at the end."""
+
+    def __init__(self, stream: INetStream, protocol: str) -> None:
+        self._stream = stream
+        self.protocol = protocol
+        self.remote_peer_id = str(stream.muxed_conn.peer_id)
+        self._closed = False
+
+    async def receive_some(self, max_bytes: int = READ_CHUNK) -> bytes:
+        """Up to `max_bytes`; b"" once the peer closed or reset the stream (or the connection died)."""
+        if max_bytes < 1:
+            raise ValueError("max_bytes must be at least 1")
+        try:
+            return await self._stream.read(max_bytes)
+        except Exception as exc:  # StreamEOF, StreamReset, StreamError, muxer errors: all mean "no more"
+            log.debug("stream %s from %s ended: %r", self.protocol, self.remote_peer_id, exc)
+            return b""
+
+    async def send_all(self, data: bytes) -> None:
+        if not data:
+            return
+        if self._closed:
+            raise ConnectionLost(f"stream {self.protocol} to {self.remote_peer_id} is closed")
+        try:
+            await self._stream.write(data)
+        except Exception as exc:
+            raise ConnectionLost(f"stream {self.protocol} to {self.remote_peer_id} is gone: {_reason(exc)}") from exc
+
+    async def aclose(self) -> None:
+        """Half-close gracefully (the peer reads EOF after what we sent). Idempotent, never raises."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            await self._stream.close()
+        except Exception as exc:
+            log.debug("closing stream %s to %s: %r", self.protocol, self.remote_peer_id, exc)
+
+    async def reset(self) -> None:
+        """Abort: the peer's reads end at once and unsent data is dropped."""
+        self._closed = True
+        await _reset_quietly(self._stream)
+
+
+Handler = Callable[[P2PStream], Awaitable[None]]
+
+
+async def _close_quietly(resource: Any) -> None:
+    try:
+        await resource.close()
+    except Exception as exc:
+        log.debug("closing %r: %r", resource, exc)
+
+
+async def _reset_quietly(stream: INetStream) -> None:
+    try:
+        await stream.reset()
+    except Exception as exc:
+        log.debug("resetting a stream: %r", exc)
+
+
+def _reason(exc: BaseException) -> str:
+    """The first and the innermost message of a libp2p exception chain, for people."""
+    chain = [exc]
+    while (nxt := chain[-1].__cause__ or chain[-1].__context__) is not None and len(chain) < 10:
+        chain.append(nxt)
+    first, root = str(exc) or type(exc).__name__, str(chain[-1]) or type(chain[-1]).__name__
+    return first if root == first or len(chain) == 1 else f"{first} ({root})"
