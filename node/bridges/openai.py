@@ -56,7 +56,7 @@ from .httpguard import AllowedHosts, GuardRules, HttpGuard, Refusal
 from .httpserve import serve_face
 from ...protocol.errors import ErrorCode, PsymeshError
 from ...protocol.manifest import Operation, check
-from ...protocol.tasks import EventKind, TaskKind, TaskSpec
+from ...protocol.tasks import EventKind, InferResult, TaskKind, TaskSpec
 
 if TYPE_CHECKING:
     from ..daemon import Node
@@ -267,15 +267,14 @@ class Finished:
     tool_calls: list[dict[str, Any]] = field(default_factory=list)  # {id, name, arguments}
 
     @classmethod
-    def of_result(cls, result: Mapping[str, Any]) -> Finished:
-        """An infer task's result (node/tasks/executor.py `_infer`)."""
-        usage = result.get("usage") or {}
-        calls = list(result.get("tool_calls") or [])
-        content = result.get("content", result.get("text", ""))
-        reason = str(result.get("finish_reason", "stop"))
+    def of_result(cls, value: Any) -> Finished:
+        """An infer task's result (protocol.tasks.InferResult, built by node/tasks/executor.py)."""
+        result = InferResult.model_validate(value)
+        calls = [c.model_dump() for c in result.tool_calls or []]
+        content = result.text if result.content is None else result.content
+        reason = result.finish_reason
         return cls(finish_reason="stop" if reason == "cancelled" else reason,
-                   prompt_tokens=int(usage.get("prompt_tokens", 0)),
-                   completion_tokens=int(usage.get("completion_tokens", 0)),
+                   prompt_tokens=result.usage.prompt_tokens, completion_tokens=result.usage.completion_tokens,
                    content=content if content or not calls else None, tool_calls=calls)
 
     def usage(self) -> dict[str, int]:
