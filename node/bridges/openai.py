@@ -59,7 +59,9 @@ from ...protocol.manifest import Operation, check
 from ...protocol.tasks import EventKind, InferResult, TaskKind, TaskSpec
 
 if TYPE_CHECKING:
-    from ..daemon import Node
+    from ..door.trust import TrustStore
+    from ..models import ModelPool
+    from ..tasks.submitter import Offers, TaskSubmitter
 
 log = logging.getLogger("psymesh.openai")
 
@@ -324,6 +326,19 @@ class VisibleText:
 
 
 @dataclass(frozen=True)
+class OpenAIParts:
+    """What the endpoint uses of its node (wired in node/daemon.py): this node's peer id,
+    its models, the paired peers, the submitter a delegated completion goes through and
+    how a peer's offered models are asked for."""
+
+    peer_id: str
+    models: ModelPool
+    trust: TrustStore
+    submitter: TaskSubmitter
+    offers: Offers
+
+
+@dataclass(frozen=True)
 class _Target:
     """Where a model name runs: here (peer_id None), or on a paired peer."""
 
@@ -334,7 +349,7 @@ class _Target:
 class OpenAIEndpoint:
     """The endpoint of one node; `run` serves it in the node's task group."""
 
-    def __init__(self, node: Node, settings: OpenAIServe, key: ApiKey) -> None:
+    def __init__(self, node: OpenAIParts, settings: OpenAIServe, key: ApiKey) -> None:
         self.node = node
         self.settings = settings
         self.key = key
@@ -426,7 +441,7 @@ class OpenAIEndpoint:
 
     def _may_infer(self, grant: Any, peer_id: str, model: str | None, now: float) -> bool:
         return grant is not None and check(grant, Operation.infer(model), local_peer_id=peer_id,
-                                           remote_peer_id=self.node.identity.peer_id, now=now).allowed
+                                           remote_peer_id=self.node.peer_id, now=now).allowed
 
     def _target(self, name: str) -> _Target:
         """`name` is a model of this node, or `PEER/MODEL` with PEER a paired peer's name or id."""
