@@ -508,7 +508,7 @@ class Node:
         """An agent's web.search / web.fetch: run here if we are an exit (for `peer_id`, held to
         its grant), else sent through our route (the node's own agent only)."""
         if self.config.web.exit.enabled:
-            return await self.web.answer(request, peer_id)
+            return await self.web.answer_for(request, peer_id)
         return await self.web_router.query(request, self.web_router.route(request))
 
     # -- delegated tasks ----------------------------------------------------------------
