@@ -56,7 +56,7 @@ from .httpguard import AllowedHosts, GuardRules, HttpGuard, Refusal
 from .httpserve import serve_face
 from ...protocol.errors import ErrorCode, PsymeshError
 from ...protocol.manifest import Operation, check
-from ...protocol.tasks import EventKind, InferResult, TaskKind, TaskSpec
+from ...protocol.tasks import EventKind, InferCall, InferResult, TaskKind, TaskSpec
 
 if TYPE_CHECKING:
     from ..door.trust import TrustStore
@@ -266,13 +266,13 @@ class Finished:
     prompt_tokens: int
     completion_tokens: int
     content: str | None
-    tool_calls: list[dict[str, Any]] = field(default_factory=list)  # {id, name, arguments}
+    tool_calls: list[InferCall] = field(default_factory=list)
 
     @classmethod
     def of_result(cls, value: Any) -> Finished:
         """An infer task's result (protocol.tasks.InferResult, built by node/tasks/executor.py)."""
         result = InferResult.model_validate(value)
-        calls = [c.model_dump() for c in result.tool_calls or []]
+        calls = list(result.tool_calls or [])
         content = result.text if result.content is None else result.content
         reason = result.finish_reason
         return cls(finish_reason="stop" if reason == "cancelled" else reason,
@@ -284,8 +284,8 @@ class Finished:
                 "total_tokens": self.prompt_tokens + self.completion_tokens}
 
     def openai_calls(self, *, indexed: bool = False) -> list[dict[str, Any]]:
-        return [{**({"index": i} if indexed else {}), "id": c["id"], "type": "function",
-                 "function": {"name": c["name"], "arguments": json.dumps(c.get("arguments", {}), ensure_ascii=False)}}
+        return [{**({"index": i} if indexed else {}), "id": c.id, "type": "function",
+                 "function": {"name": c.name, "arguments": json.dumps(c.arguments, ensure_ascii=False)}}
                 for i, c in enumerate(self.tool_calls)]
 
 
@@ -513,7 +513,9 @@ class OpenAIEndpoint:
             async for piece in gen:
                 if isinstance(piece, Generation):
                     reply = piece.reply
-                    calls = [{"id": c.id, "name": c.name, "arguments": c.arguments} for c in piece.tool_calls]
+                    # the model's own parse, not wire input: taken as it is (model_construct), as before
+                    calls = [InferCall.model_construct(id=c.id, name=c.name, arguments=c.arguments)
+                             for c in piece.tool_calls]
                     content = piece.text if reply is None else reply.content
                     reason = "stop" if piece.finish_reason == "cancelled" else piece.finish_reason
                     yield Finished(finish_reason=reason, prompt_tokens=piece.usage.prompt_tokens,
