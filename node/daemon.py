@@ -98,9 +98,9 @@ from ..protocol.web import (
 from ..protocol.tasks import TaskAck, TaskAcks, TaskAttach, TaskCancel, TaskCaps, TaskCapsReply, TaskInput, TaskList, TaskSubmit
 
 if TYPE_CHECKING:
-    from .bridges.a2a import A2AEndpoint
+    from .bridges.a2a import A2AEndpoint, A2AParts
     from .control.dashboard import Dashboard
-    from .bridges.openai import OpenAIEndpoint
+    from .bridges.openai import OpenAIEndpoint, OpenAIParts
 
 log = logging.getLogger("psymesh.node")
 
@@ -185,13 +185,13 @@ class Node:
         if self.config.serve.openai.enabled:
             from .bridges.openai import OpenAIEndpoint
 
-            self.openai = OpenAIEndpoint(self, self.config.serve.openai,
+            self.openai = OpenAIEndpoint(self._openai_parts(), self.config.serve.openai,
                                          load_api_key(self.config.serve.openai, home, environ))
         self.a2a: A2AEndpoint | None = None
         if self.config.serve.a2a.enabled:
             from .bridges.a2a import A2AEndpoint
 
-            self.a2a = A2AEndpoint(self, self.config.serve.a2a, load_api_key(self.config.serve.a2a, home, environ))
+            self.a2a = A2AEndpoint(self._a2a_parts(), self.config.serve.a2a, load_api_key(self.config.serve.a2a, home, environ))
         # The dashboard (node/control/dashboard.py): on for a home unless [ui] says otherwise; on a phone
         # started on demand (start_ui), so an idle phone never imports or runs an HTTP server.
         self.activity = Pulse()  # fired by every task event, letter and audit row: the open pages re-read
@@ -302,14 +302,14 @@ class Node:
             from .bridges.openai import OpenAIEndpoint
 
             assert isinstance(settings, OpenAIServe)
-            openai = OpenAIEndpoint(self, settings, load_api_key(settings, self.home, self._environ))
+            openai = OpenAIEndpoint(self._openai_parts(), settings, load_api_key(settings, self.home, self._environ))
             await self._tg.start(openai.run)
             self.openai, url = openai, openai.url
         else:
             from .bridges.a2a import A2AEndpoint
 
             assert isinstance(settings, A2AServe)
-            a2a = A2AEndpoint(self, settings, load_api_key(settings, self.home, self._environ))
+            a2a = A2AEndpoint(self._a2a_parts(), settings, load_api_key(settings, self.home, self._environ))
             await self._tg.start(a2a.run)
             self.a2a, url = a2a, a2a.url
         assert url is not None
@@ -365,9 +365,13 @@ class Node:
         if self.ui is not None and self.ui.url is not None:
             return self.ui
         assert self._tg is not None, "the node is not running"
-        from .control.dashboard import Dashboard
+        from .control.dashboard import Dashboard, DashboardParts
 
-        ui = Dashboard(self, self.config.ui, load_api_key(self.config.ui, self.home, self._environ))
+        ui = Dashboard(DashboardParts(config=self.config, identity=self.identity, trust=self.trust, models=self.models,
+                                      tools=self.tools, agents=self.agents, messaging=self.messaging,
+                                      mailbox=self.mailbox, submitter=self.submitter, control=self.control,
+                                      activity=self.activity),
+                       self.config.ui, load_api_key(self.config.ui, self.home, self._environ))
         try:
             await self._tg.start(ui.run)
         except PsymeshError as exc:
@@ -447,7 +451,7 @@ class Node:
     async def _serve_session(self, framed: FramedStream, peer_id: str) -> None:
         peer = self.trust.get(peer_id)
         if peer is not None and peer.revoked and self._tg is not None:
-            self._tg.start_soon(self._tell_revoked, peer.peer_id)  # it has not heard yet (or it would not call)
+            self._tg.start_soon(self.tell_revoked, peer.peer_id)  # it has not heard yet (or it would not call)
         await serve_session(framed.stream, peer_id, self._door, max_frame_size=self.config.max_frame_size,
                             max_open=MAX_OPEN_REQUESTS)
 
@@ -490,7 +494,7 @@ class Node:
         self.submitter.revoked_by(call.peer_id, ErrorCode.FORBIDDEN, f"{issuer.name} revoked this node's access")
         return ManifestOk(serial=notice.serial)
 
-    async def _tell_revoked(self, peer_id: str) -> None:
+    async def tell_revoked(self, peer_id: str) -> None:
         """Hand a revoked peer our signed notice (best effort, at most REVOCATION_NOTICE_S)."""
         peer = self.trust.get(peer_id)
         if peer is None or not peer.revoked or peer.revocation_told_at is not None:
@@ -505,10 +509,22 @@ class Node:
         """An agent's web.search / web.fetch: run here if we are an exit (for `peer_id`, held to
         its grant), else sent through our route (the node's own agent only)."""
         if self.config.web.exit.enabled:
-            return await self.web.answer(request, peer_id)
+            return await self.web.answer_for(request, peer_id)
         return await self.web_router.query(request, self.web_router.route(request))
 
     # -- delegated tasks ----------------------------------------------------------------
+    def _openai_parts(self) -> OpenAIParts:
+        from .bridges.openai import OpenAIParts
+
+        return OpenAIParts(peer_id=self.identity.peer_id, models=self.models, trust=self.trust,
+                           submitter=self.submitter, offers=self.offers)
+
+    def _a2a_parts(self) -> A2AParts:
+        from .bridges.a2a import A2AParts
+
+        return A2AParts(name=self.config.name, profile=self.config.profile, peer_id=self.identity.peer_id,
+                        agents=self.agents, tools=self.tools)
+
     async def offers(self, peer_id: str) -> TaskCapsReply:
         return await self.sessions.request(peer_id, TaskCaps(), TaskCapsReply)
 

@@ -406,6 +406,39 @@ class Outcome:
         raise RemoteError(self.message or f"task {self.state.value}", code=self.code)
 
 
+# -- an infer task's result ---------------------------------------------------------------
+class InferCall(Message):
+    """A tool call the model made, as an infer result names it (arguments parsed)."""
+
+    id: str
+    name: str
+    arguments: JsonMap = Field(default_factory=dict)
+
+
+class InferUsage(Message):
+    """Tokens an infer task counted: the rendered prompt's and the completion's."""
+
+    prompt_tokens: int = Field(default=0, ge=0)
+    completion_tokens: int = Field(default=0, ge=0)
+
+
+class InferResult(Message):
+    """The `result` of a completed infer task (the data of its `result` event, and the
+    Outcome's value). `content` and `tool_calls` are present only when tools were offered:
+    then the reply is the model's parse of `text`. A reader fills what an older node left
+    out with the defaults below; `wire()` gives the map as it goes on the wire."""
+
+    text: str = ""
+    finish_reason: str = "stop"   # "stop", "length", "tool_calls" or "cancelled"
+    usage: InferUsage = Field(default_factory=InferUsage)
+    content: str | None = None
+    tool_calls: Annotated[list[InferCall], Field(max_length=MAX_CALLS)] | None = None
+
+    def wire(self) -> dict[str, Any]:
+        """The result map: the fields set, none of them nil."""
+        return self.model_dump(mode="json", exclude_none=True)
+
+
 # -- wire messages -----------------------------------------------------------------------
 class TaskStatus(Message):
     """Where a task stands, without its log. Reply to cancel and ack; an item of list."""

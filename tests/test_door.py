@@ -294,3 +294,41 @@ async def test_stream_checks_of_a_paired_peer_are_refused_by_the_door_with_one_r
 
                 await wait_until(seen, case)
                 assert await rows() == [(service, operation, False, code, 1)], case
+# Checks made through the door outside a session frame: (audit service, operation) of the row
+# each leaves, and the request that makes it. A tool task or agent run on a web exit for a peer
+# searches as that peer: held to its `web.search` capability and charged, like a web.search frame.
+THROUGH_THE_DOOR = {
+    ("web.agent", "web.search"): "a peer's tool task on the exit runs the web.search tool",
+}
+
+
+async def test_a_tool_tasks_web_search_on_an_exit_is_held_to_the_peers_web_search_grant(tmp_path: Path) -> None:
+    from psymesh.node.core.websettings import WebSettings
+    from psymesh.node.web.exit import ExitSettings, SearchSettings
+    from psymesh.protocol.errors import ErrorCode, RemoteError
+    from websites import serving
+
+    with serving() as site:
+        site.route("/search", '{"results": [{"title": "Door", "url": "http://127.0.0.1/door", "snippet": "s"}]}',
+                   content_type="application/json")
+        search = SearchSettings(backend="json", url=site.url("/search") + "?q={query}")
+        exit_ = {"web": WebSettings(exit=ExitSettings(enabled=True, allow_loopback=True, search=search))}
+        async with run_nodes(tmp_path, "home", "phone", configs={"home": exit_}) as nodes:
+            home, phone_node = nodes["home"], nodes["phone"]
+            await pair(home.home.path, phone_node.home.path)
+            phone_id = phone_node.identity.peer_id
+            async with Client(home.home.path) as h:
+                await h.grant("phone", ["tool:web.search", "web.fetch"])   # the tool, but not web.search
+            async with Client(phone_node.home.path) as phone:
+                refused = await phone.delegate("home", tool="web.search", args={"query": "door"})
+                with pytest.raises(RemoteError) as err:
+                    await refused.result()
+                async with Client(home.home.path) as h:
+                    await h.grant("phone", ["tool:web.search", "web.search"])
+                allowed = await phone.delegate("home", tool="web.search", args={"query": "door"})
+                found = await allowed.result()
+            rows = [r for r in home.audit.query(peer_id=phone_id, limit=1000)
+                    if (r["protocol"], r["operation"]) in THROUGH_THE_DOOR]
+    assert err.value.code is ErrorCode.FORBIDDEN and "web.search" in err.value.message
+    assert [(r["allowed"], r["code"]) for r in rows] == [(False, "forbidden"), (True, None)]
+    assert site.hits["/search"] == 1 and "door" in str(found)   # the refused search never ran

@@ -69,7 +69,9 @@ if TYPE_CHECKING:
     import uvicorn
 
     from ...agent.loop import AgentEvent
-    from ..daemon import Node
+    from ...agent.tools import ToolRegistry
+    from ..core.home import Profile
+    from ..models.agents import AgentTaskRunner
 
 log = logging.getLogger("psymesh.a2a")
 
@@ -246,10 +248,22 @@ def guard_rules(settings: A2AServe, key: str) -> GuardRules:
 # -------------------------------------------------------------------------------- the service
 
 
+@dataclass(frozen=True)
+class A2AParts:
+    """What the A2A face uses of its node (wired in node/daemon.py): who it is (its name,
+    profile and peer id, for the card), the agent runner and the tools the agent gets."""
+
+    name: str
+    profile: Profile
+    peer_id: str
+    agents: AgentTaskRunner
+    tools: ToolRegistry
+
+
 class A2AEndpoint:
     """The A2A face of one node; `run` serves it in the node's task group."""
 
-    def __init__(self, node: Node, settings: A2AServe, key: ApiKey) -> None:
+    def __init__(self, node: A2AParts, settings: A2AServe, key: ApiKey) -> None:
         self.node = node
         self.settings = settings
         self.key = key
@@ -328,7 +342,7 @@ class A2AEndpoint:
                 run.tell(Step(text))
 
         try:
-            result = await self.node.agents.run(goal, params, peer_id=self.node.identity.peer_id,
+            result = await self.node.agents.run(goal, params, peer_id=self.node.peer_id,
                                                 deadline=time.time() + self.settings.max_runtime_s,
                                                 tools=self.node.tools, confirm=None, emit=emit)
         except PsymeshError as exc:
@@ -340,11 +354,11 @@ class A2AEndpoint:
 
     def skills(self) -> list[a2a.AgentSkill]:
         """The agent, then each tool it may call here (irreversible ones are refused)."""
-        profile = self.node.config.profile
+        profile = self.node.profile
         tools = [t for t in self.node.tools if t.offered_on(profile)]
         skills = [a2a.AgentSkill(
             id="agent", name="agent", tags=["agent", profile],
-            description=f"Runs {self.node.config.name}'s agent on your goal, with its tools: "
+            description=f"Runs {self.node.name}'s agent on your goal, with its tools: "
                         + (", ".join(t.name for t in tools) or "none")
                         + ". Irreversible tools are refused over A2A.",
             examples=["What is on this machine?"])]
@@ -364,9 +378,9 @@ class A2AEndpoint:
         bearer = a2a.SecurityScheme(http_auth_security_scheme=a2a.HTTPAuthSecurityScheme(
             scheme="bearer", description="the node's A2A key (its owner runs: psymesh serve a2a --show-key)"))
         card = a2a.AgentCard(
-            name=self.node.config.name, version=psymesh.__version__,
-            description=f"psymesh node {self.node.config.name} ({self.node.config.profile}), peer id "
-                        f"{self.node.identity.peer_id}: its on-device agent, answering a goal with its tools.",
+            name=self.node.name, version=psymesh.__version__,
+            description=f"psymesh node {self.node.name} ({self.node.profile}), peer id "
+                        f"{self.node.peer_id}: its on-device agent, answering a goal with its tools.",
             supported_interfaces=[
                 a2a.AgentInterface(url=self.url, protocol_binding="JSONRPC", protocol_version=PROTOCOL_VERSION_1_0),
                 a2a.AgentInterface(url=self.url, protocol_binding="JSONRPC", protocol_version=PROTOCOL_VERSION_0_3)],

@@ -56,10 +56,12 @@ from .httpguard import AllowedHosts, GuardRules, HttpGuard, Refusal
 from .httpserve import serve_face
 from ...protocol.errors import ErrorCode, PsymeshError
 from ...protocol.manifest import Operation, check
-from ...protocol.tasks import EventKind, TaskKind, TaskSpec
+from ...protocol.tasks import EventKind, InferCall, InferResult, TaskKind, TaskSpec
 
 if TYPE_CHECKING:
-    from ..daemon import Node
+    from ..door.trust import TrustStore
+    from ..models import ModelPool
+    from ..tasks.submitter import Offers, TaskSubmitter
 
 log = logging.getLogger("psymesh.openai")
 
@@ -264,18 +266,17 @@ class Finished:
     prompt_tokens: int
     completion_tokens: int
     content: str | None
-    tool_calls: list[dict[str, Any]] = field(default_factory=list)  # {id, name, arguments}
+    tool_calls: list[InferCall] = field(default_factory=list)
 
     @classmethod
-    def of_result(cls, result: Mapping[str, Any]) -> Finished:
-        """An infer task's result (node/tasks/executor.py `_infer`)."""
-        usage = result.get("usage") or {}
-        calls = list(result.get("tool_calls") or [])
-        content = result.get("content", result.get("text", ""))
-        reason = str(result.get("finish_reason", "stop"))
+    def of_result(cls, value: Any) -> Finished:
+        """An infer task's result (protocol.tasks.InferResult, built by node/tasks/executor.py)."""
+        result = InferResult.model_validate(value)
+        calls = list(result.tool_calls or [])
+        content = result.text if result.content is None else result.content
+        reason = result.finish_reason
         return cls(finish_reason="stop" if reason == "cancelled" else reason,
-                   prompt_tokens=int(usage.get("prompt_tokens", 0)),
-                   completion_tokens=int(usage.get("completion_tokens", 0)),
+                   prompt_tokens=result.usage.prompt_tokens, completion_tokens=result.usage.completion_tokens,
                    content=content if content or not calls else None, tool_calls=calls)
 
     def usage(self) -> dict[str, int]:
@@ -283,8 +284,8 @@ class Finished:
                 "total_tokens": self.prompt_tokens + self.completion_tokens}
 
     def openai_calls(self, *, indexed: bool = False) -> list[dict[str, Any]]:
-        return [{**({"index": i} if indexed else {}), "id": c["id"], "type": "function",
-                 "function": {"name": c["name"], "arguments": json.dumps(c.get("arguments", {}), ensure_ascii=False)}}
+        return [{**({"index": i} if indexed else {}), "id": c.id, "type": "function",
+                 "function": {"name": c.name, "arguments": json.dumps(c.arguments, ensure_ascii=False)}}
                 for i, c in enumerate(self.tool_calls)]
 
 
@@ -325,6 +326,19 @@ class VisibleText:
 
 
 @dataclass(frozen=True)
+class OpenAIParts:
+    """What the endpoint uses of its node (wired in node/daemon.py): this node's peer id,
+    its models, the paired peers, the submitter a delegated completion goes through and
+    how a peer's offered models are asked for."""
+
+    peer_id: str
+    models: ModelPool
+    trust: TrustStore
+    submitter: TaskSubmitter
+    offers: Offers
+
+
+@dataclass(frozen=True)
 class _Target:
     """Where a model name runs: here (peer_id None), or on a paired peer."""
 
@@ -335,7 +349,7 @@ class _Target:
 class OpenAIEndpoint:
     """The endpoint of one node; `run` serves it in the node's task group."""
 
-    def __init__(self, node: Node, settings: OpenAIServe, key: ApiKey) -> None:
+    def __init__(self, node: OpenAIParts, settings: OpenAIServe, key: ApiKey) -> None:
         self.node = node
         self.settings = settings
         self.key = key
@@ -427,7 +441,7 @@ class OpenAIEndpoint:
 
     def _may_infer(self, grant: Any, peer_id: str, model: str | None, now: float) -> bool:
         return grant is not None and check(grant, Operation.infer(model), local_peer_id=peer_id,
-                                           remote_peer_id=self.node.identity.peer_id, now=now).allowed
+                                           remote_peer_id=self.node.peer_id, now=now).allowed
 
     def _target(self, name: str) -> _Target:
         """`name` is a model of this node, or `PEER/MODEL` with PEER a paired peer's name or id."""
@@ -499,7 +513,9 @@ class OpenAIEndpoint:
             async for piece in gen:
                 if isinstance(piece, Generation):
                     reply = piece.reply
-                    calls = [{"id": c.id, "name": c.name, "arguments": c.arguments} for c in piece.tool_calls]
+                    # the model's own parse, not wire input: taken as it is (model_construct), as before
+                    calls = [InferCall.model_construct(id=c.id, name=c.name, arguments=c.arguments)
+                             for c in piece.tool_calls]
                     content = piece.text if reply is None else reply.content
                     reason = "stop" if piece.finish_reason == "cancelled" else piece.finish_reason
                     yield Finished(finish_reason=reason, prompt_tokens=piece.usage.prompt_tokens,

@@ -26,6 +26,7 @@ from .output import table as out_table
 from ...protocol import control as c
 from ...protocol.errors import ErrorCode, PsymeshError
 from ...protocol.limits import Limits
+from ...protocol.tasks import InferResult
 
 T = TypeVar("T")
 
@@ -993,8 +994,9 @@ def _print_outcome(out: Output, outcome: Any) -> None:
         value = outcome.value
         if out.json_mode:
             out.data({"state": outcome.state.value, "result": value})
-        elif isinstance(value, dict) and set(value) >= {"text", "usage"}:
-            out.hint(f"({value['usage'].get('completion_tokens')} tokens, {value.get('finish_reason')})")
+        elif isinstance(value, dict) and set(value) >= {"text", "usage"}:  # an infer task's InferResult
+            infer = InferResult.model_validate(value)
+            out.hint(f"({infer.usage.completion_tokens} tokens, {infer.finish_reason})")
         else:
             out.data(value)
         return

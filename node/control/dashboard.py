@@ -62,7 +62,16 @@ from ...protocol.messages import Message
 from ...protocol.tasks import EventKind, Outcome, TaskKind, TaskSpec, TaskState
 
 if TYPE_CHECKING:
-    from ..daemon import Node
+    from ...agent.tools import ToolRegistry
+    from ..core.home import Identity, NodeConfig
+    from ..core.notify import Pulse
+    from ..door.trust import TrustStore
+    from ..messaging.mailbox import Mailbox
+    from ..messaging.service import Messaging
+    from ..models import ModelPool
+    from ..models.agents import AgentTaskRunner
+    from ..tasks.submitter import TaskSubmitter
+    from .server import ControlServer
 
 log = logging.getLogger("psymesh.ui")
 
@@ -159,10 +168,29 @@ class _State:
     joined: c.PairedReply | None = None
 
 
+@dataclass(frozen=True)
+class DashboardParts:
+    """What the dashboard uses of its node (wired in node/daemon.py): what it shows (the
+    config, identity, peers, models, tools, letters, mail, delegated tasks), the control
+    handlers its forms call, the pulse that re-renders open pages and the agent it runs."""
+
+    config: NodeConfig
+    identity: Identity
+    trust: TrustStore
+    models: ModelPool
+    tools: ToolRegistry
+    agents: AgentTaskRunner
+    messaging: Messaging
+    mailbox: Mailbox
+    submitter: TaskSubmitter
+    control: ControlServer
+    activity: Pulse
+
+
 class Dashboard:
     """The dashboard of one node; `run` serves it in the node's task group."""
 
-    def __init__(self, node: Node, settings: UiServe, key: ApiKey, *, now: Callable[[], float] = time.time) -> None:
+    def __init__(self, node: DashboardParts, settings: UiServe, key: ApiKey, *, now: Callable[[], float] = time.time) -> None:
         self.node = node
         self.settings = settings
         self.key = key

@@ -31,6 +31,7 @@ import shutil
 import socket
 import sqlite3
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, NamedTuple, Protocol
 
@@ -46,8 +47,10 @@ from ...protocol import control as c
 from ...protocol.errors import NetworkError, PsymeshError
 
 if TYPE_CHECKING:
-    from ..daemon import Node
-    from ..door.trust import Peer
+    from ..door.trust import Peer, TrustStore
+    from ..net.p2p import P2PNode
+    from ..net.session import SessionPool
+    from ..reach.dialback import Reach
 
 Status = Literal["ok", "warn", "fail"]
 
@@ -229,7 +232,19 @@ def listening_match(configured: str, addrs: list[str]) -> str | None:
 # ====================================================================== the daemon's side
 
 
-async def diagnose(node: Node, request: c.DoctorRequest) -> c.DoctorReply:
+@dataclass(frozen=True)
+class DoctorParts:
+    """What diagnose() uses of the daemon (wired by node/control/owner.py): the paired peers,
+    the addresses it was told to listen on, the host, the sessions to peers and the reach view."""
+
+    trust: TrustStore
+    listen: list[str]
+    p2p: P2PNode
+    sessions: SessionPool
+    reach: Reach
+
+
+async def diagnose(node: DoctorParts, request: c.DoctorRequest) -> c.DoctorReply:
     """Probe every paired peer at once (at most PEERS_AT_ONCE in flight), each within the
     request's timeout: reaching it and its ping first, then its dial-back in what is left."""
     peers = node.trust.list(include_revoked=False)
@@ -243,11 +258,11 @@ async def diagnose(node: Node, request: c.DoctorRequest) -> c.DoctorReply:
     async with anyio.create_task_group() as tg:
         for peer in peers:
             tg.start_soon(one, peer)
-    return c.DoctorReply(listen=list(node.config.listen), addrs=node.p2p.addrs(), reachability=node.reach.view(),
+    return c.DoctorReply(listen=list(node.listen), addrs=node.p2p.addrs(), reachability=node.reach.view(),
                          peers=[found[p.peer_id] for p in peers])
 
 
-async def _diagnose_peer(node: Node, peer: Peer, request: c.DoctorRequest) -> c.PeerDiagnosis:
+async def _diagnose_peer(node: DoctorParts, peer: Peer, request: c.DoctorRequest) -> c.PeerDiagnosis:
     deadline = anyio.current_time() + request.timeout_s
     late = f"no answer within {request.timeout_s:g} s"
     diagnosis = c.PeerDiagnosis(peer_id=peer.peer_id, name=peer.name, reachable=False, error=late)

@@ -1,7 +1,8 @@
 """What the node's owner asks over the control socket: one handler per control request.
 
 The daemon (node/daemon.py) wires the services and the p2p door; this module is the
-owner's side of it. Handlers reach the services through the `Node` they serve, and
+owner's side of it. Handlers reach the services through `OwnerNode` (the members of the daemon they use,
+written out below, so this module imports nothing above control/), and
 each returns one reply (or sends several itself and returns None, see ControlServer).
 """
 from __future__ import annotations
@@ -10,14 +11,14 @@ import dataclasses
 import logging
 import time
 from contextlib import aclosing
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal, Protocol
 
 import anyio
 
 import psymesh
 from .server import ControlServer, Handler
 from ..messaging.answering import ask_body, wait_answer
-from .doctor import diagnose
+from .doctor import DoctorParts, diagnose
 from ..net.framed import FramedStream
 from ..messaging.store import OutState, Received, Sent
 from ..net.ping import measure_ping
@@ -28,21 +29,68 @@ from ...protocol.limits import Limits
 from ...protocol.manifest import PRESETS, Operation, check, edit_capabilities, new_manifest
 from ...protocol.messages import Message
 from ...protocol.messaging import Letter, LetterKind
-from ...protocol.tasks import TaskSpec
+from ...protocol.tasks import TaskCapsReply, TaskSpec
 from ...protocol.web import WebResults
 
 if TYPE_CHECKING:
-    from ..daemon import Node
+    from ...discovery.service import Discovery
+    from ...protocol.manifest import Manifest
+    from ..core.bridgeconfig import A2AServe, OpenAIServe
+    from ..core.db import WalSync
+    from ..core.home import Identity, NodeConfig
+    from ..door.audit import AuditLog
+    from ..door.pairing import PairingService
+    from ..door.trust import TrustStore
+    from ..messaging.groups import Groups
+    from ..messaging.service import Messaging
+    from ..models import ModelPool
+    from ..net.p2p import P2PNode
+    from ..net.session import SessionPool
+    from ..reach.dialback import Reach
+    from ..tasks.executor import TaskExecutor
+    from ..tasks.submitter import TaskSubmitter
+    from ..web.router import WebRouter
+    from .dashboard import Dashboard
 
 log = logging.getLogger("psymesh.node")
 
 PING_TIMEOUT_S = 30.0  # all of `psymesh ping`'s round trips
 
 
+class OwnerNode(Protocol):
+    """What the owner's handlers use of the daemon (node/daemon.py's Node is one)."""
+
+    config: NodeConfig
+    identity: Identity
+    started_at: float
+    trust: TrustStore
+    audit: AuditLog
+    wal: WalSync
+    p2p: P2PNode
+    sessions: SessionPool
+    reach: Reach
+    pairing: PairingService
+    discovery: Discovery
+    models: ModelPool
+    executor: TaskExecutor
+    submitter: TaskSubmitter
+    messaging: Messaging
+    groups: Groups
+    web_router: WebRouter
+
+    async def offers(self, peer_id: str) -> TaskCapsReply: ...
+    async def push_manifest(self, peer_id: str, manifest: Manifest) -> bool: ...
+    async def tell_revoked(self, peer_id: str) -> None: ...
+    async def serve_endpoint(self, section: Literal["openai", "a2a"],
+                             settings: OpenAIServe | A2AServe) -> tuple[str, bool]: ...
+    async def start_ui(self, *, required: bool = True) -> Dashboard: ...
+    def stop(self) -> None: ...
+
+
 class Owner:
     """The control API's handlers for one node."""
 
-    def __init__(self, node: Node) -> None:
+    def __init__(self, node: OwnerNode) -> None:
         self.node = node
 
     def serve_on(self, control: ControlServer) -> None:
@@ -125,7 +173,9 @@ class Owner:
         )
 
     async def _doctor(self, req: c.DoctorRequest, _: FramedStream) -> c.DoctorReply:
-        return await diagnose(self.node, req)
+        n = self.node
+        return await diagnose(DoctorParts(trust=n.trust, listen=n.config.listen, p2p=n.p2p, sessions=n.sessions,
+                                          reach=n.reach), req)
 
     async def _ping(self, req: c.PingRequest, _: FramedStream) -> c.PingReply:
         """Round trips on the session to the peer (the first one opens it: `connect_ms`)."""
@@ -206,7 +256,7 @@ class Owner:
         peer = self.node.trust.resolve(req.peer)
         self.node.trust.revoke(peer.peer_id)
         self.node.audit.record(peer.peer_id, "control", "revoke", True, reason="revoked by the owner")
-        await self.node._tell_revoked(peer.peer_id)
+        await self.node.tell_revoked(peer.peer_id)
         await self.node.p2p.disconnect(peer.peer_id)
         canceled = self.node.executor.cancel_for(peer.peer_id, "the submitter was revoked")
         dropped = self.node.messaging.store.drop_held(peer.peer_id)  # letters it left behind a gap

@@ -40,6 +40,9 @@ from ...protocol.messages import Message
 from ...protocol.taskflow import EventFeed
 from ...protocol.tasks import (
     EventKind,
+    InferCall,
+    InferResult,
+    InferUsage,
     TaskAccepted,
     TaskAck,
     TaskAcked,
@@ -377,10 +380,11 @@ class TaskExecutor:
         if pending:
             self._emit(rec.id, EventKind.TOKEN, {"text": "".join(pending)})
         assert result is not None
-        out: dict[str, Any] = {"text": result.text, "finish_reason": result.finish_reason,
-                               "usage": {"prompt_tokens": result.usage.prompt_tokens,
-                                         "completion_tokens": result.usage.completion_tokens}}
-        if result.reply is not None:  # tools were offered: the reply as the model's parse of it
-            out["content"] = result.reply.content
-            out["tool_calls"] = [{"id": c.id, "name": c.name, "arguments": c.arguments} for c in result.tool_calls]
-        return out
+        reply = result.reply  # not None when tools were offered: the reply as the model's parse of it
+        return InferResult(
+            text=result.text, finish_reason=result.finish_reason,
+            usage=InferUsage(prompt_tokens=result.usage.prompt_tokens,
+                             completion_tokens=result.usage.completion_tokens),
+            content=None if reply is None else reply.content,
+            tool_calls=None if reply is None else [InferCall(id=c.id, name=c.name, arguments=c.arguments)
+                                                   for c in result.tool_calls]).wire()

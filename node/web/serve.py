@@ -15,6 +15,9 @@
                              VIEW_REFRESH_S) and show to every asker alike
     web.key_get              (as an exit) our current key, to a relay
 
+A peer's tool task or agent run on the exit (the `web.search` / `web.fetch` tools) is held to the
+same grant: its search passes the door (`answer_for`), its fetch the peer's domains on every hop.
+
 Every query an exit runs is one more row in its audit log (`web.exit`: what was asked, for
 whom, the outcome), beside the door's admission row. A relayed query's row names the relay:
 the exit never learns who asked.
@@ -77,6 +80,7 @@ log = logging.getLogger("psymesh.web")
 EXIT_KEY_FILE = "web-exit.key"
 OUTCOME = "web.exit"          # the audit service of an exit's outcome rows
 SEALED = "web.sealed"         # the audit service of a sealed query's inner admission
+AGENT = "web.agent"           # the audit service of a search a tool task or an agent makes here for a peer
 KEY_PUSH_TIMEOUT_S = 10.0
 WINDOW_S = 60.0               # the replay window: a sealed query's sent_at within this of our clock
 MAX_TIMER_S = 86_400.0
@@ -207,6 +211,15 @@ class WebServer:
         request = call.request
         assert isinstance(request, (WebSearch, WebFetch))
         return await self.answer(request, call.peer_id)
+
+    async def answer_for(self, request: WebRequest, peer_id: str | None) -> WebAnswer:
+        """A web request a tool task or an agent run here makes for `peer_id` (None: this node's
+        owner): held to the peer's grant as if it had sent it on a session. A search passes the
+        door (the `web.search` capability, charged to the peer's rate, one audit row under
+        AGENT); a fetch is held to the peer's `web.fetch` domains on every hop (`_hosts_for`)."""
+        if peer_id is not None and isinstance(request, WebSearch):
+            self.gate.admit(peer_id, AGENT, request)
+        return await self.answer(request, peer_id)
 
     async def answer(self, request: WebRequest, peer_id: str | None) -> WebAnswer:
         """Run `request` for `peer_id` (None: this node's owner, held to nothing but the exit's
