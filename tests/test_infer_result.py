@@ -3,6 +3,7 @@ the one the executor built as a plain dict before: the bytes a peer receives are
 from __future__ import annotations
 
 import msgpack
+import pytest
 from psymesh.protocol.tasks import InferCall, InferResult, InferUsage
 
 PLAIN = {"text": "hello", "finish_reason": "length", "usage": {"prompt_tokens": 12, "completion_tokens": 3}}
@@ -28,3 +29,12 @@ def test_a_reader_round_trips_the_map_and_fills_what_an_older_node_left_out() ->
     bare = InferResult.model_validate({"text": "hi"})
     assert bare.finish_reason == "stop" and bare.usage.completion_tokens == 0
     assert bare.content is None and bare.tool_calls is None
+
+
+def test_the_cli_reads_an_infer_outcome_through_the_model(capsys: pytest.CaptureFixture[str]) -> None:
+    from psymesh.node.cli.main import _print_outcome
+    from psymesh.node.cli.output import Output
+    from psymesh.protocol.tasks import Outcome, TaskState
+
+    _print_outcome(Output(), Outcome(TaskState.COMPLETED, value=PLAIN))
+    assert "(3 tokens, length)" in capsys.readouterr().err

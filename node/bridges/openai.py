@@ -27,6 +27,10 @@ well formed even from a small model (agent/infer.py).
 Errors have OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`: 401 for
 a missing or wrong key, 403 for a foreign Host or Origin, 415 for a body that is not
 application/json, 400 for a request we cannot take, 404 for an unknown model.
+
+One job, one file (a little over 600 lines): OpenAI's request and reply shapes, the
+translation of one into a TaskSpec and of a Generation or an InferResult back, and the three
+routes that glue them; each part is only read with the others beside it.
 """
 from __future__ import annotations
 

@@ -20,6 +20,10 @@ letter are the very requests the CLI sends. Pages are jinja2 with autoescape on:
 task results, page text and peer names came from peers or the web and are shown as text.
 The Content-Security-Policy allows only this daemon's own script and style (no inline
 code), no frames, no form posts elsewhere; nothing is loaded from the internet.
+
+One job, one file (about 700 lines): the routes above are the one face's pages, and each is a
+few lines of reading what it shows (DashboardParts) and rendering its template; split by page,
+each file would repeat the session, CSRF and render plumbing that sits here once.
 """
 from __future__ import annotations
 
