@@ -1,22 +1,31 @@
+"""`psymesh agent run` (here or delegated to a home PC) and `psymesh eval` (a case file, or
+BFCL, scored). One job: running the agent on a model and showing what it did; the two
+share the model set-up and the stop at the first prompt over the model's context."""
 from __future__ import annotations
 
 import contextlib
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
 import anyio
 import click
 from rich.markup import escape
+
 from ..control.client import Client
 from ..core.home import NodeHome
 from .output import Output
 from ...protocol import control as c
 from ...protocol.errors import ErrorCode, PsymeshError
-from .common import EvalStopped, command, run_async
+from .common import EvalStopped, command, on_node, run_async
 from .model import _local_runner, _models
 from .msg import _away_text
 from .task import _follow, _print_outcome
+
+if TYPE_CHECKING:
+    from ...agent.bfcl import BfclReport
+
 
 @click.group()
 def agent() -> None:
@@ -275,14 +284,13 @@ def _eval_bfcl(home: str | None, out: Output, bfcl_dir: str | None, categories: 
 
         name = model_name
 
-        async def remote() -> list[Any]:
-            async with Client(home) as client:
-                return [await run_bfcl(loaded, DelegatedModel(client, via, model_name, params(seed)),
-                                       thinking=thinking, on_result=progress, web=client,
-                                       prompting=DelegatedModel(client, via, model_name, params(seed, False)))
-                        for seed in range(runs)]
+        async def remote(client: Client) -> list[BfclReport]:
+            return [await run_bfcl(loaded, DelegatedModel(client, via, model_name, params(seed)),
+                                   thinking=thinking, on_result=progress, web=client,
+                                   prompting=DelegatedModel(client, via, model_name, params(seed, False)))
+                    for seed in range(runs)]
 
-        reports = run_async(remote)
+        reports = on_node(home, remote)
     else:
         from ..models.agents import pick_model
 

@@ -1,16 +1,25 @@
+"""What every command shares: --home and --json (`command`), the one mapping of errors to a
+message and exit status 1, running on trio (`run_async`), a connected SDK Client (`on_node`),
+and durations on the command line (`Duration`)."""
 from __future__ import annotations
 
 import functools
 import sqlite3
 import sys
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
+
 import anyio
 import click
+
 from ..core.db import storage_error
 from ..core.home import NodeHome
 from .output import Output
 from ...protocol.errors import PsymeshError
+
+if TYPE_CHECKING:
+    from ..control.client import Client
+
 
 T = TypeVar("T")
 
@@ -24,6 +33,20 @@ json_option = click.option("--json", "json_mode", is_flag=True, help="Print data
 def run_async(fn: Callable[[], Awaitable[T]]) -> T:
     """All commands run on trio: the daemon needs it, and the SDK works on it too."""
     return anyio.run(fn, backend="trio")
+
+
+def on_node(home: str | None, ask: Callable[[Client], Awaitable[T]]) -> T:
+    """`ask` the running daemon of `home` through a connected SDK Client, and its typed reply:
+    what every command that talks to the daemon does. Its errors (DaemonNotRunning, a
+    refusal) are shown by `command`. The SDK is imported here, at the call: the commands
+    that never reach a daemon (`id`, `model add`) do not load it."""
+    from ..control.client import Client
+
+    async def go() -> T:
+        async with Client(home) as client:
+            return await ask(client)
+
+    return run_async(go)
 
 
 def _as_psymesh_error(exc: BaseException, home: str | None) -> PsymeshError | None:

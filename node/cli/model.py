@@ -1,12 +1,21 @@
+"""`psymesh model`: register, pull, list and inspect this node's models (the registry is read
+straight from the database: no daemon needed, except for `model ps`); and the local runner
+`agent run` and `eval` use."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
+
 import click
-from ..control.client import Client
+
 from ..core.home import NodeHome
 from .output import Output, table as out_table
-from .common import command, parse_duration, run_async
+from .common import command, on_node, parse_duration
+
+if TYPE_CHECKING:
+    from ..models import ModelRegistry, ModelRunner
+    from rich.console import Console
+
 
 @click.group()
 def model() -> None:
@@ -73,7 +82,7 @@ def model_list(home: str | None, out: Output) -> None:
     rows = [{**{k: v for k, v in r.items() if k != "chat_template"}, "chat_template_override": bool(r["chat_template"])}
             for r in rows]
 
-    def human(con: Any) -> None:
+    def human(con: Console) -> None:
         table = out_table("name", "path", "context", "threads")
         for r in rows:
             table.add_row(r["name"], r["path"], str(r["n_ctx"]), str(r["n_threads"] or "all"))
@@ -87,17 +96,12 @@ def model_list(home: str | None, out: Output) -> None:
 def model_ps(home: str | None, out: Output) -> None:
     """Models and their runner processes in the running daemon: loaded or not, pid, memory
     (RSS and saved states), idle time against keep-alive, requests served, crashes."""
-
-    async def go() -> list[Any]:
-        async with Client(home) as client:
-            return await client.models_ps()
-
-    models = run_async(go)
+    models = on_node(home, lambda client: client.models_ps())
 
     def mib(n: int | None) -> str:
         return "-" if n is None else f"{n / 2**20:.0f} MiB"
 
-    def human(con: Any) -> None:
+    def human(con: Console) -> None:
         if not models:
             con.print("no models; add one with: psymesh model add NAME PATH.gguf")
             return
@@ -118,7 +122,7 @@ def model_ps(home: str | None, out: Output) -> None:
 # -- the agent -----------------------------------------------------------------------
 
 
-def _models(node_home: NodeHome) -> Any:
+def _models(node_home: NodeHome) -> ModelRegistry:
     """This node's model registry (read straight from its database: no daemon needed)."""
     from ..core.db import open_db
     from ..models import ModelRegistry
@@ -138,7 +142,7 @@ def _keep_alive(text: str | None) -> float | None:
     return parse_duration(word)
 
 
-def _local_runner(node_home: NodeHome, registry: Any, name: str) -> Any:
+def _local_runner(node_home: NodeHome, registry: ModelRegistry, name: str) -> ModelRunner:
     """Model `name` for a command that runs it here (`agent run`, `eval`): in a runner
     process, as the daemon runs its models, so an abort in llama.cpp fails the command
     with `model_crashed` instead of killing it. It lives as long as the command."""

@@ -1,17 +1,25 @@
+"""`psymesh msg` (letters to one peer, and asking its agent) and `psymesh group` (letters to
+several)."""
 from __future__ import annotations
 
 import json
 import sys
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
 import click
 from rich.markup import escape
-from ..control.client import Client
+
 from .output import Output
 from ...protocol import control as c
 from ...protocol.errors import ErrorCode, PsymeshError
-from .common import Duration, command, run_async
+from .common import Duration, command, on_node
+
+if TYPE_CHECKING:
+    from rich.console import Console
+    from ..control.client import Client
+
 
 @click.group()
 def msg() -> None:
@@ -72,20 +80,19 @@ def msg_send(home: str | None, out: Output, peer: str, text: str, thread: str, b
     """Send TEXT to PEER (a paired peer's name or id). Stored here first: it leaves when PEER is reachable."""
     body = _json_object(body_json, "--body")
 
-    async def go() -> c.SentLetter:
-        async with Client(home) as client:
-            sent = await client.send(peer, text, body=body, thread=thread, letter_id=letter_id)
-            if not wait:
-                return sent
-            out.hint(f"letter {sent.id} to {sent.recipient_name}: waiting until it holds it")
-            sent = await client.letter(sent.id, wait=True, until_away=True)
-            if sent.state == "pending" and sent.away is not None:
-                out.warn(f"{_away_text(sent.recipient_name, sent.away)}; the letter is kept here and delivered "
-                         "when it is back; waiting for it (Ctrl-C stops waiting, the letter stays queued)")
-                sent = await client.letter(sent.id, wait=True)
+    async def go(client: Client) -> c.SentLetter:
+        sent = await client.send(peer, text, body=body, thread=thread, letter_id=letter_id)
+        if not wait:
             return sent
+        out.hint(f"letter {sent.id} to {sent.recipient_name}: waiting until it holds it")
+        sent = await client.letter(sent.id, wait=True, until_away=True)
+        if sent.state == "pending" and sent.away is not None:
+            out.warn(f"{_away_text(sent.recipient_name, sent.away)}; the letter is kept here and delivered "
+                     "when it is back; waiting for it (Ctrl-C stops waiting, the letter stays queued)")
+            sent = await client.letter(sent.id, wait=True)
+        return sent
 
-    sent = run_async(go)
+    sent = on_node(home, go)
     out.data(sent, lambda con: con.print(escape(_sent_line(sent))))
     if (refusal := _refused(sent)) is not None:
         out.err.print(f"[red]refused[/red]: {escape(refusal.message)}")
@@ -98,12 +105,7 @@ def msg_send(home: str | None, out: Output, peer: str, text: str, thread: str, b
 @click.option("--wait", is_flag=True, help="Wait until it is delivered or refused.")
 def msg_status(home: str | None, out: Output, letter_id: str, wait: bool) -> None:
     """The state of a letter this node sent: pending, delivered or refused."""
-
-    async def go() -> c.SentLetter:
-        async with Client(home) as client:
-            return await client.letter(letter_id, wait=wait)
-
-    sent = run_async(go)
+    sent = on_node(home, lambda client: client.letter(letter_id, wait=wait))
     out.data(sent, lambda con: con.print(escape(_sent_line(sent))))
 
 
@@ -124,24 +126,23 @@ def msg_inbox(home: str | None, out: Output, follow: bool, after: int, limit: in
     """Letters from peers, in order, numbered. --json prints a list, or with --follow one JSON
     object per line; resume later with --after the last number seen."""
 
-    async def go() -> list[c.InboxLetter]:
+    async def go(client: Client) -> list[c.InboxLetter]:
         got: list[c.InboxLetter] = []
-        async with Client(home) as client:
-            async for m in client.inbox(after, follow=follow, limit=limit):
-                if follow:
-                    out.data(m, lambda con: con.print(escape(_letter_line(m))))
-                else:
-                    got.append(m)
+        async for m in client.inbox(after, follow=follow, limit=limit):
+            if follow:
+                out.data(m, lambda con: con.print(escape(_letter_line(m))))
+            else:
+                got.append(m)
         return got
 
     try:
-        letters = run_async(go)
+        letters = on_node(home, go)
     except KeyboardInterrupt:
         sys.exit(130)
     if follow:
         return
 
-    def human(con: Any) -> None:
+    def human(con: Console) -> None:
         for m in letters:
             con.print(escape(_letter_line(m)))
         if not letters:
@@ -164,19 +165,15 @@ def msg_ask(home: str | None, out: Output, peer: str, question: str, thread: str
     """Ask PEER's agent QUESTION (it needs msg.ask from PEER) and print its answer."""
     params: dict[str, Any] = {"max_steps": max_steps, "seed": seed, "ban_bytes": ban_bytes or None}
 
-    async def go() -> c.InboxLetter:
-        async with Client(home) as client:
-            return await client.ask(peer, question, thread=thread, timeout=timeout,
-                                    params={k: v for k, v in params.items() if v is not None})
-
-    answer = run_async(go)
+    answer = on_node(home, lambda client: client.ask(peer, question, thread=thread, timeout=timeout,
+                                                     params={k: v for k, v in params.items() if v is not None}))
     error = answer.body.get("error") if answer.body.get("ok") is False else None
     if error is not None:
         out.error(PsymeshError(f"{answer.sender_name} could not answer: {error.get('message', '')}",
                                code=_code(error.get("code"), ErrorCode.INTERNAL)))
         sys.exit(1)
 
-    def human(con: Any) -> None:
+    def human(con: Console) -> None:
         calls = answer.body.get("tool_calls") or []
         if calls:
             out.hint("tools: " + ", ".join(f"{t.get('name')} ({t.get('status')})" for t in calls))
@@ -209,12 +206,7 @@ def group_create(home: str | None, out: Output, name: str, members: tuple[str, .
 def _group_change(home: str | None, out: Output,
                   change: Callable[[Client], Awaitable[c.GroupView]]) -> None:
     """Run one change to a group on the daemon and show the group as it now is."""
-
-    async def go() -> c.GroupView:
-        async with Client(home) as client:
-            return await change(client)
-
-    g = run_async(go)
+    g = on_node(home, change)
     out.data(g, lambda con: con.print(escape(_group_text(g))))
 
 
@@ -240,14 +232,9 @@ def group_remove(home: str | None, out: Output, name: str, members: tuple[str, .
 @command
 def group_list(home: str | None, out: Output) -> None:
     """This node's groups and their members."""
+    groups = on_node(home, lambda client: client.groups())
 
-    async def go() -> list[c.GroupView]:
-        async with Client(home) as client:
-            return await client.groups()
-
-    groups = run_async(go)
-
-    def human(con: Any) -> None:
+    def human(con: Console) -> None:
         for g in groups:
             con.print(escape(_group_text(g)))
         if not groups:
@@ -265,13 +252,9 @@ def group_send(home: str | None, out: Output, name: str, text: str, body_json: s
     """Send TEXT to every member of group NAME (one letter each, thread group:NAME)."""
     body = _json_object(body_json, "--body")
 
-    async def go() -> list[c.SentLetter]:
-        async with Client(home) as client:
-            return await client.group_send(name, text, body=body)
+    letters = on_node(home, lambda client: client.group_send(name, text, body=body))
 
-    letters = run_async(go)
-
-    def human(con: Any) -> None:
+    def human(con: Console) -> None:
         for s in letters:
             con.print(escape(_sent_line(s)))
 

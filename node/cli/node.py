@@ -1,16 +1,22 @@
+"""`psymesh node`: run the daemon in the foreground, stop it, install or remove it as a service."""
 from __future__ import annotations
 
 import gc
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
 import click
 from rich.markup import escape
-from ..control.client import Client
+
 from ..core.home import NodeHome
 from .output import Output
-from .common import command, run_async
+from .common import command, on_node, run_async
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
 
 @click.group()
 def node() -> None:
@@ -64,12 +70,7 @@ def node_start(home: str | None, out: Output, listen: tuple[str, ...], profile: 
 @command
 def node_stop(home: str | None, out: Output) -> None:
     """Ask the running daemon to shut down cleanly."""
-
-    async def go() -> None:
-        async with Client(home) as client:
-            await client.shutdown()
-
-    run_async(go)
+    on_node(home, lambda client: client.shutdown())
     out.data({"stopped": True}, lambda con: con.print("daemon stopping"))
 
 
@@ -124,7 +125,7 @@ def _service_change(home: str | None, out: Output, platform_name: str | None, dr
             "ran": [list(cmd) for cmd in done.ran], "to_run": [list(cmd) for cmd in done.to_run],
             "notes": list(done.notes), "dry_run": False}
 
-    def human(con: Any) -> None:
+    def human(con: Console) -> None:
         if installing:
             con.print(f"wrote {done.path}")
         else:

@@ -1,17 +1,23 @@
+"""Trust between nodes: `pair invite|join`, `peers`, `grant`, `revoke`."""
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING
+
 import click
 from rich.markup import escape
-from ..control.client import Client
+
 from .output import Output, table as out_table
 from ...protocol import control as c
 from ...protocol.errors import ErrorCode, PsymeshError
 from ...protocol.limits import Limits
-from .common import Duration, command, run_async
+from .common import Duration, command, on_node
 
-def _show_invite(out: Output, inv: Any) -> None:
+if TYPE_CHECKING:
+    from rich.console import Console
+
+
+def _show_invite(out: Output, inv: c.PairInviteReply) -> None:
     if out.json_mode:
         return
     import io
@@ -27,8 +33,8 @@ def _show_invite(out: Output, inv: Any) -> None:
     out.hint(f"on the other device: psymesh pair join {inv.invite}")
 
 
-def _show_paired(out: Output, p: Any) -> None:
-    def human(con: Any) -> None:
+def _show_paired(out: Output, p: c.PairedReply) -> None:
+    def human(con: Console) -> None:
         con.print(f"[green]paired[/green] with [bold]{escape(p.name)}[/bold] ({p.role}) {p.peer_id}")
         if p.asked_name:
             con.print(f"[yellow]named {escape(p.name)} here[/yellow]: another paired peer is called "
@@ -58,26 +64,22 @@ def pair_invite(home: str | None, out: Output, name: str | None, grant: str, ttl
     """Make a one-time invite (code + QR) for a device to join."""
     wait = (not out.json_mode) if wait is None else wait
 
-    async def go() -> Any:
-        async with Client(home) as client:
-            if not wait:
-                return await client.pair_invite(name=name, grant=grant, ttl_s=ttl, grant_ttl_s=grant_ttl)
-
-            def shown(inv: Any) -> None:
-                _show_invite(out, inv)
-                if out.json_mode:
-                    out.data(inv)
-                out.hint("waiting for the device to join (Ctrl-C to stop)...")
-
-            return await client.pair_invite_and_wait(shown, name=name, grant=grant, ttl_s=ttl, grant_ttl_s=grant_ttl)
-
-    result = run_async(go)
-    if wait:
-        _show_paired(out, result)
-    else:
-        _show_invite(out, result)
+    if not wait:
+        invite = on_node(home, lambda client: client.pair_invite(name=name, grant=grant, ttl_s=ttl,
+                                                                 grant_ttl_s=grant_ttl))
+        _show_invite(out, invite)
         if out.json_mode:
-            out.data(result)
+            out.data(invite)
+        return
+
+    def shown(inv: c.PairInviteReply) -> None:
+        _show_invite(out, inv)
+        if out.json_mode:
+            out.data(inv)
+        out.hint("waiting for the device to join (Ctrl-C to stop)...")
+
+    _show_paired(out, on_node(home, lambda client: client.pair_invite_and_wait(
+        shown, name=name, grant=grant, ttl_s=ttl, grant_ttl_s=grant_ttl)))
 
 
 @pair.command("join")
@@ -88,12 +90,7 @@ def pair_invite(home: str | None, out: Output, name: str | None, grant: str, ttl
 @click.option("--grant", default=None, help="Grant preset to give the inviter in return (e.g. messaging).")
 def pair_join(home: str | None, out: Output, invite: str, address: str | None, grant: str | None) -> None:
     """Join a node with its invite string (or its code plus --address)."""
-
-    async def go() -> Any:
-        async with Client(home) as client:
-            return await client.pair_join(invite, address=address, grant=grant)
-
-    _show_paired(out, run_async(go))
+    _show_paired(out, on_node(home, lambda client: client.pair_join(invite, address=address, grant=grant)))
 
 
 @click.command()
@@ -101,14 +98,9 @@ def pair_join(home: str | None, out: Output, invite: str, address: str | None, g
 @click.option("--active", is_flag=True, help="Hide revoked peers.")
 def peers(home: str | None, out: Output, active: bool) -> None:
     """Paired peers, with what each may ask of this node and what we may ask of it."""
+    rows: list[c.PeerView] = on_node(home, lambda client: client.peers(include_revoked=not active))
 
-    async def go() -> Any:
-        async with Client(home) as client:
-            return await client.peers(include_revoked=not active)
-
-    rows: list[c.PeerView] = run_async(go)
-
-    def human(con: Any) -> None:
+    def human(con: Console) -> None:
         if not rows:
             con.print("no paired peers; pair one with: psymesh pair invite")
             return
@@ -204,14 +196,10 @@ def grant(home: str | None, out: Output, peer: str, capabilities: tuple[str, ...
     if named := next((cap for cap in whole if cap in PRESETS), None):
         raise click.UsageError(f"{named!r} is a preset, not a capability: psymesh grant {peer} --preset {named}")
 
-    async def go() -> c.PeerReply:
-        async with Client(home) as client:
-            return await client.grant(peer, whole, add=add, remove=remove, preset=preset, expires_s=expires,
-                                      preset_limits=preset_limits, set_limits=set_limits)
+    r = on_node(home, lambda client: client.grant(peer, whole, add=add, remove=remove, preset=preset, expires_s=expires,
+                                                  preset_limits=preset_limits, set_limits=set_limits))
 
-    r = run_async(go)
-
-    def human(con: Any) -> None:
+    def human(con: Console) -> None:
         con.print(f"{r.peer.name} may now ask: {', '.join(r.peer.granted)}"
                   + ("" if r.delivered else "  (not reachable now: it will see the new grant when next told)"))
         con.print("limits: " + limits_text(r.peer.granted_limits).replace("\n", ", "))
@@ -224,11 +212,6 @@ def grant(home: str | None, out: Output, peer: str, capabilities: tuple[str, ...
 @click.argument("peer")
 def revoke(home: str | None, out: Output, peer: str) -> None:
     """Revoke PEER now: its open connections close and every later request is refused."""
-
-    async def go() -> Any:
-        async with Client(home) as client:
-            return await client.revoke(peer)
-
-    r = run_async(go)
+    r = on_node(home, lambda client: client.revoke(peer))
     out.data(r, lambda con: con.print(f"revoked {r.peer.name} ({r.peer.peer_id})"
                                       + ("" if r.delivered else "  (not reachable now: it is told when it next calls)")))

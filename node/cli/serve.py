@@ -1,17 +1,25 @@
+"""`psymesh serve openai|a2a` (the HTTP faces, in the daemon or in the foreground) and
+`psymesh mcp` (the MCP servers the node's agent may use); see docs/bridges.md."""
 from __future__ import annotations
 
 import os
 from pathlib import Path
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
+
 import click
 from rich.markup import escape
-from ..control.client import Client
+
 from ..core.home import NodeHome
 from .output import Output
 from ...protocol import control as c
 from ...protocol.errors import ErrorCode, PsymeshError
-from .common import command, run_async
+from .common import command, on_node, run_async
+
+if TYPE_CHECKING:
+    from rich.console import Console
+    from ..control.client import Client
+
 
 @click.group()
 def serve() -> None:
@@ -118,12 +126,11 @@ def _serve_in_daemon(home: str | None, out: Output, section: Literal["openai", "
     starting a second node. False if no daemon answers (then `serve` runs one itself)."""
     from ..control.client import DaemonNotRunning
 
-    async def go() -> c.ServeReply:
-        async with Client(home) as client:
-            return await client.serve(section, host=host, port=port, api_key_file=given["api_key_file"])
+    async def go(client: Client) -> c.ServeReply:
+        return await client.serve(section, host=host, port=port, api_key_file=given["api_key_file"])
 
     try:
-        reply = run_async(go)
+        reply = on_node(home, go)
     except DaemonNotRunning:
         return False
     what = "OpenAI-compatible endpoint" if section == "openai" else "A2A agent"
@@ -204,7 +211,7 @@ def mcp_list(home: str | None, out: Output) -> None:
     """The MCP servers in config.toml."""
     servers = NodeHome(home).load_config().mcp
 
-    def human(con: Any) -> None:
+    def human(con: Console) -> None:
         if not servers:
             con.print("no MCP servers (add one: psymesh mcp add NAME -- COMMAND ...)")
         for m in servers:

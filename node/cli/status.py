@@ -1,15 +1,21 @@
+"""Looking at this node: `id`, `status`, `doctor`, `ping`, `discover`, `audit`."""
 from __future__ import annotations
 
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING
+
 import click
 from rich.markup import escape
-from ..control.client import Client
+
 from ..core.home import NodeHome
 from .output import Output, table as out_table
 from ...protocol import control as c
-from .common import command, run_async
+from .common import command, on_node, run_async
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
 
 @click.command("id")
 @command
@@ -26,14 +32,9 @@ def id_cmd(home: str | None, out: Output) -> None:
 @command
 def status(home: str | None, out: Output) -> None:
     """Peer id, addresses, uptime and connected peers of the running daemon."""
+    st = on_node(home, lambda client: client.status())
 
-    async def go() -> Any:
-        async with Client(home) as client:
-            return await client.status()
-
-    st = run_async(go)
-
-    def human(con: Any) -> None:
+    def human(con: Console) -> None:
         con.print(f"[bold]{st.name}[/bold] ({st.profile}) psymesh {st.version}, up {st.uptime_s:.0f} s")
         con.print(f"peer id:     {st.peer_id}\nfingerprint: {st.fingerprint}")
         for a in st.addrs:
@@ -74,7 +75,7 @@ def doctor(home: str | None, out: Output, timeout_s: float) -> None:
     checks = run_async(lambda: run_checks(NodeHome(home), timeout_s=timeout_s))
     colors = {"ok": "green", "warn": "yellow", "fail": "red"}
 
-    def human(con: Any) -> None:
+    def human(con: Console) -> None:
         for check in checks:
             con.print(f"[{colors[check.status]}]{check.status:<4}[/{colors[check.status]}] "
                       f"{escape(check.name)}: {escape(check.detail)}")
@@ -93,14 +94,9 @@ def doctor(home: str | None, out: Output, timeout_s: float) -> None:
 @click.option("--size", default=32, show_default=True, type=click.IntRange(0, 65536), help="Payload bytes.")
 def ping(home: str | None, out: Output, peer: str, count: int, size: int) -> None:
     """Round trips to PEER (a multiaddr ending /p2p/<id>) over the encrypted channel."""
+    r = on_node(home, lambda client: client.ping(peer, count=count, payload_size=size))
 
-    async def go() -> Any:
-        async with Client(home) as client:
-            return await client.ping(peer, count=count, payload_size=size)
-
-    r = run_async(go)
-
-    def human(con: Any) -> None:
+    def human(con: Console) -> None:
         for i, rtt in enumerate(r.rtts_ms):
             con.print(f"{size} bytes from {r.peer_id[:16]}…: seq={i} time={rtt:.3f} ms")
         con.print(f"connect {r.connect_ms:.2f} ms; rtt min/median/max = "
@@ -118,19 +114,14 @@ def discover(home: str | None, out: Output, wait_s: float) -> None:
 
     Compare a node's fingerprint with `psymesh id` on that device before pairing with it:
     anyone on the LAN can announce anything, and pairing is what proves the key."""
-
-    async def go() -> Any:
-        async with Client(home) as client:
-            return await client.discovered(wait_s)
-
-    reply: c.DiscoverReply = run_async(go)
+    reply: c.DiscoverReply = on_node(home, lambda client: client.discovered(wait_s))
     if not reply.mdns and not reply.static_peers:
         out.hint("discovery is off: set mdns = true (and listen on the LAN) or static_peers in config.toml")
     elif reply.mdns and not reply.announced:
         out.hint("mdns is on, but this node announces nothing: it listens on no LAN address (listen = "
                  "[\"/ip4/0.0.0.0/tcp/4001\"]), or mDNS could not start (see the daemon's log)")
 
-    def human(con: Any) -> None:
+    def human(con: Console) -> None:
         if not reply.nodes:
             con.print("no nodes seen yet" + ("; try: psymesh discover --wait 5" if reply.mdns else ""))
             return
@@ -152,14 +143,9 @@ def discover(home: str | None, out: Output, wait_s: float) -> None:
 @click.option("--denied", is_flag=True, help="Only refused requests.")
 def audit(home: str | None, out: Output, peer: str | None, limit: int, denied: bool) -> None:
     """Every gate decision, allowed or denied."""
+    rows: list[c.AuditRow] = on_node(home, lambda client: client.audit(peer=peer, limit=limit, denied_only=denied))
 
-    async def go() -> Any:
-        async with Client(home) as client:
-            return await client.audit(peer=peer, limit=limit, denied_only=denied)
-
-    rows: list[c.AuditRow] = run_async(go)
-
-    def human(con: Any) -> None:
+    def human(con: Console) -> None:
         table = out_table("time", "peer", "operation", "decision", "reason")
         for r in rows:
             verdict = "[green]allowed[/green]" if r.allowed else f"[red]{escape(r.code or 'denied')}[/red]"

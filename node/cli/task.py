@@ -1,23 +1,31 @@
+"""`psymesh task`: delegate a task to a paired peer, follow it, list and cancel tasks."""
 from __future__ import annotations
 
 import json
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
 import anyio
 import click
 from rich.markup import escape
-from ..control.client import Client
+
 from .output import Output, table as out_table
 from ...protocol import control as c
-from .common import Duration, command, run_async
+from .common import Duration, command, on_node
 from .msg import _away_text
+
+if TYPE_CHECKING:
+    from rich.console import Console
+    from ..control.client import Client, TaskHandle
+    from ...protocol.tasks import Outcome, TaskEvent
+
 
 @click.group()
 def task() -> None:
     """Delegate work to paired nodes, and follow it."""
 
 
-def _event_line(ev: Any) -> str:
+def _event_line(ev: TaskEvent) -> str:
     data = ev.data
     if ev.kind == "token":
         return data.get("text", "")
@@ -26,7 +34,7 @@ def _event_line(ev: Any) -> str:
     return text
 
 
-async def _answer_input(handle: Any, out: Output, ev: Any, approve: bool) -> None:
+async def _answer_input(handle: TaskHandle, out: Output, ev: TaskEvent, approve: bool) -> None:
     """The remote agent asks to run an irreversible tool: ask the person (or --yes)."""
     question = ev.data.get("question", "the task needs an answer")
     if not approve and sys.stdin.isatty():
@@ -36,8 +44,8 @@ async def _answer_input(handle: Any, out: Output, ev: Any, approve: bool) -> Non
     await handle.respond({"approve": approve})
 
 
-async def _follow(handle: Any, out: Output, after_seq: int = 0, approve: bool = False,
-                  json_events: bool = True) -> Any:
+async def _follow(handle: TaskHandle, out: Output, after_seq: int = 0, approve: bool = False,
+                  json_events: bool = True) -> Outcome | None:
     """Stream a task's events (JSON lines with --json; a live view on a terminal) and return its outcome.
     An `input-required` event is answered here (see _answer_input). `json_events=False`: a command
     whose --json output is one document (its result) keeps the events off stdout."""
@@ -96,23 +104,22 @@ def task_send(home: str | None, out: Output, to: str | None, tool: str | None, a
     if prompt is not None and model is None:
         raise click.UsageError("--infer needs --model NAME (a model registered on the peer)")
 
-    async def go() -> Any:
-        async with Client(home) as client:
-            handle = await client.delegate(to, tool=tool, args=args if tool else None, infer=prompt, model=model,
-                                           max_tokens=max_tokens, goal=goal, timeout=timeout, task_id=task_id)
-            where = "accepted by" if handle.accepted else "queued for"
-            out.hint(f"task {handle.id} {where} {handle.target_name}")
-            if handle.away is not None:
-                out.warn(f"{_away_text(handle.target_name, handle.away)}; the task is kept here and delivered "
-                         f"when {handle.target_name} is back"
-                         + ("; waiting for it (Ctrl-C stops waiting, the task stays queued)" if wait
-                            else f" (see: psymesh task watch {handle.id})"))
-            if not wait:
-                return {"task_id": handle.id, "target": handle.target, "accepted": handle.accepted,
-                        "away": handle.away.model_dump() if handle.away else None}
-            return await _follow(handle, out)
+    async def go(client: Client) -> Any:
+        handle = await client.delegate(to, tool=tool, args=args if tool else None, infer=prompt, model=model,
+                                       max_tokens=max_tokens, goal=goal, timeout=timeout, task_id=task_id)
+        where = "accepted by" if handle.accepted else "queued for"
+        out.hint(f"task {handle.id} {where} {handle.target_name}")
+        if handle.away is not None:
+            out.warn(f"{_away_text(handle.target_name, handle.away)}; the task is kept here and delivered "
+                     f"when {handle.target_name} is back"
+                     + ("; waiting for it (Ctrl-C stops waiting, the task stays queued)" if wait
+                        else f" (see: psymesh task watch {handle.id})"))
+        if not wait:
+            return {"task_id": handle.id, "target": handle.target, "accepted": handle.accepted,
+                    "away": handle.away.model_dump() if handle.away else None}
+        return await _follow(handle, out)
 
-    result = run_async(go)
+    result = on_node(home, go)
     if not wait:
         out.data(result, lambda con: con.print(result["task_id"]))
         return
@@ -145,11 +152,10 @@ def _print_outcome(out: Output, outcome: Any) -> None:
 def task_watch(home: str | None, out: Output, task_id: str, after: int) -> None:
     """Follow a delegated task (events as JSON lines with --json) until it ends."""
 
-    async def go() -> Any:
-        async with Client(home) as client:
-            return await _follow(client.task(task_id), out, after)
+    async def go(client: Client) -> Outcome | None:
+        return await _follow(client.task(task_id), out, after)
 
-    _print_outcome(out, run_async(go))
+    _print_outcome(out, on_node(home, go))
 
 
 @task.command("list")
@@ -157,17 +163,12 @@ def task_watch(home: str | None, out: Output, task_id: str, after: int) -> None:
 @click.option("--limit", default=50, show_default=True, type=click.IntRange(1, 1000))
 def task_list(home: str | None, out: Output, limit: int) -> None:
     """Tasks this node delegated, and tasks it runs for others."""
-
-    async def go() -> Any:
-        async with Client(home) as client:
-            return await client.tasks(limit)
-
-    r: c.TaskListReply = run_async(go)
+    r: c.TaskListReply = on_node(home, lambda client: client.tasks(limit))
 
     def table(title: str, who: str) -> Any:
         return out_table("task", "kind", who, "state", "events", title=title, title_justify="left")
 
-    def human(con: Any) -> None:
+    def human(con: Console) -> None:
         submitted = table("delegated by this node", "target")
         for s in r.submitted:
             state = s.state.value + (f" ({_away_text(s.target, s.away)})" if s.away else "")
@@ -186,12 +187,7 @@ def task_list(home: str | None, out: Output, limit: int) -> None:
 @click.argument("task_id")
 def task_cancel(home: str | None, out: Output, task_id: str) -> None:
     """Cancel a delegated task (it stops on the node running it)."""
-
-    async def go() -> None:
-        async with Client(home) as client:
-            await client.task(task_id).cancel()
-
-    run_async(go)
+    on_node(home, lambda client: client.task(task_id).cancel())
     out.data({"task_id": task_id, "canceled": True}, lambda con: con.print(f"canceled {task_id}"))
 
 

@@ -1,10 +1,11 @@
+"""`psymesh ui`: open the dashboard of the running daemon."""
 from __future__ import annotations
 
-from typing import Any
 import click
-from ..control.client import Client
+
 from .output import Output
-from .common import command, run_async
+from .common import command, on_node
+
 
 @click.command()
 @command
@@ -12,12 +13,7 @@ from .common import command, run_async
 def ui(home: str | None, out: Output, no_open: bool) -> None:
     """The dashboard in a browser: starts it in the running daemon if needed (a phone runs it
     only on demand), prints its link with the token, and opens it."""
-
-    async def go() -> Any:
-        async with Client(home) as client:
-            return await client.ui()
-
-    r = run_async(go)
+    r = on_node(home, lambda client: client.ui())
     if not no_open and not out.json_mode:
         import webbrowser
 

@@ -1,13 +1,19 @@
+"""`psymesh web search|fetch`: the web through a trusted exit (docs/web.md)."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
 import click
 from rich.markup import escape
-from ..control.client import Client
+
 from .output import Output
 from ...protocol import control as c
-from .common import command, run_async
+from .common import command, on_node
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
 
 @click.group()
 def web() -> None:
@@ -36,15 +42,11 @@ def _way(reply: c.WebQueryReply) -> str:
 def web_search(home: str | None, out: Output, query: str, limit: int, via: str | None, relay: str | None,
                hops: int | None) -> None:
     """Search the web for QUERY through a trusted exit."""
-    async def go() -> c.WebQueryReply:
-        async with Client(home) as client:
-            return await client.web_query(search=query, limit=limit, via=via, relay=relay, hops=hops)
-
-    reply = run_async(go)
+    reply = on_node(home, lambda client: client.web_query(search=query, limit=limit, via=via, relay=relay, hops=hops))
     results = reply.results
     assert results is not None
 
-    def human(con: Any) -> None:
+    def human(con: Console) -> None:
         out.hint(f"{len(results.hits)} result(s) {_way(reply)}" + (" (cached)" if results.cached else "")
                  + "; untrusted text from the web")
         for hit in results.hits:
@@ -63,15 +65,12 @@ def web_search(home: str | None, out: Output, query: str, limit: int, via: str |
 def web_fetch(home: str | None, out: Output, url: str, max_chars: int, via: str | None, relay: str | None,
               hops: int | None) -> None:
     """Fetch URL's readable text through a trusted exit."""
-    async def go() -> c.WebQueryReply:
-        async with Client(home) as client:
-            return await client.web_query(url=url, max_chars=max_chars, via=via, relay=relay, hops=hops)
-
-    reply = run_async(go)
+    reply = on_node(home, lambda client: client.web_query(url=url, max_chars=max_chars, via=via, relay=relay,
+                                                          hops=hops))
     page = reply.page
     assert page is not None
 
-    def human(con: Any) -> None:
+    def human(con: Console) -> None:
         out.hint(f"{page.status} {page.content_type} from {page.final_url} {_way(reply)}"
                  + (" (cached)" if page.cached else "") + ("; cut" if page.truncated else "")
                  + "; untrusted text from the web")
