@@ -11,11 +11,10 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 import click
-from rich.markup import escape
 
 from ..control.client import Client
 from ..core.home import NodeHome
-from .output import Output
+from .output import Output, escape
 from ...protocol import control as c
 from ...protocol.errors import ErrorCode, PsymeshError
 from .common import EvalStopped, command, on_node, run_async

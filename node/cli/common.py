@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import anyio
 import click
 
-from ..core.db import storage_error
 from ..core.home import NodeHome
 from .output import Output
 from ...protocol.errors import PsymeshError
@@ -61,6 +60,8 @@ def _as_psymesh_error(exc: BaseException, home: str | None) -> PsymeshError | No
     if isinstance(exc, EvalStopped):
         return exc.error
     if isinstance(exc, sqlite3.Error):
+        from ..core.db import storage_error
+
         return storage_error(exc, NodeHome(home).db_path)
     if isinstance(exc, BaseExceptionGroup):
         mapped = [_as_psymesh_error(e, home) for e in exc.exceptions]

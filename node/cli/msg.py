@@ -9,9 +9,8 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 import click
-from rich.markup import escape
 
-from .output import Output
+from .output import Output, escape
 from ...protocol import control as c
 from ...protocol.errors import ErrorCode, PsymeshError
 from .common import Duration, command, on_node

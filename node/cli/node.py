@@ -8,10 +8,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import click
-from rich.markup import escape
 
 from ..core.home import NodeHome
-from .output import Output
+from .output import Output, escape
 from .common import command, on_node, run_async
 
 if TYPE_CHECKING:

@@ -5,9 +5,8 @@ import time
 from typing import TYPE_CHECKING
 
 import click
-from rich.markup import escape
 
-from .output import Output, table as out_table
+from .output import Output, escape, table as out_table
 from ...protocol import control as c
 from ...protocol.errors import ErrorCode, PsymeshError
 from ...protocol.limits import Limits
@@ -113,7 +112,6 @@ def peers(home: str | None, out: Output, active: bool) -> None:
         con.print(table)
 
     out.data(rows, human)
-
 
 
 def _size(n: int) -> str:

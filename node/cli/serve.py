@@ -8,10 +8,9 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal
 
 import click
-from rich.markup import escape
 
 from ..core.home import NodeHome
-from .output import Output
+from .output import Output, escape
 from ...protocol import control as c
 from ...protocol.errors import ErrorCode, PsymeshError
 from .common import command, on_node, run_async

@@ -6,10 +6,9 @@ import time
 from typing import TYPE_CHECKING
 
 import click
-from rich.markup import escape
 
 from ..core.home import NodeHome
-from .output import Output, table as out_table
+from .output import Output, escape, table as out_table
 from ...protocol import control as c
 from .common import command, on_node, run_async
 

@@ -7,9 +7,8 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 import click
-from rich.markup import escape
 
-from .output import Output, table as out_table
+from .output import Output, escape, table as out_table
 from ...protocol import control as c
 from .common import Duration, command, on_node
 from .msg import _away_text

@@ -5,9 +5,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import click
-from rich.markup import escape
 
-from .output import Output
+from .output import Output, escape
 from ...protocol import control as c
 from .common import command, on_node
 
