@@ -5,7 +5,8 @@ time a command takes before it does anything is felt on every call. Each sample 
 new process, timed from spawn to exit (what a user waits for), and its CPU time (what it
 costs, steadier than the wall time when other work shares the machine); the medians of
 --count runs are shown, with `import psymesh` alone and `psymesh --help` for where the time
-goes.
+goes (`--help` imports every command group's module; a command imports only its own, see
+node/cli/__init__.py).
 Target (issue 22): `psymesh status` <= 150 ms median wall here.
 
 Usage: .venv/bin/python bench/cli.py [--count N]
@@ -59,6 +60,8 @@ async def main(count: int) -> None:
                 ("python -c 'import psymesh'", [py, "-c", "import psymesh"]),
                 ("psymesh --help", [py, "-m", "psymesh", "--help"]),
                 ("psymesh status", [py, "-m", "psymesh", "status", "--home", str(daemon.home)]),
+                # what scripts call: no rich (node/cli/output.py makes its consoles on first use)
+                ("psymesh status --json", [py, "-m", "psymesh", "status", "--json", "--home", str(daemon.home)]),
             ]
             print(f"{'command':32} {'wall median':>12} {'wall p99':>9} {'cpu median':>11}   ({count} runs each, ms)")
             for label, cmd in rows:

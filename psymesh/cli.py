@@ -1,4 +1,4 @@
-"""Console entry point: `psymesh` (see psymesh.node.cli.main for the commands)."""
-from .node.cli.main import main
+"""Console entry point: `psymesh` (see psymesh.node.cli for the commands)."""
+from .node.cli import main
 
 __all__ = ["main"]

@@ -182,7 +182,7 @@ async def test_a_peer_whose_clock_runs_two_minutes_ahead_fails_the_clock_check(
 
 @pytest.mark.anyio
 async def test_status_lists_the_relayed_address_a_reservation_gives(tmp_path: Path) -> None:
-    from psymesh.node.cli.main import _reachability_lines
+    from psymesh.node.cli.status import _reachability_lines
     from psymesh.protocol.relay import RelaySettings
 
     relay_home = NodeHome(tmp_path / "relay")

@@ -32,7 +32,7 @@ def test_a_reader_round_trips_the_map_and_fills_what_an_older_node_left_out() ->
 
 
 def test_the_cli_reads_an_infer_outcome_through_the_model(capsys: pytest.CaptureFixture[str]) -> None:
-    from psymesh.node.cli.main import _print_outcome
+    from psymesh.node.cli.task import _print_outcome
     from psymesh.node.cli.output import Output
     from psymesh.protocol.tasks import Outcome, TaskState
 

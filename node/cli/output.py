@@ -13,16 +13,26 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Callable
-from typing import Any
+from functools import cached_property
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel
-from rich.console import Console
-from rich.markup import escape
 
 from ...protocol.control import network_kind
 from ...protocol.errors import NetworkError, PsymeshError
 
+if TYPE_CHECKING:
+    from rich.console import Console
+
 PEER_NEXT_STEP = "is its daemon running and reachable? try again later, or see: psymesh peers"
+
+
+def escape(text: str) -> str:
+    """rich's markup escape, imported on first use: a `--json` command prints no markup, and
+    rich is a good part of what a short command would load before doing anything."""
+    from rich.markup import escape as rich_escape
+
+    return rich_escape(text)
 
 
 def table(*headers: str, **options: Any) -> Any:
@@ -47,11 +57,24 @@ def to_data(obj: Any) -> Any:
 
 
 class Output:
+    """`out` and `err` (rich consoles) are made on first use, so a command that only writes
+    JSON never loads rich."""
+
     def __init__(self, json_mode: bool = False) -> None:
         self.json_mode = json_mode
+
+    @cached_property
+    def out(self) -> Console:
+        from rich.console import Console
+
         # emoji=False: `peer:phone:` is a check's name, not the ☎ emoji code
-        self.out = Console(highlight=False, soft_wrap=True, emoji=False)
-        self.err = Console(stderr=True, highlight=False, soft_wrap=True, emoji=False)
+        return Console(highlight=False, soft_wrap=True, emoji=False)
+
+    @cached_property
+    def err(self) -> Console:
+        from rich.console import Console
+
+        return Console(stderr=True, highlight=False, soft_wrap=True, emoji=False)
 
     def data(self, obj: Any, human: Callable[[Console], None] | None = None) -> None:
         if self.json_mode or human is None:

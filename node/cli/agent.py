@@ -1,0 +1,322 @@
+"""`psymesh agent run` (here or delegated to a home PC) and `psymesh eval` (a case file, or
+BFCL, scored). One job: running the agent on a model and showing what it did; the two
+share the model set-up and the stop at the first prompt over the model's context."""
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import click
+
+from ..control.client import Client
+from ..core.home import NodeHome
+from .output import Output, escape
+from ...protocol import control as c
+from ...protocol.errors import ErrorCode, PsymeshError
+from .common import EvalStopped, command, on_node, run_async
+from .model import _local_runner, _models
+from .msg import _away_text
+from .task import _follow, _print_outcome
+
+if TYPE_CHECKING:
+    from ...agent.bfcl import BfclReport
+
+
+@click.group()
+def agent() -> None:
+    """Run the BotPsy agent on a goal, here or on a paired home PC."""
+
+
+class _StopOverContext:
+    """An eval's model, stopping the whole eval at the first prompt over the model's
+    context: every case would fail the same way and score 0 % with exit status 0. Both
+    eval paths (a case file, --bfcl) wrap their model in it."""
+
+    def __init__(self, model: Any, name: str, n_ctx: int) -> None:
+        self.model, self.name, self.n_ctx = model, name, n_ctx
+
+    async def reply(self, *args: Any, **kwargs: Any) -> Any:
+        from ...agent.inference import PromptTooLong
+
+        try:
+            return await self.model.reply(*args, **kwargs)
+        except PromptTooLong as exc:
+            raise EvalStopped(PsymeshError(
+                f"eval stopped: {exc.message}; give model {self.name} a larger context: "
+                f"psymesh model add {self.name} PATH.gguf --ctx {max(2 * self.n_ctx, 8192)}",
+                code=ErrorCode.TOO_LARGE)) from None
+
+
+def _print_agent_event(out: Output, ev: Any) -> None:
+    d = ev.data
+    if ev.kind == "step":
+        out.err.print(f"[dim]step {d['step']}/{d['max_steps']}[/dim]")
+    elif ev.kind == "thinking" and d.get("text"):
+        out.err.print(f"[dim]  thinking: {escape(d['text'][:200])}[/dim]")
+    elif ev.kind == "tool_call":
+        out.err.print(f"  -> {escape(d['name'])}({escape(json.dumps(d.get('arguments', {}))[:200])})")
+    elif ev.kind == "tool_result":
+        body = d.get("result") if d.get("ok") else d.get("error")
+        mark = "[green]ok[/green]" if d.get("ok") else f"[red]{escape(str(d.get('status')))}[/red]"
+        out.err.print(f"  <- {mark} {escape(json.dumps(body, default=str)[:200])}")
+    elif ev.kind in ("guard", "error"):
+        out.err.print(f"  [yellow]{ev.kind}[/yellow]: {escape(str(d.get('message', d)))}")
+
+
+@agent.command("run")
+@command
+@click.argument("goal")
+@click.option("--model", "model_name", default=None, help="Model name (default: the node's first model).")
+@click.option("--delegate", type=click.Choice(["auto", "never", "always"]), default="auto", show_default=True,
+              help="Run here, on a paired home PC, or let the delegation policy decide.")
+@click.option("--to", default=None, help="The home PC to delegate to (default: the best one).")
+@click.option("--max-steps", default=8, show_default=True, type=click.IntRange(1, 64))
+@click.option("--thinking", is_flag=True, help="Let the model think before answering.")
+@click.option("--free", "free_form", is_flag=True, help="No grammar: let the model write calls freely.")
+@click.option("--yes", is_flag=True, help="Approve irreversible tool calls without asking.")
+@click.option("--ban-bytes", is_flag=True, hidden=True, help="Keep random-weight test models in ASCII.")
+@click.option("--seed", type=int, default=None, hidden=True)
+def agent_run(home: str | None, out: Output, goal: str, model_name: str | None, delegate: str, to: str | None,
+              max_steps: int, thinking: bool, free_form: bool, yes: bool, ban_bytes: bool, seed: int | None) -> None:
+    """Work on GOAL with this node's tools; irreversible calls ask first (or --yes)."""
+    from ...agent.policy import DelegationInputs, decide
+
+    node_home = NodeHome(home)
+    node_home.init()
+    config = node_home.load_config()
+    params: dict[str, Any] = {"max_steps": max_steps, "thinking": thinking, "grammar": not free_form}
+    if ban_bytes:
+        params["ban_bytes"] = True
+    if seed is not None:
+        params["seed"] = seed
+    if model_name:
+        params["model"] = model_name
+
+    async def remote_offers() -> list[c.Offer]:
+        try:
+            async with Client(home) as client:
+                return await client.offers(operation="task.agent")
+        except PsymeshError:
+            return []  # no daemon: nothing to delegate to
+
+    async def go() -> Any:
+        registry = _models(node_home)
+        offers = await remote_offers() if delegate != "never" else []
+        local = frozenset(registry.names())
+        # No model named and none here: the task needs "a model", which only a remote may have.
+        needed = frozenset([model_name]) if model_name else (frozenset() if local else frozenset(["(any model)"]))
+        remote_models = frozenset(m for o in offers for m in o.models) if offers and model_name else None
+        decision = decide(DelegationInputs(
+            profile=config.profile, force={"never": "local", "always": "remote"}.get(delegate),  # type: ignore[arg-type]
+            remote_available=bool(offers), needed_models=needed, local_models=local, remote_models=remote_models,
+            battery_low=config.battery_low, memory_low=config.memory_low))
+        out.hint(f"running {'on a paired home PC' if decision.where == 'remote' else 'here'}: {decision.reason}")
+        if decision.where == "remote":
+            remote = await _agent_remote(home, out, goal, to, params, yes, fall_back=delegate == "auto")
+            if remote is not None:
+                return remote
+        return await _agent_local(node_home, config, registry, out, goal, model_name, params, yes)
+
+    result = run_async(go)
+    out.data(result, lambda con: con.print(result["answer"]))
+
+
+async def _agent_local(node_home: NodeHome, config: Any, registry: Any, out: Output, goal: str,
+                       model_name: str | None, params: dict[str, Any], yes: bool) -> dict[str, Any]:
+    from ...agent.loop import run_agent
+    from ...agent.tools import ToolContext
+    from ..models.agents import agent_config, llama_model, node_tools, pick_model, result_of
+
+    name = pick_model(registry, model_name, config.agent_model, config.profile)
+
+    async def confirm(call: Any, tool: Any) -> bool:
+        if yes:
+            return True
+        if not sys.stdin.isatty():
+            out.warn(f"{call.name} is irreversible and there is no terminal to ask; pass --yes to allow it")
+            return False
+        return await anyio.to_thread.run_sync(
+            lambda: click.confirm(f"allow {call.name}({json.dumps(call.arguments)})?", default=False, err=True))
+
+    async def emit(ev: Any) -> None:
+        if not out.json_mode:
+            _print_agent_event(out, ev)
+
+    tools = node_tools(node_home, config)
+    ctx = ToolContext(share_dir=Path(config.share_dir) if config.share_dir else None, profile=config.profile)
+    async with _local_runner(node_home, registry, name) as worker:
+        run = await run_agent(goal, model=llama_model(worker, params), tools=tools, ctx=ctx, profile=config.profile,
+                              config=agent_config(params, from_peer=False), confirm=confirm, emit=emit)
+    return {**result_of(run), "where": "local", "model": name}
+
+
+async def _agent_remote(home: str | None, out: Output, goal: str, to: str | None, params: dict[str, Any],
+                        yes: bool, fall_back: bool = False) -> dict[str, Any] | None:
+    """Run the goal as a delegated agent task. `fall_back`: if the home PC turns out to be
+    unreachable, take the task back and return None (the caller runs it here)."""
+    async with Client(home) as client:
+        handle = await client.delegate(to, goal=goal, params=params)
+        if handle.away is not None and fall_back:
+            await handle.cancel()
+            out.warn(f"{_away_text(handle.target_name, handle.away)}; running here instead")
+            return None
+        if handle.away is not None:
+            out.warn(f"{_away_text(handle.target_name, handle.away)}; the task is kept and delivered when it "
+                     "is back; waiting for it (Ctrl-C stops waiting, the task stays queued)")
+        out.hint(f"task {handle.id} -> {handle.target_name}")
+        outcome = await _follow(handle, out, approve=yes, json_events=False)
+    if outcome is None:
+        raise PsymeshError(f"task {handle.id} ended without a final event", code=ErrorCode.INTERNAL)
+    if not outcome.ok:
+        _print_outcome(out, outcome)  # prints the failure and exits 1
+    return {**outcome.value, "where": "remote", "task_id": handle.id}
+
+
+@click.command("eval")
+@command
+@click.argument("cases", required=False, type=click.Path(exists=True, dir_okay=False))
+@click.option("--model", "model_name", default=None, help="Registered model to evaluate.")
+@click.option("--bfcl", "bfcl_dir", is_flag=False, flag_value="", default=None, metavar="[DIR]",
+              help="Score BFCL v4 (default: the installed bfcl-eval's data; or DIR, a folder in BFCL's layout) "
+                   "as BFCL scores it, instead of a case file.")
+@click.option("--category", "categories", multiple=True, metavar="NAME",
+              help="With --bfcl: a category to score (repeatable; default: every supported one present).")
+@click.option("--score-dir", type=click.Path(file_okay=False), default=None,
+              help="With --bfcl: also write BFCL's score files (BFCL_v4_<category>_score.json, data_overall.csv).")
+@click.option("--via", "via", default=None, metavar="PEER",
+              help="With --bfcl: ask --model on this paired node (delegated infer tasks) instead of loading it here.")
+@click.option("--runs", type=click.IntRange(min=1), default=1,
+              help="With --bfcl: run N times, seeds 0..N-1, and report min/median/max per category.")
+@click.option("--temperature", type=click.FloatRange(min=0), default=0.0,
+              help="With --bfcl: sampling temperature (0: greedy, when --runs gives N identical runs).")
+@click.option("--limit", type=click.IntRange(min=1), default=None, help="With --bfcl: the first N cases of each "
+                                                                         "category.")
+@click.option("--oracle", is_flag=True, help="With --bfcl: answer with the ground truth instead of a model, "
+                                              "through the same render/parse/score path (checks the harness).")
+@click.option("--free", "free_form", is_flag=True, help="No grammar constraint (measures the raw model).")
+@click.option("--thinking", is_flag=True)
+@click.option("--ban-bytes", is_flag=True, hidden=True)
+def eval_cmd(home: str | None, out: Output, cases: str | None, model_name: str | None, bfcl_dir: str | None,
+             categories: tuple[str, ...], score_dir: str | None, via: str | None, runs: int, temperature: float,
+             limit: int | None, oracle: bool, free_form: bool, thinking: bool, ban_bytes: bool) -> None:
+    """Score a model on function-calling cases (JSONL), per category, BFCL-style; or, with
+    --bfcl DIR, on BFCL v4's own files, as BFCL scores them."""
+    if (cases is None) == (bfcl_dir is None):
+        raise PsymeshError("give a case file or --bfcl [DIR] (one of them)", code=ErrorCode.BAD_REQUEST)
+    if bfcl_dir is None and (categories or limit is not None or oracle or score_dir or via or runs > 1 or temperature):
+        raise PsymeshError("--category, --limit, --oracle, --score-dir, --via, --runs and --temperature go with --bfcl",
+                           code=ErrorCode.BAD_REQUEST)
+    if oracle == (model_name is not None):
+        raise PsymeshError("give --model NAME, or --oracle (with --bfcl)" if not oracle
+                           else "--oracle answers without a model: drop --model", code=ErrorCode.BAD_REQUEST)
+    if bfcl_dir is not None:
+        return _eval_bfcl(home, out, bfcl_dir or None, categories, limit, model_name, free_form, thinking, ban_bytes,
+                          score_dir, via, runs, temperature)
+
+    from ...agent.evaluation import evaluate, format_report, load_cases
+    from ..models.agents import llama_model, pick_model
+
+    node_home = NodeHome(home)
+    node_home.init()
+    registry = _models(node_home)
+    name = pick_model(registry, model_name, None)
+    loaded = load_cases(cases)
+
+    async def progress(r: Any) -> None:
+        out.hint(f"{r.id}: {'pass' if r.passed else 'fail: ' + r.reason}")
+
+    async def go() -> Any:
+        async with _local_runner(node_home, registry, name) as worker:
+            model = _StopOverContext(llama_model(worker, {"grammar": not free_form, "temperature": 0.0,
+                                                          "max_tokens": 256, "ban_bytes": ban_bytes}),
+                                     name, worker.settings.n_ctx)
+            return await evaluate(loaded, model, thinking=thinking,
+                                  on_result=progress)
+
+    report = run_async(go)
+    data = {"model": name, "cases": report.total, "passed": report.passed, "accuracy": report.accuracy,
+            "categories": {c: {"cases": s.cases, "passed": s.correct, "accuracy": s.accuracy}
+                           for c, s in report.categories.items()}}
+    out.data(data, lambda con: con.print(format_report(report)))
+
+
+def _eval_bfcl(home: str | None, out: Output, bfcl_dir: str | None, categories: tuple[str, ...], limit: int | None,
+               model_name: str | None, free_form: bool, thinking: bool, ban_bytes: bool,
+               score_dir: str | None, via: str | None = None, runs: int = 1, temperature: float = 0.0) -> None:
+    """`eval --bfcl`: BFCL's questions through our prompt, the model (or the oracle) and our
+    parser, scored by agent/bfcl.py's mirror of BFCL's AST checker and, for multi-turn,
+    by BFCL's own multi_turn_checker."""
+    from ...agent.bfcl import (
+        WEB_CATEGORIES,
+        default_data_dir,
+        format_bfcl_report,
+        format_run_spread,
+        generation_params,
+        load_bfcl,
+        run_bfcl,
+        run_spread,
+        write_score_files,
+    )
+    from ...agent.loop import LlamaAgentModel
+
+    data_dir = Path(bfcl_dir) if bfcl_dir else default_data_dir()
+    loaded = load_bfcl(data_dir, categories, limit=limit)
+
+    async def progress(r: Any) -> None:
+        if model_name is not None or not r.passed:  # the oracle's passes are 1240 lines of noise
+            out.hint(f"{r.id}: {'pass' if r.passed else 'fail: ' + r.reason}")
+
+    def params(seed: int, grammar: bool = True) -> Any:  # grammar=False: format_sensitivity's prompting asks
+        return generation_params(grammar=grammar and not free_form, ban_bytes=ban_bytes).model_copy(
+            update={"temperature": temperature, "seed": seed})
+
+    if model_name is None:
+        name = "oracle"
+        reports = [run_async(lambda: run_bfcl(loaded, None, thinking=thinking, on_result=progress))
+                   for _ in range(runs)]
+    elif via is not None:
+        from ..control.delegated_model import DelegatedModel
+
+        name = model_name
+
+        async def remote(client: Client) -> list[BfclReport]:
+            return [await run_bfcl(loaded, DelegatedModel(client, via, model_name, params(seed)),
+                                   thinking=thinking, on_result=progress, web=client,
+                                   prompting=DelegatedModel(client, via, model_name, params(seed, False)))
+                    for seed in range(runs)]
+
+        reports = on_node(home, remote)
+    else:
+        from ..models.agents import pick_model
+
+        node_home = NodeHome(home)
+        node_home.init()
+        registry = _models(node_home)
+        name = pick_model(registry, model_name, None)
+
+        async def go() -> Any:
+            async with _local_runner(node_home, registry, name) as worker, contextlib.AsyncExitStack() as stack:
+                # web_search asks the web through this node's route: its daemon must be running.
+                web = await stack.enter_async_context(Client(home)) if any(c.category in WEB_CATEGORIES
+                                                                           for c in loaded) else None
+                n_ctx = worker.settings.n_ctx
+                return [await run_bfcl(loaded, _StopOverContext(LlamaAgentModel(worker, params(seed)), name, n_ctx),
+                                       thinking=thinking, on_result=progress, web=web,
+                                       prompting=_StopOverContext(LlamaAgentModel(worker, params(seed, False)),
+                                                                  name, n_ctx))
+                        for seed in range(runs)]
+
+        reports = run_async(go)
+    report = reports[0]
+    data = {"model": name, "bfcl_dir": str(data_dir.resolve()), "limit": limit, "via": via, **report.data()}
+    if runs > 1:
+        data["runs"] = [{"seed": i, **r.data()} for i, r in enumerate(reports)]
+        data["spread"] = run_spread(reports)
+    if score_dir is not None:
+        data["score_files"] = [str(p) for p in write_score_files(report, Path(score_dir), name)]
+    out.data(data, lambda con: con.print(format_bfcl_report(report)
+                                         + (format_run_spread(reports) if runs > 1 else "")))

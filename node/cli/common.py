@@ -1,0 +1,119 @@
+"""What every command shares: --home and --json (`command`), the one mapping of errors to a
+message and exit status 1, running on trio (`run_async`), a connected SDK Client (`on_node`),
+and durations on the command line (`Duration`)."""
+from __future__ import annotations
+
+import functools
+import sqlite3
+import sys
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import anyio
+import click
+
+from ..core.home import NodeHome
+from .output import Output
+from ...protocol.errors import PsymeshError
+
+if TYPE_CHECKING:
+    from ..control.client import Client
+
+
+T = TypeVar("T")
+
+home_option = click.option(
+    "--home", type=click.Path(file_okay=False), envvar="PSYMESH_HOME", default=None,
+    help="Node home directory (default: $PSYMESH_HOME, else the platform data dir).",
+)
+json_option = click.option("--json", "json_mode", is_flag=True, help="Print data as JSON on stdout.")
+
+
+def run_async(fn: Callable[[], Awaitable[T]]) -> T:
+    """All commands run on trio: the daemon needs it, and the SDK works on it too."""
+    return anyio.run(fn, backend="trio")
+
+
+def on_node(home: str | None, ask: Callable[[Client], Awaitable[T]]) -> T:
+    """`ask` the running daemon of `home` through a connected SDK Client, and its typed reply:
+    what every command that talks to the daemon does. Its errors (DaemonNotRunning, a
+    refusal) are shown by `command`. The SDK is imported here, at the call: the commands
+    that never reach a daemon (`id`, `model add`) do not load it."""
+    from ..control.client import Client
+
+    async def go() -> T:
+        async with Client(home) as client:
+            return await ask(client)
+
+    return run_async(go)
+
+
+def _as_psymesh_error(exc: BaseException, home: str | None) -> PsymeshError | None:
+    """The one error to show the user for `exc`, or None for a bug (which keeps its traceback).
+
+    Task groups wrap what their tasks raised in exception groups (a refused control
+    socket surfaces that way from `node start`), so a group whose every member maps is
+    shown as its first member; SQLite errors from any store are explained like open_db's.
+    """
+    if isinstance(exc, PsymeshError):
+        return exc
+    if isinstance(exc, EvalStopped):
+        return exc.error
+    if isinstance(exc, sqlite3.Error):
+        from ..core.db import storage_error
+
+        return storage_error(exc, NodeHome(home).db_path)
+    if isinstance(exc, BaseExceptionGroup):
+        mapped = [_as_psymesh_error(e, home) for e in exc.exceptions]
+        if mapped and all(m is not None for m in mapped):
+            return mapped[0]
+    return None
+
+
+class EvalStopped(Exception):
+    """An eval that cannot mean anything (not a PsymeshError, so the scoring loops, which
+    count a model error as one failed case, let it through): `error` is what to tell."""
+
+    def __init__(self, error: PsymeshError) -> None:
+        super().__init__(error.message)
+        self.error = error
+
+
+def command(f: Callable[..., Any]) -> Callable[..., Any]:
+    """Common options, and PsymeshError -> a clear message and exit status 1 (never a traceback)."""
+
+    @home_option
+    @json_option
+    @functools.wraps(f)
+    def wrapper(*args: Any, home: str | None, json_mode: bool, **kwargs: Any) -> Any:
+        out = Output(json_mode)
+        try:
+            return f(*args, home=home, out=out, **kwargs)
+        except (PsymeshError, EvalStopped, sqlite3.Error, BaseExceptionGroup) as exc:
+            error = _as_psymesh_error(exc, home)
+            if error is None:
+                raise
+            out.error(error)
+            sys.exit(1)
+
+    return wrapper
+
+
+def parse_duration(text: str) -> float:
+    """`90s`, `10m`, `2h`, `30d` or plain seconds -> seconds."""
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+    text = text.strip().lower()
+    try:
+        value = float(text[:-1]) * units[text[-1]] if text and text[-1] in units else float(text)
+    except ValueError:
+        raise click.BadParameter(f"{text!r} is not a duration like 90s, 10m, 2h or 30d") from None
+    if value <= 0:
+        raise click.BadParameter("a duration must be positive")
+    return value
+
+
+class Duration(click.ParamType):
+    name = "DURATION"
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> float:
+        return value if isinstance(value, float) else parse_duration(str(value))

@@ -1,0 +1,219 @@
+"""`psymesh serve openai|a2a` (the HTTP faces, in the daemon or in the foreground) and
+`psymesh mcp` (the MCP servers the node's agent may use); see docs/bridges.md."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Literal
+
+import click
+
+from ..core.home import NodeHome
+from .output import Output, escape
+from ...protocol import control as c
+from ...protocol.errors import ErrorCode, PsymeshError
+from .common import command, on_node, run_async
+
+if TYPE_CHECKING:
+    from rich.console import Console
+    from ..control.client import Client
+
+
+@click.group()
+def serve() -> None:
+    """Serve this node's models (OpenAI) or its agent (A2A) to apps that speak another API."""
+
+
+def _serve_options(section: Literal["openai", "a2a"], default_port: int, env: str) -> Callable[..., Any]:
+    """The options `serve openai` and `serve a2a` share. `--api-key` is kept hidden only to
+    refuse it with the ways that replace it."""
+
+    def wrap(f: Callable[..., Any]) -> Callable[..., Any]:
+        for option in reversed([
+            click.option("--host", default=None, help=f"Address to bind (default: [serve.{section}] host, 127.0.0.1)."),
+            click.option("--port", type=click.IntRange(0, 65535), default=None,
+                         help=f"Port (default: [serve.{section}] port, {default_port}; 0: any free port, logged at "
+                              "start)."),
+            click.option("--api-key-file", type=click.Path(dir_okay=False, exists=True), default=None,
+                         help=f"A file (mode 0600) holding the key clients send as `Authorization: Bearer KEY`. "
+                              f"Default: ${env} if set, else [serve.{section}] api_key_file, else "
+                              f"<home>/{section}.key, made on first use."),
+            # Gone: a command line is readable by every local user (/proc/PID/cmdline).
+            click.option("--api-key", "api_key_given", default=None, hidden=True),
+            click.option("--show-key", is_flag=True, help="Print the key (making it if there is none yet) and exit."),
+            click.option("--save", is_flag=True, help=f"Also write these settings to config.toml ([serve.{section}] "
+                                                      "enabled), so `node start` serves it from now on."),
+            click.option("--log-json", is_flag=True, help="Log one JSON object per line (stderr)."),
+        ]):
+            f = option(f)
+        return f
+
+    return wrap
+
+
+@serve.command("openai")
+@command
+@_serve_options("openai", 8080, "PSYMESH_OPENAI_API_KEY")
+def serve_openai(home: str | None, out: Output, host: str | None, port: int | None, api_key_file: str | None,
+                 api_key_given: str | None, show_key: bool, save: bool, log_json: bool) -> None:
+    """Serve the OpenAI-compatible endpoint: in the running daemon, or in a node run in the foreground.
+
+    Models are this node's (`tiny`) and, as `PEER/MODEL` (`home/tiny`), those of paired
+    peers that granted this node task.infer. Clients need the key (--show-key prints it).
+    With a daemon already running for this home (a service, say), the endpoint is turned
+    on in it instead, until it stops (--save: at every start).
+    """
+    _serve_foreground(home, out, "openai", host, port, api_key_file, api_key_given, show_key, save, log_json)
+
+
+@serve.command("a2a")
+@command
+@_serve_options("a2a", 8081, "PSYMESH_A2A_API_KEY")
+def serve_a2a(home: str | None, out: Output, host: str | None, port: int | None, api_key_file: str | None,
+              api_key_given: str | None, show_key: bool, save: bool, log_json: bool) -> None:
+    """Serve the node's agent over A2A: in the running daemon, or in a node run in the foreground.
+
+    The agent card is at /.well-known/agent-card.json; a message runs this node's agent
+    with its tools (irreversible ones refused). Clients need the key (--show-key prints
+    it). With a daemon already running for this home (a service, say), the agent is served
+    by it instead, until it stops (--save: at every start).
+    """
+    _serve_foreground(home, out, "a2a", host, port, api_key_file, api_key_given, show_key, save, log_json)
+
+
+def _serve_foreground(home: str | None, out: Output, section: Literal["openai", "a2a"], host: str | None,
+                      port: int | None, api_key_file: str | None, api_key_given: str | None, show_key: bool,
+                      save: bool, log_json: bool) -> None:
+    """The endpoint on in the running daemon, or else `node start` with [serve.SECTION] turned
+    on for this run (and saved with --save); or, with --show-key, the key clients need."""
+    from ..bridges.apikey import load_api_key
+    from ..core.bridgeconfig import A2AServe, OpenAIServe
+    from ..daemon import Node
+    from ..core.logs import setup_logging
+
+    if api_key_given is not None:
+        env = {"openai": OpenAIServe, "a2a": A2AServe}[section].KEY_ENV
+        raise PsymeshError(f"--api-key is gone: a command line is readable by every local user (/proc/PID/cmdline); "
+                           f"put the key in a file (mode 0600) and use --api-key-file FILE, or set ${env}",
+                           code=ErrorCode.BAD_REQUEST)
+    node_home = NodeHome(home)
+    node_home.init()
+    config = node_home.load_config()
+    current = getattr(config.serve, section)
+    given = {"host": host, "port": port,
+             "api_key_file": str(Path(api_key_file).resolve()) if api_key_file else None}
+    settings = current.model_copy(update={"enabled": True, **{k: v for k, v in given.items() if v is not None}})
+    if show_key:
+        key = load_api_key(settings, node_home, os.environ)
+        out.data({"key": key.value, "source": key.source}, lambda con: con.print(escape(key.value)))
+        if not out.json_mode:
+            out.hint(f"from {key.source}")
+        return
+    config = config.model_copy(update={"serve": config.serve.model_copy(update={section: settings})})
+    if save:
+        node_home.save_config(config)
+    if node_home.socket_path.exists() and _serve_in_daemon(home, out, section, host, port, given, save):
+        return
+    setup_logging(json_lines=log_json or config.log_json)
+    run_async(Node(node_home, config).run)
+
+
+def _serve_in_daemon(home: str | None, out: Output, section: Literal["openai", "a2a"], host: str | None,
+                     port: int | None, given: dict[str, Any], save: bool) -> bool:
+    """A daemon runs for this home (as a service, say): turn the endpoint on in it instead of
+    starting a second node. False if no daemon answers (then `serve` runs one itself)."""
+    from ..control.client import DaemonNotRunning
+
+    async def go(client: Client) -> c.ServeReply:
+        return await client.serve(section, host=host, port=port, api_key_file=given["api_key_file"])
+
+    try:
+        reply = on_node(home, go)
+    except DaemonNotRunning:
+        return False
+    what = "OpenAI-compatible endpoint" if section == "openai" else "A2A agent"
+    url = reply.url + ("/v1" if section == "openai" else "")
+    state = "was already on" if reply.already else "is on"
+    out.data({"section": section, "url": url, "already": reply.already},
+             lambda con: con.print(f"the running daemon's {what} {state} at {url}"))
+    out.hint("it stays on until the daemon stops" + ("; config.toml turns it on at every start (--save)" if save
+                                                     else "; add --save to turn it on at every start")
+             + f"; clients need its key: psymesh serve {section} --show-key")
+    if reply.already and (host is not None or port is not None or given["api_key_file"]):
+        out.warn("it kept the settings it started with; restart the daemon to change them")
+    return True
+
+
+@click.group()
+def mcp() -> None:
+    """MCP servers whose tools this node serves as mcp.NAME.* (the [[mcp]] tables of config.toml)."""
+
+
+def _restart_hint(out: Output, home: str | None) -> None:
+    if NodeHome(home).socket_path.exists():
+        out.hint("restart the daemon to apply it: psymesh node stop, then psymesh node start")
+
+
+@mcp.command("add")
+@command
+@click.argument("name")
+@click.argument("server_command", nargs=-1, required=False, metavar="-- COMMAND [ARGS]...")
+@click.option("--url", default=None, help="A streamable HTTP server instead of a command.")
+@click.option("--env", "env_pairs", multiple=True, metavar="KEY=VALUE", help="Environment for a command (repeatable).")
+@click.option("--cwd", default=None, help="Working directory for a command.")
+def mcp_add(home: str | None, out: Output, name: str, server_command: tuple[str, ...], url: str | None,
+            env_pairs: tuple[str, ...], cwd: str | None) -> None:
+    """Add (or replace) the MCP server NAME: `psymesh mcp add notes -- python server.py ~/notes`.
+    Its tools become mcp.NAME.*; grant them to a peer with `psymesh grant PEER +tool:mcp.NAME.*`."""
+    from pydantic import ValidationError
+
+    from ..core.bridgeconfig import McpServerConfig
+
+    env = {}
+    for pair_ in env_pairs:
+        key, sep, value = pair_.partition("=")
+        if not sep:
+            raise click.BadParameter(f"{pair_!r} is not KEY=VALUE", param_hint="--env")
+        env[key] = value
+    try:
+        entry = McpServerConfig(name=name, command=list(server_command) or None, url=url, env=env, cwd=cwd)
+    except ValidationError as exc:
+        raise click.UsageError(exc.errors()[0]["msg"].removeprefix("Value error, ")) from None
+    node_home = NodeHome(home)
+    node_home.init()
+    config = node_home.load_config()
+    servers = [m for m in config.mcp if m.name != name] + [entry]
+    node_home.save_config(config.model_copy(update={"mcp": servers}))
+    out.data(entry, lambda con: con.print(f"mcp server {name} added: its tools are mcp.{name}.*"))
+    _restart_hint(out, home)
+
+
+@mcp.command("remove")
+@command
+@click.argument("name")
+def mcp_remove(home: str | None, out: Output, name: str) -> None:
+    """Remove the MCP server NAME from config.toml."""
+    node_home = NodeHome(home)
+    config = node_home.load_config()
+    if not any(m.name == name for m in config.mcp):
+        raise PsymeshError(f"no MCP server {name!r} in {node_home.config_path}; see: psymesh mcp list",
+                           code=ErrorCode.NOT_FOUND)
+    node_home.save_config(config.model_copy(update={"mcp": [m for m in config.mcp if m.name != name]}))
+    out.data({"removed": name}, lambda con: con.print(f"mcp server {name} removed"))
+    _restart_hint(out, home)
+
+
+@mcp.command("list")
+@command
+def mcp_list(home: str | None, out: Output) -> None:
+    """The MCP servers in config.toml."""
+    servers = NodeHome(home).load_config().mcp
+
+    def human(con: Console) -> None:
+        if not servers:
+            con.print("no MCP servers (add one: psymesh mcp add NAME -- COMMAND ...)")
+        for m in servers:
+            con.print(escape(f"{m.name}: {' '.join(m.command) if m.command else m.url}  (tools mcp.{m.name}.*)"))
+
+    out.data(servers, human)

@@ -1,0 +1,83 @@
+"""`psymesh web search|fetch`: the web through a trusted exit (docs/web.md)."""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import click
+
+from .output import Output, escape
+from ...protocol import control as c
+from .common import command, on_node
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+
+@click.group()
+def web() -> None:
+    """Web queries run by a trusted paired peer (the exit): this node never touches the web."""
+
+
+def _route_options(f: Callable[..., Any]) -> Callable[..., Any]:
+    f = click.option("--hops", type=click.IntRange(1, 2), default=None,
+                     help="1: ask the exit directly; 2: sealed through a relay, so the exit never learns who "
+                          "asked (default: [web] hops).")(f)
+    f = click.option("--relay", default=None, help="The relay for two hops (default: [web] relay, or the one "
+                                                    "paired peer granting web.relay).")(f)
+    return click.option("--via", default=None, help="The exit (default: [web] via, or the one paired peer "
+                                                     "granting the query).")(f)
+
+
+def _way(reply: c.WebQueryReply) -> str:
+    return f"via {reply.exit[:16]}..." + (f" through relay {reply.relay[:16]}..." if reply.relay else "")
+
+
+@web.command("search")
+@command
+@click.argument("query")
+@click.option("--limit", type=click.IntRange(1, 20), default=5, show_default=True)
+@_route_options
+def web_search(home: str | None, out: Output, query: str, limit: int, via: str | None, relay: str | None,
+               hops: int | None) -> None:
+    """Search the web for QUERY through a trusted exit."""
+    reply = on_node(home, lambda client: client.web_query(search=query, limit=limit, via=via, relay=relay, hops=hops))
+    results = reply.results
+    assert results is not None
+
+    def human(con: Console) -> None:
+        out.hint(f"{len(results.hits)} result(s) {_way(reply)}" + (" (cached)" if results.cached else "")
+                 + "; untrusted text from the web")
+        for hit in results.hits:
+            con.print(f"[bold]{escape(hit.title)}[/bold]\n  {escape(hit.url)}")
+            if hit.snippet:
+                con.print(f"  {escape(hit.snippet)}")
+
+    out.data(reply, human)
+
+
+@web.command("fetch")
+@command
+@click.argument("url")
+@click.option("--max-chars", type=click.IntRange(1, 100_000), default=8000, show_default=True)
+@_route_options
+def web_fetch(home: str | None, out: Output, url: str, max_chars: int, via: str | None, relay: str | None,
+              hops: int | None) -> None:
+    """Fetch URL's readable text through a trusted exit."""
+    reply = on_node(home, lambda client: client.web_query(url=url, max_chars=max_chars, via=via, relay=relay,
+                                                          hops=hops))
+    page = reply.page
+    assert page is not None
+
+    def human(con: Console) -> None:
+        out.hint(f"{page.status} {page.content_type} from {page.final_url} {_way(reply)}"
+                 + (" (cached)" if page.cached else "") + ("; cut" if page.truncated else "")
+                 + "; untrusted text from the web")
+        if page.title:
+            con.print(f"[bold]{escape(page.title)}[/bold]")
+        con.print(escape(page.text))
+
+    out.data(reply, human)
+
+
+# -- groups ---------------------------------------------------------------------------
