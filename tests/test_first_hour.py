@@ -160,6 +160,8 @@ async def test_a_revoked_phone_pairs_again_with_a_new_invite(tmp_path: Path) -> 
         assert not again.revoked and again.granted.serial > old_serial
         rc, pings, err = await _cli(phone.home.path, "ping", "home", "--count", "1")
         assert rc == 0, err
+        rc, shown, err = await _cli(phone.home.path, "ping", "home", "--count", "1", json_mode=False)
+        assert rc == 0 and "bytes from home:" in shown, err  # the peer's name, not the start of its id
         # the old grant stays void: the notice that revoked it (replayed) cannot revoke the new one
         old_notice = revocation(home.identity.peer_id, phone.identity.peer_id, old_grant, now=0)
         assert old_notice.voids(old_grant)

@@ -432,5 +432,6 @@ async def test_psymesh_web_search_and_fetch_from_the_command_line(tmp_path: Path
     assert reply["relay"] == nodes["relay"].identity.peer_id and reply["exit"] == nodes["exit"].identity.peer_id
     assert reply["results"]["hits"][0]["url"] == site.url("/tides") and reply["results"]["untrusted"] is True
     assert fetched.returncode == 0 and "06:12" in fetched.stdout and "Tides of Kestrel Bay" in fetched.stdout
+    assert "via exit through relay relay" in fetched.stderr  # names, not peer ids, where the peers have them
     # one hop would tell the exit who asks: the phone holds no web grant from it, and is told so
     assert refused.returncode != 0 and "web.fetch" in refused.stderr and "Traceback" not in refused.stderr

@@ -48,6 +48,17 @@ def on_node(home: str | None, ask: Callable[[Client], Awaitable[T]]) -> T:
     return run_async(go)
 
 
+async def peer_names(client: Client) -> dict[str, str]:
+    """Paired peers' names by peer id, for output that would otherwise show an id (a name
+    is what the user typed and sees in `psymesh peers`)."""
+    return {p.peer_id: p.name for p in await client.peers() if p.name}
+
+
+def peer_label(peer_id: str, names: dict[str, str]) -> str:
+    """A peer as output shows it: its name if it is paired under one, else the start of its id."""
+    return names.get(peer_id) or f"{peer_id[:16]}…"
+
+
 def _as_psymesh_error(exc: BaseException, home: str | None) -> PsymeshError | None:
     """The one error to show the user for `exc`, or None for a bug (which keeps its traceback).
 

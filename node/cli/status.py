@@ -10,10 +10,12 @@ import click
 from ..core.home import NodeHome
 from .output import Output, escape, table as out_table
 from ...protocol import control as c
-from .common import command, on_node, run_async
+from .common import command, on_node, peer_label, peer_names, run_async
 
 if TYPE_CHECKING:
     from rich.console import Console
+
+    from ..control.client import Client
 
 
 @click.command("id")
@@ -93,11 +95,14 @@ def doctor(home: str | None, out: Output, timeout_s: float) -> None:
 @click.option("--size", default=32, show_default=True, type=click.IntRange(0, 65536), help="Payload bytes.")
 def ping(home: str | None, out: Output, peer: str, count: int, size: int) -> None:
     """Round trips to PEER (a multiaddr ending /p2p/<id>) over the encrypted channel."""
-    r = on_node(home, lambda client: client.ping(peer, count=count, payload_size=size))
+    async def ask(client: Client) -> tuple[c.PingReply, dict[str, str]]:
+        return await client.ping(peer, count=count, payload_size=size), await peer_names(client)
+
+    r, names = on_node(home, ask)
 
     def human(con: Console) -> None:
         for i, rtt in enumerate(r.rtts_ms):
-            con.print(f"{size} bytes from {r.peer_id[:16]}…: seq={i} time={rtt:.3f} ms")
+            con.print(f"{size} bytes from {escape(peer_label(r.peer_id, names))}: seq={i} time={rtt:.3f} ms")
         con.print(f"connect {r.connect_ms:.2f} ms; rtt min/median/max = "
                   f"{r.min_ms:.3f}/{r.median_ms:.3f}/{r.max_ms:.3f} ms")
 

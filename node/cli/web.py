@@ -8,10 +8,12 @@ import click
 
 from .output import Output, escape
 from ...protocol import control as c
-from .common import command, on_node
+from .common import command, on_node, peer_label, peer_names
 
 if TYPE_CHECKING:
     from rich.console import Console
+
+    from ..control.client import Client
 
 
 @click.group()
@@ -29,8 +31,14 @@ def _route_options(f: Callable[..., Any]) -> Callable[..., Any]:
                                                      "granting the query).")(f)
 
 
-def _way(reply: c.WebQueryReply) -> str:
-    return f"via {reply.exit[:16]}..." + (f" through relay {reply.relay[:16]}..." if reply.relay else "")
+async def _asked(client: Client, **query: Any) -> tuple[c.WebQueryReply, dict[str, str]]:
+    """The query's reply, and the names of the peers it went through."""
+    return await client.web_query(**query), await peer_names(client)
+
+
+def _way(reply: c.WebQueryReply, names: dict[str, str]) -> str:
+    return f"via {peer_label(reply.exit, names)}" + (
+        f" through relay {peer_label(reply.relay, names)}" if reply.relay else "")
 
 
 @web.command("search")
@@ -41,12 +49,13 @@ def _way(reply: c.WebQueryReply) -> str:
 def web_search(home: str | None, out: Output, query: str, limit: int, via: str | None, relay: str | None,
                hops: int | None) -> None:
     """Search the web for QUERY through a trusted exit."""
-    reply = on_node(home, lambda client: client.web_query(search=query, limit=limit, via=via, relay=relay, hops=hops))
+    reply, names = on_node(home, lambda client: _asked(client, search=query, limit=limit, via=via, relay=relay,
+                                                       hops=hops))
     results = reply.results
     assert results is not None
 
     def human(con: Console) -> None:
-        out.hint(f"{len(results.hits)} result(s) {_way(reply)}" + (" (cached)" if results.cached else "")
+        out.hint(f"{len(results.hits)} result(s) {_way(reply, names)}" + (" (cached)" if results.cached else "")
                  + "; untrusted text from the web")
         for hit in results.hits:
             con.print(f"[bold]{escape(hit.title)}[/bold]\n  {escape(hit.url)}")
@@ -64,13 +73,13 @@ def web_search(home: str | None, out: Output, query: str, limit: int, via: str |
 def web_fetch(home: str | None, out: Output, url: str, max_chars: int, via: str | None, relay: str | None,
               hops: int | None) -> None:
     """Fetch URL's readable text through a trusted exit."""
-    reply = on_node(home, lambda client: client.web_query(url=url, max_chars=max_chars, via=via, relay=relay,
-                                                          hops=hops))
+    reply, names = on_node(home, lambda client: _asked(client, url=url, max_chars=max_chars, via=via, relay=relay,
+                                                       hops=hops))
     page = reply.page
     assert page is not None
 
     def human(con: Console) -> None:
-        out.hint(f"{page.status} {page.content_type} from {page.final_url} {_way(reply)}"
+        out.hint(f"{page.status} {page.content_type} from {page.final_url} {_way(reply, names)}"
                  + (" (cached)" if page.cached else "") + ("; cut" if page.truncated else "")
                  + "; untrusted text from the web")
         if page.title:
