@@ -19,14 +19,15 @@ peer's refusal budget (`refusals_per_minute`, a rate of its own beside the grant
 refusals never spend what the peer may do); past it the refusal is `rate_limited`
 (retry_after), counted into one audit row a window (operation `*`). Every decision,
 allowed or denied, is in the audit log: one row each when allowed, identical refusals
-counted into one row a window (node/door/audit.py). The remote peer id comes from the Noise
+counted into one row a window (node/door/audit.py). Work a peer asked for earlier is decided
+again when it is done, by `readmit()` with a row of its own: a queued task as it starts
+(`recheck()`), a peer's ask as the agent takes it up. The remote peer id comes from the Noise
 session (libp2p), never from the request. Like syncthing's connection checks, the order
 is fixed and the list lives here only: the daemon calls `admit()` from one place (its
 session door), `admit_each()` for the letters of a batch the door let in (each as the
 `msg.send` it stands for, through the same checks), `admit_stream()` for every inbound
 stream (a revoked peer that took our notice may open pairing only), `recheck()` when a queued
-task starts, `readmit()` when the agent takes up a peer's ask (node/messaging/answering.py:
-the grant, as it is then, still covers `msg.ask`), and `admit_relay()` for each reservation and circuit asked of this node as
+task starts, and `admit_relay()` for each reservation and circuit asked of this node as
 a relay (protocol/relay.py: steps 1 and 3, the grant covering `relay`).
 """
 from __future__ import annotations
