@@ -137,13 +137,16 @@ class Messaging:
     async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         async with anyio.create_task_group() as tg:
             self._tg = tg
-            for recipient in self.store.recipients_pending():  # after a restart
-                self._wake(recipient)
-            for sender in self.store.senders_owed():
-                self._wake_acker(sender)
-            task_status.started()
-            tg.start_soon(self._expire_held)
-            await self._watch_gaps(tg)
+            try:
+                for recipient in self.store.recipients_pending():  # after a restart
+                    self._wake(recipient)
+                for sender in self.store.senders_owed():
+                    self._wake_acker(sender)
+                task_status.started()
+                tg.start_soon(self._expire_held)
+                await self._watch_gaps(tg)
+            finally:  # stopping: the group takes no new task, so a letter the mailbox client
+                self._tg = None  # still hands over waits for the next run() (senders_owed)
 
     # -- sending ---------------------------------------------------------------------------
     def send(self, to: str, text: str = "", *, body: JsonMap | None = None, thread: str = "main",
