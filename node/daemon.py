@@ -173,7 +173,8 @@ class Node:
         self.mail = MailOwner(home, self.identity, self.config.mailbox, mail_store, self.trust, self.sessions,
                               self._door, self.messaging, self.config.mail)
         self.groups = Groups(self.db, self.trust, self.messaging)
-        self.answering = Answering(self.db, self.messaging, self.trust, self.agents, self.tools, self.identity.peer_id)
+        self.answering = Answering(self.db, self.messaging, self.trust, self.agents, self.tools, self.identity.peer_id,
+                                   door=self.gate.readmit)
         self.discovery = Discovery(self.identity.peer_id, mdns=self.config.mdns, static_peers=self.config.static_peers,
                                    host=self.p2p, peers=self.trust,
                                    probe=lambda peer_id: self.sessions.request(peer_id, Ping(seq=0), Pong))

@@ -16,6 +16,7 @@ from conftest import pair, run_nodes
 from waiting import wait_until
 from psymesh.agent.loop import ScriptedModel, tool_call_text
 from psymesh.agent.tools import tool_from_function
+from psymesh.node.door.gate import ASK_ANSWER
 from psymesh.node.models import agents
 from psymesh.node.messaging.answering import answer_id
 from psymesh.node.control.client import Client
@@ -137,3 +138,58 @@ async def test_an_asker_that_revoked_us_meanwhile_gets_nothing_and_the_node_live
         assert first.text == "First answer."
         async with Client(home.home.path) as h:  # home goes on serving
             assert (await h.status()).name == "home"
+
+
+async def test_an_ask_whose_grant_was_withdrawn_while_it_waited_is_refused_at_the_door_with_its_audit_row(
+        tmp_path: Path, tiny_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    async with run_nodes(tmp_path, "home", "phone", profiles={"phone": "phone"}) as nodes:
+        home, phone = nodes["home"], nodes["phone"]
+        await pair(home.home.path, phone.home.path, grant="phone")
+        entered, release = anyio.Event(), anyio.Event()
+
+        async def hold() -> dict:
+            """Hold the agent on the first ask until the test lets it go."""
+            entered.set()
+            await release.wait()
+            return {"held": True}
+
+        home.tools.register(tool_from_function(hold, "test.hold"))
+        home.models.registry.add("tiny", tiny_model, **MODEL)
+        model = ScriptedModel([tool_call_text("test.hold"), "First answer."])
+        monkeypatch.setattr(agents, "llama_model", lambda worker, params: model)
+        async with Client(home.home.path) as h:
+            await h.grant("phone", ["msg.ask", "tool:test.*"])
+        answers: dict[str, dict] = {}
+
+        async def ask(question: str) -> None:
+            async with Client(phone.home.path) as p:
+                answers[question] = (await p.ask("home", question, timeout=60)).body
+
+        def asks_at_home() -> int:
+            return sum(r.letter.kind is LetterKind.ASK for r in home.messaging.store.released_after(0))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(ask, "First?")
+            await wait_until(entered.is_set, "the agent to take up the first ask")
+            tg.start_soon(ask, "Second?")  # let in at the door: the grant still covers msg.ask
+            await wait_until(lambda: asks_at_home() == 2, "the second ask to wait its turn at home")
+            async with Client(home.home.path) as h:
+                await h.grant("phone", ["msg.send"])  # the owner takes msg.ask away meanwhile
+            release.set()
+
+        assert answers["First?"]["ok"] is True and answers["First?"]["answer"] == "First answer."
+        refused = answers["Second?"]
+        assert refused["ok"] is False and refused["error"]["code"] == "forbidden"
+        assert "msg.ask" in refused["error"]["message"] and model.remaining == 0  # the agent never ran for it
+        rows = [r for r in home.audit.query(peer_id=phone.identity.peer_id, limit=1000)
+                if r["protocol"] == ASK_ANSWER]
+        assert [(r["operation"], r["allowed"], r["code"]) for r in rows] == [("msg.ask", True, None),
+                                                                             ("msg.ask", False, "forbidden")]
+
+        # unpaired meanwhile: nothing is sent, and the door's row says why
+        [first_ask] = [r.letter for r in home.messaging.store.released_after(0) if r.letter.text == "First?"]
+        async with Client(home.home.path) as h:
+            await h.revoke("phone")
+        assert await home.answering.answer(first_ask.model_copy(update={"id": "asked-before-unpairing"})) is None
+        last = home.audit.query(peer_id=phone.identity.peer_id, denied_only=True, limit=1)[-1]
+        assert (last["protocol"], last["operation"], last["code"]) == (ASK_ANSWER, "msg.ask", "unknown_peer")

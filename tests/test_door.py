@@ -211,6 +211,42 @@ async def test_every_message_the_node_serves_has_a_row_in_the_door_table(tmp_pat
     assert served == set(REQUESTS), "a service whose requests are not in protocol/admission.py skips the door"
 
 
+# Work a peer asked for earlier, decided again by the door when it is done (`Gate.readmit`):
+# a queued task as it starts (task.start), a peer's ask as the agent takes it up (ask.answer).
+# What each standing gets then, with one audit row under the moment's name.
+READMITTED = {"nocap": "forbidden", "expired": "expired", "revoked": "unknown_peer", "allowed": OK,
+              "stranger": "unknown_peer"}
+
+
+async def test_work_asked_for_earlier_is_decided_again_at_the_door_with_its_audit_row(tmp_path: Path) -> None:
+    from psymesh.node.door.gate import ASK_ANSWER, RECHECK
+    from psymesh.protocol.admission import task_operation
+    from psymesh.protocol.manifest import Operation
+
+    async with run_nodes(tmp_path, "home", *READMITTED) as nodes:
+        home = nodes["home"]
+        for name in ("nocap", "expired", "revoked", "allowed"):
+            await pair(home.home.path, nodes[name].home.path)
+        async with Client(home.home.path) as h:
+            await h.grant("nocap", ["tool:nothing.here"])
+            await h.grant("expired", ["tool:*", "msg.ask"], expires_s=60)
+            await h.grant("allowed", ["tool:*", "msg.ask"])
+            await h.grant("revoked", ["tool:*", "msg.ask"])
+        home.trust.revoke(nodes["revoked"].identity.peer_id)
+        home.gate.clock = lambda: time.time() + 120  # the expired grant is out of date now
+        moments = {RECHECK: task_operation(TaskSpec(id="t", kind="tool", tool="system.info")),
+                   ASK_ANSWER: Operation(name="msg.ask", payload_bytes=5)}
+        for standing, want in READMITTED.items():
+            peer_id = nodes[standing].identity.peer_id
+            for service, operation in moments.items():
+                decision = home.gate.readmit(peer_id, service, operation)
+                assert decision.allowed is (want == OK) and decision.code == (None if want == OK else want), \
+                    (standing, service, decision)
+                [row] = [r for r in home.audit.query(peer_id=peer_id, limit=100) if r["protocol"] == service]
+                assert row["operation"] == operation.required() and row["allowed"] is (want == OK)
+                assert row["code"] == (None if want == OK else want), (standing, service, row)
+
+
 async def test_a_revoked_peer_that_was_told_may_open_pairing_only(tmp_path: Path) -> None:
     async with run_nodes(tmp_path, "home", "phone") as nodes:
         home, phone = nodes["home"], nodes["phone"]

@@ -19,7 +19,9 @@ peer's refusal budget (`refusals_per_minute`, a rate of its own beside the grant
 refusals never spend what the peer may do); past it the refusal is `rate_limited`
 (retry_after), counted into one audit row a window (operation `*`). Every decision,
 allowed or denied, is in the audit log: one row each when allowed, identical refusals
-counted into one row a window (node/door/audit.py). The remote peer id comes from the Noise
+counted into one row a window (node/door/audit.py). Work a peer asked for earlier is decided
+again when it is done, by `readmit()` with a row of its own: a queued task as it starts
+(`recheck()`), a peer's ask as the agent takes it up. The remote peer id comes from the Noise
 session (libp2p), never from the request. Like syncthing's connection checks, the order
 is fixed and the list lives here only: the daemon calls `admit()` from one place (its
 session door), `admit_each()` for the letters of a batch the door let in (each as the
@@ -67,6 +69,7 @@ from ...protocol.tasks import TaskSpec, TaskSubmit
 
 log = logging.getLogger("psymesh.gate")
 RECHECK = "task.start"  # the audit row of a queued task re-checked as it starts (not a wire request)
+ASK_ANSWER = "ask.answer"  # ... of a peer's ask re-checked as this node's agent takes it up (neither)
 OVER_BUDGET = "*"  # the operation of the audit row counting a peer's refusals past its refusal budget
 
 
@@ -241,20 +244,27 @@ class Gate:
         """A queued task about to start: does the submitter's grant, as it is *now*, still
         cover it? Returns the decision (denied ones too, for the executor to report);
         writes its own audit row."""
+        return self.readmit(peer_id, RECHECK, task_operation(spec))
+
+    def readmit(self, peer_id: str, service: str, operation: Operation) -> Decision:
+        """Work a peer asked for earlier, about to be done now (`service` names the moment:
+        RECHECK, ASK_ANSWER): is `peer_id` still paired, and does our grant to it, as it is
+        *now*, still cover `operation`? Returns the decision (denied ones too, for the
+        caller to report); one audit row either way, uncharged."""
         now = self.clock()
-        what = task_operation(spec).required()
+        what = operation.required()
         try:
             peer = self.paired(peer_id)
-            decision = self._whose(peer, check(_grant_of(peer), task_operation(spec),
-                                               local_peer_id=self.local_peer_id, remote_peer_id=peer_id, now=now))
+            decision = self._whose(peer, check(_grant_of(peer), operation, local_peer_id=self.local_peer_id,
+                                               remote_peer_id=peer_id, now=now))
         except PsymeshError as exc:
             decision = Decision(False, exc.code, exc.message)
         if decision.allowed:
-            self.audit.record(peer_id, RECHECK, what, True, now=now)
+            self.audit.record(peer_id, service, what, True, now=now)
         else:
             error = decision.error()
             assert error is not None
-            self._record(peer_id, RECHECK, what, error, now)
+            self._record(peer_id, service, what, error, now)
         return decision
 
     def _check_queue(self, peer_id: str, grant: Manifest) -> None:

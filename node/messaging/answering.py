@@ -3,6 +3,7 @@ agent, and what it says goes back as an `answer` letter in the same thread, `rep
 the ask.
 
     Messaging.follow ─> an ask ─> the asker's grant, as it is now, still covers msg.ask?
+                                  (the gate's `readmit`: an audit row `ask.answer`, either way)
         ─> AgentTaskRunner.run (the path delegated `agent` tasks take): the ask's text as
            the goal, its `body.params` checked as a peer's, only the tools the asker's
            grant covers as `tool:` operations, within the grant's max_runtime_s
@@ -23,19 +24,20 @@ import logging
 import sqlite3
 import time
 from contextlib import aclosing
-from typing import Any
+from typing import Any, Protocol
 
 import anyio
 import anyio.abc
 
 from ..models.agents import AgentTaskRunner, granted_tools
 from ..core.db import ensure_schema
+from ..door.gate import ASK_ANSWER
 from .service import Messaging
 from .store import Received
 from ..door.trust import TrustStore
 from ...agent.tools import ToolRegistry
 from ...protocol.errors import ErrorCode, PsymeshError
-from ...protocol.manifest import Manifest, check
+from ...protocol.manifest import Decision, Manifest, Operation
 from ...protocol.messaging import Letter, LetterKind
 from ...protocol.messaging import answer_id as protocol_answer_id
 from ...protocol.tasks import JsonMap
@@ -50,6 +52,12 @@ CREATE TABLE IF NOT EXISTS msg_answered (
 """
 
 
+class Readmission(Protocol):
+    def __call__(self, peer_id: str, service: str, operation: Operation) -> Decision:
+        """The door's decision, audited, on work `peer_id` asked for earlier, as its grant is
+        now (the gate's `readmit`)."""
+
+
 def answer_id(ask: Letter) -> str:
     """The id of our answer to `ask`: the same every time (protocol.messaging.answer_id)."""
     return protocol_answer_id(ask.sender, ask.id)
@@ -57,8 +65,9 @@ def answer_id(ask: Letter) -> str:
 
 class Answering:
     def __init__(self, conn: sqlite3.Connection, messaging: Messaging, trust: TrustStore, agents: AgentTaskRunner,
-                 tools: ToolRegistry, local_peer_id: str) -> None:
+                 tools: ToolRegistry, local_peer_id: str, *, door: Readmission) -> None:
         self.conn = conn
+        self.door = door
         self.messaging = messaging
         self.trust = trust
         self.agents = agents
@@ -89,13 +98,15 @@ class Answering:
         if done is not None:
             return done.letter
         peer = self.trust.get(ask.sender)
-        if peer is None or peer.revoked or peer.granted is None or peer.revoked_us_at is not None:
+        if peer is not None and peer.revoked_us_at is not None:  # nothing we write reaches it: nothing to decide
+            log.info("ask %s from %s dropped: it revoked this node", ask.id, ask.sender)
+            return None
+        still = self.door(ask.sender, ASK_ANSWER, ask.operation())  # (no await before the grant is read below)
+        if peer is None or peer.revoked or peer.granted is None:
             log.info("ask %s from %s dropped: no longer paired both ways", ask.id, ask.sender)
             return None
         grant = peer.granted
         try:
-            still = check(grant, ask.operation(), local_peer_id=self.local_peer_id, remote_peer_id=ask.sender,
-                          now=time.time())
             still.raise_if_denied()
             body = await self._run(ask, grant)
             text = body.get("answer", "")

@@ -308,7 +308,10 @@ class MailOwner:
                         item = expect(reply, MailItem)
                         await self._take(item)
                         self._after[box] = item.seq
-                        send_ack.send_nowait(item.seq)
+                        try:
+                            send_ack.send_nowait(item.seq)
+                        except anyio.BrokenResourceError:  # the acknowledger stopped: the node is stopping
+                            return                         # (unacknowledged, the item comes again: no loss)
 
     async def _acknowledge(self, box: str, acks: MemoryObjectReceiveStream[int]) -> None:
         """Acknowledge the latest item taken, one `mail.ack` at a time: a burst of items

@@ -2,14 +2,15 @@
 `msg.send` service), on the sessions every other request uses.
 
     send(to, text) ─> outbox (signed, numbered in its thread) ─> courier(recipient)
-        courier: up to WINDOW letters in flight on the session, BATCH to a `msg.send_many`;
-                 its receipts recorded in one transaction: stored -> delivered;
-                 busy / unreachable -> retry with backoff; refused for good -> refused,
-                 and a withdrawn stub goes in its place so its thread is not held;
-                 unreachable for longer than `grace_s` -> sealed and left at the
-                 recipient's mailbox, if it named one (node/messaging/mailclient.py) -> deposited,
-                 and still offered directly (backoff up to PARKED_RETRY_MAX_S) until the
-                 recipient's signed receipt comes back, on a direct delivery or a `msg.ack`
+        courier: a short loop running protocol/courier.py's `Courier`, which decides: up to
+                 WINDOW letters a round, BATCH to a `msg.send_many`; its receipts recorded in
+                 one transaction: stored -> delivered; busy / unreachable -> retry with
+                 backoff; refused for good -> refused, and a withdrawn stub goes in its place
+                 so its thread is not held; unreachable for longer than `grace_s` -> sealed
+                 and left at the recipient's mailbox, if it named one
+                 (node/messaging/mailclient.py) -> deposited, and still offered directly
+                 (backoff up to PARKED_RETRY_MAX_S) until the recipient's signed receipt
+                 comes back, on a direct delivery or a `msg.ack`
     msg.send (admitted by the door) ─> check_letter ─> inbox (exactly once) ─> receipt,
         with `proof`: our signed Receipt over the ids stored
     msg.ack     (the recipient's signed receipt for letters its mailbox handed over) ─> delivered
@@ -32,7 +33,7 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Protocol
 
 import anyio
@@ -45,6 +46,24 @@ from ..net.session import Call, SessionPool
 from ..door.trust import TrustStore
 from ..core.wakelock import WakeLock
 from ...protocol import ids
+from ...protocol.courier import (
+    PARKED_RETRY_MAX_S,
+    RETRY_MIN_S,
+    RETRYABLE,
+    WINDOW,
+    Action,
+    Away,
+    CheckParked,
+    Courier,
+    Deposit,
+    Deposited,
+    Send,
+    Settle,
+    StubDone,
+    Suspect,
+    TakeReceipts,
+    WaitUntil,
+)
 from ...protocol.errors import ErrorCode, NetworkError, ProtocolError, PsymeshError, RemoteError
 from ...protocol.messages import Message
 from ...protocol.messaging import (
@@ -60,7 +79,6 @@ from ...protocol.messaging import (
     MsgSend,
     MsgSendMany,
     Receipt,
-    ReceiptStatus,
     check_letter,
     check_receipt,
 )
@@ -68,14 +86,6 @@ from ...protocol.tasks import JsonMap
 
 log = logging.getLogger("psymesh.msg")
 
-WINDOW = 256           # letters in flight to one recipient ...
-BATCH = 64             # ... at most this many in one msg.send_many ...
-BATCH_BYTES = 1 << 20  # ... and this much text and body (a frame holds 4 MiB; one big letter goes alone)
-RETRY_MIN_S = 0.2
-RETRY_MAX_S = 30.0
-PARKED_RETRY_MAX_S = 300.0   # a recipient whose letters all sit at its mailbox: offered directly this seldom
-_RETRYABLE = frozenset({ErrorCode.BUSY, ErrorCode.RATE_LIMITED, ErrorCode.UNAVAILABLE, ErrorCode.TIMEOUT,
-                        ErrorCode.INTERNAL, ErrorCode.CANCELED})
 _INBOX = "inbox"       # the Notifier key for "letters were released"
 _HELD = "held"         # ... for "a letter is held behind a gap"
 EXPIRE_EVERY_S = 300.0  # how often held letters are looked at for a gap to give up (at most)
@@ -118,7 +128,6 @@ class Messaging:
         self.mail = mail
         self.grace_s = grace_s      # unreachable this long: letters go to the recipient's mailbox
         self.gap_s = gap_s          # a thread held this long behind a gap asks its sender again
-        self._away: dict[str, float] = {}  # recipient -> when it was first found unreachable
         self._asked: dict[tuple[str, str], float] = {}  # (sender, thread) -> when we last sent msg.missing
         self._ackers: set[str] = set()     # senders we are sending receipts to
         self.changed = Notifier()   # _INBOX: letters released; letter id: its outbox row changed
@@ -128,13 +137,16 @@ class Messaging:
     async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         async with anyio.create_task_group() as tg:
             self._tg = tg
-            for recipient in self.store.recipients_pending():  # after a restart
-                self._wake(recipient)
-            for sender in self.store.senders_owed():
-                self._wake_acker(sender)
-            task_status.started()
-            tg.start_soon(self._expire_held)
-            await self._watch_gaps(tg)
+            try:
+                for recipient in self.store.recipients_pending():  # after a restart
+                    self._wake(recipient)
+                for sender in self.store.senders_owed():
+                    self._wake_acker(sender)
+                task_status.started()
+                tg.start_soon(self._expire_held)
+                await self._watch_gaps(tg)
+            finally:  # stopping: the group takes no new task, so a letter the mailbox client
+                self._tg = None  # still hands over waits for the next run() (senders_owed)
 
     # -- sending ---------------------------------------------------------------------------
     def send(self, to: str, text: str = "", *, body: JsonMap | None = None, thread: str = "main",
@@ -169,81 +181,71 @@ class Messaging:
         self._tg.start_soon(self._courier, recipient)
 
     async def _courier(self, recipient: str) -> None:
-        """Deliver `recipient`'s pending letters, WINDOW at a time in batches, until none is left
-        (the wake lock held meanwhile: a phone's CPU stays up while letters wait to leave)."""
-        backoff = 0.0
+        """Run `recipient`'s `protocol.courier.Courier` until no letter waits: its batches
+        handed over concurrently, WINDOW letters a round, then a wait if it says so (the wake
+        lock held meanwhile: a phone's CPU stays up while letters wait to leave)."""
+        courier = Courier(recipient, local_peer_id=self.identity.peer_id, grace_s=self.grace_s)
         try:
-            while True:
-                pending = self.store.pending(recipient, limit=WINDOW)
-                if not pending:
-                    return
-                retry_after: list[float] = []
+            while sends := courier.begin(self.store.pending(recipient, limit=WINDOW)):
                 with self.wake.held():  # awake while handing letters over, not while waiting to retry
                     async with anyio.create_task_group() as tg:
-                        for batch in _batches(pending):
-                            tg.start_soon(self._deliver, recipient, batch, retry_after)
-                    parked = bool(retry_after) and all(sent.state is OutState.DEPOSITED
-                                                       for sent in self.store.pending(recipient, WINDOW))
-                    if parked and await self._take_receipts(recipient):
-                        continue
-                if any(retry_after):  # the recipient is away or busy: wait (new letters wait too)
-                    cap = PARKED_RETRY_MAX_S if parked else RETRY_MAX_S
-                    backoff = min(cap, max(RETRY_MIN_S, backoff * 2, max(retry_after)))
-                    with anyio.move_on_after(backoff):  # a new letter, or word from the recipient, cuts it short
-                        await self.changed.wait(_nudge(recipient))
-                elif not retry_after:
-                    backoff = 0.0
+                        for send in sends:
+                            tg.start_soon(self._deliver, courier, send)
+                    step = courier.round_over(time.monotonic())
+                    if isinstance(step, CheckParked):
+                        step = courier.parked(self.store.pending(recipient, WINDOW), time.monotonic())
+                    if isinstance(step, TakeReceipts):
+                        step = courier.receipts_taken(await self._take_receipts(recipient), time.monotonic())
+                if isinstance(step, WaitUntil):  # the recipient is away or busy (new letters wait too)
+                    with anyio.move_on_after(step.when - time.monotonic()):  # a new letter, or word from
+                        await self.changed.wait(_nudge(recipient))          # the recipient, cuts it short
         finally:
             self._couriers.discard(recipient)  # (no await since the last read: no letter is missed)
-            self._away.pop(recipient, None)
 
-    async def _deliver(self, recipient: str, batch: list[Sent], retry_after: list[float]) -> None:
-        """Hand a batch over (a refused letter as the stub that keeps its thread going).
-        Appends to `retry_after` when the courier should try again later."""
-        stubs = [sent.state is OutState.REFUSED for sent in batch]
-        wire = [sent.letter.stub().sign(self.identity.private_key) if stub else sent.letter
-                for sent, stub in zip(batch, stubs)]
+    async def _deliver(self, courier: Courier, send: Send) -> None:
+        """Hand one batch over and carry out what the courier makes of how it went."""
+        recipient = courier.recipient
         try:
-            if len(wire) == 1:  # alone: a plain msg.send (one decision at the door, not two)
-                receipt = await self.sessions.request(recipient, MsgSend(letter=wire[0]), MsgReceipt, timeout=30)
-                reply = MsgReceipts(results=[LetterResult(id=receipt.id, status=receipt.status)], proof=receipt.proof)
-            else:
-                reply = await self.sessions.request(recipient, MsgSendMany(letters=wire), MsgReceipts, timeout=30)
+            reply = await self.sessions.request(recipient, send.request(self._stub), send.reply_type, timeout=30)
         except RemoteError as exc:
-            if exc.code in _RETRYABLE:
-                retry_after.append(exc.retry_after or RETRY_MIN_S)
-                return
-            # refused for good (a batch's envelope, or a lone letter): each letter is, as it would be alone
-            results = [LetterResult.refused(letter.id, exc) for letter in wire]
-            proof = None
+            actions = courier.refused(send, exc, time.monotonic())
         except (NetworkError, ProtocolError, TimeoutError) as exc:
-            log.debug("%d letter(s) to %s: %s", len(batch), recipient, exc)
-            if recipient not in self._away:  # a sender waiting on these is told the recipient is away
-                for sent in batch:
-                    self.changed.notify(sent.letter.id)
-            away = self._away.setdefault(recipient, time.monotonic())
-            if time.monotonic() - away < self.grace_s:
-                retry_after.append(RETRY_MIN_S)
-                return
-            for sent, letter, stub in zip(batch, wire, stubs):
-                if sent.state is OutState.DEPOSITED:  # its mailbox holds it: offered directly again later
-                    retry_after.append(RETRY_MIN_S)
-                elif not await self._deposit(sent.letter, letter, stub):
-                    retry_after.append(RETRY_MIN_S)
-            return
+            log.debug("%d letter(s) to %s: %s", len(send.letters), recipient, exc)
+            actions = courier.unreachable(send, time.monotonic())
         except PsymeshError as exc:  # e.g. the peer revoked us: they stay pending, the app sees why
-            log.info("%d letter(s) to %s cannot leave: %s", len(batch), recipient, exc.message)
-            retry_after.append(RETRY_MAX_S)
-            return
+            log.info("%d letter(s) to %s cannot leave: %s", len(send.letters), recipient, exc.message)
+            actions = courier.held_back(send)
         else:
-            self._away.pop(recipient, None)
-            results = reply.results
-            if [r.id for r in results] != [letter.id for letter in wire] or not self._proves(recipient, reply):
-                log.warning("%s answered a batch without its signed receipt for the letters; resending", recipient)
-                retry_after.append(RETRY_MIN_S)
-                return
-            proof = reply.proof
-        self._settle(batch, stubs, results, retry_after, proof if results else None)
+            actions = courier.answered(send, reply, time.monotonic())
+        for action in actions:
+            if isinstance(action, Deposit):
+                for done in courier.deposit_done(action, await self._deposit(action)):
+                    self._apply(recipient, done)
+            else:
+                self._apply(recipient, action)
+
+    def _stub(self, letter: Letter) -> Letter:
+        return letter.stub().sign(self.identity.private_key)
+
+    def _apply(self, recipient: str, action: Action) -> None:
+        """Carry out one of the courier's actions (a deposit is `_deliver`'s to await)."""
+        if isinstance(action, Settle):  # what the receipts said, all in one transaction
+            for refusal in action.refused:
+                log.info("letter %s refused by %s: %s", refusal.id, recipient, refusal.reason)
+            self.store.settle(action.delivered, action.stubs_done, [(r.id, r.code, r.reason) for r in action.refused],
+                              action.proof)
+            for letter_id in action.delivered + tuple(r.id for r in action.refused):
+                self.changed.notify(letter_id)
+        elif isinstance(action, Suspect):
+            log.warning("%s; resending", action.reason)
+        elif isinstance(action, Away):  # a sender waiting on these is told the recipient is away
+            for letter_id in action.ids:
+                self.changed.notify(letter_id)
+        elif isinstance(action, Deposited):
+            self.store.deposited(action.id)
+            self.changed.notify(action.id)
+        elif isinstance(action, StubDone):
+            self.store.stub_done(action.id)
 
     async def _take_receipts(self, recipient: str) -> bool:
         """The receipts `recipient` left for us at its mailbox, checked and recorded; whether
@@ -267,59 +269,17 @@ class Messaging:
             self.changed.notify(letter_id)
         return bool(done)
 
-    def _proves(self, recipient: str, reply: MsgReceipts) -> bool:
-        """The reply's proof is the recipient's signature over exactly the ids it stored."""
-        stored = [r.id for r in reply.results if r.status is ReceiptStatus.STORED]
-        if not stored:
-            return reply.proof is None
-        if reply.proof is None or reply.proof.ids != stored:
-            return False
-        try:
-            check_receipt(reply.proof, recipient=recipient, local_peer_id=self.identity.peer_id)
-        except PsymeshError:
-            return False
-        return True
-
-    def _settle(self, batch: list[Sent], stubs: list[bool], results: list[LetterResult],
-                retry_after: list[float], proof: Receipt | None) -> None:
-        """Record what each letter's receipt said, all in one transaction."""
-        delivered: list[str] = []
-        stubs_done: list[str] = []
-        refused: list[tuple[str, str, str]] = []
-        for sent, stub, result in zip(batch, stubs, results):
-            letter = sent.letter
-            code = result.code or ErrorCode.INTERNAL  # a refusal without a code: try again
-            if result.status is ReceiptStatus.STORED:
-                (stubs_done if stub else delivered).append(letter.id)
-            elif code in _RETRYABLE:
-                retry_after.append(result.retry_after or RETRY_MIN_S)
-            elif stub:  # the recipient takes nothing from us now: no thread of ours is held there
-                stubs_done.append(letter.id)
-            else:
-                log.info("letter %s refused by %s: %s", letter.id, letter.recipient, result.reason)
-                refused.append((letter.id, code.value, result.reason))
-                retry_after.append(0.0)  # its stub goes in the next round, at once
-        self.store.settle(delivered, stubs_done, refused, proof)
-        for letter_id in delivered + [r[0] for r in refused]:
-            self.changed.notify(letter_id)
-
-    async def _deposit(self, letter: Letter, wire: Letter, stub: bool) -> bool:
-        """Leave `wire` (the letter, or its stub) at the recipient's mailbox. False if it
-        named none we can use or the mailbox did not take it: the letter stays pending."""
+    async def _deposit(self, deposit: Deposit) -> bool:
+        """Leave the letter (or its stub) at the recipient's mailbox: whether it is held there
+        (not if the recipient named no mailbox we can use, or the mailbox did not take it)."""
         if self.mail is None:
             return False
         try:
-            if not await self.mail.deposit(wire):
-                return False
+            return await self.mail.deposit(deposit.wire(self._stub))
         except (PsymeshError, TimeoutError) as exc:
-            log.info("letter %s for %s: its mailbox did not take it: %s", letter.id, letter.recipient, exc)
+            log.info("letter %s for %s: its mailbox did not take it: %s", deposit.letter.id, deposit.letter.recipient,
+                     exc)
             return False
-        if stub:
-            self.store.stub_done(letter.id)
-        else:
-            self.store.deposited(letter.id)
-            self.changed.notify(letter.id)
-        return True
 
     async def wait_sent(self, letter_id: str, *, until_away: bool = False) -> Sent:
         """Until the letter is delivered, deposited at the recipient's mailbox, or refused;
@@ -434,7 +394,7 @@ class Messaging:
                     await self.sessions.request(sender, MsgAck(receipt=self._receipt(sender, ids)), MsgAckOk,
                                                 timeout=30)
                 except RemoteError as exc:
-                    if exc.code not in _RETRYABLE:  # it takes nothing from us: its direct resend gets the receipt
+                    if exc.code not in RETRYABLE:  # it takes nothing from us: its direct resend gets the receipt
                         log.info("%s refused our receipt: %s", sender, exc.message)
                         self.store.paid(sender, ids)
                         continue
@@ -515,19 +475,3 @@ class Messaging:
             if not live:
                 return
             await self.changed.wait(_INBOX)
-
-
-
-def _batches(pending: list[Sent]) -> Iterator[list[Sent]]:
-    """Oldest first, cut at BATCH letters or BATCH_BYTES of payload (a letter over that goes alone)."""
-    batch: list[Sent] = []
-    size = 0
-    for sent in pending:
-        weight = sent.letter.payload_bytes
-        if batch and (len(batch) == BATCH or size + weight > BATCH_BYTES):
-            yield batch
-            batch, size = [], 0
-        batch.append(sent)
-        size += weight
-    if batch:
-        yield batch

@@ -34,10 +34,10 @@ import sqlite3
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from enum import StrEnum
 from typing import Protocol
 
 from ..core.db import ensure_schema, transaction
+from ...protocol.courier import OutState
 from ...protocol.errors import ErrorCode, PsymeshError
 from ...protocol.messaging import InboxSettings, Letter, LetterKind, Receipt, missing, releasable
 
@@ -102,13 +102,6 @@ class LetterMaker(Protocol):
     """Builds the signed letter for a tseq (the store picks the number inside its transaction)."""
 
     def __call__(self, tseq: int) -> Letter: ...
-
-
-class OutState(StrEnum):
-    PENDING = "pending"
-    DELIVERED = "delivered"
-    REFUSED = "refused"
-    DEPOSITED = "deposited"
 
 
 @dataclass(frozen=True)
