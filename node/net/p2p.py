@@ -190,6 +190,7 @@ Outbound connections (ones this node dials, such as a joiner's to an inviter) ge
 but not (15): they are to a peer we chose.
 """
 from __future__ import annotations
+from . import lean_import  # noqa: F401  (27) first: libp2p imports only what the host uses (lean_import.py)
 
 import logging
 import ipaddress
