@@ -31,18 +31,20 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import anyio
 import anyio.abc
 
-from .mdns import Left, Mdns, MdnsEvent
 from .records import dialable, without_peer_id
 from .static import Dialer, StaticPeers, check_static_peers
 from .table import SeenTable, Sighting
 from ..protocol.control import DiscoverReply, SeenNode, network_kind
 from ..protocol.errors import PsymeshError
 from ..protocol.identity import is_peer_id, peer_fingerprint
+
+if TYPE_CHECKING:  # .mdns brings zeroconf (~5 MB): imported only when mDNS is on
+    from .mdns import Mdns, MdnsEvent
 
 log = logging.getLogger("psymesh.discovery")
 
@@ -101,7 +103,11 @@ class Discovery:
         self.probe = probe
         self.clock = clock
         self.table = SeenTable()
-        self.mdns = Mdns(peer_id, host.addrs) if mdns else None
+        self.mdns: Mdns | None = None
+        if mdns:
+            from .mdns import Mdns
+
+            self.mdns = Mdns(peer_id, host.addrs)
         self.static = StaticPeers(check_static_peers(static_peers, peer_id), host, self._reached)
         self._pending: set[str] = set()   # paired peers whose announced addresses are not followed yet
         self._retry_at: dict[str, float] = {}
@@ -120,6 +126,8 @@ class Discovery:
 
     # -- what is seen ----------------------------------------------------------------
     def _on_mdns(self, event: MdnsEvent) -> None:
+        from .mdns import Left  # loaded already: mDNS is on
+
         if isinstance(event, Left):
             self.table.forget(event.peer_id, "mdns")
             return

@@ -10,3 +10,5 @@ punching rounds); the modules here drive them. Then message framing over any byt
 (many requests over one stream, both ends), liveness of a session's peer, and ping. Decides nothing
 about who may ask what: that is the door's. May import core/.
 """
+
+from . import lean_import  # noqa: F401  (defect 27) first of all: libp2p then imports only what the host uses

@@ -167,6 +167,15 @@ states between peers' messages):
    only an unpaired one has that timer. P2PNode's `changes()` (the swarm's notifee) wakes
    what follows connections and addresses, instead of a 1 s poll.
 
+Found while making an idle phone fit in 100 MB (issue 23 item 3):
+
+27. Importing any part of libp2p imports every transport and service it has (QUIC/aioquic,
+   AutoTLS's ACME client with httpx and requests, its own mDNS/zeroconf, Prometheus,
+   multiaddr's DNS resolvers/dnspython): ~25 MB RSS and ~0.4 s of start for features the
+   node never turns on. `lean_import.py`, imported by node/net/__init__.py before any libp2p
+   import, answers those modules with stand-ins that load the real module at first use
+   (tests/test_p2p_imports.py).
+
 Hole punching (DCUtR, `enable_hole_punch()`, config `[relay] hole_punch`): likewise libp2p's
 wire format (its `HolePunch` protobuf on `/libp2p/dcutr`) and its swarm's source-bound dials
 (`dial_with_source`, `dial_addr_as_responder`), not its `DCUtRProtocol` service (which brings

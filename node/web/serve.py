@@ -42,6 +42,7 @@ import sqlite3
 import time
 from collections.abc import Callable
 from contextlib import AsyncExitStack
+from typing import TYPE_CHECKING
 
 import anyio
 import anyio.abc
@@ -53,7 +54,7 @@ from ..core.home import NodeHome
 from ..core.keyrings import load_ring, save_ring
 from ..net.session import Call, SessionPool
 from ..door.trust import TrustStore
-from .exit import ExitSettings, WebExit
+from ..core.websettings import ExitSettings
 from ...protocol.common import Error
 from ...protocol.errors import ErrorCode, PsymeshError
 from ...protocol.manifest import Operation, check
@@ -74,6 +75,9 @@ from ...protocol.web import (
     WebSealedReply,
     WebSearch,
 )
+
+if TYPE_CHECKING:
+    from .exit import WebExit
 
 log = logging.getLogger("psymesh.web")
 
@@ -163,6 +167,8 @@ class WebServer:
         rotate it on schedule."""
         async with AsyncExitStack() as stack:
             if self.settings.enabled:
+                from .exit import WebExit  # httpx, the extractors: only on a node that is an exit
+
                 self._exit = await stack.enter_async_context(WebExit(self.settings))
             task_status.started()
             if self._key is None:
