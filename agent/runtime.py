@@ -55,12 +55,16 @@ and the next step continues from the checkpoint before the reply instead. That
 insurance costs each step one more small batch (the generation prompt, evaluated
 after the checkpoint) and a state copy: ~60 ms on the bench model, against ~0.8 s for
 a step's new tokens.
+
+The sampler chain is agent/sampling.py's and reading the streamed text (stop strings, the
+ThinkBudget, StopAfter, UTF-8 validity) agent/decoding.py's; what stays here is one job over one
+llama context: the thread and its queue, and the snapshot bookkeeping that decides what that
+context must evaluate next (the two share the live context's state, so they are kept together).
 """
 from __future__ import annotations
 
 import codecs
 import ctypes
-import math
 import queue
 import threading
 import time
@@ -90,6 +94,8 @@ from .inference import (
     default_threads,
 )
 from ..protocol.errors import PsymeshError
+from .decoding import StopScanner, Watch, is_utf8
+from .sampling import grammar_allows, make_sampler
 
 __all__ = [
     "Completion",
@@ -170,83 +176,6 @@ class _Cancelled(Exception):
 
 
 _STOP = object()
-
-
-class _StopScanner:
-    """Streams text while holding back any tail that could start a stop string."""
-
-    def __init__(self, stops: Sequence[str]) -> None:
-        self.stops = tuple(s for s in stops if s)
-        self.pending = ""
-
-    def feed(self, piece: str) -> tuple[str, bool]:
-        self.pending += piece
-        if not self.stops:
-            out, self.pending = self.pending, ""
-            return out, False
-        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
-        if hits:
-            out, self.pending = self.pending[: min(hits)], ""
-            return out, True
-        keep = 0
-        for s in self.stops:
-            for k in range(min(len(s) - 1, len(self.pending)), keep, -1):
-                if self.pending.endswith(s[:k]):
-                    keep = k
-                    break
-        cut = len(self.pending) - keep
-        out, self.pending = self.pending[:cut], self.pending[cut:]
-        return out, False
-
-    def flush(self) -> str:
-        out, self.pending = self.pending, ""
-        return out
-
-
-class _Watch:
-    """The generated text so far, and the two rules that read it as it grows: when a
-    thought closed (for the ThinkBudget) and when the StopAfter marker count is reached."""
-
-    def __init__(self, budget: ThinkBudget | None, stop_after: StopAfter | None) -> None:
-        self.text = ""
-        self.budget = budget
-        self.close_marker = budget.close.strip() if budget else ""
-        self.thinking = budget is not None
-        self.think_tokens = 0
-        self.stop_after = stop_after
-        self.count_from = 0 if stop_after is not None and stop_after.after is None else -1
-        self.seen = 0      # markers counted so far
-        self.scanned = 0   # text before this index is counted
-
-    def add(self, piece: str, *, sampled: bool) -> bool:
-        """Take the next token's text; True when the StopAfter rule ends the generation here."""
-        self.text += piece
-        if self.thinking:
-            if self.close_marker in self.text:
-                self.thinking = False
-            elif sampled:
-                self.think_tokens += 1
-        rule = self.stop_after
-        if rule is None:
-            return False
-        if self.count_from < 0:
-            at = self.text.find(rule.after or "")
-            if at < 0:
-                return False
-            self.count_from = self.scanned = at + len(rule.after or "")
-        while (at := self.text.find(rule.marker, max(self.scanned, self.count_from))) >= 0:
-            self.seen += 1
-            self.scanned = at + len(rule.marker)
-        return self.seen >= rule.count
-
-    def over_budget(self) -> bool:
-        return self.budget is not None and self.thinking and self.think_tokens >= self.budget.tokens
-
-    def closing_text(self) -> str:
-        """The budget's close, without a leading newline the thought already ends with."""
-        assert self.budget is not None
-        close = self.budget.close
-        return close[1:] if close.startswith("\n") and self.text.endswith("\n") else close
 
 
 class ModelWorker(StreamingModel):
@@ -483,7 +412,9 @@ class ModelWorker(StreamingModel):
         if room < 1:
             raise PromptTooLong(f"prompt is {len(tokens)} tokens; the context holds {llm.n_ctx()}",
                                 details={"prompt_tokens": len(tokens), "n_ctx": llm.n_ctx()})
-        sampler, grammar = self._make_sampler(llm, job)  # before touching the context: a bad grammar fails cleanly
+        sampler, grammar = make_sampler(llm, grammar_text=job.grammar, temperature=job.temperature, top_k=job.top_k,
+                                       top_p=job.top_p, min_p=job.min_p, seed=job.seed,
+                                       logit_bias=job.logit_bias)  # before touching the context: a bad grammar fails cleanly
         try:
             try:
                 self._prepare(llm, job, plan)
@@ -516,7 +447,7 @@ class ModelWorker(StreamingModel):
     def _tokenize(llm: Llama, text: bytes, *, first: bool) -> list[int]:
         """The one way to llama.cpp's tokenizer, which takes valid UTF-8 only (see
         :meth:`_canonical`): anything else is a ModelError here, not an abort there."""
-        if not ModelWorker._is_utf8(text):
+        if not is_utf8(text):
             raise ModelError("cannot tokenize text that is not valid UTF-8")
         vocab = llama_cpp.llama_model_get_vocab(llm.model)
         add_bos = first and bool(llama_cpp.llama_vocab_get_add_bos(vocab))
@@ -649,65 +580,11 @@ class ModelWorker(StreamingModel):
         llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(llm.ctx), True)
         self._live_saved = self._live_canonical = True
 
-    # ------------------------------------------------------------------ sampling
-
-    @staticmethod
-    def _make_sampler(llm: Llama, job: _Job) -> tuple[Any, Any]:
-        """The sampler chain, and its grammar stage (None without a grammar) so that a
-        forced token can be checked against the grammar before it is accepted."""
-        vocab = llama_cpp.llama_model_get_vocab(llm.model)
-        chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
-        add = llama_cpp.llama_sampler_chain_add
-        grammar = None
-        try:
-            if job.logit_bias:
-                biases = (llama_cpp.llama_logit_bias * len(job.logit_bias))(
-                    *(llama_cpp.llama_logit_bias(t, b) for t, b in job.logit_bias))
-                add(chain, llama_cpp.llama_sampler_init_logit_bias(llm.n_vocab(), len(job.logit_bias), biases))
-            if job.grammar:
-                grammar = llama_cpp.llama_sampler_init_grammar(vocab, job.grammar.encode("utf-8"), b"root")
-                if not grammar:
-                    raise GrammarError("llama.cpp rejected the GBNF grammar")
-                add(chain, grammar)  # the chain owns it now; the pointer stays valid while the chain lives
-            if job.temperature <= 0:
-                add(chain, llama_cpp.llama_sampler_init_greedy())
-            else:
-                if job.top_k > 0:
-                    add(chain, llama_cpp.llama_sampler_init_top_k(job.top_k))
-                if job.top_p < 1.0:
-                    add(chain, llama_cpp.llama_sampler_init_top_p(job.top_p, 1))
-                if job.min_p > 0.0:
-                    add(chain, llama_cpp.llama_sampler_init_min_p(job.min_p, 1))
-                add(chain, llama_cpp.llama_sampler_init_temp(job.temperature))
-                add(chain, llama_cpp.llama_sampler_init_dist(job.seed))
-        except BaseException:
-            llama_cpp.llama_sampler_free(chain)
-            raise
-        return chain, grammar
-
-    @staticmethod
-    def _grammar_allows(grammar: Any, token: int) -> bool:
-        """Would the grammar accept `token` next? (Accepting one it refuses aborts llama.cpp.)"""
-        if grammar is None:
-            return True
-        data = (llama_cpp.llama_token_data * 1)(llama_cpp.llama_token_data(token, 0.0, 0.0))
-        candidates = llama_cpp.llama_token_data_array(data, 1, -1, False)
-        llama_cpp.llama_sampler_apply(grammar, ctypes.byref(candidates))
-        return math.isfinite(data[0].logit)
-
     def _piece(self, llm: Llama, token: int) -> bytes:
         piece = self._pieces.get(token)
         if piece is None:
             piece = self._pieces[token] = llm.detokenize([token])
         return piece
-
-    @staticmethod
-    def _is_utf8(data: bytes) -> bool:
-        try:
-            data.decode("utf-8")  # strict: no surrogates, nothing above U+10FFFF, no overlongs
-        except UnicodeDecodeError:
-            return False
-        return True
 
     def _canonical(self, llm: Llama, tokens: list[int]) -> bool:
         """Are generated `tokens` what tokenising their text gives? Only then can a later
@@ -734,7 +611,7 @@ class ModelWorker(StreamingModel):
         if not tokens:
             return True
         text = llm.detokenize(tokens, special=True)
-        return self._is_utf8(text) and self._tokenize(llm, text, first=False) == tokens
+        return is_utf8(text) and self._tokenize(llm, text, first=False) == tokens
 
     def _decode(self, llm: Llama, job: _Job, sampler: Any, grammar: Any,
                 limit: int) -> tuple[str, int, FinishReason, bool]:
@@ -746,8 +623,8 @@ class ModelWorker(StreamingModel):
         """
         vocab = llama_cpp.llama_model_get_vocab(llm.model)
         utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        scanner = _StopScanner(job.stop)
-        watch = _Watch(job.think_budget, job.stop_after)
+        scanner = StopScanner(job.stop)
+        watch = Watch(job.think_budget, job.stop_after)
         forced: list[int] = []
         evaluated: list[int] = []
         closed = False
@@ -759,7 +636,7 @@ class ModelWorker(StreamingModel):
             if job.cancel.is_set():
                 reason = "cancelled"
                 break
-            sampled = not (forced and self._grammar_allows(grammar, forced[0]))
+            sampled = not (forced and grammar_allows(grammar, forced[0]))
             if sampled:
                 forced.clear()
                 token = llama_cpp.llama_sampler_sample(sampler, llm.ctx, -1)

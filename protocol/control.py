@@ -10,6 +10,9 @@ the CLI prints them without guessing shapes; `--json` prints their `model_dump`.
 An `error` reply for a failure of the network (the daemon could not reach a peer, or
 lost it mid-request) says so in `details["network"]` (see `error_reply`), so the SDK
 raises it as the NetworkError it was, apart from refusals (RemoteError).
+
+One job at ~750 lines: this is the control API's message catalogue (one frozen model per request and
+reply, 69 classes), which the SDK and the control server share; splitting it would scatter one table.
 """
 
 from collections.abc import Mapping

@@ -31,6 +31,9 @@ Both sides end with the same verification words (PGP words from HKDF of the key 
 transcript), which people may compare. Time is always passed in; nothing here reads
 a clock, opens a socket or stores anything. The node persists `PairingInviter.invite`
 after every `receive()` (attempts are charged in memory first).
+
+One job at ~620 lines: the pairing conversation (its code and invite, its four messages, both roles'
+machines and the SPAKE2/HKDF steps they must agree on byte for byte), kept side by side.
 """
 from __future__ import annotations
 

@@ -15,7 +15,9 @@ from pathlib import Path
 import pytest
 
 from psymesh.node.core.db import open_db
-from psymesh.node.tasks.store import ExecutorStore, Outbox, TaskConflict, TaskNotFound
+from psymesh.node.tasks.executor_store import ExecutorStore
+from psymesh.node.tasks.outbox import Outbox
+from psymesh.node.tasks.tasklog import TaskConflict, TaskNotFound
 from psymesh.protocol.errors import ErrorCode, ProtocolError, RemoteError
 from psymesh.protocol.messages import pack, unpack
 from psymesh.protocol.tasks import EventKind, IllegalTransition, TaskEvent, TaskSpec, TaskState, next_state
@@ -252,7 +254,7 @@ def test_purge_forgets_fetched_or_old_finished_tasks(store: ExecutorStore, conn:
 WRITER = textwrap.dedent("""
     import sys, time
     from psymesh.node.core.db import open_db
-    from psymesh.node.tasks.store import ExecutorStore
+    from psymesh.node.tasks.executor_store import ExecutorStore
     from psymesh.protocol.tasks import EventKind as K, TaskSpec, TaskState as S
 
     store = ExecutorStore(open_db(sys.argv[1]))
@@ -401,7 +403,7 @@ def test_a_task_that_keeps_killing_its_executor_is_given_up(tmp_path: Path) -> N
     """Crash-loop protection: a task found running at startup counts one interrupted run;
     a task requeued by a clean shutdown does not count."""
     from psymesh.node.core.db import open_db
-    from psymesh.node.tasks.store import ExecutorStore
+    from psymesh.node.tasks.executor_store import ExecutorStore
     from psymesh.protocol.tasks import EventKind, TaskKind, TaskSpec, TaskState
 
     store = ExecutorStore(open_db(tmp_path / "node.db"))

@@ -14,7 +14,7 @@ exit to do what it could not do itself:
     resolves to a public address when checked and to a private one when connected); a
     public page that redirects into private space; `::ffff:127.0.0.1` and other IPv6 forms
     that embed an IPv4 address; `0x7f.1` and other spellings of one. All of them meet one
-    check, on the address actually connected to: `GuardedBackend` is the httpcore network
+    check, on the address actually connected to: `GuardedBackend` (node/web/guard.py) is the httpcore network
     backend of the fetch pool; it resolves the name itself, drops every address the policy
     refuses, connects to an allowed *IP*, and checks the socket's peer address again. TLS
     still verifies the URL's host name (httpcore hands it to start_tls), so connecting by IP
@@ -25,7 +25,7 @@ exit to do what it could not do itself:
     server that stalls, a page whose text costs gigabytes to extract. One deadline bounds a
     whole fetch (every hop, the body and the extraction of its text); bodies
     are refused by Content-Length before reading, then counted as they stream, both as sent
-    and as inflated (`_Inflater` inflates in bounded steps); the content type is checked
+    and as inflated (node/web/bodies.py inflates in bounded steps); the content type is checked
     before a byte of body is read. The text is extracted in child processes with a memory
     cap, a few at once (node/web/extractor.py), from at most `max_html_bytes` of HTML. A
     node-wide token bucket caps the exit's requests a minute, beside each peer's own grant
@@ -44,366 +44,36 @@ It does tell an asker (by `cached`, or by timing) that someone asked the same wi
 """
 from __future__ import annotations
 
-import codecs
-import ipaddress
-import socket
 import ssl
 import time
-import zlib
-from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
-from contextlib import aclosing, contextmanager
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from http.cookiejar import CookieJar, DefaultCookiePolicy
 from types import TracebackType
-from typing import Generic, TypeVar
 
 import anyio
 import httpcore
 import httpx
-import ifaddr
 
+from .bodies import charset, read_body
+from .cache import Bucket, Cache, Page
 from .extractor import Extractors, cut_html
+from .guard import (  # IPAddress and resolve_host: callers import them from here
+    AddressPolicy,
+    GuardedBackend,
+    HostAllowed,
+    IPAddress,
+    LocalAddresses,
+    Resolver,
+    interface_addresses,
+    resolve_host,
+)
 from .search import backend_for
 from ..core.websettings import ExitSettings, SearchSettings  # noqa: F401 (the config lives there)
 from ...protocol.errors import ErrorCode, PsymeshError
 from ...protocol.web import MAX_PAGE_CHARS, WebFetch, WebHit, WebPage, WebResults, WebSearch
 
-IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
-Resolver = Callable[[str, int], Awaitable[Sequence[IPAddress]]]
-"""(host, port) -> the addresses `host` resolves to, in the order to try them."""
-LocalAddresses = Callable[[], frozenset[IPAddress]]
-HostAllowed = Callable[[str], bool]
-"""Whether the asker's grant lets it fetch from this host (called for every hop)."""
-
-
-# ------------------------------------------------------------------------- addresses
-
-
-def interface_addresses() -> frozenset[IPAddress]:
-    """This machine's own addresses, now (a laptop's change as it moves, so ask each time)."""
-    found: set[IPAddress] = set()
-    for adapter in ifaddr.get_adapters():
-        for ip in adapter.ips:
-            text = ip.ip if isinstance(ip.ip, str) else ip.ip[0]
-            try:
-                found.add(ipaddress.ip_address(text.split("%", 1)[0]))
-            except ValueError:
-                continue
-    return frozenset(found)
-
-
-async def resolve_host(host: str, port: int) -> Sequence[IPAddress]:
-    """The system resolver's answer for `host` (an IP literal is its own answer)."""
-    try:
-        return (ipaddress.ip_address(host),)
-    except ValueError:
-        pass
-    try:
-        infos = await anyio.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except (OSError, UnicodeError) as exc:
-        raise PsymeshError(f"could not resolve {host}: {exc}", code=ErrorCode.UNAVAILABLE) from None
-    found: dict[IPAddress, None] = {}
-    for *_, sockaddr in infos:
-        found.setdefault(ipaddress.ip_address(str(sockaddr[0]).split("%", 1)[0]), None)
-    return tuple(found)
-
-
-_THIS_NETWORK = ipaddress.ip_network("0.0.0.0/8")
-_NAT64 = ipaddress.ip_network("64:ff9b::/96")
-_NEVER = "the exit never fetches from these"
-_HINTS = {
-    "allow_loopback": "the exit does not fetch from loopback unless [web.exit] allow_loopback = true",
-    "allow_private": "the exit does not fetch from private networks unless [web.exit] allow_private = true",
-}
-
-
-def _embedded_v4(ip: IPAddress) -> ipaddress.IPv4Address | None:
-    """The IPv4 address an IPv6 one carries (mapped, 6to4, NAT64): it is where a socket may
-    really go, so it is the one judged."""
-    if isinstance(ip, ipaddress.IPv4Address):
-        return None
-    if ip.ipv4_mapped is not None:
-        return ip.ipv4_mapped
-    if ip.sixtofour is not None:
-        return ip.sixtofour
-    if ip in _NAT64:
-        return ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)
-    return None
-
-
-def _kind(ip: IPAddress) -> tuple[str, str | None] | None:
-    """What non-public kind of address `ip` is, and the setting that opens it (None: none
-    does); None for a public address. Order matters: Python calls ff02::1 'global'."""
-    if ip.is_unspecified or (isinstance(ip, ipaddress.IPv4Address) and ip in _THIS_NETWORK):
-        return "an unspecified address", None
-    if ip.is_loopback:
-        return "a loopback address", "allow_loopback"
-    if ip.is_link_local:
-        return "a link-local address", None
-    if ip.is_multicast:
-        return "a multicast address", None
-    if ip.is_reserved:
-        return "a reserved address", None
-    if ip.is_private or not ip.is_global or (isinstance(ip, ipaddress.IPv6Address) and ip.is_site_local):
-        return "a private address", "allow_private"
-    return None
-
-
-@dataclass(frozen=True)
-class AddressPolicy:
-    """Which addresses and ports the exit may connect to for a fetch."""
-
-    allow_loopback: bool = False
-    allow_private: bool = False
-    ports: frozenset[int] | None = None
-    local_addresses: LocalAddresses = interface_addresses
-
-    @classmethod
-    def of(cls, settings: ExitSettings, local_addresses: LocalAddresses = interface_addresses) -> "AddressPolicy":
-        ports = None if settings.ports is None else frozenset(settings.ports)
-        return cls(settings.allow_loopback, settings.allow_private, ports, local_addresses)
-
-    def port_refusal(self, port: int) -> str | None:
-        if self.ports is None or port in self.ports:
-            return None
-        return f"refused: port {port} is not open on this exit ([web.exit] ports = {sorted(self.ports)})"
-
-    def refusal(self, address: IPAddress) -> str | None:
-        """Why the exit must not connect to `address`, as the end of a sentence about it
-        ("is a loopback address (...)"); None when it may."""
-        inner = _embedded_v4(address)
-        judged = inner or address
-        prefix = f"embeds {inner}, which " if inner is not None else ""
-        kind = _kind(judged)
-        if kind is not None:
-            what, setting = kind
-            if setting is None or not getattr(self, setting):
-                return f"{prefix}is {what} ({_HINTS[setting] if setting else _NEVER})"
-        if not self.allow_loopback and judged in self.local_addresses():
-            return (f"{prefix}is an address of this machine "
-                    "(the exit does not fetch from itself unless [web.exit] allow_loopback = true)")
-        return None
-
-    def refused(self, host: str, address: IPAddress, why: str) -> PsymeshError:
-        subject = str(address) if host == str(address) else f"{host} resolves to {address}, which"
-        return PsymeshError(f"refused: {subject} {why}", code=ErrorCode.FORBIDDEN)
-
-
-class GuardedBackend(httpcore.AsyncNetworkBackend):
-    """httpcore's network backend with the address policy in it: the one place a fetch
-    connects, so the one place its address is judged. It resolves `host` itself and connects
-    to an allowed IP, so there is no second lookup an attacker's DNS could answer
-    differently (rebinding), and it checks the connected socket's peer address again."""
-
-    def __init__(self, policy: AddressPolicy, *, resolve: Resolver = resolve_host,
-                 inner: httpcore.AsyncNetworkBackend | None = None) -> None:
-        self.policy = policy
-        self.resolve = resolve
-        self.inner = inner or httpcore.AnyIOBackend()
-
-    async def connect_tcp(self, host: str, port: int, timeout: float | None = None,
-                          local_address: str | None = None,
-                          socket_options: Iterable[httpcore.SOCKET_OPTION] | None = None) -> httpcore.AsyncNetworkStream:
-        refused_port = self.policy.port_refusal(port)
-        if refused_port is not None:
-            raise PsymeshError(refused_port, code=ErrorCode.FORBIDDEN)
-        addresses = await self.resolve(host, port)
-        if not addresses:
-            raise PsymeshError(f"could not resolve {host}: no addresses", code=ErrorCode.UNAVAILABLE)
-        allowed = [ip for ip in addresses if self.policy.refusal(ip) is None]
-        if not allowed:
-            first = addresses[0]
-            raise self.policy.refused(host, first, self.policy.refusal(first) or "")
-        failure: Exception | None = None
-        for ip in allowed:
-            try:
-                stream = await self.inner.connect_tcp(str(ip), port, timeout=timeout, local_address=local_address,
-                                                      socket_options=socket_options)
-            except (httpcore.ConnectError, httpcore.ConnectTimeout) as exc:
-                failure = exc
-                continue
-            await self._check_peer(host, stream)
-            return stream
-        assert failure is not None
-        raise failure
-
-    async def _check_peer(self, host: str, stream: httpcore.AsyncNetworkStream) -> None:
-        """The address the socket is really connected to passes the policy too."""
-        peer = stream.get_extra_info("server_addr")
-        try:
-            address = ipaddress.ip_address(str(peer[0]).split("%", 1)[0])
-        except (TypeError, IndexError, ValueError):
-            await stream.aclose()
-            raise PsymeshError(f"refused: could not confirm the address connected to for {host}",
-                               code=ErrorCode.FORBIDDEN) from None
-        why = self.policy.refusal(address)
-        if why is not None:
-            await stream.aclose()
-            raise PsymeshError(f"refused: the connection for {host} reached {address}, which {why}",
-                               code=ErrorCode.FORBIDDEN)
-
-    async def connect_unix_socket(self, path: str, timeout: float | None = None,
-                                  socket_options: Iterable[httpcore.SOCKET_OPTION] | None = None) -> httpcore.AsyncNetworkStream:
-        raise PsymeshError("refused: the exit never connects to unix sockets", code=ErrorCode.FORBIDDEN)
-
-    async def sleep(self, seconds: float) -> None:
-        await self.inner.sleep(seconds)
-
-
-# ------------------------------------------------------------------------------- bodies
-
-
-class _Inflater:
-    """Undoes a gzip or deflate Content-Encoding with a bound on what comes out. A 10 KiB
-    gzip of zeros is 10 MiB of text, and a decoder that inflates a whole network read at
-    once (httpx's does) turns one 64 KiB read into up to 64 MiB before any cap sees it;
-    here each step yields at most what still fits under the cap, plus one byte to tell."""
-
-    def __init__(self, encoding: str, limit: int) -> None:
-        encoding = encoding.strip().lower()
-        if encoding in ("", "identity"):
-            self._zlib = None
-        elif encoding in ("gzip", "x-gzip", "deflate"):
-            self._zlib = zlib.decompressobj(wbits=zlib.MAX_WBITS | 32)   # a zlib or a gzip header
-        else:
-            raise PsymeshError(f"refused: content encoding {encoding!r} (the exit reads gzip and deflate only)",
-                               code=ErrorCode.BAD_REQUEST)
-        self.limit = limit
-        self.size = 0
-
-    def feed(self, data: bytes) -> bytes:
-        if self._zlib is None:
-            return self._count(data)
-        parts = []
-        try:
-            while data:
-                parts.append(self._count(self._zlib.decompress(data, self.limit - self.size + 1)))
-                data = self._zlib.unconsumed_tail
-        except zlib.error as exc:
-            raise PsymeshError(f"the site sent a broken compressed body: {exc}", code=ErrorCode.UNAVAILABLE) from None
-        return b"".join(parts)
-
-    def flush(self) -> bytes:
-        if self._zlib is None:
-            return b""
-        try:
-            return self._count(self._zlib.flush())
-        except zlib.error as exc:
-            raise PsymeshError(f"the site sent a broken compressed body: {exc}", code=ErrorCode.UNAVAILABLE) from None
-
-    def _count(self, data: bytes) -> bytes:
-        self.size += len(data)
-        if self.size > self.limit:
-            raise _too_large(self.limit)
-        return data
-
-
-def _too_large(limit: int, declared: int | None = None) -> PsymeshError:
-    size = f"{declared} bytes" if declared is not None else "over the limit"
-    return PsymeshError(f"refused: the body is {size}; this exit reads at most {limit} bytes ([web.exit] max_body_bytes)",
-                        code=ErrorCode.TOO_LARGE)
-
-
-async def _read(response: httpx.Response, limit: int) -> bytes:
-    """The body, inflated, or TOO_LARGE as soon as it is known to pass `limit` (by its
-    Content-Length, before reading; else as it streams, sent and inflated)."""
-    declared = response.headers.get("content-length", "").strip()
-    if declared.isdigit() and int(declared) > limit:
-        raise _too_large(limit, int(declared))
-    inflater = _Inflater(response.headers.get("content-encoding", ""), limit)
-    received = 0
-    parts = []
-    async with aclosing(response.aiter_raw()) as chunks:   # closed at once when we stop early
-        async for chunk in chunks:
-            received += len(chunk)
-            if received > limit:
-                raise _too_large(limit)
-            parts.append(inflater.feed(chunk))
-    parts.append(inflater.flush())
-    return b"".join(parts)
-
-
-def _charset(response: httpx.Response) -> str | None:
-    """The response's declared charset, if Python knows it."""
-    name = response.charset_encoding
-    if name is None:
-        return None
-    try:
-        return codecs.lookup(name).name
-    except LookupError:
-        return None
-
-
-# --------------------------------------------------------------------- cache and rate
-
-K = TypeVar("K")
-V = TypeVar("V")
-
-
-class _Cache(Generic[K, V]):
-    """At most `entries` values, each for `ttl_s` (on the injected clock), least recently
-    used out first."""
-
-    def __init__(self, entries: int, ttl_s: float) -> None:
-        self.entries = entries
-        self.ttl_s = ttl_s
-        self._items: OrderedDict[K, tuple[float, V]] = OrderedDict()
-
-    def get(self, key: K, now: float) -> V | None:
-        item = self._items.get(key)
-        if item is None:
-            return None
-        if now - item[0] >= self.ttl_s:
-            del self._items[key]
-            return None
-        self._items.move_to_end(key)
-        return item[1]
-
-    def put(self, key: K, value: V, now: float) -> None:
-        if self.entries == 0:
-            return
-        self._items[key] = (now, value)
-        self._items.move_to_end(key)
-        while len(self._items) > self.entries:
-            self._items.popitem(last=False)
-
-
-class _Bucket:
-    """`per_minute` requests a minute, in bursts of up to as many (a token bucket)."""
-
-    def __init__(self, per_minute: int, now: float) -> None:
-        self.per_minute = per_minute
-        self.rate = per_minute / 60.0
-        self.tokens = float(per_minute)
-        self.at = now
-
-    def take(self, now: float) -> None:
-        self.tokens = min(float(self.per_minute), self.tokens + max(0.0, now - self.at) * self.rate)
-        self.at = now
-        if self.tokens < 1.0:
-            raise PsymeshError(
-                f"this exit is at its limit of {self.per_minute} web requests a minute ([web.exit] requests_per_minute)",
-                code=ErrorCode.RATE_LIMITED, retry_after=(1.0 - self.tokens) / self.rate)
-        self.tokens -= 1.0
-
-
-@dataclass(frozen=True)
-class _Page:
-    """A fetched page as the cache keeps it: its text (one char past the most any request
-    may ask, so `truncated` stays right) and every hop's host, to re-check per asker."""
-
-    final_url: str
-    status: int
-    content_type: str
-    title: str
-    text: str
-    hosts: tuple[str, ...]
-
-    def answer(self, request: WebFetch, *, cached: bool) -> WebPage:
-        return WebPage(url=request.url, final_url=self.final_url, status=self.status,
-                       content_type=self.content_type, title=self.title, text=self.text[:request.max_chars],
-                       truncated=len(self.text) > request.max_chars, cached=cached)
+__all__ = ["AddressPolicy", "ExitSettings", "GuardedBackend", "IPAddress", "SearchSettings", "WebExit", "resolve_host"]
 
 
 # ---------------------------------------------------------------------------- the exit
@@ -477,9 +147,9 @@ class WebExit:
         self._searcher = _client(network, context, {
             "User-Agent": settings.user_agent, "Accept": "application/json", "Accept-Encoding": "gzip, deflate"})
         self._search = backend_for(settings.search, self._get, timeout_s=settings.timeout_s)
-        self._pages: _Cache[str, _Page] = _Cache(settings.cache_entries, settings.cache_ttl_s)
-        self._results: _Cache[tuple[str, int], tuple[WebHit, ...]] = _Cache(settings.cache_entries, settings.cache_ttl_s)
-        self._bucket = _Bucket(settings.requests_per_minute, clock())
+        self._pages: Cache[str, Page] = Cache(settings.cache_entries, settings.cache_ttl_s)
+        self._results: Cache[tuple[str, int], tuple[WebHit, ...]] = Cache(settings.cache_entries, settings.cache_ttl_s)
+        self._bucket = Bucket(settings.requests_per_minute, clock())
         self._extractors = Extractors(settings.extractions, settings.extract_memory_bytes)
 
     async def __aenter__(self) -> "WebExit":
@@ -533,7 +203,7 @@ class WebExit:
         self._results.put(key, hits, self._clock())
         return WebResults(query=request.query, hits=hits)
 
-    async def _download(self, url: httpx.URL, host_allowed: HostAllowed) -> _Page:
+    async def _download(self, url: httpx.URL, host_allowed: HostAllowed) -> Page:
         """Follow redirects by hand (each hop checked), read the body within the caps and
         extract its text (in a child): all of it within one deadline."""
         s = self.settings
@@ -545,7 +215,7 @@ class WebExit:
                 try:
                     if response.next_request is None:
                         media_type = self._media_type(response)
-                        body = await _read(response, s.max_body_bytes)
+                        body = await read_body(response, s.max_body_bytes)
                         break
                     request = response.next_request
                     hosts.append(_check_hop(request.url, host_allowed))
@@ -555,8 +225,8 @@ class WebExit:
                 raise PsymeshError(f"refused: more than {s.max_redirects} redirects ([web.exit] max_redirects)",
                                    code=ErrorCode.BAD_REQUEST)
             title, text = await self._extractors.text(cut_html(body, media_type, s.max_html_bytes), media_type,
-                                                      _charset(response))
-        return _Page(final_url=str(response.url), status=response.status_code, content_type=media_type,
+                                                      charset(response))
+        return Page(final_url=str(response.url), status=response.status_code, content_type=media_type,
                      title=title, text=text[:MAX_PAGE_CHARS + 1], hosts=tuple(hosts))
 
     def _media_type(self, response: httpx.Response) -> str:
@@ -574,6 +244,6 @@ class WebExit:
             if not response.is_success:
                 raise PsymeshError(f"the search backend answered HTTP {response.status_code}",
                                    code=ErrorCode.UNAVAILABLE)
-            return await _read(response, self.settings.max_body_bytes)
+            return await read_body(response, self.settings.max_body_bytes)
         finally:
             await response.aclose()

@@ -1,0 +1,132 @@
+"""What both task stores share: their errors, the event-log table pair and how a row becomes a model.
+
+Each side of a delegation keeps a `<prefix>_tasks` table and a `<prefix>_events` log (`exec_` in
+executor_store.py, `outbox_` in outbox.py); `EventLog` reads and appends that pair, applying
+`psymesh.protocol.tasks.next_state`, so neither side can store an impossible history.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import sqlite3
+import time
+from collections.abc import Iterable
+from typing import Any
+
+from ..core.db import transaction
+from ...protocol.errors import ErrorCode, ProtocolError, PsymeshError
+from ...protocol.tasks import TERMINAL_STATES, Outcome, TaskEvent, TaskSpec, TaskState, next_state
+
+DEFAULT_PAGE = 1000
+
+
+class TaskNotFound(PsymeshError):
+    """No such task (or it belongs to another peer, which looks the same from outside)."""
+
+    default_code = ErrorCode.NOT_FOUND
+
+
+class TaskConflict(PsymeshError):
+    """The task id is taken by a different spec (or a different peer)."""
+
+    default_code = ErrorCode.CONFLICT
+
+
+def event_ddl(prefix: str) -> str:
+    return f"""
+CREATE TABLE IF NOT EXISTS {prefix}_events (
+    task_id TEXT NOT NULL REFERENCES {prefix}_tasks(id) ON DELETE CASCADE,
+    seq     INTEGER NOT NULL CHECK (seq >= 1),
+    kind    TEXT NOT NULL,
+    state   TEXT NOT NULL,
+    at      REAL NOT NULL,
+    data    TEXT NOT NULL,            -- JSON object
+    PRIMARY KEY (task_id, seq)
+) WITHOUT ROWID;
+"""
+
+
+def resolve_now(now: float | None) -> float:
+    return time.time() if now is None else now
+
+
+def placeholders(values: Iterable[Any]) -> tuple[str, list[Any]]:
+    items = list(values)
+    return ",".join("?" * len(items)), items
+
+
+# -- the event log, shared by both sides ---------------------------------------------------
+class EventLog:
+    """Reads and appends one side's `<prefix>_tasks` / `<prefix>_events` pair."""
+
+    def __init__(self, conn: sqlite3.Connection, prefix: str) -> None:
+        self.conn = conn
+        self.tasks = f"{prefix}_tasks"
+        self.events = f"{prefix}_events"
+
+    def row(self, task_id: str) -> sqlite3.Row:
+        row = self.conn.execute(f"SELECT * FROM {self.tasks} WHERE id = ?", (task_id,)).fetchone()
+        if row is None:
+            raise TaskNotFound(f"no task {task_id!r}")
+        return row
+
+    def append(self, row: sqlite3.Row, event: TaskEvent, now: float) -> None:
+        """Store `event` and move the task to its state; call inside a transaction."""
+        current = TaskState(row["state"]) if row["last_seq"] else None
+        next_state(current, event.kind, event.state)
+        if event.seq != row["last_seq"] + 1:
+            raise ProtocolError(
+                f"task {event.task_id!r}: event {event.seq} does not follow {row['last_seq']}",
+                code=ErrorCode.BAD_REQUEST,
+            )
+        self.conn.execute(
+            f"INSERT INTO {self.events} (task_id, seq, kind, state, at, data) VALUES (?, ?, ?, ?, ?, ?)",
+            (event.task_id, event.seq, event.kind.value, event.state.value, event.at,
+             json.dumps(event.data, ensure_ascii=False, separators=(",", ":"))),
+        )
+        self.conn.execute(
+            f"UPDATE {self.tasks} SET state = ?, last_seq = ?, updated_at = ? WHERE id = ?",
+            (event.state.value, event.seq, now, event.task_id),
+        )
+
+    def after(self, task_id: str, after_seq: int, limit: int) -> list[TaskEvent]:
+        rows = self.conn.execute(
+            f"SELECT * FROM {self.events} WHERE task_id = ? AND seq > ? ORDER BY seq LIMIT ?",
+            (task_id, after_seq, limit),
+        ).fetchall()
+        if not rows:
+            self.row(task_id)  # unknown task -> TaskNotFound, not an empty log
+        return [event_from_row(r) for r in rows]
+
+    def outcome(self, task_id: str) -> Outcome | None:
+        row = self.row(task_id)
+        if TaskState(row["state"]) not in TERMINAL_STATES:
+            return None
+        last = self.conn.execute(
+            f"SELECT * FROM {self.events} WHERE task_id = ? AND seq = ?", (task_id, row["last_seq"])
+        ).fetchone()
+        return Outcome.from_event(event_from_row(last))
+
+    def purge(self, now: float, retention_s: float, *, when_acked: bool) -> int:
+        """Forget finished tasks older than retention (or, `when_acked`, fully acknowledged ones)."""
+        marks, states = placeholders(s.value for s in TERMINAL_STATES)
+        acked = "acked_seq >= last_seq OR " if when_acked else ""
+        with transaction(self.conn):
+            cur = self.conn.execute(
+                f"DELETE FROM {self.tasks} WHERE state IN ({marks}) AND ({acked}updated_at < ?)",
+                (*states, now - retention_s),
+            )
+        return cur.rowcount
+
+
+def event_from_row(row: sqlite3.Row) -> TaskEvent:
+    return TaskEvent(
+        task_id=row["task_id"], seq=row["seq"], kind=row["kind"], state=row["state"],
+        at=row["at"], data=json.loads(row["data"]),
+    )
+
+
+@functools.lru_cache(maxsize=1024)
+def spec_from_json(text: str) -> TaskSpec:
+    """(Cached: a task's row is read many times while it runs, and a TaskSpec is frozen.)"""
+    return TaskSpec.model_validate_json(text)
