@@ -45,17 +45,11 @@ from dataclasses import dataclass
 from typing import Any
 from xml.sax.saxutils import escape, quoteattr
 
-from .bfcl import (
-    PYTHON,
-    BfclCase,
-    BfclDataError,
-    BfclResult,
-    _expected_calls,
-    _oracle_arguments,
-    bfcl_module,
-    check_calls,
-    tool_spec,
-)
+from .bfcl_categories import PYTHON, BfclDataError, bfcl_module
+from .bfcl_checker import check_calls
+from .bfcl_data import BfclCase, _expected_calls, tool_spec
+from .bfcl_oracle import _oracle_arguments
+from .bfcl_score import BfclResult
 from .chatformat import ChatMessage, ToolCall
 
 FORMAT_CATEGORY = "format_sensitivity"

@@ -56,17 +56,9 @@ from typing import Any, Protocol
 
 from pydantic import ValidationError
 
-from .bfcl import (
-    FILE_PREFIX,
-    MULTI_TURN_CATEGORIES,
-    BfclDataError,
-    BfclResult,
-    _json_lines,
-    _scoring_spec,
-    bfcl_module,
-    offline_vector_encoder,
-    tool_spec,
-)
+from .bfcl_categories import FILE_PREFIX, MULTI_TURN_CATEGORIES, BfclDataError, bfcl_module, offline_vector_encoder
+from .bfcl_data import _json_lines, tool_spec
+from .bfcl_score import BfclResult, _scoring_spec
 from .chatformat import ChatMessage, ParsedReply, ToolCall, ToolSpec, parse_reply
 from .loop import AgentModel, ScriptedModel, tool_call_text
 from ..protocol.errors import PsymeshError

@@ -443,7 +443,8 @@ def test_what_the_format_oracle_fails_bfcl_s_own_decoder_cannot_read(all_cases: 
                                                                      bfcl_ast_checker: Any) -> None:
     import json
 
-    from psymesh.agent.bfcl import _oracle_arguments, bfcl_module
+    from psymesh.agent.bfcl import bfcl_module
+    from psymesh.agent.bfcl_oracle import _oracle_arguments
 
     checker, language = bfcl_ast_checker
     parse_json = bfcl_module("model_handler.parser.json_parser").parse_json_function_call
