@@ -454,14 +454,17 @@ def _deny(code: ErrorCode, reason: str, **details: Any) -> Decision:
     return Decision(False, code, reason, details=details)
 
 
-def verify_grant(manifest: Manifest, *, local_peer_id: str, remote_peer_id: str, now: float) -> Decision:
+def verify_grant(manifest: Manifest, *, local_peer_id: str, remote_peer_id: str, now: float,
+                 signature_verified: bool = False) -> Decision:
     """Steps 1-2 of `check()` alone: is this a grant we issued to this peer, signed and in
-    date? For peer-level requests that need a valid grant but no particular capability."""
+    date? For peer-level requests that need a valid grant but no particular capability.
+    `signature_verified`: the caller verified this very object's signature before (the
+    door, per peer and stored grant: a Manifest is frozen); the rest is checked as ever."""
     if manifest.issuer != local_peer_id:
         return _deny(ErrorCode.FORBIDDEN, "the grant was not issued by this node", issuer=manifest.issuer)
     if manifest.subject != remote_peer_id:
         return _deny(ErrorCode.FORBIDDEN, "the grant was issued to another peer", subject=manifest.subject)
-    if not manifest.signature_valid():
+    if not signature_verified and not manifest.signature_valid():
         return _deny(ErrorCode.FORBIDDEN, "the grant's signature does not verify")
     if now < manifest.not_before:
         return _deny(ErrorCode.EXPIRED, "the grant is not valid yet", not_before=manifest.not_before)
@@ -471,7 +474,7 @@ def verify_grant(manifest: Manifest, *, local_peer_id: str, remote_peer_id: str,
 
 
 def check(manifest: Manifest, operation: Operation, *, local_peer_id: str, remote_peer_id: str,
-          now: float) -> Decision:
+          now: float, signature_verified: bool = False) -> Decision:
     """May `remote_peer_id` do `operation` here? Checked in order, first failure wins:
 
     1. the manifest is ours, for this peer, and its signature holds   (FORBIDDEN)
@@ -480,8 +483,10 @@ def check(manifest: Manifest, operation: Operation, *, local_peer_id: str, remot
     4. the payload is within the limit                                (TOO_LARGE)
 
     Rate and queue limits need state: the gate applies them (`node/door/gate.py`).
+    `signature_verified`: as for `verify_grant`.
     """
-    valid = verify_grant(manifest, local_peer_id=local_peer_id, remote_peer_id=remote_peer_id, now=now)
+    valid = verify_grant(manifest, local_peer_id=local_peer_id, remote_peer_id=remote_peer_id, now=now,
+                         signature_verified=signature_verified)
     if not valid.allowed:
         return valid
 

@@ -547,6 +547,30 @@ async def test_19_small_messages_do_not_each_cost_a_window_update() -> None:
 
 
 @pytest.mark.anyio
+async def test_28_a_window_half_unused_is_not_credited_back_per_read() -> None:
+    """0.8.1's yamux, even with (19), credited back what each read took while the window
+    was short of its target by less than half: a WINDOW_UPDATE per round trip. Now, as
+    go-yamux, none until half the window is used; past that the window comes back whole, so
+    a transfer of many windows still flows."""
+    from libp2p.stream_muxer.yamux.yamux import DEFAULT_WINDOW_SIZE
+
+    a, b = new_node(), new_node()
+    async with running(a, b):
+        stream = await a.open_stream(b.addrs()[0], PING)
+        framed = FramedStream(stream)
+        for seq in range(100):
+            assert (await framed.request(Ping(seq=seq, payload=b"x" * 32), Pong)).seq == seq
+        mine = stream._stream.muxed_stream
+        sent = DEFAULT_WINDOW_SIZE - mine.send_window
+        assert 100 * 32 < sent < DEFAULT_WINDOW_SIZE // 2  # what it sent, none of it credited back
+        big = b"y" * 60_000
+        for seq in range(12):  # 720 kB each way: ~3 windows
+            assert (await framed.request(Ping(seq=seq, payload=big), Pong)).seq == seq
+        assert mine.send_window > 0
+        await framed.aclose()
+
+
+@pytest.mark.anyio
 async def test_20_fresh_keys_leave_nothing_behind_in_the_swarm() -> None:
     """0.8.1 remembered every disconnected peer in a table that only the (removed)
     auto-connector loop pruned: one entry per fresh key, for good."""

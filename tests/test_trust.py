@@ -266,6 +266,36 @@ def test_tampered_manifest_signature_is_refused(gate_world) -> None:
     assert info.value.code == ErrorCode.FORBIDDEN and "signature" in info.value.message
 
 
+def test_the_door_verifies_a_grant_once_and_a_changed_or_revoked_one_at_once(gate_world) -> None:
+    """Decisions cached per peer and stored grant: a repeated request does not verify the
+    grant's signature again; a grant changed in the store (here: widened under the old
+    signature) is verified on the very next request, and a revocation refuses it."""
+    from psymesh.protocol.signing import verify
+
+    gate, grant, phone_id, _, trust, _ = gate_world
+    grant("tool:system.info")
+    assert gate.admit(phone_id, ids.SESSION, submit("system.info")).allowed
+    calls = verify.cache_info()
+    for seq in range(3):
+        assert gate.admit(phone_id, ids.SESSION, Ping(seq=seq)).allowed
+        assert gate.admit(phone_id, ids.SESSION, submit("system.info")).allowed
+    after = verify.cache_info()
+    assert (after.hits, after.misses) == (calls.hits, calls.misses)  # not one signature check more
+    peer = trust.get(phone_id)
+    widened = peer.granted.model_copy(update={"capabilities": peer.granted.capabilities + (
+        peer.granted.capabilities[0].model_copy(update={"name": "tool:*"}),)})
+    trust.set_granted(phone_id, widened)
+    with pytest.raises(PsymeshError) as tampered:
+        gate.admit(phone_id, ids.SESSION, submit("files.read"))
+    assert tampered.value.code == ErrorCode.FORBIDDEN and "signature" in tampered.value.message
+    trust.set_granted(phone_id, peer.granted)  # the signed grant back
+    assert gate.admit(phone_id, ids.SESSION, Ping(seq=9)).allowed
+    trust.revoke(phone_id)
+    with pytest.raises(PsymeshError) as revoked:
+        gate.admit(phone_id, ids.SESSION, Ping(seq=10))
+    assert revoked.value.code == ErrorCode.UNKNOWN_PEER
+
+
 def test_expired_manifest_is_refused(gate_world) -> None:
     gate, grant, phone_id, clock, _, _ = gate_world
     grant("tool:*", ttl=60)

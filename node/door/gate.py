@@ -123,6 +123,7 @@ class Gate:
         self.rate = RateLimiter()
         self.refusals = RateLimiter()  # each peer's refusal budget, apart from its grant's rate
         self.refusals_per_minute = refusals_per_minute
+        self._verified: dict[str, Manifest] = {}  # peer id -> the grant object whose signature held (`_check`)
 
     # -- requests ------------------------------------------------------------------
     def admit(self, peer_id: str, service: str, request: Message) -> Decision:
@@ -192,11 +193,7 @@ class Gate:
         if self._answers_our_asks(peer_id, request):
             return Decision(True)
         grant = _grant_of(peer)
-        if rule.need is Need.CAPABILITY and operation is not None:
-            decision = self._whose(peer, check(grant, operation, local_peer_id=self.local_peer_id,
-                                               remote_peer_id=peer_id, now=now))
-        else:
-            decision = verify_grant(grant, local_peer_id=self.local_peer_id, remote_peer_id=peer_id, now=now)
+        decision = self._check(peer, grant, operation if rule.need is Need.CAPABILITY else None, now)
         decision.raise_if_denied()
         if rule.starts_task:
             assert isinstance(request, TaskSubmit)
@@ -210,6 +207,23 @@ class Gate:
             self.mailbox.admit_deposit(peer_id, request)
         if rule.charged:
             self._charge(peer_id, grant, now)
+        return decision
+
+    def _check(self, peer: Peer, grant: Manifest, operation: Operation | None, now: float) -> Decision:
+        """`check()` (or `verify_grant()`, for no operation) of the peer's grant, its signature
+        verified once per peer and stored grant: the trust store hands back the same frozen
+        Manifest object while the row's blob is unchanged (node/door/trust.py), so an object
+        seen verified is the same grant, signature and all. The row is still read on every
+        request: a revocation or a new grant acts on the very next one."""
+        known = self._verified.get(peer.peer_id) is grant
+        if operation is not None:
+            decision = self._whose(peer, check(grant, operation, local_peer_id=self.local_peer_id,
+                                               remote_peer_id=peer.peer_id, now=now, signature_verified=known))
+        else:
+            decision = verify_grant(grant, local_peer_id=self.local_peer_id, remote_peer_id=peer.peer_id, now=now,
+                                    signature_verified=known)
+        if decision.allowed and not known:
+            self._verified[peer.peer_id] = grant  # one entry per paired peer: replaced, never grows past them
         return decision
 
     def _whose(self, peer: Peer, decision: Decision) -> Decision:
@@ -255,8 +269,7 @@ class Gate:
         what = operation.required()
         try:
             peer = self.paired(peer_id)
-            decision = self._whose(peer, check(_grant_of(peer), operation, local_peer_id=self.local_peer_id,
-                                               remote_peer_id=peer_id, now=now))
+            decision = self._check(peer, _grant_of(peer), operation, now)
         except PsymeshError as exc:
             decision = Decision(False, exc.code, exc.message)
         if decision.allowed:

@@ -176,6 +176,17 @@ Found while making an idle phone fit in 100 MB (issue 23 item 3):
    import, answers those modules with stand-ins that load the real module at first use
    (tests/test_p2p_imports.py).
 
+Found while cutting a request's fixed costs (issue 23 item 4):
+
+28. (19, continued) With `RELEASE_ON_READ` off, yamux still sends a WINDOW_UPDATE after
+   almost every read: its "partial slack" branch credits back whatever was read whenever
+   the window is short of its target by less than half, which after any read it is. go-yamux
+   (`sendWindowUpdate`) sends nothing until half the window is used. A request/response
+   session paid one more encrypted frame per round trip for it (3 yamux frames a ping,
+   counted, instead of 2), and the peer one more to decrypt and handle. `_window_update`
+   replaces the stream's method with go-yamux's rule: below half, nothing; at half or more,
+   grow back to the target (and let the auto-tuning grow the target, as before).
+
 Hole punching (DCUtR, `enable_hole_punch()`, config `[relay] hole_punch`): likewise libp2p's
 wire format (its `HolePunch` protobuf on `/libp2p/dcutr`) and its swarm's source-bound dials
 (`dial_with_source`, `dial_addr_as_responder`), not its `DCUtRProtocol` service (which brings
@@ -362,6 +373,24 @@ class _BoundedYamux(Yamux):
                 at = stream._closed_at + _STALE_STREAM_GRACE_SECONDS
                 due = at if due is None else min(due, at)
         return due
+
+
+async def _window_update(self: YamuxStream, *, bytes_read: int = 0) -> None:
+    """(28) go-yamux's `sendWindowUpdate`: credit the peer back only once at least half the
+    receive window was read (then all of it, and the auto-tuning's growth), never per read."""
+    async with self.window_lock:
+        buffered = len(self.conn.stream_buffers.get(self.stream_id, b""))
+        delta = self.target_recv_window - (self.recv_window + buffered)
+        if delta <= 0 or delta < self._grow_threshold():
+            return
+        self._window_update_full_grow += 1
+        total = self._grow_to_delta(buffered) + self._apply_autotune_epoch(buffered)
+        self._pending_recv_release = 0
+    if total > 0:
+        await self.send_window_update(total, skip_lock=True)
+
+
+YamuxStream._auto_tune_and_send_window_update = _window_update  # type: ignore[method-assign]
 
 
 class _NegotiationFailed(Exception):
