@@ -5,9 +5,9 @@ transport (aioquic), WebSocket, AutoTLS's ACME client (httpx, requests, rich), i
 (zeroconf), the Prometheus exporter (prometheus_client) and multiaddr's DNS resolvers
 (dnspython, httpx2, h2), whether or not the host uses them: ~25 MB of an idle phone's RSS
 and ~0.5 s of start, for features psymesh never turns on (the host is TCP + Noise + yamux,
-`enable_mDNS=False`: node/net/p2p.py).
+`enable_mDNS=False`: node/net/host.py).
 
-Contained here, not patched: importing this module (the first line of node/net/p2p.py, before
+Contained here, not patched: importing this module (node/net/__init__.py does, before
 any libp2p import) puts a finder first on `sys.meta_path` that answers each module of
 `DEFERRED` with a stand-in. Each name the rest of libp2p imports from it is a stand-in class:
 
