@@ -11,7 +11,9 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import anyio
@@ -141,6 +143,55 @@ async def test_a_memory_cap_turns_a_runaway_into_a_clean_error(tiny_model: Path)
         await runner.start()
     await runner.aclose()
     assert failed.value.code in (ErrorCode.MODEL_CRASHED, ErrorCode.UNAVAILABLE), failed.value
+
+
+def test_a_runner_outlives_the_thread_that_started_it(tiny_model: Path) -> None:
+    """trio starts a process from a worker thread and retires that thread after 10 s idle; a
+    runner that asked for PR_SET_PDEATHSIG died with the thread (the kernel counts a thread's
+    exit as the parent's death): every runner was SIGKILLed ~10 s after it started, and a
+    generation longer than that failed `model_crashed` (found in a full run). Here a thread
+    starts a runner, waits for it to be ready, and ends; the runner still answers."""
+    from psymesh.node.models.runner import runner_command
+    from psymesh.protocol.channel import Channel
+    from psymesh.protocol.messages import Message
+    from psymesh.protocol.runner import MAX_RUNNER_FRAME, Load, Ready, Tokenize, Tokens
+
+    channel = Channel(max_frame_size=MAX_RUNNER_FRAME)
+
+    def next_frame(proc: subprocess.Popen[bytes]) -> Message | None:
+        assert proc.stdout is not None
+        while (msg := channel.next_message()) is None:
+            data = proc.stdout.read1(65536)
+            if not data:
+                return None  # its output ended: the runner is gone
+            channel.receive_data(data)
+        return msg
+
+    started: list[subprocess.Popen[bytes]] = []
+
+    def start() -> None:
+        proc = subprocess.Popen(runner_command(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.DEVNULL)
+        started.append(proc)
+        assert proc.stdin is not None
+        proc.stdin.write(channel.send(Load(settings=ModelSettings(path=tiny_model, n_ctx=256,
+                                                                  n_threads=1).model_dump_json())))
+        proc.stdin.flush()
+        assert isinstance(next_frame(proc), Ready)
+
+    starter = threading.Thread(target=start)
+    starter.start()
+    starter.join(timeout=120)
+    [proc] = started
+    assert proc.stdin is not None
+    try:
+        proc.stdin.write(channel.send(Tokenize(id=1, text="hi")))
+        proc.stdin.flush()
+        frames = [next_frame(proc), next_frame(proc)]  # runner.started, then the tokens
+        assert isinstance(frames[-1], Tokens), (frames, proc.poll())
+    finally:
+        proc.stdin.close()
+        assert proc.wait(timeout=60) == 0  # and it leaves when its stdin closes, as it should
 
 
 # --------------------------------------------------------------------------- the node

@@ -144,24 +144,6 @@ async def _leave_when_idle(r: _Runner, keep_alive_s: float, scope: trio.CancelSc
             return
 
 
-def _die_with_the_node() -> None:
-    """On Linux, ask the kernel to SIGKILL us when the node that started us dies, whatever
-    state our own loop is in (stdin closing at its death is the portable way, and the
-    first); if it died before we asked, go now."""
-    if not sys.platform.startswith("linux"):
-        return
-    import ctypes
-    import signal
-
-    parent = os.getppid()
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        return
-    if os.getppid() != parent:
-        os._exit(0)
-
-
 async def main() -> None:
     # Our frames go to the node on the original stdout; anything a library prints to fd 1
     # afterwards (llama.cpp, ggml) goes to stderr, the runner's log, instead of into them.
@@ -201,8 +183,12 @@ async def main() -> None:
             await worker.aclose()
 
 
+# No PR_SET_PDEATHSIG: the kernel sends it when the *thread* that started us exits, and trio
+# starts processes from a worker thread that it retires after 10 s idle, so every runner was
+# SIGKILLed ~10 s after it started (keep-alive lost, and a generation longer than that failed
+# `model_crashed`). Our loop reads stdin all the time, a generation running on the engine's own
+# thread, so the node's death (its end of the pipe closing) is seen at once.
 if __name__ == "__main__":
-    _die_with_the_node()
     try:
         trio.run(main)
     except KeyboardInterrupt:  # the node handles the terminal's Ctrl-C; we just go
