@@ -254,14 +254,17 @@ async def test_refusals_after_opening_go_back_sealed_and_a_restart_remembers_the
             exit_node = _exit_node(NodeHome(home.path))
             await tg.start(exit_node.run)
             await wait_until(lambda: relay.trust.get(exit_id) is not None, "the relay to know the exit")
-            with anyio.fail_after(20):
-                while True:  # the exit dials the relay at start (it hands it its key); then it is reachable
-                    try:
-                        reply = await _sealed_via(relay, exit_id, sealed)
-                        break
-                    except NetworkError:
-                        await anyio.sleep(0.05)
-            replayed = unpack(pending.open(reply.sealed))
+            replies = []
+
+            async def answered() -> bool:  # the exit dials the relay at start (it hands it its key); then it is reachable
+                try:
+                    replies.append(await _sealed_via(relay, exit_id, sealed))
+                except NetworkError:
+                    return False
+                return True
+
+            await wait_until(answered, "the restarted exit to answer through the relay", timeout=20)
+            replayed = unpack(pending.open(replies[0].sealed))
             assert isinstance(replayed, Error) and replayed.code == ErrorCode.CONFLICT.value
             tg.cancel_scope.cancel()
     assert site.hits["/tides"] == 1
