@@ -482,6 +482,7 @@ class LoadedModel(View):
     crashes: int = 0                # in a row, since its last request that succeeded
     keep_alive_s: float | None = None
     pending: int = 0                # requests queued or running
+    running: bool = False           # the runner has started one of them (it is decoding now)
 
 
 class ModelsPsReply(Message):

@@ -44,7 +44,7 @@ def _settings(model: Path, **kw: object) -> ModelSettings:
 
 
 async def _kill_when_running(runner: ModelRunner, sig: signal.Signals) -> None:
-    await wait_until(lambda: runner.pending > 0 and runner.pid is not None, "a request running in the runner")
+    await wait_until(lambda: runner.running, "a request running in the runner")
     pid = runner.pid
     assert pid is not None
     await anyio.sleep(0.05)  # the behaviour under test: a kill in the middle of decoding
@@ -101,7 +101,7 @@ async def test_requests_queued_behind_a_crash_run_on_the_fresh_runner(tiny_model
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(ask, "running", 3000)
-            await wait_until(lambda: runner.pending == 1 and runner.pid is not None, "the first request running")
+            await wait_until(lambda: runner.running, "the first request running")
             tg.start_soon(ask, "queued-1", 5)
             tg.start_soon(ask, "queued-2", 6)
             await wait_until(lambda: runner.pending == 3, "two requests queued behind it")
@@ -223,7 +223,8 @@ async def test_a_crash_in_a_peers_task_leaves_the_node_serving(tmp_path: Path, t
             handle = await phone.delegate("home", infer="Count to a thousand.", model="tiny", max_tokens=LONG,
                                           params={"temperature": 0, "ban_bytes": True})
             models = nodes["home"].models
-            await wait_until(lambda: any(s.loaded and s.pending for s in models.ps()), "the runner working")
+            await wait_until(lambda: any(s.running for s in models.ps()), "the runner working")  # started: a crash
+            # before that resends the request to a fresh runner (a full run once caught that race)
             os.kill(next(s.pid for s in models.ps() if s.pid), signal.SIGABRT)
             outcome = await handle.outcome()
             assert outcome.state is TaskState.FAILED and outcome.code == ErrorCode.MODEL_CRASHED.value, outcome
@@ -349,7 +350,7 @@ async def test_a_task_that_crashed_its_runner_stays_failed_across_daemon_kills(t
 
             async def runner_pid() -> int | None:
                 async with Client(home.home) as h:
-                    return next((m.pid for m in await h.models_ps() if m.pid and m.pending), None)
+                    return next((m.pid for m in await h.models_ps() if m.pid and m.running), None)
 
             await wait_until(runner_pid, "home's runner working on the task", timeout=30)
             os.kill(await runner_pid(), signal.SIGABRT)  # type: ignore[arg-type]

@@ -103,6 +103,7 @@ class RunnerStatus:
     crashes: int                # in a row, since the last request that succeeded
     keep_alive_s: float | None
     pending: int                # requests queued or running
+    running: bool = False       # the runner has started a request (it is decoding one now)
 
 
 @dataclass
@@ -182,6 +183,13 @@ class ModelRunner(StreamingModel):
         return now is not None and now.proc.returncode is None and now.link.state is not RunnerState.GONE
 
     @property
+    def running(self) -> bool:
+        """The runner has started a request: a crash now fails it (before that it would be
+        resent to a fresh runner)."""
+        now = self._now
+        return self.loaded and now is not None and now.link.state is RunnerState.RUNNING
+
+    @property
     def pid(self) -> int | None:
         return self._now.proc.pid if self.loaded and self._now is not None else None
 
@@ -194,7 +202,7 @@ class ModelRunner(StreamingModel):
             state_cache_bytes=self._stats.state_cache_bytes if pid is not None else 0,
             idle_s=None if self._last_used is None or self._queued else max(0.0, self._clock() - self._last_used),
             jobs_served=self.jobs_served, crashes=self.crashes, keep_alive_s=self.settings.keep_alive_s,
-            pending=self._queued)
+            pending=self._queued, running=self.running)
 
     async def start(self) -> ModelInfo:
         """The model's info, loading it first if it never was (ModelLoadError / ModelCrashed if
