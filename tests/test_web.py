@@ -161,9 +161,9 @@ async def _three(nodes) -> None:  # type: ignore[no-untyped-def]
     async with Client(relay) as r:
         await r.grant("phone", ["msg.send", "web.relay"])
     key_holder = nodes["phone"].web_router.keys
-    with anyio.fail_after(20):
-        while key_holder.get(nodes["exit"].identity.peer_id) is None:
-            await anyio.sleep(0.02)  # the exit hands its key with the grant; poll with a deadline
+    exit_id = nodes["exit"].identity.peer_id
+    await wait_until(lambda: key_holder.get(exit_id) is not None, "the exit's key (handed with the grant)",
+                     timeout=20)
 
 
 @pytest.mark.anyio
