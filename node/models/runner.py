@@ -110,7 +110,6 @@ class RunnerStatus:
 class _Incarnation:
     proc: Process
     link: RunnerLink
-    ready: Ready
 
 
 def _rss_bytes(pid: int) -> int | None:
@@ -393,7 +392,7 @@ class ModelRunner(StreamingModel):
         proc = await anyio.open_process(self._command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
                                         start_new_session=True)  # the terminal's Ctrl-C is the node's to handle
         link = RunnerLink()
-        pending = _Incarnation(proc, link, Ready(pid=proc.pid, n_ctx=0, n_vocab=0))
+        pending = _Incarnation(proc, link)
         try:
             await self._write(pending, link.load(self.settings.model_dump_json()))
             msg = await self._read(pending)
@@ -402,7 +401,7 @@ class ModelRunner(StreamingModel):
                 await self._reap(pending)
             raise
         if isinstance(msg, Ready):
-            self._now = replace(pending, ready=msg)
+            self._now = pending
             self._info = ModelInfo(path=self.settings.path, n_ctx=msg.n_ctx, n_vocab=msg.n_vocab,
                                    chat_template=msg.chat_template, eog_token_ids=tuple(msg.eog_token_ids))
             return self._now
