@@ -29,8 +29,8 @@ HEAVY = ("trio", "libp2p", "cryptography", "llama_cpp", "pyhpke", "psymesh.node.
 ROOT = Path(__file__).resolve().parent.parent
 
 
-async def cli_fresh(*args: str) -> tuple[str, list[str]]:
-    """Run `psymesh ARGS` in a new interpreter: (what it printed, which of HEAVY and rich it imported)."""
+async def cli_fresh(*args: str, heavy: tuple[str, ...] = (*HEAVY, "rich")) -> tuple[str, list[str]]:
+    """Run `psymesh ARGS` in a new interpreter: (what it printed, which of `heavy` it imported)."""
     code = textwrap.dedent(f"""
         import contextlib, io, json, sys
         sys.argv = ["psymesh", *{list(args)!r}]
@@ -41,7 +41,7 @@ async def cli_fresh(*args: str) -> tuple[str, list[str]]:
                 main()
             except SystemExit as exc:
                 assert not exc.code, exc.code
-        held = [m for m in {(*HEAVY, "rich")!r} if m in sys.modules]
+        held = [m for m in {heavy!r} if m in sys.modules]
         print(json.dumps({{"out": out.getvalue(), "held": held}}))
     """)
     done = await anyio.run_process([sys.executable, "-c", code], check=True)
@@ -74,6 +74,16 @@ async def test_other_commands_that_ask_the_daemon_stay_light_too(tmp_path: Path,
     assert held == []
 
 
+@pytest.mark.anyio
+async def test_help_lists_every_command_without_loading_models_or_the_sdk() -> None:
+    """`psymesh --help` imports every command's module to list them: none of those imports may
+    build a model or reach for the SDK; that is what each command does when it runs."""
+    out, held = await cli_fresh("--help", heavy=(*HEAVY, "rich", "pydantic", "psymesh.node.control.client",
+                                                  "psymesh.protocol.control.node"))
+    assert "status" in out and "agent" in out and "node" in out
+    assert held == []
+
+
 def test_the_control_catalogue_names_each_of_its_messages_once() -> None:
     """protocol/control/__init__.py finds a name's module in `_GROUPS`: every name a group module
     defines is listed under it, and only there, so `control.X` always finds X."""
@@ -87,6 +97,8 @@ def test_the_control_catalogue_names_each_of_its_messages_once() -> None:
                 defined.add(node.name)
             elif isinstance(node, ast.Assign):
                 defined.update(t.id for t in node.targets if isinstance(t, ast.Name))
+            elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                defined.add(node.target.id)
         assert sorted(names) == sorted(d for d in defined if not d.startswith("_")), group
         for name in names:
             assert getattr(control, name) is getattr(sys.modules[f"psymesh.protocol.control.{group}"], name)

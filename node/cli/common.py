@@ -22,6 +22,7 @@ from ...protocol.errors import PsymeshError
 
 if TYPE_CHECKING:
     from ..control.client import Client
+    from ..core.home import NodeHome
 
 
 T = TypeVar("T")
@@ -37,6 +38,16 @@ def run_async(fn: Callable[[], Awaitable[T]]) -> T:
     """Run `fn` on trio: for what runs node code in this process (a daemon, a model runner, an
     agent run), which is written for trio and tested on it."""
     return anyio.run(fn, backend="trio")
+
+
+def home_at(home: str | None) -> NodeHome:
+    """The node home `home` names (--home; else $PSYMESH_HOME, else the platform's data dir), for
+    a command that reads its key or config.toml. core/home.py (the config models, the key's
+    cryptography) is imported here, at the call: `psymesh --help` imports every command's
+    module, and a command that only asks the daemon needs no more of the home than its paths."""
+    from ..core.home import NodeHome
+
+    return NodeHome(home)
 
 
 def on_node(home: str | None, ask: Callable[[Client], Awaitable[T]]) -> T:

@@ -15,16 +15,16 @@ The catalogue (one frozen model per request and reply, 69 classes), which the SD
 server share, is one module per group of commands: node.py (status, doctor, ping, serve, ui, model ps,
 discover), trust.py (pairing, peers, grants, audit), tasks.py, messaging.py (letters, asks, groups),
 web.py; common.py what they share. Each is imported on first use of one of its names
-(`control.StatusReply`): `psymesh status` builds node.py's dozen models, not the 69, nor the letters',
+(`control.StatusReply`; `psymesh --help` imports none): `psymesh status` builds node.py's dozen
+models, not the 69, nor the letters',
 tasks' and web's own protocol modules, which cost it more than the rest of its start-up (issue 22
 item 13). `_GROUPS` is that table; tests/test_cli_startup.py checks it names every model once.
 """
 from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
-from .common import NETWORK_FAILURES, Ok, PeerAway, View, error_reply, network_kind, raised
-
 if TYPE_CHECKING:  # what type checkers see: every name, as if imported here
+    from .common import *  # noqa: F403
     from .messaging import *  # noqa: F403
     from .node import *  # noqa: F403
     from .tasks import *  # noqa: F403
@@ -33,6 +33,7 @@ if TYPE_CHECKING:  # what type checkers see: every name, as if imported here
 
 # group module -> the names it defines
 _GROUPS: dict[str, tuple[str, ...]] = {
+    "common": ("View", "PeerAway", "Ok", "NETWORK_FAILURES", "network_kind", "error_reply", "raised"),
     "node": ("StatusRequest", "ConnectedPeer", "ConfirmedAddr", "Reachability", "StatusReply",
              "DoctorRequest", "ConnectionPath", "PeerDiagnosis", "DoctorReply", "PingRequest",
              "PingReply", "ShutdownRequest", "ServeRequest", "ServeReply", "UiRequest", "UiReply",
@@ -61,4 +62,4 @@ def __getattr__(name: str) -> Any:
     return getattr(import_module(f"{__name__}.{group}"), name)
 
 
-__all__ = ["NETWORK_FAILURES", "Ok", "PeerAway", "View", "error_reply", "network_kind", "raised", *_WHERE]
+__all__ = list(_WHERE)
