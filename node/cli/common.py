@@ -7,7 +7,9 @@ module, and what a command that only asks the daemon imports, stay clear of the 
 models and keys (core/home.py), trio, libp2p and rich (tests/test_cli_startup.py checks it)."""
 from __future__ import annotations
 
+import atexit
 import functools
+import gc
 import sqlite3
 import sys
 from collections.abc import Awaitable, Callable
@@ -64,7 +66,17 @@ def on_node(home: str | None, ask: Callable[[Client], Awaitable[T]]) -> T:
         async with Client(home) as client:
             return await ask(client)
 
+    _no_collections_at_exit()
     return anyio.run(go, backend="asyncio")
+
+
+@functools.cache
+def _no_collections_at_exit() -> None:
+    """What a command loaded lives until it exits: keep it out of the full collections the
+    interpreter runs as it exits (their walk over pydantic's schemas was a sixth of
+    `psymesh status`'s CPU time, bench/cli.py), as `node start` keeps the daemon's out of
+    its collections. Once per process."""
+    atexit.register(gc.freeze)
 
 
 async def peer_names(client: Client) -> dict[str, str]:

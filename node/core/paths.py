@@ -14,7 +14,6 @@ import socket
 import stat
 import struct
 import sys
-import tempfile
 from pathlib import Path
 
 import platformdirs
@@ -161,6 +160,8 @@ def _socket_runtime_dir() -> Path:
         if (st is not None and st.st_uid == os.geteuid() and not st.st_mode & 0o022
                 and len(str(candidate).encode()) + 22 <= _MAX_SOCKET_PATH):
             return candidate
+    import tempfile  # here: it (and the shutil and random it imports) is for long home paths only
+
     return Path(tempfile.gettempdir()) / f"psymesh-{os.geteuid()}"
 
 
