@@ -20,7 +20,7 @@ import anyio
 import pytest
 
 from psymesh.node.control.server import ControlServer
-from psymesh.node.core.home import socket_peer
+from psymesh.node.core.paths import socket_peer
 from psymesh.protocol import control as c
 from psymesh.protocol.framing import encode_frame
 from psymesh.protocol.messages import pack

@@ -11,7 +11,7 @@ Where it comes from, the first that is there:
     <home>/a2a.key               with a random key the first time the face is enabled
 
 Never the command line: /proc/PID/cmdline is readable by every local user. A key file is
-read like identity.key (home.read_secret_file): one that others may read is refused with
+read like identity.key (paths.read_secret_file): one that others may read is refused with
 the `chmod 600` to run, not quietly tightened, since the key may already be copied.
 `psymesh serve openai --show-key` (or `a2a`) prints the key and where it lives.
 """
@@ -24,7 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..core.bridgeconfig import KeyedServe
-from ..core.home import NodeHome, os_error, read_secret_file
+from ..core.home import NodeHome
+from ..core.paths import os_error, read_secret_file
 from ...protocol.errors import ErrorCode, PsymeshError
 
 MIN_KEY_CHARS = 16   # a key another local user could guess by trying is no key

@@ -43,7 +43,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from ...agent.chatformat import ToolSpec
 from ...agent.tools import MAX_TOOL_NAME, TOOL_NAME_RE, Tool, ToolError, ToolRegistry, schema_for_prompt
 from ..core.bridgeconfig import McpServerConfig
-from ..core.home import private_opener
+from ..core.paths import private_opener
 from ...protocol.errors import ErrorCode, PsymeshError
 
 log = logging.getLogger("psymesh.mcp")

@@ -6,7 +6,10 @@ each other module is one command group: node (the daemon), serve (serve/mcp: the
 faces), status (id/status/doctor/ping/discover/audit: looking at this node), peers
 (pair/peers/grant/revoke), task, msg (msg/group), web, model, agent (agent/eval), ui.
 `main` imports a group's module only when that group is the command run (or --help lists
-it), so `psymesh status` does not pay for the imports of `agent` or `node start`.
+it), so `psymesh status` does not pay for the imports of `agent` or `node start`; and what
+those modules import at their top is light (click, common.py, output.py): the models, the SDK,
+the home's config and rich come in when a command runs, so `--help` loads none of them
+(tests/test_cli_startup.py).
 """
 from __future__ import annotations
 

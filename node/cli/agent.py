@@ -12,17 +12,17 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import click
 
-from ..control.client import Client
-from ..core.home import NodeHome
 from .output import Output, escape
 from ...protocol import control as c
 from ...protocol.errors import ErrorCode, PsymeshError
-from .common import EvalStopped, command, on_node, run_async
+from .common import EvalStopped, command, home_at, on_node, run_async
 from .model import _local_runner, _models
 from .msg import _away_text
 from .task import _follow, _print_outcome
 
 if TYPE_CHECKING:
+    from ..control.client import Client
+    from ..core.home import NodeHome
     from ...agent.bfcl import BfclReport
 
 
@@ -84,8 +84,9 @@ def agent_run(home: str | None, out: Output, goal: str, model_name: str | None, 
               max_steps: int, thinking: bool, free_form: bool, yes: bool, ban_bytes: bool, seed: int | None) -> None:
     """Work on GOAL with this node's tools; irreversible calls ask first (or --yes)."""
     from ...agent.policy import DelegationInputs, decide
+    from ..control.client import Client
 
-    node_home = NodeHome(home)
+    node_home = home_at(home)
     node_home.init()
     config = node_home.load_config()
     params: dict[str, Any] = {"max_steps": max_steps, "thinking": thinking, "grammar": not free_form}
@@ -158,6 +159,8 @@ async def _agent_remote(home: str | None, out: Output, goal: str, to: str | None
                         yes: bool, fall_back: bool = False) -> dict[str, Any] | None:
     """Run the goal as a delegated agent task. `fall_back`: if the home PC turns out to be
     unreachable, take the task back and return None (the caller runs it here)."""
+    from ..control.client import Client
+
     async with Client(home) as client:
         handle = await client.delegate(to, goal=goal, params=params)
         if handle.away is not None and fall_back:
@@ -220,7 +223,7 @@ def eval_cmd(home: str | None, out: Output, cases: str | None, model_name: str |
     from ...agent.evaluation import evaluate, format_report, load_cases
     from ..models.agents import llama_model, pick_model
 
-    node_home = NodeHome(home)
+    node_home = home_at(home)
     node_home.init()
     registry = _models(node_home)
     name = pick_model(registry, model_name, None)
@@ -262,6 +265,7 @@ def _eval_bfcl(home: str | None, out: Output, bfcl_dir: str | None, categories: 
         write_score_files,
     )
     from ...agent.loop import LlamaAgentModel
+    from ..control.client import Client
 
     data_dir = Path(bfcl_dir) if bfcl_dir else default_data_dir()
     loaded = load_bfcl(data_dir, categories, limit=limit)
@@ -293,7 +297,7 @@ def _eval_bfcl(home: str | None, out: Output, bfcl_dir: str | None, categories: 
     else:
         from ..models.agents import pick_model
 
-        node_home = NodeHome(home)
+        node_home = home_at(home)
         node_home.init()
         registry = _models(node_home)
         name = pick_model(registry, model_name, None)

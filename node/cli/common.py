@@ -1,9 +1,15 @@
 """What every command shares: --home and --json (`command`), the one mapping of errors to a
 message and exit status 1, running on trio (`run_async`), a connected SDK Client (`on_node`),
-and durations on the command line (`Duration`)."""
+and durations on the command line (`Duration`).
+
+Start-up is paid on every command, and scripts call the CLI in loops (issue 22 item 13): this
+module, and what a command that only asks the daemon imports, stay clear of the node's config
+models and keys (core/home.py), trio, libp2p and rich (tests/test_cli_startup.py checks it)."""
 from __future__ import annotations
 
+import atexit
 import functools
+import gc
 import sqlite3
 import sys
 from collections.abc import Awaitable, Callable
@@ -12,12 +18,13 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import anyio
 import click
 
-from ..core.home import NodeHome
+from ..core.paths import HomePaths
 from .output import Output
 from ...protocol.errors import PsymeshError
 
 if TYPE_CHECKING:
     from ..control.client import Client
+    from ..core.home import NodeHome
 
 
 T = TypeVar("T")
@@ -30,22 +37,46 @@ json_option = click.option("--json", "json_mode", is_flag=True, help="Print data
 
 
 def run_async(fn: Callable[[], Awaitable[T]]) -> T:
-    """All commands run on trio: the daemon needs it, and the SDK works on it too."""
+    """Run `fn` on trio: for what runs node code in this process (a daemon, a model runner, an
+    agent run), which is written for trio and tested on it."""
     return anyio.run(fn, backend="trio")
+
+
+def home_at(home: str | None) -> NodeHome:
+    """The node home `home` names (--home; else $PSYMESH_HOME, else the platform's data dir), for
+    a command that reads its key or config.toml. core/home.py (the config models, the key's
+    cryptography) is imported here, at the call: `psymesh --help` imports every command's
+    module, and a command that only asks the daemon needs no more of the home than its paths."""
+    from ..core.home import NodeHome
+
+    return NodeHome(home)
 
 
 def on_node(home: str | None, ask: Callable[[Client], Awaitable[T]]) -> T:
     """`ask` the running daemon of `home` through a connected SDK Client, and its typed reply:
     what every command that talks to the daemon does. Its errors (DaemonNotRunning, a
     refusal) are shown by `command`. The SDK is imported here, at the call: the commands
-    that never reach a daemon (`id`, `model add`) do not load it."""
+    that never reach a daemon (`id`, `model add`) do not load it.
+
+    On asyncio, not trio: the SDK works on both (its tests run it on each), the only IO here
+    is the control socket, and asyncio costs a command a third of what importing trio does."""
     from ..control.client import Client
 
     async def go() -> T:
         async with Client(home) as client:
             return await ask(client)
 
-    return run_async(go)
+    _no_collections_at_exit()
+    return anyio.run(go, backend="asyncio")
+
+
+@functools.cache
+def _no_collections_at_exit() -> None:
+    """What a command loaded lives until it exits: keep it out of the full collections the
+    interpreter runs as it exits (their walk over pydantic's schemas was a sixth of
+    `psymesh status`'s CPU time, bench/cli.py), as `node start` keeps the daemon's out of
+    its collections. Once per process."""
+    atexit.register(gc.freeze)
 
 
 async def peer_names(client: Client) -> dict[str, str]:
@@ -73,7 +104,7 @@ def _as_psymesh_error(exc: BaseException, home: str | None) -> PsymeshError | No
     if isinstance(exc, sqlite3.Error):
         from ..core.db import storage_error
 
-        return storage_error(exc, NodeHome(home).db_path)
+        return storage_error(exc, HomePaths(home).db_path)
     if isinstance(exc, BaseExceptionGroup):
         mapped = [_as_psymesh_error(e, home) for e in exc.exceptions]
         if mapped and all(m is not None for m in mapped):

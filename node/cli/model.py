@@ -8,11 +8,11 @@ from typing import TYPE_CHECKING
 
 import click
 
-from ..core.home import NodeHome
 from .output import Output, table as out_table
-from .common import command, on_node, parse_duration
+from .common import command, home_at, on_node, parse_duration
 
 if TYPE_CHECKING:
+    from ..core.home import NodeHome
     from ..models import ModelRegistry, ModelRunner
     from rich.console import Console
 
@@ -38,7 +38,7 @@ def model() -> None:
 def model_add(home: str | None, out: Output, name: str, path: str, n_ctx: int | None, n_threads: int | None,
               chat_template: str | None, keep_alive: str | None) -> None:
     """Register PATH (a .gguf file) as model NAME. A running daemon uses it at once."""
-    node_home = NodeHome(home)
+    node_home = home_at(home)
     node_home.init()
     template = open(chat_template).read() if chat_template else None
     row = _models(node_home).add(name, path, n_ctx=n_ctx, n_threads=n_threads,
@@ -63,7 +63,7 @@ def model_pull(home: str | None, out: Output, repo_id: str, quant: str, name: st
     """Download a GGUF model from the Hugging Face hub and register it."""
     from ..models import pull_model
 
-    node_home = NodeHome(home)
+    node_home = home_at(home)
     node_home.init()
     out.hint(f"fetching the {quant} GGUF of {repo_id} ...")
     path = pull_model(repo_id, quant, node_home.models_dir / repo_id.replace("/", "--"))
@@ -77,7 +77,7 @@ def model_pull(home: str | None, out: Output, repo_id: str, quant: str, name: st
 @command
 def model_list(home: str | None, out: Output) -> None:
     """Registered models."""
-    node_home = NodeHome(home)
+    node_home = home_at(home)
     rows = _models(node_home).list() if node_home.db_path.exists() else []
     rows = [{**{k: v for k, v in r.items() if k != "chat_template"}, "chat_template_override": bool(r["chat_template"])}
             for r in rows]

@@ -9,9 +9,8 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from ..core.home import NodeHome
 from .output import Output, escape
-from .common import command, on_node, run_async
+from .common import command, home_at, on_node, run_async
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -40,7 +39,7 @@ def node_start(home: str | None, out: Output, listen: tuple[str, ...], profile: 
     from ..daemon import Node
     from ..core.logs import setup_logging
 
-    node_home = NodeHome(home)
+    node_home = home_at(home)
     node_home.init(profile=profile, name=name)  # type: ignore[arg-type]
     config = node_home.load_config()
     changes: dict[str, Any] = {}
@@ -104,7 +103,7 @@ def _service_change(home: str | None, out: Output, platform_name: str | None, dr
 
     from ..control import install as svc
 
-    node_home = NodeHome(home)
+    node_home = home_at(home)
     platform = svc.PLATFORMS[svc.PLATFORMS.index(platform_name)] if platform_name else svc.this_platform()
     plan = svc.plan(platform, sys.executable, node_home.path, Path.home(), os.getuid())
     if dry_run:

@@ -16,9 +16,6 @@ from collections.abc import Callable
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
-from pydantic import BaseModel
-
-from ...protocol.control import network_kind
 from ...protocol.errors import NetworkError, PsymeshError
 
 if TYPE_CHECKING:
@@ -47,6 +44,9 @@ def table(*headers: str, **options: Any) -> Any:
 
 
 def to_data(obj: Any) -> Any:
+    # pydantic is imported here, not above: `psymesh --help` prints no data and needs none of it
+    from pydantic import BaseModel
+
     if isinstance(obj, BaseModel):
         return obj.model_dump(mode="json")
     if isinstance(obj, list):
@@ -90,6 +90,8 @@ class Output:
         self.err.print(f"[yellow]warning:[/yellow] {escape(message)}")
 
     def error(self, exc: PsymeshError) -> None:
+        from ...protocol.control import network_kind
+
         network = isinstance(exc, NetworkError)
         if self.json_mode:
             error: dict[str, Any] = {"code": exc.code.value, "message": exc.message}

@@ -9,10 +9,10 @@ import click
 from .output import Output, escape, table as out_table
 from ...protocol import control as c
 from ...protocol.errors import ErrorCode, PsymeshError
-from ...protocol.limits import Limits
 from .common import Duration, command, on_node
 
 if TYPE_CHECKING:
+    from ...protocol.limits import Limits
     from rich.console import Console
 
 

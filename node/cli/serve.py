@@ -9,11 +9,11 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import click
 
-from ..core.home import NodeHome
+from ..core.paths import HomePaths
 from .output import Output, escape
 from ...protocol import control as c
 from ...protocol.errors import ErrorCode, PsymeshError
-from .common import command, on_node, run_async
+from .common import command, home_at, on_node, run_async
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -97,7 +97,7 @@ def _serve_foreground(home: str | None, out: Output, section: Literal["openai", 
         raise PsymeshError(f"--api-key is gone: a command line is readable by every local user (/proc/PID/cmdline); "
                            f"put the key in a file (mode 0600) and use --api-key-file FILE, or set ${env}",
                            code=ErrorCode.BAD_REQUEST)
-    node_home = NodeHome(home)
+    node_home = home_at(home)
     node_home.init()
     config = node_home.load_config()
     current = getattr(config.serve, section)
@@ -151,7 +151,7 @@ def mcp() -> None:
 
 
 def _restart_hint(out: Output, home: str | None) -> None:
-    if NodeHome(home).socket_path.exists():
+    if HomePaths(home).socket_path.exists():
         out.hint("restart the daemon to apply it: psymesh node stop, then psymesh node start")
 
 
@@ -180,7 +180,7 @@ def mcp_add(home: str | None, out: Output, name: str, server_command: tuple[str,
         entry = McpServerConfig(name=name, command=list(server_command) or None, url=url, env=env, cwd=cwd)
     except ValidationError as exc:
         raise click.UsageError(exc.errors()[0]["msg"].removeprefix("Value error, ")) from None
-    node_home = NodeHome(home)
+    node_home = home_at(home)
     node_home.init()
     config = node_home.load_config()
     servers = [m for m in config.mcp if m.name != name] + [entry]
@@ -194,7 +194,7 @@ def mcp_add(home: str | None, out: Output, name: str, server_command: tuple[str,
 @click.argument("name")
 def mcp_remove(home: str | None, out: Output, name: str) -> None:
     """Remove the MCP server NAME from config.toml."""
-    node_home = NodeHome(home)
+    node_home = home_at(home)
     config = node_home.load_config()
     if not any(m.name == name for m in config.mcp):
         raise PsymeshError(f"no MCP server {name!r} in {node_home.config_path}; see: psymesh mcp list",
@@ -208,7 +208,7 @@ def mcp_remove(home: str | None, out: Output, name: str) -> None:
 @command
 def mcp_list(home: str | None, out: Output) -> None:
     """The MCP servers in config.toml."""
-    servers = NodeHome(home).load_config().mcp
+    servers = home_at(home).load_config().mcp
 
     def human(con: Console) -> None:
         if not servers:

@@ -7,10 +7,9 @@ from typing import TYPE_CHECKING
 
 import click
 
-from ..core.home import NodeHome
 from .output import Output, escape, table as out_table
 from ...protocol import control as c
-from .common import command, on_node, peer_label, peer_names, run_async
+from .common import command, home_at, on_node, peer_label, peer_names, run_async
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -22,7 +21,7 @@ if TYPE_CHECKING:
 @command
 def id_cmd(home: str | None, out: Output) -> None:
     """Show this node's peer id and fingerprint (creates the home on first use)."""
-    node_home = NodeHome(home)
+    node_home = home_at(home)
     identity = node_home.init()
     data = {"peer_id": identity.peer_id, "fingerprint": identity.fingerprint, "home": str(node_home.path)}
     out.data(data, lambda con: con.print(
@@ -72,8 +71,7 @@ def doctor(home: str | None, out: Output, timeout_s: float) -> None:
     """Check this node: its home, disk, database, listen addresses, and each paired peer
     (reachable? direct or relayed? its clock? can it dial back?). Exit status 1 if a check fails."""
     from ..control.doctor import failed, run_checks
-
-    checks = run_async(lambda: run_checks(NodeHome(home), timeout_s=timeout_s))
+    checks = run_async(lambda: run_checks(home_at(home), timeout_s=timeout_s))
     colors = {"ok": "green", "warn": "yellow", "fail": "red"}
 
     def human(con: Console) -> None:

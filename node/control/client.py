@@ -23,7 +23,7 @@ import stat
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
 import anyio.abc
@@ -31,15 +31,17 @@ from pydantic import ValidationError
 
 from ..net.framed import AnyioByteStream, FramedStream
 from ..tasks.ids import new_task_id
-from ..core.home import SOCKET_DIR_ADVICE, NodeHome, check_private_dir, os_error, socket_peer
+from ..core.paths import SOCKET_DIR_ADVICE, HomePaths, check_private_dir, os_error, socket_peer
 from ...protocol import control as c
 from ...protocol.errors import ErrorCode, PsymeshError, RemoteError
 from ...protocol.framing import DEFAULT_MAX_FRAME_SIZE
-from ...protocol.limits import Limits
 from ...protocol.common import expect
 from ...protocol.messages import Message
-from ...protocol.tasks import Outcome, TaskEvent
-from ...protocol.web import DEFAULT_PAGE_CHARS, WebFetch, WebPage, WebResults, WebSearch
+
+if TYPE_CHECKING:
+    from ...protocol.limits import Limits
+    from ...protocol.tasks import Outcome, TaskEvent
+    from ...protocol.web import WebPage, WebResults
 
 R = TypeVar("R", bound=Message)
 
@@ -71,7 +73,7 @@ class Client:
         socket_path: str | os.PathLike[str] | None = None,
         max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
     ) -> None:
-        self.home = NodeHome(home)
+        self.home = HomePaths(home)  # its paths only: a script's client needs no config or key
         self.socket_path = Path(socket_path) if socket_path else self.home.socket_path
         self.max_frame_size = max_frame_size
         self._framed: FramedStream | None = None
@@ -380,21 +382,26 @@ class Client:
         assert reply.results is not None
         return reply.results
 
-    async def web_fetch(self, url: str, *, max_chars: int = DEFAULT_PAGE_CHARS, via: str | None = None,
+    async def web_fetch(self, url: str, *, max_chars: int | None = None, via: str | None = None,
                         relay: str | None = None, hops: int | None = None) -> WebPage:
-        """Fetch `url`'s readable text through a trusted exit (see web_search)."""
+        """Fetch `url`'s readable text through a trusted exit (see web_search), cut to
+        `max_chars` (None: the protocol's default, 8000)."""
         reply = await self.web_query(url=url, max_chars=max_chars, via=via, relay=relay, hops=hops)
         assert reply.page is not None
         return reply.page
 
     async def web_query(self, *, search: str | None = None, url: str | None = None, limit: int = 5,
-                        max_chars: int = DEFAULT_PAGE_CHARS, via: str | None = None, relay: str | None = None,
+                        max_chars: int | None = None, via: str | None = None, relay: str | None = None,
                         hops: int | None = None) -> c.WebQueryReply:
-        """A search (`search`) or a fetch (`url`), and the way it went (exit, relay)."""
+        """A search (`search`) or a fetch (`url`, cut to `max_chars`; None: the protocol's
+        default), and the way it went (exit, relay)."""
+        from ...protocol.web import WebFetch, WebSearch  # its exit key's crypto: not every command's cost
+
         if (search is None) == (url is None):
             raise PsymeshError("give a search or a url, not both", code=ErrorCode.BAD_REQUEST)
+        fetch = {"url": url} if max_chars is None else {"url": url, "max_chars": max_chars}
         query = (_checked(WebSearch, query=search, limit=limit) if search is not None
-                 else _checked(WebFetch, url=url, max_chars=max_chars))
+                 else _checked(WebFetch, **fetch))
         request = _checked(c.WebQueryRequest, search=query if isinstance(query, WebSearch) else None,
                            fetch=query if isinstance(query, WebFetch) else None, via=via, relay=relay, hops=hops)
         return await self.request(request, c.WebQueryReply)
@@ -447,6 +454,8 @@ class TaskHandle:
 
     async def events(self, after_seq: int = 0) -> AsyncIterator[TaskEvent]:
         """Every event after `after_seq`, in order, live until the task ends."""
+        from ...protocol.tasks import TaskEvent  # (with the task's messages: not what `status` loads)
+
         async with self._client._side() as lease:
             await lease.framed.send(c.TaskWatchRequest(task_id=self.id, after_seq=after_seq))
             while True:

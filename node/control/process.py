@@ -15,7 +15,7 @@ from typing import IO
 import anyio
 
 from .client import Client, DaemonNotRunning
-from ..core.home import private_opener
+from ..core.paths import private_opener
 from ...protocol.control import StatusReply
 from ...protocol.errors import ErrorCode, PsymeshError
 

@@ -34,7 +34,7 @@ import anyio.abc
 
 from ..core.db import storage_error
 from ..net.framed import AnyioByteStream, FramedStream
-from ..core.home import SOCKET_DIR_ADVICE, ensure_private_dir, socket_peer
+from ..core.paths import SOCKET_DIR_ADVICE, ensure_private_dir, socket_peer
 from ...protocol import control as c
 from ...protocol.common import Error
 from ...protocol.errors import ConnectionLost, ErrorCode, ProtocolError, PsymeshError

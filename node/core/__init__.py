@@ -1,6 +1,6 @@
 """The node's own state and settings, below everything else in the daemon.
 
-The node home (identity, config.toml and its sections, including the bridges' and the web's settings,
-which home.py parses), the SQLite database every store shares, logging, the notifier that wakes
+The node home (where its files are and how to touch them safely, paths.py; identity, config.toml and
+its sections, including the bridges' and the web's settings, which home.py parses), the SQLite database every store shares, logging, the notifier that wakes
 waiters, the rotating key rings on disk and the wake lock. Imports nothing else of psymesh.node.
 """

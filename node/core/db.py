@@ -25,7 +25,7 @@ from pathlib import Path
 import anyio
 import anyio.abc
 
-from .home import os_error, tighten
+from .paths import os_error, tighten
 from ...protocol.errors import ErrorCode, PsymeshError
 
 log = logging.getLogger("psymesh.db")

@@ -8,7 +8,8 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
-from .home import NodeHome, os_error
+from .home import NodeHome
+from .paths import os_error
 from ...protocol.keyring import KeyRing, RingKey
 
 Legacy = Callable[[bytes, float], RingKey | None]

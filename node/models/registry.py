@@ -14,7 +14,7 @@ from pathlib import Path
 
 from ...agent.inference import ModelSettings
 from ..core.db import ensure_schema
-from ..core.home import ensure_private_dir, tighten
+from ..core.paths import ensure_private_dir, tighten
 from ...protocol.errors import ConnectError, ErrorCode, PsymeshError
 
 SCHEMA = """
