@@ -33,7 +33,7 @@ from ..core.logs import fields
 from ..models import ModelPool
 from ..core.notify import Notifier
 from ..net.session import Call
-from .store import ExecutorStore, TaskNotFound, TaskRecord
+from .store import ExecutorStore, TaskRecord
 from ..door.trust import TrustStore
 from ...protocol.errors import ErrorCode, ProtocolError, PsymeshError
 from ...protocol.messages import Message
@@ -177,15 +177,9 @@ class TaskExecutor:
             return await self._follow(call, EventFeed(request.task_id, request.after_seq))
         if isinstance(request, TaskAck):
             return self.store.mark_fetched(request.task_id, request.upto_seq, peer_id).status()
-        if isinstance(request, TaskAcks):
-            acked = 0
-            for ack in request.acks:
-                try:
-                    self.store.mark_fetched(ack.task_id, ack.upto_seq, peer_id)
-                    acked += 1
-                except TaskNotFound:
-                    pass  # forgotten already, or not this peer's
-            return TaskAcked(acked=acked)
+        if isinstance(request, TaskAcks):  # one transaction for the batch; forgotten or others' tasks are skipped
+            return TaskAcked(acked=self.store.mark_fetched_each(((a.task_id, a.upto_seq) for a in request.acks),
+                                                               peer_id))
         if isinstance(request, TaskCancel):
             self.store.get(request.task_id, submitter=peer_id)
             return self._cancel(request.task_id, request.reason)
@@ -202,8 +196,7 @@ class TaskExecutor:
         """Send the task's events as they are stored; the final one ends the answer."""
         task_id = feed.task_id
         while True:
-            events = self.store.events_after(task_id, feed.sent)
-            ended = not events and self.store.get(task_id).terminal
+            events, ended = self.store.news(task_id, feed.sent)
             frames, final = feed.receive(events, task_ended=ended)
             if frames:
                 await call.send(*frames)
