@@ -7,8 +7,9 @@
         task.ack / cancel / input / list / caps        one reply each
     workers (N)  ──> gate.recheck ──> tool | infer | agent ──> event log ──> followers
 
-Durability: a task is written before `task.accepted` leaves; every event is numbered
-and stored before it is sent; after a restart unfinished work is requeued. Who sends
+Durability: a task is written, and synced, before `task.accepted` leaves (a worker may start
+it during that sync); every event is numbered and stored before it is sent; after a restart
+unfinished work is requeued. Who sends
 what next on a follow request is `protocol.taskflow.EventFeed`; admission (capability,
 rate, queue limits) happened at the door before `handle` runs.
 """
@@ -164,14 +165,13 @@ class TaskExecutor:
                 if created:
                     self._send.send_nowait(record.id)
                 return accepted
-            feed = EventFeed(record.id, 0)
-            frames, final = feed.receive(self.store.events_after(record.id, 0), task_ended=record.terminal)
-            try:  # the answer (with the events so far) leaves before a worker takes the task and the CPU
-                await call.send(accepted, *frames)
-            finally:
-                if created:
-                    self._send.send_nowait(record.id)
-            return final or await self._follow(call, feed)
+            # Queued before the answer: a worker runs the task while the door syncs the WAL for
+            # `task.accepted` (an idle wait of a millisecond or more), and the events it wrote by
+            # then follow the answer at once (docs/security.md: why this is safe).
+            if created:
+                self._send.send_nowait(record.id)
+            await call.send(accepted)
+            return await self._follow(call, EventFeed(record.id, 0))
         if isinstance(request, TaskAttach):
             self.store.get(request.task_id, submitter=peer_id)  # NOT_FOUND for someone else's task
             return await self._follow(call, EventFeed(request.task_id, request.after_seq))
