@@ -9,9 +9,9 @@
 
 Durability: a task is written, and synced, before `task.accepted` leaves (a worker may start
 it during that sync); every event is numbered and stored before it is sent; after a restart
-unfinished work is requeued. Who sends
-what next on a follow request is `protocol.taskflow.EventFeed`; admission (capability,
-rate, queue limits) happened at the door before `handle` runs.
+unfinished work is requeued. Who sends what next on a follow request is
+`protocol.taskflow.EventFeed`; admission (capability, rate, queue limits) happened at the door
+before `handle` runs.
 """
 from __future__ import annotations
 
