@@ -7,9 +7,12 @@
    pays ~40 ms of delayed ACK), and psymesh's own round trip on the open session
    between the same two daemons (`psymesh ping`, timed inside the phone daemon).
    The task figure is everything a task is: the control socket, a durable outbox
-   row, the request on the session, the door (admission, audit row), the executor's
-   SQLite log (accepted/working/result), the worker, the events mirrored on the
-   phone, and a watch on the control socket; the ack follows off the critical path.
+   row (its WAL sync overlaps the hand-over), the request on the session, the door
+   (admission, audit row), the executor's SQLite log (accepted/working/result) and
+   its WAL sync before `task.accepted` (the worker runs meanwhile), the events
+   mirrored on the phone, and a watch on the control socket; the acks follow off the
+   critical path. docs/architecture.md ("What a request costs") lists the SQLite
+   statements and transactions a task costs each side.
 2. Streamed tokens: an infer task on a tiny random-weight qwen35 model; the rate of
    `token` events (and characters) the phone's app receives, and the first token's
    latency against the same model called in process (`agent.generate`, no mesh).

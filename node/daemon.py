@@ -42,7 +42,7 @@ from .messaging.answering import Answering
 from .bridges.apikey import load_api_key
 from .door.audit import AuditLog
 from .control.server import ControlServer
-from .core.db import SYNC_FILE, Checkpointer, WalSync, open_db
+from .core.db import SYNC_FILE, Checkpointer, Tally, WalSync, open_db
 from .tasks.executor import TaskExecutor
 from .net.framed import FramedStream
 from .door.gate import Gate
@@ -127,8 +127,9 @@ class Node:
                                          max_defer_s=storage.checkpoint_max_defer_s,
                                          wal_max_bytes=storage.wal_max_bytes)
         self.wal = WalSync(home.db_path, fsync=fsync)
+        self.db_tally = Tally()  # statements and transactions on the node's connection (tests, benches)
         self.db = open_db(home.db_path, background_checkpoints=True, wal_max_bytes=storage.wal_max_bytes,
-                          on_write=self._wrote)
+                          on_write=self._wrote, tally=self.db_tally)
         self.started_at = time.monotonic()
         self.wake = WakeLock(termux_commands(environ) if wake_commands == "termux" else wake_commands)
         self.trust = TrustStore(self.db)
@@ -164,7 +165,7 @@ class Node:
                                      profile=self.config.profile, share_dir=self.config.share_dir,
                                      agent_runner=self.agents, wake=self.wake)
         self.submitter = TaskSubmitter(local_peer_id=self.identity.peer_id, outbox=Outbox(self.db), trust=self.trust,
-                                       sessions=self.sessions, sync=self.wal.sync, wake=self.wake)
+                                       sessions=self.sessions, wal=self.wal, wake=self.wake)
         self.messaging = Messaging(self.identity, msg_store, self.trust, self.sessions,
                                    door=self.gate.admit_each,
                                    mail=MailSender(self.identity.peer_id, mail_store, self.trust, self.sessions,

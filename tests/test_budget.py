@@ -170,7 +170,7 @@ class PowerCut:
 
 
 async def test_acknowledged_tasks_and_letters_survive_a_power_cut(tmp_path: Path) -> None:
-    """Every task.accepted, letter receipt and SDK "queued" the nodes answered is in what a
+    """Every task.accepted, letter receipt and SDK "queued" or "delegated" the nodes answered is in what a
     power cut right after leaves on disk: each answer followed a sync of its transaction
     (before: synchronous=NORMAL answered after a commit the next checkpoint would sync).
     A burst of answers shares its syncs (group commit)."""
@@ -203,15 +203,19 @@ async def test_acknowledged_tasks_and_letters_survive_a_power_cut(tmp_path: Path
             letters = [(await p.send("home", f"letter {i}", thread="durable")).id for i in range(20)]
             for letter_id in letters:
                 assert (await p.letter(letter_id, wait=True)).state == "delivered"
+            delegated = [(await p.delegate("home", tool="system.info")).id for _ in range(10)]
 
     on_home = cuts["home"].after(tmp_path / "home-after")
     on_phone = cuts["phone"].after(tmp_path / "phone-after")
     tasks = {r[0] for r in on_home.execute("SELECT id FROM exec_tasks")}
     received = {r[0] for r in on_home.execute("SELECT id FROM msg_inbox")}
     queued = {r[0] for r in on_phone.execute("SELECT id FROM msg_outbox")}
+    outbox = {r[0] for r in on_phone.execute("SELECT id FROM outbox_tasks")}
     print(f"\n32 tasks accepted with {home_syncs} syncs; after the cut: {len(set(accepted) & tasks)} tasks, "
           f"{len(set(letters) & received)} letters received, {len(set(letters) & queued)} queued")
     assert len(accepted) == 32 and set(accepted) <= tasks
     assert set(letters) <= queued  # each send() returned after its outbox row was synced
     assert set(letters) <= received  # each receipt (delivered) followed the recipient's sync
     assert 1 <= home_syncs < 32  # the burst shared its syncs
+    # each delegate() returned after its outbox row was synced (while the task was on its way)
+    assert set(delegated) <= outbox and set(delegated) <= tasks

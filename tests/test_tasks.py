@@ -26,6 +26,7 @@ from psymesh.agent.tools import ToolContext, tool_from_function
 from psymesh.node.control.client import Client, TaskHandle
 from psymesh.node.daemon import Node
 from psymesh.node.core.db import open_db
+from psymesh.node.core.home import StorageSettings
 from psymesh.node.core.home import NodeHome
 from psymesh.node.models import ModelRegistry
 from psymesh.node.control.process import DaemonProcess, pair_homes
@@ -118,6 +119,46 @@ async def test_tool_tasks_end_to_end(tmp_path: Path) -> None:
             listed = await phone.tasks()
         assert [t.state for t in listed.submitted] == ["completed", "completed", "failed"]
         assert all(t.target == "home" for t in listed.submitted)
+
+
+@pytest.mark.anyio
+async def test_a_task_costs_each_side_one_transaction_per_durable_step(tmp_path: Path) -> None:
+    """What a user notices only as speed, counted instead of timed: a tool task costs the phone
+    one transaction for its outbox row and one per event mirrored, the home one for the task with
+    its first event and one per later event; acks are one transaction a batch on each side (before:
+    6 on the phone, acceptance and each ack a transaction of their own, and 4 on the home).
+    Audit rows are held off (they are one transaction a flush, a batch of decisions)."""
+    tasks = 16
+    held_audit = {"storage": StorageSettings(audit_flush_ms=60_000)}
+    async with run_nodes(tmp_path, "home", "phone", profiles={"phone": "phone"},
+                         configs={"home": held_audit, "phone": held_audit}) as nodes:
+        home, phone = nodes["home"], nodes["phone"]
+        await _pair_all(nodes, "home")
+
+        def all_acked() -> bool:
+            return (all(t.acked_seq == t.last_seq and t.terminal for t in phone.submitter.outbox.list())
+                    and all(r.acked_seq == r.last_seq for r in home.executor.store.list()))
+
+        async with Client(phone.home.path) as sdk:
+            assert await (await sdk.delegate("home", tool="system.info")).result()  # the session is open
+            await wait_until(all_acked, "the warm-up task acknowledged on both sides")
+            before = {name: node.db_tally.transactions for name, node in nodes.items()}
+            syncs = phone.wal.syncs
+
+            async def one() -> None:
+                assert (await (await sdk.delegate("home", tool="system.info")).result())["profile"] == "home"
+
+            async with anyio.create_task_group() as tg:
+                for _ in range(tasks):
+                    tg.start_soon(one)
+            await wait_until(all_acked, "every task acknowledged on both sides")
+        spent = {name: node.db_tally.transactions - before[name] for name, node in nodes.items()}
+        print(f"\n{tasks} tasks: {spent['phone']} transactions on the phone, {spent['home']} on the home, "
+              f"{phone.wal.syncs - syncs} WAL syncs on the phone")
+        # 1 outbox row + 3 events each, and the ack batches (at most one a task, a few in all here)
+        assert 4 * tasks < spent["phone"] <= 4 * tasks + tasks // 2
+        # 1 (task + event 1) + 2 events each, and the batches of acks taken
+        assert 3 * tasks < spent["home"] <= 3 * tasks + tasks // 2
 
 
 @pytest.mark.anyio

@@ -55,6 +55,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("psymesh.node")
 
 PING_TIMEOUT_S = 30.0  # all of `psymesh ping`'s round trips
+# Durable answers whose handler syncs what it promises itself, and no more: `task_submitted`
+# (TaskSubmitter.submit returns once the outbox row is on disk, synced while the task is on its
+# way; a sync here would wait again for the rows the answer does not promise: event 1, ...).
+SYNCS_ITSELF: frozenset[type[Message]] = frozenset({c.TaskSubmitRequest})
 
 
 class OwnerNode(Protocol):
@@ -127,11 +131,11 @@ class Owner:
             c.UiRequest: self._ui,
         }
         for request_type, handler in routes.items():
-            control.route(request_type, self._durable(handler))
+            control.route(request_type, handler if request_type in SYNCS_ITSELF else self._durable(handler))
 
     def _durable(self, handler: Handler) -> Handler:
-        """An answer that promises durability (`Message.durable`: the outbox row queued, the
-        letter written) leaves only once the WAL is synced."""
+        """An answer that promises durability (`Message.durable`: the letter written) leaves
+        only once the WAL is synced. The routes in SYNCS_ITSELF keep that promise themselves."""
         async def answer(req: Message, framed: FramedStream) -> Message | None:
             reply = await handler(req, framed)
             if reply is not None and reply.durable:
@@ -310,17 +314,15 @@ class Owner:
 
     async def _task_watch(self, req: c.TaskWatchRequest, framed: FramedStream) -> c.Ok:
         outbox, sent = self.node.submitter.outbox, req.after_seq
-        outbox.get(req.task_id)  # NOT_FOUND for a task this node never delegated
         while True:
-            events = outbox.events_after(req.task_id, sent)
+            events, ended = outbox.news(req.task_id, sent)  # NOT_FOUND for a task this node never delegated
             for ev in events:
                 await framed.send(ev)
                 sent = ev.seq
+            if ended or (events and events[-1].state.terminal):  # nothing follows a final event
+                return c.Ok()
             if events:
                 continue  # more may have come while we were sending
-            task = outbox.get(req.task_id)
-            if task.terminal and sent >= task.last_seq:
-                return c.Ok()
             await self.node.submitter.changed.wait(req.task_id)  # no await since the reads: nothing is missed
 
     async def _task_cancel(self, req: c.TaskCancelRequest, _: FramedStream) -> c.Ok:

@@ -98,8 +98,31 @@ _WRITES = ("INSERT", "UPDATE", "DELETE", "REPLACE", "CREATE", "DROP", "ALTER", "
 SYNC_FILE: Callable[[int], None] = getattr(os, "fdatasync", os.fsync)
 
 
+class Tally:
+    """What a connection ran (`open_db(tally=...)`): statements, and transactions committed or
+    rolled back (each BEGIN ... COMMIT, and each write outside one, which SQLite commits alone).
+    The daemon keeps one for its connection; tests and benches read what a request costs."""
+
+    def __init__(self) -> None:
+        self.statements = 0    # every statement but BEGIN / COMMIT / ROLLBACK
+        self.transactions = 0
+        self._open = False
+
+    def ran(self, head: str) -> None:
+        """`head`: the statement's first 7 characters, upper case."""
+        if head.startswith("BEGIN"):
+            self._open = True
+            self.transactions += 1
+        elif head.startswith(("COMMIT", "ROLLBAC", "END")):
+            self._open = False
+        else:
+            self.statements += 1
+            if not self._open and head.startswith(_WRITES):
+                self.transactions += 1
+
+
 def open_db(path: Path | str, *, background_checkpoints: bool = False, wal_max_bytes: int = WAL_MAX_BYTES,
-            on_write: Callable[[], None] | None = None) -> sqlite3.Connection:
+            on_write: Callable[[], None] | None = None, tally: Tally | None = None) -> sqlite3.Connection:
     """Open (creating if needed) a database tuned for a small always-on daemon.
     Every failure is a StorageError naming the file and the fix (see `storage_error`).
 
@@ -111,7 +134,8 @@ def open_db(path: Path | str, *, background_checkpoints: bool = False, wal_max_b
     checkpoint syncs the database file: a stall of milliseconds in the middle of some
     request); the owner runs `Checkpointer` beside it instead. `on_write`: called (on the
     thread that runs it) as every statement that may write starts, so the checkpointer and
-    `WalSync` learn that there is something to do without polling."""
+    `WalSync` learn that there is something to do without polling. `tally`: counts what the
+    connection runs from here on."""
     path = Path(path)
     conn: sqlite3.Connection | None = None
     try:
@@ -130,9 +154,12 @@ def open_db(path: Path | str, *, background_checkpoints: bool = False, wal_max_b
         if conn is not None:
             conn.close()
         raise storage_error(exc, path) from None
-    if on_write is not None:
+    if on_write is not None or tally is not None:
         def trace(sql: str) -> None:
-            if sql.lstrip()[:7].upper().startswith(_WRITES):
+            head = sql.lstrip()[:7].upper()
+            if tally is not None:
+                tally.ran(head)
+            if on_write is not None and head.startswith(_WRITES):
                 on_write()
 
         conn.set_trace_callback(trace)
@@ -278,8 +305,15 @@ class WalSync:
     def wrote(self) -> None:
         self._written += 1
 
-    async def sync(self) -> None:
-        target = self._written
+    def mark(self) -> int:
+        """Where the writes stand now: `sync(mark)` later waits for these and no more (a
+        promise made after a commit need not wait for what was written since)."""
+        return self._written
+
+    async def sync(self, upto: int | None = None) -> None:
+        """Returns once every write before the call (or before `mark()` returned `upto`)
+        is on disk."""
+        target = self._written if upto is None else upto
         while self._synced < target:
             if self._running is not None:
                 await self._running.wait()  # it may have started before our commit: loop, maybe sync again

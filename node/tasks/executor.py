@@ -7,10 +7,11 @@
         task.ack / cancel / input / list / caps        one reply each
     workers (N)  ──> gate.recheck ──> tool | infer | agent ──> event log ──> followers
 
-Durability: a task is written before `task.accepted` leaves; every event is numbered
-and stored before it is sent; after a restart unfinished work is requeued. Who sends
-what next on a follow request is `protocol.taskflow.EventFeed`; admission (capability,
-rate, queue limits) happened at the door before `handle` runs.
+Durability: a task is written, and synced, before `task.accepted` leaves (a worker may start
+it during that sync); every event is numbered and stored before it is sent; after a restart
+unfinished work is requeued. Who sends what next on a follow request is
+`protocol.taskflow.EventFeed`; admission (capability, rate, queue limits) happened at the door
+before `handle` runs.
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ from ..core.logs import fields
 from ..models import ModelPool
 from ..core.notify import Notifier
 from ..net.session import Call
-from .store import ExecutorStore, TaskNotFound, TaskRecord
+from .store import ExecutorStore, TaskRecord
 from ..door.trust import TrustStore
 from ...protocol.errors import ErrorCode, ProtocolError, PsymeshError
 from ...protocol.messages import Message
@@ -164,28 +165,21 @@ class TaskExecutor:
                 if created:
                     self._send.send_nowait(record.id)
                 return accepted
-            feed = EventFeed(record.id, 0)
-            frames, final = feed.receive(self.store.events_after(record.id, 0), task_ended=record.terminal)
-            try:  # the answer (with the events so far) leaves before a worker takes the task and the CPU
-                await call.send(accepted, *frames)
-            finally:
-                if created:
-                    self._send.send_nowait(record.id)
-            return final or await self._follow(call, feed)
+            # Queued before the answer: a worker runs the task while the door syncs the WAL for
+            # `task.accepted` (an idle wait of a millisecond or more), and the events it wrote by
+            # then follow the answer at once (docs/security.md: why this is safe).
+            if created:
+                self._send.send_nowait(record.id)
+            await call.send(accepted)
+            return await self._follow(call, EventFeed(record.id, 0))
         if isinstance(request, TaskAttach):
             self.store.get(request.task_id, submitter=peer_id)  # NOT_FOUND for someone else's task
             return await self._follow(call, EventFeed(request.task_id, request.after_seq))
         if isinstance(request, TaskAck):
             return self.store.mark_fetched(request.task_id, request.upto_seq, peer_id).status()
-        if isinstance(request, TaskAcks):
-            acked = 0
-            for ack in request.acks:
-                try:
-                    self.store.mark_fetched(ack.task_id, ack.upto_seq, peer_id)
-                    acked += 1
-                except TaskNotFound:
-                    pass  # forgotten already, or not this peer's
-            return TaskAcked(acked=acked)
+        if isinstance(request, TaskAcks):  # one transaction for the batch; forgotten or others' tasks are skipped
+            return TaskAcked(acked=self.store.mark_fetched_each(((a.task_id, a.upto_seq) for a in request.acks),
+                                                               peer_id))
         if isinstance(request, TaskCancel):
             self.store.get(request.task_id, submitter=peer_id)
             return self._cancel(request.task_id, request.reason)
@@ -202,8 +196,7 @@ class TaskExecutor:
         """Send the task's events as they are stored; the final one ends the answer."""
         task_id = feed.task_id
         while True:
-            events = self.store.events_after(task_id, feed.sent)
-            ended = not events and self.store.get(task_id).terminal
+            events, ended = self.store.news(task_id, feed.sent)
             frames, final = feed.receive(events, task_ended=ended)
             if frames:
                 await call.send(*frames)

@@ -125,23 +125,21 @@ class ExecutorStore:
         """
         now = resolve_now(now)
         with transaction(self.conn):
-            try:
-                existing = self._log.row(spec.id)
-            except TaskNotFound:
-                existing = None
-            if existing is not None:
-                record = TaskRecord.from_row(existing)
+            deadline = spec.resolve_deadline(now)
+            inserted = self.conn.execute(
+                "INSERT INTO exec_tasks (id, submitter, kind, spec, state, created_at, updated_at, deadline)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (id) DO NOTHING",
+                (spec.id, submitter, spec.kind.value, spec.model_dump_json(), TaskState.SUBMITTED.value,
+                 now, now, deadline),
+            ).rowcount
+            if not inserted:  # a resubmit (or a reuse of the id)
+                record = TaskRecord.from_row(self._log.row(spec.id))
                 if record.submitter != submitter or record.spec != spec:
                     raise TaskConflict(f"task id {spec.id!r} is already in use for a different task")
                 return record, False
-            self.conn.execute(
-                "INSERT INTO exec_tasks (id, submitter, kind, spec, state, created_at, updated_at, deadline)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                (spec.id, submitter, spec.kind.value, spec.model_dump_json(), TaskState.SUBMITTED.value,
-                 now, now, spec.resolve_deadline(now)),
-            )
-            self._append(spec.id, EventKind.ACCEPTED, {}, None, now)
-            return TaskRecord.from_row(self._log.row(spec.id)), True
+            event = self._append(spec.id, EventKind.ACCEPTED, {}, None, now, head=(0, TaskState.SUBMITTED.value))
+            return TaskRecord(spec=spec, submitter=submitter, state=event.state, last_seq=event.seq, acked_seq=0,
+                              created_at=now, updated_at=now, deadline=deadline), True  # as written: no read back
 
     def append_event(
         self,
@@ -169,6 +167,14 @@ class ExecutorStore:
                              TaskState.CANCELED, resolve_now(now))
                 row = self._log.row(task_id)
             return TaskRecord.from_row(row)
+
+    def mark_fetched_each(self, acks: Iterable[tuple[str, int]], submitter: str) -> int:
+        """`mark_fetched` for each (task_id, upto_seq) of one `task.acks`, in one transaction;
+        returns how many were `submitter`'s tasks (the rest: forgotten already, or not its)."""
+        with transaction(self.conn):
+            return sum(self.conn.execute(
+                "UPDATE exec_tasks SET acked_seq = MAX(acked_seq, MIN(?, last_seq)) WHERE id = ? AND submitter = ?",
+                (upto, task_id, submitter)).rowcount for task_id, upto in acks)
 
     def mark_fetched(self, task_id: str, upto_seq: int, submitter: str | None = None) -> TaskRecord:
         """Record that the submitter durably holds events 1..upto_seq (never moves backwards)."""
@@ -250,6 +256,11 @@ class ExecutorStore:
         """Events numbered above `after_seq`, in order, at most `limit` (page until empty)."""
         return self._log.after(task_id, after_seq, limit)
 
+    def news(self, task_id: str, after_seq: int) -> tuple[list[TaskEvent], bool]:
+        """What a follower sends next: the events above `after_seq` and, when there are none,
+        whether the task has ended (one read of its row, not two)."""
+        return self._log.news(task_id, after_seq, DEFAULT_PAGE)
+
     def outcome(self, task_id: str) -> Outcome | None:
         """How the task ended, or None while it runs."""
         return self._log.outcome(task_id)
@@ -291,14 +302,19 @@ class ExecutorStore:
 
     # -- internals ------------------------------------------------------------------------
     def _append(
-        self, task_id: str, kind: EventKind, data: dict[str, Any], state: TaskState | None, now: float
+        self, task_id: str, kind: EventKind, data: dict[str, Any], state: TaskState | None, now: float,
+        head: tuple[int, str] | None = None,
     ) -> TaskEvent:
-        row = self._log.row(task_id)
-        current = TaskState(row["state"]) if row["last_seq"] else None
+        """`head`: the task's (last_seq, state) when this transaction just wrote them (else read)."""
+        if head is None:
+            row = self._log.row(task_id)
+            head = (row["last_seq"], row["state"])
+        last_seq, stored = head
+        current = TaskState(stored) if last_seq else None
         # next_state fills in the state the event carries; _log.append checks it again,
         # which is the one gate both sides' logs pass through.
-        event = _build_event(task_id, row["last_seq"] + 1, kind, next_state(current, kind, state), now, data)
-        self._log.append(row, event, now)
+        event = _build_event(task_id, last_seq + 1, kind, next_state(current, kind, state), now, data)
+        self._log.append(last_seq, stored, event, now)
         return event
 
     def _filter(self, submitter: str | None, states: Iterable[TaskState] | None) -> tuple[str, list[Any]]:

@@ -19,7 +19,6 @@ from .tasklog import (
     DEFAULT_PAGE,
     EventLog,
     TaskConflict,
-    TaskNotFound,
     event_ddl,
     placeholders,
     resolve_now,
@@ -79,11 +78,10 @@ class Outbox:
     """The phone's durable record of tasks it delegated.
 
         task = outbox.add(pc_peer, spec)                 # before sending task.submit
-        outbox.mark_accepted(spec.id)                    # on task.accepted
         for event in stream:                             # task.attach(after_seq=task.last_seq)
-            if outbox.record_event(event):               # False for a resent duplicate
+            if outbox.record_event(event, pc_peer):      # False for a resent duplicate; marks it accepted
                 deliver(event)
-        outbox.mark_acked(spec.id, seq)                  # after sending task.ack
+        outbox.mark_acked_each([(spec.id, seq)])         # after the executor took the task.ack(s)
         outbox.pending(); outbox.resumable()             # after a reconnect
     """
 
@@ -95,19 +93,23 @@ class Outbox:
     def add(self, target: str, spec: TaskSpec, now: float | None = None) -> OutboxTask:
         """Remember a task before submitting it; idempotent like the executor's submit."""
         now = resolve_now(now)
-        with transaction(self.conn):
-            try:
-                task = OutboxTask.from_row(self._log.row(spec.id))
-            except TaskNotFound:
-                self.conn.execute(
-                    "INSERT INTO outbox_tasks (id, target, kind, spec, state, created_at, updated_at)"
-                    " VALUES (?, ?, ?, ?, ?, ?, ?)",
-                    (spec.id, target, spec.kind.value, spec.model_dump_json(), TaskState.SUBMITTED.value, now, now),
-                )
-                return OutboxTask.from_row(self._log.row(spec.id))
-            if task.target != target or task.spec != spec:
-                raise TaskConflict(f"task id {spec.id!r} is already used for a different task")
-            return task
+        inserted = self.conn.execute(  # one statement: a transaction of its own
+            "INSERT INTO outbox_tasks (id, target, kind, spec, state, created_at, updated_at)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (id) DO NOTHING",
+            (spec.id, target, spec.kind.value, spec.model_dump_json(), TaskState.SUBMITTED.value, now, now),
+        ).rowcount
+        if inserted:
+            return OutboxTask(spec=spec, target=target, accepted=False, state=TaskState.SUBMITTED, last_seq=0,
+                              acked_seq=0, created_at=now, updated_at=now)  # as written: no read back
+        task = OutboxTask.from_row(self._log.row(spec.id))
+        if task.target != target or task.spec != spec:
+            raise TaskConflict(f"task id {spec.id!r} is already used for a different task")
+        return task
+
+    def find(self, task_id: str) -> OutboxTask | None:
+        """The task, or None if this node never delegated it (or forgot it)."""
+        row = self.conn.execute("SELECT * FROM outbox_tasks WHERE id = ?", (task_id,)).fetchone()
+        return None if row is None else OutboxTask.from_row(row)
 
     def mark_accepted(self, task_id: str, now: float | None = None) -> OutboxTask:
         """The executor holds the task: stop resending it."""
@@ -136,7 +138,8 @@ class Outbox:
         """Mirror one event: True if new (deliver it), False if already held.
 
         `target` is the executor it came from: an event from it implies it accepted the
-        task. Without `target` the event was written here (the task ended on this side).
+        task (the submitter stores acceptance this way, with the first event, not on its
+        own). Without `target` the event was written here (the task ended on this side).
         An event past a gap, one that breaks the lifecycle, or one from a peer that is
         not the task's executor is a ProtocolError: re-attach from `last_seq` instead
         of trusting it.
@@ -148,8 +151,8 @@ class Outbox:
                                     code=ErrorCode.FORBIDDEN)
             if event.seq <= row["last_seq"]:
                 return False
-            self._log.append(row, event, resolve_now(now))  # checks seq contiguity and the transition
-            if target is not None:
+            self._log.append(row["last_seq"], row["state"], event, resolve_now(now))  # checks seq and transition
+            if target is not None and not row["accepted"]:
                 self.conn.execute("UPDATE outbox_tasks SET accepted = 1 WHERE id = ?", (event.task_id,))
             return True
 
@@ -161,6 +164,15 @@ class Outbox:
             self.conn.execute("UPDATE outbox_tasks SET acked_seq = ? WHERE id = ?", (acked, task_id))
             return OutboxTask.from_row(self._log.row(task_id))
 
+    def mark_acked_each(self, acks: Iterable[tuple[str, int]]) -> None:
+        """`mark_acked` for each (task_id, upto_seq) of one batch of acks, in one transaction
+        (a task forgotten meanwhile is skipped)."""
+        with transaction(self.conn):
+            self.conn.executemany(
+                "UPDATE outbox_tasks SET acked_seq = MAX(acked_seq, MIN(?, last_seq)) WHERE id = ?",
+                [(upto, task_id) for task_id, upto in acks],
+            )
+
     def get(self, task_id: str) -> OutboxTask:
         return OutboxTask.from_row(self._log.row(task_id))
 
@@ -170,6 +182,11 @@ class Outbox:
 
     def events_after(self, task_id: str, after_seq: int = 0, limit: int = DEFAULT_PAGE) -> list[TaskEvent]:
         return self._log.after(task_id, after_seq, limit)
+
+    def news(self, task_id: str, after_seq: int) -> tuple[list[TaskEvent], bool]:
+        """What a watcher sends next: the events above `after_seq` and, when there are none,
+        whether the task has ended."""
+        return self._log.news(task_id, after_seq, DEFAULT_PAGE)
 
     def result(self, task_id: str) -> Outcome | None:
         """How the task ended (`.unwrap()` gives the value or raises), or None while it runs."""

@@ -24,9 +24,10 @@ from typing import Any
 import anyio
 import anyio.abc
 
+from ..core.db import WalSync
 from ..core.notify import Notifier
 from ..net.session import SessionPool
-from .store import Outbox, OutboxTask, TaskNotFound
+from .store import Outbox, OutboxTask
 from ..door.trust import TrustStore
 from ..core.wakelock import WakeLock
 from ...protocol.admission import task_operation
@@ -37,6 +38,7 @@ from ...protocol.manifest import check
 from ...protocol.taskflow import Accepted, Action, Done, Phase, Record, RetryAt, SubmitterTask
 from ...protocol.tasks import (
     TaskAck,
+    TaskAcked,
     TaskAcks,
     TaskCancel,
     TaskCapsReply,
@@ -73,6 +75,7 @@ class _AckBatch:
         self.done = anyio.Event()
         self.reply: Message | None = None          # task.acked, or the executor's error
         self.failure: NetworkError | ProtocolError | None = None
+        self.stored = False                        # every ack's acked_seq is in the outbox already
 
 
 def _machine(task: OutboxTask) -> SubmitterTask:
@@ -88,12 +91,13 @@ class TaskSubmitter:
     ACK_DELAY_S = 0.05
 
     def __init__(self, *, local_peer_id: str, outbox: Outbox, trust: TrustStore, sessions: SessionPool,
-                 sync: Callable[[], Awaitable[None]] | None = None, wake: WakeLock | None = None) -> None:
-        """`sync`: returns once what is committed is on disk (node/core/db.py WalSync); a task.ack
-        promises the executor that the events it covers are, so it waits for this first.
-        `wake`: held while a task is being driven (node/core/wakelock.py)."""
+                 wal: WalSync | None = None, wake: WakeLock | None = None) -> None:
+        """`wal`: puts what is committed on disk (node/core/db.py); `submit()` returns only once
+        the task's outbox row is, and a task.ack (which promises the executor that the events it
+        covers are) waits for it first. `wake`: held while a task is being driven
+        (node/core/wakelock.py)."""
         self.local_peer_id = local_peer_id
-        self.sync = sync
+        self.wal = wal
         self.outbox = outbox
         self.trust = trust
         self.sessions = sessions
@@ -134,25 +138,54 @@ class TaskSubmitter:
 
     # -- submitting -----------------------------------------------------------------------
     async def submit(self, spec: TaskSpec, to: str | None, offers: Offers) -> tuple[str, bool]:
-        """Store the task durably, then hand it over now if an executor takes it.
-        Returns (target, accepted); a refusal no resend can change raises RemoteError."""
-        try:  # already known (a resubmit from the script): keep its target
-            existing = self.outbox.get(spec.id)
+        """Store the task durably, then hand it over now if an executor takes it. Returns
+        (target, accepted) once the task's outbox row is on disk (synced while the task is on
+        its way, not after); a refusal no resend can change raises RemoteError."""
+        existing = self.outbox.find(spec.id)
+        if existing is not None:  # already known (a resubmit from the script): keep its target
             self.outbox.add(existing.target, spec)
+            await self._synced(self._mark())
             return existing.target, existing.accepted
-        except TaskNotFound:
-            pass
         if to:
             peer = self.trust.resolve(to)
             peer.refuse_if_revoked_us()
             candidates = [peer.peer_id]
         else:
             candidates = await self._candidates(spec, offers)
-        # Durable before anything leaves this node: if we die while the executor accepts
-        # it, the driver delivers it again after the restart (a harmless resubmit).
-        self.outbox.add(candidates[0], spec)
+        # Committed before anything leaves this node: if we die while the executor accepts
+        # it, the driver delivers it again after the restart (a harmless resubmit). On disk
+        # (for a power cut) before this returns: the WAL sync runs beside the hand-over and
+        # covers the row, not what the driver writes after it (acceptance rides on event 1;
+        # a power cut that loses those only means a harmless resubmit too).
+        task = self.outbox.add(candidates[0], spec)
+        row_written = self._mark()
+        failures: list[PsymeshError] = []  # raised after the task group, not as an exception group
+
+        async def sync_row() -> None:
+            try:
+                await self._synced(row_written)
+            except PsymeshError as exc:  # the disk failed
+                failures.append(exc)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(sync_row)
+            try:
+                answer = await self._hand_over(spec, task, candidates)
+            except PsymeshError as exc:
+                failures.insert(0, exc)
+        if failures:
+            raise failures[0]
+        return answer
+
+    def _mark(self) -> int:
+        return 0 if self.wal is None else self.wal.mark()
+
+    async def _synced(self, mark: int) -> None:
+        if self.wal is not None:
+            await self.wal.sync(mark)
+
+    async def _hand_over(self, spec: TaskSpec, task: OutboxTask, candidates: list[str]) -> tuple[str, bool]:
         last: PsymeshError | None = None
-        task = self.outbox.get(spec.id)
         for target in candidates:  # fail over before acceptance; after it, the task stays put
             if target != task.target:
                 task = self.outbox.retarget(spec.id, target)
@@ -235,8 +268,9 @@ class TaskSubmitter:
                     actions: list[Action] = []
                     try:
                         if isinstance(request, TaskAck):  # batched with others to the same executor
-                            actions = machine.receive(await self._ack(target, request), time.time())
-                            self._apply(task_id, actions, target)
+                            reply, stored = await self._ack(target, request)
+                            actions = machine.receive(reply, time.time())
+                            self._apply(task_id, [a for a in actions if not (stored and isinstance(a, Done))], target)
                         else:
                             async with self.sessions.stream(target, request) as replies:
                                 async for message in replies:
@@ -266,8 +300,9 @@ class TaskSubmitter:
             if self._drivers.get(task_id) is scope:
                 del self._drivers[task_id]
 
-    async def _ack(self, target: str, ack: TaskAck) -> Message:
-        """Join the batch of acks going to `target`; its answer (task.acked or an error)."""
+    async def _ack(self, target: str, ack: TaskAck) -> tuple[Message, bool]:
+        """Join the batch of acks going to `target`; its answer (task.acked or an error), and
+        whether the batch stored the ack (`Outbox.mark_acked_each`)."""
         batch = self._acks.get(target)
         if batch is None:
             batch = self._acks[target] = _AckBatch()
@@ -278,17 +313,20 @@ class TaskSubmitter:
         if batch.failure is not None:
             raise batch.failure
         assert batch.reply is not None
-        return batch.reply
+        return batch.reply, batch.stored
 
     async def _send_acks(self, target: str, batch: _AckBatch) -> None:
         try:
             await anyio.sleep(self.ACK_DELAY_S)
             del self._acks[target]  # later acks start the next batch
-            if self.sync is not None:
-                await self.sync()  # the events acknowledged are on disk before the executor may forget them
+            if self.wal is not None:
+                await self.wal.sync()  # the events acknowledged are on disk before the executor may forget them
             async with self.sessions.stream(target, TaskAcks(acks=batch.acks)) as replies:
                 async for message in replies:
                     batch.reply = message
+            if isinstance(batch.reply, TaskAcked):  # stored for the whole batch at once, not by each driver
+                self.outbox.mark_acked_each((a.task_id, a.upto_seq) for a in batch.acks)
+                batch.stored = True
         except (NetworkError, ProtocolError) as exc:
             batch.failure = exc
         finally:
@@ -302,7 +340,7 @@ class TaskSubmitter:
         """Carry out the machine's actions; `target` is the executor the frame came from."""
         for action in actions:
             if isinstance(action, Accepted):
-                self.outbox.mark_accepted(task_id)
+                pass  # stored with the first event, which follows on the same answer (Outbox.record_event)
             elif isinstance(action, Record):
                 if self.outbox.record_event(action.event, None if action.local else target):
                     self.changed.notify(task_id)

@@ -15,7 +15,7 @@ from typing import Any
 
 from ..core.db import transaction
 from ...protocol.errors import ErrorCode, ProtocolError, PsymeshError
-from ...protocol.tasks import TERMINAL_STATES, Outcome, TaskEvent, TaskSpec, TaskState, next_state
+from ...protocol.tasks import TERMINAL_STATES, EventKind, Outcome, TaskEvent, TaskSpec, TaskState, next_state
 
 DEFAULT_PAGE = 1000
 
@@ -70,13 +70,14 @@ class EventLog:
             raise TaskNotFound(f"no task {task_id!r}")
         return row
 
-    def append(self, row: sqlite3.Row, event: TaskEvent, now: float) -> None:
-        """Store `event` and move the task to its state; call inside a transaction."""
-        current = TaskState(row["state"]) if row["last_seq"] else None
+    def append(self, last_seq: int, state: str, event: TaskEvent, now: float) -> None:
+        """Store `event` and move the task to its state; call inside a transaction. `last_seq`
+        and `state` are the task's as stored (its row's, or what this transaction wrote)."""
+        current = TaskState(state) if last_seq else None
         next_state(current, event.kind, event.state)
-        if event.seq != row["last_seq"] + 1:
+        if event.seq != last_seq + 1:
             raise ProtocolError(
-                f"task {event.task_id!r}: event {event.seq} does not follow {row['last_seq']}",
+                f"task {event.task_id!r}: event {event.seq} does not follow {last_seq}",
                 code=ErrorCode.BAD_REQUEST,
             )
         self.conn.execute(
@@ -90,13 +91,18 @@ class EventLog:
         )
 
     def after(self, task_id: str, after_seq: int, limit: int) -> list[TaskEvent]:
+        return self.news(task_id, after_seq, limit)[0]  # unknown task -> TaskNotFound, not an empty log
+
+    def news(self, task_id: str, after_seq: int, limit: int) -> tuple[list[TaskEvent], bool]:
+        """`after()`, and with no events whether the task has ended (from the row `after()`
+        reads then anyway)."""
         rows = self.conn.execute(
             f"SELECT * FROM {self.events} WHERE task_id = ? AND seq > ? ORDER BY seq LIMIT ?",
             (task_id, after_seq, limit),
         ).fetchall()
-        if not rows:
-            self.row(task_id)  # unknown task -> TaskNotFound, not an empty log
-        return [event_from_row(r) for r in rows]
+        if rows:
+            return [event_from_row(r) for r in rows], False
+        return [], TaskState(self.row(task_id)["state"]) in TERMINAL_STATES
 
     def outcome(self, task_id: str) -> Outcome | None:
         row = self.row(task_id)
@@ -120,8 +126,11 @@ class EventLog:
 
 
 def event_from_row(row: sqlite3.Row) -> TaskEvent:
-    return TaskEvent(
-        task_id=row["task_id"], seq=row["seq"], kind=row["kind"], state=row["state"],
+    """Built, not validated again: every stored event was validated before it was stored (the
+    executor's `_build_event`, the submitter's wire decoding), and this is read for every event
+    a follower or a watcher is sent (its data's size check alone re-encodes it as JSON)."""
+    return TaskEvent.model_construct(
+        task_id=row["task_id"], seq=row["seq"], kind=EventKind(row["kind"]), state=TaskState(row["state"]),
         at=row["at"], data=json.loads(row["data"]),
     )
 
