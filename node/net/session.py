@@ -5,7 +5,9 @@
       .request(peer, msg)  one request, its one reply
       .stream(peer, msg)   one request, the frames that answer it, until `end`
     serve_session(...)     one inbound session: every request passes `door(call)`,
-                           each answered in its own task, frames written one at a time
+                           each answered in its own task (or, for the `prompt` kinds
+                           that answer at once, in the read loop), frames written one
+                           at a time
 
 A session that dies (connection reset, the peer restarted, a liveness ping that got
 no answer) fails every request open on it with a `NetworkError`; the next request to
@@ -23,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection
 from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
@@ -76,10 +78,14 @@ class Door(Protocol):
 
 
 async def serve_session(stream: ByteStream, peer_id: str, door: Door, *, max_frame_size: int,
-                        max_open: int) -> None:
-    """Serve one inbound session until the client closes it (or breaks it)."""
+                        max_open: int, prompt: Collection[type[Message]] = ()) -> None:
+    """Serve one inbound session until the client closes it (or breaks it). A request of a
+    `prompt` type (one the door answers without waiting on anything but the reply's write,
+    e.g. `ping`) is answered in the read loop itself, not in a task of its own: the next
+    request is read once it is answered. Every other request gets its own task, so a long
+    one never holds up the stream."""
     server = SessionServer(max_frame_size, max_open)
-    write_lock = anyio.Lock()
+    write_lock = anyio.Lock(fast_acquire=True)
     scopes: dict[int, anyio.CancelScope] = {}
 
     async def write(data: bytes) -> None:
@@ -117,7 +123,10 @@ async def serve_session(stream: ByteStream, peer_id: str, door: Door, *, max_fra
                 server.receive_data(data)
                 while (event := server.next_event()) is not None:
                     if isinstance(event, Request):
-                        tg.start_soon(answer, event)
+                        if type(event.message) in prompt:
+                            await answer(event)
+                        else:
+                            tg.start_soon(answer, event)
                     elif isinstance(event, Cancel):
                         if (scope := scopes.get(event.rid)) is not None:
                             scope.cancel()
@@ -145,7 +154,7 @@ class OutboundSession:
         self._stream = stream
         self._client = SessionClient(max_frame_size)
         self._inboxes: dict[int, anyio.abc.ObjectSendStream[Reply]] = {}
-        self._write_lock = anyio.Lock()
+        self._write_lock = anyio.Lock(fast_acquire=True)
         self._dead: PsymeshError | None = None  # a NetworkError, or the server's refusal
         self.closed = anyio.Event()
         self._opened = anyio.Event()  # set (and replaced) as each request is sent
