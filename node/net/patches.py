@@ -209,6 +209,12 @@ instrument: 40 task steps and 29 turns of the scheduler a ping, both ends togeth
    its muxer is chosen (`_MuxerSelect.new_conn`, the handshake's budget (15) lifted), so a
    connection holds at most one read beyond the message being read.
 
+31. (29, continued) libp2p builds its debug lines with f-strings, so each is formatted
+   whether debug logging is on or not: 28 of them a session ping, peer ids and sizes
+   turned to text on every frame read or written. `_BoundedYamux.read_stream` (the read
+   every stream's `read` comes to) and `_QuietNoise.read_msg` are upstream's, step for step,
+   minus those lines (upstream's own, lines and all, while debug logging is on).
+
 Hole punching (DCUtR, `enable_hole_punch()`, config `[relay] hole_punch`): likewise libp2p's
 wire format (its `HolePunch` protobuf on `/libp2p/dcutr`) and its swarm's source-bound dials
 (`dial_with_source`, `dial_addr_as_responder`), not its `DCUtRProtocol` service (which brings
@@ -255,6 +261,7 @@ from libp2p.security.exceptions import HandshakeFailure
 from libp2p.security.noise.io import SIZE_NOISE_MESSAGE_LEN, NoisePacketReadWriter, NoiseTransportReadWriter
 from libp2p.security.noise.transport import Transport as NoiseTransport
 from libp2p.security.secure_session import SecureSession
+from libp2p.stream_muxer.exceptions import MuxedStreamEOF, MuxedStreamReset
 from libp2p.stream_muxer.muxer_multistream import MuxerMultistream
 from libp2p.stream_muxer.yamux.yamux import (
     _STALE_STREAM_GRACE_SECONDS,
@@ -271,6 +278,7 @@ from .strangers import HANDSHAKE_BYTES, _Admission, _HandshakeBudget
 
 log = logging.getLogger(__name__)
 _yamux_log = logging.getLogger("libp2p.stream_muxer.yamux.yamux")
+_noise_log = logging.getLogger("libp2p.security.noise.io")
 os.environ.setdefault("PY_YAMUX_RELEASE_ON_READ", "0")  # (19) read by libp2p's yamux at call time
 
 # (16) Inbound stream negotiation (multistream-select 1.0, listener side).
@@ -356,6 +364,46 @@ class _BoundedYamux(Yamux):
             return
         async with self._write_lock:
             await self.secured_conn.write(data)
+
+    async def read_stream(self, stream_id: int, n: int = -1) -> bytes:
+        """(31) Upstream's, step for step, minus a debug line formatted per call."""
+        if _yamux_log.isEnabledFor(logging.DEBUG):
+            return await super().read_stream(stream_id, n)
+        if n is None:
+            n = -1
+        while True:
+            async with self.streams_lock:
+                stream = self.streams.get(stream_id)
+                if stream is None:
+                    raise MuxedStreamEOF("Stream closed")
+                if self.event_shutting_down.is_set():
+                    raise MuxedStreamEOF("Connection shut down")
+                buffer = self.stream_buffers.get(stream_id)
+                if buffer is None:
+                    if stream.reset_received:
+                        raise MuxedStreamReset("Stream was reset")
+                    raise MuxedStreamEOF("Stream buffer closed")
+                if buffer and (stream.recv_closed or not stream.reset_received):
+                    if n == -1 or n >= len(buffer):
+                        data = bytes(buffer)
+                        buffer.clear()
+                    else:
+                        data = bytes(buffer[:n])
+                        del buffer[:n]
+                    if stream.closed:  # drained on a fully closed stream: reclaim it now, as upstream
+                        self._finalize_stream_locked(stream, fully_closed=True)
+                    return data
+                if stream.reset_received:
+                    raise MuxedStreamReset("Stream was reset")
+                if stream.recv_closed:
+                    raise MuxedStreamEOF("Stream is closed for receiving")
+                if stream.closed:
+                    raise MuxedStreamReset("Stream is reset or closed")
+            try:
+                await self.stream_events[stream_id].wait()
+                self.stream_events[stream_id] = trio.Event()
+            except KeyError:
+                raise MuxedStreamEOF("Stream was removed") from None
 
     def _finalize_stream_locked(self, stream: YamuxStream, *, fully_closed: bool) -> None:
         if stream.reset_received and (buffer := self.stream_buffers.get(stream.stream_id)):
@@ -525,13 +573,24 @@ class _NoiseReadAhead(NoisePacketReadWriter):
         self._buffer += data
 
 
+class _QuietNoise(NoiseTransportReadWriter):
+    """(31) Noise's transport messages as upstream reads them, minus three debug lines
+    formatted per message (upstream's, lines and all, while debug logging is on)."""
+
+    async def read_msg(self, prefix_encoded: bool = False) -> bytes:
+        if prefix_encoded or _noise_log.isEnabledFor(logging.DEBUG):
+            return await super().read_msg(prefix_encoded)
+        return self.decrypt(await self.read_writer.read_msg())
+
+
 def _read_ahead(conn: ISecureConn) -> None:
-    """(30) Noise's reads on `conn` through `_NoiseReadAhead`, between two messages (none is
-    being read: the muxer that will read them is not started yet)."""
+    """(30, 31) Noise's reads on `conn` through `_NoiseReadAhead` and `_QuietNoise`, between
+    two messages (none is being read: the muxer that will read them is not started yet)."""
     noise = getattr(conn, "conn", None)
-    if isinstance(conn, SecureSession) and isinstance(noise, NoiseTransportReadWriter) \
+    if isinstance(conn, SecureSession) and type(noise) is NoiseTransportReadWriter \
             and type(noise.read_writer) is NoisePacketReadWriter:
         noise.read_writer = _NoiseReadAhead(noise.read_writer.read_write_closer)
+        noise.__class__ = _QuietNoise
 
 
 class _NegotiationFailed(Exception):
