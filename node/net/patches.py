@@ -214,6 +214,13 @@ instrument: 40 task steps and 29 turns of the scheduler a ping, both ends togeth
    turned to text on every frame read or written. `_BoundedYamux.read_stream` (the read
    every stream's `read` comes to) and `_QuietNoise.read_msg` are upstream's, step for step,
    minus those lines (upstream's own, lines and all, while debug logging is on).
+32. yamux reads every DATA frame's body under a timeout of its own (`_read_data_body`: a
+   cancel scope with a deadline, registered with trio and removed again, and the timeout
+   read from the environment), though nearly always the body is in the Noise message its
+   header came in, decrypted and waiting in the secure session's buffer: two scopes and
+   two environment lookups a ping for nothing to wait on. `_BoundedYamux._read_data_body`
+   takes a body that is buffered whole from the buffer, and only waits for one (under
+   upstream's timeout) that is not.
 
 Hole punching (DCUtR, `enable_hole_punch()`, config `[relay] hole_punch`): likewise libp2p's
 wire format (its `HolePunch` protobuf on `/libp2p/dcutr`) and its swarm's source-bound dials
@@ -354,6 +361,9 @@ class _BoundedYamux(Yamux):
                 log.info("closing the connection of %s: a %d-byte frame on top of %d unread bytes "
                          "exceeds its %d-byte budget", self.peer_id, length, unread, budget)
                 raise trio.TooSlowError
+        secured = self.secured_conn
+        if isinstance(secured, SecureSession) and secured.high_watermark - secured.low_watermark >= length:
+            return secured._drain(length)  # (32) decrypted and buffered whole: nothing to wait for
         return await super()._read_data_body(length)
 
     async def _write_frame(self, data: bytes) -> None:
