@@ -492,28 +492,32 @@ YamuxStream._auto_tune_and_send_window_update = _window_update  # type: ignore[m
 
 class _PromptLock:
     """(29) A lock for libp2p's frame path: taken at once, without a checkpoint, when it is
-    free and nobody waits (as anyio's `Lock(fast_acquire=True)`); otherwise the task parks,
-    in order, and `release` hands the lock straight to the first one waiting (a cancelled
-    waiter simply leaves the line). Also yamux's stream write lock: yamux uses its
-    `ReadWriteLock` only as `write_lock()`. Held across awaits, like trio's; no owner check
-    (libp2p takes each in `async with`)."""
+    free (as anyio's `Lock(fast_acquire=True)`); otherwise the task parks, in order, and the
+    release hands the lock straight to the first one waiting (a waiter that is cancelled
+    leaves the line). So while anyone waits the lock is held, and a newcomer queues behind
+    them. Also yamux's stream write lock: yamux uses its `ReadWriteLock` only as
+    `write_lock()`. Held across awaits, like trio's; no owner check (libp2p takes each in
+    `async with`)."""
 
-    __slots__ = ("_held", "_waiting")
+    __slots__ = ("_held", "_parked", "_waiting")
 
     def __init__(self) -> None:
         self._held = False
+        self._parked = 0  # waiters, counted until each runs again (a cancelled one may linger)
         self._waiting = trio.lowlevel.ParkingLot()
 
     async def acquire(self) -> None:
-        if self._held or self._waiting:
-            await self._waiting.park()  # ownership handed over by release()
-        else:
+        if not self._held:
             self._held = True
+            return
+        self._parked += 1
+        try:
+            await self._waiting.park()  # returns once release() handed the lock over
+        finally:
+            self._parked -= 1
 
     def release(self) -> None:
-        if self._waiting:
-            self._waiting.unpark()  # still held: now by the first one waiting
-        else:
+        if not (self._parked and self._waiting.unpark()):
             self._held = False
 
     def locked(self) -> bool:
@@ -522,14 +526,15 @@ class _PromptLock:
     def write_lock(self) -> "_PromptLock":
         return self
 
-    async def __aenter__(self) -> None:
-        if self._held or self._waiting:
-            await self._waiting.park()
-        else:
+    async def __aenter__(self) -> None:  # acquire(), its free case inline
+        if not self._held:
             self._held = True
+            return
+        await self.acquire()
 
-    async def __aexit__(self, *exc: object) -> None:
-        self.release()
+    async def __aexit__(self, *exc: object) -> None:  # release(), inline
+        if not (self._parked and self._waiting.unpark()):
+            self._held = False
 
 
 def _prompt_locks(cls: type, *names: str) -> None:
