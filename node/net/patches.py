@@ -478,7 +478,7 @@ async def _window_update(self: YamuxStream, *, bytes_read: int = 0) -> None:
     async with self.window_lock:
         buffered = len(self.conn.stream_buffers.get(self.stream_id, b""))
         delta = self.target_recv_window - (self.recv_window + buffered)
-        if delta <= 0 or delta < self._grow_threshold():
+        if delta <= 0 or delta < self.target_recv_window // 2:  # go-yamux: half (upstream reads env per read)
             return
         self._window_update_full_grow += 1
         total = self._grow_to_delta(buffered) + self._apply_autotune_epoch(buffered)
