@@ -19,6 +19,7 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/rtt.py
+	$(PY) bench/rtt_profile.py
 	$(PY) bench/delegate.py
 	$(PY) bench/inference.py
 	$(PY) bench/messaging.py

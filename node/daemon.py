@@ -106,6 +106,9 @@ log = logging.getLogger("psymesh.node")
 
 InboundHandler = Callable[[FramedStream, str], Awaitable[None]]
 Service = Callable[[Call], Awaitable[Message]]
+# Requests whose service answers at once (it awaits nothing, its answer is not durable):
+# a session serves them in its read loop, without a task each (node/net/session.py).
+PROMPT: frozenset[type[Message]] = frozenset({Ping})
 
 
 class Node:
@@ -455,7 +458,7 @@ class Node:
         if peer is not None and peer.revoked and self._tg is not None:
             self._tg.start_soon(self.tell_revoked, peer.peer_id)  # it has not heard yet (or it would not call)
         await serve_session(framed.stream, peer_id, self._door, max_frame_size=self.config.max_frame_size,
-                            max_open=MAX_OPEN_REQUESTS)
+                            max_open=MAX_OPEN_REQUESTS, prompt=PROMPT)
 
     async def _door(self, call: Call, via: str = ids.SESSION) -> Message:
         """Every request of every peer: admitted (and audited) by the gate, then served.

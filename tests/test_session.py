@@ -94,6 +94,65 @@ async def test_many_requests_share_one_stream_and_answer_concurrently() -> None:
         assert sorted(c.rid for c in door.calls) == list(range(1, 51))  # one session, 50 request ids
 
 
+class _Spawned:
+    """A trio instrument counting tasks spawned."""
+
+    def __init__(self) -> None:
+        self.tasks = 0
+
+    def task_spawned(self, task: object) -> None:
+        self.tasks += 1
+
+
+async def test_prompt_requests_are_answered_without_a_task_each_and_a_long_one_still_blocks_nothing() -> None:
+    """A `prompt` kind (the daemon's: ping) is answered in the session's read loop, no task
+    spawned for it; any other kind gets its own task, so one that never answers holds up
+    neither the pings after it nor the session."""
+    import trio
+
+    from psymesh.protocol.tasks import TaskCaps
+
+    release = anyio.Event()
+    answered: list[str] = []
+
+    async def door(call: Call) -> Message:
+        if isinstance(call.request, TaskCaps):
+            await release.wait()
+            answered.append("caps")
+            return Pong(seq=0)
+        assert isinstance(call.request, Ping)
+        return Pong(seq=call.request.seq)
+
+    server, client = new_node(), new_node()
+
+    async def on_stream(stream: P2PStream) -> None:
+        await serve_session(stream, stream.remote_peer_id, door, max_frame_size=1 << 20, max_open=64,
+                            prompt=frozenset({Ping}))
+
+    server.set_handler(SESSION, on_stream)
+    pool = pool_for(client)
+    async with running(server, client), anyio.create_task_group() as tg:
+        await tg.start(pool.run)
+        await client.connect(server.addrs()[0])
+        assert (await pool.request(server.peer_id, Ping(seq=0), Pong)).seq == 0  # the session is open
+        spawned = _Spawned()
+        trio.lowlevel.add_instrument(spawned)  # type: ignore[arg-type]
+        try:
+            for seq in range(1, 51):
+                assert (await pool.request(server.peer_id, Ping(seq=seq), Pong)).seq == seq
+        finally:
+            trio.lowlevel.remove_instrument(spawned)  # type: ignore[arg-type]
+        assert spawned.tasks == 0
+        tg.start_soon(pool.request, server.peer_id, TaskCaps(), Pong)
+        await wait_until(lambda: pool.sessions()[0].open_requests == 1, "the long request to be open")
+        for seq in range(51, 61):  # answered while it hangs
+            assert (await pool.request(server.peer_id, Ping(seq=seq), Pong)).seq == seq
+        assert answered == []
+        release.set()
+        await wait_until(lambda: answered == ["caps"], "the long request to end")
+        tg.cancel_scope.cancel()
+
+
 async def test_a_streamed_answer_arrives_whole_and_in_order() -> None:
     async with session_pair(Server()) as (server, _, pool):
         async with pool.stream(server.peer_id, Ping(seq=500, payload=b"stream")) as replies:

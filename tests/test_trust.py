@@ -296,6 +296,33 @@ def test_the_door_verifies_a_grant_once_and_a_changed_or_revoked_one_at_once(gat
     assert revoked.value.code == ErrorCode.UNKNOWN_PEER
 
 
+def test_the_door_reads_a_peers_row_once_until_the_trust_store_changes(gate_world) -> None:
+    """The door keeps each peer's row while the trust store is unchanged (no SQL a request),
+    and reads it again after any change: a new grant, the peer's addresses, a revocation
+    each act on the very next request."""
+    gate, grant, phone_id, _, trust, _ = gate_world
+    grant("tool:system.info")
+    reads: list[str] = []
+    trust.conn.set_trace_callback(lambda sql: reads.append(sql) if "FROM peers" in sql else None)
+    try:
+        for seq in range(5):
+            assert gate.admit(phone_id, ids.SESSION, Ping(seq=seq)).allowed
+        assert len(reads) == 1  # the first request only
+        grant("tool:files.read")  # re-paired with another grant: the next request is judged on it
+        assert gate.admit(phone_id, ids.SESSION, submit("files.read")).allowed
+        with pytest.raises(PsymeshError):
+            gate.admit(phone_id, ids.SESSION, submit("system.info"))
+        trust.set_addrs(phone_id, ["/ip4/10.0.0.2/tcp/1"])
+        assert gate.admit(phone_id, ids.SESSION, Ping(seq=9)).allowed
+        assert gate.paired(phone_id).addrs == ["/ip4/10.0.0.2/tcp/1"]
+        trust.revoke(phone_id)
+        with pytest.raises(PsymeshError) as revoked:
+            gate.admit(phone_id, ids.SESSION, Ping(seq=10))
+        assert revoked.value.code == ErrorCode.UNKNOWN_PEER
+    finally:
+        trust.conn.set_trace_callback(None)
+
+
 def test_expired_manifest_is_refused(gate_world) -> None:
     gate, grant, phone_id, clock, _, _ = gate_world
     grant("tool:*", ttl=60)

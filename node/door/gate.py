@@ -124,6 +124,7 @@ class Gate:
         self.refusals = RateLimiter()  # each peer's refusal budget, apart from its grant's rate
         self.refusals_per_minute = refusals_per_minute
         self._verified: dict[str, Manifest] = {}  # peer id -> the grant object whose signature held (`_check`)
+        self._peers: dict[str, tuple[int, Peer]] = {}  # peer id -> (trust.version when read, its row): `paired`
 
     # -- requests ------------------------------------------------------------------
     def admit(self, peer_id: str, service: str, request: Message) -> Decision:
@@ -213,8 +214,9 @@ class Gate:
         """`check()` (or `verify_grant()`, for no operation) of the peer's grant, its signature
         verified once per peer and stored grant: the trust store hands back the same frozen
         Manifest object while the row's blob is unchanged (node/door/trust.py), so an object
-        seen verified is the same grant, signature and all. The row is still read on every
-        request: a revocation or a new grant acts on the very next one."""
+        seen verified is the same grant, signature and all. The row is read again after any
+        change of the trust store (`paired`): a revocation or a new grant acts on the very
+        next request."""
         known = self._verified.get(peer.peer_id) is grant
         if operation is not None:
             decision = self._whose(peer, check(grant, operation, local_peer_id=self.local_peer_id,
@@ -303,7 +305,18 @@ class Gate:
 
     # -- peers, connections, streams -------------------------------------------------
     def paired(self, peer_id: str) -> Peer:
-        peer = self.trust.get(peer_id)
+        """The peer's trust row, if it is paired and not revoked (else `unknown_peer`). The row
+        is read again whenever the trust store has changed since (`TrustStore.version`, bumped
+        by every write), so a revocation or a new grant acts on the very next request; kept
+        for paired peers only, one entry each."""
+        version = self.trust.version  # before the read: a write that lands meanwhile is seen next time
+        cached = self._peers.get(peer_id)
+        if cached is not None and cached[0] == version:
+            peer: Peer | None = cached[1]
+        else:
+            peer = self.trust.get(peer_id)
+            if peer is not None:
+                self._peers[peer_id] = (version, peer)
         if peer is None or peer.revoked:
             state = "was revoked" if peer is not None else "is not paired with this node"
             raise PsymeshError(f"peer {peer_id} {state}; pair first (psymesh pair join)",

@@ -61,8 +61,8 @@ def _encode_manifest(m: Manifest | None) -> bytes | None:
 
 @functools.lru_cache(maxsize=256)
 def _decode_manifest(blob: bytes | None) -> Manifest | None:
-    """Manifests are read on every request and change rarely: decode (and validate) each
-    stored blob once. Safe to share: a Manifest is frozen."""
+    """Manifests are read often (the door: after each change of the store) and change rarely:
+    decode (and validate) each stored blob once. Safe to share: a Manifest is frozen."""
     return None if blob is None else Manifest.model_validate(msgpack.unpackb(blob, raw=False))
 
 
@@ -119,6 +119,10 @@ class TrustStore:
     def __init__(self, conn: sqlite3.Connection) -> None:
         self.conn = conn
         self._listeners: list[Callable[[], None]] = []
+        # Bumped after every write of this store has committed: a row read while it had a
+        # value is current until it changes (the door keeps each peer's row on it). Every
+        # write of the peers table goes through this store (the CLI asks the daemon's).
+        self.version = 0
         ensure_schema(conn, SCHEMA)
         _add_column(conn, "peers", "revoked_us_at REAL")  # databases made before they existed
         _add_column(conn, "peers", "revocation_told_at REAL")
@@ -176,6 +180,7 @@ class TrustStore:
                 "addrs_seq=NULL",
                 (peer_id, name, role, json.dumps(addrs), now, _encode_manifest(granted), _encode_manifest(received)),
             )
+        self.version += 1
         peer = self.get(peer_id)
         assert peer is not None
         self._changed()
@@ -215,6 +220,7 @@ class TrustStore:
         with transaction(self.conn):
             cur = self.conn.execute("UPDATE peers SET addrs = ?, addrs_seq = ? WHERE peer_id = ? AND "
                                     "(addrs_seq IS NULL OR addrs_seq < ?)", (json.dumps(addrs), seq, peer_id, seq))
+        self.version += 1
         return cur.rowcount == 1
 
     def revoke(self, peer_id: str, now: float | None = None) -> None:
@@ -232,6 +238,7 @@ class TrustStore:
             cur = self.conn.execute("UPDATE peers SET received = NULL, revoked_us_at = ? "
                                     "WHERE peer_id = ? AND revoked_us_at IS NULL",
                                     (time.time() if now is None else now, peer_id))
+        self.version += 1
         if cur.rowcount == 1:
             self._changed()
         return cur.rowcount == 1
@@ -239,5 +246,6 @@ class TrustStore:
     def _update(self, peer_id: str, column: str, value: object) -> None:
         assert column in {"granted", "received", "addrs", "revoked_at", "revocation_told_at"}
         cur = self.conn.execute(f"UPDATE peers SET {column} = ? WHERE peer_id = ?", (value, peer_id))
+        self.version += 1
         if cur.rowcount == 0:
             raise PsymeshError(f"{peer_id} is not a paired peer; see: psymesh peers", code=ErrorCode.UNKNOWN_PEER)

@@ -187,6 +187,41 @@ Found while cutting a request's fixed costs (issue 23 item 4):
    replaces the stream's method with go-yamux's rule: below half, nothing; at half or more,
    grow back to the target (and let the auto-tuning grow the target, as before).
 
+Found while cutting a session round trip's fixed cost (issue 23 item 4, counted with a trio
+instrument: 40 task steps and 29 turns of the scheduler a ping, both ends together):
+
+29. Every lock on libp2p's frame path yields to the scheduler even when it is free (trio's
+   `Lock.acquire` always checkpoints): the TCP stream's read and write locks, yamux's write
+   lock, stream table lock and each stream's window and write locks, and the swarm stream's
+   state lock, ~24 a ping, each one more turn of trio's run loop before the frame moves on;
+   and yamux's `_write_frame` adds a checkpoint of its own after the socket's send (which has
+   checkpointed already) and formats a debug line per frame whether debug logging is on or
+   not. `_PromptLock` (anyio's `fast_acquire`, for libp2p's locks) takes a free lock without
+   a checkpoint and otherwise waits in line, as trio's does; the four classes get it in place of
+   their locks as they are built (`_prompt_locks`), and `_BoundedYamux._write_frame` is
+   upstream's minus the second checkpoint (the debug line only when debug logging is on).
+   The socket operations under them still checkpoint: nothing loops without one.
+30. Noise reads each message in two exact reads (its 2-byte length, then its body), each a
+   socket `recv` under the TCP stream's read lock and a checkpoint, plus a `recv` that finds
+   nothing and waits: 3 socket calls a frame. `_NoiseReadAhead` reads what the socket holds
+   (up to 64 KiB) into one buffer and cuts whole messages out of it: one `recv` a frame,
+   usually, and one for several frames that came together. Installed on a connection once
+   its muxer is chosen (`_MuxerSelect.new_conn`, the handshake's budget (15) lifted), so a
+   connection holds at most one read beyond the message being read.
+
+31. (29, continued) libp2p builds its debug lines with f-strings, so each is formatted
+   whether debug logging is on or not: 28 of them a session ping, peer ids and sizes
+   turned to text on every frame read or written. `_BoundedYamux.read_stream` (the read
+   every stream's `read` comes to) and `_QuietNoise.read_msg` are upstream's, step for step,
+   minus those lines (upstream's own, lines and all, while debug logging is on).
+32. yamux reads every DATA frame's body under a timeout of its own (`_read_data_body`: a
+   cancel scope with a deadline, registered with trio and removed again, and the timeout
+   read from the environment), though nearly always the body is in the Noise message its
+   header came in, decrypted and waiting in the secure session's buffer: two scopes and
+   two environment lookups a ping for nothing to wait on. `_BoundedYamux._read_data_body`
+   takes a body that is buffered whole from the buffer, and only waits for one (under
+   upstream's timeout) that is not.
+
 Hole punching (DCUtR, `enable_hole_punch()`, config `[relay] hole_punch`): likewise libp2p's
 wire format (its `HolePunch` protobuf on `/libp2p/dcutr`) and its swarm's source-bound dials
 (`dial_with_source`, `dial_addr_as_responder`), not its `DCUtRProtocol` service (which brings
@@ -206,6 +241,7 @@ but not (15): they are to a peer we chose.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import struct
@@ -219,14 +255,20 @@ from libp2p.abc import IMuxedConn, INetConn, INetStream, INetwork, INotifee, IRa
 from libp2p.crypto.keys import KeyPair
 from libp2p.crypto.x25519 import create_new_key_pair as x25519_key_pair
 from libp2p.host.basic_host import BasicHost
+from libp2p.io.exceptions import IncompleteReadError
+from libp2p.io.trio import TrioTCPStream
 from libp2p.io.utils import read_exactly
 from libp2p.network.auto_connector import AutoConnector
 from libp2p.network.connection.raw_connection import RawConnection
+from libp2p.network.stream.net_stream import NetStream
 from libp2p.network.swarm import Swarm
 from libp2p.peer.id import ID
 from libp2p.rcmgr.graceful_degradation import GracefulDegradation
 from libp2p.security.exceptions import HandshakeFailure
+from libp2p.security.noise.io import SIZE_NOISE_MESSAGE_LEN, NoisePacketReadWriter, NoiseTransportReadWriter
 from libp2p.security.noise.transport import Transport as NoiseTransport
+from libp2p.security.secure_session import SecureSession
+from libp2p.stream_muxer.exceptions import MuxedStreamEOF, MuxedStreamReset
 from libp2p.stream_muxer.muxer_multistream import MuxerMultistream
 from libp2p.stream_muxer.yamux.yamux import (
     _STALE_STREAM_GRACE_SECONDS,
@@ -242,6 +284,8 @@ from .stream import _close_quietly, _reason
 from .strangers import HANDSHAKE_BYTES, _Admission, _HandshakeBudget
 
 log = logging.getLogger(__name__)
+_yamux_log = logging.getLogger("libp2p.stream_muxer.yamux.yamux")
+_noise_log = logging.getLogger("libp2p.security.noise.io")
 os.environ.setdefault("PY_YAMUX_RELEASE_ON_READ", "0")  # (19) read by libp2p's yamux at call time
 
 # (16) Inbound stream negotiation (multistream-select 1.0, listener side).
@@ -292,6 +336,7 @@ class _MuxerSelect(MuxerMultistream):
         muxed = await super().new_conn(conn, peer_id)
         if (budget := getattr(conn, "handshake_budget", None)) is not None:
             budget.lift()
+        _read_ahead(conn)  # (30)
         if type(muxed) is not Yamux:
             raise RuntimeError(f"node/net/patches.py bounds libp2p 0.8.1's Yamux, not {type(muxed)!r}")
         muxed.__class__ = _BoundedYamux
@@ -316,7 +361,59 @@ class _BoundedYamux(Yamux):
                 log.info("closing the connection of %s: a %d-byte frame on top of %d unread bytes "
                          "exceeds its %d-byte budget", self.peer_id, length, unread, budget)
                 raise trio.TooSlowError
+        secured = self.secured_conn
+        if isinstance(secured, SecureSession) and secured.high_watermark - secured.low_watermark >= length:
+            return secured._drain(length)  # (32) decrypted and buffered whole: nothing to wait for
         return await super()._read_data_body(length)
+
+    async def _write_frame(self, data: bytes) -> None:
+        """(29) Upstream's, minus its second checkpoint after the send (which checkpointed) and
+        its per-frame debug line unless debug logging is on."""
+        if _yamux_log.isEnabledFor(logging.DEBUG):
+            await super()._write_frame(data)
+            return
+        async with self._write_lock:
+            await self.secured_conn.write(data)
+
+    async def read_stream(self, stream_id: int, n: int = -1) -> bytes:
+        """(31) Upstream's, step for step, minus a debug line formatted per call."""
+        if _yamux_log.isEnabledFor(logging.DEBUG):
+            return await super().read_stream(stream_id, n)
+        if n is None:
+            n = -1
+        while True:
+            async with self.streams_lock:
+                stream = self.streams.get(stream_id)
+                if stream is None:
+                    raise MuxedStreamEOF("Stream closed")
+                if self.event_shutting_down.is_set():
+                    raise MuxedStreamEOF("Connection shut down")
+                buffer = self.stream_buffers.get(stream_id)
+                if buffer is None:
+                    if stream.reset_received:
+                        raise MuxedStreamReset("Stream was reset")
+                    raise MuxedStreamEOF("Stream buffer closed")
+                if buffer and (stream.recv_closed or not stream.reset_received):
+                    if n == -1 or n >= len(buffer):
+                        data = bytes(buffer)
+                        buffer.clear()
+                    else:
+                        data = bytes(buffer[:n])
+                        del buffer[:n]
+                    if stream.closed:  # drained on a fully closed stream: reclaim it now, as upstream
+                        self._finalize_stream_locked(stream, fully_closed=True)
+                    return data
+                if stream.reset_received:
+                    raise MuxedStreamReset("Stream was reset")
+                if stream.recv_closed:
+                    raise MuxedStreamEOF("Stream is closed for receiving")
+                if stream.closed:
+                    raise MuxedStreamReset("Stream is reset or closed")
+            try:
+                await self.stream_events[stream_id].wait()
+                self.stream_events[stream_id] = trio.Event()
+            except KeyError:
+                raise MuxedStreamEOF("Stream was removed") from None
 
     def _finalize_stream_locked(self, stream: YamuxStream, *, fully_closed: bool) -> None:
         if stream.reset_received and (buffer := self.stream_buffers.get(stream.stream_id)):
@@ -381,7 +478,7 @@ async def _window_update(self: YamuxStream, *, bytes_read: int = 0) -> None:
     async with self.window_lock:
         buffered = len(self.conn.stream_buffers.get(self.stream_id, b""))
         delta = self.target_recv_window - (self.recv_window + buffered)
-        if delta <= 0 or delta < self._grow_threshold():
+        if delta <= 0 or delta < self.target_recv_window // 2:  # go-yamux: half (upstream reads env per read)
             return
         self._window_update_full_grow += 1
         total = self._grow_to_delta(buffered) + self._apply_autotune_epoch(buffered)
@@ -391,6 +488,124 @@ async def _window_update(self: YamuxStream, *, bytes_read: int = 0) -> None:
 
 
 YamuxStream._auto_tune_and_send_window_update = _window_update  # type: ignore[method-assign]
+
+
+class _PromptLock:
+    """(29) A lock for libp2p's frame path: taken at once, without a checkpoint, when it is
+    free (as anyio's `Lock(fast_acquire=True)`); otherwise the task parks, in order, and the
+    release hands the lock straight to the first one waiting (a waiter that is cancelled
+    leaves the line). So while anyone waits the lock is held, and a newcomer queues behind
+    them. Also yamux's stream write lock: yamux uses its `ReadWriteLock` only as
+    `write_lock()`. Held across awaits, like trio's; no owner check (libp2p takes each in
+    `async with`)."""
+
+    __slots__ = ("_held", "_parked", "_waiting")
+
+    def __init__(self) -> None:
+        self._held = False
+        self._parked = 0  # waiters, counted until each runs again (a cancelled one may linger)
+        self._waiting = trio.lowlevel.ParkingLot()
+
+    async def acquire(self) -> None:
+        if not self._held:
+            self._held = True
+            return
+        self._parked += 1
+        try:
+            await self._waiting.park()  # returns once release() handed the lock over
+        finally:
+            self._parked -= 1
+
+    def release(self) -> None:
+        if not (self._parked and self._waiting.unpark()):
+            self._held = False
+
+    def locked(self) -> bool:
+        return self._held
+
+    def write_lock(self) -> "_PromptLock":
+        return self
+
+    async def __aenter__(self) -> None:  # acquire(), its free case inline
+        if not self._held:
+            self._held = True
+            return
+        await self.acquire()
+
+    async def __aexit__(self, *exc: object) -> None:  # release(), inline
+        if not (self._parked and self._waiting.unpark()):
+            self._held = False
+
+
+def _prompt_locks(cls: type, *names: str) -> None:
+    """(29) `cls`'s instances get a `_PromptLock` for each lock attribute named, as they are built."""
+    init = cls.__init__
+
+    @functools.wraps(init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        for name in names:
+            setattr(self, name, _PromptLock())
+
+    cls.__init__ = __init__  # type: ignore[misc]
+
+
+_prompt_locks(TrioTCPStream, "read_lock", "write_lock")
+_prompt_locks(Yamux, "streams_lock", "_write_lock")
+_prompt_locks(YamuxStream, "window_lock", "rw_lock", "close_lock")
+_prompt_locks(NetStream, "_state_lock")
+
+READ_AHEAD = 65536
+
+
+class _NoiseReadAhead(NoisePacketReadWriter):
+    """(30) Noise's packet reader (a 2-byte big-endian length, then that many bytes), reading
+    whatever the connection holds, up to READ_AHEAD bytes at a time, into one buffer: one
+    read a message instead of two exact ones (and a third that waits). Ends as upstream's:
+    `IncompleteReadError`, clean (no byte received) between messages."""
+
+    def __init__(self, read_write_closer: ReadWriteCloser) -> None:
+        super().__init__(read_write_closer)
+        self._buffer = bytearray()
+
+    async def read_msg(self) -> bytes:
+        buffer = self._buffer
+        while len(buffer) < SIZE_NOISE_MESSAGE_LEN:
+            await self._read_more(SIZE_NOISE_MESSAGE_LEN)
+        end = SIZE_NOISE_MESSAGE_LEN + int.from_bytes(buffer[:SIZE_NOISE_MESSAGE_LEN], "big")
+        while len(buffer) < end:
+            await self._read_more(end)
+        message = bytes(buffer[SIZE_NOISE_MESSAGE_LEN:end])
+        del buffer[:end]
+        return message
+
+    async def _read_more(self, wanted: int) -> None:
+        data = await self.read_write_closer.read(READ_AHEAD)
+        if not data:
+            got = len(self._buffer)
+            raise IncompleteReadError(f"Connection closed during read operation: expected {wanted} bytes but "
+                                      f"received {got} bytes", expected_bytes=wanted, received_bytes=got)
+        self._buffer += data
+
+
+class _QuietNoise(NoiseTransportReadWriter):
+    """(31) Noise's transport messages as upstream reads them, minus three debug lines
+    formatted per message (upstream's, lines and all, while debug logging is on)."""
+
+    async def read_msg(self, prefix_encoded: bool = False) -> bytes:
+        if prefix_encoded or _noise_log.isEnabledFor(logging.DEBUG):
+            return await super().read_msg(prefix_encoded)
+        return self.decrypt(await self.read_writer.read_msg())
+
+
+def _read_ahead(conn: ISecureConn) -> None:
+    """(30, 31) Noise's reads on `conn` through `_NoiseReadAhead` and `_QuietNoise`, between
+    two messages (none is being read: the muxer that will read them is not started yet)."""
+    noise = getattr(conn, "conn", None)
+    if isinstance(conn, SecureSession) and type(noise) is NoiseTransportReadWriter \
+            and type(noise.read_writer) is NoisePacketReadWriter:
+        noise.read_writer = _NoiseReadAhead(noise.read_writer.read_write_closer)
+        noise.__class__ = _QuietNoise
 
 
 class _NegotiationFailed(Exception):

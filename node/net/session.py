@@ -5,7 +5,9 @@
       .request(peer, msg)  one request, its one reply
       .stream(peer, msg)   one request, the frames that answer it, until `end`
     serve_session(...)     one inbound session: every request passes `door(call)`,
-                           each answered in its own task, frames written one at a time
+                           each answered in its own task (or, for the `prompt` kinds
+                           that answer at once, in the read loop), frames written one
+                           at a time
 
 A session that dies (connection reset, the peer restarted, a liveness ping that got
 no answer) fails every request open on it with a `NetworkError`; the next request to
@@ -23,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection
 from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
@@ -76,10 +78,14 @@ class Door(Protocol):
 
 
 async def serve_session(stream: ByteStream, peer_id: str, door: Door, *, max_frame_size: int,
-                        max_open: int) -> None:
-    """Serve one inbound session until the client closes it (or breaks it)."""
+                        max_open: int, prompt: Collection[type[Message]] = ()) -> None:
+    """Serve one inbound session until the client closes it (or breaks it). A request of a
+    `prompt` type (one the door answers without waiting on anything but the reply's write,
+    e.g. `ping`) is answered in the read loop itself, not in a task of its own: the next
+    request is read once it is answered. Every other request gets its own task, so a long
+    one never holds up the stream."""
     server = SessionServer(max_frame_size, max_open)
-    write_lock = anyio.Lock()
+    write_lock = anyio.Lock(fast_acquire=True)
     scopes: dict[int, anyio.CancelScope] = {}
 
     async def write(data: bytes) -> None:
@@ -89,26 +95,39 @@ async def serve_session(stream: ByteStream, peer_id: str, door: Door, *, max_fra
     async def send_more(rid: int, messages: tuple[Message, ...]) -> None:
         await write(b"".join(server.reply(rid, m, end=False) for m in messages))
 
+    async def final_answer(request: Request) -> Message:
+        """The door's answer to `request`; a failure is said as an `error` frame."""
+        try:
+            return await door(Call(peer_id, request.rid, request.message, send_more))
+        except PsymeshError as exc:
+            return Error.from_exception(exc)
+        except Exception:
+            log.exception("%s from %s failed", request.message.type, peer_id)
+            return Error.of(ErrorCode.INTERNAL, f"{request.message.type} failed on this node; see its log")
+
+    async def end(rid: int, final: Message) -> None:
+        with contextlib.suppress(PsymeshError):
+            try:
+                data = server.reply(rid, final)
+            except ProtocolError as exc:  # e.g. a reply over the frame limit: say so instead
+                data = server.reply(rid, Error.from_exception(exc))
+            await write(data)
+
     async def answer(request: Request) -> None:
+        """In a task of its own: the client may cancel it meanwhile."""
         final: Message
         with anyio.CancelScope() as scope:
             scopes[request.rid] = scope
-            try:
-                final = await door(Call(peer_id, request.rid, request.message, send_more))
-            except PsymeshError as exc:
-                final = Error.from_exception(exc)
-            except Exception:
-                log.exception("%s from %s failed", request.message.type, peer_id)
-                final = Error.of(ErrorCode.INTERNAL, f"{request.message.type} failed on this node; see its log")
+            final = await final_answer(request)
         scopes.pop(request.rid, None)
         if scope.cancelled_caught:
             final = Error.of(ErrorCode.CANCELED, "canceled by the requester")
-        with anyio.CancelScope(shield=True), contextlib.suppress(PsymeshError):
-            try:
-                data = server.reply(request.rid, final)
-            except ProtocolError as exc:  # e.g. a reply over the frame limit: say so instead
-                data = server.reply(request.rid, Error.from_exception(exc))
-            await write(data)
+        with anyio.CancelScope(shield=True):
+            await end(request.rid, final)
+
+    async def answer_now(request: Request) -> None:
+        """A prompt request, in the read loop: no cancel of it can be read before it ends."""
+        await end(request.rid, await final_answer(request))
 
     async with anyio.create_task_group() as tg:
         try:
@@ -117,7 +136,10 @@ async def serve_session(stream: ByteStream, peer_id: str, door: Door, *, max_fra
                 server.receive_data(data)
                 while (event := server.next_event()) is not None:
                     if isinstance(event, Request):
-                        tg.start_soon(answer, event)
+                        if type(event.message) in prompt:
+                            await answer_now(event)
+                        else:
+                            tg.start_soon(answer, event)
                     elif isinstance(event, Cancel):
                         if (scope := scopes.get(event.rid)) is not None:
                             scope.cancel()
@@ -144,8 +166,8 @@ class OutboundSession:
         self.peer_id = peer_id
         self._stream = stream
         self._client = SessionClient(max_frame_size)
-        self._inboxes: dict[int, anyio.abc.ObjectSendStream[Reply]] = {}
-        self._write_lock = anyio.Lock()
+        self._inboxes: dict[int, _Inbox] = {}
+        self._write_lock = anyio.Lock(fast_acquire=True)
         self._dead: PsymeshError | None = None  # a NetworkError, or the server's refusal
         self.closed = anyio.Event()
         self._opened = anyio.Event()  # set (and replaced) as each request is sent
@@ -214,35 +236,52 @@ class OutboundSession:
             with anyio.CancelScope(shield=True):
                 await self._stream.aclose()
 
-    @contextlib.asynccontextmanager
-    async def open(self, message: Message) -> AsyncIterator[_Replies]:
-        """Send `message`; yield its replies. Leaving early cancels the request on the server."""
+    def _start(self, message: Message, inbox: _Inbox) -> tuple[int, bytes]:
+        """A new request's id and bytes, its replies to go to `inbox`."""
         if self._dead is not None:
             raise self._dead
         if self._retired:
             raise ConnectionLost(f"the session to {self.peer_id} was replaced by a direct one")
         rid, data = self._client.request(message)
-        send, receive = anyio.create_memory_object_stream[Reply](STREAM_BUFFER)
-        self._inboxes[rid] = send
+        self._inboxes[rid] = inbox
         self._opened.set()
         self._opened = anyio.Event()
+        return rid, data
+
+    async def _finish(self, rid: int) -> None:
+        """The request is left: cancel it on the server if it is still open there."""
+        self._inboxes.pop(rid, None)
+        if self._dead is None and rid in self._client.open_requests:
+            with anyio.CancelScope(shield=True), contextlib.suppress(PsymeshError):
+                await self._write(self._client.cancel(rid))
+        await self._close_if_idle()
+
+    @contextlib.asynccontextmanager
+    async def open(self, message: Message) -> AsyncIterator[_Replies]:
+        """Send `message`; yield its replies. Leaving early cancels the request on the server."""
+        send, receive = anyio.create_memory_object_stream[Reply](STREAM_BUFFER)
+        rid, data = self._start(message, send)
         try:
             await self._write(data)
             yield _Replies(receive, self)
         finally:
-            self._inboxes.pop(rid, None)
             receive.close()
-            if self._dead is None and rid in self._client.open_requests:
-                with anyio.CancelScope(shield=True), contextlib.suppress(PsymeshError):
-                    await self._write(self._client.cancel(rid))
-            await self._close_if_idle()
+            await self._finish(rid)
 
     async def request(self, message: Message, reply_type: type[M]) -> M:
-        """One request on this session and its one reply (an `error` reply raises RemoteError)."""
-        async with self.open(message) as replies:
-            async for reply in replies:
-                return expect(reply, reply_type)
-        raise ConnectionLost(f"{self.peer_id} ended {message.type} without an answer")
+        """One request on this session and its one reply (an `error` reply raises RemoteError).
+        Its first reply is the answer (a stream of them is cancelled after it, as when
+        leaving `open` early): one slot, no stream of replies."""
+        inbox = _OneReply()
+        rid, data = self._start(message, inbox)
+        try:
+            await self._write(data)
+            reply = await inbox.wait()
+        finally:
+            await self._finish(rid)
+        if reply is None:
+            raise self._dead or ConnectionLost("the session ended")
+        return expect(reply.message, reply_type)
 
     async def _write(self, data: bytes) -> None:
         if not data:
@@ -253,6 +292,38 @@ class OutboundSession:
             except PsymeshError as exc:
                 self._die(ConnectionLost(f"the session to {self.peer_id} is gone: {exc.message}"))
                 raise self._dead from None  # type: ignore[misc]
+
+
+class _Inbox(Protocol):
+    """Where the session's reader puts the frames answering one request."""
+
+    async def send(self, reply: Reply) -> None: ...
+
+    def close(self) -> None:
+        """The session died: no more frames will come."""
+
+
+class _OneReply:
+    """The inbox of a request that takes one reply: its first frame (any later ones dropped)."""
+
+    __slots__ = ("_ready", "reply")
+
+    def __init__(self) -> None:
+        self._ready = anyio.Event()
+        self.reply: Reply | None = None
+
+    async def send(self, reply: Reply) -> None:
+        if self.reply is None:
+            self.reply = reply
+            self._ready.set()
+
+    def close(self) -> None:
+        self._ready.set()
+
+    async def wait(self) -> Reply | None:
+        """The first reply, or None if the session died before it came."""
+        await self._ready.wait()
+        return self.reply
 
 
 class _Replies:
