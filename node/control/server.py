@@ -3,7 +3,7 @@
 Requests are dispatched by message class to handlers registered by the daemon
 (node/control/owner.py). A handler returns one reply, or sends several itself (streaming) and
 returns None. A handler's PsymeshError becomes an `error` reply (one that is the
-network failing says so: protocol/control.py `error_reply`), and so does a failing
+network failing says so: protocol/control/common.py `error_reply`), and so does a failing
 database (mapped by node/core/db.py to what happened and what to do); any other exception
 is logged and becomes `internal` — the connection and the daemon live on.
 
