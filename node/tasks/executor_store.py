@@ -98,6 +98,10 @@ class TaskRecord:
         )
 
 
+# acked_seq never moves backwards and never past the log: one rule for one ack and a batch
+_MARK_FETCHED = "UPDATE exec_tasks SET acked_seq = MAX(acked_seq, MIN(?, last_seq)) WHERE id = ?"
+
+
 class ExecutorStore:
     """The home PC's durable task table and event logs.
 
@@ -172,16 +176,14 @@ class ExecutorStore:
         """`mark_fetched` for each (task_id, upto_seq) of one `task.acks`, in one transaction;
         returns how many were `submitter`'s tasks (the rest: forgotten already, or not its)."""
         with transaction(self.conn):
-            return sum(self.conn.execute(
-                "UPDATE exec_tasks SET acked_seq = MAX(acked_seq, MIN(?, last_seq)) WHERE id = ? AND submitter = ?",
-                (upto, task_id, submitter)).rowcount for task_id, upto in acks)
+            return sum(self.conn.execute(_MARK_FETCHED + " AND submitter = ?", (upto, task_id, submitter)).rowcount
+                       for task_id, upto in acks)
 
     def mark_fetched(self, task_id: str, upto_seq: int, submitter: str | None = None) -> TaskRecord:
         """Record that the submitter durably holds events 1..upto_seq (never moves backwards)."""
         with transaction(self.conn):
-            row = self._owned_row(task_id, submitter)
-            acked = max(row["acked_seq"], min(upto_seq, row["last_seq"]))
-            self.conn.execute("UPDATE exec_tasks SET acked_seq = ? WHERE id = ?", (acked, task_id))
+            self._owned_row(task_id, submitter)  # NOT_FOUND for an unknown task or another submitter's
+            self.conn.execute(_MARK_FETCHED, (upto_seq, task_id))
             return TaskRecord.from_row(self._log.row(task_id))
 
     def expire(self, now: float | None = None) -> list[TaskRecord]:

@@ -74,6 +74,10 @@ class OutboxTask:
         )
 
 
+# acked_seq never moves backwards and never past the log: one rule for one ack and a batch
+_MARK_ACKED = "UPDATE outbox_tasks SET acked_seq = MAX(acked_seq, MIN(?, last_seq)) WHERE id = ?"
+
+
 class Outbox:
     """The phone's durable record of tasks it delegated.
 
@@ -159,19 +163,15 @@ class Outbox:
     def mark_acked(self, task_id: str, upto_seq: int) -> OutboxTask:
         """We sent task.ack for events 1..upto_seq (never moves backwards)."""
         with transaction(self.conn):
-            row = self._log.row(task_id)
-            acked = max(row["acked_seq"], min(upto_seq, row["last_seq"]))
-            self.conn.execute("UPDATE outbox_tasks SET acked_seq = ? WHERE id = ?", (acked, task_id))
+            self._log.row(task_id)  # NOT_FOUND for a task never delegated
+            self.conn.execute(_MARK_ACKED, (upto_seq, task_id))
             return OutboxTask.from_row(self._log.row(task_id))
 
     def mark_acked_each(self, acks: Iterable[tuple[str, int]]) -> None:
         """`mark_acked` for each (task_id, upto_seq) of one batch of acks, in one transaction
         (a task forgotten meanwhile is skipped)."""
         with transaction(self.conn):
-            self.conn.executemany(
-                "UPDATE outbox_tasks SET acked_seq = MAX(acked_seq, MIN(?, last_seq)) WHERE id = ?",
-                [(upto, task_id) for task_id, upto in acks],
-            )
+            self.conn.executemany(_MARK_ACKED, [(upto, task_id) for task_id, upto in acks])
 
     def get(self, task_id: str) -> OutboxTask:
         return OutboxTask.from_row(self._log.row(task_id))
