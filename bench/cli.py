@@ -6,10 +6,13 @@ new process, timed from spawn to exit (what a user waits for), and its CPU time 
 costs, steadier than the wall time when other work shares the machine); the medians of
 --count runs are shown, with `import psymesh` alone and `psymesh --help` for where the time
 goes (`--help` imports every command group's module; a command imports only its own, see
-node/cli/__init__.py), and the floor: the libraries any command that asks the daemon must
-import (click, pydantic and anyio on asyncio), without a line of psymesh. Each row's wall
-median is also shown as a ratio to `python -c pass` measured in the same run, the steadier
-figure on a machine other work shares.
+node/cli/__init__.py). `status` asks with the blocking one-shot client
+(node/control/oneshot.py): no event loop, no models. Two floors, without a line of psymesh:
+what `status` cannot do without (click, msgpack, a Unix socket, and rich to print for
+people), and what a command that asks through the SDK cannot (click, pydantic with one model
+built and validated, anyio on asyncio), beside the same request made by a script through
+the SDK (`psymesh.Client` on asyncio). Each row's wall median is also shown as a ratio to
+`python -c pass` measured in the same run, the steadier figure on a machine other work shares.
 Target (issue 22): `psymesh status` <= 150 ms median wall here.
 
 Usage: .venv/bin/python bench/cli.py [--count N]
@@ -34,10 +37,17 @@ from psymesh.node.control.process import DaemonProcess
 # As installed: bytecode cached (an environment with PYTHONDONTWRITEBYTECODE=1 would compile
 # every psymesh module again on every run, which no user's install does).
 ENV = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
-# what `psymesh status --json` cannot do without: its CLI framework, its models (one built and
-# validated, as a reply is) and its event loop, run once
+# what `psymesh status` cannot do without: its CLI framework, the frames' codec, the socket, and
+# (for people) rich's console and table
+ONESHOT_FLOOR = ("import click, msgpack, socket\nimport rich.console, rich.table")
+# what a command that asks through the SDK cannot do without: its CLI framework, its models (one
+# built and validated, as a reply is) and its event loop, run once
 FLOOR = ("import anyio, click\nfrom pydantic import BaseModel\nclass A(BaseModel):\n x: int\nA(x=1)\n"
          "anyio.run(anyio.sleep, 0, backend='asyncio')")
+
+# the same request from a script, through the SDK
+SDK_SCRIPT = ("import anyio, psymesh\nasync def go():\n async with psymesh.Client({home!r}) as n:\n"
+              "  await n.status()\nanyio.run(go, backend='asyncio')")
 
 
 def run_once(cmd: list[str]) -> tuple[float, float]:
@@ -74,11 +84,13 @@ async def main(count: int) -> None:
             rows = [
                 ("python -c pass", [py, "-c", "pass"]),
                 ("python -c 'import psymesh'", [py, "-c", "import psymesh"]),
+                ("floor: click, msgpack, rich", [py, "-c", ONESHOT_FLOOR]),
                 ("floor: click, pydantic, asyncio", [py, "-c", FLOOR]),
                 ("psymesh --help", [py, "-m", "psymesh", "--help"]),
                 ("psymesh status", [py, "-m", "psymesh", "status", "--home", str(daemon.home)]),
                 # what scripts call: no rich (node/cli/output.py makes its consoles on first use)
                 ("psymesh status --json", [py, "-m", "psymesh", "status", "--json", "--home", str(daemon.home)]),
+                ("script: Client.status() asyncio", [py, "-c", SDK_SCRIPT.format(home=str(daemon.home))]),
             ]
             print(f"{'command':32} {'wall median':>12} {'wall p99':>9} {'cpu median':>11} {'x pass':>7}"
                   f"   ({count} runs each, ms)")

@@ -39,7 +39,8 @@ import anyio.abc
 from .records import dialable, without_peer_id
 from .static import Dialer, StaticPeers, check_static_peers
 from .table import SeenTable, Sighting
-from ..protocol.control import DiscoverReply, SeenNode, network_kind
+from ..protocol.control import DiscoverReply, SeenNode
+from ..protocol.errors import network_kind
 from ..protocol.errors import PsymeshError
 from ..protocol.identity import is_peer_id, peer_fingerprint
 

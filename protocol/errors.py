@@ -94,3 +94,30 @@ class NetworkTimeout(NetworkError):
 
 class ConnectionLost(NetworkError):
     """An open connection, stream or session ended under a request."""
+
+
+# details["network"] of an `error` reply -> the NetworkError the SDK raises for it
+NETWORK_FAILURES: dict[str, type[NetworkError]] = {
+    "connect": ConnectError,
+    "timeout": NetworkTimeout,
+    "lost": ConnectionLost,
+    "network": NetworkError,
+}
+
+
+def network_kind(exc: PsymeshError) -> str | None:
+    """How the network failed, if `exc` is the network failing rather than a refusal. The
+    transport (node/net/host.py, node/net/framed.py) raises its failures as NetworkErrors, so the
+    class alone says it: a ProtocolError, whatever its code, is never the network."""
+    for kind, cls in NETWORK_FAILURES.items():
+        if isinstance(exc, cls):
+            return kind
+    return None
+
+
+def raised(exc: RemoteError) -> PsymeshError:
+    """What the SDK raises for an `error` reply: the NetworkError the daemon met, or the refusal."""
+    cls = NETWORK_FAILURES.get(str(exc.details.get("network")))
+    if cls is None:
+        return exc
+    return cls(exc.message, code=exc.code, retry_after=exc.retry_after, details=exc.details)

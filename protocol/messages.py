@@ -1,22 +1,22 @@
 """Messages: frozen pydantic models, encoded as one msgpack map per frame.
 
 Every frame body is a msgpack map with two envelope keys, `v` (schema version, an
-int) and `type` (a string naming the message), plus the message's own fields.
-Receivers MUST ignore keys they do not know, so fields can be added without a
-version bump; a change that breaks old readers bumps `v`.
+int) and `type` (a string naming the message), plus the message's own fields
+(envelope.py: the map and its checks, without the models). Receivers MUST ignore keys
+they do not know, so fields can be added without a version bump; a change that breaks
+old readers bumps `v`.
 """
 from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any, ClassVar, TypeVar
 
-import msgpack
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from .errors import ErrorCode, ProtocolError
+from .envelope import SCHEMA_VERSION, decode_map, open_envelope, seal
+from .errors import ProtocolError
 
-SCHEMA_VERSION = 1
-SUPPORTED_VERSIONS = frozenset({1})
+__all__ = ["SCHEMA_VERSION", "Message", "decode_map", "from_map", "message_types", "pack", "unpack"]
 
 _REGISTRY: dict[str, type["Message"]] = {}
 M = TypeVar("M", bound="Message")
@@ -66,27 +66,7 @@ def message_types() -> dict[str, type[Message]]:
 def pack(message: Message, envelope: Mapping[str, Any] | None = None) -> bytes:
     """Encode a message as a frame body (no length prefix). `envelope` adds keys beside `v`
     and `type` that belong to the stream, not the message (a session's `rid` and `end`)."""
-    body = message.model_dump(mode="python")
-    if envelope:
-        body.update(envelope)
-    body["v"] = SCHEMA_VERSION
-    body["type"] = message.type
-    return msgpack.packb(body, use_bin_type=True)
-
-
-def _no_ext(code: int, data: bytes) -> Any:
-    raise ValueError("msgpack extension types are not used by psymesh")
-
-
-def decode_map(body: bytes) -> dict[str, Any]:
-    """msgpack bytes -> envelope map, or ProtocolError. Nothing else escapes."""
-    try:
-        obj = msgpack.unpackb(body, raw=False, strict_map_key=True, ext_hook=_no_ext)
-    except Exception as exc:  # msgpack raises many types (ExtraData, StackError, ValueError, ...)
-        raise ProtocolError(f"undecodable frame: {type(exc).__name__}") from None
-    if not isinstance(obj, dict):
-        raise ProtocolError("a frame must hold a msgpack map")
-    return obj
+    return seal(message.model_dump(mode="python"), message.type, envelope)
 
 
 def unpack(body: bytes) -> Message:
@@ -96,17 +76,7 @@ def unpack(body: bytes) -> Message:
 
 def from_map(obj: dict[str, Any]) -> Message:
     """The message an envelope map holds (`v` and `type` are consumed)."""
-    version = obj.pop("v", None)
-    kind = obj.pop("type", None)
-    if not isinstance(version, int) or isinstance(version, bool):
-        raise ProtocolError("frame has no integer schema version 'v'")
-    if version not in SUPPORTED_VERSIONS:
-        raise ProtocolError(
-            f"schema version {version} is not supported (this node speaks {sorted(SUPPORTED_VERSIONS)})",
-            code=ErrorCode.UNSUPPORTED_VERSION,
-        )
-    if not isinstance(kind, str):
-        raise ProtocolError("frame has no string 'type'")
+    kind = open_envelope(obj)
     cls = _REGISTRY.get(kind)
     if cls is None and not _ALL_LOADED:
         cls = _load_all().get(kind)

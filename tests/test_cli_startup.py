@@ -19,12 +19,19 @@ from pathlib import Path
 import anyio
 import pytest
 
-from conftest import run_nodes
+from conftest import pair, run_nodes
+from psymesh.node.control.client import Client
+from psymesh.node.control.oneshot import ASKS
+from psymesh.protocol.messages import message_types
 
 # never needed by a command that only asks the daemon
 HEAVY = ("trio", "libp2p", "cryptography", "llama_cpp", "pyhpke", "psymesh.node.core.home",
          "psymesh.protocol.messaging", "psymesh.protocol.tasks", "psymesh.protocol.web", "psymesh.protocol.manifest",
          "psymesh.protocol.mailbox")
+
+# what `psymesh status` does without as well: it asks with the blocking one-shot client
+# (node/control/oneshot.py), which builds no model and runs no event loop
+SDK = ("pydantic", "asyncio", "anyio", "psymesh.node.control.client", "psymesh.protocol.messages")
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -52,7 +59,8 @@ async def cli_fresh(*args: str, heavy: tuple[str, ...] = (*HEAVY, "rich")) -> tu
 @pytest.mark.anyio
 async def test_status_json_imports_none_of_the_heavy_modules(tmp_path: Path) -> None:
     async with run_nodes(tmp_path, "home") as nodes:
-        out, held = await cli_fresh("status", "--json", "--home", str(nodes["home"].home.path))
+        out, held = await cli_fresh("status", "--json", "--home", str(nodes["home"].home.path),
+                                    heavy=(*HEAVY, "rich", *SDK))
     assert json.loads(out)["peer_id"] == nodes["home"].p2p.peer_id
     assert held == []
 
@@ -60,9 +68,34 @@ async def test_status_json_imports_none_of_the_heavy_modules(tmp_path: Path) -> 
 @pytest.mark.anyio
 async def test_status_for_people_loads_rich_to_print_and_nothing_else_heavy(tmp_path: Path) -> None:
     async with run_nodes(tmp_path, "home") as nodes:
-        out, held = await cli_fresh("status", "--home", str(nodes["home"].home.path))
+        out, held = await cli_fresh("status", "--home", str(nodes["home"].home.path), heavy=(*HEAVY, "rich", *SDK))
     assert nodes["home"].p2p.peer_id in out and "no connected peers" in out
     assert held == ["rich"]
+
+
+@pytest.mark.anyio
+async def test_status_without_the_sdk_says_what_the_sdk_says(tmp_path: Path) -> None:
+    """The one-shot client hands `status` the daemon's reply as it was sent: `--json` is the
+    SDK's model dump field for field (a connected, named peer; reachability), and the
+    words for people name the peer."""
+    async with run_nodes(tmp_path, "home", "phone", profiles={"phone": "phone"}) as nodes:
+        await pair(nodes["home"].home.path, nodes["phone"].home.path)
+        async with Client(nodes["phone"].home.path) as phone:
+            await phone.ping("home", count=1)
+            sdk = (await phone.status()).model_dump(mode="json")
+        out, _ = await cli_fresh("status", "--json", "--home", str(nodes["phone"].home.path))
+        words, _ = await cli_fresh("status", "--home", str(nodes["phone"].home.path))
+    got = json.loads(out)
+    assert got.pop("uptime_s") >= sdk.pop("uptime_s")
+    assert got == sdk and [p["name"] for p in got["connected_peers"]] == ["home"]
+    assert "home" in words.split("connected peer")[1] and nodes["phone"].p2p.peer_id in words
+
+
+def test_what_the_one_shot_client_asks_is_in_the_catalogue() -> None:
+    """ASKS names requests and replies by their `type`: each must be a control message."""
+    types = message_types()
+    for request, reply in ASKS.items():
+        assert request.startswith("control.") and request in types and reply in types
 
 
 @pytest.mark.anyio

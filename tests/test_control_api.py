@@ -22,12 +22,14 @@ from psymesh.protocol.dialback import DialBackReply
 from psymesh.protocol.errors import (
     ConnectError,
     ConnectionLost,
+    NETWORK_FAILURES,
     ErrorCode,
     NetworkError,
     NetworkTimeout,
     ProtocolError,
     PsymeshError,
     RemoteError,
+    raised,
 )
 from psymesh.protocol.limits import Limits
 from psymesh.protocol.manifest import PRESETS
@@ -104,7 +106,7 @@ def test_a_network_failure_crosses_the_control_socket_as_itself_and_a_refusal_st
                      (NetworkError("the transport did not say how"), NetworkError)):
         reply = unpack(pack(c.error_reply(exc)))
         assert isinstance(reply, Error) and reply.code == exc.code.value
-        again = c.raised(reply.to_exception())
+        again = raised(reply.to_exception())
         assert type(again) is cls and again.code is exc.code and again.message == exc.message
         assert not isinstance(again, RemoteError)
     for refusal in (RemoteError("model not loaded", code=ErrorCode.UNAVAILABLE),   # the peer said so: not the network
@@ -112,7 +114,7 @@ def test_a_network_failure_crosses_the_control_socket_as_itself_and_a_refusal_st
                     ProtocolError("undecodable frame"),
                     ProtocolError("an old transport's code", code=ErrorCode.UNAVAILABLE)):  # only the class says "network"
         assert "network" not in c.error_reply(refusal).details
-        assert type(c.raised(c.error_reply(refusal).to_exception())) is RemoteError
+        assert type(raised(c.error_reply(refusal).to_exception())) is RemoteError
 
 
 # ---------------------------------------------------------------------------- through a daemon
@@ -276,7 +278,7 @@ async def test_a_peer_that_is_down_is_a_network_error_in_one_line(tmp_path: Path
             assert line.endswith("is its daemon running and reachable? try again later, or see: psymesh peers")
             j = await run_cli(phone, "ping", "home", "--count", "1", "--json")
             error = json.loads(j.stdout)["error"]
-            assert j.returncode == 1 and error["network"] in c.NETWORK_FAILURES and error["code"] == info.value.code
+            assert j.returncode == 1 and error["network"] in NETWORK_FAILURES and error["code"] == info.value.code
 
             refused = await run_cli(phone, "ping", "nobody")  # a refusal reads as one, not as the network
             assert refused.returncode == 1

@@ -218,12 +218,15 @@ INVITE = "psy1-the-bearer-invite-string-hunter2"
 
 @needs_root
 @pytest.mark.parametrize("how", ["chown", "setuid"])
-def test_client_sends_nothing_to_a_squatted_socket(tmp_path: Path, how: str) -> None:
+@pytest.mark.parametrize("command", [["pair", "join", INVITE], ["status"]], ids=["sdk", "one-shot"])
+def test_client_sends_nothing_to_a_squatted_socket(tmp_path: Path, how: str, command: list[str]) -> None:
+    """Both clients: the SDK (`pair join`) and the blocking one-shot (`status`,
+    node/control/oneshot.py) make the same checks before sending."""
     home = NodeHome(tmp_path / "h")
     home.init()
     squatter = Squatter(home.socket_path, how)
     try:
-        r = cli("pair", "join", INVITE, "--home", str(home.path))
+        r = cli(*command, "--home", str(home.path))
     finally:
         received = squatter.received()
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr

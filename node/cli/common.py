@@ -4,7 +4,9 @@ and durations on the command line (`Duration`).
 
 Start-up is paid on every command, and scripts call the CLI in loops (issue 22 item 13): this
 module, and what a command that only asks the daemon imports, stay clear of the node's config
-models and keys (core/home.py), trio, libp2p and rich (tests/test_cli_startup.py checks it)."""
+models and keys (core/home.py), trio, libp2p and rich; and `status`, which asks with the blocking
+one-shot client (node/control/oneshot.py), of anyio, asyncio and pydantic too
+(tests/test_cli_startup.py checks it)."""
 from __future__ import annotations
 
 import atexit
@@ -15,7 +17,6 @@ import sys
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
-import anyio
 import click
 
 from ..core.paths import HomePaths
@@ -39,6 +40,8 @@ json_option = click.option("--json", "json_mode", is_flag=True, help="Print data
 def run_async(fn: Callable[[], Awaitable[T]]) -> T:
     """Run `fn` on trio: for what runs node code in this process (a daemon, a model runner, an
     agent run), which is written for trio and tested on it."""
+    import anyio  # here: `psymesh status` runs no event loop (node/control/oneshot.py)
+
     return anyio.run(fn, backend="trio")
 
 
@@ -60,6 +63,8 @@ def on_node(home: str | None, ask: Callable[[Client], Awaitable[T]]) -> T:
 
     On asyncio, not trio: the SDK works on both (its tests run it on each), the only IO here
     is the control socket, and asyncio costs a command a third of what importing trio does."""
+    import anyio
+
     from ..control.client import Client
 
     async def go() -> T:

@@ -16,7 +16,8 @@ from collections.abc import Callable
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
-from ...protocol.errors import NetworkError, PsymeshError
+from ..control.oneshot import Reply
+from ...protocol.errors import NetworkError, PsymeshError, network_kind
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -44,10 +45,11 @@ def table(*headers: str, **options: Any) -> Any:
 
 
 def to_data(obj: Any) -> Any:
-    # pydantic is imported here, not above: `psymesh --help` prints no data and needs none of it
-    from pydantic import BaseModel
-
-    if isinstance(obj, BaseModel):
+    if isinstance(obj, Reply):  # a one-shot reply: the map the daemon made of its model
+        return obj.fields
+    # nothing is a model unless pydantic was loaded: `psymesh --help` and `status` load none
+    pydantic = sys.modules.get("pydantic")
+    if pydantic is not None and isinstance(obj, pydantic.BaseModel):
         return obj.model_dump(mode="json")
     if isinstance(obj, list):
         return [to_data(o) for o in obj]
@@ -90,8 +92,6 @@ class Output:
         self.err.print(f"[yellow]warning:[/yellow] {escape(message)}")
 
     def error(self, exc: PsymeshError) -> None:
-        from ...protocol.control import network_kind
-
         network = isinstance(exc, NetworkError)
         if self.json_mode:
             error: dict[str, Any] = {"code": exc.code.value, "message": exc.message}

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import click
 
@@ -32,7 +32,11 @@ def id_cmd(home: str | None, out: Output) -> None:
 @command
 def status(home: str | None, out: Output) -> None:
     """Peer id, addresses, uptime and connected peers of the running daemon."""
-    st = on_node(home, lambda client: client.status())
+    # blocking and model-free (node/control/oneshot.py): scripts call this in loops. The reply
+    # holds StatusReply's fields, as attributes.
+    from ..control.oneshot import ask
+
+    st = cast("c.StatusReply", ask(home, "control.status"))
 
     def human(con: Console) -> None:
         con.print(f"[bold]{st.name}[/bold] ({st.profile}) psymesh {st.version}, up {st.uptime_s:.0f} s")

@@ -9,17 +9,13 @@ alike (libp2p itself lives only inside the daemon). One request at a time per
 connection; streaming calls open a connection of their own.
 
 Requests carry secrets (an invite string is a bearer credential), so before sending
-anything the client makes sure it talks to its owner's daemon: the socket must be
-a socket owned by us, in a directory only we may enter, and (on Linux) the process
-listening on it must run as us (SO_PEERCRED; LOCAL_PEERCRED on BSD/macOS). Not root either: psymesh never runs
-a daemon as one user for another user's home, so a root-owned listener is not ours.
+anything the client makes sure it talks to its owner's daemon (control_socket.py: a
+socket owned by us, in a directory only we may enter, whose listener runs as us).
 """
 from __future__ import annotations
 
 import contextlib
 import os
-import socket
-import stat
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,9 +27,10 @@ from pydantic import ValidationError
 
 from ..net.framed import AnyioByteStream, FramedStream
 from ..tasks.ids import new_task_id
-from ..core.paths import SOCKET_DIR_ADVICE, HomePaths, check_private_dir, os_error, socket_peer
+from ..core.paths import HomePaths
+from .control_socket import ControlSocket, DaemonNotRunning, NotOurDaemon  # the last two: re-exported for scripts
 from ...protocol import control as c
-from ...protocol.errors import ErrorCode, PsymeshError, RemoteError
+from ...protocol.errors import ErrorCode, PsymeshError, RemoteError, raised
 from ...protocol.framing import DEFAULT_MAX_FRAME_SIZE
 from ...protocol.common import expect
 from ...protocol.messages import Message
@@ -44,16 +41,6 @@ if TYPE_CHECKING:
     from ...protocol.web import WebPage, WebResults
 
 R = TypeVar("R", bound=Message)
-
-
-class DaemonNotRunning(PsymeshError):
-    default_code = ErrorCode.UNAVAILABLE
-
-
-class NotOurDaemon(PsymeshError):
-    """Something other than our own daemon holds the control socket path; nothing was sent to it."""
-
-    default_code = ErrorCode.FORBIDDEN
 
 
 MAX_IDLE_CONNECTIONS = 4
@@ -75,50 +62,20 @@ class Client:
     ) -> None:
         self.home = HomePaths(home)  # its paths only: a script's client needs no config or key
         self.socket_path = Path(socket_path) if socket_path else self.home.socket_path
+        self._socket = ControlSocket(self.socket_path, self.home.path)
         self.max_frame_size = max_frame_size
         self._framed: FramedStream | None = None
         self._lock = anyio.Lock()
         self._idle: list[FramedStream] = []  # side connections a finished long request handed back
 
-    def _not_running(self, reason: str) -> DaemonNotRunning:
-        return DaemonNotRunning(f"no psymesh daemon is listening at {self.socket_path} ({reason}); "
-                                f"start one with: psymesh node start --home {self.home.path}")
-
-    def _not_ours(self, why: str) -> NotOurDaemon:
-        return NotOurDaemon(f"{self.socket_path} is not your daemon's control socket ({why}); nothing was sent "
-                            "to it. Stop whatever made it (it may be impersonating your daemon) or remove it, "
-                            f"then start your own: psymesh node start --home {self.home.path}")
-
-    def _check_socket_file(self) -> None:
-        """Before connecting: a socket, owned by us, in a directory only we may enter."""
-        path = self.socket_path
-        try:
-            st = os.lstat(path)
-        except FileNotFoundError:
-            raise self._not_running("no socket there") from None
-        except OSError as exc:
-            raise os_error(exc, path) from None
-        check_private_dir(path.parent, "the control socket's directory", SOCKET_DIR_ADVICE)
-        if not stat.S_ISSOCK(st.st_mode):
-            raise self._not_ours("it is not a socket")
-        if st.st_uid != os.geteuid():
-            raise self._not_ours(f"it belongs to uid {st.st_uid}, not to you (uid {os.geteuid()})")
-
-    def _check_listener(self, raw: anyio.abc.SocketStream) -> None:
-        """After connecting, before sending: the listening process must run as us."""
-        peer = socket_peer(raw.extra(anyio.abc.SocketAttribute.raw_socket))
-        if peer is not None and peer[0] != os.geteuid():
-            raise self._not_ours(f"the process listening on it (pid {peer[1] or '?'}) runs as uid {peer[0]}, "
-                                 f"not as you (uid {os.geteuid()})")
-
     async def _open(self) -> FramedStream:
-        self._check_socket_file()
+        self._socket.check_file()
         try:
             raw = await anyio.connect_unix(self.socket_path)
         except (FileNotFoundError, ConnectionRefusedError) as exc:
-            raise self._not_running(exc.strerror or str(exc)) from None
+            raise self._socket.not_running(exc.strerror or str(exc)) from None
         try:
-            self._check_listener(raw)
+            self._socket.check_listener(raw.extra(anyio.abc.SocketAttribute.raw_socket))
         except BaseException:
             await raw.aclose()
             raise
@@ -168,7 +125,7 @@ class Client:
         try:
             return await framed.request(message, reply_type)
         except RemoteError as exc:
-            raise c.raised(exc) from None
+            raise raised(exc) from None
 
     # -- node ---------------------------------------------------------------
     async def status(self) -> c.StatusReply:

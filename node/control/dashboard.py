@@ -59,7 +59,7 @@ from ..bridges.httpguard import AllowedHosts, Check, GuardRules, HttpGuard, Refu
 from ..bridges.httpserve import serve_face
 from ...protocol import control as c
 from ...protocol.common import Error
-from ...protocol.errors import ErrorCode, PsymeshError, RemoteError
+from ...protocol.errors import ErrorCode, PsymeshError, RemoteError, raised
 from ...protocol.manifest import PRESETS
 from ...protocol.common import expect
 from ...protocol.messages import Message
@@ -266,7 +266,7 @@ class Dashboard:
         try:
             return expect(await self.node.control.call(request), reply_type)
         except RemoteError as exc:
-            raise c.raised(exc) from None
+            raise raised(exc) from None
 
     async def stream(self, request: Message, item_type: type[R]) -> list[R]:
         """A streaming control request that ends (e.g. the inbox without follow): its items."""

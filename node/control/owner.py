@@ -162,6 +162,7 @@ class Owner:
         return c.UiReply(url=ui.url, login_url=ui.login_url(), token_source=ui.key.source)
 
     async def _status(self, req: c.StatusRequest, _: FramedStream) -> c.StatusReply:
+        names = {p.peer_id: p.name for p in self.node.trust.list()}
         return c.StatusReply(
             peer_id=self.node.identity.peer_id,
             fingerprint=self.node.identity.fingerprint,
@@ -170,7 +171,8 @@ class Owner:
             version=psymesh.__version__,
             addrs=self.node.p2p.addrs(),
             uptime_s=round(time.monotonic() - self.node.started_at, 3),
-            connected_peers=[c.ConnectedPeer(peer_id=p["peer_id"], addrs=p.get("addrs", []))
+            connected_peers=[c.ConnectedPeer(peer_id=p["peer_id"], addrs=p.get("addrs", []),
+                                             name=names.get(p["peer_id"]))
                              for p in self.node.p2p.connected_peers()],
             listen=list(self.node.config.listen),
             reachability=self.node.reach.view(),

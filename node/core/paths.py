@@ -16,8 +16,6 @@ import struct
 import sys
 from pathlib import Path
 
-import platformdirs
-
 from ...protocol.errors import ErrorCode, PsymeshError
 
 # Unix socket paths are limited to 108 bytes (sun_path); leave room for the NUL.
@@ -26,8 +24,17 @@ _MAX_SOCKET_PATH = 100
 
 def resolve_home(home: str | os.PathLike[str] | None = None) -> Path:
     if home is None:
-        home = os.environ.get("PSYMESH_HOME") or platformdirs.user_data_dir("psymesh", appauthor=False)
+        home = os.environ.get("PSYMESH_HOME") or _default_home()
     return Path(home).expanduser().resolve()
+
+
+def _default_home() -> str:
+    """The platform's data dir for psymesh (on Linux `$XDG_DATA_HOME/psymesh`, else
+    `~/.local/share/psymesh`; Termux's and the others' as platformdirs says). platformdirs is
+    imported here, at the call: a command given --home or $PSYMESH_HOME does not load it."""
+    import platformdirs
+
+    return platformdirs.user_data_dir("psymesh", appauthor=False)
 
 
 _HOME_ADVICE = "use a directory of your own (--home)"

@@ -33,7 +33,7 @@ if TYPE_CHECKING:  # what type checkers see: every name, as if imported here
 
 # group module -> the names it defines
 _GROUPS: dict[str, tuple[str, ...]] = {
-    "common": ("View", "PeerAway", "Ok", "NETWORK_FAILURES", "network_kind", "error_reply", "raised"),
+    "common": ("View", "PeerAway", "Ok", "error_reply"),
     "node": ("StatusRequest", "ConnectedPeer", "ConfirmedAddr", "Reachability", "StatusReply",
              "DoctorRequest", "ConnectionPath", "PeerDiagnosis", "DoctorReply", "PingRequest",
              "PingReply", "ShutdownRequest", "ServeRequest", "ServeReply", "UiRequest", "UiReply",

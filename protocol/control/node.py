@@ -17,7 +17,7 @@ class ConnectedPeer(Message):
     type = "control.connected_peer"
     peer_id: str
     addrs: list[str] = Field(default_factory=list)
-    name: str | None = None
+    name: str | None = None  # its name here, if it is a paired peer
 
 
 class ConfirmedAddr(View):
