@@ -150,8 +150,9 @@ class Owner:
         for name in self.node.models.registry.names():
             s = running.get(name)
             if s is None:
-                row = self.node.models.registry.get(name)
-                models.append(c.LoadedModel(name=name, path=row["path"], loaded=False, n_ctx=row["n_ctx"]))
+                settings = self.node.models.settings(name)  # what it will load with: its keep-alive too
+                models.append(c.LoadedModel(name=name, path=str(settings.path), loaded=False, n_ctx=settings.n_ctx,
+                                            keep_alive_s=settings.keep_alive_s))
             else:
                 models.append(c.LoadedModel(**dataclasses.asdict(s)))
         return c.ModelsPsReply(models=models)
