@@ -363,10 +363,10 @@ class Node:
         self.checkpointer.wrote()
         self.wal.wrote()
 
-    async def start_ui(self, *, required: bool = True) -> Dashboard:
-        """The dashboard, started in the node's task group if it is not running yet. At start
-        (`required` False) a port in use is logged and the node runs on without it;
-        `psymesh ui` (control.ui) then says why."""
+    async def start_ui(self, *, required: bool = True, port: int | None = None) -> Dashboard:
+        """The dashboard, started in the node's task group if it is not running yet (at `port`
+        if given, else `[ui] port`). At start (`required` False) a port in use is logged and the
+        node runs on without it; `psymesh ui` (control.ui) then says why."""
         if self.ui is not None and self.ui.url is not None:
             return self.ui
         assert self._tg is not None, "the node is not running"
@@ -376,7 +376,8 @@ class Node:
                                       tools=self.tools, agents=self.agents, messaging=self.messaging,
                                       mailbox=self.mailbox, submitter=self.submitter, control=self.control,
                                       activity=self.activity),
-                       self.config.ui, load_api_key(self.config.ui, self.home, self._environ))
+                       self.config.ui if port is None else self.config.ui.model_copy(update={"port": port}),
+                       load_api_key(self.config.ui, self.home, self._environ))
         try:
             await self._tg.start(ui.run)
         except PsymeshError as exc:

@@ -87,7 +87,7 @@ class OwnerNode(Protocol):
     async def tell_revoked(self, peer_id: str) -> None: ...
     async def serve_endpoint(self, section: Literal["openai", "a2a"],
                              settings: OpenAIServe | A2AServe) -> tuple[str, bool]: ...
-    async def start_ui(self, *, required: bool = True) -> Dashboard: ...
+    async def start_ui(self, *, required: bool = True, port: int | None = None) -> Dashboard: ...
     def stop(self) -> None: ...
 
 
@@ -158,7 +158,7 @@ class Owner:
         return c.ModelsPsReply(models=models)
 
     async def _ui(self, req: c.UiRequest, _: FramedStream) -> c.UiReply:
-        ui = await self.node.start_ui()
+        ui = await self.node.start_ui(port=req.port)
         assert ui.url is not None
         return c.UiReply(url=ui.url, login_url=ui.login_url(), token_source=ui.key.source)
 
