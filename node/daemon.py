@@ -148,7 +148,8 @@ class Node:
         self.control = ControlServer(home.socket_path, self.config.max_frame_size, refused=self._control_refused)
         self.sessions = SessionPool(self.open_peer_stream, ids.SESSION, self.config.max_frame_size,
                                     Liveness(self.config.liveness_probe_s, self.p2p.disconnect), path=self.p2p.path)
-        self.relaying = Relaying(self.identity, self.config.relay, self.p2p, self.trust, self.sessions)
+        self.relaying = Relaying(self.identity, self.config.relay, self.p2p, self.trust, self.sessions,
+                                 addrs_file=home.path / "listen.last")
         self.reach = Reach(self.p2p, self.sessions, self.trust)
         self.web = WebServer(self.config.web.exit, home, self.identity.private_key, self.identity.peer_id,
                              gate=self.gate, audit=self.audit, trust=self.trust, sessions=self.sessions, db=self.db)
