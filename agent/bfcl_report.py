@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from statistics import fmean
 from typing import TYPE_CHECKING, Any
@@ -57,24 +57,25 @@ class Summary:
     total_count: int
     complete: bool
     na_if_missing: bool = True  # BFCL's display_na_if_category_missing (False for its overall_accuracy_*)
+    touched: bool = True        # at least one of its categories ran (the report leaves out the others)
 
     @property
     def display(self) -> str:
         return f"{self.accuracy:.2%}" if self.complete or not self.na_if_missing else "N/A"
 
     def shown(self) -> Summary:
-        return Summary(self.name, self.accuracy, self.total_count, self.complete, False)
+        return Summary(self.name, self.accuracy, self.total_count, self.complete, False, self.touched)
 
 
 def _weighted(name: str, parts: Sequence[Summary]) -> Summary:
     total = sum(p.total_count for p in parts)
     return Summary(name, sum(p.accuracy * p.total_count for p in parts) / total if total else 0.0, total,
-                   all(p.complete for p in parts))
+                   all(p.complete for p in parts), touched=any(p.touched for p in parts))
 
 
 def _unweighted(name: str, parts: Sequence[Summary]) -> Summary:
     return Summary(name, fmean(p.accuracy for p in parts), sum(p.total_count for p in parts),
-                   all(p.complete for p in parts))
+                   all(p.complete for p in parts), touched=any(p.touched for p in parts))
 
 
 @dataclass(frozen=True)
@@ -91,7 +92,7 @@ class BfclReport:
         """BFCL's get_category_score: a category not run is 0 over its full size, shown N/A."""
         s = self.categories.get(category)
         if s is None:
-            return Summary(category, 0.0, CATEGORY_SIZES.get(category, 0), False)
+            return Summary(category, 0.0, CATEGORY_SIZES.get(category, 0), False, touched=False)
         return Summary(category, s.accuracy, s.cases, True)
 
     def summaries(self) -> dict[str, Summary]:
@@ -115,9 +116,10 @@ class BfclReport:
                  "agentic": agentic}
         weight = sum(OVERALL_WEIGHTS.values())
         overall = Summary("overall", sum(parts[k].accuracy * w / weight for k, w in OVERALL_WEIGHTS.items()),
-                          sum(p.total_count for p in parts.values()), all(p.complete for p in parts.values()), False)
+                          sum(p.total_count for p in parts.values()), all(p.complete for p in parts.values()), False,
+                          any(p.touched for p in parts.values()))
         return {"overall": overall, "non_live": non_live, "simple": simple, "live": live,
-                "irrelevance": irrelevance, "relevance": Summary("relevance", *_score_fields(sc("live_relevance"))),
+                "irrelevance": irrelevance, "relevance": replace(sc("live_relevance"), name="relevance"),
                 "multi_turn": multi_turn, "web_search": web, "memory": memory, "agentic": agentic}
 
     def format_sensitivity(self) -> FormatSensitivity | None:
@@ -163,10 +165,6 @@ def _web_note() -> str:
     return WEB_NOTE
 
 
-def _score_fields(s: Summary) -> tuple[float, int, bool]:
-    return s.accuracy, s.total_count, s.complete
-
-
 def format_bfcl_report(report: BfclReport) -> str:
     """The per-category table, then BFCL's summaries as its leaderboard computes them."""
     width = max([len("category"), *(len(c) for c in report.categories)])
@@ -177,12 +175,17 @@ def format_bfcl_report(report: BfclReport) -> str:
     if fs is not None:
         lines.append(f"{'':<{width}}  format sensitivity over {len(fs.by_config)} prompt formats: max delta "
                      f"{fs.max_delta:.2f}, std {fs.std:.2f} (points; in no summary, as in BFCL)")
+    summaries = report.summaries()
     lines += ["", "BFCL summaries (N/A: a category in it was not run; BFCL counts it as 0):"]
-    for s in report.summaries().values():
-        shown = s.display if s.complete else f"{s.display} (not all of its categories ran; those count 0)"
-        lines.append(f"  {s.name:<12} {shown}")
+    for s in summaries.values():
+        if s.touched:
+            shown = s.display if s.complete else f"{s.display} (not all of its categories ran; those count 0)"
+            lines.append(f"  {s.name:<12} {shown}")
+    untouched = [s.name for s in summaries.values() if not s.touched]
+    if untouched:
+        lines.append(f"  none of the categories of {', '.join(untouched)} ran")
     if NOT_RUN:
-        lines.append("not run: " + ", ".join(NOT_RUN))
+        lines.append("this harness cannot run here: " + "; ".join(f"{c} ({why})" for c, why in NOT_RUN.items()))
     if any(c in report.categories for c in WEB_CATEGORIES):
         lines.append(f"note: {_web_note()}")
     return "\n".join(lines) + "\n"

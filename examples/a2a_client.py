@@ -32,7 +32,8 @@ def _answer(task: a2a.Task) -> str:
     return "".join(part.text for artifact in task.artifacts for part in artifact.parts)
 
 
-async def main(url: str, key: str, goal: str) -> None:
+async def main(url: str, key: str, goal: str) -> bool:
+    """Send `goal` twice (whole, then streamed); False if the agent's task did not complete."""
     # The key goes on every request; the card does not need it, the JSON-RPC calls do (and
     # the A2A-Version header, which the SDK's client adds).
     async with httpx.AsyncClient(headers={"Authorization": f"Bearer {key}"}, timeout=120) as http:
@@ -45,6 +46,10 @@ async def main(url: str, key: str, goal: str) -> None:
             task = response.task
             print(json.dumps({"task": task.id, "state": a2a.TaskState.Name(task.status.state),
                               "answer": _answer(task)}), flush=True)
+            if task.status.state != a2a.TASK_STATE_COMPLETED:  # failed, rejected, ...: say why, exit 1
+                why = "".join(p.text for p in task.status.message.parts)
+                print(f"error: the task ended {a2a.TaskState.Name(task.status.state)}: {why}", file=sys.stderr)
+                return False
 
         streamed = await create_client(card, client_config=ClientConfig(httpx_client=http, streaming=True))
         async for response in streamed.send_message(_message(goal)):
@@ -55,13 +60,15 @@ async def main(url: str, key: str, goal: str) -> None:
             elif response.HasField("artifact_update"):
                 print(json.dumps({"artifact": "".join(p.text for p in response.artifact_update.artifact.parts)}),
                       flush=True)
+    return True
 
 
 if __name__ == "__main__":
     if len(sys.argv) != 3 or not os.environ.get("A2A_API_KEY"):
         sys.exit(__doc__)
     try:
-        asyncio.run(main(sys.argv[1], os.environ["A2A_API_KEY"], sys.argv[2]))
+        if not asyncio.run(main(sys.argv[1], os.environ["A2A_API_KEY"], sys.argv[2])):
+            sys.exit(1)
     except (A2AError, httpx.HTTPError) as exc:  # one line, not a traceback: a wrong key is a 401
         text = str(exc) or type(exc).__name__
         hint = " (wrong or missing key? psymesh serve a2a --show-key prints it)" if "401" in text else ""

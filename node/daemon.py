@@ -148,7 +148,8 @@ class Node:
         self.control = ControlServer(home.socket_path, self.config.max_frame_size, refused=self._control_refused)
         self.sessions = SessionPool(self.open_peer_stream, ids.SESSION, self.config.max_frame_size,
                                     Liveness(self.config.liveness_probe_s, self.p2p.disconnect), path=self.p2p.path)
-        self.relaying = Relaying(self.identity, self.config.relay, self.p2p, self.trust, self.sessions)
+        self.relaying = Relaying(self.identity, self.config.relay, self.p2p, self.trust, self.sessions,
+                                 addrs_file=home.path / "listen.last")
         self.reach = Reach(self.p2p, self.sessions, self.trust)
         self.web = WebServer(self.config.web.exit, home, self.identity.private_key, self.identity.peer_id,
                              gate=self.gate, audit=self.audit, trust=self.trust, sessions=self.sessions, db=self.db)
@@ -363,10 +364,10 @@ class Node:
         self.checkpointer.wrote()
         self.wal.wrote()
 
-    async def start_ui(self, *, required: bool = True) -> Dashboard:
-        """The dashboard, started in the node's task group if it is not running yet. At start
-        (`required` False) a port in use is logged and the node runs on without it;
-        `psymesh ui` (control.ui) then says why."""
+    async def start_ui(self, *, required: bool = True, port: int | None = None) -> Dashboard:
+        """The dashboard, started in the node's task group if it is not running yet (at `port`
+        if given, else `[ui] port`). At start (`required` False) a port in use is logged and the
+        node runs on without it; `psymesh ui` (control.ui) then says why."""
         if self.ui is not None and self.ui.url is not None:
             return self.ui
         assert self._tg is not None, "the node is not running"
@@ -376,7 +377,8 @@ class Node:
                                       tools=self.tools, agents=self.agents, messaging=self.messaging,
                                       mailbox=self.mailbox, submitter=self.submitter, control=self.control,
                                       activity=self.activity),
-                       self.config.ui, load_api_key(self.config.ui, self.home, self._environ))
+                       self.config.ui if port is None else self.config.ui.model_copy(update={"port": port}),
+                       load_api_key(self.config.ui, self.home, self._environ))
         try:
             await self._tg.start(ui.run)
         except PsymeshError as exc:

@@ -384,6 +384,21 @@ async def test_the_example_client(tmp_path: Path, tiny_model: Path, monkeypatch:
     assert {"artifact": ANSWER} in lines
 
 
+@pytest.mark.anyio
+async def test_the_example_client_exits_1_when_the_task_fails(tmp_path: Path, tiny_model: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A task that fails (here: the model has nothing to say) is a failure of the script: status 1
+    and one line saying how it ended, not a 0 a script would take for success."""
+    async with a2a_node(tmp_path, tiny_model, monkeypatch, []) as (node, model):
+        with anyio.fail_after(120):
+            done = await anyio.run_process([sys.executable, str(REPO / "examples" / "a2a_client.py"),
+                                            url_of(node).rstrip("/"), GOAL], check=False,
+                                           env={**os.environ, "A2A_API_KEY": KEY})
+    assert done.returncode == 1, (done.stdout.decode(), done.stderr.decode())
+    assert "error: the task ended TASK_STATE_FAILED" in done.stderr.decode()
+    assert "Traceback" not in done.stderr.decode()
+
+
 # --------------------------------------------------------------------------- the command
 
 

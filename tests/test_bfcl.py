@@ -100,6 +100,10 @@ def test_the_report_averages_the_ast_categories_unweighted(bfcl_dir: Path) -> No
     assert lines[1].split() == ["simple_python", "4", "3", "75.0%"]
     assert lines[3].split() == ["parallel", "4", "0", "0.0%"]
     assert lines[8].split()[:2] == ["overall", "9.38%"]  # (10 * 0.4375 + 10 * (1.0 + 0) / 2) / 100
+    # a summary none of whose categories ran is named as such, not shown as a score of 0.00 %
+    shown = {line.split()[0] for line in lines[8:] if line.startswith("  ") and "%" in line or "N/A" in line}
+    assert "multi_turn" not in shown and "agentic" not in shown and "live" not in shown
+    assert any(line.strip().startswith("none of the categories of live, relevance, multi_turn") for line in lines), lines
 
 
 def test_every_case_has_a_tool_grammar(bfcl_dir: Path) -> None:

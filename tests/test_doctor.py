@@ -212,3 +212,18 @@ def test_a_peer_reached_through_a_relay_is_shown_so_and_cannot_dial_back() -> No
     verdict = doctor.judge_dialback(relayed)
     assert verdict is not None and verdict.status == "warn" and "through a relay only" in verdict.detail
     assert doctor.judge_dialback(relayed.model_copy(update={"reachable": False})) is None
+
+
+def test_exposure_asks_a_home_pc_for_an_address_and_a_phone_for_none(tmp_path: Path) -> None:
+    """A home PC on loopback only, or on a port picked at each start, is told how to be reached;
+    a phone is not told to open a port: it dials its peers and relays itself."""
+    from psymesh.node.control.doctor import judge_exposure
+
+    config = tmp_path / "config.toml"
+    cases = {("home", "/ip4/127.0.0.1/tcp/4001"): "warn", ("home", "/ip4/0.0.0.0/tcp/0"): "warn",
+             ("home", "/ip4/0.0.0.0/tcp/4001"): "ok", ("phone", "/ip4/127.0.0.1/tcp/0"): "ok",
+             ("phone", "/ip4/0.0.0.0/tcp/0"): "ok"}
+    for (profile, listen), status in cases.items():
+        [check] = judge_exposure([listen], config, profile)
+        assert check.status == status, (profile, listen, check)
+        assert profile == "home" or "0.0.0.0" not in (check.next_step or "")

@@ -17,6 +17,7 @@ import pytest
 from conftest import pair, run_nodes
 from waiting import wait_until
 from psymesh.node.control.client import Client
+from psymesh.protocol.errors import NetworkError
 from psymesh.protocol.manifest import revocation
 
 pytestmark = pytest.mark.anyio
@@ -96,6 +97,30 @@ async def test_a_stopped_home_is_named_at_once_and_the_queued_work_is_delivered(
                 tg.cancel_scope.cancel()
             assert task_proc.stdout is not None and msg_proc.stdout is not None
             assert "delivered" in (await msg_proc.stdout.receive()).decode()
+
+
+async def test_a_node_back_on_another_port_tells_its_peers_where_it_is(tmp_path: Path) -> None:
+    """The tour's friend listened on a port picked at each start: restarted, it was at a new one,
+    and the phone, which only dials it, kept dialing the old one for good. Now a node that listens
+    elsewhere than at its last run dials its paired peers once as it starts, and tells them."""
+    async with run_nodes(tmp_path, "phone", profiles={"phone": "phone"}) as phones:
+        phone = phones["phone"].home.path
+        async with run_nodes(tmp_path, "friend") as first:
+            await pair(first["friend"].home.path, phone, grant="phone")
+            before = set(first["friend"].p2p.addrs())
+        async with run_nodes(tmp_path, "friend") as second, Client(phone) as client:
+            assert not before & set(second["friend"].p2p.addrs())  # another port
+
+            async def reached() -> bool:
+                try:
+                    await client.ping("friend", count=1)
+                except NetworkError:
+                    return False
+                return True
+
+            await wait_until(reached, "the phone to reach friend at its new port", timeout=30)
+            [peer] = await client.peers()
+            assert set(peer.addrs) & set(second["friend"].p2p.addrs())  # it was told, and keeps them
 
 
 # -- 2. the answer to an ask comes back with the README's pairing ------------------------------

@@ -106,6 +106,25 @@ async def test_msg_and_group_commands(tmp_path: Path, tiny_model: Path, monkeypa
 
 
 @pytest.mark.anyio
+@pytest.mark.parametrize("grant_back", ["messaging", None])
+async def test_group_send_wait_says_whether_each_member_took_it(tmp_path: Path, grant_back: str | None) -> None:
+    """`group send --wait` waits for every member: delivered, exit 0; a member that granted the
+    sender nothing (a join without --grant) refuses the letter: exit 1, saying so, not `pending`."""
+    async with run_nodes(tmp_path, "home", "phone", profiles={"phone": "phone"}) as nodes:
+        home, phone = nodes["home"].home.path, nodes["phone"].home.path
+        await pair(home, phone, grant="phone", grant_back=grant_back)
+        rc, _, err = await _cli(home, "group", "create", "family", "phone")
+        assert rc == 0, err
+        with anyio.fail_after(60):
+            rc, letters, err = await _cli(home, "group", "send", "family", "Dinner at 7", "--wait")
+    if grant_back:
+        assert rc == 0 and [(x["recipient_name"], x["state"]) for x in letters] == [("phone", "delivered")], err
+    else:
+        assert rc == 1 and [(x["recipient_name"], x["state"]) for x in letters] == [("phone", "refused")]
+        assert "refused" in err and "phone refused letter" in err and "Traceback" not in err
+
+
+@pytest.mark.anyio
 async def test_sdk_send_and_follow_the_inbox_under_trio(tmp_path: Path) -> None:
     async with run_nodes(tmp_path, "home", "phone", profiles={"phone": "phone"}) as nodes:
         await pair(nodes["home"].home.path, nodes["phone"].home.path, grant="phone")

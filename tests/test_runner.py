@@ -307,7 +307,11 @@ async def test_model_ps_shows_a_model_loaded_then_unloaded_after_keep_alive(tmp_
         async with Client(tmp_path / "phone") as phone, Client(tmp_path / "home") as home:
             code, out, err = await _cli(tmp_path / "home", "model", "ps", "--json")
             assert code == 0, err
-            assert [(m["name"], m["loaded"], m["pid"]) for m in json.loads(out)] == [("tiny", False, None)]
+            # not loaded yet, it shows the keep-alive it will load with (not "forever")
+            assert [(m["name"], m["loaded"], m["pid"], m["keep_alive_s"]) for m in json.loads(out)] == [
+                ("tiny", False, None, 8.0)]
+            code, text, err = await _cli(tmp_path / "home", "model", "ps")
+            assert "8s" in text and "forever" not in text, text
 
             async def infer() -> None:
                 task = await phone.delegate("home", infer="Hi", model="tiny", max_tokens=4,

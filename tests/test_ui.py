@@ -10,8 +10,10 @@ form without its CSRF token. The tests take the screenshots docs/ui.md shows (do
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import socket
 import sys
 import tempfile
 import time
@@ -429,3 +431,31 @@ async def test_an_event_while_a_page_renders_is_not_lost() -> None:
             tg.start_soon(waiter)
             pulse.fire()
     assert woke == [2]
+
+
+@pytest.mark.anyio
+async def test_ui_port_serves_the_dashboard_elsewhere_when_its_port_is_taken(tmp_path: Path) -> None:
+    """Two nodes on one machine (the README's tour) cannot both have 127.0.0.1:8765: the second's
+    `psymesh ui` says how to choose another port, and `psymesh ui --port 0` starts it on a free one,
+    without editing config.toml or restarting the daemon."""
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen(1)
+    port = taken.getsockname()[1]
+    try:
+        async with run_nodes(tmp_path, "phone", profiles={"phone": "phone"},
+                             configs={"phone": {"ui": UiServe(port=port)}}) as nodes:
+            async with Client(nodes["phone"].home.path) as phone:
+                with pytest.raises(RemoteError) as refused:
+                    await phone.ui()
+                assert refused.value.code is ErrorCode.UNAVAILABLE
+                assert f"127.0.0.1:{port}" in refused.value.message and "psymesh ui --port" in refused.value.message
+            done = await anyio.run_process([sys.executable, "-m", "psymesh", "ui", "--no-open", "--port", "0",
+                                            "--json", "--home", str(nodes["phone"].home.path)], check=False)
+            assert done.returncode == 0, done.stderr.decode()
+            url = json.loads(done.stdout)["url"]
+            assert url.startswith("http://127.0.0.1:") and f":{port}/" not in url
+            async with httpx.AsyncClient() as http:
+                assert (await http.get(url)).status_code in (200, 302, 303, 401)
+    finally:
+        taken.close()

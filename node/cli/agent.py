@@ -198,10 +198,10 @@ async def _agent_remote(home: str | None, out: Output, goal: str, to: str | None
               help="With --bfcl: sampling temperature (0: greedy, when --runs gives N identical runs).")
 @click.option("--limit", type=click.IntRange(min=1), default=None, help="With --bfcl: the first N cases of each "
                                                                          "category.")
-@click.option("--oracle", is_flag=True, help="With --bfcl: answer with the ground truth instead of a model, "
+@click.option("--oracle", is_flag=True, help="With --bfcl, without --model: answer with the ground truth instead of a model, "
                                               "through the same render/parse/score path (checks the harness).")
 @click.option("--free", "free_form", is_flag=True, help="No grammar constraint (measures the raw model).")
-@click.option("--thinking", is_flag=True)
+@click.option("--thinking", is_flag=True, help="Let the model think (its <think> block) before each answer.")
 @click.option("--ban-bytes", is_flag=True, hidden=True)
 def eval_cmd(home: str | None, out: Output, cases: str | None, model_name: str | None, bfcl_dir: str | None,
              categories: tuple[str, ...], score_dir: str | None, via: str | None, runs: int, temperature: float,
@@ -270,9 +270,12 @@ def _eval_bfcl(home: str | None, out: Output, bfcl_dir: str | None, categories: 
     data_dir = Path(bfcl_dir) if bfcl_dir else default_data_dir()
     loaded = load_bfcl(data_dir, categories, limit=limit)
 
+    total, done = len(loaded) * runs, [0]
+
     async def progress(r: Any) -> None:
+        done[0] += 1  # numbered: a whole run is thousands of cases, and a user wants to know how far it is
         if model_name is not None or not r.passed:  # the oracle's passes are 1240 lines of noise
-            out.hint(f"{r.id}: {'pass' if r.passed else 'fail: ' + r.reason}")
+            out.hint(f"[{done[0]}/{total}] {r.id}: {'pass' if r.passed else 'fail: ' + r.reason}")
 
     def params(seed: int, grammar: bool = True) -> Any:  # grammar=False: format_sensitivity's prompting asks
         return generation_params(grammar=grammar and not free_form, ban_bytes=ban_bytes).model_copy(

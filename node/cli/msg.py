@@ -81,20 +81,30 @@ def msg_send(home: str | None, out: Output, peer: str, text: str, thread: str, b
 
     async def go(client: Client) -> c.SentLetter:
         sent = await client.send(peer, text, body=body, thread=thread, letter_id=letter_id)
-        if not wait:
-            return sent
-        out.hint(f"letter {sent.id} to {sent.recipient_name}: waiting until it holds it")
-        sent = await client.letter(sent.id, wait=True, until_away=True)
-        if sent.state == "pending" and sent.away is not None:
-            out.warn(f"{_away_text(sent.recipient_name, sent.away)}; the letter is kept here and delivered "
-                     "when it is back; waiting for it (Ctrl-C stops waiting, the letter stays queued)")
-            sent = await client.letter(sent.id, wait=True)
-        return sent
+        return await _held(client, out, sent) if wait else sent
 
     sent = on_node(home, go)
     out.data(sent, lambda con: con.print(escape(_sent_line(sent))))
-    if (refusal := _refused(sent)) is not None:
+    _exit_if_refused(out, [sent])
+
+
+async def _held(client: Client, out: Output, sent: c.SentLetter) -> c.SentLetter:
+    """`sent` once its recipient holds it or refused it (--wait), saying so at once if the
+    recipient is away (the letter stays queued and the wait goes on)."""
+    out.hint(f"letter {sent.id} to {sent.recipient_name}: waiting until it holds it")
+    sent = await client.letter(sent.id, wait=True, until_away=True)
+    if sent.state == "pending" and sent.away is not None:
+        out.warn(f"{_away_text(sent.recipient_name, sent.away)}; the letter is kept here and delivered "
+                 "when it is back; waiting for it (Ctrl-C stops waiting, the letter stays queued)")
+        sent = await client.letter(sent.id, wait=True)
+    return sent
+
+
+def _exit_if_refused(out: Output, letters: list[c.SentLetter]) -> None:
+    refused = [(s, refusal) for s in letters if (refusal := _refused(s)) is not None]
+    for s, refusal in refused:
         out.err.print(f"[red]refused[/red]: {escape(refusal.message)}")
+    if refused:
         sys.exit(1)
 
 
@@ -247,17 +257,23 @@ def group_list(home: str | None, out: Output) -> None:
 @click.argument("name")
 @click.argument("text")
 @click.option("--body", "body_json", default=None, help="Structured data beside the text, as a JSON object.")
-def group_send(home: str | None, out: Output, name: str, text: str, body_json: str | None) -> None:
+@click.option("--wait", is_flag=True, help="Wait until every member holds it (exit 1 if one refuses it).")
+def group_send(home: str | None, out: Output, name: str, text: str, body_json: str | None, wait: bool) -> None:
     """Send TEXT to every member of group NAME (one letter each, thread group:NAME)."""
     body = _json_object(body_json, "--body")
 
-    letters = on_node(home, lambda client: client.group_send(name, text, body=body))
+    async def go(client: Client) -> list[c.SentLetter]:
+        letters = await client.group_send(name, text, body=body)
+        return [await _held(client, out, s) for s in letters] if wait else letters
+
+    letters = on_node(home, go)
 
     def human(con: Console) -> None:
         for s in letters:
             con.print(escape(_sent_line(s)))
 
     out.data(letters, human)
+    _exit_if_refused(out, letters)
 
 
 # -- models ---------------------------------------------------------------------------

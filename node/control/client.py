@@ -249,9 +249,10 @@ class Client:
         """This node's models and their runner processes (loaded or not, pid, memory, idle time)."""
         return (await self.request(c.ModelsPsRequest(), c.ModelsPsReply)).models
 
-    async def ui(self) -> c.UiReply:
-        """The dashboard's address (started now if it was not running) and its login link."""
-        return await self.request(c.UiRequest(), c.UiReply)
+    async def ui(self, *, port: int | None = None) -> c.UiReply:
+        """The dashboard's address (started now if it was not running, at `port` if given, else at
+        `[ui] port`) and its login link."""
+        return await self.request(c.UiRequest(port=port), c.UiReply)
 
     def task(self, task_id: str) -> TaskHandle:
         """A handle on a task this node delegated earlier (e.g. before a restart)."""

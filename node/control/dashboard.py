@@ -248,7 +248,7 @@ class Dashboard:
             try:
                 await tg.start(functools.partial(
                     serve_face, self.app, self.settings.host, self.settings.port, what="the dashboard",
-                    port_hint="[ui] port in config.toml", errorlog="psymesh.ui.http", on_listening=self._listening))
+                    port_hint="psymesh ui --port N, or [ui] port in config.toml and a restart", errorlog="psymesh.ui.http", on_listening=self._listening))
             except PsymeshError as exc:  # a port in use: raised out of the group, for start_ui to tell
                 failure = exc
             else:

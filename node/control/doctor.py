@@ -199,10 +199,14 @@ def judge_bind(addr: str, error: OSError | None, config_path: Path) -> Check:
                 f"fix listen in {config_path}")
 
 
-def judge_exposure(listen: list[str], config_path: Path) -> list[Check]:
+def judge_exposure(listen: list[str], config_path: Path, profile: str = "home") -> list[Check]:
+    """Who can reach the listen addresses. A phone is not told to listen beyond loopback: it
+    dials out (to home, through a relay), and an open port on a phone's network helps no one."""
     ends = [e for e in map(tcp_endpoint, listen) if e is not None]
     checks = []
-    if ends and all(_loopback(e.ip) for e in ends):
+    if profile == "phone":
+        checks.append(ok("exposure", "a phone dials its peers (and relays) itself: it needs no address they dial"))
+    elif ends and all(_loopback(e.ip) for e in ends):
         checks.append(warn("exposure", "the node listens on loopback only: only this machine can connect to it",
                            f'to be reached from the LAN (and, forwarded, from outside): listen = '
                            f'["/ip4/0.0.0.0/tcp/4001"] in {config_path}'))
@@ -422,13 +426,14 @@ async def run_checks(home: NodeHome, *, disk_usage: DiskUsage = shutil.disk_usag
     except DaemonNotRunning:
         checks.append(warn("daemon", "the daemon is not running, so peers were not probed",
                            f"start it: psymesh node start --home {home.path} (or at boot: psymesh node install)"))
-        return checks + check_bindable(config, home.config_path) + judge_exposure(config.listen, home.config_path)
+        return checks + check_bindable(config, home.config_path) + judge_exposure(config.listen, home.config_path,
+                                                                                  config.profile)
     except PsymeshError as exc:  # e.g. a control socket that is not our daemon's
         detail, _, step = exc.message.rpartition("; ")
         return checks + [fail("daemon", detail or exc.message, step or "see the message")]
     checks.append(ok("daemon", f"running, listening on {', '.join(reply.addrs) or 'nothing'}"))
     checks += await check_listening(config, reply, home.config_path)
-    checks += judge_exposure(config.listen, home.config_path)
+    checks += judge_exposure(config.listen, home.config_path, config.profile)
     return checks + peer_checks(reply)
 
 

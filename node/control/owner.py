@@ -87,7 +87,7 @@ class OwnerNode(Protocol):
     async def tell_revoked(self, peer_id: str) -> None: ...
     async def serve_endpoint(self, section: Literal["openai", "a2a"],
                              settings: OpenAIServe | A2AServe) -> tuple[str, bool]: ...
-    async def start_ui(self, *, required: bool = True) -> Dashboard: ...
+    async def start_ui(self, *, required: bool = True, port: int | None = None) -> Dashboard: ...
     def stop(self) -> None: ...
 
 
@@ -150,14 +150,15 @@ class Owner:
         for name in self.node.models.registry.names():
             s = running.get(name)
             if s is None:
-                row = self.node.models.registry.get(name)
-                models.append(c.LoadedModel(name=name, path=row["path"], loaded=False, n_ctx=row["n_ctx"]))
+                settings = self.node.models.settings(name)  # what it will load with: its keep-alive too
+                models.append(c.LoadedModel(name=name, path=str(settings.path), loaded=False, n_ctx=settings.n_ctx,
+                                            keep_alive_s=settings.keep_alive_s))
             else:
                 models.append(c.LoadedModel(**dataclasses.asdict(s)))
         return c.ModelsPsReply(models=models)
 
     async def _ui(self, req: c.UiRequest, _: FramedStream) -> c.UiReply:
-        ui = await self.node.start_ui()
+        ui = await self.node.start_ui(port=req.port)
         assert ui.url is not None
         return c.UiReply(url=ui.url, login_url=ui.login_url(), token_source=ui.key.source)
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import anyio
 
-from .registry import ModelRegistry
+from .registry import ModelRegistry, ModelSettings
 from .runner import ModelRunner, RunnerStatus
 
 
@@ -25,11 +25,14 @@ class ModelPool:
         self._runners: dict[str, ModelRunner] = {}
         self._lock = anyio.Lock()
 
+    def settings(self, name: str) -> ModelSettings:
+        """How `name` loads here: its registry entry with this node's keep-alive and memory cap."""
+        return self.registry.settings(name, keep_alive_s=self.keep_alive_s, memory_limit_mb=self.memory_limit_mb)
+
     async def get(self, name: str) -> ModelRunner:
         """The runner of `name`, loaded (ModelLoadError / ModelCrashed if it cannot be)."""
         async with self._lock:  # two first requests must not make two handles for one model
-            settings = self.registry.settings(name, keep_alive_s=self.keep_alive_s,
-                                              memory_limit_mb=self.memory_limit_mb)
+            settings = self.settings(name)
             runner = self._runners.get(name)
             if runner is not None and runner.settings != settings:  # the registry entry changed: reload
                 del self._runners[name]

@@ -16,10 +16,15 @@ circuit included, is node/net/circuit.py's; this module decides when and where.
       │                  Beside a direct connection, a relayed one is closed as soon as it
       │                  carries no stream, after `overlap_s` at the latest. New sessions
       │                  take the direct connection (node/net/session.py).
-      └── _announce()    at each change of connections or addresses (P2PNode.changes, no
+      ├── _announce()    at each change of connections or addresses (P2PNode.changes, no
                          timer): our addresses, signed, to each connected paired peer
                          that has not taken them yet (`addrs.push`; one not reached is
                          tried again a second later)
+      └── _reach_out()   once at start, if this node listens elsewhere than when it last ran
+                         (a port picked at each start, a new IP): each paired peer it is not
+                         connected to is dialed once at its stored addresses, so that
+                         _announce tells it where we are now; else a peer that only ever
+                         dials us would keep dialing where we were
     Relaying.receive(call)   a peer's `addrs.push` (the door admitted it): kept in the trust
                              store; its direct addresses tried at once if it is relayed
 
@@ -33,11 +38,13 @@ import logging
 import math
 import random
 import time
+from pathlib import Path
 
 import anyio
 import anyio.abc
 
 from ..core.home import Identity
+from ..core.paths import private_opener
 from ..core.notify import first_of
 from ..net.p2p import P2PNode
 from ..net.session import Call, SessionPool
@@ -59,8 +66,11 @@ CIRCUIT = "/p2p-circuit"
 
 class Relaying:
     def __init__(self, identity: Identity, settings: RelaySettings, p2p: P2PNode, trust: TrustStore,
-                 sessions: SessionPool) -> None:
+                 sessions: SessionPool, *, addrs_file: Path | None = None) -> None:
+        """`addrs_file`: where the addresses this node listened on when it last ran are kept
+        (`_reach_out`); None: not kept, no reaching out."""
         self.identity = identity
+        self.addrs_file = addrs_file
         self.settings = settings
         self.p2p = p2p
         self.trust = trust
@@ -84,7 +94,42 @@ class Relaying:
                 tg.start_soon(self._keep, relay)
             tg.start_soon(self._paths)
             tg.start_soon(self._announce)
+            if self._moved():
+                tg.start_soon(self._reach_out)
             task_status.started()
+
+    # -- after a move ----------------------------------------------------------------------
+    def _moved(self) -> bool:
+        """Whether this node listens elsewhere than when it last ran (and keep where, for next time)."""
+        if self.addrs_file is None:
+            return False
+        now = "\n".join(sorted(a for a in self.p2p.addrs() if CIRCUIT not in a))
+        try:
+            before = self.addrs_file.read_text()
+        except FileNotFoundError:
+            before = None
+        except OSError as exc:
+            log.debug("cannot read %s: %s", self.addrs_file, exc)
+            before = None
+        if before != now:
+            try:
+                with open(self.addrs_file, "w", opener=private_opener) as f:
+                    f.write(now)
+            except OSError as exc:
+                log.debug("cannot keep our addresses in %s: %s", self.addrs_file, exc)
+        return before is not None and before != now
+
+    async def _reach_out(self) -> None:
+        """Dial each paired peer not connected yet, once, all at once (each bounded by
+        DIRECT_DIAL_TIMEOUT_S per address): a connection is what _announce tells on."""
+        peers = [p for p in self.trust.list(include_revoked=False)
+                 if p.revoked_us_at is None and p.addrs and self.p2p.path(p.peer_id) is None]
+        if peers:
+            log.info("listening elsewhere than at the last run: telling %d paired peer(s) where we are now",
+                     len(peers))
+        async with anyio.create_task_group() as tg:
+            for peer in peers:
+                tg.start_soon(self._dial_direct, peer)
 
     # -- our reservations ----------------------------------------------------------------
     async def _keep(self, name: str) -> None:

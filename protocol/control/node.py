@@ -138,6 +138,7 @@ class UiRequest(Message):
     only on demand), and say where it is: `psymesh ui`."""
 
     type = "control.ui"
+    port: int | None = Field(default=None, ge=0, le=65535)  # not running yet: listen here, not at [ui] port
 
 
 class UiReply(Message):
