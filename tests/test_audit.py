@@ -10,11 +10,14 @@ from __future__ import annotations
 import sqlite3
 from pathlib import Path
 
+import anyio
 import pytest
 
 from conftest import pair, run_nodes
 from waiting import wait_until
 from psymesh.node.control.process import DaemonProcess
+from psymesh.node.core.db import open_db
+from psymesh.node.door.audit import AuditLog
 from psymesh.node.core.home import NodeHome, StorageSettings
 from psymesh.protocol.common import Ping, Pong
 
@@ -60,3 +63,34 @@ async def test_a_clean_stop_commits_every_row_however_long_the_flush_interval(tm
         status = await home.stop()
     assert status == 0  # a clean stop...
     assert pings_on_disk(node_home.db_path, phone_id) == 20  # ... commits every row it held
+
+
+async def test_a_query_while_every_worker_thread_is_busy_still_returns_every_decision(tmp_path: Path) -> None:
+    """The writer's batch waits for a worker thread (all of them busy: slow syncs, say); a read
+    of the log meanwhile writes that batch itself instead of waiting for a thread that the
+    blocked loop could never start (it hung the node before)."""
+    path = tmp_path / "node.db"
+    conn, writer = open_db(path), open_db(path)
+    audit = AuditLog(conn, writer=writer, flush_ms=1)
+    limiter = anyio.to_thread.current_default_thread_limiter()
+    holders = [object() for _ in range(int(limiter.total_tokens))]
+    try:
+        async with anyio.create_task_group() as tg:
+            await tg.start(audit.run)
+            for holder in holders:  # every worker thread taken
+                await limiter.acquire_on_behalf_of(holder)
+            try:
+                for seq in range(5):
+                    audit.record("peer", "/psymesh/session/1.0.0", "ping", True, reason=str(seq))
+                await wait_until(lambda: limiter.statistics().tasks_waiting == 1, "the batch waiting for a thread")
+                assert [r["reason"] for r in audit.query(peer_id="peer")] == ["0", "1", "2", "3", "4"]
+                assert pings_on_disk(path, "peer") == 5
+            finally:
+                for holder in holders:
+                    limiter.release_on_behalf_of(holder)
+            audit.record("peer", "/psymesh/session/1.0.0", "ping", True, reason="5")
+            await wait_until(lambda: pings_on_disk(path, "peer") == 6, "the next batch written by the thread")
+            tg.cancel_scope.cancel()
+    finally:
+        writer.close()
+        conn.close()

@@ -94,7 +94,8 @@ class AuditLog:
         self._windows: dict[tuple[str, str, str, str | None], _Row] = {}  # the open row of each refusal kind
         self._due: anyio.Event | None = None    # set when a batch is waiting; None: no writer running
         self._full: anyio.Event | None = None   # set when `batch_rows` wait: the writer does not wait `flush_ms`
-        self._writing = threading.Lock()        # held while a batch is taken and committed: one at a time
+        self._writing = threading.Lock()        # held while a batch is committed: one at a time, in order
+        self._handed: list[_Row] | None = None  # the batch handed to the writer's thread, until one writes it
         self._loop_thread: int | None = None
         self._written = 0
         self._latest = 0.0  # the latest decision's time
@@ -137,9 +138,12 @@ class AuditLog:
             self._full.set()
 
     def flush(self) -> None:
-        """Commit every buffered row (and count) now, on this thread; first waits for a batch
-        being committed on the writer's thread."""
+        """Commit every buffered row (and count) now, on this thread: first the batch handed
+        to the writer's thread, if that has not written it yet (or waits while it does)."""
         with self._writing:
+            if self._handed is not None:
+                rows, self._handed = self._handed, None
+                self._write(rows)
             self._write(self._take())
 
     def _take(self) -> list[_Row]:
@@ -176,23 +180,26 @@ class AuditLog:
 
     async def _commit(self) -> None:
         """Take the waiting rows and commit them: on a worker thread with a writer of our own
-        (the loop's connection is used only on the loop), else here. The thread lets go of
-        `_writing` itself, so a `query()` that waits for it on the loop meanwhile cannot hang."""
-        self._writing.acquire()  # free: batches are taken only on the loop (here, or by flush())
+        (the loop's connection is used only on the loop), else here. `_writing` is held only
+        by a thread that is writing, never across an await: a `query()` on the loop waits for
+        a batch being written, and writes one that is still waiting for its thread itself."""
         rows = self._take()
         if self._writer is self.conn:
             self._write_batch(rows)
             return
-        with anyio.CancelScope(shield=True):  # begun, the batch is written: a stop waits for it
-            await anyio.to_thread.run_sync(self._write_batch, rows)
+        self._handed = rows
+        await anyio.to_thread.run_sync(self._write_batch, rows)  # not abandoned if we are cancelled once it runs
 
     def _write_batch(self, rows: list[_Row]) -> None:
-        try:
-            self._write(rows)
-        except sqlite3.Error as exc:  # a full disk, say: those rows are lost, the node keeps serving
-            log.warning("audit rows not written: %s", storage_error(exc, None).message)
-        finally:
-            self._writing.release()
+        with self._writing:
+            if self._writer is not self.conn:
+                if self._handed is not rows:
+                    return  # flush() wrote it meanwhile
+                self._handed = None
+            try:
+                self._write(rows)
+            except sqlite3.Error as exc:  # a full disk, say: those rows are lost, the node keeps serving
+                log.warning("audit rows not written: %s", storage_error(exc, None).message)
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """The one writer: commits each batch `flush_ms` after its first row, or once `batch_rows`
