@@ -11,13 +11,14 @@ is decided) commits the batch `flush_ms` later in one transaction, or as soon as
 thread, so the event loop serves requests meanwhile (a batch of 256 rows was ~2 ms of
 SQLite on the loop, one round trip in 200 delayed by it); the daemon's connection only waits
 for it if it writes during the batch's transaction (SQLite's write lock), which is kept to one
-statement (`_write`). The guarantee
-(docs/security.md): a row is committed within `flush_ms` of its decision (plus the commit
-itself), before a query reads the log (`query` waits for the batch being written and
-commits the rest), and on a clean stop (`run` commits the last rows as it ends); a crash of
-the process loses at most the last `flush_ms` of rows, a power cut those since the WAL was
-last synced. Without `run()` (a store opened by a tool or a test) every row is committed as
-it is recorded.
+statement (`_write`).
+
+The guarantee (docs/security.md): a row is committed within `flush_ms` of its decision (plus
+the commit itself), before a query reads the log (`query` waits for the batch being written
+and commits the rest), and on a clean stop (`run` commits the last rows as it ends); a crash
+of the process loses at most the rows of the last `flush_ms` and the batch being committed, a
+power cut those since the WAL was last synced. Without `run()` (a store opened by a tool or a
+test) every row is committed as it is recorded.
 """
 from __future__ import annotations
 
@@ -78,9 +79,9 @@ class AuditLog:
         """`conn`: the connection the log is read on (and written on, without `writer`).
         `writer`: a connection to the same database for the log's batches alone, which `run()`
         commits on a worker thread; the owner opens and closes it. Give it no trace callback
-        (`open_db(on_write=...)`): one per row, each taking the GIL back from the loop, made a
-        batch on a thread slower for the loop than on it. `committed`: called after each batch
-        written on `writer` (on the thread that wrote it) instead, e.g. to wake a checkpointer."""
+        (`open_db(on_write=...)`): one per row takes the GIL back from the loop at each row.
+        `committed`: called after each batch written on `writer` (on the thread that wrote it)
+        instead, e.g. to wake a checkpointer."""
         self.conn = conn
         ensure_schema(conn, SCHEMA)
         if "count" not in {r["name"] for r in conn.execute("PRAGMA table_info(audit)")}:  # a node.db from before
