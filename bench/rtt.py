@@ -1,6 +1,7 @@
 """Round-trip latency of a 32-byte request/response: psymesh vs plain HTTP/1.1 vs raw TCP.
 
-All three run in the same session, on 127.0.0.1, each server in its own process:
+All three run in the same session, on 127.0.0.1, each server in its own process, in turns
+(`--rounds`, their order rotating) so that each meets the same load of the machine:
 
 - psymesh: two real daemons (home, phone), paired; the phone pings home on its open
   session (`/psymesh/session/1.0.0`: one Noise+yamux stream, psymesh frames with request
@@ -72,67 +73,92 @@ TCP_SERVER = textwrap.dedent("""
 
 
 
-def bench_http(count: int) -> list[float]:
-    proc, port = spawn_server(HTTP_SERVER)
-    try:
-        conn = http.client.HTTPConnection("127.0.0.1", port)
-        conn.connect()
-        conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+class HttpClient:
+    """One keep-alive connection (TCP_NODELAY) to the echo server."""
+
+    def __init__(self, port: int) -> None:
+        self.conn = http.client.HTTPConnection("127.0.0.1", port)
+        self.conn.connect()
+        self.conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def round_trips(self, count: int) -> list[float]:
         out = []
-        for i in range(count + 50):
+        for _ in range(count):
             t = time.perf_counter()
-            conn.request("POST", "/", body=PAYLOAD, headers={"Content-Type": "application/octet-stream"})
-            assert conn.getresponse().read() == PAYLOAD
-            if i >= 50:  # warm-up
-                out.append((time.perf_counter() - t) * 1000)
-        conn.close()
+            self.conn.request("POST", "/", body=PAYLOAD, headers={"Content-Type": "application/octet-stream"})
+            assert self.conn.getresponse().read() == PAYLOAD
+            out.append((time.perf_counter() - t) * 1000)
         return out
-    finally:
-        proc.kill()
 
 
-def bench_tcp(count: int) -> list[float]:
-    proc, port = spawn_server(TCP_SERVER)
-    try:
-        s = socket.create_connection(("127.0.0.1", port))
-        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+class TcpClient:
+    """One blocking connection (TCP_NODELAY) to the echo server."""
+
+    def __init__(self, port: int) -> None:
+        self.sock = socket.create_connection(("127.0.0.1", port))
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def round_trips(self, count: int) -> list[float]:
         out = []
-        for i in range(count + 50):
+        for _ in range(count):
             t = time.perf_counter()
-            s.sendall(PAYLOAD)
+            self.sock.sendall(PAYLOAD)
             got = b""
             while len(got) < len(PAYLOAD):
-                got += s.recv(65536)
-            if i >= 50:
-                out.append((time.perf_counter() - t) * 1000)
-        s.close()
+                got += self.sock.recv(65536)
+            out.append((time.perf_counter() - t) * 1000)
         return out
-    finally:
-        proc.kill()
 
 
-async def bench_psymesh(count: int) -> tuple[list[float], float]:
+async def bench_interleaved(count: int, rounds: int) -> tuple[list[float], list[float], list[float], float]:
+    """(raw TCP, HTTP, psymesh) round trips and the session's opening time. The three run in
+    `rounds` turns of `count / rounds` each, their order rotating, all servers up all along:
+    each sees the same load of the machine (on a shared one it moves within seconds, and a
+    baseline measured a few seconds apart swung the ratios of p99s by 10x)."""
     from psymesh.node.control.process import DaemonProcess, pair_homes
     from psymesh.protocol.limits import Limits
 
-    with tempfile.TemporaryDirectory(prefix="psymesh-bench-") as tmp:
-        home, phone = DaemonProcess(Path(tmp) / "home"), DaemonProcess(Path(tmp) / "phone", profile="phone")
-        await home.start()
-        await phone.start()
-        try:
-            await pair_homes(Path(tmp) / "home", Path(tmp) / "phone")
-            async with home.client() as h:  # the phone preset allows 60 requests/min; a bench needs more
-                await h.grant("phone", ["tool:system.info"], limits=Limits(requests_per_minute=1_000_000))
-            async with phone.client() as c:
-                session_open_ms = (await c.ping("home", count=50)).connect_ms  # warm-up; the session stays open
-                rtts: list[float] = []
-                while len(rtts) < count:
-                    r = await c.ping("home", count=min(1000, count - len(rtts)), payload_size=len(PAYLOAD))
-                    rtts += r.rtts_ms
-            return rtts, session_open_ms
-        finally:
-            await phone.stop()
-            await home.stop()
+    tcp_proc, tcp_port = spawn_server(TCP_SERVER)
+    http_proc, http_port = spawn_server(HTTP_SERVER)
+    try:
+        tcp_client, http_client = TcpClient(tcp_port), HttpClient(http_port)
+        tcp_client.round_trips(50)  # warm-up
+        http_client.round_trips(50)
+        with tempfile.TemporaryDirectory(prefix="psymesh-bench-") as tmp:
+            home, phone = DaemonProcess(Path(tmp) / "home"), DaemonProcess(Path(tmp) / "phone", profile="phone")
+            await home.start()
+            await phone.start()
+            try:
+                await pair_homes(Path(tmp) / "home", Path(tmp) / "phone")
+                async with home.client() as h:  # the phone preset allows 60 requests/min; a bench needs more
+                    await h.grant("phone", ["tool:system.info"], limits=Limits(requests_per_minute=1_000_000))
+                async with phone.client() as c:
+                    session_open_ms = (await c.ping("home", count=50)).connect_ms  # warm-up; the session stays open
+
+                    async def mesh_round_trips(n: int) -> list[float]:
+                        # the daemon times each round trip itself: the mesh path, not the control socket
+                        return (await c.ping("home", count=n, payload_size=len(PAYLOAD))).rtts_ms
+
+                    tcp: list[float] = []
+                    http_: list[float] = []
+                    mesh: list[float] = []
+                    for turn in range(rounds):
+                        n = count // rounds + (1 if turn < count % rounds else 0)
+                        runs = [lambda: tcp.extend(tcp_client.round_trips(n)),
+                                lambda: http_.extend(http_client.round_trips(n)), None]
+                        for i in range(3):
+                            run = runs[(i + turn) % 3]
+                            if run is None:
+                                mesh += await mesh_round_trips(n)
+                            else:
+                                run()
+                return tcp, http_, mesh, session_open_ms
+            finally:
+                await phone.stop()
+                await home.stop()
+    finally:
+        tcp_proc.kill()
+        http_proc.kill()
 
 
 def _ip(*args: str) -> None:
@@ -233,12 +259,13 @@ async def bench_relayed(count: int) -> tuple[list[float], list[float]] | None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--count", type=int, default=2000)
+    ap.add_argument("--rounds", type=int, default=10, help="turns the three transports take (default 10)")
     args = ap.parse_args()
-    tcp = summarize(bench_tcp(args.count))
-    http_ = summarize(bench_http(args.count))
-    mesh_samples, session_open_ms = anyio.run(bench_psymesh, args.count, backend="trio")
-    mesh = summarize(mesh_samples)
-    print(f"32-byte request/response, {args.count} round trips each, 127.0.0.1, one open connection\n")
+    tcp_samples, http_samples, mesh_samples, session_open_ms = anyio.run(
+        bench_interleaved, args.count, max(1, args.rounds), backend="trio")
+    tcp, http_, mesh = summarize(tcp_samples), summarize(http_samples), summarize(mesh_samples)
+    print(f"32-byte request/response, {args.count} round trips each in {args.rounds} interleaved turns, "
+          f"127.0.0.1, one open connection (load average {os.getloadavg()[0]:.2f})\n")
     print(f"{'transport':<34}{'median ms':>11}{'p99 ms':>10}")
     for name, (med, p99) in (("raw TCP (TCP_NODELAY)", tcp), ("HTTP/1.1 keep-alive (TCP_NODELAY)", http_),
                              ("psymesh session (Noise+yamux, framed, door)", mesh)):

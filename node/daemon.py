@@ -136,8 +136,13 @@ class Node:
         self.started_at = time.monotonic()
         self.wake = WakeLock(termux_commands(environ) if wake_commands == "termux" else wake_commands)
         self.trust = TrustStore(self.db)
-        self.audit = AuditLog(self.db, flush_ms=storage.audit_flush_ms, batch_rows=storage.audit_batch_rows,
-                              coalesce_s=storage.audit_coalesce_s, max_rows=storage.audit_max_rows)
+        # The audit log's batches are committed on a connection of their own, on a worker thread
+        # (node/door/audit.py): the event loop serves requests meanwhile.
+        self.audit_db = open_db(home.db_path, background_checkpoints=True, wal_max_bytes=storage.wal_max_bytes)
+        self.audit = AuditLog(self.db, writer=self.audit_db, committed=self.checkpointer.wrote,
+                              flush_ms=storage.audit_flush_ms,
+                              batch_rows=storage.audit_batch_rows, coalesce_s=storage.audit_coalesce_s,
+                              max_rows=storage.audit_max_rows)
         executor_store = ExecutorStore(self.db)
         mail_store = MailStore(self.db)
         self.mailbox = Mailbox(self.identity.peer_id, mail_store, self.trust, self.config.mail)
@@ -356,6 +361,7 @@ class Node:
         finally:
             with anyio.CancelScope(shield=True):
                 await self.models.aclose()
+            self.audit_db.close()
             self.db.close()
             log.info("node stopped")
 
