@@ -115,6 +115,9 @@ async def test_tool_tasks_end_to_end(tmp_path: Path) -> None:
             with pytest.raises(RemoteError) as err:
                 await escape.result()
             assert err.value.code is ErrorCode.FORBIDDEN and "share dir" in err.value.message
+            with pytest.raises(RemoteError) as err:  # a task this node never delegated has no result
+                await phone.task("no-such-task").result()
+            assert err.value.code is ErrorCode.NOT_FOUND
 
             listed = await phone.tasks()
         assert [t.state for t in listed.submitted] == ["completed", "completed", "failed"]

@@ -188,6 +188,10 @@ class Outbox:
         whether the task has ended."""
         return self._log.news(task_id, after_seq, DEFAULT_PAGE)
 
+    def final(self, task_id: str) -> TaskEvent | None:
+        """The task's final event (its outcome is `.outcome`), or None while it runs."""
+        return self._log.final(task_id)
+
     def result(self, task_id: str) -> Outcome | None:
         """How the task ended (`.unwrap()` gives the value or raises), or None while it runs."""
         return self._log.outcome(task_id)

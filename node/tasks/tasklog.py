@@ -104,14 +104,19 @@ class EventLog:
             return [event_from_row(r) for r in rows], False
         return [], TaskState(self.row(task_id)["state"]) in TERMINAL_STATES
 
-    def outcome(self, task_id: str) -> Outcome | None:
+    def final(self, task_id: str) -> TaskEvent | None:
+        """The task's final event, or None while it runs."""
         row = self.row(task_id)
         if TaskState(row["state"]) not in TERMINAL_STATES:
             return None
         last = self.conn.execute(
             f"SELECT * FROM {self.events} WHERE task_id = ? AND seq = ?", (task_id, row["last_seq"])
         ).fetchone()
-        return Outcome.from_event(event_from_row(last))
+        return event_from_row(last)
+
+    def outcome(self, task_id: str) -> Outcome | None:
+        final = self.final(task_id)
+        return None if final is None else Outcome.from_event(final)
 
     def purge(self, now: float, retention_s: float, *, when_acked: bool) -> int:
         """Forget finished tasks older than retention (or, `when_acked`, fully acknowledged ones)."""

@@ -35,6 +35,14 @@ class TaskWatchRequest(Message):
     after_seq: int = Field(default=0, ge=0)
 
 
+class TaskWaitRequest(Message):
+    """Wait until a delegated task has ended; the reply is its final `task.event` (the one
+    whose state is terminal: its result or why it failed), from this node's mirror."""
+
+    type = "control.task_wait"
+    task_id: str
+
+
 class TaskCancelRequest(Message):
     type = "control.task_cancel"
     task_id: str
