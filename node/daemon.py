@@ -464,11 +464,12 @@ class Node:
         """Every request of every peer: admitted (and audited) by the gate, then served.
         `via`: how it came (a session; or a letter handed over by our mailbox, as its sender's).
         An answer that promises durability (`Message.durable`: task.accepted, msg.receipt(s),
-        mail.receipt) leaves only once the WAL is synced, whether it ends the call or not."""
+        mail.receipt) leaves only once the WAL is synced, whether it ends the call or not (or
+        goes out with the final answer, `Call.send_with_answer`)."""
         self.gate.admit(call.peer_id, via, call.request)
         reply = await self.services[type(call.request)](Call(call.peer_id, call.rid, call.request,
-                                                             self._durable_send(call)))
-        if reply.durable:
+                                                             self._durable_send(call), call.ahead))
+        if reply.durable or any(m.durable for m in call.ahead):
             await self.wal.sync()
         return reply
 

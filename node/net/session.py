@@ -66,10 +66,17 @@ class Call:
     rid: int
     request: Message
     _send: Callable[[int, tuple[Message, ...]], Awaitable[None]] = field(repr=False)
+    ahead: list[Message] = field(default_factory=list, repr=False)  # see `send_with_answer`
 
     async def send(self, *messages: Message) -> None:
         """Frames that answer the request without ending it (e.g. task events), in one write."""
         await self._send(self.rid, messages)
+
+    def send_with_answer(self, *messages: Message) -> None:
+        """Frames that answer the request without ending it, held to go out just before its
+        final answer, in the same write (a task's last events before its final one: one write
+        and one read instead of two). The door answers for them as for the final answer."""
+        self.ahead.extend(messages)
 
 
 class Door(Protocol):
@@ -95,20 +102,23 @@ async def serve_session(stream: ByteStream, peer_id: str, door: Door, *, max_fra
     async def send_more(rid: int, messages: tuple[Message, ...]) -> None:
         await write(b"".join(server.reply(rid, m, end=False) for m in messages))
 
-    async def final_answer(request: Request) -> Message:
-        """The door's answer to `request`; a failure is said as an `error` frame."""
+    async def final_answer(call: Call) -> Message:
+        """The door's answer to `call`; a failure is said as an `error` frame (alone)."""
         try:
-            return await door(Call(peer_id, request.rid, request.message, send_more))
+            return await door(call)
         except PsymeshError as exc:
+            call.ahead.clear()
             return Error.from_exception(exc)
         except Exception:
-            log.exception("%s from %s failed", request.message.type, peer_id)
-            return Error.of(ErrorCode.INTERNAL, f"{request.message.type} failed on this node; see its log")
+            call.ahead.clear()
+            log.exception("%s from %s failed", call.request.type, peer_id)
+            return Error.of(ErrorCode.INTERNAL, f"{call.request.type} failed on this node; see its log")
 
-    async def end(rid: int, final: Message) -> None:
+    async def end(rid: int, final: Message, ahead: list[Message]) -> None:
+        """The final answer, after the frames held for it (`Call.send_with_answer`), in one write."""
         with contextlib.suppress(PsymeshError):
             try:
-                data = server.reply(rid, final)
+                data = b"".join([*(server.reply(rid, m, end=False) for m in ahead), server.reply(rid, final)])
             except ProtocolError as exc:  # e.g. a reply over the frame limit: say so instead
                 data = server.reply(rid, Error.from_exception(exc))
             await write(data)
@@ -116,18 +126,21 @@ async def serve_session(stream: ByteStream, peer_id: str, door: Door, *, max_fra
     async def answer(request: Request) -> None:
         """In a task of its own: the client may cancel it meanwhile."""
         final: Message
+        call = Call(peer_id, request.rid, request.message, send_more)
         with anyio.CancelScope() as scope:
             scopes[request.rid] = scope
-            final = await final_answer(request)
+            final = await final_answer(call)
         scopes.pop(request.rid, None)
         if scope.cancelled_caught:
+            call.ahead.clear()
             final = Error.of(ErrorCode.CANCELED, "canceled by the requester")
         with anyio.CancelScope(shield=True):
-            await end(request.rid, final)
+            await end(request.rid, final, call.ahead)
 
     async def answer_now(request: Request) -> None:
         """A prompt request, in the read loop: no cancel of it can be read before it ends."""
-        await end(request.rid, await final_answer(request))
+        call = Call(peer_id, request.rid, request.message, send_more)
+        await end(request.rid, await final_answer(call), call.ahead)
 
     async with anyio.create_task_group() as tg:
         try:

@@ -198,10 +198,11 @@ class TaskExecutor:
         while True:
             events, ended = self.store.news(task_id, feed.sent)
             frames, final = feed.receive(events, task_ended=ended)
+            if final is not None:
+                call.send_with_answer(*frames)  # in the final answer's write: one write, not two
+                return final
             if frames:
                 await call.send(*frames)
-            if final is not None:
-                return final
             if not events:  # nothing new since the reads above (no await between): wait for news
                 await self.changed.wait(task_id)
 
