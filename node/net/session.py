@@ -31,6 +31,7 @@ from typing import Protocol, TypeVar
 
 import anyio
 import anyio.abc
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from .framed import READ_CHUNK, ByteStream
 from ...protocol.common import Error, expect
@@ -273,7 +274,7 @@ class OutboundSession:
     async def open(self, message: Message) -> AsyncIterator[_Replies]:
         """Send `message`; yield its replies. Leaving early cancels the request on the server."""
         send, receive = anyio.create_memory_object_stream[Reply](STREAM_BUFFER)
-        rid, data = self._start(message, send)
+        rid, data = self._start(message, _StreamInbox(send))
         try:
             await self._write(data)
             yield _Replies(receive, self)
@@ -316,6 +317,26 @@ class _Inbox(Protocol):
         """The session died: no more frames will come."""
 
 
+class _StreamInbox:
+    """The inbox of a request with a stream of replies: frames that came in one read are
+    queued without a turn of the scheduler each (a memory stream's `send` takes one), so
+    the request's reader finds them together (`_Replies.ready`); it waits only when full."""
+
+    __slots__ = ("_send",)
+
+    def __init__(self, send: MemoryObjectSendStream[Reply]) -> None:
+        self._send = send
+
+    async def send(self, reply: Reply) -> None:
+        try:
+            self._send.send_nowait(reply)
+        except anyio.WouldBlock:
+            await self._send.send(reply)
+
+    def close(self) -> None:
+        self._send.close()
+
+
 class _OneReply:
     """The inbox of a request that takes one reply: its first frame (any later ones dropped)."""
 
@@ -343,7 +364,7 @@ class _Replies:
     """The replies to one request; iteration ends after the final frame. A session that
     dies before it raises its NetworkError."""
 
-    def __init__(self, receive: anyio.abc.ObjectReceiveStream[Reply], session: OutboundSession) -> None:
+    def __init__(self, receive: MemoryObjectReceiveStream[Reply], session: OutboundSession) -> None:
         self._receive = receive
         self._session = session
         self._done = False
@@ -360,6 +381,19 @@ class _Replies:
             raise self._session._dead or ConnectionLost("the session ended") from None
         self._done = reply.end
         return reply.message
+
+    def ready(self) -> list[Message]:
+        """The frames already here, without waiting (up to the final one): what a reader
+        may handle together, e.g. store in one transaction."""
+        frames: list[Message] = []
+        while not self._done:
+            try:
+                reply = self._receive.receive_nowait()
+            except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
+                break  # (the next __anext__ says why it ended)
+            self._done = reply.end
+            frames.append(reply.message)
+        return frames
 
 
 class OpenStream(Protocol):
