@@ -32,6 +32,7 @@ from psymesh.node.models import ModelRegistry
 from psymesh.node.control.process import DaemonProcess, pair_homes
 from psymesh.node.door.gate import QueueLimits
 from psymesh.node.tasks.store import TaskNotFound
+from psymesh.protocol.control import TaskSubmitRequest, TaskSubmitted
 from psymesh.protocol.errors import ErrorCode, RemoteError
 from psymesh.protocol.limits import Limits
 from psymesh.protocol.tasks import (
@@ -122,6 +123,39 @@ async def test_tool_tasks_end_to_end(tmp_path: Path) -> None:
             listed = await phone.tasks()
         assert [t.state for t in listed.submitted] == ["completed", "completed", "failed"]
         assert all(t.target == "home" for t in listed.submitted)
+
+
+@pytest.mark.anyio
+async def test_a_task_that_ends_during_its_acceptance_is_answered_with_its_result(tmp_path: Path) -> None:
+    """The home's worker runs a task while the sync before its `task.accepted` runs; a task that
+    ended by then comes back whole with its acceptance, so `control.task_submitted` carries its
+    final event and the SDK's result() asks nothing more. (The home's fsync here waits for the
+    task's result row, as a slow disk would.)"""
+    import sqlite3
+    import time
+
+    def fsync_once_the_task_ran(fd: int) -> None:  # on the sync's worker thread
+        db = sqlite3.connect(tmp_path / "home" / "node.db")
+        try:  # (other syncs, before the task exists, go through at once)
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and db.execute(
+                    "SELECT 1 FROM exec_tasks WHERE id = 'quick' AND state != 'completed'").fetchone():
+                time.sleep(0.005)  # a condition, polled with a deadline (this thread has no event to wait on)
+        finally:
+            db.close()
+        os.fsync(fd)
+
+    async with run_nodes(tmp_path, "home", "phone", profiles={"phone": "phone"},
+                         fsyncs={"home": fsync_once_the_task_ran}) as nodes:
+        await _pair_all(nodes, "home")
+        async with Client(nodes["phone"].home.path) as sdk:
+            reply = await sdk.request(TaskSubmitRequest(
+                to="home", spec={"id": "quick", "kind": "tool", "tool": "system.info"}), TaskSubmitted)
+            assert reply.accepted and reply.final is not None
+            assert reply.final.seq == 3 and reply.final.state is TaskState.COMPLETED
+            assert (await TaskHandle(sdk, reply).result())["profile"] == "home"
+            later = await sdk.delegate("home", tool="system.info", task_id="quick")  # the same task again
+            assert later.id == "quick" and (await later.result())["profile"] == "home"
 
 
 @pytest.mark.anyio

@@ -285,8 +285,11 @@ class Owner:
             raise PsymeshError(f"invalid task: {exc}", code=ErrorCode.BAD_REQUEST) from None
         target, accepted = await self.node.submitter.submit(spec, req.to, self.node.offers)
         peer = self.node.trust.get(target)
+        # a short task's events come with its acceptance: result() then asks nothing more
+        final = self.node.submitter.outbox.final(spec.id) if accepted else None
         return c.TaskSubmitted(task_id=spec.id, target=target, target_name=peer.name if peer else target,
-                               accepted=accepted, away=None if accepted else self.node.sessions.away(target))
+                               accepted=accepted, away=None if accepted else self.node.sessions.away(target),
+                               final=final)
 
     async def _task_input(self, req: c.TaskInputRequest, _: FramedStream) -> c.Ok:
         await self.node.submitter.respond(req.task_id, req.data)
