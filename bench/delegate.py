@@ -10,8 +10,9 @@
    row (its WAL sync overlaps the hand-over), the request on the session, the door
    (admission, audit row), the executor's SQLite log (accepted/working/result) and
    its WAL sync before `task.accepted` (the worker runs meanwhile), the events
-   mirrored on the phone, and a wait for the final event on the control socket
-   (`control.task_wait`); the acks follow off the critical path. docs/architecture.md ("What a request costs") lists the SQLite
+   mirrored on the phone, and the final event on the control socket (with the answer
+   to `delegate()` when the task ended during its acceptance, as a no-op does; else
+   `result()` waits for it, `control.task_wait`); the acks follow off the critical path. docs/architecture.md ("What a request costs") lists the SQLite
    statements and transactions a task costs each side. Beside the latencies: the CPU
    each daemon and this script spent a timed task (/proc, every thread, 10 ms ticks over
    the whole loop), steadier than latency on a shared machine; bench/task_profile.py
