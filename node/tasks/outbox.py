@@ -23,6 +23,7 @@ from .tasklog import (
     placeholders,
     resolve_now,
     spec_from_json,
+    spec_to_json,
 )
 
 OUTBOX_DDL = """
@@ -100,7 +101,7 @@ class Outbox:
         inserted = self.conn.execute(  # one statement: a transaction of its own
             "INSERT INTO outbox_tasks (id, target, kind, spec, state, created_at, updated_at)"
             " VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (id) DO NOTHING",
-            (spec.id, target, spec.kind.value, spec.model_dump_json(), TaskState.SUBMITTED.value, now, now),
+            (spec.id, target, spec.kind.value, spec_to_json(spec), TaskState.SUBMITTED.value, now, now),
         ).rowcount
         if inserted:
             return OutboxTask(spec=spec, target=target, accepted=False, state=TaskState.SUBMITTED, last_seq=0,
