@@ -10,9 +10,13 @@
    row (its WAL sync overlaps the hand-over), the request on the session, the door
    (admission, audit row), the executor's SQLite log (accepted/working/result) and
    its WAL sync before `task.accepted` (the worker runs meanwhile), the events
-   mirrored on the phone, and a watch on the control socket; the acks follow off the
-   critical path. docs/architecture.md ("What a request costs") lists the SQLite
-   statements and transactions a task costs each side.
+   mirrored on the phone, and the final event on the control socket (with the answer
+   to `delegate()` when the task ended during its acceptance, as a no-op does; else
+   `result()` waits for it, `control.task_wait`); the acks follow off the critical path. docs/architecture.md ("What a request costs") lists the SQLite
+   statements and transactions a task costs each side. Beside the latencies: the CPU
+   each daemon and this script spent a timed task (/proc, every thread, 10 ms ticks over
+   the whole loop), steadier than latency on a shared machine; bench/task_profile.py
+   counts the same task's Python calls, scheduler turns and SQLite work in one process.
 2. Streamed tokens: an infer task on a tiny random-weight qwen35 model; the rate of
    `token` events (and characters) the phone's app receives, and the first token's
    latency against the same model called in process (`agent.generate`, no mesh).
@@ -43,7 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import anyio
-from _common import spawn_server, summarize
+from _common import cpu_ms, spawn_server, summarize
 
 ROOT = Path(__file__).resolve().parent.parent
 WARMUP = 20
@@ -130,6 +134,7 @@ class MeshFigures:
     accepted_ms: list[float]   # delegate() returned: the home holds the task durably
     result_ms: list[float]     # result() returned
     rtt_ms: list[float] = field(default_factory=list)  # ping round trips on the open session
+    cpu_ms: dict[str, float] = field(default_factory=dict)  # CPU per timed task: phone, home, the script
     first_token_ms: float = 0.0
     token_events: int = 0
     token_chars: int = 0
@@ -182,9 +187,12 @@ async def stream_tokens(client, max_tokens: int, figures: MeshFigures) -> None: 
 
 async def bench_mesh(runs: int, max_tokens: int, model: Path, tmp: Path) -> MeshFigures:
     figures = MeshFigures([], [])
-    async with daemons(tmp, model) as (_, phone):
+    async with daemons(tmp, model) as (home, phone):
+        pids = {"phone": phone.proc.pid, "home": home.proc.pid}  # type: ignore[attr-defined]
         async with phone.client() as c:  # type: ignore[attr-defined]
             for i in range(runs + WARMUP):
+                if i == WARMUP:
+                    cpu = {name: cpu_ms(pid) for name, pid in pids.items()} | {"script": time.process_time() * 1000}
                 t = time.perf_counter()
                 task = await c.delegate("home", tool="bench.noop")
                 accepted = time.perf_counter()
@@ -192,6 +200,8 @@ async def bench_mesh(runs: int, max_tokens: int, model: Path, tmp: Path) -> Mesh
                 if i >= WARMUP:
                     figures.accepted_ms.append((accepted - t) * 1000)
                     figures.result_ms.append((time.perf_counter() - t) * 1000)
+            spent = {name: cpu_ms(pid) for name, pid in pids.items()} | {"script": time.process_time() * 1000}
+            figures.cpu_ms = {name: (spent[name] - cpu[name]) / runs for name in spent}
             figures.rtt_ms = (await c.ping("home", count=min(1000, runs * 5))).rtts_ms
             await stream_tokens(c, 64, MeshFigures([], []))  # load the model first
             await stream_tokens(c, max_tokens, figures)
@@ -279,6 +289,7 @@ def main() -> None:
     print(f"delegate() -> result()  / HTTP request         median {result[0] / http_[0]:5.1f}x   (target <= 10x)")
     print(f"delegate() accepted     / session round trip   median {accepted[0] / rtt[0]:5.1f}x   (target <= 1.5x)")
     print(f"delegate() -> result()  p99 / median                  {result[1] / result[0]:5.1f}x   (target <= 2x)")
+    print("CPU a task (ms; /proc ticks, all threads): " + ", ".join(f"{k} {v:.2f}" for k, v in mesh.cpu_ms.items()))
 
     print(f"\nStreamed tokens, infer task on the tiny qwen35 model (max_tokens {args.tokens}, 1 thread)\n")
     print(f"{'pipeline':<40}{'token events/s':>15}{'tokens/s':>10}{'chars/s':>10}{'1st token ms':>14}")

@@ -19,7 +19,6 @@ Usage: .venv/bin/python bench/idle.py [--seconds 60]
 from __future__ import annotations
 
 import argparse
-import os
 import subprocess
 import sys
 import tempfile
@@ -28,8 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import anyio
+from _common import cpu_ms
 
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
 @dataclass(frozen=True)
@@ -41,8 +40,6 @@ class Sample:
 
 
 def sample(pid: int) -> Sample:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    cpu_ms = (int(fields[11]) + int(fields[12])) * 1000 / CLK_TCK  # utime, stime (all threads)
     switches: dict[int, int] = {}
     run_ns: dict[int, int] = {}
     for task in Path(f"/proc/{pid}/task").iterdir():
@@ -58,7 +55,7 @@ def sample(pid: int) -> Sample:
         switches[int(task.name)] = n
     rss_kb = next(int(line.split()[1]) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
                   if line.startswith("VmRSS"))
-    return Sample(cpu_ms, run_ns, switches, rss_kb / 1024)
+    return Sample(cpu_ms(pid), run_ns, switches, rss_kb / 1024)
 
 
 @dataclass(frozen=True)

@@ -109,6 +109,11 @@ Service = Callable[[Call], Awaitable[Message]]
 # Requests whose service answers at once (it awaits nothing, its answer is not durable):
 # a session serves them in its read loop, without a task each (node/net/session.py).
 PROMPT: frozenset[type[Message]] = frozenset({Ping})
+# Requests whose service keeps the durability promise of its answers itself, and no more than
+# it (`Node._door` syncs for every other durable answer): `task.accepted` promises the task's
+# row, which the executor syncs, not the events its worker writes meanwhile, which go out in
+# the same write (a sync of those would be a second fsync on the path of every task).
+SYNCS_ITSELF: frozenset[type[Message]] = frozenset({TaskSubmit})
 
 
 class Node:
@@ -172,7 +177,7 @@ class Node:
                                       self.config.agent_model)
         self.executor = TaskExecutor(store=executor_store, gate=self.gate, trust=self.trust, tools=self.tools, models=self.models,
                                      profile=self.config.profile, share_dir=self.config.share_dir,
-                                     agent_runner=self.agents, wake=self.wake)
+                                     agent_runner=self.agents, wake=self.wake, wal=self.wal)
         self.submitter = TaskSubmitter(local_peer_id=self.identity.peer_id, outbox=Outbox(self.db), trust=self.trust,
                                        sessions=self.sessions, wal=self.wal, wake=self.wake)
         self.messaging = Messaging(self.identity, msg_store, self.trust, self.sessions,
@@ -472,11 +477,15 @@ class Node:
         """Every request of every peer: admitted (and audited) by the gate, then served.
         `via`: how it came (a session; or a letter handed over by our mailbox, as its sender's).
         An answer that promises durability (`Message.durable`: task.accepted, msg.receipt(s),
-        mail.receipt) leaves only once the WAL is synced, whether it ends the call or not."""
+        mail.receipt) leaves only once the WAL is synced, whether it ends the call or not (or
+        goes out with the final answer, `Call.send_with_answer`); the services of SYNCS_ITSELF
+        keep that promise themselves."""
         self.gate.admit(call.peer_id, via, call.request)
+        if type(call.request) in SYNCS_ITSELF:
+            return await self.services[type(call.request)](call)
         reply = await self.services[type(call.request)](Call(call.peer_id, call.rid, call.request,
-                                                             self._durable_send(call)))
-        if reply.durable:
+                                                             self._durable_send(call), call.ahead))
+        if reply.durable or any(m.durable for m in call.ahead):
             await self.wal.sync()
         return reply
 

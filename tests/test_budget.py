@@ -219,3 +219,31 @@ async def test_acknowledged_tasks_and_letters_survive_a_power_cut(tmp_path: Path
     assert 1 <= home_syncs < 32  # the burst shared its syncs
     # each delegate() returned after its outbox row was synced (while the task was on its way)
     assert set(delegated) <= outbox and set(delegated) <= tasks
+
+
+async def test_a_wal_sync_the_disk_fails_fails_its_answer_and_the_next_syncs(tmp_path: Path) -> None:
+    """A durable answer whose fsync failed is not sent as if it held: the waiter gets the disk's
+    error (raised on its worker thread), and the next answer's sync runs and succeeds."""
+    import errno
+
+    from psymesh.node.core.db import WalSync, open_db
+
+    failures = [OSError(errno.EIO, "Input/output error")]
+    synced: list[int] = []
+
+    def flaky(fd: int) -> None:
+        if failures:
+            raise failures.pop()
+        os.fsync(fd)
+        synced.append(fd)
+
+    wal = WalSync(tmp_path / "node.db", fsync=flaky)
+    conn = open_db(tmp_path / "node.db", on_write=wal.wrote)
+    conn.execute("CREATE TABLE t (x)")
+    conn.execute("INSERT INTO t VALUES (1)")
+    with pytest.raises(PsymeshError, match="Input/output error"):
+        await wal.sync()
+    conn.execute("INSERT INTO t VALUES (2)")
+    await wal.sync()
+    assert len(synced) == 1 and wal.syncs == 1
+    conn.close()

@@ -26,8 +26,9 @@ SESSION = "/psymesh/test-session/1.0.0"
 
 
 class Server:
-    """A door that answers ping with pong, streams `seq` pongs for ping(payload=b"stream"),
-    and waits for ever on ping(payload=b"hang")."""
+    """A door that answers ping with pong, streams `seq` pongs for ping(payload=b"stream")
+    (the second half held to go out with the final answer for b"held"; held, then refused,
+    for b"held-refuse"), and waits for ever on ping(payload=b"hang")."""
 
     def __init__(self) -> None:
         self.calls: list[Call] = []
@@ -40,6 +41,13 @@ class Server:
         if request.payload == b"stream":
             for i in range(request.seq):
                 await call.send(Pong(seq=i))
+            return SessionEnd(reason="done")
+        if request.payload in (b"held", b"held-refuse"):
+            half = request.seq // 2
+            await call.send(*(Pong(seq=i) for i in range(half)))
+            call.send_with_answer(*(Pong(seq=i) for i in range(half, request.seq)))
+            if request.payload == b"held-refuse":
+                raise RemoteError("no", code=ErrorCode.FORBIDDEN)
             return SessionEnd(reason="done")
         if request.payload == b"hang":
             try:
@@ -158,9 +166,18 @@ async def test_a_streamed_answer_arrives_whole_and_in_order() -> None:
         async with pool.stream(server.peer_id, Ping(seq=500, payload=b"stream")) as replies:
             got = [m async for m in replies]
         assert [m.seq for m in got[:-1]] == list(range(500)) and isinstance(got[-1], SessionEnd)
+        # frames held for the final answer come just before it, in order
+        async with pool.stream(server.peer_id, Ping(seq=9, payload=b"held")) as replies:
+            got = [m async for m in replies]
+        assert [m.seq for m in got[:-1]] == list(range(9)) and isinstance(got[-1], SessionEnd)
         with pytest.raises(RemoteError) as info:
             await pool.request(server.peer_id, Ping(seq=1, payload=b"refuse"), Pong)
         assert info.value.code is ErrorCode.FORBIDDEN
+        # a service that fails after holding frames: its error goes alone, the held frames never
+        async with pool.stream(server.peer_id, Ping(seq=6, payload=b"held-refuse")) as replies:
+            got = [m async for m in replies]
+        assert [m.seq for m in got[:-1]] == [0, 1, 2] and isinstance(got[-1], Error)
+        assert got[-1].code == ErrorCode.FORBIDDEN
 
 
 async def test_leaving_a_stream_early_cancels_the_work_on_the_server() -> None:

@@ -373,8 +373,13 @@ def test_outbox_refuses_gaps_illegal_histories_and_strangers(store: ExecutorStor
         outbox.record_event(skipped)  # submitted -> completed without working
     with pytest.raises(TaskNotFound):
         outbox.record_event(TaskEvent(task_id="zz", seq=1, kind=K.ACCEPTED, state=S.SUBMITTED, at=T0))
+    # events that came together are stored all or none: a gap after event 2 keeps event 2 out too
+    with pytest.raises(ProtocolError):
+        outbox.record_events("t1", [log[1], log[3]], target=PC)
     assert outbox.last_seq("t1") == 1 and outbox.result("t1") is None
     assert_consistent(outbox.conn, "outbox")
+    assert outbox.record_events("t1", log, target=PC) == len(log) - 1  # event 1 was held already
+    assert outbox.result("t1").unwrap() == "ab"  # type: ignore[union-attr]
 
 
 def test_outbox_survives_restart_and_purges_by_age(tmp_path: Path, store: ExecutorStore) -> None:

@@ -406,6 +406,7 @@ class TaskHandle:
         self.target_name = submitted.target_name
         self.accepted = submitted.accepted
         self.away = submitted.away  # not accepted because the target is unreachable: since when, why
+        self._final = submitted.final  # the task had ended when delegate() returned
 
     def __repr__(self) -> str:
         return f"<TaskHandle {self.id} -> {self.target_name or self.target}>"
@@ -424,12 +425,18 @@ class TaskHandle:
                 yield expect(message, TaskEvent)
 
     async def outcome(self) -> Outcome:
-        last: TaskEvent | None = None
-        async for ev in self.events():
-            last = ev
-        if last is None or last.outcome is None:
-            raise PsymeshError(f"task {self.id} ended without a final event", code=ErrorCode.INTERNAL)
-        return last.outcome
+        """Wait for the task to end: how it ended (known already if it had when delegate()
+        returned; else one request, answered with the final event)."""
+        from ...protocol.tasks import TaskEvent
+
+        final = self._final
+        if final is None:
+            async with self._client._side() as lease:
+                final = await self._client._request_on(lease.framed, c.TaskWaitRequest(task_id=self.id), TaskEvent)
+                lease.clean = True
+        if final.outcome is None:
+            raise PsymeshError(f"task {self.id} answered with an event that is not final", code=ErrorCode.INTERNAL)
+        return final.outcome
 
     async def result(self) -> Any:
         """Wait for the task to end: its result, or RemoteError with the failure's code."""

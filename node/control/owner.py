@@ -29,7 +29,7 @@ from ...protocol.limits import Limits
 from ...protocol.manifest import PRESETS, Operation, check, edit_capabilities, new_manifest
 from ...protocol.messages import Message
 from ...protocol.messaging import Letter, LetterKind
-from ...protocol.tasks import TaskCapsReply, TaskSpec
+from ...protocol.tasks import TaskCapsReply, TaskEvent, TaskSpec
 from ...protocol.web import WebResults
 
 if TYPE_CHECKING:
@@ -113,6 +113,7 @@ class Owner:
             c.TaskInputRequest: self._task_input,
             c.OffersRequest: self._offers,
             c.TaskWatchRequest: self._task_watch,
+            c.TaskWaitRequest: self._task_wait,
             c.TaskCancelRequest: self._task_cancel,
             c.TaskListRequest: self._task_list,
             c.DiscoverRequest: self._discover,
@@ -287,8 +288,11 @@ class Owner:
             raise PsymeshError(f"invalid task: {exc}", code=ErrorCode.BAD_REQUEST) from None
         target, accepted = await self.node.submitter.submit(spec, req.to, self.node.offers)
         peer = self.node.trust.get(target)
+        # a short task's events come with its acceptance: result() then asks nothing more
+        final = self.node.submitter.outbox.final(spec.id) if accepted else None
         return c.TaskSubmitted(task_id=spec.id, target=target, target_name=peer.name if peer else target,
-                               accepted=accepted, away=None if accepted else self.node.sessions.away(target))
+                               accepted=accepted, away=None if accepted else self.node.sessions.away(target),
+                               final=final)
 
     async def _task_input(self, req: c.TaskInputRequest, _: FramedStream) -> c.Ok:
         await self.node.submitter.respond(req.task_id, req.data)
@@ -327,6 +331,13 @@ class Owner:
             if events:
                 continue  # more may have come while we were sending
             await self.node.submitter.changed.wait(req.task_id)  # no await since the reads: nothing is missed
+
+    async def _task_wait(self, req: c.TaskWaitRequest, _: FramedStream) -> TaskEvent:
+        """The final event alone: what `result()` needs, in one reply (a watch sends every event)."""
+        submitter = self.node.submitter
+        while (final := submitter.outbox.final(req.task_id)) is None:  # NOT_FOUND for a task never delegated
+            await submitter.changed.wait(req.task_id)  # no await since the read: nothing is missed
+        return final
 
     async def _task_cancel(self, req: c.TaskCancelRequest, _: FramedStream) -> c.Ok:
         await self.node.submitter.cancel(req.task_id)

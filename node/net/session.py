@@ -31,6 +31,7 @@ from typing import Protocol, TypeVar
 
 import anyio
 import anyio.abc
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from .framed import READ_CHUNK, ByteStream
 from ...protocol.common import Error, expect
@@ -66,10 +67,17 @@ class Call:
     rid: int
     request: Message
     _send: Callable[[int, tuple[Message, ...]], Awaitable[None]] = field(repr=False)
+    ahead: list[Message] = field(default_factory=list, repr=False)  # see `send_with_answer`
 
     async def send(self, *messages: Message) -> None:
         """Frames that answer the request without ending it (e.g. task events), in one write."""
         await self._send(self.rid, messages)
+
+    def send_with_answer(self, *messages: Message) -> None:
+        """Frames that answer the request without ending it, held to go out just before its
+        final answer, in the same write (a task's last events before its final one: one write
+        and one read instead of two). The door answers for them as for the final answer."""
+        self.ahead.extend(messages)
 
 
 class Door(Protocol):
@@ -95,20 +103,23 @@ async def serve_session(stream: ByteStream, peer_id: str, door: Door, *, max_fra
     async def send_more(rid: int, messages: tuple[Message, ...]) -> None:
         await write(b"".join(server.reply(rid, m, end=False) for m in messages))
 
-    async def final_answer(request: Request) -> Message:
-        """The door's answer to `request`; a failure is said as an `error` frame."""
+    async def final_answer(call: Call) -> Message:
+        """The door's answer to `call`; a failure is said as an `error` frame (alone)."""
         try:
-            return await door(Call(peer_id, request.rid, request.message, send_more))
+            return await door(call)
         except PsymeshError as exc:
+            call.ahead.clear()
             return Error.from_exception(exc)
         except Exception:
-            log.exception("%s from %s failed", request.message.type, peer_id)
-            return Error.of(ErrorCode.INTERNAL, f"{request.message.type} failed on this node; see its log")
+            call.ahead.clear()
+            log.exception("%s from %s failed", call.request.type, peer_id)
+            return Error.of(ErrorCode.INTERNAL, f"{call.request.type} failed on this node; see its log")
 
-    async def end(rid: int, final: Message) -> None:
+    async def end(rid: int, final: Message, ahead: list[Message]) -> None:
+        """The final answer, after the frames held for it (`Call.send_with_answer`), in one write."""
         with contextlib.suppress(PsymeshError):
             try:
-                data = server.reply(rid, final)
+                data = b"".join([*(server.reply(rid, m, end=False) for m in ahead), server.reply(rid, final)])
             except ProtocolError as exc:  # e.g. a reply over the frame limit: say so instead
                 data = server.reply(rid, Error.from_exception(exc))
             await write(data)
@@ -116,18 +127,21 @@ async def serve_session(stream: ByteStream, peer_id: str, door: Door, *, max_fra
     async def answer(request: Request) -> None:
         """In a task of its own: the client may cancel it meanwhile."""
         final: Message
+        call = Call(peer_id, request.rid, request.message, send_more)
         with anyio.CancelScope() as scope:
             scopes[request.rid] = scope
-            final = await final_answer(request)
+            final = await final_answer(call)
         scopes.pop(request.rid, None)
         if scope.cancelled_caught:
+            call.ahead.clear()
             final = Error.of(ErrorCode.CANCELED, "canceled by the requester")
         with anyio.CancelScope(shield=True):
-            await end(request.rid, final)
+            await end(request.rid, final, call.ahead)
 
     async def answer_now(request: Request) -> None:
         """A prompt request, in the read loop: no cancel of it can be read before it ends."""
-        await end(request.rid, await final_answer(request))
+        call = Call(peer_id, request.rid, request.message, send_more)
+        await end(request.rid, await final_answer(call), call.ahead)
 
     async with anyio.create_task_group() as tg:
         try:
@@ -260,7 +274,7 @@ class OutboundSession:
     async def open(self, message: Message) -> AsyncIterator[_Replies]:
         """Send `message`; yield its replies. Leaving early cancels the request on the server."""
         send, receive = anyio.create_memory_object_stream[Reply](STREAM_BUFFER)
-        rid, data = self._start(message, send)
+        rid, data = self._start(message, _StreamInbox(send))
         try:
             await self._write(data)
             yield _Replies(receive, self)
@@ -303,6 +317,26 @@ class _Inbox(Protocol):
         """The session died: no more frames will come."""
 
 
+class _StreamInbox:
+    """The inbox of a request with a stream of replies: frames that came in one read are
+    queued without a turn of the scheduler each (a memory stream's `send` takes one), so
+    the request's reader finds them together (`_Replies.ready`); it waits only when full."""
+
+    __slots__ = ("_send",)
+
+    def __init__(self, send: MemoryObjectSendStream[Reply]) -> None:
+        self._send = send
+
+    async def send(self, reply: Reply) -> None:
+        try:
+            self._send.send_nowait(reply)
+        except anyio.WouldBlock:
+            await self._send.send(reply)
+
+    def close(self) -> None:
+        self._send.close()
+
+
 class _OneReply:
     """The inbox of a request that takes one reply: its first frame (any later ones dropped)."""
 
@@ -330,7 +364,7 @@ class _Replies:
     """The replies to one request; iteration ends after the final frame. A session that
     dies before it raises its NetworkError."""
 
-    def __init__(self, receive: anyio.abc.ObjectReceiveStream[Reply], session: OutboundSession) -> None:
+    def __init__(self, receive: MemoryObjectReceiveStream[Reply], session: OutboundSession) -> None:
         self._receive = receive
         self._session = session
         self._done = False
@@ -347,6 +381,19 @@ class _Replies:
             raise self._session._dead or ConnectionLost("the session ended") from None
         self._done = reply.end
         return reply.message
+
+    def ready(self) -> list[Message]:
+        """The frames already here, without waiting (up to the final one): what a reader
+        may handle together, e.g. store in one transaction."""
+        frames: list[Message] = []
+        while not self._done:
+            try:
+                reply = self._receive.receive_nowait()
+            except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
+                break  # (the next __anext__ says why it ended)
+            self._done = reply.end
+            frames.append(reply.message)
+        return frames
 
 
 class OpenStream(Protocol):

@@ -30,9 +30,11 @@ import anyio.lowlevel
 from ...agent.tools import ToolContext, ToolRegistry, invoke
 from ..models.agents import granted_tools
 from ..door.gate import Gate
+from ..core.db import WalSync
 from ..core.logs import fields
 from ..models import ModelPool
 from ..core.notify import Notifier
+from ..core.wakelock import WakeLock
 from ..net.session import Call
 from .store import ExecutorStore, TaskRecord
 from ..door.trust import TrustStore
@@ -102,7 +104,11 @@ class TaskExecutor:
 
     def __init__(self, *, store: ExecutorStore, gate: Gate, trust: TrustStore, tools: ToolRegistry,
                  models: ModelPool, profile: str, share_dir: str | None, limits: ExecutorLimits | None = None,
-                 agent_runner: AgentRunner | None = None, wake: WakeLock | None = None) -> None:
+                 agent_runner: AgentRunner | None = None, wake: WakeLock | None = None,
+                 wal: WalSync | None = None) -> None:
+        """`wal`: puts what is committed on disk (node/core/db.py); a `task.accepted` leaves
+        only once the task's row is (the door leaves this answer's promise to us: daemon.py
+        SYNCS_ITSELF)."""
         self.store = store
         self.gate = gate
         self.trust = trust
@@ -113,6 +119,7 @@ class TaskExecutor:
         self.limits = limits or ExecutorLimits()
         self.agent_runner = agent_runner
         self.wake = wake or WakeLock(None)  # held while a task runs (a phone's CPU stays up for it)
+        self.wal = wal
         self._inputs: dict[str, _Answer] = {}
         self.changed = Notifier()  # per task id: an event was written (the daemon adds its activity pulse)
         self._deadlines = anyio.Event()  # set when a task with a deadline is accepted
@@ -161,17 +168,18 @@ class TaskExecutor:
             if created:
                 log.info("accepted %s task %s from %s", request.spec.kind.value, request.spec.id, peer_id,
                          extra=fields(task=request.spec.id))
-            if not request.follow:
-                if created:
-                    self._send.send_nowait(record.id)
-                return accepted
-            # Queued before the answer: a worker runs the task while the door syncs the WAL for
-            # `task.accepted` (an idle wait of a millisecond or more), and the events it wrote by
-            # then follow the answer at once (docs/security.md: why this is safe).
+            # Queued before the answer: a worker runs the task while we sync what `task.accepted`
+            # promises (the task's row: the writes up to here, not the worker's after them), and
+            # the events it wrote by then go out with the answer, in one write; a task that ended
+            # meanwhile is answered whole (docs/security.md: why this is safe).
+            promised = self._mark()
             if created:
                 self._send.send_nowait(record.id)
-            await call.send(accepted)
-            return await self._follow(call, EventFeed(record.id, 0))
+            if self.wal is not None:
+                await self.wal.sync(promised)
+            if not request.follow:
+                return accepted
+            return await self._follow(call, EventFeed(record.id, 0), first=accepted)
         if isinstance(request, TaskAttach):
             self.store.get(request.task_id, submitter=peer_id)  # NOT_FOUND for someone else's task
             return await self._follow(call, EventFeed(request.task_id, request.after_seq))
@@ -192,18 +200,25 @@ class TaskExecutor:
             return self.caps()
         raise ProtocolError(f"{request.type!r} is not a task request", code=ErrorCode.BAD_REQUEST)
 
-    async def _follow(self, call: Call, feed: EventFeed) -> Message:
-        """Send the task's events as they are stored; the final one ends the answer."""
+    async def _follow(self, call: Call, feed: EventFeed, first: Message | None = None) -> Message:
+        """Send the task's events as they are stored (after `first`, in its write); the final
+        one ends the answer."""
         task_id = feed.task_id
+        held = [] if first is None else [first]
         while True:
             events, ended = self.store.news(task_id, feed.sent)
             frames, final = feed.receive(events, task_ended=ended)
+            frames, held = held + frames, []
+            if final is not None:
+                call.send_with_answer(*frames)  # in the final answer's write: one write, not two
+                return final
             if frames:
                 await call.send(*frames)
-            if final is not None:
-                return final
             if not events:  # nothing new since the reads above (no await between): wait for news
                 await self.changed.wait(task_id)
+
+    def _mark(self) -> int:
+        return 0 if self.wal is None else self.wal.mark()
 
     def caps(self) -> TaskCapsReply:
         return TaskCapsReply(tools=self.tools.names(profile=self.profile), models=self.models.registry.names(),

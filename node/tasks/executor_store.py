@@ -36,6 +36,7 @@ from .tasklog import (
     placeholders,
     resolve_now,
     spec_from_json,
+    spec_to_json,
 )
 
 EXECUTOR_DDL = """
@@ -133,7 +134,7 @@ class ExecutorStore:
             inserted = self.conn.execute(
                 "INSERT INTO exec_tasks (id, submitter, kind, spec, state, created_at, updated_at, deadline)"
                 " VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (id) DO NOTHING",
-                (spec.id, submitter, spec.kind.value, spec.model_dump_json(), TaskState.SUBMITTED.value,
+                (spec.id, submitter, spec.kind.value, spec_to_json(spec), TaskState.SUBMITTED.value,
                  now, now, deadline),
             ).rowcount
             if not inserted:  # a resubmit (or a reuse of the id)

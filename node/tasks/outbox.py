@@ -23,6 +23,7 @@ from .tasklog import (
     placeholders,
     resolve_now,
     spec_from_json,
+    spec_to_json,
 )
 
 OUTBOX_DDL = """
@@ -100,7 +101,7 @@ class Outbox:
         inserted = self.conn.execute(  # one statement: a transaction of its own
             "INSERT INTO outbox_tasks (id, target, kind, spec, state, created_at, updated_at)"
             " VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (id) DO NOTHING",
-            (spec.id, target, spec.kind.value, spec.model_dump_json(), TaskState.SUBMITTED.value, now, now),
+            (spec.id, target, spec.kind.value, spec_to_json(spec), TaskState.SUBMITTED.value, now, now),
         ).rowcount
         if inserted:
             return OutboxTask(spec=spec, target=target, accepted=False, state=TaskState.SUBMITTED, last_seq=0,
@@ -148,17 +149,28 @@ class Outbox:
         not the task's executor is a ProtocolError: re-attach from `last_seq` instead
         of trusting it.
         """
+        return bool(self.record_events(event.task_id, [event], target, now))
+
+    def record_events(self, task_id: str, events: Iterable[TaskEvent], target: str | None = None,
+                      now: float | None = None) -> int:
+        """`record_event` for events of one task that came together (in order), in one
+        transaction: all of them are stored or, on an error, none. Returns how many were new."""
         with transaction(self.conn):
-            row = self._log.row(event.task_id)
+            row = self._log.row(task_id)
             if target is not None and row["target"] != target:
-                raise ProtocolError(f"peer sent an event for task {event.task_id!r} it does not run",
+                raise ProtocolError(f"peer sent an event for task {task_id!r} it does not run",
                                     code=ErrorCode.FORBIDDEN)
-            if event.seq <= row["last_seq"]:
-                return False
-            self._log.append(row["last_seq"], row["state"], event, resolve_now(now))  # checks seq and transition
-            if target is not None and not row["accepted"]:
-                self.conn.execute("UPDATE outbox_tasks SET accepted = 1 WHERE id = ?", (event.task_id,))
-            return True
+            last_seq, state, new = row["last_seq"], row["state"], 0
+            for event in events:
+                if event.task_id != task_id:
+                    raise ProtocolError(f"an event of task {event.task_id!r} among {task_id!r}'s")
+                if event.seq <= last_seq:
+                    continue
+                self._log.append(last_seq, state, event, resolve_now(now))  # checks seq and transition
+                last_seq, state, new = event.seq, event.state.value, new + 1
+            if new and target is not None and not row["accepted"]:
+                self.conn.execute("UPDATE outbox_tasks SET accepted = 1 WHERE id = ?", (task_id,))
+            return new
 
     def mark_acked(self, task_id: str, upto_seq: int) -> OutboxTask:
         """We sent task.ack for events 1..upto_seq (never moves backwards)."""
@@ -187,6 +199,10 @@ class Outbox:
         """What a watcher sends next: the events above `after_seq` and, when there are none,
         whether the task has ended."""
         return self._log.news(task_id, after_seq, DEFAULT_PAGE)
+
+    def final(self, task_id: str) -> TaskEvent | None:
+        """The task's final event (its outcome is `.outcome`), or None while it runs."""
+        return self._log.final(task_id)
 
     def result(self, task_id: str) -> Outcome | None:
         """How the task ended (`.unwrap()` gives the value or raises), or None while it runs."""

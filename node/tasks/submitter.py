@@ -274,14 +274,22 @@ class TaskSubmitter:
                         else:
                             async with self.sessions.stream(target, request) as replies:
                                 async for message in replies:
-                                    if first is not None and isinstance(message, Error):
-                                        return report(False, message.to_exception())  # submit() decides
-                                    if isinstance(message, Error) and message.code == ErrorCode.UNKNOWN_PEER:
-                                        # not this task alone: every task there, and new ones, for good
-                                        exc = message.to_exception()
-                                        return self.revoked_by(target, exc.code, self._refusal(target, exc))
-                                    actions = machine.receive(message, time.time())
-                                    self._apply(task_id, actions, target)
+                                    # with the frames that came with it: their events in one transaction
+                                    actions = []
+                                    try:
+                                        for message in (message, *replies.ready()):
+                                            if isinstance(message, Error) and (
+                                                    first is not None or message.code == ErrorCode.UNKNOWN_PEER):
+                                                self._apply(task_id, actions, target)  # what came before it
+                                                actions = []
+                                                if first is not None:
+                                                    return report(False, message.to_exception())  # submit() decides
+                                                # not this task alone: every task there, and new ones, for good
+                                                exc = message.to_exception()
+                                                return self.revoked_by(target, exc.code, self._refusal(target, exc))
+                                            actions += machine.receive(message, time.time())
+                                    finally:  # what the machine took is stored, even if a later frame broke it
+                                        self._apply(task_id, actions, target)
                                     if first is not None and machine.phase is not Phase.UNSENT:
                                         report(True)
                                         first = None
@@ -337,15 +345,24 @@ class TaskSubmitter:
             batch.done.set()
 
     def _apply(self, task_id: str, actions: list[Action], target: str | None = None) -> None:
-        """Carry out the machine's actions; `target` is the executor the frame came from."""
-        for action in actions:
-            if isinstance(action, Accepted):
-                pass  # stored with the first event, which follows on the same answer (Outbox.record_event)
-            elif isinstance(action, Record):
-                if self.outbox.record_event(action.event, None if action.local else target):
+        """Carry out the machine's actions; `target` is the executor the frames came from.
+        Events in a row are stored in one transaction (Outbox.record_events)."""
+        i = 0
+        while i < len(actions):
+            action = actions[i]
+            if isinstance(action, Record):
+                run = [action]
+                while i + len(run) < len(actions) and isinstance(nxt := actions[i + len(run)], Record) \
+                        and nxt.local == action.local:
+                    run.append(nxt)
+                if self.outbox.record_events(task_id, [r.event for r in run], None if action.local else target):
                     self.changed.notify(task_id)
-            elif isinstance(action, Done):
+                i += len(run)
+                continue
+            if isinstance(action, Done):
                 self.outbox.mark_acked(task_id, self.outbox.last_seq(task_id))
+            # Accepted: stored with the first event, which follows on the same answer (Outbox.record_events)
+            i += 1
 
     # -- losing access ----------------------------------------------------------------------
     def revoked_by(self, peer_id: str, code: ErrorCode, reason: str) -> None:

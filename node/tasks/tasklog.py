@@ -6,10 +6,10 @@ executor_store.py, `outbox_` in outbox.py); `EventLog` reads and appends that pa
 """
 from __future__ import annotations
 
-import functools
 import json
 import sqlite3
 import time
+from collections import OrderedDict
 from collections.abc import Iterable
 from typing import Any
 
@@ -104,14 +104,19 @@ class EventLog:
             return [event_from_row(r) for r in rows], False
         return [], TaskState(self.row(task_id)["state"]) in TERMINAL_STATES
 
-    def outcome(self, task_id: str) -> Outcome | None:
+    def final(self, task_id: str) -> TaskEvent | None:
+        """The task's final event, or None while it runs."""
         row = self.row(task_id)
         if TaskState(row["state"]) not in TERMINAL_STATES:
             return None
         last = self.conn.execute(
             f"SELECT * FROM {self.events} WHERE task_id = ? AND seq = ?", (task_id, row["last_seq"])
         ).fetchone()
-        return Outcome.from_event(event_from_row(last))
+        return event_from_row(last)
+
+    def outcome(self, task_id: str) -> Outcome | None:
+        final = self.final(task_id)
+        return None if final is None else Outcome.from_event(final)
 
     def purge(self, now: float, retention_s: float, *, when_acked: bool) -> int:
         """Forget finished tasks older than retention (or, `when_acked`, fully acknowledged ones)."""
@@ -135,7 +140,30 @@ def event_from_row(row: sqlite3.Row) -> TaskEvent:
     )
 
 
-@functools.lru_cache(maxsize=1024)
+_SPECS: OrderedDict[str, TaskSpec] = OrderedDict()  # a row's spec text -> the (frozen) spec, newest last
+_SPECS_KEPT = 1024
+
+
+def spec_to_json(spec: TaskSpec) -> str:
+    """`spec` as a row stores it. The row's reads then get this spec back (`spec_from_json`),
+    not parsed and validated again: it was validated when it came (a peer's frame, the app's
+    request), and the first read of a new task's row is on the path of every task."""
+    text = spec.model_dump_json()
+    _keep(text, spec)
+    return text
+
+
 def spec_from_json(text: str) -> TaskSpec:
     """(Cached: a task's row is read many times while it runs, and a TaskSpec is frozen.)"""
-    return TaskSpec.model_validate_json(text)
+    spec = _SPECS.get(text)
+    if spec is None:
+        spec = TaskSpec.model_validate_json(text)
+    _keep(text, spec)
+    return spec
+
+
+def _keep(text: str, spec: TaskSpec) -> None:
+    _SPECS[text] = spec
+    _SPECS.move_to_end(text)
+    if len(_SPECS) > _SPECS_KEPT:
+        _SPECS.popitem(last=False)

@@ -42,7 +42,7 @@ _GROUPS: dict[str, tuple[str, ...]] = {
     "trust": ("PairInviteRequest", "PairInviteReply", "PairJoinRequest", "PairedReply",
               "PeersRequest", "PeerView", "PeersReply", "GrantRequest", "check_limit_changes",
               "RevokeRequest", "PeerReply", "AuditRequest", "AuditRow", "AuditReply"),
-    "tasks": ("TaskSubmitRequest", "TaskSubmitted", "TaskWatchRequest", "TaskCancelRequest",
+    "tasks": ("TaskSubmitRequest", "TaskSubmitted", "TaskWatchRequest", "TaskWaitRequest", "TaskCancelRequest",
               "TaskListRequest", "SubmittedTaskView", "ExecutingTaskView", "TaskListReply",
               "TaskInputRequest", "OffersRequest", "Offer", "OffersReply"),
     "messaging": ("GroupName", "SentLetter", "InboxLetter", "MsgSendRequest", "MsgSentReply",

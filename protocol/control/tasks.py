@@ -3,7 +3,7 @@ and the offers of paired peers (who would run a task of a kind)."""
 from pydantic import Field
 
 from ..messages import Message
-from ..tasks import TaskKind, TaskState
+from ..tasks import TaskEvent, TaskKind, TaskState
 from .common import PeerAway, View
 
 
@@ -24,6 +24,7 @@ class TaskSubmitted(Message):
     target_name: str
     accepted: bool  # False: stored and queued for delivery (the target was unreachable or busy)
     away: PeerAway | None = None  # not accepted because the target is unreachable: since when, why
+    final: TaskEvent | None = None  # the task ended before this answer: its final event (no wait needed)
 
 
 class TaskWatchRequest(Message):
@@ -33,6 +34,14 @@ class TaskWatchRequest(Message):
     type = "control.task_watch"
     task_id: str
     after_seq: int = Field(default=0, ge=0)
+
+
+class TaskWaitRequest(Message):
+    """Wait until a delegated task has ended; the reply is its final `task.event` (the one
+    whose state is terminal: its result or why it failed), from this node's mirror."""
+
+    type = "control.task_wait"
+    task_id: str
 
 
 class TaskCancelRequest(Message):
