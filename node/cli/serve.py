@@ -59,8 +59,8 @@ def serve_openai(home: str | None, out: Output, host: str | None, port: int | No
                  api_key_given: str | None, show_key: bool, save: bool, log_json: bool) -> None:
     """Serve the OpenAI-compatible endpoint: in the running daemon, or in a node run in the foreground.
 
-    Models are this node's (`tiny`) and, as `PEER/MODEL` (`home/tiny`), those of paired
-    peers that granted this node task.infer. Clients need the key (--show-key prints it).
+    Models are this node's (`tiny`) and, as `PEER/MODEL` (`home/tiny`), each model of a
+    paired peer whose grant to this node covers it (task.infer, models=... included). Clients need the key (--show-key prints it).
     With a daemon already running for this home (a service, say), the endpoint is turned
     on in it instead, until it stops (--save: at every start).
     """
