@@ -139,7 +139,7 @@ def _serve_in_daemon(home: str | None, out: Output, section: Literal["openai", "
              lambda con: con.print(f"the running daemon's {what} {state} at {url}"))
     out.hint("it stays on until the daemon stops" + ("; config.toml turns it on at every start (--save)" if save
                                                      else "; add --save to turn it on at every start")
-             + f"; clients need its key: psymesh serve {section} --show-key")
+             + f"; clients need its key: {out.suggest(f'serve {section}', '--show-key')}")
     if reply.already and (host is not None or port is not None or given["api_key_file"]):
         out.warn("it kept the settings it started with; restart the daemon to change them")
     return True
@@ -152,7 +152,7 @@ def mcp() -> None:
 
 def _restart_hint(out: Output, home: str | None) -> None:
     if HomePaths(home).socket_path.exists():
-        out.hint("restart the daemon to apply it: psymesh node stop, then psymesh node start")
+        out.hint(f"restart the daemon to apply it: {out.suggest('node stop')}, then {out.suggest('node start')}")
 
 
 @mcp.command("add")
@@ -197,7 +197,7 @@ def mcp_remove(home: str | None, out: Output, name: str) -> None:
     node_home = home_at(home)
     config = node_home.load_config()
     if not any(m.name == name for m in config.mcp):
-        raise PsymeshError(f"no MCP server {name!r} in {node_home.config_path}; see: psymesh mcp list",
+        raise PsymeshError(f"no MCP server {name!r} in {node_home.config_path}; see: {out.suggest('mcp list')}",
                            code=ErrorCode.NOT_FOUND)
     node_home.save_config(config.model_copy(update={"mcp": [m for m in config.mcp if m.name != name]}))
     out.data({"removed": name}, lambda con: con.print(f"mcp server {name} removed"))
@@ -212,7 +212,7 @@ def mcp_list(home: str | None, out: Output) -> None:
 
     def human(con: Console) -> None:
         if not servers:
-            con.print("no MCP servers (add one: psymesh mcp add NAME -- COMMAND ...)")
+            con.print(escape(f"no MCP servers (add one: {out.suggest('mcp add', 'NAME -- COMMAND ...')})"))
         for m in servers:
             con.print(escape(f"{m.name}: {' '.join(m.command) if m.command else m.url}  (tools mcp.{m.name}.*)"))
 
