@@ -155,6 +155,24 @@ def _restart_hint(out: Output, home: str | None) -> None:
         out.hint(f"restart the daemon to apply it: {out.suggest('node stop')}, then {out.suggest('node start')}")
 
 
+def _absolute_command(command: tuple[str, ...]) -> tuple[list[str], list[tuple[str, str]]]:
+    """`command` as the daemon can run it from any directory: the program found on PATH (or a
+    relative path to it) made absolute, and each argument that names an existing file or
+    directory relative to here made absolute; with what changed, (given, stored). Paths are
+    made absolute, not resolved: a venv's `python` stays the venv's, not the one it links to."""
+    import shutil
+
+    if not command:
+        return [], []
+    program, *args = command
+    found = shutil.which(program)
+    stored = [os.path.abspath(found) if found else program]
+    for arg in args:
+        stored.append(os.path.abspath(arg) if not arg.startswith("-") and not os.path.isabs(arg)
+                      and os.path.exists(arg) else arg)
+    return stored, [(given, now) for given, now in zip(command, stored) if given != now]
+
+
 @mcp.command("add")
 @command
 @click.argument("name")
@@ -176,8 +194,12 @@ def mcp_add(home: str | None, out: Output, name: str, server_command: tuple[str,
         if not sep:
             raise click.BadParameter(f"{pair_!r} is not KEY=VALUE", param_hint="--env")
         env[key] = value
+    command_line, made_absolute = _absolute_command(server_command)
+    if server_command and not os.path.isabs(command_line[0]):
+        out.warn(f"{server_command[0]!r} is not on this PATH; the daemon will look for it on its own")
     try:
-        entry = McpServerConfig(name=name, command=list(server_command) or None, url=url, env=env, cwd=cwd)
+        entry = McpServerConfig(name=name, command=command_line or None, url=url, env=env,
+                                cwd=os.path.abspath(cwd) if cwd else None)
     except ValidationError as exc:
         raise click.UsageError(exc.errors()[0]["msg"].removeprefix("Value error, ")) from None
     node_home = home_at(home)
@@ -186,6 +208,9 @@ def mcp_add(home: str | None, out: Output, name: str, server_command: tuple[str,
     servers = [m for m in config.mcp if m.name != name] + [entry]
     node_home.save_config(config.model_copy(update={"mcp": servers}))
     out.data(entry, lambda con: con.print(f"mcp server {name} added: its tools are mcp.{name}.*"))
+    if made_absolute:  # the daemon may run from another directory (a service's is /)
+        out.hint("stored with absolute paths, as the daemon runs it from any directory: "
+                 + ", ".join(f"{given} -> {now}" for given, now in made_absolute))
     _restart_hint(out, home)
 
 
@@ -207,13 +232,35 @@ def mcp_remove(home: str | None, out: Output, name: str) -> None:
 @mcp.command("list")
 @command
 def mcp_list(home: str | None, out: Output) -> None:
-    """The MCP servers in config.toml."""
+    """The MCP servers in config.toml, and whether each is up in the running daemon."""
+    from ..control.client import DaemonNotRunning
+
     servers = home_at(home).load_config().mcp
+    running: dict[str, c.McpServerState] | None = None
+    if servers:
+        try:
+            running = {s.name: s for s in on_node(home, lambda client: client.mcp_status())}
+        except DaemonNotRunning:
+            pass
+
+    def state(name: str) -> str:
+        if running is None:
+            return "no daemon runs: cannot tell whether it is up"
+        s = running.get(name)
+        if s is None:
+            return f"not in the running daemon: {out.suggest('node stop')}, then {out.suggest('node start')}"
+        if s.up:
+            return f"up, {len(s.tools)} tool{'s' if len(s.tools) != 1 else ''}"
+        return f"down ({s.problem or 'starting'})" + (f"; its stderr: {s.log}" if s.log else "")
 
     def human(con: Console) -> None:
         if not servers:
             con.print(escape(f"no MCP servers (add one: {out.suggest('mcp add', 'NAME -- COMMAND ...')})"))
         for m in servers:
             con.print(escape(f"{m.name}: {' '.join(m.command) if m.command else m.url}  (tools mcp.{m.name}.*)"))
+            con.print(escape(f"  {state(m.name)}"))
 
-    out.data(servers, human)
+    # JSON: each config entry, with `running` the daemon's view of it (null: no daemon, or not in it)
+    rows = [{**m.model_dump(mode="json"), "running": None if running is None or m.name not in running
+             else running[m.name].model_dump(mode="json")} for m in servers]
+    out.data(rows, human)
