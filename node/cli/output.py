@@ -11,7 +11,6 @@ not reach a peer, the line ends with what to check next.
 from __future__ import annotations
 
 import json
-import shlex
 import sys
 from collections.abc import Callable
 from functools import cached_property
@@ -75,6 +74,8 @@ class Output:
         `command` is the command's words, `rest` its arguments as shown (placeholders such as
         `NAME PATH.gguf` included); --home goes between them, where it is read whatever
         `rest` holds (a `-- COMMAND` included)."""
+        import shlex  # here: most commands print no hint
+
         where = f" --home {shlex.quote(self.home)}" if self.home is not None else ""
         return f"psymesh {command}{where}" + (f" {rest}" if rest else "")
 
