@@ -60,7 +60,8 @@ def serve_openai(home: str | None, out: Output, host: str | None, port: int | No
     """Serve the OpenAI-compatible endpoint: in the running daemon, or in a node run in the foreground.
 
     Models are this node's (`tiny`) and, as `PEER/MODEL` (`home/tiny`), each model of a
-    paired peer whose grant to this node covers it (task.infer, models=... included). Clients need the key (--show-key prints it).
+    paired peer whose grant to this node covers it (task.infer, models=... included).
+    Clients need the key (--show-key prints it).
     With a daemon already running for this home (a service, say), the endpoint is turned
     on in it instead, until it stops (--save: at every start).
     """
@@ -155,20 +156,22 @@ def _restart_hint(out: Output, home: str | None) -> None:
         out.hint(f"restart the daemon to apply it: {out.suggest('node stop')}, then {out.suggest('node start')}")
 
 
-def _absolute_command(command: tuple[str, ...]) -> tuple[list[str], list[tuple[str, str]]]:
+def _absolute_command(command: tuple[str, ...], cwd: str | None) -> tuple[list[str], list[tuple[str, str]]]:
     """`command` as the daemon can run it from any directory: the program found on PATH (or a
     relative path to it) made absolute, and each argument that names an existing file or
     directory relative to here made absolute; with what changed, (given, stored). Paths are
-    made absolute, not resolved: a venv's `python` stays the venv's, not the one it links to."""
+    made absolute, not resolved: a venv's `python` stays the venv's, not the one it links to.
+    With a `cwd` of its own, relative paths mean paths in it: only a bare program name is
+    looked up on PATH."""
     import shutil
 
     if not command:
         return [], []
     program, *args = command
-    found = shutil.which(program)
+    found = shutil.which(program) if cwd is None or os.sep not in program else None
     stored = [os.path.abspath(found) if found else program]
     for arg in args:
-        stored.append(os.path.abspath(arg) if not arg.startswith("-") and not os.path.isabs(arg)
+        stored.append(os.path.abspath(arg) if cwd is None and not arg.startswith("-") and not os.path.isabs(arg)
                       and os.path.exists(arg) else arg)
     return stored, [(given, now) for given, now in zip(command, stored) if given != now]
 
@@ -194,8 +197,8 @@ def mcp_add(home: str | None, out: Output, name: str, server_command: tuple[str,
         if not sep:
             raise click.BadParameter(f"{pair_!r} is not KEY=VALUE", param_hint="--env")
         env[key] = value
-    command_line, made_absolute = _absolute_command(server_command)
-    if server_command and not os.path.isabs(command_line[0]):
+    command_line, made_absolute = _absolute_command(server_command, cwd)
+    if server_command and os.sep not in command_line[0]:
         out.warn(f"{server_command[0]!r} is not on this PATH; the daemon will look for it on its own")
     try:
         entry = McpServerConfig(name=name, command=command_line or None, url=url, env=env,
