@@ -61,6 +61,8 @@ async def test_hints_name_the_home_given_on_the_command_line_and_work_as_printed
         assert key_command == ["psymesh", "serve", "openai", "--home", home, "--show-key"]
         rc, key, err = await _psymesh(*key_command[1:])  # as printed: the key of this home's endpoint
         assert rc == 0, err
+        rc, out, err = await _psymesh("doctor", "--home", home)  # its next steps too (node/control/doctor.py)
+        assert rc in (0, 1) and f"pair one: psymesh pair invite --home {home})" in " ".join(out.split()), out + err
         endpoint = nodes["home"].openai
         assert endpoint is not None and key.strip() == endpoint.key.value
 

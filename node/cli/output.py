@@ -17,6 +17,7 @@ from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 from ..control.oneshot import Reply
+from ..core.paths import spell_command
 from ...protocol.errors import NetworkError, PsymeshError, network_kind
 
 if TYPE_CHECKING:
@@ -74,10 +75,7 @@ class Output:
         `command` is the command's words, `rest` its arguments as shown (placeholders such as
         `NAME PATH.gguf` included); --home goes between them, where it is read whatever
         `rest` holds (a `-- COMMAND` included)."""
-        import shlex  # here: most commands print no hint
-
-        where = f" --home {shlex.quote(self.home)}" if self.home is not None else ""
-        return f"psymesh {command}{where}" + (f" {rest}" if rest else "")
+        return spell_command(command, rest, home=self.home)
 
     @cached_property
     def out(self) -> Console:

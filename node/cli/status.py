@@ -75,7 +75,7 @@ def doctor(home: str | None, out: Output, timeout_s: float) -> None:
     """Check this node: its home, disk, database, listen addresses, and each paired peer
     (reachable? direct or relayed? its clock? can it dial back?). Exit status 1 if a check fails."""
     from ..control.doctor import failed, run_checks
-    checks = run_async(lambda: run_checks(home_at(home), timeout_s=timeout_s))
+    checks = run_async(lambda: run_checks(home_at(home), timeout_s=timeout_s, suggest=out.suggest))
     colors = {"ok": "green", "warn": "yellow", "fail": "red"}
 
     def human(con: Console) -> None:

@@ -28,6 +28,17 @@ def resolve_home(home: str | os.PathLike[str] | None = None) -> Path:
     return Path(home).expanduser().resolve()
 
 
+def spell_command(command: str, rest: str = "", *, home: str | None = None) -> str:
+    """A psymesh command for a person to run next, for the home they named: `command` is its
+    words, `rest` its arguments as shown (placeholders included), `home` the --home they gave
+    (None: leave it out, as they did), put between them so it is read whatever `rest` holds.
+    `spell_command("task watch", "t1", home="~/psy-phone")` -> `psymesh task watch --home '~/psy-phone' t1`."""
+    import shlex  # here: most commands print no hint
+
+    where = f" --home {shlex.quote(home)}" if home is not None else ""
+    return f"psymesh {command}{where}" + (f" {rest}" if rest else "")
+
+
 def _default_home() -> str:
     """The platform's data dir for psymesh (on Linux `$XDG_DATA_HOME/psymesh`, else
     `~/.local/share/psymesh`; Termux's and the others' as platformdirs says). platformdirs is
