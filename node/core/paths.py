@@ -1,5 +1,6 @@
 """Where a node home's files are, and the rules for touching them (what home.py says about the
-home: private to its owner, mode 0700, files 0600).
+home: private to its owner, mode 0700, files 0600); and how a command for a home is spelled for a
+person to run next (`spell_command`: the CLI's hints and doctor's next steps).
 
     <home>/identity.key   <home>/config.toml   <home>/node.db   <home>/control.sock
 
