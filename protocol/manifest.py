@@ -473,6 +473,14 @@ def verify_grant(manifest: Manifest, *, local_peer_id: str, remote_peer_id: str,
     return Decision(True)
 
 
+def grants_kind(manifest: Manifest, kind: str, *, local_peer_id: str, remote_peer_id: str, now: float) -> bool:
+    """Does this valid, in-date grant hold any capability of `kind`, whatever narrows it? For
+    a question asked before the exact request is known (which peers to ask for their models:
+    `task.infer:models=botpsy*` allows no `Operation.infer(None)`, yet some of its models)."""
+    return (verify_grant(manifest, local_peer_id=local_peer_id, remote_peer_id=remote_peer_id, now=now).allowed
+            and any(c.kind == kind for c in manifest.capabilities))
+
+
 def check(manifest: Manifest, operation: Operation, *, local_peer_id: str, remote_peer_id: str,
           now: float, signature_verified: bool = False) -> Decision:
     """May `remote_peer_id` do `operation` here? Checked in order, first failure wins:

@@ -182,6 +182,7 @@ async def test_a_peer_whose_clock_runs_two_minutes_ahead_fails_the_clock_check(
 
 @pytest.mark.anyio
 async def test_status_lists_the_relayed_address_a_reservation_gives(tmp_path: Path) -> None:
+    from psymesh.node.cli.output import Output
     from psymesh.node.cli.status import _reachability_lines
     from psymesh.protocol.relay import RelaySettings
 
@@ -200,7 +201,7 @@ async def test_status_lists_the_relayed_address_a_reservation_gives(tmp_path: Pa
             reach = (await h.status()).reachability
             assert reach.relayed == home.p2p.relayed_addrs() and reach.relayed[0].endswith(
                 f"/p2p/{relay_id}/p2p-circuit/p2p/{home.identity.peer_id}")
-            assert f"{reach.relayed[0]} (through a relay)" in _reachability_lines(reach)
+            assert f"{reach.relayed[0]} (through a relay)" in _reachability_lines(reach, Output())
             [seen] = (await h.doctor()).peers
             assert (seen.name, seen.reachable, seen.path) == ("relay", True, "direct")
 

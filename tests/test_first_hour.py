@@ -299,7 +299,7 @@ async def test_model_add_takes_the_ggufs_context_and_eval_over_it_fails_naming_c
     rc, _, err = await _cli(home, "eval", str(REPO / "examples" / "eval_cases.jsonl"), "--model", "small",
                             json_mode=False)
     assert rc == 1, err
-    assert "the context holds 256" in err and "psymesh model add small PATH.gguf --ctx 8192" in err
+    assert "the context holds 256" in err and f"psymesh model add --home {home} small PATH.gguf --ctx 8192" in " ".join(err.split())
 
 
 def test_the_memory_cap_keeps_a_long_declared_context_in_bounds(tiny_model: Path) -> None:

@@ -284,3 +284,64 @@ async def test_a_server_over_streamable_http(tmp_path: Path) -> None:
         server.terminate()
         server.wait(timeout=10)
     assert read["untrusted"] is True and read["structured"] == {"result": "call mum"}
+
+
+@pytest.mark.anyio
+async def test_mcp_add_stores_what_runs_from_anywhere_and_mcp_list_says_what_is_up(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The README's `psymesh mcp add --home ~/psy-home notes -- python examples/mcp_server.py DIR`,
+    run from one directory, with the daemon started from another. Before: config.toml held the
+    bare `python` and the relative paths, and the daemon logged only `MCP server notes is down
+    (MCPError: Connection closed)`. Now `mcp add` stores absolute paths (and says so: a venv's
+    python stays the venv's), the daemon finds the server, `is down` names the log file where
+    a failing server said why, and `mcp list` tells up from down (or that it cannot tell)."""
+    import json
+    import shutil
+
+    here = tmp_path / "checkout"  # where the user ran `mcp add`; the daemon runs elsewhere
+    (here / "notes").mkdir(parents=True)
+    (here / "notes" / "todo.md").write_text("call mum")
+    shutil.copy(REPO / "examples" / "mcp_server.py", here / "server.py")
+    venv_bin = Path(sys.executable).parent
+    env = {**os.environ, "PATH": f"{venv_bin}{os.pathsep}{os.environ.get('PATH', '')}"}
+    env.pop("PSYMESH_HOME", None)
+    home = tmp_path / "home"
+    NodeHome(home).init(profile="home", name="home")
+
+    async def psymesh(*args: str) -> tuple[int, str, str]:
+        done = await anyio.run_process([sys.executable, "-m", "psymesh", *args], cwd=here, env=env, check=False)
+        return done.returncode, done.stdout.decode(), done.stderr.decode()
+
+    rc, out, err = await psymesh("mcp", "add", "--home", str(home), "notes", "--", "python", "server.py", "notes")
+    assert rc == 0, err
+    python = shutil.which("python", path=env["PATH"])
+    assert python is not None and Path(python).parent == venv_bin
+    said = " ".join(err.split())
+    assert f"server.py -> {here / 'server.py'}" in said and f"notes -> {here / 'notes'}" in said
+    assert f"python -> {python}" in said
+    rc, out, err = await psymesh("mcp", "add", "--home", str(home), "broken", "--", "python", "-c",
+                                 "import sys; sys.exit('no notes here: check the directory')")
+    assert rc == 0, err
+    rc, listed, err = await psymesh("mcp", "list", "--home", str(home), "--json")
+    assert rc == 0, err
+    rows = json.loads(listed)
+    assert rows[0]["command"] == [python, str(here / "server.py"), str(here / "notes")]  # not resolved
+    assert [r["running"] for r in rows] == [None, None]
+    rc, human, _ = await psymesh("mcp", "list", "--home", str(home))
+    assert rc == 0 and human.count("no daemon runs: cannot tell whether it is up") == 2, human
+
+    caplog.set_level("WARNING", logger="psymesh.mcp")
+    async with run_nodes(tmp_path, "home") as nodes:  # this process's directory: not `here`
+        notes, broken = nodes["home"].mcp.servers["notes"], nodes["home"].mcp.servers["broken"]
+        await wait_until(lambda: notes.up and broken.restarts >= 1, "notes up, broken tried twice", timeout=60)
+        rc, human, err = await psymesh("mcp", "list", "--home", str(home))
+        assert rc == 0, err
+        rc, listed, err = await psymesh("mcp", "list", "--home", str(home), "--json")
+    log_file = home / "mcp-broken.log"
+    lines = [line.strip() for line in human.splitlines()]
+    assert lines[1] == "up, 3 tools"
+    assert lines[3].startswith("down (") and lines[3].endswith(f"; its stderr: {log_file}")
+    assert json.loads(listed)[0]["running"]["up"] is True
+    down = [r.getMessage() for r in caplog.records if "MCP server broken is down" in r.getMessage()]
+    assert down and f"its stderr: {log_file}" in down[0]
+    assert "no notes here: check the directory" in log_file.read_text()  # where the real cause is

@@ -46,7 +46,7 @@ def test_pull_offline_names_the_file_to_fetch_by_hand(tmp_path: Path) -> None:
     [hint, line] = human.stderr.strip().splitlines()  # what it tried; then one line naming its own next step
     assert hint.startswith("fetching the Q4_K_M GGUF")
     assert human.returncode == 1 and line.startswith("network error [unavailable]: cannot reach the model hub")
-    assert line.endswith("psymesh model add NAME /path/to/that.gguf")
+    assert line.endswith(f"psymesh model add --home {tmp_path / 'h'} NAME /path/to/that.gguf")  # the home given
 
 
 def test_a_phone_without_the_model_is_told_to_run_it_on_home(tmp_path: Path) -> None:

@@ -243,6 +243,32 @@ async def test_a_model_of_the_paired_home_by_name(tmp_path: Path, tiny_model: Pa
     assert unknown.value.status_code == 404 and unknown.value.body["code"] == "model_not_found"
 
 
+@pytest.mark.anyio
+async def test_a_grant_naming_models_by_pattern_lists_the_models_it_allows(tmp_path: Path, tiny_model: Path) -> None:
+    """The README's grant, `-task.infer +task.infer:models=botpsy*`, allows no request that
+    names no model; GET /v1/models still lists each model home offers that the pattern
+    covers (issue 22: it listed none), and not the others."""
+    async with mesh(tmp_path, tiny_model) as nodes:
+        home, phone = nodes["home"], nodes["phone"]
+        phone.models.registry.remove("tiny")
+        home.models.registry.add("other", tiny_model, **MODEL)
+        async with Client(home.home.path) as h:
+            await h.grant("phone", remove=["task.infer"], add=["task.infer:models=ti*"])
+
+        def narrowed() -> bool:
+            peer = phone.trust.resolve("home")
+            return peer.received is not None and "task.infer:models=ti*" in peer.received.grants()
+
+        await wait_until(narrowed, "the phone holds home's grant naming models")
+        api = client(phone)
+        models = await off_loop(lambda: [m.id for m in api.models.list()])
+        one = await off_loop(lambda: api.models.retrieve("home/tiny"))
+        with pytest.raises(openai.NotFoundError):
+            await off_loop(lambda: api.models.retrieve("home/other"))
+    assert models == ["home/tiny"]
+    assert one.owned_by == "home"
+
+
 # --------------------------------------------------------------------------- refusals
 
 
@@ -374,10 +400,17 @@ async def test_serve_openai_command_and_the_example_client(tmp_path: Path, tiny_
         assert found, log.read_text()
         assert KEY.encode() not in Path(f"/proc/{proc.pid}/cmdline").read_bytes()
         assert "its key: $PSYMESH_OPENAI_API_KEY" in log.read_text()
+        # No --model: the example takes the first model the endpoint lists.
         example = await anyio.run_process(
             [sys.executable, str(REPO / "examples" / "openai_client.py"), "--base-url", found[0] + "/v1",
-             "--model", "tiny", "--max-tokens", "16"],
+             "--max-tokens", "16"],
             env={**os.environ, "OPENAI_API_KEY": KEY}, cwd=REPO, check=False)
+        wrong = await anyio.run_process(
+            [sys.executable, str(REPO / "examples" / "openai_client.py"), "--base-url", found[0] + "/v1",
+             "--model", "home/tiny"], env={**os.environ, "OPENAI_API_KEY": "sk-wrong"}, cwd=REPO, check=False)
+        absent = await anyio.run_process(
+            [sys.executable, str(REPO / "examples" / "openai_client.py"), "--base-url", found[0] + "/v1",
+             "--model", "home/tiny"], env={**os.environ, "OPENAI_API_KEY": KEY}, cwd=REPO, check=False)
     finally:
         proc.send_signal(signal.SIGTERM)
         with anyio.fail_after(30):
@@ -385,7 +418,13 @@ async def test_serve_openai_command_and_the_example_client(tmp_path: Path, tiny_
                 await anyio.sleep(0.05)
     out = example.stdout.decode()
     assert example.returncode == 0, example.stderr.decode()
-    assert "models: tiny" in out and "finish_reason: " in out and "tool call: get_weather" in out
+    assert "models: tiny" in out and "model: tiny (the first listed" in out
+    assert "finish_reason: " in out and "tool call: get_weather" in out
+    # A refusal is the endpoint's one line and exit status 1, not the client's traceback.
+    for refused, status in ((wrong, 401), (absent, 404)):
+        said = refused.stderr.decode().strip()
+        assert refused.returncode == 1 and "Traceback" not in said, said
+        assert len(said.splitlines()) == 1 and said.startswith(f"error {status}: "), said
     assert proc.returncode == 0, log.read_text()
 
 

@@ -120,6 +120,11 @@ class McpServer:
     def up(self) -> bool:
         return self._client is not None
 
+    @property
+    def log_path(self) -> Path | None:
+        """Where a command's stderr goes (a server's own account of why it fails); None for a URL."""
+        return None if self.config.command is None else self.log_dir / f"mcp-{self.name}.log"
+
     # -- supervision ------------------------------------------------------------------------
     async def run(self) -> None:
         """Connect, list, serve; on any failure wait (backoff) and start again, forever."""
@@ -135,7 +140,8 @@ class McpServer:
                 self.settled.set()
             if self._up_since is not None and time.monotonic() - self._up_since >= self.config.restart_max_s:
                 delay = self.config.restart_min_s  # it served well for a while: start the backoff over
-            log.warning("MCP server %s is down (%s); next attempt in %g s", self.name, self.problem, delay)
+            log.warning("MCP server %s is down (%s)%s; next attempt in %g s", self.name, self.problem,
+                        f"; its stderr: {self.log_path}" if self.log_path else "", delay)
             self.retry_at = time.time() + delay
             await anyio.sleep(delay)
             delay = min(delay * 2, self.config.restart_max_s)
@@ -179,9 +185,9 @@ class McpServer:
 
     def _stderr(self) -> Any:
         """Where a stdio server's stderr goes: <home>/mcp-NAME.log (0600), rotated once big."""
-        if self.config.command is None:
+        path = self.log_path
+        if path is None:
             return contextlib.nullcontext()
-        path = self.log_dir / f"mcp-{self.name}.log"
         try:
             if path.stat().st_size > LOG_ROTATE_BYTES:
                 path.replace(path.with_suffix(".log.1"))
@@ -324,6 +330,7 @@ class McpStatus:
     tools: list[str]
     problem: str
     restarts: int
+    log: str | None
 
 
 class McpTools:
@@ -349,5 +356,6 @@ class McpTools:
             task_status.started()
 
     def status(self) -> list[McpStatus]:
-        return [McpStatus(name=s.name, up=s.up, tools=sorted(s.tools), problem=s.problem, restarts=s.restarts)
+        return [McpStatus(name=s.name, up=s.up, tools=sorted(s.tools), problem=s.problem, restarts=s.restarts,
+                          log=None if s.log_path is None else str(s.log_path))
                 for s in self.servers.values()]

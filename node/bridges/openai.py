@@ -1,8 +1,9 @@
 """An OpenAI-compatible HTTP endpoint inside the daemon, so apps that speak the OpenAI
 API use this node's models, and its paired homes' models, unchanged.
 
-    GET  /v1/models               this node's models, and `PEER/MODEL` for each paired
-                                  peer whose grant to us covers task.infer
+    GET  /v1/models               this node's models, and `PEER/MODEL` for each model a
+                                  paired peer offers that its grant to us covers
+                                  (task.infer, `models=` globs included)
     GET  /v1/models/{id}
     POST /v1/chat/completions     messages, tools, tool_choice, stream (server-sent
                                   events), max_tokens / max_completion_tokens,
@@ -59,7 +60,7 @@ from ..tasks.ids import new_task_id
 from .httpguard import AllowedHosts, GuardRules, HttpGuard, Refusal
 from .httpserve import serve_face
 from ...protocol.errors import ErrorCode, PsymeshError
-from ...protocol.manifest import Operation, check
+from ...protocol.manifest import Operation, check, grants_kind
 from ...protocol.tasks import EventKind, InferCall, InferResult, TaskKind, TaskSpec
 
 if TYPE_CHECKING:
@@ -431,8 +432,11 @@ class OpenAIEndpoint:
                     pass
 
         now = time.time()
+        # A peer is asked for its list when its grant to us holds any task.infer (one naming
+        # models, `models=botpsy*`, included); each model it offers is then checked by name.
         peers = [p for p in self.node.trust.list(include_revoked=False)
-                 if self._may_infer(p.received, p.peer_id, None, now)]
+                 if p.received is not None and grants_kind(p.received, "task.infer", local_peer_id=p.peer_id,
+                                                           remote_peer_id=self.node.peer_id, now=now)]
         async with anyio.create_task_group() as tg:
             for peer in peers:
                 tg.start_soon(ask, peer.peer_id)
@@ -443,7 +447,7 @@ class OpenAIEndpoint:
                                     "owned_by": peer.name})
         return entries
 
-    def _may_infer(self, grant: Any, peer_id: str, model: str | None, now: float) -> bool:
+    def _may_infer(self, grant: Any, peer_id: str, model: str, now: float) -> bool:
         return grant is not None and check(grant, Operation.infer(model), local_peer_id=peer_id,
                                            remote_peer_id=self.node.peer_id, now=now).allowed
 

@@ -36,8 +36,8 @@ class _StopOverContext:
     context: every case would fail the same way and score 0 % with exit status 0. Both
     eval paths (a case file, --bfcl) wrap their model in it."""
 
-    def __init__(self, model: Any, name: str, n_ctx: int) -> None:
-        self.model, self.name, self.n_ctx = model, name, n_ctx
+    def __init__(self, model: Any, name: str, n_ctx: int, out: Output) -> None:
+        self.model, self.name, self.n_ctx, self.out = model, name, n_ctx, out
 
     async def reply(self, *args: Any, **kwargs: Any) -> Any:
         from ...agent.inference import PromptTooLong
@@ -47,7 +47,7 @@ class _StopOverContext:
         except PromptTooLong as exc:
             raise EvalStopped(PsymeshError(
                 f"eval stopped: {exc.message}; give model {self.name} a larger context: "
-                f"psymesh model add {self.name} PATH.gguf --ctx {max(2 * self.n_ctx, 8192)}",
+                + self.out.suggest("model add", f"{self.name} PATH.gguf --ctx {max(2 * self.n_ctx, 8192)}"),
                 code=ErrorCode.TOO_LARGE)) from None
 
 
@@ -236,7 +236,7 @@ def eval_cmd(home: str | None, out: Output, cases: str | None, model_name: str |
         async with _local_runner(node_home, registry, name) as worker:
             model = _StopOverContext(llama_model(worker, {"grammar": not free_form, "temperature": 0.0,
                                                           "max_tokens": 256, "ban_bytes": ban_bytes}),
-                                     name, worker.settings.n_ctx)
+                                     name, worker.settings.n_ctx, out)
             return await evaluate(loaded, model, thinking=thinking,
                                   on_result=progress)
 
@@ -311,10 +311,10 @@ def _eval_bfcl(home: str | None, out: Output, bfcl_dir: str | None, categories: 
                 web = await stack.enter_async_context(Client(home)) if any(c.category in WEB_CATEGORIES
                                                                            for c in loaded) else None
                 n_ctx = worker.settings.n_ctx
-                return [await run_bfcl(loaded, _StopOverContext(LlamaAgentModel(worker, params(seed)), name, n_ctx),
+                return [await run_bfcl(loaded, _StopOverContext(LlamaAgentModel(worker, params(seed)), name, n_ctx, out),
                                        thinking=thinking, on_result=progress, web=web,
                                        prompting=_StopOverContext(LlamaAgentModel(worker, params(seed, False)),
-                                                                  name, n_ctx))
+                                                                  name, n_ctx, out))
                         for seed in range(runs)]
 
         reports = run_async(go)

@@ -18,6 +18,7 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
+from click.core import ParameterSource
 
 from ..core.paths import HomePaths
 from .output import Output
@@ -133,7 +134,8 @@ def command(f: Callable[..., Any]) -> Callable[..., Any]:
     @json_option
     @functools.wraps(f)
     def wrapper(*args: Any, home: str | None, json_mode: bool, **kwargs: Any) -> Any:
-        out = Output(json_mode)
+        given = click.get_current_context().get_parameter_source("home") is ParameterSource.COMMANDLINE
+        out = Output(json_mode, home=home if given else None)
         try:
             return f(*args, home=home, out=out, **kwargs)
         except (PsymeshError, EvalStopped, sqlite3.Error, BaseExceptionGroup) as exc:

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from .output import Output, table as out_table
+from .output import Output, escape, table as out_table
 from .common import command, home_at, on_node, parse_duration
 
 if TYPE_CHECKING:
@@ -66,7 +66,8 @@ def model_pull(home: str | None, out: Output, repo_id: str, quant: str, name: st
     node_home = home_at(home)
     node_home.init()
     out.hint(f"fetching the {quant} GGUF of {repo_id} ...")
-    path = pull_model(repo_id, quant, node_home.models_dir / repo_id.replace("/", "--"))
+    path = pull_model(repo_id, quant, node_home.models_dir / repo_id.replace("/", "--"),
+                      add_command=out.suggest("model add", "NAME /path/to/that.gguf"))
     name = name or repo_id.split("/")[-1].lower()
     row = _models(node_home).add(name, path)
     out.data({k: v for k, v in row.items() if k != "chat_template"},
@@ -86,7 +87,7 @@ def model_list(home: str | None, out: Output) -> None:
         table = out_table("name", "path", "context", "threads")
         for r in rows:
             table.add_row(r["name"], r["path"], str(r["n_ctx"]), str(r["n_threads"] or "all"))
-        con.print(table if rows else "no models; add one with: psymesh model add NAME PATH.gguf")
+        con.print(table if rows else escape(f"no models; add one with: {out.suggest('model add', 'NAME PATH.gguf')}"))
 
     out.data(rows, human)
 
@@ -103,7 +104,7 @@ def model_ps(home: str | None, out: Output) -> None:
 
     def human(con: Console) -> None:
         if not models:
-            con.print("no models; add one with: psymesh model add NAME PATH.gguf")
+            con.print(escape(f"no models; add one with: {out.suggest('model add', 'NAME PATH.gguf')}"))
             return
         table = out_table("name", "state", "pid", "memory", "idle/keep", "served")
         for m in models:

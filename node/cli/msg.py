@@ -247,7 +247,7 @@ def group_list(home: str | None, out: Output) -> None:
         for g in groups:
             con.print(escape(_group_text(g)))
         if not groups:
-            con.print("no groups; make one with: psymesh group create NAME PEER...")
+            con.print(escape(f"no groups; make one with: {out.suggest('group create', 'NAME PEER...')}"))
 
     out.data(groups, human)
 

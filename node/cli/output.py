@@ -17,12 +17,13 @@ from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 from ..control.oneshot import Reply
+from ..core.paths import spell_command
 from ...protocol.errors import NetworkError, PsymeshError, network_kind
 
 if TYPE_CHECKING:
     from rich.console import Console
 
-PEER_NEXT_STEP = "is its daemon running and reachable? try again later, or see: psymesh peers"
+PEER_NEXT_STEP = "is its daemon running and reachable? try again later, or see: {peers}"
 
 
 def escape(text: str) -> str:
@@ -60,10 +61,21 @@ def to_data(obj: Any) -> Any:
 
 class Output:
     """`out` and `err` (rich consoles) are made on first use, so a command that only writes
-    JSON never loads rich."""
+    JSON never loads rich. `home`: the --home this command was given on its command line
+    (None when it came from $PSYMESH_HOME, which the next command sees as well, or the
+    default), repeated by `suggest` in every command a hint names."""
 
-    def __init__(self, json_mode: bool = False) -> None:
+    def __init__(self, json_mode: bool = False, home: str | None = None) -> None:
         self.json_mode = json_mode
+        self.home = home
+
+    def suggest(self, command: str, rest: str = "") -> str:
+        """A psymesh command to run next, as the user would type it for this home:
+        `suggest("task watch", task_id)` -> `psymesh task watch --home ~/psy-phone t18...`.
+        `command` is the command's words, `rest` its arguments as shown (placeholders such as
+        `NAME PATH.gguf` included); --home goes between them, where it is read whatever
+        `rest` holds (a `-- COMMAND` included)."""
+        return spell_command(command, rest, home=self.home)
 
     @cached_property
     def out(self) -> Console:
@@ -102,7 +114,7 @@ class Output:
         if network:
             message = " ".join(exc.message.split())  # one line, whatever the transport said
             if "network" in exc.details:  # the daemon said so: it could not reach a peer
-                message += f"; {PEER_NEXT_STEP}"
+                message += "; " + PEER_NEXT_STEP.format(peers=self.suggest("peers"))
             self.err.print(f"[red]network error[/red] {code}: {escape(message)}")
         else:
             self.err.print(f"[red]error[/red] {code}: {escape(exc.message)}")

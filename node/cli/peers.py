@@ -101,7 +101,7 @@ def peers(home: str | None, out: Output, active: bool) -> None:
 
     def human(con: Console) -> None:
         if not rows:
-            con.print("no paired peers; pair one with: psymesh pair invite")
+            con.print(escape(f"no paired peers; pair one with: {out.suggest('pair invite')}"))
             return
         table = out_table("name", "role", "peer id", "state", "may ask us", "its limits", "we may ask")
         for p in rows:
@@ -192,7 +192,8 @@ def grant(home: str | None, out: Output, peer: str, capabilities: tuple[str, ...
     from ...protocol.manifest import PRESETS
 
     if named := next((cap for cap in whole if cap in PRESETS), None):
-        raise click.UsageError(f"{named!r} is a preset, not a capability: psymesh grant {peer} --preset {named}")
+        raise click.UsageError(f"{named!r} is a preset, not a capability: "
+                               f"{out.suggest('grant', f'{peer} --preset {named}')}")
 
     r = on_node(home, lambda client: client.grant(peer, whole, add=add, remove=remove, preset=preset, expires_s=expires,
                                                   preset_limits=preset_limits, set_limits=set_limits))

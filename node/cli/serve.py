@@ -59,8 +59,9 @@ def serve_openai(home: str | None, out: Output, host: str | None, port: int | No
                  api_key_given: str | None, show_key: bool, save: bool, log_json: bool) -> None:
     """Serve the OpenAI-compatible endpoint: in the running daemon, or in a node run in the foreground.
 
-    Models are this node's (`tiny`) and, as `PEER/MODEL` (`home/tiny`), those of paired
-    peers that granted this node task.infer. Clients need the key (--show-key prints it).
+    Models are this node's (`tiny`) and, as `PEER/MODEL` (`home/tiny`), each model of a
+    paired peer whose grant to this node covers it (task.infer, models=... included).
+    Clients need the key (--show-key prints it).
     With a daemon already running for this home (a service, say), the endpoint is turned
     on in it instead, until it stops (--save: at every start).
     """
@@ -139,7 +140,7 @@ def _serve_in_daemon(home: str | None, out: Output, section: Literal["openai", "
              lambda con: con.print(f"the running daemon's {what} {state} at {url}"))
     out.hint("it stays on until the daemon stops" + ("; config.toml turns it on at every start (--save)" if save
                                                      else "; add --save to turn it on at every start")
-             + f"; clients need its key: psymesh serve {section} --show-key")
+             + f"; clients need its key: {out.suggest(f'serve {section}', '--show-key')}")
     if reply.already and (host is not None or port is not None or given["api_key_file"]):
         out.warn("it kept the settings it started with; restart the daemon to change them")
     return True
@@ -152,7 +153,27 @@ def mcp() -> None:
 
 def _restart_hint(out: Output, home: str | None) -> None:
     if HomePaths(home).socket_path.exists():
-        out.hint("restart the daemon to apply it: psymesh node stop, then psymesh node start")
+        out.hint(f"restart the daemon to apply it: {out.suggest('node stop')}, then {out.suggest('node start')}")
+
+
+def _absolute_command(command: tuple[str, ...], cwd: str | None) -> tuple[list[str], list[tuple[str, str]]]:
+    """`command` as the daemon can run it from any directory: the program found on PATH (or a
+    relative path to it) made absolute, and each argument that names an existing file or
+    directory relative to here made absolute; with what changed, (given, stored). Paths are
+    made absolute, not resolved: a venv's `python` stays the venv's, not the one it links to.
+    With a `cwd` of its own, relative paths mean paths in it: only a bare program name is
+    looked up on PATH."""
+    import shutil
+
+    if not command:
+        return [], []
+    program, *args = command
+    found = shutil.which(program) if cwd is None or os.sep not in program else None
+    stored = [os.path.abspath(found) if found else program]
+    for arg in args:
+        stored.append(os.path.abspath(arg) if cwd is None and not arg.startswith("-") and not os.path.isabs(arg)
+                      and os.path.exists(arg) else arg)
+    return stored, [(given, now) for given, now in zip(command, stored) if given != now]
 
 
 @mcp.command("add")
@@ -176,8 +197,12 @@ def mcp_add(home: str | None, out: Output, name: str, server_command: tuple[str,
         if not sep:
             raise click.BadParameter(f"{pair_!r} is not KEY=VALUE", param_hint="--env")
         env[key] = value
+    command_line, made_absolute = _absolute_command(server_command, cwd)
+    if server_command and os.sep not in command_line[0]:
+        out.warn(f"{server_command[0]!r} is not on this PATH; the daemon will look for it on its own")
     try:
-        entry = McpServerConfig(name=name, command=list(server_command) or None, url=url, env=env, cwd=cwd)
+        entry = McpServerConfig(name=name, command=command_line or None, url=url, env=env,
+                                cwd=os.path.abspath(cwd) if cwd else None)
     except ValidationError as exc:
         raise click.UsageError(exc.errors()[0]["msg"].removeprefix("Value error, ")) from None
     node_home = home_at(home)
@@ -186,6 +211,9 @@ def mcp_add(home: str | None, out: Output, name: str, server_command: tuple[str,
     servers = [m for m in config.mcp if m.name != name] + [entry]
     node_home.save_config(config.model_copy(update={"mcp": servers}))
     out.data(entry, lambda con: con.print(f"mcp server {name} added: its tools are mcp.{name}.*"))
+    if made_absolute:  # the daemon may run from another directory (a service's is /)
+        out.hint("stored with absolute paths, as the daemon runs it from any directory: "
+                 + ", ".join(f"{given} -> {now}" for given, now in made_absolute))
     _restart_hint(out, home)
 
 
@@ -197,7 +225,7 @@ def mcp_remove(home: str | None, out: Output, name: str) -> None:
     node_home = home_at(home)
     config = node_home.load_config()
     if not any(m.name == name for m in config.mcp):
-        raise PsymeshError(f"no MCP server {name!r} in {node_home.config_path}; see: psymesh mcp list",
+        raise PsymeshError(f"no MCP server {name!r} in {node_home.config_path}; see: {out.suggest('mcp list')}",
                            code=ErrorCode.NOT_FOUND)
     node_home.save_config(config.model_copy(update={"mcp": [m for m in config.mcp if m.name != name]}))
     out.data({"removed": name}, lambda con: con.print(f"mcp server {name} removed"))
@@ -207,13 +235,35 @@ def mcp_remove(home: str | None, out: Output, name: str) -> None:
 @mcp.command("list")
 @command
 def mcp_list(home: str | None, out: Output) -> None:
-    """The MCP servers in config.toml."""
+    """The MCP servers in config.toml, and whether each is up in the running daemon."""
+    from ..control.client import DaemonNotRunning
+
     servers = home_at(home).load_config().mcp
+    running: dict[str, c.McpServerState] | None = None
+    if servers:
+        try:
+            running = {s.name: s for s in on_node(home, lambda client: client.mcp_status())}
+        except DaemonNotRunning:
+            pass
+
+    def state(name: str) -> str:
+        if running is None:
+            return "no daemon runs: cannot tell whether it is up"
+        s = running.get(name)
+        if s is None:
+            return f"not in the running daemon: {out.suggest('node stop')}, then {out.suggest('node start')}"
+        if s.up:
+            return f"up, {len(s.tools)} tool{'s' if len(s.tools) != 1 else ''}"
+        return f"down ({s.problem or 'starting'})" + (f"; its stderr: {s.log}" if s.log else "")
 
     def human(con: Console) -> None:
         if not servers:
-            con.print("no MCP servers (add one: psymesh mcp add NAME -- COMMAND ...)")
+            con.print(escape(f"no MCP servers (add one: {out.suggest('mcp add', 'NAME -- COMMAND ...')})"))
         for m in servers:
             con.print(escape(f"{m.name}: {' '.join(m.command) if m.command else m.url}  (tools mcp.{m.name}.*)"))
+            con.print(escape(f"  {state(m.name)}"))
 
-    out.data(servers, human)
+    # JSON: each config entry, with `running` the daemon's view of it (null: no daemon, or not in it)
+    rows = [{**m.model_dump(mode="json"), "running": None if running is None or m.name not in running
+             else running[m.name].model_dump(mode="json")} for m in servers]
+    out.data(rows, human)

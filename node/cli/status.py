@@ -43,7 +43,7 @@ def status(home: str | None, out: Output) -> None:
         con.print(f"peer id:     {st.peer_id}\nfingerprint: {st.fingerprint}")
         for a in st.addrs:
             con.print(f"listening:   {a}")
-        for line in _reachability_lines(st.reachability):
+        for line in _reachability_lines(st.reachability, out):
             con.print(f"reachable:   {escape(line)}")
         table = out_table("connected peer", "addresses")
         for p in st.connected_peers:
@@ -53,14 +53,14 @@ def status(home: str | None, out: Output) -> None:
     out.data(st, human)
 
 
-def _reachability_lines(reach: c.Reachability) -> list[str]:
+def _reachability_lines(reach: c.Reachability, out: Output) -> list[str]:
     """How peers reach this node, in words: proven addresses first, then relays, then the rest."""
     now = time.time()
     lines = [f"{a.addr} (dialed back by {a.by_name} {max(0.0, now - a.at):.0f} s ago)" for a in reach.confirmed]
     lines += [f"{a} (through a relay)" for a in reach.relayed]
     beyond = [a for a in reach.direct if not a.startswith(("/ip4/127.", "/ip6/::1/"))]
     if not lines:
-        lines += [f"{a} (from where it routes; not yet confirmed: psymesh doctor)" for a in beyond]
+        lines += [f"{a} (from where it routes; not yet confirmed: {out.suggest('doctor')})" for a in beyond]
     if not lines:
         lines.append("only from this machine, or over connections this node opens itself "
                      "(listen on a LAN address, or keep a relay: docs/deploy.md)")
@@ -75,7 +75,7 @@ def doctor(home: str | None, out: Output, timeout_s: float) -> None:
     """Check this node: its home, disk, database, listen addresses, and each paired peer
     (reachable? direct or relayed? its clock? can it dial back?). Exit status 1 if a check fails."""
     from ..control.doctor import failed, run_checks
-    checks = run_async(lambda: run_checks(home_at(home), timeout_s=timeout_s))
+    checks = run_async(lambda: run_checks(home_at(home), timeout_s=timeout_s, suggest=out.suggest))
     colors = {"ok": "green", "warn": "yellow", "fail": "red"}
 
     def human(con: Console) -> None:
@@ -129,7 +129,8 @@ def discover(home: str | None, out: Output, wait_s: float) -> None:
 
     def human(con: Console) -> None:
         if not reply.nodes:
-            con.print("no nodes seen yet" + ("; try: psymesh discover --wait 5" if reply.mdns else ""))
+            more = f"; try: {out.suggest('discover', '--wait 5')}" if reply.mdns else ""
+            con.print(escape(f"no nodes seen yet{more}"))
             return
         table = out_table("name", "peer id", "fingerprint", "addresses", "via", "last seen")
         now = time.time()

@@ -112,7 +112,7 @@ def task_send(home: str | None, out: Output, to: str | None, tool: str | None, a
             out.warn(f"{_away_text(handle.target_name, handle.away)}; the task is kept here and delivered "
                      f"when {handle.target_name} is back"
                      + ("; waiting for it (Ctrl-C stops waiting, the task stays queued)" if wait
-                        else f" (see: psymesh task watch {handle.id})"))
+                        else f" (see: {out.suggest('task watch', handle.id)})"))
         if not wait:
             return {"task_id": handle.id, "target": handle.target, "accepted": handle.accepted,
                     "away": handle.away.model_dump() if handle.away else None}

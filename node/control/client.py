@@ -249,6 +249,10 @@ class Client:
         """This node's models and their runner processes (loaded or not, pid, memory, idle time)."""
         return (await self.request(c.ModelsPsRequest(), c.ModelsPsReply)).models
 
+    async def mcp_status(self) -> list[c.McpServerState]:
+        """The MCP servers the daemon mounted: up or down (and why), their tools, their log file."""
+        return (await self.request(c.McpStatusRequest(), c.McpStatusReply)).servers
+
     async def ui(self, *, port: int | None = None) -> c.UiReply:
         """The dashboard's address (started now if it was not running, at `port` if given, else at
         `[ui] port`) and its login link."""

@@ -41,6 +41,7 @@ from pydantic import BaseModel, ConfigDict
 from .client import Client, DaemonNotRunning
 from ..core.db import storage_error
 from ..core.home import NodeConfig, NodeHome
+from ..core.paths import spell_command
 from ..net.ping import read_clock
 from ..reach.dialback import probe_listener
 from ...protocol import control as c
@@ -62,6 +63,9 @@ SKEW_FAIL_S = 60.0
 PEERS_AT_ONCE = 8
 NTP_STEP = ("turn on network time on the device whose clock is wrong (Linux: timedatectl set-ntp true; "
             "Android and macOS: set date and time automatically)")
+
+
+Suggest = Callable[[str, str], str]  # (command's words, its arguments) -> the command to show: spell_command
 
 
 class Check(BaseModel):
@@ -114,12 +118,12 @@ def judge_skew(name: str, skew_s: float | None) -> Check:
     return ok(check, shown)
 
 
-def judge_peer(diagnosis: c.PeerDiagnosis) -> Check:
+def judge_peer(diagnosis: c.PeerDiagnosis, suggest: Suggest = spell_command) -> Check:
     name = diagnosis.name
     if not diagnosis.reachable:
         return warn(f"peer:{name}", f"{name} is unreachable: {diagnosis.error}",
                     f"is {name}'s daemon running (psymesh status there)? run psymesh doctor on it; "
-                    f"its addresses here: psymesh peers")
+                    f"its addresses here: {suggest('peers', '')}")
     rtt = f", round trip {diagnosis.rtt_ms:.1f} ms" if diagnosis.rtt_ms is not None else ""
     shown = f"{name} is reachable ({diagnosis.path or 'direct'}{rtt})"
     if diagnosis.error:
@@ -128,7 +132,7 @@ def judge_peer(diagnosis: c.PeerDiagnosis) -> Check:
     return ok(f"peer:{name}", shown)
 
 
-def judge_dialback(diagnosis: c.PeerDiagnosis) -> Check | None:
+def judge_dialback(diagnosis: c.PeerDiagnosis, suggest: Suggest = spell_command) -> Check | None:
     """None when there is nothing to judge (the peer was not reached)."""
     name, check = diagnosis.name, f"dialback:{diagnosis.name}"
     if not diagnosis.reachable:
@@ -137,7 +141,7 @@ def judge_dialback(diagnosis: c.PeerDiagnosis) -> Check | None:
     if reply is None:
         return warn(check, f"{name} did not dial back: {diagnosis.dialback_error or 'no answer'}",
                     f"an older psymesh on {name} cannot (update it); a refusal needs a grant from {name} in "
-                    "date; else try again: psymesh doctor")
+                    f"date; else try again: {suggest('doctor', '')}")
     if reply.observed is None:
         return warn(check, f"{name} reaches this node through a relay only, so it cannot try a direct connection",
                     "to be dialed directly, listen on an address it can route to (docs/deploy.md)")
@@ -358,7 +362,8 @@ def bind_error(end: Endpoint) -> OSError | None:
     return None
 
 
-async def check_listening(config: NodeConfig, reply: c.DoctorReply, config_path: Path) -> list[Check]:
+async def check_listening(config: NodeConfig, reply: c.DoctorReply, config_path: Path,
+                          suggest: Suggest = spell_command) -> list[Check]:
     """The daemon runs: it listens on each configured address, and a libp2p listener answers there."""
     checks = []
     for addr in config.listen:
@@ -370,8 +375,8 @@ async def check_listening(config: NodeConfig, reply: c.DoctorReply, config_path:
         if have is None:
             checks.append(warn("listen", f"the daemon does not listen on {addr}; it listens on "
                                          f"{', '.join(reply.addrs) or 'nothing'} (started with --listen?)",
-                               "restart it to use the configured addresses: psymesh node stop, then "
-                               "psymesh node start"))
+                               f"restart it to use the configured addresses: {suggest('node stop', '')}, then "
+                               f"{suggest('node start', '')}"))
             continue
         end = tcp_endpoint(have)
         assert end is not None
@@ -396,22 +401,23 @@ def check_bindable(config: NodeConfig, config_path: Path) -> list[Check]:
     return checks
 
 
-def peer_checks(reply: c.DoctorReply) -> list[Check]:
+def peer_checks(reply: c.DoctorReply, suggest: Suggest = spell_command) -> list[Check]:
     if not reply.peers:
-        return [ok("peers", "no paired peers yet (pair one: psymesh pair invite)")]
+        return [ok("peers", f"no paired peers yet (pair one: {suggest('pair invite', '')})")]
     checks = []
     for diagnosis in reply.peers:
-        checks.append(judge_peer(diagnosis))
+        checks.append(judge_peer(diagnosis, suggest))
         if diagnosis.reachable and not diagnosis.error:
             checks.append(judge_skew(diagnosis.name, diagnosis.clock_skew_s))
-        if (dialback := judge_dialback(diagnosis)) is not None:
+        if (dialback := judge_dialback(diagnosis, suggest)) is not None:
             checks.append(dialback)
     return checks
 
 
 async def run_checks(home: NodeHome, *, disk_usage: DiskUsage = shutil.disk_usage,
-                     timeout_s: float = 10.0) -> list[Check]:
-    """Every check, in order; the daemon's part only when it runs."""
+                     timeout_s: float = 10.0, suggest: Suggest = spell_command) -> list[Check]:
+    """Every check, in order; the daemon's part only when it runs. `suggest` spells the
+    commands its next steps name (the CLI's repeats the --home it was given)."""
     checks = [check_home(home)]
     if checks[0].status == "fail" and not home.path.is_dir():
         return checks
@@ -432,9 +438,9 @@ async def run_checks(home: NodeHome, *, disk_usage: DiskUsage = shutil.disk_usag
         detail, _, step = exc.message.rpartition("; ")
         return checks + [fail("daemon", detail or exc.message, step or "see the message")]
     checks.append(ok("daemon", f"running, listening on {', '.join(reply.addrs) or 'nothing'}"))
-    checks += await check_listening(config, reply, home.config_path)
+    checks += await check_listening(config, reply, home.config_path, suggest)
     checks += judge_exposure(config.listen, home.config_path, config.profile)
-    return checks + peer_checks(reply)
+    return checks + peer_checks(reply, suggest)
 
 
 def failed(checks: list[Check]) -> bool:

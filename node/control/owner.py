@@ -35,6 +35,7 @@ from ...protocol.web import WebResults
 if TYPE_CHECKING:
     from ...discovery.service import Discovery
     from ...protocol.manifest import Manifest
+    from ..bridges.mcp import McpTools
     from ..core.bridgeconfig import A2AServe, OpenAIServe
     from ..core.db import WalSync
     from ..core.home import Identity, NodeConfig
@@ -81,6 +82,7 @@ class OwnerNode(Protocol):
     messaging: Messaging
     groups: Groups
     web_router: WebRouter
+    mcp: McpTools
 
     async def offers(self, peer_id: str) -> TaskCapsReply: ...
     async def push_manifest(self, peer_id: str, manifest: Manifest) -> bool: ...
@@ -129,6 +131,7 @@ class Owner:
             c.WebQueryRequest: self._web,
             c.ServeRequest: self._serve,
             c.ModelsPsRequest: self._models_ps,
+            c.McpStatusRequest: self._mcp_status,
             c.UiRequest: self._ui,
         }
         for request_type, handler in routes.items():
@@ -157,6 +160,9 @@ class Owner:
             else:
                 models.append(c.LoadedModel(**dataclasses.asdict(s)))
         return c.ModelsPsReply(models=models)
+
+    async def _mcp_status(self, req: c.McpStatusRequest, _: FramedStream) -> c.McpStatusReply:
+        return c.McpStatusReply(servers=[c.McpServerState(**dataclasses.asdict(s)) for s in self.node.mcp.status()])
 
     async def _ui(self, req: c.UiRequest, _: FramedStream) -> c.UiReply:
         ui = await self.node.start_ui(port=req.port)

@@ -143,11 +143,13 @@ def default_context(path: Path, *, memory_bytes: int | None = None) -> ContextCh
     return ContextChoice(n_ctx=max(min(MIN_CTX, declared or MIN_CTX), n_ctx), declared=declared, memory_cap=cap)
 
 
-def pull_model(repo_id: str, quant: str, dest: Path) -> Path:
+def pull_model(repo_id: str, quant: str, dest: Path, *,
+               add_command: str = "psymesh model add NAME /path/to/that.gguf") -> Path:
     """Download the GGUF of `repo_id` whose name contains `quant` (e.g. Q8_0) into `dest`.
 
     Offline (as on machines without access to the hub) this fails with a message that
-    names the file to fetch by hand, and the command to register it afterwards.
+    names the file to fetch by hand, and the command to register it afterwards (`add_command`,
+    as the CLI spells it for the home it was given).
     """
     import fnmatch
     import os
@@ -158,8 +160,7 @@ def pull_model(repo_id: str, quant: str, dest: Path) -> Path:
 
     endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
     page = f"{endpoint}/{repo_id}/tree/main"
-    manual = (f"download the *{quant}*.gguf file from {page} by hand, then run: "
-              f"psymesh model add NAME /path/to/that.gguf")
+    manual = f"download the *{quant}*.gguf file from {page} by hand, then run: {add_command}"
     url = urlsplit(endpoint)
     try:  # fail in seconds, not after the hub client's minute of retries
         socket.create_connection((url.hostname or "", url.port or 443), timeout=5).close()

@@ -11,12 +11,12 @@ An `error` reply for a failure of the network (the daemon could not reach a peer
 lost it mid-request) says so in `details["network"]` (see `error_reply`), so the SDK
 raises it as the NetworkError it was, apart from refusals (RemoteError).
 
-The catalogue (one frozen model per request and reply, 69 classes), which the SDK and the control
+The catalogue (one frozen model per request and reply, 72 classes), which the SDK and the control
 server share, is one module per group of commands: node.py (status, doctor, ping, serve, ui, model ps,
 discover), trust.py (pairing, peers, grants, audit), tasks.py, messaging.py (letters, asks, groups),
 web.py; common.py what they share. Each is imported on first use of one of its names
 (`control.StatusReply`; `psymesh --help` imports none): `psymesh status` builds node.py's dozen
-models, not the 69, nor the letters',
+models, not the 72, nor the letters',
 tasks' and web's own protocol modules, which cost it more than the rest of its start-up (issue 22
 item 13). `_GROUPS` is that table; tests/test_cli_startup.py checks it names every model once.
 """
@@ -37,7 +37,8 @@ _GROUPS: dict[str, tuple[str, ...]] = {
     "node": ("StatusRequest", "ConnectedPeer", "ConfirmedAddr", "Reachability", "StatusReply",
              "DoctorRequest", "ConnectionPath", "PeerDiagnosis", "DoctorReply", "PingRequest",
              "PingReply", "ShutdownRequest", "ServeRequest", "ServeReply", "UiRequest", "UiReply",
-             "ModelsPsRequest", "LoadedModel", "ModelsPsReply", "DiscoverRequest", "SeenNode",
+             "ModelsPsRequest", "LoadedModel", "ModelsPsReply", "McpStatusRequest", "McpServerState",
+             "McpStatusReply", "DiscoverRequest", "SeenNode",
              "DiscoverReply"),
     "trust": ("PairInviteRequest", "PairInviteReply", "PairJoinRequest", "PairedReply",
               "PeersRequest", "PeerView", "PeersReply", "GrantRequest", "check_limit_changes",

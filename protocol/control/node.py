@@ -1,5 +1,6 @@
 """Control messages about this node: status, doctor, ping, shutdown, the HTTP faces it serves
-(`serve`), the dashboard (`ui`), its model runners (`model ps`) and the nodes it discovered."""
+(`serve`), the dashboard (`ui`), its model runners (`model ps`), its MCP servers (`mcp list`) and
+the nodes it discovered."""
 from typing import Literal
 
 from pydantic import Field
@@ -176,6 +177,29 @@ class LoadedModel(View):
 class ModelsPsReply(Message):
     type = "control.models_ps_reply"
     models: list[LoadedModel] = Field(default_factory=list)
+
+
+class McpStatusRequest(Message):
+    """The MCP servers the running daemon mounted, up or down: `psymesh mcp list`."""
+
+    type = "control.mcp_status"
+
+
+class McpServerState(View):
+    """One `[[mcp]]` server as the daemon runs it. `problem`: why it is down (while it is);
+    `log`: where a command's stderr goes (<home>/mcp-NAME.log; None for a URL)."""
+
+    name: str
+    up: bool
+    tools: list[str] = Field(default_factory=list)  # local names, mcp.NAME.*
+    problem: str = ""
+    restarts: int = 0
+    log: str | None = None
+
+
+class McpStatusReply(Message):
+    type = "control.mcp_status_reply"
+    servers: list[McpServerState] = Field(default_factory=list)
 
 
 class DiscoverRequest(Message):
