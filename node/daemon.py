@@ -349,7 +349,8 @@ class Node:
                 if self.config.ui.on_for(self.config.profile):  # before the control socket answers: a
                     await self.start_ui(required=False)        # signal then always finds its handler
                 await tg.start(self.control.serve)
-                log.info("node %s (%s) listening on %s", self.identity.peer_id, self.config.profile,
+                log.info("node %s (%s, profile: %s) listening on %s", self.config.name, self.identity.peer_id,
+                         self.config.profile,
                          " ".join(self.p2p.addrs()))
                 task_status.started()
         finally:

@@ -34,7 +34,7 @@ def _show_invite(out: Output, inv: c.PairInviteReply) -> None:
 
 def _show_paired(out: Output, p: c.PairedReply) -> None:
     def human(con: Console) -> None:
-        con.print(f"[green]paired[/green] with [bold]{escape(p.name)}[/bold] ({p.role}) {p.peer_id}")
+        con.print(f"[green]paired[/green] with [bold]{escape(p.name)}[/bold] (profile: {p.role}) {p.peer_id}")
         if p.asked_name:
             con.print(f"[yellow]named {escape(p.name)} here[/yellow]: another paired peer is called "
                       f"{escape(p.asked_name)}; commands take {escape(p.name)} (or its peer id) for this one")
