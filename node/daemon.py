@@ -424,7 +424,7 @@ class Node:
             return await self.p2p.open_stream(peer, protocol)
         known.refuse_if_revoked_us()
         return await self.p2p.open_stream_any(known.peer_id, self._dial_addresses(known), protocol,
-                                              who=f"{known.name} ({known.peer_id})")
+                                              who=known.name)
 
     def _dial_addresses(self, peer: Peer) -> list[str]:
         """The peer's stored addresses, then circuits through every paired relay that granted
