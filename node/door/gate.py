@@ -408,7 +408,7 @@ class Gate:
             exc = PsymeshError(f"over {self.refusals_per_minute} refused requests per minute; retry in {wait:.1f} s",
                                code=ErrorCode.RATE_LIMITED, retry_after=wait)
             if self.audit.record(peer_id, service, OVER_BUDGET, False, exc.code.value, exc.message, now=now):
-                log.info("refusing %s's requests for %.1f s: over its refusal budget", peer_id, wait,
+                log.info("refusing %s's requests for %.1f s: over its refusal budget", self.trust.label(peer_id), wait,
                          extra=fields(code=exc.code.value))
             return exc
         self._record(peer_id, service, what, exc, now)
@@ -416,4 +416,4 @@ class Gate:
 
     def _record(self, peer_id: str, service: str, what: str, exc: PsymeshError, now: float) -> None:
         if self.audit.record(peer_id, service, what, False, exc.code.value, exc.message, now=now):
-            log.info("denied %s to %s: %s", what, peer_id, exc.message, extra=fields(code=exc.code.value))
+            log.info("denied %s to %s: %s", what, self.trust.label(peer_id), exc.message, extra=fields(code=exc.code.value))

@@ -159,7 +159,7 @@ class TaskExecutor:
                 self._deadlines.set()
             accepted = TaskAccepted(status=record.status(), created=created)
             if created:
-                log.info("accepted %s task %s from %s", request.spec.kind.value, request.spec.id, peer_id,
+                log.info("accepted %s task %s from %s", request.spec.kind.value, request.spec.id, self.trust.label(peer_id),
                          extra=fields(task=request.spec.id))
             if not request.follow:
                 if created:
