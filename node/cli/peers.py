@@ -38,6 +38,9 @@ def _show_paired(out: Output, p: c.PairedReply) -> None:
         if p.asked_name:
             con.print(f"[yellow]named {escape(p.name)} here[/yellow]: another paired peer is called "
                       f"{escape(p.asked_name)}; commands take {escape(p.name)} (or its peer id) for this one")
+        if p.known_as:
+            con.print(f"[yellow]{escape(p.name)} knows this node as {escape(p.known_as)}[/yellow]: commands on "
+                      f"{escape(p.name)} name this node {escape(p.known_as)}")
         con.print(f"verification words: [bold]{p.verification}[/bold]  (both screens must show the same)")
         con.print(f"it may ask this node:  {', '.join(p.granted) or 'nothing'}")
         if p.received:
