@@ -150,5 +150,6 @@ async def test_log_json_lines_and_node_stop(tmp_path: Path) -> None:
     await wait_until(lambda: proc.poll() is not None, "the daemon to exit", timeout=15)
     assert node.proc.returncode == 0
     lines = [json.loads(line) for line in node.log_tail(50).splitlines() if line.strip()]
-    assert any(entry["msg"].startswith("node 12D3KooW") and entry["level"] == "info" for entry in lines)
+    assert any(entry["msg"].startswith("node ") and "(12D3KooW" in entry["msg"] and "profile: " in entry["msg"]
+               and entry["level"] == "info" for entry in lines)  # `node home (12D3..., profile: home) listening`
     assert lines[-1]["msg"] == "node stopped"
