@@ -238,8 +238,10 @@ class Discovery:
 
     async def discovered(self, wait_s: float = 0.0) -> DiscoverReply:
         """Every node seen, most recent first. `wait_s`: with none seen yet, listen until the
-        first one is (or that many seconds passed); with some seen, answer at once."""
-        if wait_s > 0 and not self.table.all():
+        first one is (or that many seconds passed); with some seen, or discovery off (no mDNS,
+        no static peers: nothing could be seen), answer at once."""
+        searching = self.mdns is not None or bool(self.static.peers)
+        if wait_s > 0 and searching and not self.table.all():
             with anyio.move_on_after(wait_s):
                 await self._seen.wait()
         return DiscoverReply(mdns=self.mdns is not None, announced=self.mdns.announced if self.mdns else [],

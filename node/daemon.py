@@ -360,7 +360,8 @@ class Node:
                 if self.config.ui.on_for(self.config.profile):  # before the control socket answers: a
                     await self.start_ui(required=False)        # signal then always finds its handler
                 await tg.start(self.control.serve)
-                log.info("node %s (%s) listening on %s", self.identity.peer_id, self.config.profile,
+                log.info("node %s (%s, profile: %s) listening on %s", self.config.name, self.identity.peer_id,
+                         self.config.profile,
                          " ".join(self.p2p.addrs()))
                 task_status.started()
         finally:
@@ -436,7 +437,7 @@ class Node:
             return await self.p2p.open_stream(peer, protocol)
         known.refuse_if_revoked_us()
         return await self.p2p.open_stream_any(known.peer_id, self._dial_addresses(known), protocol,
-                                              who=f"{known.name} ({known.peer_id})")
+                                              who=known.name)
 
     def _dial_addresses(self, peer: Peer) -> list[str]:
         """The peer's stored addresses, then circuits through every paired relay that granted

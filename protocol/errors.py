@@ -83,7 +83,13 @@ class NetworkError(PsymeshError):
 
 
 class ConnectError(NetworkError):
-    """The peer could not be reached (no route, refused, handshake failed)."""
+    """The peer could not be reached (no route, refused, handshake failed). `cause`: why, in
+    a few words without the peer's name (`connection refused at 127.0.0.1:4001`), for a line
+    that names the peer itself ("home is unreachable since 14:02 (<cause>)")."""
+
+    def __init__(self, message: str, *, cause: str | None = None, **kwargs: Any) -> None:
+        super().__init__(message, **kwargs)
+        self.cause = cause or message
 
 
 class NetworkTimeout(NetworkError):

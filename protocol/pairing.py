@@ -393,6 +393,9 @@ class PairWelcome(Message):
     mac: _Mac
     info: PeerInfo
     manifest: Manifest
+    # the name the inviter keeps the joiner under, when not the joiner's own (taken there: `phone-2`;
+    # or the invite's --name); nil otherwise
+    known_as: str | None = Field(default=None, min_length=1, max_length=64)
 
 
 # ---------------------------------------------------------------------------- key schedule
@@ -457,6 +460,9 @@ class PairingResult(BaseModel):
     manifest: Manifest
     session_key: bytes = Field(repr=False)
     verification_words: tuple[str, ...]
+    # the joiner: the name the inviter keeps it under (when not its own); the inviter: the name the
+    # joiner is to be stored under (`name` made unique among its peers), or None to store `name`
+    known_as: str | None = None
 
     @property
     def verification(self) -> str:
@@ -557,6 +563,7 @@ class PairingJoiner(_PairingMachine):
         self.result = PairingResult(
             peer_id=self.remote_peer_id, name=msg.info.name, role=msg.info.role, addrs=msg.info.addrs,
             manifest=manifest, session_key=self._keys.session_key, verification_words=self._keys.words,
+            known_as=msg.known_as if msg.known_as != self.info.name else None,
         )
         self.state = PairState.DONE
         return []
@@ -574,8 +581,12 @@ class PairingInviter(_PairingMachine):
     EXPECTS = {PairState.AWAIT_HELLO: PairHello, PairState.AWAIT_CONFIRM: PairConfirm}
 
     def __init__(self, *, local_peer_id: str, remote_peer_id: str, info: PeerInfo, signing_key: Ed25519PrivateKey,
-                 find_invite: Callable[[int], Invite | None], entropy: Entropy | None = None) -> None:
+                 find_invite: Callable[[int], Invite | None], entropy: Entropy | None = None,
+                 name_for: Callable[[str, str], str] | None = None) -> None:
+        """`name_for(name, peer_id)`: the name the joiner will be stored under here (the trust
+        store makes a taken name unique); the joiner is told it in the welcome."""
         super().__init__(local_peer_id, remote_peer_id, info, entropy)
+        self._name_for = name_for or (lambda name, _: name)
         if peer_id_from_public_key(signing_key.public_key().public_bytes_raw()) != local_peer_id:
             raise ValueError("signing_key is not the local node's identity key")
         self._signing_key = signing_key
@@ -615,10 +626,13 @@ class PairingInviter(_PairingMachine):
         self.invite.record_success()
         manifest = preset(self.invite.grant, self.local_peer_id, self.remote_peer_id, now,
                           self.invite.grant_ttl).sign(self._signing_key)
+        name = self.invite.name or msg.info.name
+        stored = self._name_for(name, self.remote_peer_id)
         self.result = PairingResult(
-            peer_id=self.remote_peer_id, name=self.invite.name or msg.info.name, role=msg.info.role,
+            peer_id=self.remote_peer_id, name=name, role=msg.info.role,
             addrs=msg.info.addrs, manifest=manifest, session_key=self._keys.session_key,
-            verification_words=self._keys.words,
+            verification_words=self._keys.words, known_as=stored if stored != name else None,
         )
         self.state = PairState.DONE
-        return [PairWelcome(mac=self._keys.inviter_mac, info=self.info, manifest=manifest)]
+        return [PairWelcome(mac=self._keys.inviter_mac, info=self.info, manifest=manifest,
+                            known_as=stored if stored != msg.info.name else None)]

@@ -46,7 +46,7 @@ async def test_ping_unreachable_peer_is_a_clear_error(tmp_path: Path) -> None:
         async with Client(nodes["phone"].home.path) as phone:
             with pytest.raises(ConnectError) as info:  # the network failed (a dial): not a refusal
                 await phone.ping(f"/ip4/127.0.0.1/tcp/{port}/p2p/{ghost}", count=1)
-            assert info.value.code is ErrorCode.UNAVAILABLE and f"tcp/{port}" in info.value.message
+            assert info.value.code is ErrorCode.UNAVAILABLE and f"connection refused at 127.0.0.1:{port}" in info.value.message
             with pytest.raises(RemoteError) as refused:  # our own id is a request that makes no sense
                 await phone.ping(f"/ip4/127.0.0.1/tcp/{port}/p2p/{nodes['phone'].identity.peer_id}", count=1)
             assert refused.value.code is ErrorCode.BAD_REQUEST
@@ -150,5 +150,6 @@ async def test_log_json_lines_and_node_stop(tmp_path: Path) -> None:
     await wait_until(lambda: proc.poll() is not None, "the daemon to exit", timeout=15)
     assert node.proc.returncode == 0
     lines = [json.loads(line) for line in node.log_tail(50).splitlines() if line.strip()]
-    assert any(entry["msg"].startswith("node 12D3KooW") and entry["level"] == "info" for entry in lines)
+    assert any(entry["msg"].startswith("node ") and "(12D3KooW" in entry["msg"] and "profile: " in entry["msg"]
+               and entry["level"] == "info" for entry in lines)  # `node home (12D3..., profile: home) listening`
     assert lines[-1]["msg"] == "node stopped"

@@ -144,7 +144,7 @@ async def test_the_daemon_probes_each_peer_path_round_trip_clock_and_dial_back(t
             refused = await phone.sessions.request(home.identity.peer_id, DialBack(ports=[port]), DialBackReply)
         [result] = refused.results
         assert not result.ok and result.error and result.addr == f"/ip4/127.0.0.1/tcp/{port}"
-        verdict = doctor.judge_dialback(c.PeerDiagnosis(peer_id="x", name="home", reachable=True, dialback=refused))
+        verdict = doctor.judge_dialback(c.PeerDiagnosis(peer_id="x", name="home", reachable=True, dialback=refused), "phone")
         assert verdict is not None and verdict.status == "warn" and f"forward TCP port {port}" in verdict.next_step
 
         # a peer that is gone: unreachable is a warning with a next step, not a failure
@@ -209,10 +209,10 @@ async def test_status_lists_the_relayed_address_a_reservation_gives(tmp_path: Pa
 def test_a_peer_reached_through_a_relay_is_shown_so_and_cannot_dial_back() -> None:
     relayed = c.PeerDiagnosis(peer_id="h", name="home", reachable=True, path="relayed", rtt_ms=80.0,
                               clock_skew_s=0.1, dialback=DialBackReply(observed=None))
-    assert doctor.judge_peer(relayed).detail == "home is reachable (relayed, round trip 80.0 ms)"
-    verdict = doctor.judge_dialback(relayed)
+    assert doctor.judge_peer(relayed, "phone").detail == "home is reachable (relayed, round trip 80.0 ms)"
+    verdict = doctor.judge_dialback(relayed, "phone")
     assert verdict is not None and verdict.status == "warn" and "through a relay only" in verdict.detail
-    assert doctor.judge_dialback(relayed.model_copy(update={"reachable": False})) is None
+    assert doctor.judge_dialback(relayed.model_copy(update={"reachable": False}), "phone") is None
 
 
 def test_exposure_asks_a_home_pc_for_an_address_and_a_phone_for_none(tmp_path: Path) -> None:

@@ -152,7 +152,7 @@ async def test_an_ask_is_answered_when_the_asker_granted_nothing_back(tmp_path: 
         async with Client(home.home.path) as h:  # a plain letter from home: the phone granted it nothing
             sent = await h.send("phone", "unasked")
             refused = await h.letter(sent.id, wait=True)
-        assert refused.state == "refused" and "granted you nothing" in refused.reason
+        assert refused.state == "refused" and "phone has granted home nothing" in refused.reason
         rows = phone.audit.query(peer_id=home.identity.peer_id, limit=10)
         assert [(r["operation"], r["allowed"]) for r in rows][-2:] == [("msg.send", True), ("msg.send", False)]
 

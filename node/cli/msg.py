@@ -37,16 +37,20 @@ def _json_object(text: str | None, option: str) -> dict[str, Any]:
     return value
 
 
+def _away_since(away: c.PeerAway) -> str:
+    """`unreachable since 19:20:01`: short enough for a table's state column."""
+    return "unreachable since " + time.strftime("%H:%M:%S", time.localtime(away.since))
+
+
 def _away_text(name: str, away: c.PeerAway, now: float | None = None) -> str:
-    """`home is unreachable since 19:20:01 (3 min ago): <why>`."""
+    """`home is unreachable since 19:20:01 (connection refused at 127.0.0.1:4001; 3 min ago)`."""
     ago = max(0.0, (time.time() if now is None else now) - away.since)
-    when = time.strftime("%H:%M:%S", time.localtime(away.since))
     span = f"{ago:.0f} s" if ago < 120 else f"{ago / 60:.0f} min" if ago < 7200 else f"{ago / 3600:.0f} h"
-    return f"{name} is unreachable since {when} ({span} ago): {away.reason}"
+    return f"{name} is {_away_since(away)} ({away.reason}; {span} ago)"
 
 
 def _sent_line(s: c.SentLetter) -> str:
-    why = f": {s.code} {s.reason}" if s.state == "refused" else ""
+    why = f" ({s.code}): {s.reason}" if s.state == "refused" else ""
     away = f" ({_away_text(s.recipient_name, s.away)}; kept, delivered when it is back)" if s.away else ""
     return f"{s.id} -> {s.recipient_name} ({s.thread} #{s.tseq}): {s.state}{why}{away}"
 

@@ -34,10 +34,13 @@ def _show_invite(out: Output, inv: c.PairInviteReply) -> None:
 
 def _show_paired(out: Output, p: c.PairedReply) -> None:
     def human(con: Console) -> None:
-        con.print(f"[green]paired[/green] with [bold]{escape(p.name)}[/bold] ({p.role}) {p.peer_id}")
+        con.print(f"[green]paired[/green] with [bold]{escape(p.name)}[/bold] (profile: {p.role}) {p.peer_id}")
         if p.asked_name:
             con.print(f"[yellow]named {escape(p.name)} here[/yellow]: another paired peer is called "
                       f"{escape(p.asked_name)}; commands take {escape(p.name)} (or its peer id) for this one")
+        if p.known_as:
+            con.print(f"[yellow]{escape(p.name)} knows this node as {escape(p.known_as)}[/yellow]: commands on "
+                      f"{escape(p.name)} name this node {escape(p.known_as)}")
         con.print(f"verification words: [bold]{p.verification}[/bold]  (both screens must show the same)")
         con.print(f"it may ask this node:  {', '.join(p.granted) or 'nothing'}")
         if p.received:
@@ -107,11 +110,26 @@ def peers(home: str | None, out: Output, active: bool) -> None:
         for p in rows:
             state = ("[red]revoked[/red]" if p.revoked_at else "[red]revoked us[/red]" if p.revoked_us_at
                      else "connected" if p.connected else "paired")
-            table.add_row(escape(p.name), p.role, p.peer_id, state, "\n".join(p.granted) or "-",
-                          limits_text(p.granted_limits) if p.granted else "-", "\n".join(p.received) or "-")
+            table.add_row(escape(p.name), p.role, p.peer_id, state, _caps_cell(p.granted, p.granted_expires),
+                          limits_text(p.granted_limits) if p.granted else "-",
+                          _caps_cell(p.received, p.received_expires))
         con.print(table)
 
     out.data(rows, human)
+
+
+def until_text(expires: float | None) -> str:
+    """`until 2027-01-01 14:02` for a grant that ends, `until revoked` for one that does not."""
+    if expires is None:
+        return "until revoked"
+    return "until " + time.strftime("%Y-%m-%d %H:%M", time.localtime(expires))
+
+
+def _caps_cell(caps: list[str], expires: float | None) -> str:
+    """A peers-table cell: the capabilities, then when they end (if they do)."""
+    if not caps:
+        return "-"
+    return "\n".join(caps) + (f"\n({until_text(expires)})" if expires is not None else "")
 
 
 def _size(n: int) -> str:
@@ -199,7 +217,7 @@ def grant(home: str | None, out: Output, peer: str, capabilities: tuple[str, ...
                                                   preset_limits=preset_limits, set_limits=set_limits))
 
     def human(con: Console) -> None:
-        con.print(f"{r.peer.name} may now ask: {', '.join(r.peer.granted)}"
+        con.print(f"{r.peer.name} may now ask: {', '.join(r.peer.granted)} ({until_text(r.peer.granted_expires)})"
                   + ("" if r.delivered else "  (not reachable now: it will see the new grant when next told)"))
         con.print("limits: " + limits_text(r.peer.granted_limits).replace("\n", ", "))
 

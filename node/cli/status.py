@@ -39,7 +39,7 @@ def status(home: str | None, out: Output) -> None:
     st = cast("c.StatusReply", ask(home, "control.status"))
 
     def human(con: Console) -> None:
-        con.print(f"[bold]{st.name}[/bold] ({st.profile}) psymesh {st.version}, up {st.uptime_s:.0f} s")
+        con.print(f"[bold]{st.name}[/bold] (profile: {st.profile}) psymesh {st.version}, up {st.uptime_s:.0f} s")
         con.print(f"peer id:     {st.peer_id}\nfingerprint: {st.fingerprint}")
         for a in st.addrs:
             con.print(f"listening:   {a}")

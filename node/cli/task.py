@@ -11,7 +11,7 @@ import click
 from .output import Output, escape, table as out_table
 from ...protocol import control as c
 from .common import Duration, command, on_node
-from .msg import _away_text
+from .msg import _away_since, _away_text
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -173,7 +173,7 @@ def task_list(home: str | None, out: Output, limit: int) -> None:
     def human(con: Console) -> None:
         submitted = table("delegated by this node", "target")
         for s in r.submitted:
-            state = s.state.value + (f" ({_away_text(s.target, s.away)})" if s.away else "")
+            state = s.state.value + (f"\n({_away_since(s.away)})" if s.away else "")
             submitted.add_row(s.task_id, s.kind.value, s.target, state, str(s.events))
         con.print(submitted if r.submitted else "delegated by this node: none")
         executing = table("run by this node for others", "submitter")

@@ -118,7 +118,8 @@ def judge_skew(name: str, skew_s: float | None) -> Check:
     return ok(check, shown)
 
 
-def judge_peer(diagnosis: c.PeerDiagnosis, suggest: Suggest = spell_command) -> Check:
+def judge_peer(diagnosis: c.PeerDiagnosis, me: str, suggest: Suggest = spell_command) -> Check:
+    """`me`: this node's name, as the next step to run on the peer names it."""
     name = diagnosis.name
     if not diagnosis.reachable:
         return warn(f"peer:{name}", f"{name} is unreachable: {diagnosis.error}",
@@ -128,20 +129,22 @@ def judge_peer(diagnosis: c.PeerDiagnosis, suggest: Suggest = spell_command) -> 
     shown = f"{name} is reachable ({diagnosis.path or 'direct'}{rtt})"
     if diagnosis.error:
         return warn(f"peer:{name}", f"{shown}, but {diagnosis.error}",
-                    f"ask {name}'s owner for a grant in date: psymesh grant THIS-NODE ... on {name}")
+                    f"ask {name}'s owner for a grant in date: psymesh grant {me} +CAP on {name}")
     return ok(f"peer:{name}", shown)
 
 
-def judge_dialback(diagnosis: c.PeerDiagnosis, suggest: Suggest = spell_command) -> Check | None:
+def judge_dialback(diagnosis: c.PeerDiagnosis, me: str, suggest: Suggest = spell_command) -> Check | None:
     """None when there is nothing to judge (the peer was not reached)."""
     name, check = diagnosis.name, f"dialback:{diagnosis.name}"
     if not diagnosis.reachable:
         return None
     reply = diagnosis.dialback
+    if reply is None and diagnosis.dialback_refused:
+        return warn(check, f"{name} refused to dial back: {diagnosis.dialback_error}",
+                    f"ask {name}'s owner for a grant in date: psymesh grant {me} +CAP on {name}")
     if reply is None:
         return warn(check, f"{name} did not dial back: {diagnosis.dialback_error or 'no answer'}",
-                    f"an older psymesh on {name} cannot (update it); a refusal needs a grant from {name} in "
-                    f"date; else try again: {suggest('doctor', '')}")
+                    f"an older psymesh on {name} cannot (update it); else try again: {suggest('doctor', '')}")
     if reply.observed is None:
         return warn(check, f"{name} reaches this node through a relay only, so it cannot try a direct connection",
                     "to be dialed directly, listen on an address it can route to (docs/deploy.md)")
@@ -283,7 +286,8 @@ async def _diagnose_peer(node: DoctorParts, peer: Peer, request: c.DoctorRequest
             return diagnosis.model_copy(update={"error": exc.message, "path": node.reach.path(peer.peer_id)})
         except PsymeshError as exc:  # it answered, with a refusal (no grant of its to us in date)
             return diagnosis.model_copy(update={"reachable": True, "path": node.reach.path(peer.peer_id),
-                                                "error": f"it refused a ping: {exc.message}"})
+                                                "error": f"it refused a ping: {exc.message}",
+                                                "dialback_refused": True, "dialback_error": exc.message})
         diagnosis = c.PeerDiagnosis(peer_id=peer.peer_id, name=peer.name, reachable=True, path=path,
                                     rtt_ms=reading.rtt_ms, clock_skew_s=reading.skew_s)
     if not diagnosis.reachable or not request.dialback:
@@ -291,8 +295,10 @@ async def _diagnose_peer(node: DoctorParts, peer: Peer, request: c.DoctorRequest
     with anyio.move_on_at(deadline):
         try:
             return diagnosis.model_copy(update={"dialback": await node.reach.ask(peer.peer_id)})
-        except PsymeshError as exc:
+        except NetworkError as exc:
             return diagnosis.model_copy(update={"dialback_error": exc.message})
+        except PsymeshError as exc:  # it answered: a refusal, with its reason
+            return diagnosis.model_copy(update={"dialback_error": exc.message, "dialback_refused": True})
     return diagnosis.model_copy(update={"dialback_error": late})
 
 
@@ -401,15 +407,15 @@ def check_bindable(config: NodeConfig, config_path: Path) -> list[Check]:
     return checks
 
 
-def peer_checks(reply: c.DoctorReply, suggest: Suggest = spell_command) -> list[Check]:
+def peer_checks(reply: c.DoctorReply, me: str, suggest: Suggest = spell_command) -> list[Check]:
     if not reply.peers:
         return [ok("peers", f"no paired peers yet (pair one: {suggest('pair invite', '')})")]
     checks = []
     for diagnosis in reply.peers:
-        checks.append(judge_peer(diagnosis, suggest))
+        checks.append(judge_peer(diagnosis, me, suggest))
         if diagnosis.reachable and not diagnosis.error:
             checks.append(judge_skew(diagnosis.name, diagnosis.clock_skew_s))
-        if (dialback := judge_dialback(diagnosis, suggest)) is not None:
+        if (dialback := judge_dialback(diagnosis, me, suggest)) is not None:
             checks.append(dialback)
     return checks
 
@@ -440,7 +446,7 @@ async def run_checks(home: NodeHome, *, disk_usage: DiskUsage = shutil.disk_usag
     checks.append(ok("daemon", f"running, listening on {', '.join(reply.addrs) or 'nothing'}"))
     checks += await check_listening(config, reply, home.config_path, suggest)
     checks += judge_exposure(config.listen, home.config_path, config.profile)
-    return checks + peer_checks(reply, suggest)
+    return checks + peer_checks(reply, config.name, suggest)
 
 
 def failed(checks: list[Check]) -> bool:

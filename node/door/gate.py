@@ -177,7 +177,7 @@ class Gate:
                 raise PsymeshError("a receipt left here must be the sender's own, validly signed",
                                    code=ErrorCode.FORBIDDEN)
             if self.mailbox is None:
-                raise PsymeshError("this node keeps no mailbox", code=ErrorCode.UNAVAILABLE)
+                raise PsymeshError(f"{self.name} keeps no mailbox", code=ErrorCode.UNAVAILABLE)
             self.mailbox.admit_receipt(peer_id)
             return Decision(True)
         if rule.need is Need.ISSUER and isinstance(request, WebKeyPush):
@@ -193,7 +193,7 @@ class Gate:
             return Decision(True)
         if self._answers_our_asks(peer_id, request):
             return Decision(True)
-        grant = _grant_of(peer)
+        grant = self._grant_of(peer)
         decision = self._check(peer, grant, operation if rule.need is Need.CAPABILITY else None, now)
         decision.raise_if_denied()
         if rule.starts_task:
@@ -204,7 +204,7 @@ class Gate:
         if rule.holds_mail:
             assert isinstance(request, MailDeposit)
             if self.mailbox is None:
-                raise PsymeshError("this node keeps no mailbox", code=ErrorCode.UNAVAILABLE)
+                raise PsymeshError(f"{self.name} keeps no mailbox", code=ErrorCode.UNAVAILABLE)
             self.mailbox.admit_deposit(peer_id, request)
         if rule.charged:
             self._charge(peer_id, grant, now)
@@ -271,7 +271,7 @@ class Gate:
         what = operation.required()
         try:
             peer = self.paired(peer_id)
-            decision = self._check(peer, _grant_of(peer), operation, now)
+            decision = self._check(peer, self._grant_of(peer), operation, now)
         except PsymeshError as exc:
             decision = Decision(False, exc.code, exc.message)
         if decision.allowed:
@@ -291,7 +291,7 @@ class Gate:
             raise PsymeshError(f"you have {per_peer} unfinished task(s) here, the most allowed; retry later",
                                code=ErrorCode.BUSY, retry_after=limits.busy_retry_after)
         if self.queue.queue_depth() >= limits.max_queue:
-            raise PsymeshError("this node's task queue is full; retry later", code=ErrorCode.BUSY,
+            raise PsymeshError(f"{self.name}'s task queue is full; retry later", code=ErrorCode.BUSY,
                                retry_after=limits.busy_retry_after * 2)
 
     def _charge(self, peer_id: str, grant: Manifest, now: float) -> None:
@@ -318,7 +318,7 @@ class Gate:
             if peer is not None:
                 self._peers[peer_id] = (version, peer)
         if peer is None or peer.revoked:
-            state = "was revoked" if peer is not None else "is not paired with this node"
+            state = "was revoked" if peer is not None else f"is not paired with {self.name}"
             raise PsymeshError(f"peer {peer_id} {state}; pair first (psymesh pair join)",
                                code=ErrorCode.UNKNOWN_PEER)
         return peer
@@ -345,10 +345,10 @@ class Gate:
             self.audit.record(peer_id, DCUTR, HOLE_PUNCH, True, now=self.clock())
             return
         if peer is not None and not peer.revoked:  # paired: libp2p's identify, ping, ...: not served, to anyone
-            exc = PsymeshError(f"this node does not serve {protocol} (psymesh serves pairing, sessions, relay and "
+            exc = PsymeshError(f"{self.name} does not serve {protocol} (psymesh serves pairing, sessions, relay and "
                                "hole punching)", code=ErrorCode.BAD_REQUEST)
         else:
-            state = "is not paired with this node" if peer is None else "may not open this protocol"
+            state = f"is not paired with {self.name}" if peer is None else "may not open this protocol"
             exc = PsymeshError(f"peer {peer_id} {state}; pair first (psymesh pair join)", code=ErrorCode.UNKNOWN_PEER)
         raise self._refuse(peer_id, protocol, HOLE_PUNCH if protocol == DCUTR else protocol, exc, self.clock())
 
@@ -376,7 +376,7 @@ class Gate:
         there)? Without one it is refused (`not_found`) and audited, one row."""
         if reserved:
             return True
-        exc = PsymeshError(f"this node holds no reservation at relay {relay_id}", code=ErrorCode.NOT_FOUND)
+        exc = PsymeshError(f"{self.name} holds no reservation at relay {relay_id}", code=ErrorCode.NOT_FOUND)
         self._refuse(relay_id, STOP, TAKE_CIRCUIT, exc, self.clock())
         return False
 
@@ -386,12 +386,17 @@ class Gate:
         reason; one audit row either way (the relay's own limits come after, in node/net/circuit.py)."""
         now = self.clock()
         try:
-            grant = _grant_of(self.paired(peer_id))
+            grant = self._grant_of(self.paired(peer_id))
             check(grant, Operation(name="relay"), local_peer_id=self.local_peer_id, remote_peer_id=peer_id,
                   now=now).raise_if_denied()
         except PsymeshError as exc:
             raise self._refuse(peer_id, HOP, what, exc, now) from None
         self.audit.record(peer_id, HOP, what, True, now=now)
+
+    def _grant_of(self, peer: Peer) -> Manifest:
+        if peer.granted is None:  # said by us, read by the peer: name both ("home has granted phone nothing")
+            raise PsymeshError(f"{self.name} has granted {peer.name} nothing", code=ErrorCode.FORBIDDEN)
+        return peer.granted
 
     def _refuse(self, peer_id: str, service: str, what: str, exc: PsymeshError, now: float) -> PsymeshError:
         """A peer's request refused: charged to its refusal budget, audited; the error to send.
@@ -403,7 +408,7 @@ class Gate:
             exc = PsymeshError(f"over {self.refusals_per_minute} refused requests per minute; retry in {wait:.1f} s",
                                code=ErrorCode.RATE_LIMITED, retry_after=wait)
             if self.audit.record(peer_id, service, OVER_BUDGET, False, exc.code.value, exc.message, now=now):
-                log.info("refusing %s's requests for %.1f s: over its refusal budget", peer_id, wait,
+                log.info("refusing %s's requests for %.1f s: over its refusal budget", self.trust.label(peer_id), wait,
                          extra=fields(code=exc.code.value))
             return exc
         self._record(peer_id, service, what, exc, now)
@@ -411,10 +416,4 @@ class Gate:
 
     def _record(self, peer_id: str, service: str, what: str, exc: PsymeshError, now: float) -> None:
         if self.audit.record(peer_id, service, what, False, exc.code.value, exc.message, now=now):
-            log.info("denied %s to %s: %s", what, peer_id, exc.message, extra=fields(code=exc.code.value))
-
-
-def _grant_of(peer: Peer) -> Manifest:
-    if peer.granted is None:
-        raise PsymeshError("this node has granted you nothing", code=ErrorCode.FORBIDDEN)
-    return peer.granted
+            log.info("denied %s to %s: %s", what, self.trust.label(peer_id), exc.message, extra=fields(code=exc.code.value))

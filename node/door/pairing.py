@@ -131,7 +131,7 @@ class PairingService:
     async def _run_inviter(self, framed: FramedStream, remote_peer_id: str) -> None:
         machine = PairingInviter(local_peer_id=self.identity.peer_id, remote_peer_id=remote_peer_id,
                                  info=self._info(), signing_key=self.identity.private_key,
-                                 find_invite=self._open_invite)
+                                 find_invite=self._open_invite, name_for=self.trust.unique_name)
         try:
             with anyio.fail_after(PAIR_RUN_TIMEOUT_S):
                 while machine.state is not PairState.DONE:
@@ -148,8 +148,8 @@ class PairingService:
             raise
         result, invite = machine.result, machine.invite
         assert result is not None and invite is not None
-        peer = self.trust.add(result.peer_id, name=result.name, role=result.role, addrs=list(result.addrs),
-                              granted=result.manifest, received=None)
+        peer = self.trust.add(result.peer_id, name=result.known_as or result.name, role=result.role,
+                              addrs=list(result.addrs), granted=result.manifest, received=None)
         self._paired[invite.id] = c.PairedReply(peer_id=peer.peer_id, name=peer.name, role=peer.role,
                                                 verification=result.verification, granted=result.manifest.grants(),
                                                 asked_name=result.name if peer.name != result.name else None)
@@ -225,4 +225,5 @@ class PairingService:
         log.info("paired with %s (%s); verification: %s", result.name, result.peer_id, result.verification)
         return c.PairedReply(peer_id=peer.peer_id, name=peer.name, role=peer.role, verification=result.verification,
                              granted=granted_back.grants() if granted_back else [], received=result.manifest.grants(),
-                             asked_name=result.name if peer.name != result.name else None)
+                             asked_name=result.name if peer.name != result.name else None,
+                             known_as=result.known_as)

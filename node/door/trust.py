@@ -147,6 +147,12 @@ class TrustStore:
         row = self.conn.execute("SELECT * FROM peers WHERE peer_id = ?", (peer_id,)).fetchone()
         return self._peer(row) if row else None
 
+    def label(self, peer_id: str) -> str:
+        """A peer as log lines name it: `home (…gX2u9mU)` when paired (revoked too), else its
+        whole id (a stranger has no other name)."""
+        row = self.conn.execute("SELECT name FROM peers WHERE peer_id = ?", (peer_id,)).fetchone()
+        return f"{row['name']} (…{peer_id[-8:]})" if row else peer_id
+
     def resolve(self, name_or_id: str) -> Peer:
         """A paired peer by peer id or name (names are for people; ambiguity is an error)."""
         peer = self.get(name_or_id)

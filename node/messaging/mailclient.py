@@ -268,7 +268,7 @@ class MailOwner:
         except PsymeshError as exc:
             backoff = min(self.PUSH_RETRY_MAX_S, max(self.RESCAN_S, 2 * self._retry.get(peer_id, (0.0, 0.0))[1]))
             self._retry[peer_id] = (anyio.current_time() + backoff, backoff)
-            log.debug("could not hand %s our mail key: %s", peer_id, exc)
+            log.debug("could not hand %s our mail key: %s", self.trust.label(peer_id), exc)
             return
         self._told[peer_id] = key.serial
         self._retry.pop(peer_id, None)

@@ -213,7 +213,7 @@ class Messaging:
             log.debug("%d letter(s) to %s: %s", len(send.letters), recipient, exc)
             actions = courier.unreachable(send, time.monotonic())
         except PsymeshError as exc:  # e.g. the peer revoked us: they stay pending, the app sees why
-            log.info("%d letter(s) to %s cannot leave: %s", len(send.letters), recipient, exc.message)
+            log.info("%d letter(s) to %s cannot leave: %s", len(send.letters), self.trust.label(recipient), exc.message)
             actions = courier.held_back(send)
         else:
             actions = courier.answered(send, reply, time.monotonic())
@@ -231,7 +231,7 @@ class Messaging:
         """Carry out one of the courier's actions (a deposit is `_deliver`'s to await)."""
         if isinstance(action, Settle):  # what the receipts said, all in one transaction
             for refusal in action.refused:
-                log.info("letter %s refused by %s: %s", refusal.id, recipient, refusal.reason)
+                log.info("letter %s refused by %s: %s", refusal.id, self.trust.label(recipient), refusal.reason)
             self.store.settle(action.delivered, action.stubs_done, [(r.id, r.code, r.reason) for r in action.refused],
                               action.proof)
             for letter_id in action.delivered + tuple(r.id for r in action.refused):
@@ -372,7 +372,7 @@ class Messaging:
         assert isinstance(request, MsgMissing)
         count = self.store.resend(call.peer_id, request.thread, request.tseqs)
         if count:
-            log.info("%s lacks %d letter(s) of thread %r: sending them again", call.peer_id, count, request.thread)
+            log.info("%s lacks %d letter(s) of thread %r: sending them again", self.trust.label(call.peer_id), count, request.thread)
             self._wake(call.peer_id)
         return MsgMissingOk(resending=count)
 
@@ -455,9 +455,9 @@ class Messaging:
         try:
             reply = await self.sessions.request(sender, request, MsgMissingOk, timeout=30)
         except (PsymeshError, TimeoutError) as exc:
-            log.info("could not ask %s for tseq %s of %r: %s", sender, request.tseqs[:8], request.thread, exc)
+            log.info("could not ask %s for tseq %s of %r: %s", self.trust.label(sender), request.tseqs[:8], request.thread, exc)
             return
-        log.info("%s resends %d of the %d letter(s) missing from thread %r", sender, reply.resending,
+        log.info("%s resends %d of the %d letter(s) missing from thread %r", self.trust.label(sender), reply.resending,
                  len(request.tseqs), request.thread)
 
     async def follow(self, after: int = 0, *, live: bool = True) -> AsyncIterator[Received]:

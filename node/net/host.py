@@ -74,7 +74,7 @@ from .patches import (
     _Swarm,
     _write_multistream_message,
 )
-from .stream import Handler, P2PStream, _close_quietly, _reason, _reset_quietly
+from .stream import Handler, P2PStream, _close_quietly, _reason, _reset_quietly, dial_failure
 from .strangers import PAIRED_STREAMS, CircuitFilter, PeerFilter, PunchFilter, StreamFilter, _Admission
 
 log = logging.getLogger(__name__)
@@ -440,7 +440,8 @@ class P2PNode(Relaying, HolePunching):
                 last = exc
             if relay is not None and self._connections(relay, direct=True):
                 asked.add(relay)
-        raise ConnectError(f"{who or peer_id} is unreachable: {last.message if last else ''}")
+        cause = (last.cause if isinstance(last, ConnectError) else last.message) if last else "no address to dial"
+        raise ConnectError(f"{who or peer_id} is unreachable: {cause}", cause=cause)
 
     async def _dial(self, info: PeerInfo, addr: str) -> None:
         self._require_running()
@@ -457,7 +458,9 @@ class P2PNode(Relaying, HolePunching):
             else:
                 await self._host.connect(info)
         except Exception as exc:
-            raise ConnectError(f"cannot connect to {addr}: {_reason(exc)}") from exc
+            log.debug("dialing %s failed: %s", addr, _reason(exc))  # libp2p's whole text, for the log
+            cause = dial_failure(exc) or f"cannot connect to {addr}: {_reason(exc)}"
+            raise ConnectError(cause) from exc
 
     # -- peers -----------------------------------------------------------------------
     def connected_peers(self) -> list[dict[str, Any]]:

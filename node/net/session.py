@@ -37,6 +37,7 @@ from .framed import READ_CHUNK, ByteStream
 from ...protocol.common import Error, expect
 from ...protocol.control import PeerAway
 from ...protocol.errors import (
+    ConnectError,
     ConnectionLost,
     ErrorCode,
     NetworkError,
@@ -458,7 +459,8 @@ class SessionPool:
                 stream = await self._open_stream(peer_id, self._protocol)
             except NetworkError as exc:
                 since = self._away[peer_id].since if peer_id in self._away else time.time()
-                self._away[peer_id] = PeerAway(since=since, reason=exc.message)
+                reason = exc.cause if isinstance(exc, ConnectError) else exc.message  # the line names the peer
+                self._away[peer_id] = PeerAway(since=since, reason=reason)
                 raise
             self._away.pop(peer_id, None)
             session = OutboundSession(peer_id, stream, self._max_frame_size)

@@ -4,6 +4,7 @@ connections, with `_reason()`, which turns a libp2p exception chain into a sente
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -76,6 +77,39 @@ async def _reset_quietly(stream: INetStream) -> None:
         await stream.reset()
     except Exception as exc:
         log.debug("resetting a stream: %r", exc)
+
+
+def _leaves(exc: BaseException) -> list[BaseException]:
+    """Every exception inside `exc`: its chain, libp2p's MultiError `errors` and exception groups."""
+    seen: list[BaseException] = []
+    stack = [exc]
+    while stack and len(seen) < 64:
+        e = stack.pop()
+        if any(e is s for s in seen):
+            continue
+        seen.append(e)
+        stack.extend(getattr(e, "errors", None) or [])
+        if isinstance(e, BaseExceptionGroup):
+            stack.extend(e.exceptions)
+        if (nxt := e.__cause__ or e.__context__) is not None:
+            stack.append(nxt)
+    return seen
+
+
+_TRIED = re.compile(r"all attempts to connect to (\S+) failed")
+
+
+def dial_failure(exc: BaseException) -> str | None:
+    """libp2p's failed dial in a few words: `connection refused at 127.0.0.1:4001`, from the
+    socket error deep inside its SwarmDialAllFailedError / MultiError / OSError chain (whose
+    own text names the peer id three times). None when no socket error is inside."""
+    leaves = _leaves(exc)
+    where = next((m.group(1) for e in leaves if (m := _TRIED.search(str(e)))), None)
+    errno_error = next((e for e in leaves if isinstance(e, OSError) and e.errno is not None and e.strerror), None)
+    if errno_error is None or errno_error.strerror is None:
+        return None
+    what = errno_error.strerror.rpartition(": ")[2]  # trio: "error connecting to ('IP', PORT): Connection refused"
+    return what[:1].lower() + what[1:] + (f" at {where}" if where else "")
 
 
 def _reason(exc: BaseException) -> str:

@@ -166,7 +166,7 @@ class TaskExecutor:
                 self._deadlines.set()
             accepted = TaskAccepted(status=record.status(), created=created)
             if created:
-                log.info("accepted %s task %s from %s", request.spec.kind.value, request.spec.id, peer_id,
+                log.info("accepted %s task %s from %s", request.spec.kind.value, request.spec.id, self.trust.label(peer_id),
                          extra=fields(task=request.spec.id))
             # Queued before the answer: a worker runs the task while we sync what `task.accepted`
             # promises (the task's row: the writes up to here, not the worker's after them), and

@@ -372,13 +372,13 @@ class TaskSubmitter:
         them would only add a refusal to its audit log every few seconds, for ever (and once it
         refuses us during the handshake, without even an error to tell us why)."""
         if self.trust.revoked_us(peer_id):
-            log.warning("%s revoked this node: %s", peer_id, reason)
+            log.warning("%s revoked this node: %s", self.trust.label(peer_id), reason)
         ended = 0
         for task in self.outbox.pending(peer_id) + self.outbox.resumable(peer_id):
             ended += not task.terminal
             self._end_here(task, code, reason)
         if ended:
-            log.info("%d task(s) delegated to %s ended: %s", ended, peer_id, reason)
+            log.info("%d task(s) delegated to %s ended: %s", ended, self.trust.label(peer_id), reason)
 
     def _end_here(self, task: OutboxTask, code: ErrorCode, reason: str) -> None:
         """End `task` on this side with `code` (unless it ended already) and stop its driver."""

@@ -208,7 +208,7 @@ class WebServer:
                                             timeout=KEY_PUSH_TIMEOUT_S)
             return True
         except (PsymeshError, TimeoutError) as exc:
-            log.info("could not hand %s our exit key: %s", peer_id, exc)
+            log.info("could not hand %s our exit key: %s", self.trust.label(peer_id), exc)
             return False
 
     # -- one hop ----------------------------------------------------------------------
@@ -232,8 +232,7 @@ class WebServer:
         own policy); one outcome row in the audit log."""
         exit_ = self._exit
         if exit_ is None:
-            raise PsymeshError("this node is not a web exit ([web.exit] enabled = true turns it on)",
-                               code=ErrorCode.UNAVAILABLE)
+            raise self._not_an_exit(peer_id)
         what = f"search {request.query!r}" if isinstance(request, WebSearch) else f"fetch {request.url}"
         now = self.clock()
         try:
@@ -265,13 +264,18 @@ class WebServer:
                          now=self.clock()).allowed
         return allowed
 
+    def _not_an_exit(self, peer_id: str | None) -> PsymeshError:
+        """Said to `peer_id` (None: our owner), who must read whose exit is off."""
+        who = "this node" if peer_id is None else self.gate.name
+        return PsymeshError(f"{who} is not a web exit ([web.exit] enabled = true in its config.toml turns it on)",
+                            code=ErrorCode.UNAVAILABLE)
+
     # -- two hops: the exit's part ----------------------------------------------------------
     async def serve_sealed(self, call: Call) -> Message:
         """A query sealed to our key, brought by a relay (`call.peer_id`)."""
         assert isinstance(call.request, WebSealed)
         if self._gateway is None:
-            raise PsymeshError("this node is not a web exit ([web.exit] enabled = true turns it on)",
-                               code=ErrorCode.UNAVAILABLE)
+            raise self._not_an_exit(call.peer_id)
         opened = self._gateway.decrypt(call.request.sealed)  # refusals before this: nobody to seal to
         try:
             now = self.clock()
@@ -289,8 +293,7 @@ class WebServer:
         """A relay asks our current exit key (the same for every asker)."""
         assert isinstance(call.request, WebKeyGet)
         if self._key is None:
-            raise PsymeshError("this node is not a web exit ([web.exit] enabled = true turns it on)",
-                               code=ErrorCode.UNAVAILABLE)
+            raise self._not_an_exit(call.peer_id)
         return WebKeyView(key=self._key)
 
     # -- two hops: the relay's part ----------------------------------------------------------

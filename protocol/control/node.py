@@ -80,6 +80,7 @@ class PeerDiagnosis(View):
     error: str = ""                    # why it is unreachable, or why a probe failed
     dialback: DialBackReply | None = None  # None: not asked (unreachable, or it refused)
     dialback_error: str = ""           # why it would not dial back (e.g. its grant to us has no room)
+    dialback_refused: bool = False     # it answered, refusing (`dialback_error` is its reason), not silence
 
 
 class DoctorReply(Message):

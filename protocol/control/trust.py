@@ -44,6 +44,7 @@ class PairedReply(Message):
     granted: list[str] = Field(default_factory=list)   # what the peer may ask of us
     received: list[str] = Field(default_factory=list)  # what we may ask of the peer
     asked_name: str | None = None  # the name it came with, when another peer here holds it (`name` is unique)
+    known_as: str | None = None    # the joiner: the name the inviter keeps this node under, when not its own
 
 
 class PeersRequest(Message):
