@@ -112,18 +112,26 @@ async def main(count: int, top: int) -> None:
                 await ping(seq)
                 rtts.append((time.perf_counter() - start) * 1000)
             tg.cancel_scope.cancel()
-    stats = pstats.Stats(profile)
-    calls = sum(row[1] for row in stats.stats.values())  # type: ignore[attr-defined]
     print(f"session ping round trips, both daemons in one process, {count} each\n")
-    print(f"Python calls a round trip     {calls / count:8.0f}")
-    print(f"task steps a round trip       {turns.steps / count:8.1f}")
-    print(f"run-loop turns a round trip   {turns.turns / count:8.1f}")
-    print(f"tasks spawned a round trip    {turns.spawned / count:8.1f}")
-    median, p99 = summarize(rtts)
-    print(f"in-process round trip         {median:8.3f} ms median, {p99:.3f} ms p99 (for scale only)\n")
-    print(f"{'where (own time, profiled)':<52}{'share':>7}{'calls/rt':>10}")
+    report(pstats.Stats(profile), turns, count, "a round trip", "round trip", rtts, top)
+
+
+def report(stats: pstats.Stats, turns: _Turns, count: int, each: str, what: str, latencies: list[float],
+           top: int, extra: list[str] | None = None) -> None:
+    """Calls, steps, turns and tasks spawned per `each` (of `count`), `extra` lines, the unprofiled
+    in-process `what` latency, and where the time goes: shared with bench/task_profile.py."""
+    calls = sum(row[1] for row in stats.stats.values())  # type: ignore[attr-defined]
+    print(f"{'Python calls ' + each:<30}{calls / count:8.0f}")
+    print(f"{'task steps ' + each:<30}{turns.steps / count:8.1f}")
+    print(f"{'run-loop turns ' + each:<30}{turns.turns / count:8.1f}")
+    print(f"{'tasks spawned ' + each:<30}{turns.spawned / count:8.1f}")
+    for line in extra or []:
+        print(line)
+    median, p99 = summarize(latencies)
+    print(f"{'in-process ' + what:<30}{median:8.3f} ms median, {p99:.3f} ms p99 (for scale only)\n")
+    print(f"{'where (own time, profiled)':<52}{'share':>7}{'calls/' + each.split()[-1]:>12}")
     for key, share, n in _where(stats)[:top]:
-        print(f"{key:<52}{share * 100:6.1f}%{n / count:10.0f}")
+        print(f"{key:<52}{share * 100:6.1f}%{n / count:12.0f}")
 
 
 if __name__ == "__main__":

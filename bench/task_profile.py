@@ -28,9 +28,8 @@ from pathlib import Path
 
 import anyio
 import trio
-from _common import summarize
 from delegate import install_plugin
-from rtt_profile import _Turns, _where
+from rtt_profile import _Turns, report
 
 WARMUP = 50
 
@@ -92,20 +91,10 @@ async def main(count: int, top: int) -> None:
                     await task()
                     latencies.append((time.perf_counter() - start) * 1000)
             tg.cancel_scope.cancel()
-    stats = pstats.Stats(profile)
-    calls = sum(row[1] for row in stats.stats.values())  # type: ignore[attr-defined]
     print(f"no-op tool tasks, delegate() -> result(), both daemons and the SDK in one process, {count} each\n")
-    print(f"Python calls a task           {calls / count:8.0f}")
-    print(f"task steps a task             {turns.steps / count:8.1f}")
-    print(f"run-loop turns a task         {turns.turns / count:8.1f}")
-    print(f"tasks spawned a task          {turns.spawned / count:8.1f}")
-    for name, (stmts, txns, fsyncs) in sql.items():
-        print(f"{name + ' SQLite':<30}{stmts:8.1f} statements, {txns:.1f} transactions, {fsyncs:.2f} WAL fsyncs")
-    median, p99 = summarize(latencies)
-    print(f"in-process task               {median:8.3f} ms median, {p99:.3f} ms p99 (for scale only)\n")
-    print(f"{'where (own time, profiled)':<52}{'share':>7}{'calls/task':>12}")
-    for key, share, n in _where(stats)[:top]:
-        print(f"{key:<52}{share * 100:6.1f}%{n / count:12.0f}")
+    report(pstats.Stats(profile), turns, count, "a task", "task", latencies, top,
+           [f"{name + ' SQLite':<30}{stmts:8.1f} statements, {txns:.1f} transactions, {fsyncs:.2f} WAL fsyncs"
+            for name, (stmts, txns, fsyncs) in sql.items()])
 
 
 if __name__ == "__main__":
