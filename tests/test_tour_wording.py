@@ -40,14 +40,25 @@ async def test_a_grant_that_expires_says_until_when_in_grant_and_peers(tmp_path:
         home = nodes["home"].home.path
         await pair(home, nodes["phone"].home.path, grant="phone")
         rc, text, err = await _cli(home, "grant", "phone", "+msg.send")
-        assert rc == 0 and "(until revoked)" in text, err
+        assert rc == 0 and "the whole grant lasts until revoked" in text, err
         rc, text, err = await _cli(home, "grant", "phone", "+msg.send", "--expires", "30d")
         assert rc == 0, err
         _, view, _ = await _cli(home, "peers", json_mode=True)
-        until = time.strftime("%Y-%m-%d", time.localtime(view[0]["granted_expires"]))
-        assert f"(until {until}" in text
+        ends = view[0]["granted_expires"]
+        until = time.strftime("%Y-%m-%d", time.localtime(ends))
+        assert f"lasts until {until}" in text
         rc, text, err = await _cli(home, "peers", "--active")
-        assert rc == 0 and "(until" in text and until in text, err  # folded at 80 columns
+        assert rc == 0 and "(all" in text and until in text, err  # folded at 80 columns
+
+        # an edit keeps the end: `+CAP` must not turn a 30-day grant into one for good (the tour's MCP step)
+        rc, text, err = await _cli(home, "grant", "phone", "+tool:mcp.notes.*")
+        assert rc == 0 and f"lasts until {until}" in text, err
+        _, view, _ = await _cli(home, "peers", json_mode=True)
+        assert view[0]["granted_expires"] == pytest.approx(ends, abs=2)
+        rc, text, err = await _cli(home, "grant", "phone", "-msg.send", "--expires", "never")
+        assert rc == 0 and "lasts until revoked" in text, err
+        _, view, _ = await _cli(home, "peers", json_mode=True)
+        assert view[0]["granted_expires"] is None
 
 
 async def test_status_lines_label_the_profile_not_a_second_name(tmp_path: Path) -> None:

@@ -9,7 +9,7 @@ import click
 from .output import Output, escape, table as out_table
 from ...protocol import control as c
 from ...protocol.errors import ErrorCode, PsymeshError
-from .common import Duration, command, on_node
+from .common import Duration, command, on_node, parse_duration
 
 if TYPE_CHECKING:
     from ...protocol.limits import Limits
@@ -129,7 +129,7 @@ def _caps_cell(caps: list[str], expires: float | None) -> str:
     """A peers-table cell: the capabilities, then when they end (if they do)."""
     if not caps:
         return "-"
-    return "\n".join(caps) + (f"\n({until_text(expires)})" if expires is not None else "")
+    return "\n".join(caps) + (f"\n(all {until_text(expires)})" if expires is not None else "")
 
 
 def _size(n: int) -> str:
@@ -185,20 +185,25 @@ def parse_limits(text: str) -> dict[str, int | None]:
 @click.argument("capabilities", nargs=-1, metavar="[CAP | +CAP | -CAP]...")
 @click.option("--preset", default=None, metavar="PRESET",
               help="Start from a preset's capabilities and limits (phone, messaging).")
-@click.option("--expires", type=Duration(), default=None, help="Grant lifetime (default: until revoked).")
+@click.option("--expires", default=None, metavar="DURATION|never",
+              help="How long the grant lasts (30d, 12h, ...; never: until revoked). Default: as long as the "
+                   "current grant.")
 @click.option("--preset-limits", "preset_limits", default=None, metavar="PRESET",
               help="Start from a preset's limits (phone, messaging) instead of the current grant's.")
 @click.option("--limits", "limits_spec", default=None, metavar="NAME=N,...",
               help="Set single limits: requests_per_minute, concurrent_tasks, max_runtime_s, max_payload_bytes "
                    "(N, or none for no limit).")
 def grant(home: str | None, out: Output, peer: str, capabilities: tuple[str, ...], preset: str | None,
-          expires: float | None, preset_limits: str | None, limits_spec: str | None) -> None:
+          expires: str | None, preset_limits: str | None, limits_spec: str | None) -> None:
     """Change what PEER may ask of this node: `+CAP` adds one, `-CAP` takes one away
     (`psymesh grant phone +tool:system.info -msg.send`), bare CAPs replace the whole list
     (`psymesh grant phone tool:files.* msg.send`), `--preset phone` starts from a preset.
 
-    Its limits stay those of the current grant unless --preset, --preset-limits or --limits change them."""
+    Its limits stay those of the current grant unless --preset, --preset-limits or --limits change them,
+    and so does its end unless --expires sets another."""
     set_limits = parse_limits(limits_spec) if limits_spec is not None else None
+    forever = expires is not None and expires.strip().lower() == "never"
+    expires_s = None if expires is None or forever else parse_duration(expires)
     unknown = [cap for cap in capabilities if cap.startswith("--")]
     if unknown:
         raise click.UsageError(f"no such option: {unknown[0]}")
@@ -213,12 +218,14 @@ def grant(home: str | None, out: Output, peer: str, capabilities: tuple[str, ...
         raise click.UsageError(f"{named!r} is a preset, not a capability: "
                                f"{out.suggest('grant', f'{peer} --preset {named}')}")
 
-    r = on_node(home, lambda client: client.grant(peer, whole, add=add, remove=remove, preset=preset, expires_s=expires,
+    r = on_node(home, lambda client: client.grant(peer, whole, add=add, remove=remove, preset=preset, expires_s=expires_s,
+                                                  until_revoked=forever,
                                                   preset_limits=preset_limits, set_limits=set_limits))
 
     def human(con: Console) -> None:
-        con.print(f"{r.peer.name} may now ask: {', '.join(r.peer.granted)} ({until_text(r.peer.granted_expires)})"
+        con.print(f"{r.peer.name} may now ask: {', '.join(r.peer.granted)}"
                   + ("" if r.delivered else "  (not reachable now: it will see the new grant when next told)"))
+        con.print(f"the whole grant lasts {until_text(r.peer.granted_expires)}")
         con.print("limits: " + limits_text(r.peer.granted_limits).replace("\n", ", "))
 
     out.data(r, human)

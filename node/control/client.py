@@ -174,18 +174,20 @@ class Client:
 
     async def grant(self, peer: str, capabilities: list[str] | None = None, *, add: list[str] | None = None,
                     remove: list[str] | None = None, preset: str | None = None, expires_s: float | None = None,
-                    preset_limits: str | None = None, limits: Limits | None = None,
+                    until_revoked: bool = False, preset_limits: str | None = None, limits: Limits | None = None,
                     set_limits: Mapping[str, int | None] | None = None) -> c.PeerReply:
         """A new grant to `peer` (capabilities in CLI spelling, e.g. "tool:files.*"):
         `capabilities` if given, else the preset `preset`'s (e.g. "phone"), else the current
         grant's; then `remove` taken out and `add` put in. Limits: `limits` if given, else a
         preset's (`preset_limits`, else `preset`), else the current grant's; then each of
         `set_limits` (e.g. `{"concurrent_tasks": 8, "max_runtime_s": None}`) replaces one of
-        them, None meaning no limit from the grant. Unknown names or values out of range raise
+        them, None meaning no limit from the grant. It lasts `expires_s` seconds, else (with
+        `until_revoked`) until revoked, else as long as the current grant. Unknown names or values out of range raise
         PsymeshError (bad_request) before anything is sent."""
         try:
             req = c.GrantRequest(peer=peer, capabilities=capabilities or [], add=add or [], remove=remove or [],
-                                 preset=preset, expires_s=expires_s, preset_limits=preset_limits, limits=limits,
+                                 preset=preset, expires_s=expires_s, until_revoked=until_revoked,
+                                 preset_limits=preset_limits, limits=limits,
                                  set_limits=dict(set_limits or {}))
         except ValidationError as exc:
             first = exc.errors()[0]

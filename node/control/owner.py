@@ -62,6 +62,17 @@ PING_TIMEOUT_S = 30.0  # all of `psymesh ping`'s round trips
 SYNCS_ITSELF: frozenset[type[Message]] = frozenset({c.TaskSubmitRequest})
 
 
+
+def _lifetime(req: c.GrantRequest, current: Manifest | None, now: float) -> float | None:
+    """How long a new grant lasts: `expires_s` if given; no end with `until_revoked`; else as long
+    as the grant it replaces (an edit such as `grant phone +CAP` must not turn a 30-day grant into
+    one for good), or no end if that one had none or has ended."""
+    if req.expires_s is not None:
+        return req.expires_s
+    if req.until_revoked or current is None or current.expires is None or current.expires <= now:
+        return None
+    return current.expires - now
+
 class OwnerNode(Protocol):
     """What the owner's handlers use of the daemon (node/daemon.py's Node is one)."""
 
@@ -252,8 +263,9 @@ class Owner:
         if not capabilities:
             raise PsymeshError(f"that would leave {peer.name} no capability; to cut it off: psymesh revoke {peer.name}",
                                code=ErrorCode.BAD_REQUEST)
-        manifest = new_manifest(self.node.identity.peer_id, peer.peer_id, capabilities, now=time.time(),
-                                ttl=req.expires_s, limits=limits).sign(self.node.identity.private_key)
+        now = time.time()
+        manifest = new_manifest(self.node.identity.peer_id, peer.peer_id, capabilities, now=now,
+                                ttl=_lifetime(req, peer.granted, now), limits=limits).sign(self.node.identity.private_key)
         self.node.trust.set_granted(peer.peer_id, manifest)
         log.info("grant to %s is now: %s", peer.name, ", ".join(manifest.grants()))
         delivered = await self.node.push_manifest(peer.peer_id, manifest)

@@ -89,7 +89,8 @@ class GrantRequest(Message):
     add: list[str] = Field(default_factory=list, max_length=128)
     remove: list[str] = Field(default_factory=list, max_length=128)
     preset: str | None = None
-    expires_s: float | None = Field(default=None, gt=0)
+    expires_s: float | None = Field(default=None, gt=0)  # None: it ends when the current grant ends
+    until_revoked: bool = False  # with no expires_s: no end (else the current grant's end is kept)
     preset_limits: str | None = None
     limits: Limits | None = None
     set_limits: dict[str, int | None] = Field(default_factory=dict)
