@@ -228,3 +228,6 @@ def test_exposure_asks_a_home_pc_for_an_address_and_a_phone_for_none(tmp_path: P
         [check] = judge_exposure([listen], config, profile)
         assert check.status == status, (profile, listen, check)
         assert profile == "home" or "0.0.0.0" not in (check.next_step or "")
+    # the address it is told to listen on keeps its own port (friend on 4002 is not sent to home's 4001)
+    [check] = judge_exposure(["/ip4/127.0.0.1/tcp/4002"], config, "home")
+    assert '"/ip4/0.0.0.0/tcp/4002"' in (check.next_step or "")

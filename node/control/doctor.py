@@ -214,9 +214,10 @@ def judge_exposure(listen: list[str], config_path: Path, profile: str = "home") 
     if profile == "phone":
         checks.append(ok("exposure", "a phone dials its peers (and relays) itself: it needs no address they dial"))
     elif ends and all(_loopback(e.ip) for e in ends):
+        port = next((e.port for e in ends if e.port), 4001)  # its own port, if it has a fixed one
         checks.append(warn("exposure", "the node listens on loopback only: only this machine can connect to it",
                            f'to be reached from the LAN (and, forwarded, from outside): listen = '
-                           f'["/ip4/0.0.0.0/tcp/4001"] in {config_path}'))
+                           f'["/ip4/0.0.0.0/tcp/{port}"] in {config_path}'))
     elif any(e.port == 0 for e in ends):
         checks.append(warn("exposure", "the listen port is picked anew at every start, so addresses peers stored "
                                        "go stale and no router can forward it",
