@@ -426,6 +426,7 @@ class P2PNode(Relaying, HolePunching):
         fallback = any(map(_is_circuit, targets))
         asked: set[str] = set()  # relays that answered: their other addresses would say the same
         last: PsymeshError | None = None
+        direct: PsymeshError | None = None  # the first direct address's failure: the one to tell
         for target in targets:
             relay = _relay_of(target)
             if relay in asked:
@@ -438,9 +439,17 @@ class P2PNode(Relaying, HolePunching):
                 last = ConnectError(f"no answer at {target} within {DIRECT_FIRST_TIMEOUT_S:g} s")
             except PsymeshError as exc:
                 last = exc
+            if relay is None and target != peer_id and direct is None:
+                direct = last
             if relay is not None and self._connections(relay, direct=True):
                 asked.add(relay)
-        cause = (last.cause if isinstance(last, ConnectError) else last.message) if last else "no address to dial"
+        # A peer that is down fails at its own address first ("connection refused at ..."); what a
+        # relay said after that (no reservation, no grant for the circuit) would send the user
+        # looking for the wrong cause. The relay's answer is in the log (debug).
+        if direct is not None and last is not direct:
+            log.debug("through a relay too, %s was not reached: %s", peer_id, last.message if last else "")
+        told = direct or last
+        cause = (told.cause if isinstance(told, ConnectError) else told.message) if told else "no address to dial"
         raise ConnectError(f"{who or peer_id} is unreachable: {cause}", cause=cause)
 
     async def _dial(self, info: PeerInfo, addr: str) -> None:
