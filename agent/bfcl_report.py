@@ -165,8 +165,9 @@ def _web_note() -> str:
     return WEB_NOTE
 
 
-def format_bfcl_report(report: BfclReport) -> str:
-    """The per-category table, then BFCL's summaries as its leaderboard computes them."""
+def format_bfcl_report(report: BfclReport, asked: Sequence[str] = ()) -> str:
+    """The per-category table, then BFCL's summaries as its leaderboard computes them. `asked`:
+    the categories the run was limited to (none: all), for which of NOT_RUN to mention."""
     width = max([len("category"), *(len(c) for c in report.categories)])
     lines = [f"{'category':<{width}}  cases  correct  accuracy"]
     for s in report.categories.values():
@@ -176,7 +177,8 @@ def format_bfcl_report(report: BfclReport) -> str:
         lines.append(f"{'':<{width}}  format sensitivity over {len(fs.by_config)} prompt formats: max delta "
                      f"{fs.max_delta:.2f}, std {fs.std:.2f} (points; in no summary, as in BFCL)")
     summaries = report.summaries()
-    lines += ["", "BFCL summaries (N/A: a category in it was not run; BFCL counts it as 0):"]
+    lines += ["", "BFCL summaries, as BFCL computes them: a category not run counts 0, and a summary missing one"
+                  " is shown N/A (overall and non_live as a figure):"]
     for s in summaries.values():
         if s.touched:
             shown = s.display if s.complete else f"{s.display} (not all of its categories ran; those count 0)"
@@ -184,8 +186,9 @@ def format_bfcl_report(report: BfclReport) -> str:
     untouched = [s.name for s in summaries.values() if not s.touched]
     if untouched:
         lines.append(f"  none of the categories of {', '.join(untouched)} ran")
-    if NOT_RUN:
-        lines.append("this harness cannot run here: " + "; ".join(f"{c} ({why})" for c, why in NOT_RUN.items()))
+    cannot = {c: why for c, why in NOT_RUN.items() if not asked or c in asked}
+    if cannot:
+        lines.append("this harness cannot run here: " + "; ".join(f"{c} ({why})" for c, why in cannot.items()))
     if any(c in report.categories for c in WEB_CATEGORIES):
         lines.append(f"note: {_web_note()}")
     return "\n".join(lines) + "\n"
@@ -200,7 +203,8 @@ def run_spread(reports: Sequence[BfclReport]) -> dict[str, dict[str, float]]:
 
     return {**{c: spread([r.categories[c].accuracy for r in reports if c in r.categories])
                for c in reports[0].categories},
-            **{f"summary: {k}": spread([r.summaries()[k].accuracy for r in reports]) for k in reports[0].summaries()}}
+            **{f"summary: {k}": spread([r.summaries()[k].accuracy for r in reports])
+               for k, s in reports[0].summaries().items() if s.touched}}  # none of its categories ran: no row
 
 
 def format_run_spread(reports: Sequence[BfclReport]) -> str:

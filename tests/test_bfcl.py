@@ -396,6 +396,18 @@ def psymesh(home: Path, *args: str) -> subprocess.CompletedProcess[str]:
                           capture_output=True, text=True, timeout=120)
 
 
+def test_eval_bfcl_for_people_names_what_did_not_run_and_not_what_was_not_asked(bfcl_dir: Path,
+                                                                               tmp_path: Path) -> None:
+    """One category asked: summaries none of whose categories ran are named, not scored 0 %, and a
+    category the harness cannot run here is not brought up when it was not asked for."""
+    done = subprocess.run([sys.executable, "-m", "psymesh", "eval", "--bfcl", "--oracle", "--category", "simple_java",
+                           "--limit", "2", "--home", str(tmp_path / "home")], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "none of the categories of live, irrelevance" in done.stdout
+    assert "multi_turn   0.00%" not in done.stdout and "memory_vector" not in done.stdout
+
+
 def test_eval_bfcl_oracle_json(bfcl_dir: Path, tmp_path: Path) -> None:
     done = psymesh(tmp_path, "--bfcl", "--oracle", "--limit", "5", "--score-dir", str(tmp_path / "scores"))
     assert done.returncode == 0, done.stderr

@@ -325,5 +325,6 @@ def _eval_bfcl(home: str | None, out: Output, bfcl_dir: str | None, categories: 
         data["spread"] = run_spread(reports)
     if score_dir is not None:
         data["score_files"] = [str(p) for p in write_score_files(report, Path(score_dir), name)]
-    out.data(data, lambda con: con.print(format_bfcl_report(report)
-                                         + (format_run_spread(reports) if runs > 1 else "")))
+    # plain text, not markup: "pip install -e '.[bfcl-vector]'" is no style tag
+    out.data(data, lambda con: con.print(format_bfcl_report(report, categories)
+                                         + (format_run_spread(reports) if runs > 1 else ""), markup=False))
