@@ -363,6 +363,9 @@ class Node:
                 log.info("node %s (%s, profile: %s) listening on %s", self.config.name, self.identity.peer_id,
                          self.config.profile,
                          " ".join(self.p2p.addrs()))
+                if self.config.relay.enabled:  # else a user who turned it on sees no sign it took
+                    log.info("relaying for paired peers granted relay (up to %d reservations, %d circuits)",
+                             self.config.relay.max_reservations, self.config.relay.max_circuits)
                 task_status.started()
         finally:
             with anyio.CancelScope(shield=True):
