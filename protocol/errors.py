@@ -87,9 +87,13 @@ class ConnectError(NetworkError):
     a few words without the peer's name (`connection refused at 127.0.0.1:4001`), for a line
     that names the peer itself ("home is unreachable since 14:02 (<cause>)")."""
 
-    def __init__(self, message: str, *, cause: str | None = None, **kwargs: Any) -> None:
+    def __init__(self, message: str, *, cause: str | None = None, nobody_listens: bool = False,
+                 **kwargs: Any) -> None:
         super().__init__(message, **kwargs)
         self.cause = cause or message
+        # the address answered that nothing listens there (connection refused): the peer is down,
+        # which says more than what any other way to it (a relay) answered after
+        self.nobody_listens = nobody_listens
 
 
 class NetworkTimeout(NetworkError):

@@ -74,7 +74,7 @@ from .patches import (
     _Swarm,
     _write_multistream_message,
 )
-from .stream import Handler, P2PStream, _close_quietly, _reason, _reset_quietly, dial_failure
+from .stream import Handler, P2PStream, _close_quietly, _reason, _reset_quietly, dial_failure, nobody_listens
 from .strangers import PAIRED_STREAMS, CircuitFilter, PeerFilter, PunchFilter, StreamFilter, _Admission
 
 log = logging.getLogger(__name__)
@@ -426,7 +426,7 @@ class P2PNode(Relaying, HolePunching):
         fallback = any(map(_is_circuit, targets))
         asked: set[str] = set()  # relays that answered: their other addresses would say the same
         last: PsymeshError | None = None
-        direct: PsymeshError | None = None  # the first direct address's failure: the one to tell
+        direct: ConnectError | None = None  # a direct address where nothing listens: the one to tell
         for target in targets:
             relay = _relay_of(target)
             if relay in asked:
@@ -439,17 +439,22 @@ class P2PNode(Relaying, HolePunching):
                 last = ConnectError(f"no answer at {target} within {DIRECT_FIRST_TIMEOUT_S:g} s")
             except PsymeshError as exc:
                 last = exc
-            if relay is None and target != peer_id and direct is None:
+            if relay is None and direct is None and isinstance(last, ConnectError) and last.nobody_listens:
                 direct = last
             if relay is not None and self._connections(relay, direct=True):
                 asked.add(relay)
-        # A peer that is down fails at its own address first ("connection refused at ..."); what a
-        # relay said after that (no reservation, no grant for the circuit) would send the user
-        # looking for the wrong cause. The relay's answer is in the log (debug).
-        if direct is not None and last is not direct:
-            log.debug("through a relay too, %s was not reached: %s", peer_id, last.message if last else "")
-        told = direct or last
-        cause = (told.cause if isinstance(told, ConnectError) else told.message) if told else "no address to dial"
+        # A peer that is down is refused at its own address ("connection refused at ..."); that is
+        # said first, before what a relay answered after it (no reservation, no grant for the
+        # circuit), which alone would send the user looking for a missing grant.
+        def said(e: PsymeshError) -> str:
+            return e.cause if isinstance(e, ConnectError) else e.message
+
+        if last is None:
+            cause = "no address to dial"
+        elif direct is not None and direct is not last:
+            cause = f"{said(direct)}; through a relay: {said(last)}"
+        else:
+            cause = said(last)
         raise ConnectError(f"{who or peer_id} is unreachable: {cause}", cause=cause)
 
     async def _dial(self, info: PeerInfo, addr: str) -> None:
@@ -469,7 +474,7 @@ class P2PNode(Relaying, HolePunching):
         except Exception as exc:
             log.debug("dialing %s failed: %s", addr, _reason(exc))  # libp2p's whole text, for the log
             cause = dial_failure(exc) or f"cannot connect to {addr}: {_reason(exc)}"
-            raise ConnectError(cause) from exc
+            raise ConnectError(cause, nobody_listens=nobody_listens(exc)) from exc
 
     # -- peers -----------------------------------------------------------------------
     def connected_peers(self) -> list[dict[str, Any]]:

@@ -3,6 +3,8 @@ the end), and the quiet close/reset every part of the host uses on libp2p's stre
 connections, with `_reason()`, which turns a libp2p exception chain into a sentence for people."""
 from __future__ import annotations
 
+import errno
+
 import logging
 import re
 from collections.abc import Awaitable, Callable
@@ -97,6 +99,12 @@ def _leaves(exc: BaseException) -> list[BaseException]:
 
 
 _TRIED = re.compile(r"all attempts to connect to (\S+) failed")
+
+
+def nobody_listens(exc: BaseException) -> bool:
+    """Whether libp2p's failed dial was refused by the address itself (nothing listens there)."""
+    return any(isinstance(e, ConnectionRefusedError) or (isinstance(e, OSError) and e.errno == errno.ECONNREFUSED)
+               for e in _leaves(exc))
 
 
 def dial_failure(exc: BaseException) -> str | None:
