@@ -153,6 +153,7 @@ async def test_the_daemon_probes_each_peer_path_round_trip_clock_and_dial_back(t
         checks = await doctor.run_checks(phone.home, timeout_s=5)
         gone = by_name(checks, "peer:home")
         assert gone.status == "warn" and "unreachable" in gone.detail and "psymesh status" in gone.next_step
+        assert gone.detail.count("unreachable") == 1, gone.detail  # not "home is unreachable: home is unreachable: ..."
 
 
 @pytest.mark.anyio
