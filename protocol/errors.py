@@ -96,6 +96,12 @@ class ConnectError(NetworkError):
         self.nobody_listens = nobody_listens
 
 
+
+def cause_of(exc: PsymeshError) -> str:
+    """Why `exc` happened, for a line that names the peer itself ("home is unreachable since
+    14:02 (<why>)"): a ConnectError's `cause`, else the message."""
+    return exc.cause if isinstance(exc, ConnectError) else exc.message
+
 class NetworkTimeout(NetworkError):
     """The peer did not answer in time."""
 

@@ -41,11 +41,11 @@ from pydantic import BaseModel, ConfigDict
 from .client import Client, DaemonNotRunning
 from ..core.db import storage_error
 from ..core.home import NodeConfig, NodeHome
-from ..core.paths import spell_command
+from ..core.commands import spell_command
 from ..net.ping import read_clock
 from ..reach.dialback import probe_listener
 from ...protocol import control as c
-from ...protocol.errors import ConnectError, NetworkError, PsymeshError
+from ...protocol.errors import NetworkError, PsymeshError, cause_of
 
 if TYPE_CHECKING:
     from ..door.trust import Peer, TrustStore
@@ -284,8 +284,7 @@ async def _diagnose_peer(node: DoctorParts, peer: Peer, request: c.DoctorRequest
             path = node.reach.path(peer.peer_id)
             reading = await read_clock(session)
         except NetworkError as exc:
-            why = exc.cause if isinstance(exc, ConnectError) else exc.message  # the line names the peer itself
-            return diagnosis.model_copy(update={"error": why, "path": node.reach.path(peer.peer_id)})
+            return diagnosis.model_copy(update={"error": cause_of(exc), "path": node.reach.path(peer.peer_id)})
         except PsymeshError as exc:  # it answered, with a refusal (no grant of its to us in date)
             return diagnosis.model_copy(update={"reachable": True, "path": node.reach.path(peer.peer_id),
                                                 "error": f"it refused a ping: {exc.message}",

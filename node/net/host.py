@@ -38,7 +38,7 @@ from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
 from libp2p.stream_muxer.yamux.yamux import Yamux
 
 from ...protocol.circuit import Hop
-from ...protocol.errors import ConnectError, ErrorCode, ProtocolError, PsymeshError
+from ...protocol.errors import ConnectError, ErrorCode, ProtocolError, PsymeshError, cause_of
 from ...protocol.relay import DCUTR, STOP, RelayBook
 from ...protocol.strangers import StrangerLimits, fair_share
 from .addrs import (
@@ -446,15 +446,12 @@ class P2PNode(Relaying, HolePunching):
         # A peer that is down is refused at its own address ("connection refused at ..."); that is
         # said first, before what a relay answered after it (no reservation, no grant for the
         # circuit), which alone would send the user looking for a missing grant.
-        def said(e: PsymeshError) -> str:
-            return e.cause if isinstance(e, ConnectError) else e.message
-
         if last is None:
             cause = "no address to dial"
         elif direct is not None and direct is not last:
-            cause = f"{said(direct)}; through a relay: {said(last)}"
+            cause = f"{cause_of(direct)}; through a relay: {cause_of(last)}"
         else:
-            cause = said(last)
+            cause = cause_of(last)
         raise ConnectError(f"{who or peer_id} is unreachable: {cause}", cause=cause)
 
     async def _dial(self, info: PeerInfo, addr: str) -> None:

@@ -37,7 +37,6 @@ from .framed import READ_CHUNK, ByteStream
 from ...protocol.common import Error, expect
 from ...protocol.control import PeerAway
 from ...protocol.errors import (
-    ConnectError,
     ConnectionLost,
     ErrorCode,
     NetworkError,
@@ -45,6 +44,7 @@ from ...protocol.errors import (
     ProtocolError,
     PsymeshError,
     RemoteError,
+    cause_of,
 )
 from ...protocol.messages import Message
 from ...protocol.session import Cancel, Refused, Reply, Request, SessionClient, SessionServer
@@ -459,8 +459,7 @@ class SessionPool:
                 stream = await self._open_stream(peer_id, self._protocol)
             except NetworkError as exc:
                 since = self._away[peer_id].since if peer_id in self._away else time.time()
-                reason = exc.cause if isinstance(exc, ConnectError) else exc.message  # the line names the peer
-                self._away[peer_id] = PeerAway(since=since, reason=reason)
+                self._away[peer_id] = PeerAway(since=since, reason=cause_of(exc))  # the line names the peer
                 raise
             self._away.pop(peer_id, None)
             session = OutboundSession(peer_id, stream, self._max_frame_size)
