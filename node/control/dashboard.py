@@ -346,7 +346,7 @@ class Dashboard:
             raise HTTPException(404, f"no task {task_id} was delegated from this node") from None
         events = outbox.events_after(task_id, 0, limit=1000)
         asking = events[-1].data if events and events[-1].state is TaskState.INPUT_REQUIRED else None
-        names = {p.peer_id: p.name for p in self.node.trust.list()}
+        names = self.node.trust.names()
         target = names.get(task.target or "", task.target or "")
         return {"heading": "Task", "id": task_id, "action": f"/tasks/{task_id}", "kind": task.spec.kind,
                 "where": f"on {target}", "who": target, "goal": task.spec.goal, "state": task.state,

@@ -181,7 +181,7 @@ class Owner:
         return c.UiReply(url=ui.url, login_url=ui.login_url(), token_source=ui.key.source)
 
     async def _status(self, req: c.StatusRequest, _: FramedStream) -> c.StatusReply:
-        names = {p.peer_id: p.name for p in self.node.trust.list()}
+        names = self.node.trust.names()
         return c.StatusReply(
             peer_id=self.node.identity.peer_id,
             fingerprint=self.node.identity.fingerprint,
@@ -296,7 +296,7 @@ class Owner:
     async def _audit(self, req: c.AuditRequest, _: FramedStream) -> c.AuditReply:
         peer_id = req.peer if req.peer is None or is_peer_id(req.peer) else self.node.trust.resolve(req.peer).peer_id
         rows = self.node.audit.query(peer_id=peer_id, limit=req.limit, denied_only=req.denied_only)
-        names = {p.peer_id: p.name for p in self.node.trust.list()}
+        names = self.node.trust.names()
         return c.AuditReply(rows=[c.AuditRow.model_validate({**r, "peer_name": names.get(r["peer_id"])}) for r in rows])
 
     async def _task_submit(self, req: c.TaskSubmitRequest, _: FramedStream) -> c.TaskSubmitted:
@@ -362,7 +362,7 @@ class Owner:
         return c.Ok()
 
     async def _task_list(self, req: c.TaskListRequest, _: FramedStream) -> c.TaskListReply:
-        names = {p.peer_id: p.name for p in self.node.trust.list()}
+        names = self.node.trust.names()
         submitted = [c.SubmittedTaskView(task_id=t.id, kind=t.spec.kind, target=names.get(t.target, t.target),
                                          state=t.state, accepted=t.accepted, events=t.last_seq,
                                          created_at=t.created_at, updated_at=t.updated_at,

@@ -147,6 +147,10 @@ class TrustStore:
         row = self.conn.execute("SELECT * FROM peers WHERE peer_id = ?", (peer_id,)).fetchone()
         return self._peer(row) if row else None
 
+    def names(self) -> dict[str, str]:
+        """Every paired peer's name by peer id, revoked ones too: what output shows for an id."""
+        return {row["peer_id"]: row["name"] for row in self.conn.execute("SELECT peer_id, name FROM peers")}
+
     def label(self, peer_id: str) -> str:
         """A peer as log lines name it: `home (…gX2u9mU)` when paired (revoked too), else its
         whole id (a stranger has no other name)."""
