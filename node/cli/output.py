@@ -17,7 +17,7 @@ from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 from ..control.oneshot import Reply
-from ..core.paths import spell_command
+from ..core.commands import spell_command
 from ...protocol.errors import NetworkError, PsymeshError, network_kind
 
 if TYPE_CHECKING:

@@ -1,6 +1,5 @@
 """Where a node home's files are, and the rules for touching them (what home.py says about the
-home: private to its owner, mode 0700, files 0600); and how a command for a home is spelled for a
-person to run next (`spell_command`: the CLI's hints and doctor's next steps).
+home: private to its owner, mode 0700, files 0600).
 
     <home>/identity.key   <home>/config.toml   <home>/node.db   <home>/control.sock
     <home>/listen.last (where the node listened when it last ran: node/reach/relaying.py)
@@ -28,17 +27,6 @@ def resolve_home(home: str | os.PathLike[str] | None = None) -> Path:
     if home is None:
         home = os.environ.get("PSYMESH_HOME") or _default_home()
     return Path(home).expanduser().resolve()
-
-
-def spell_command(command: str, rest: str = "", *, home: str | None = None) -> str:
-    """A psymesh command for a person to run next, for the home they named: `command` is its
-    words, `rest` its arguments as shown (placeholders included), `home` the --home they gave
-    (None: leave it out, as they did), put between them so it is read whatever `rest` holds.
-    `spell_command("task watch", "t1", home="~/psy-phone")` -> `psymesh task watch --home '~/psy-phone' t1`."""
-    import shlex  # here: most commands print no hint
-
-    where = f" --home {shlex.quote(home)}" if home is not None else ""
-    return f"psymesh {command}{where}" + (f" {rest}" if rest else "")
 
 
 def _default_home() -> str:
