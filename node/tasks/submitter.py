@@ -159,22 +159,10 @@ class TaskSubmitter:
         # a power cut that loses those only means a harmless resubmit too).
         task = self.outbox.add(candidates[0], spec)
         row_written = self._mark()
-        failures: list[PsymeshError] = []  # raised after the task group, not as an exception group
-
-        async def sync_row() -> None:
-            try:
-                await self._synced(row_written)
-            except PsymeshError as exc:  # the disk failed
-                failures.append(exc)
-
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(sync_row)
-            try:
-                answer = await self._hand_over(spec, task, candidates)
-            except PsymeshError as exc:
-                failures.insert(0, exc)
-        if failures:
-            raise failures[0]
+        if self.wal is not None:
+            self.wal.start(row_written)  # the fsync begins now, on a worker thread, beside the hand-over
+        answer = await self._hand_over(spec, task, candidates)  # a refusal promises nothing: no wait
+        await self._synced(row_written)  # the row is on disk before this returns (or the disk failed)
         return answer
 
     def _mark(self) -> int:
