@@ -129,12 +129,14 @@ class ExecutorStore:
         A new task starts with event 1, `accepted`, in state submitted.
         """
         now = resolve_now(now)
+        # event 1, checked as every event is (its state: the row's), written with the row
+        event = _build_event(spec.id, 1, EventKind.ACCEPTED, next_state(None, EventKind.ACCEPTED, None), now, {})
         with transaction(self.conn):
             deadline = spec.resolve_deadline(now)
             inserted = self.conn.execute(
-                "INSERT INTO exec_tasks (id, submitter, kind, spec, state, created_at, updated_at, deadline)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (id) DO NOTHING",
-                (spec.id, submitter, spec.kind.value, spec_to_json(spec), TaskState.SUBMITTED.value,
+                "INSERT INTO exec_tasks (id, submitter, kind, spec, state, last_seq, created_at, updated_at, deadline)"
+                " VALUES (?, ?, ?, ?, ?, 1, ?, ?, ?) ON CONFLICT (id) DO NOTHING",
+                (spec.id, submitter, spec.kind.value, spec_to_json(spec), event.state.value,
                  now, now, deadline),
             ).rowcount
             if not inserted:  # a resubmit (or a reuse of the id)
@@ -142,7 +144,7 @@ class ExecutorStore:
                 if record.submitter != submitter or record.spec != spec:
                     raise TaskConflict(f"task id {spec.id!r} is already in use for a different task")
                 return record, False
-            event = self._append(spec.id, EventKind.ACCEPTED, {}, None, now, head=(0, TaskState.SUBMITTED.value))
+            self._log.insert_events([event])  # the row says last_seq 1 already: no UPDATE of it
             return TaskRecord(spec=spec, submitter=submitter, state=event.state, last_seq=event.seq, acked_seq=0,
                               created_at=now, updated_at=now, deadline=deadline), True  # as written: no read back
 
