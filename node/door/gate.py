@@ -76,11 +76,10 @@ OVER_BUDGET = "*"  # the operation of the audit row counting a peer's refusals p
 class QueueGauge(Protocol):
     """How much work the node holds (the executor's store answers)."""
 
-    def active_for(self, peer_id: str) -> int: ...
-
-    def queue_depth(self) -> int: ...
-
-    def holds(self, peer_id: str, task_id: str) -> bool: ...
+    def load(self, peer_id: str, task_id: str) -> tuple[bool, int, int]:
+        """Whether `peer_id` holds `task_id` here already, its unfinished tasks, and everyone's,
+        read at once (one statement on the path of every task)."""
+        ...
 
 
 class MailDesk(Protocol):
@@ -198,9 +197,7 @@ class Gate:
         decision.raise_if_denied()
         if rule.starts_task:
             assert isinstance(request, TaskSubmit)
-            if self.queue is not None and self.queue.holds(peer_id, request.spec.id):
-                return decision  # a resubmit of a task it holds here: already counted
-            self._check_queue(peer_id, grant)
+            self._check_queue(peer_id, request.spec.id, grant)
         if rule.holds_mail:
             assert isinstance(request, MailDeposit)
             if self.mailbox is None:
@@ -282,15 +279,18 @@ class Gate:
             self._record(peer_id, service, what, error, now)
         return decision
 
-    def _check_queue(self, peer_id: str, grant: Manifest) -> None:
+    def _check_queue(self, peer_id: str, task_id: str, grant: Manifest) -> None:
         if self.queue is None:
             return
+        held, active_for_peer, depth = self.queue.load(peer_id, task_id)
+        if held:
+            return  # a resubmit of a task it holds here: already counted
         limits = self.queue_limits
         per_peer = min(limits.max_queue_per_peer, grant.limits.concurrent_tasks or limits.max_queue_per_peer)
-        if self.queue.active_for(peer_id) >= per_peer:
+        if active_for_peer >= per_peer:
             raise PsymeshError(f"you have {per_peer} unfinished task(s) here, the most allowed; retry later",
                                code=ErrorCode.BUSY, retry_after=limits.busy_retry_after)
-        if self.queue.queue_depth() >= limits.max_queue:
+        if depth >= limits.max_queue:
             raise PsymeshError(f"{self.name}'s task queue is full; retry later", code=ErrorCode.BUSY,
                                retry_after=limits.busy_retry_after * 2)
 

@@ -297,6 +297,18 @@ class ExecutorStore:
         return self.conn.execute("SELECT 1 FROM exec_tasks WHERE id = ? AND submitter = ?",
                                  (task_id, peer)).fetchone() is not None
 
+    def load(self, peer: str, task_id: str) -> tuple[bool, int, int]:
+        """`holds(peer, task_id)`, `active_for(peer)` and `queue_depth()` in one statement (the
+        door asks all three of every task it admits)."""
+        marks, states = placeholders(s.value for s in ACTIVE_STATES)
+        row = self.conn.execute(
+            "SELECT EXISTS (SELECT 1 FROM exec_tasks WHERE id = ? AND submitter = ?),"
+            f" (SELECT COUNT(*) FROM exec_tasks WHERE submitter = ? AND state IN ({marks})),"
+            f" (SELECT COUNT(*) FROM exec_tasks WHERE state IN ({marks}))",
+            (task_id, peer, peer, *states, *states),
+        ).fetchone()
+        return bool(row[0]), row[1], row[2]
+
     def next_deadline(self) -> float | None:
         """The earliest deadline among unfinished tasks: when the executor's expiry wakes next."""
         marks, states = placeholders(s.value for s in ACTIVE_STATES)
