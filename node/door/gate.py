@@ -123,7 +123,6 @@ class Gate:
         self.refusals = RateLimiter()  # each peer's refusal budget, apart from its grant's rate
         self.refusals_per_minute = refusals_per_minute
         self._verified: dict[str, Manifest] = {}  # peer id -> the grant object whose signature held (`_check`)
-        self._peers: dict[str, tuple[int, Peer]] = {}  # peer id -> (trust.version when read, its row): `paired`
 
     # -- requests ------------------------------------------------------------------
     def admit(self, peer_id: str, service: str, request: Message) -> Decision:
@@ -309,14 +308,7 @@ class Gate:
         is read again whenever the trust store has changed since (`TrustStore.version`, bumped
         by every write), so a revocation or a new grant acts on the very next request; kept
         for paired peers only, one entry each."""
-        version = self.trust.version  # before the read: a write that lands meanwhile is seen next time
-        cached = self._peers.get(peer_id)
-        if cached is not None and cached[0] == version:
-            peer: Peer | None = cached[1]
-        else:
-            peer = self.trust.get(peer_id)
-            if peer is not None:
-                self._peers[peer_id] = (version, peer)
+        peer = self.trust.get(peer_id)  # (kept by the store until it changes: TrustStore.version)
         if peer is None or peer.revoked:
             state = "was revoked" if peer is not None else f"is not paired with {self.name}"
             raise PsymeshError(f"peer {peer_id} {state}; pair first (psymesh pair join)",
