@@ -306,6 +306,8 @@ class WalSync:
         self._written = 0  # writes seen (a counter only ever compared, never reset)
         self._synced = 0  # writes known to be on disk
         self._running: _Sync | None = None
+        self._fd: int | None = None  # the WAL's, kept open between syncs (`_wal_fd`)
+        self._closing = False
 
     def wrote(self) -> None:
         self._written += 1
@@ -335,7 +337,11 @@ class WalSync:
 
     def _begin(self) -> _Sync:
         """Start one fsync covering every write so far; it settles itself (`_Sync.done`), on the
-        event loop, whoever waits for it or stops waiting: a cancelled waiter leaves nobody hanging."""
+        event loop, whoever waits for it or stops waiting: a cancelled waiter leaves nobody hanging.
+        The WAL's descriptor is found here, on the event loop, so that the worker thread has one
+        thing to do before the fsync: get the GIL once (each more it needs waits for the loop to
+        let go of it, behind whatever the loop runs meanwhile, e.g. the worker of the very task
+        whose answer waits)."""
         self._running = running = _Sync(self._written)
 
         def finished(error: BaseException | None) -> None:  # on the event loop
@@ -344,22 +350,57 @@ class WalSync:
                 self._synced = max(self._synced, running.covers)
             running.error = error
             running.done.set()
+            if self._closing:
+                self.close()
 
-        _in_thread_now(self._fsync_wal, finished)
+        try:
+            fd = self._wal_fd()
+        except OSError as exc:
+            finished(storage_error(exc, self.path))
+            return running
+        if fd is None:  # no WAL: everything is in the database file, which checkpoints sync
+            finished(None)
+            return running
+        _in_thread_now(lambda: self._fsync_wal(fd), finished)
         return running
 
-    def _fsync_wal(self) -> None:
+    def _wal_fd(self) -> int | None:
+        """The WAL file's descriptor, kept open between syncs; opened again if the file it
+        names was removed meanwhile (SQLite removes the WAL as the last connection closes,
+        after copying it all into the database and syncing that: a later WAL is a new file)."""
+        if self._fd is not None:
+            try:
+                if os.fstat(self._fd).st_nlink > 0:
+                    return self._fd
+            except OSError:
+                pass
+            self._close_fd()
         try:
-            fd = os.open(f"{self.path}-wal", os.O_RDONLY)
+            self._fd = os.open(f"{self.path}-wal", os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
-            return  # no WAL: everything is in the database file, which checkpoints sync
+            return None
+        return self._fd
+
+    def close(self) -> None:
+        """Let go of the WAL's descriptor (once the sync under way, if any, is done)."""
+        self._closing = self._running is not None
+        if not self._closing:
+            self._close_fd()
+
+    def _close_fd(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    def _fsync_wal(self, fd: int) -> None:  # on the worker thread
         try:
             self.fsync(fd)
             self.syncs += 1
         except OSError as exc:
             raise storage_error(exc, self.path) from None
-        finally:
-            os.close(fd)
 
 
 class _Sync:
