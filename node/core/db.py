@@ -220,8 +220,12 @@ class Checkpointer:
         self._checkpointed: tuple[int, int] | None = None  # the WAL's (size, mtime) after the last checkpoint
 
     def wrote(self) -> None:
-        """Something was written (any thread): a checkpoint is due once the writes settle."""
-        self._wrote.set()
+        """Something was written (any thread): a checkpoint is due once the writes settle.
+        Called as every write statement starts: the event's lock is taken only when it is not
+        set already (a write that finds it set, just as the thread clears it, can at worst make
+        a checkpoint come a settle sooner: the commit it starts lands long before, and is in it)."""
+        if not self._wrote.is_set():
+            self._wrote.set()
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         self._stop.clear()
