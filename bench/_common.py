@@ -45,7 +45,8 @@ class DurableFloor:
         self.path = db_path
         self.conn = open_db(db_path, background_checkpoints=True)
         self.conn.execute("CREATE TABLE IF NOT EXISTS floor (id INTEGER PRIMARY KEY, spec TEXT NOT NULL)")
-        self.samples_ms: list[float] = []
+        self.samples_ms: list[float] = []   # commit + fdatasync
+        self.sync_ms: list[float] = []      # the fdatasync alone
 
     def sample(self) -> float:
         from psymesh.node.core.db import SYNC_FILE, transaction
@@ -55,11 +56,14 @@ class DurableFloor:
             self.conn.execute("INSERT INTO floor (spec) VALUES (?)", ("x" * 256,))
         fd = os.open(f"{self.path}-wal", os.O_RDONLY)
         try:
+            committed = time.perf_counter()
             SYNC_FILE(fd)
         finally:
             os.close(fd)
-        took = (time.perf_counter() - start) * 1000
+        end = time.perf_counter()
+        took = (end - start) * 1000
         self.samples_ms.append(took)
+        self.sync_ms.append((end - committed) * 1000)
         self.conn.execute("DELETE FROM floor")  # bounded: the file stays one page
         self.conn.execute("PRAGMA wal_checkpoint(PASSIVE)")
         return took
