@@ -1,10 +1,12 @@
-"""What the bench scripts share: a baseline server in its own process, and percentiles."""
+"""What the bench scripts share: a baseline server in its own process, percentiles, CPU ticks, and
+the durability floor (one durable SQLite commit on this disk) with a trace of the WAL syncs a task waits for."""
 from __future__ import annotations
 
 import os
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -27,3 +29,86 @@ def cpu_ms(pid: int) -> float:
     """CPU time a process used so far, all its threads: utime + stime from /proc (10 ms ticks)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) * 1000 / CLK_TCK
+
+
+class DurableFloor:
+    """What one durable SQLite write costs on `db_path`'s file system, done the way node/core/db.py
+    does it: a `synchronous=NORMAL` commit (open_db's settings) of a row about a task spec's size,
+    then WalSync's fdatasync of the WAL (`SYNC_FILE`). The floor under every answer that promises
+    durability; measured beside the daemons, on the disk their homes are on. The WAL is
+    checkpointed after each sample, outside the timing (as the daemon's checkpointer does after a
+    burst): a sample overwrites the WAL in place, as a daemon's commits mostly do."""
+
+    def __init__(self, db_path: Path) -> None:
+        from psymesh.node.core.db import open_db
+
+        self.path = db_path
+        self.conn = open_db(db_path, background_checkpoints=True)
+        self.conn.execute("CREATE TABLE IF NOT EXISTS floor (id INTEGER PRIMARY KEY, spec TEXT NOT NULL)")
+        self.samples_ms: list[float] = []   # commit + fdatasync
+        self.sync_ms: list[float] = []      # the fdatasync alone
+
+    def sample(self) -> float:
+        from psymesh.node.core.db import SYNC_FILE, transaction
+
+        start = time.perf_counter()
+        with transaction(self.conn):
+            self.conn.execute("INSERT INTO floor (spec) VALUES (?)", ("x" * 256,))
+        fd = os.open(f"{self.path}-wal", os.O_RDONLY)
+        try:
+            committed = time.perf_counter()
+            SYNC_FILE(fd)
+        finally:
+            os.close(fd)
+        end = time.perf_counter()
+        took = (end - start) * 1000
+        self.samples_ms.append(took)
+        self.sync_ms.append((end - committed) * 1000)
+        self.conn.execute("DELETE FROM floor")  # bounded: the file stays one page
+        self.conn.execute("PRAGMA wal_checkpoint(PASSIVE)")
+        return took
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+class SyncTrace:
+    """Which WAL fsyncs a task waits for: each node's fsync seam (`Node(fsync=...)`) timed, and
+    each task's window (`timed(start, end)`), on one clock (nodes in this process).
+
+    A side's sync counts for a task if it ended inside the task's window. It is on the critical
+    path if the answer waited for it: the home's always (`task.accepted` leaves after it); the
+    phone's only if it ended after the home's (before that, no answer could have come back, so
+    the phone waited on the round trip, not on its disk): an upper bound, as the answer still
+    had a frame to cross."""
+
+    def __init__(self, answerer: str = "home") -> None:
+        self.answerer = answerer
+        self.spans: dict[str, list[tuple[float, float]]] = {}
+        self.windows: list[tuple[float, float]] = []
+
+    def fsync(self, name: str):  # type: ignore[no-untyped-def]
+        from psymesh.node.core.db import SYNC_FILE
+
+        spans = self.spans.setdefault(name, [])
+
+        def traced(fd: int) -> None:
+            start = time.perf_counter()
+            SYNC_FILE(fd)
+            spans.append((start, time.perf_counter()))
+        return traced
+
+    def timed(self, start: float, end: float) -> None:
+        self.windows.append((start, end))
+
+    def per_task(self) -> dict[str, tuple[float, float]]:
+        """{node: (syncs a task, syncs on the critical path a task)} over the tasks timed."""
+        counts = {name: [0, 0] for name in self.spans}
+        for start, end in self.windows:
+            ends = {name: [e for s, e in spans if start <= e <= end] for name, spans in self.spans.items()}
+            answered = max(ends.get(self.answerer) or [start])
+            for name, these in ends.items():
+                counts[name][0] += len(these)
+                counts[name][1] += sum(1 for e in these if name == self.answerer or e > answered)
+        n = max(1, len(self.windows))
+        return {name: (total / n, waited / n) for name, (total, waited) in counts.items()}

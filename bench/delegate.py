@@ -39,6 +39,7 @@ import json
 import os
 import socket
 import statistics
+import sys
 import tempfile
 import textwrap
 import time
@@ -47,7 +48,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import anyio
-from _common import cpu_ms, spawn_server, summarize
+from _common import DurableFloor, SyncTrace, cpu_ms, spawn_server, summarize
 
 ROOT = Path(__file__).resolve().parent.parent
 WARMUP = 20
@@ -135,6 +136,8 @@ class MeshFigures:
     result_ms: list[float]     # result() returned
     rtt_ms: list[float] = field(default_factory=list)  # ping round trips on the open session
     cpu_ms: dict[str, float] = field(default_factory=dict)  # CPU per timed task: phone, home, the script
+    floor_ms: list[float] = field(default_factory=list)  # one durable SQLite commit on the daemons' disk, between tasks
+    floor_sync_ms: list[float] = field(default_factory=list)  # ... its fdatasync alone
     first_token_ms: float = 0.0
     token_events: int = 0
     token_chars: int = 0
@@ -189,6 +192,8 @@ async def bench_mesh(runs: int, max_tokens: int, model: Path, tmp: Path) -> Mesh
     figures = MeshFigures([], [])
     async with daemons(tmp, model) as (home, phone):
         pids = {"phone": phone.proc.pid, "home": home.proc.pid}  # type: ignore[attr-defined]
+        floor = DurableFloor(tmp / "floor.db")  # beside the daemons' homes
+        floor_cpu_ms = 0.0
         async with phone.client() as c:  # type: ignore[attr-defined]
             for i in range(runs + WARMUP):
                 if i == WARMUP:
@@ -200,8 +205,16 @@ async def bench_mesh(runs: int, max_tokens: int, model: Path, tmp: Path) -> Mesh
                 if i >= WARMUP:
                     figures.accepted_ms.append((accepted - t) * 1000)
                     figures.result_ms.append((time.perf_counter() - t) * 1000)
-            spent = {name: cpu_ms(pid) for name, pid in pids.items()} | {"script": time.process_time() * 1000}
+                    # the floor, interleaved: the same disk under the same load, off the timed path
+                    # (and out of the script's CPU figure)
+                    before = time.process_time()
+                    floor.sample()
+                    floor_cpu_ms += (time.process_time() - before) * 1000
+            spent = {name: cpu_ms(pid) for name, pid in pids.items()} | {"script": time.process_time() * 1000
+                                                                         - floor_cpu_ms}
             figures.cpu_ms = {name: (spent[name] - cpu[name]) / runs for name in spent}
+            figures.floor_ms, figures.floor_sync_ms = floor.samples_ms, floor.sync_ms
+            floor.close()
             figures.rtt_ms = (await c.ping("home", count=min(1000, runs * 5))).rtts_ms
             await stream_tokens(c, 64, MeshFigures([], []))  # load the model first
             await stream_tokens(c, max_tokens, figures)
@@ -228,6 +241,38 @@ async def first_token_in_process(max_tokens: int, model: Path) -> float:
         return statistics.median(samples[1:])
     finally:
         await worker.aclose()
+
+
+async def trace_syncs(runs: int, tmp: Path) -> dict[str, tuple[float, float]]:
+    """The WAL fsyncs a no-op task waits for, each side (SyncTrace): in-process nodes on the
+    same disk, their fsync seams timed; `runs` tasks after the warm-up."""
+    from psymesh.node.control.client import Client
+    from psymesh.node.control.process import pair_homes
+    from psymesh.node.core.bridgeconfig import UiServe
+    from psymesh.node.core.home import NodeHome
+    from psymesh.node.daemon import Node
+    from psymesh.protocol.limits import Limits
+
+    trace = SyncTrace(answerer="home")
+    async with anyio.create_task_group() as tg:
+        nodes = {}
+        for name in ("home", "phone"):
+            home = NodeHome(tmp / name)
+            home.init(profile=name, name=name)  # type: ignore[arg-type]
+            config = home.load_config().model_copy(update={"listen": ["/ip4/127.0.0.1/tcp/0"], "ui": UiServe(port=0)})
+            nodes[name] = Node(home, config, fsync=trace.fsync(name))
+            await tg.start(nodes[name].run)
+        await pair_homes(nodes["home"].home.path, nodes["phone"].home.path, grant="phone")
+        async with Client(nodes["home"].home.path) as h:
+            await h.grant("phone", ["tool:bench.*"], limits=Limits(requests_per_minute=1_000_000, concurrent_tasks=64))
+        async with Client(nodes["phone"].home.path) as c:
+            for i in range(runs + WARMUP):
+                start = time.perf_counter()
+                assert await (await c.delegate("home", tool="bench.noop")).result() == {}
+                if i >= WARMUP:
+                    trace.timed(start, time.perf_counter())
+        tg.cancel_scope.cancel()
+    return trace.per_task()
 
 
 async def bench_unbatched(max_tokens: int, model: Path, tmp: Path) -> MeshFigures:
@@ -271,8 +316,10 @@ def main() -> None:
         tmp = Path(tmp_dir)
         model = tiny_model_path(ROOT / ".bench")
         install_plugin(tmp / "site")
+        sys.path.insert(0, str(tmp / "site"))  # and for the in-process nodes of trace_syncs
         http_ms = bench_http(args.runs * 10)
         mesh = anyio.run(bench_mesh, args.runs, args.tokens, model, tmp / "daemons", backend="trio")
+        syncs = anyio.run(trace_syncs, min(args.runs, 300), tmp / "traced", backend="trio")
         raw = anyio.run(bench_unbatched, args.tokens, model, tmp / "inproc", backend="trio")
         floor_ms = anyio.run(first_token_in_process, args.tokens, model, backend="trio")
 
@@ -290,6 +337,23 @@ def main() -> None:
     print(f"delegate() accepted     / session round trip   median {accepted[0] / rtt[0]:5.1f}x   (target <= 1.5x)")
     print(f"delegate() -> result()  p99 / median                  {result[1] / result[0]:5.1f}x   (target <= 2x)")
     print("CPU a task (ms; /proc ticks, all threads): " + ", ".join(f"{k} {v:.2f}" for k, v in mesh.cpu_ms.items()))
+
+    # The durability floor: what the syncs on the task's critical path cost on this disk now.
+    floor = summarize(mesh.floor_ms)
+    waited = sum(on_path for _, on_path in syncs.values())
+    rest = max(0.0, result[0] - waited * floor[0])
+    print(f"\none durable SQLite commit here (synchronous=NORMAL + fdatasync of the WAL, {len(mesh.floor_ms)} "
+          f"between the tasks): median {floor[0]:.3f} ms (the fdatasync {summarize(mesh.floor_sync_ms)[0]:.3f}), "
+          f"p99 {floor[1]:.3f} ms")
+    print("WAL fsyncs a task (in-process trace): " + ", ".join(
+        f"{name} {total:.2f} ({on_path:.2f} on the critical path)" for name, (total, on_path) in syncs.items()))
+    print(f"{'delegate() -> result()':<40}{result[0]:8.3f} ms  = {waited:.2f} fsyncs x {floor[0]:.3f} ms "
+          f"({waited * floor[0]:.3f} ms) + {rest:.3f} ms")
+    print(f"without the fsync floor                 {rest:8.3f} ms  = {rest / rtt[0]:5.1f}x the session round trip, "
+          f"{rest / http_[0]:5.1f}x HTTP")
+    bare = max(0.0, result[0] - waited * summarize(mesh.floor_sync_ms)[0])
+    print(f"... the fdatasyncs alone taken out      {bare:8.3f} ms  = {bare / rtt[0]:5.1f}x the session round trip, "
+          f"{bare / http_[0]:5.1f}x HTTP (the floor's commit is CPU here, as a task's own commits are)")
 
     print(f"\nStreamed tokens, infer task on the tiny qwen35 model (max_tokens {args.tokens}, 1 thread)\n")
     print(f"{'pipeline':<40}{'token events/s':>15}{'tokens/s':>10}{'chars/s':>10}{'1st token ms':>14}")

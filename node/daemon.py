@@ -372,6 +372,7 @@ class Node:
                 await self.models.aclose()
             self.audit_db.close()
             self.db.close()
+            self.wal.close()
             log.info("node stopped")
 
     def _wrote(self) -> None:

@@ -247,3 +247,34 @@ async def test_a_wal_sync_the_disk_fails_fails_its_answer_and_the_next_syncs(tmp
     await wal.sync()
     assert len(synced) == 1 and wal.syncs == 1
     conn.close()
+
+
+async def test_the_wal_sync_follows_a_new_wal_file(tmp_path: Path) -> None:
+    """WalSync keeps the WAL's descriptor open between syncs; when the last connection closes,
+    SQLite removes the WAL (after copying it all into the database), and the next sync must
+    sync the new WAL file, not the removed one."""
+    from psymesh.node.core.db import WalSync, open_db
+
+    synced: list[tuple[int, int]] = []  # (inode, links) of each file synced: a removed one has none
+
+    def traced(fd: int) -> None:
+        os.fsync(fd)
+        st = os.fstat(fd)
+        synced.append((st.st_ino, st.st_nlink))
+
+    wal = WalSync(tmp_path / "node.db", fsync=traced)
+    wal_path = tmp_path / "node.db-wal"
+    conn = open_db(tmp_path / "node.db", on_write=wal.wrote)
+    conn.execute("CREATE TABLE t (x)")
+    await wal.sync()
+    first = wal_path.stat().st_ino
+    conn.execute("INSERT INTO t VALUES (1)")
+    await wal.sync()  # the same file, through the kept descriptor
+    conn.close()  # the last connection: the WAL is gone
+    assert not wal_path.exists()
+    conn = open_db(tmp_path / "node.db", on_write=wal.wrote)
+    conn.execute("INSERT INTO t VALUES (2)")
+    await wal.sync()
+    assert synced == [(first, 1), (first, 1), (wal_path.stat().st_ino, 1)]
+    conn.close()
+    wal.close()

@@ -297,9 +297,9 @@ def test_the_door_verifies_a_grant_once_and_a_changed_or_revoked_one_at_once(gat
 
 
 def test_the_door_reads_a_peers_row_once_until_the_trust_store_changes(gate_world) -> None:
-    """The door keeps each peer's row while the trust store is unchanged (no SQL a request),
-    and reads it again after any change: a new grant, the peer's addresses, a revocation
-    each act on the very next request."""
+    """The door keeps each peer's row while the trust store is unchanged (no SQL a request;
+    the store keeps the rows it read, TrustStore.version), and reads it again after any
+    change: a new grant, the peer's addresses, a revocation each act on the very next request."""
     gate, grant, phone_id, _, trust, _ = gate_world
     grant("tool:system.info")
     reads: list[str] = []
@@ -307,7 +307,7 @@ def test_the_door_reads_a_peers_row_once_until_the_trust_store_changes(gate_worl
     try:
         for seq in range(5):
             assert gate.admit(phone_id, ids.SESSION, Ping(seq=seq)).allowed
-        assert len(reads) == 1  # the first request only
+        assert len(reads) <= 1  # the first request only (none: pairing just read the row)
         grant("tool:files.read")  # re-paired with another grant: the next request is judged on it
         assert gate.admit(phone_id, ids.SESSION, submit("files.read")).allowed
         with pytest.raises(PsymeshError):

@@ -536,7 +536,7 @@ class OpenAIEndpoint:
         """A completion delegated to a paired peer as an infer task: its token events as
         they are mirrored here, then its result. Canceled there if the client goes away."""
         submitter = self.node.submitter
-        _, accepted = await submitter.submit(spec, peer_id, self.node.offers)
+        _, accepted, _ = await submitter.submit(spec, peer_id, self.node.offers)
         ended = False
         try:
             if not accepted:

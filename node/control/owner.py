@@ -304,10 +304,9 @@ class Owner:
             spec = TaskSpec.model_validate(req.spec)
         except ValueError as exc:
             raise PsymeshError(f"invalid task: {exc}", code=ErrorCode.BAD_REQUEST) from None
-        target, accepted = await self.node.submitter.submit(spec, req.to, self.node.offers)
+        target, accepted, final = await self.node.submitter.submit(spec, req.to, self.node.offers)
         peer = self.node.trust.get(target)
-        # a short task's events come with its acceptance: result() then asks nothing more
-        final = self.node.submitter.outbox.final(spec.id) if accepted else None
+        # a short task's events come with its acceptance (`final`): result() then asks nothing more
         return c.TaskSubmitted(task_id=spec.id, target=target, target_name=peer.name if peer else target,
                                accepted=accepted, away=None if accepted else self.node.sessions.away(target),
                                final=final)

@@ -220,8 +220,12 @@ class Checkpointer:
         self._checkpointed: tuple[int, int] | None = None  # the WAL's (size, mtime) after the last checkpoint
 
     def wrote(self) -> None:
-        """Something was written (any thread): a checkpoint is due once the writes settle."""
-        self._wrote.set()
+        """Something was written (any thread): a checkpoint is due once the writes settle.
+        Called as every write statement starts: the event's lock is taken only when it is not
+        set already (a write that finds it set, just as the thread clears it, can at worst make
+        a checkpoint come a settle sooner: the commit it starts lands long before, and is in it)."""
+        if not self._wrote.is_set():
+            self._wrote.set()
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         self._stop.clear()
@@ -305,7 +309,9 @@ class WalSync:
         self.syncs = 0  # fsyncs done (benches and tests read it)
         self._written = 0  # writes seen (a counter only ever compared, never reset)
         self._synced = 0  # writes known to be on disk
-        self._running: anyio.Event | None = None
+        self._running: _Sync | None = None
+        self._fd: int | None = None  # the WAL's, kept open between syncs (`_wal_fd`)
+        self._closing = False
 
     def wrote(self) -> None:
         self._written += 1
@@ -320,56 +326,131 @@ class WalSync:
         is on disk."""
         target = self._written if upto is None else upto
         while self._synced < target:
-            if self._running is not None:
-                await self._running.wait()  # it may have started before our commit: loop, maybe sync again
-                continue
-            self._running = done = anyio.Event()
-            covers = self._written
-            try:
-                with anyio.CancelScope(shield=True):  # the answer waits; a cancel must not leave waiters hanging
-                    await _in_thread_now(self._fsync_wal)
-            finally:
-                self._running = None
-                done.set()
-            self._synced = max(self._synced, covers)
+            running = self._running or self._begin()
+            await running.done.wait()  # it may have started before our commit: loop, maybe sync again
+            if running.error is not None:
+                raise running.error
 
-    def _fsync_wal(self) -> None:
+    def start(self, upto: int | None = None) -> None:
+        """Begin now, on a worker thread, the fsync a later `sync(upto)` waits for (unless one
+        runs already, or nothing is left to sync): the caller does other work meanwhile (the
+        submitter hands its task over) without a task of its own to drive the sync."""
+        target = self._written if upto is None else upto
+        if self._synced < target and self._running is None:
+            self._begin()
+
+    def _begin(self) -> _Sync:
+        """Start one fsync covering every write so far; it settles itself (`_Sync.done`), on the
+        event loop, whoever waits for it or stops waiting: a cancelled waiter leaves nobody hanging.
+        The WAL's descriptor is found here, on the event loop, so that the worker thread has one
+        thing to do before the fsync: get the GIL once (each more it needs waits for the loop to
+        let go of it, behind whatever the loop runs meanwhile, e.g. the worker of the very task
+        whose answer waits)."""
+        self._running = running = _Sync(self._written)
+
+        def finished(error: BaseException | None) -> None:  # on the event loop
+            self._running = None
+            if error is None:
+                self._synced = max(self._synced, running.covers)
+            running.error = error
+            running.done.set()
+            if self._closing:
+                self.close()
+
         try:
-            fd = os.open(f"{self.path}-wal", os.O_RDONLY)
+            fd = self._wal_fd()
+        except OSError as exc:
+            finished(storage_error(exc, self.path))
+            return running
+        if fd is None:  # no WAL: everything is in the database file, which checkpoints sync
+            finished(None)
+            return running
+        _in_thread_now(lambda: self._fsync_wal(fd), finished)
+        return running
+
+    def _wal_fd(self) -> int | None:
+        """The WAL file's descriptor, kept open between syncs; opened again if the file it
+        names was removed meanwhile (SQLite removes the WAL as the last connection closes,
+        after copying it all into the database and syncing that: a later WAL is a new file)."""
+        if self._fd is not None:
+            try:
+                if os.fstat(self._fd).st_nlink > 0:
+                    return self._fd
+            except OSError:
+                pass
+            self._close_fd()
+        try:
+            self._fd = os.open(f"{self.path}-wal", os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
-            return  # no WAL: everything is in the database file, which checkpoints sync
+            return None
+        return self._fd
+
+    def close(self) -> None:
+        """Let go of the WAL's descriptor (once the sync under way, if any, is done)."""
+        self._closing = self._running is not None
+        if not self._closing:
+            self._close_fd()
+
+    def _close_fd(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    def _fsync_wal(self, fd: int) -> None:  # on the worker thread
         try:
             self.fsync(fd)
             self.syncs += 1
         except OSError as exc:
             raise storage_error(exc, self.path) from None
-        finally:
-            os.close(fd)
 
 
-async def _in_thread_now(fn: Callable[[], None]) -> None:
-    """`fn()` on a worker thread, started before this task yields: `anyio.to_thread` first goes
-    once round the scheduler (its limiter's checkpoint), so every task made runnable before
-    (e.g. the worker of the task whose `task.accepted` waits for this sync) ran, holding the
-    GIL, before the fsync began, instead of beside it. Under trio: trio's thread cache."""
+class _Sync:
+    """One fsync under way: what it covers, and how it ended."""
+
+    def __init__(self, covers: int) -> None:
+        self.covers = covers
+        self.done = anyio.Event()
+        self.error: BaseException | None = None
+
+
+def _in_thread_now(fn: Callable[[], None], finished: Callable[[BaseException | None], None]) -> None:
+    """`fn()` on a worker thread, started now (before the caller yields), then `finished(error)`
+    on the event loop. `anyio.to_thread` would first go once round the scheduler (its limiter's
+    checkpoint), so every task made runnable before (e.g. the worker of the task whose
+    `task.accepted` waits for this sync) ran, holding the GIL, before the fsync began, instead
+    of beside it. Under trio: trio's thread cache; elsewhere a thread of its own."""
     if sniffio.current_async_library() != "trio":
-        await anyio.to_thread.run_sync(fn)
+        import asyncio
+
+        loop = asyncio.get_running_loop()
+
+        def run() -> None:
+            try:
+                fn()
+            except BaseException as exc:  # raised in the task that waits
+                loop.call_soon_threadsafe(finished, exc)
+            else:
+                loop.call_soon_threadsafe(finished, None)
+
+        threading.Thread(target=run, name="psymesh wal sync", daemon=True).start()
         return
     import trio
 
     token = trio.lowlevel.current_trio_token()
-    done = anyio.Event()
-    failed: list[BaseException] = []
 
     def deliver(result: outcome.Outcome[None]) -> None:  # on the worker thread
         try:
             result.unwrap()
-        except BaseException as exc:  # raised below, in the task that waits
-            failed.append(exc)
-        token.run_sync_soon(done.set)
+        except BaseException as exc:  # raised in the task that waits
+            error: BaseException | None = exc
+        else:
+            error = None
+        try:
+            token.run_sync_soon(finished, error)
+        except trio.RunFinishedError:  # the node stopped meanwhile: nobody is left to tell
+            pass
 
     trio.lowlevel.start_thread_soon(fn, deliver, name="psymesh wal sync")
-    await done.wait()
-    if failed:
-        raise failed[0]
-

@@ -76,11 +76,10 @@ OVER_BUDGET = "*"  # the operation of the audit row counting a peer's refusals p
 class QueueGauge(Protocol):
     """How much work the node holds (the executor's store answers)."""
 
-    def active_for(self, peer_id: str) -> int: ...
-
-    def queue_depth(self) -> int: ...
-
-    def holds(self, peer_id: str, task_id: str) -> bool: ...
+    def load(self, peer_id: str, task_id: str) -> tuple[bool, int, int]:
+        """Whether `peer_id` holds `task_id` here already, its unfinished tasks, and everyone's,
+        read at once (one statement on the path of every task)."""
+        ...
 
 
 class MailDesk(Protocol):
@@ -124,7 +123,6 @@ class Gate:
         self.refusals = RateLimiter()  # each peer's refusal budget, apart from its grant's rate
         self.refusals_per_minute = refusals_per_minute
         self._verified: dict[str, Manifest] = {}  # peer id -> the grant object whose signature held (`_check`)
-        self._peers: dict[str, tuple[int, Peer]] = {}  # peer id -> (trust.version when read, its row): `paired`
 
     # -- requests ------------------------------------------------------------------
     def admit(self, peer_id: str, service: str, request: Message) -> Decision:
@@ -198,9 +196,7 @@ class Gate:
         decision.raise_if_denied()
         if rule.starts_task:
             assert isinstance(request, TaskSubmit)
-            if self.queue is not None and self.queue.holds(peer_id, request.spec.id):
-                return decision  # a resubmit of a task it holds here: already counted
-            self._check_queue(peer_id, grant)
+            self._check_queue(peer_id, request.spec.id, grant)
         if rule.holds_mail:
             assert isinstance(request, MailDeposit)
             if self.mailbox is None:
@@ -282,15 +278,18 @@ class Gate:
             self._record(peer_id, service, what, error, now)
         return decision
 
-    def _check_queue(self, peer_id: str, grant: Manifest) -> None:
+    def _check_queue(self, peer_id: str, task_id: str, grant: Manifest) -> None:
         if self.queue is None:
             return
+        held, active_for_peer, depth = self.queue.load(peer_id, task_id)
+        if held:
+            return  # a resubmit of a task it holds here: already counted
         limits = self.queue_limits
         per_peer = min(limits.max_queue_per_peer, grant.limits.concurrent_tasks or limits.max_queue_per_peer)
-        if self.queue.active_for(peer_id) >= per_peer:
+        if active_for_peer >= per_peer:
             raise PsymeshError(f"you have {per_peer} unfinished task(s) here, the most allowed; retry later",
                                code=ErrorCode.BUSY, retry_after=limits.busy_retry_after)
-        if self.queue.queue_depth() >= limits.max_queue:
+        if depth >= limits.max_queue:
             raise PsymeshError(f"{self.name}'s task queue is full; retry later", code=ErrorCode.BUSY,
                                retry_after=limits.busy_retry_after * 2)
 
@@ -309,14 +308,7 @@ class Gate:
         is read again whenever the trust store has changed since (`TrustStore.version`, bumped
         by every write), so a revocation or a new grant acts on the very next request; kept
         for paired peers only, one entry each."""
-        version = self.trust.version  # before the read: a write that lands meanwhile is seen next time
-        cached = self._peers.get(peer_id)
-        if cached is not None and cached[0] == version:
-            peer: Peer | None = cached[1]
-        else:
-            peer = self.trust.get(peer_id)
-            if peer is not None:
-                self._peers[peer_id] = (version, peer)
+        peer = self.trust.get(peer_id)  # (kept by the store until it changes: TrustStore.version)
         if peer is None or peer.revoked:
             state = "was revoked" if peer is not None else f"is not paired with {self.name}"
             raise PsymeshError(f"peer {peer_id} {state}; pair first (psymesh pair join)",

@@ -123,6 +123,11 @@ class TrustStore:
         # value is current until it changes (the door keeps each peer's row on it). Every
         # write of the peers table goes through this store (the CLI asks the daemon's).
         self.version = 0
+        # Rows read at a version, kept until it changes (paired peers only: one entry per row, and
+        # per name that resolved): the door reads its peer's row on every request, the submitter
+        # its target's on every task. A revocation or a new grant is seen on the very next read.
+        self._rows: dict[str, tuple[int, Peer]] = {}
+        self._named: dict[str, tuple[int, Peer]] = {}
         ensure_schema(conn, SCHEMA)
         _add_column(conn, "peers", "revoked_us_at REAL")  # databases made before they existed
         _add_column(conn, "peers", "revocation_told_at REAL")
@@ -144,8 +149,17 @@ class TrustStore:
             listener()
 
     def get(self, peer_id: str) -> Peer | None:
+        version = self.version  # before the read (no write can land during it: one thread writes)
+        cached = self._rows.get(peer_id)
+        if cached is not None and cached[0] == version:
+            return cached[1]
         row = self.conn.execute("SELECT * FROM peers WHERE peer_id = ?", (peer_id,)).fetchone()
-        return self._peer(row) if row else None
+        if row is None:
+            self._rows.pop(peer_id, None)
+            return None
+        peer = self._peer(row)
+        self._rows[peer_id] = (version, peer)
+        return peer
 
     def names(self) -> dict[str, str]:
         """Every paired peer's name by peer id, revoked ones too: what output shows for an id."""
@@ -154,11 +168,15 @@ class TrustStore:
     def label(self, peer_id: str) -> str:
         """A peer as log lines name it: `home (…gX2u9mU)` when paired (revoked too), else its
         whole id (a stranger has no other name)."""
-        row = self.conn.execute("SELECT name FROM peers WHERE peer_id = ?", (peer_id,)).fetchone()
-        return f"{row['name']} (…{peer_id[-8:]})" if row else peer_id
+        peer = self.get(peer_id)
+        return f"{peer.name} (…{peer_id[-8:]})" if peer else peer_id
 
     def resolve(self, name_or_id: str) -> Peer:
         """A paired peer by peer id or name (names are for people; ambiguity is an error)."""
+        version = self.version
+        named = self._named.get(name_or_id)
+        if named is not None and named[0] == version:  # (then no peer had this id at this version either)
+            return named[1]
         peer = self.get(name_or_id)
         if peer is not None:
             return peer
@@ -168,7 +186,9 @@ class TrustStore:
             raise PsymeshError(f"no paired peer named {name_or_id!r}; see: psymesh peers", code=ErrorCode.UNKNOWN_PEER)
         if len(live) > 1:
             raise PsymeshError(f"{len(live)} peers are named {name_or_id!r}; use a peer id", code=ErrorCode.CONFLICT)
-        return self._peer(live[0])
+        peer = self._peer(live[0])
+        self._named[name_or_id] = (version, peer)
+        return peer
 
     def list(self, *, include_revoked: bool = True) -> list[Peer]:
         sql = "SELECT * FROM peers" + ("" if include_revoked else " WHERE revoked_at IS NULL") + " ORDER BY paired_at"

@@ -129,12 +129,14 @@ class ExecutorStore:
         A new task starts with event 1, `accepted`, in state submitted.
         """
         now = resolve_now(now)
+        # event 1, checked as every event is (its state: the row's), written with the row
+        event = _build_event(spec.id, 1, EventKind.ACCEPTED, next_state(None, EventKind.ACCEPTED, None), now, {})
         with transaction(self.conn):
             deadline = spec.resolve_deadline(now)
             inserted = self.conn.execute(
-                "INSERT INTO exec_tasks (id, submitter, kind, spec, state, created_at, updated_at, deadline)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (id) DO NOTHING",
-                (spec.id, submitter, spec.kind.value, spec_to_json(spec), TaskState.SUBMITTED.value,
+                "INSERT INTO exec_tasks (id, submitter, kind, spec, state, last_seq, created_at, updated_at, deadline)"
+                " VALUES (?, ?, ?, ?, ?, 1, ?, ?, ?) ON CONFLICT (id) DO NOTHING",
+                (spec.id, submitter, spec.kind.value, spec_to_json(spec), event.state.value,
                  now, now, deadline),
             ).rowcount
             if not inserted:  # a resubmit (or a reuse of the id)
@@ -142,7 +144,7 @@ class ExecutorStore:
                 if record.submitter != submitter or record.spec != spec:
                     raise TaskConflict(f"task id {spec.id!r} is already in use for a different task")
                 return record, False
-            event = self._append(spec.id, EventKind.ACCEPTED, {}, None, now, head=(0, TaskState.SUBMITTED.value))
+            self._log.insert_events([event])  # the row says last_seq 1 already: no UPDATE of it
             return TaskRecord(spec=spec, submitter=submitter, state=event.state, last_seq=event.seq, acked_seq=0,
                               created_at=now, updated_at=now, deadline=deadline), True  # as written: no read back
 
@@ -294,6 +296,18 @@ class ExecutorStore:
         """Whether `peer` already submitted `task_id` here (a resubmit costs it nothing)."""
         return self.conn.execute("SELECT 1 FROM exec_tasks WHERE id = ? AND submitter = ?",
                                  (task_id, peer)).fetchone() is not None
+
+    def load(self, peer: str, task_id: str) -> tuple[bool, int, int]:
+        """`holds(peer, task_id)`, `active_for(peer)` and `queue_depth()` in one statement (the
+        door asks all three of every task it admits)."""
+        marks, states = placeholders(s.value for s in ACTIVE_STATES)
+        row = self.conn.execute(
+            "SELECT EXISTS (SELECT 1 FROM exec_tasks WHERE id = ? AND submitter = ?),"
+            f" (SELECT COUNT(*) FROM exec_tasks WHERE submitter = ? AND state IN ({marks})),"
+            f" (SELECT COUNT(*) FROM exec_tasks WHERE state IN ({marks}))",
+            (task_id, peer, peer, *states, *states),
+        ).fetchone()
+        return bool(row[0]), row[1], row[2]
 
     def next_deadline(self) -> float | None:
         """The earliest deadline among unfinished tasks: when the executor's expiry wakes next."""

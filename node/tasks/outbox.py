@@ -160,17 +160,16 @@ class Outbox:
             if target is not None and row["target"] != target:
                 raise ProtocolError(f"peer sent an event for task {task_id!r} it does not run",
                                     code=ErrorCode.FORBIDDEN)
-            last_seq, state, new = row["last_seq"], row["state"], 0
+            fresh: list[TaskEvent] = []
             for event in events:
                 if event.task_id != task_id:
                     raise ProtocolError(f"an event of task {event.task_id!r} among {task_id!r}'s")
-                if event.seq <= last_seq:
-                    continue
-                self._log.append(last_seq, state, event, resolve_now(now))  # checks seq and transition
-                last_seq, state, new = event.seq, event.state.value, new + 1
-            if new and target is not None and not row["accepted"]:
-                self.conn.execute("UPDATE outbox_tasks SET accepted = 1 WHERE id = ?", (task_id,))
-            return new
+                if event.seq > row["last_seq"] + len(fresh):  # (a resent one is at or below it: dropped)
+                    fresh.append(event)
+            # checks each against the one before (seq, transition), one UPDATE of the row for all
+            self._log.append_all(row["last_seq"], row["state"], fresh, resolve_now(now),
+                                 also_set=", accepted = 1" if target is not None and not row["accepted"] else "")
+            return len(fresh)
 
     def mark_acked(self, task_id: str, upto_seq: int) -> OutboxTask:
         """We sent task.ack for events 1..upto_seq (never moves backwards)."""

@@ -19,7 +19,7 @@ import logging
 import math
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import anyio
 import anyio.abc
@@ -42,6 +42,7 @@ from ...protocol.tasks import (
     TaskAcks,
     TaskCancel,
     TaskCapsReply,
+    TaskEvent,
     TaskInput,
     TaskKind,
     TaskSpec,
@@ -53,13 +54,24 @@ log = logging.getLogger("psymesh.tasks")
 Offers = Callable[[str], Awaitable[TaskCapsReply]]
 
 
+class Submitted(NamedTuple):
+    """What `TaskSubmitter.submit` returns: where the task went, whether it was accepted, and its
+    final event if that came with the acceptance (a short task: stored already, as every event)."""
+
+    target: str
+    accepted: bool
+    final: TaskEvent | None = None
+
+
 class _FirstAnswer:
-    """How the executor first answered a submit: accepted, or why not."""
+    """How the executor first answered a submit: accepted, or why not (and the final event,
+    if it came in the same read as the acceptance)."""
 
     def __init__(self) -> None:
         self.done = anyio.Event()
         self.accepted = False
         self.error: PsymeshError | None = None
+        self.final: TaskEvent | None = None
 
     def settle(self, accepted: bool, error: PsymeshError | None = None) -> None:
         if not self.done.is_set():
@@ -137,15 +149,16 @@ class TaskSubmitter:
         return len(self._drivers)
 
     # -- submitting -----------------------------------------------------------------------
-    async def submit(self, spec: TaskSpec, to: str | None, offers: Offers) -> tuple[str, bool]:
+    async def submit(self, spec: TaskSpec, to: str | None, offers: Offers) -> Submitted:
         """Store the task durably, then hand it over now if an executor takes it. Returns
-        (target, accepted) once the task's outbox row is on disk (synced while the task is on
-        its way, not after); a refusal no resend can change raises RemoteError."""
+        (target, accepted, final) once the task's outbox row is on disk (synced while the task is
+        on its way, not after); a refusal no resend can change raises RemoteError."""
         existing = self.outbox.find(spec.id)
         if existing is not None:  # already known (a resubmit from the script): keep its target
             self.outbox.add(existing.target, spec)
             await self._synced(self._mark())
-            return existing.target, existing.accepted
+            return Submitted(existing.target, existing.accepted,
+                             self.outbox.final(spec.id) if existing.accepted else None)
         if to:
             peer = self.trust.resolve(to)
             peer.refuse_if_revoked_us()
@@ -159,22 +172,10 @@ class TaskSubmitter:
         # a power cut that loses those only means a harmless resubmit too).
         task = self.outbox.add(candidates[0], spec)
         row_written = self._mark()
-        failures: list[PsymeshError] = []  # raised after the task group, not as an exception group
-
-        async def sync_row() -> None:
-            try:
-                await self._synced(row_written)
-            except PsymeshError as exc:  # the disk failed
-                failures.append(exc)
-
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(sync_row)
-            try:
-                answer = await self._hand_over(spec, task, candidates)
-            except PsymeshError as exc:
-                failures.insert(0, exc)
-        if failures:
-            raise failures[0]
+        if self.wal is not None:
+            self.wal.start(row_written)  # the fsync begins now, on a worker thread, beside the hand-over
+        answer = await self._hand_over(spec, task, candidates)  # a refusal promises nothing: no wait
+        await self._synced(row_written)  # the row is on disk before this returns (or the disk failed)
         return answer
 
     def _mark(self) -> int:
@@ -184,7 +185,7 @@ class TaskSubmitter:
         if self.wal is not None:
             await self.wal.sync(mark)
 
-    async def _hand_over(self, spec: TaskSpec, task: OutboxTask, candidates: list[str]) -> tuple[str, bool]:
+    async def _hand_over(self, spec: TaskSpec, task: OutboxTask, candidates: list[str]) -> Submitted:
         last: PsymeshError | None = None
         for target in candidates:  # fail over before acceptance; after it, the task stays put
             if target != task.target:
@@ -193,7 +194,7 @@ class TaskSubmitter:
             self._drive(task, first)
             await first.done.wait()
             if first.accepted:
-                return target, True
+                return Submitted(target, True, first.final)
             last = first.error
             if isinstance(last, RemoteError) and last.code not in (ErrorCode.BUSY, ErrorCode.RATE_LIMITED,
                                                                    ErrorCode.UNAVAILABLE, ErrorCode.TIMEOUT):
@@ -205,7 +206,7 @@ class TaskSubmitter:
         self.outbox.retarget(spec.id, candidates[0])
         log.info("task %s queued for delivery to %s: %s", spec.id, candidates[0], last)
         self._drive(self.outbox.get(spec.id))
-        return candidates[0], False
+        return Submitted(candidates[0], False)
 
     async def _candidates(self, spec: TaskSpec, offers: Offers) -> list[str]:
         """Paired peers whose grant covers the task and that offer its tool/model, healthiest first."""
@@ -291,6 +292,8 @@ class TaskSubmitter:
                                     finally:  # what the machine took is stored, even if a later frame broke it
                                         self._apply(task_id, actions, target)
                                     if first is not None and machine.phase is not Phase.UNSENT:
+                                        first.final = next((a.event for a in actions if isinstance(a, Record)
+                                                            and a.event.state.terminal), None)  # stored above
                                         report(True)
                                         first = None
                     except (NetworkError, ProtocolError) as exc:

@@ -73,21 +73,34 @@ class EventLog:
     def append(self, last_seq: int, state: str, event: TaskEvent, now: float) -> None:
         """Store `event` and move the task to its state; call inside a transaction. `last_seq`
         and `state` are the task's as stored (its row's, or what this transaction wrote)."""
-        current = TaskState(state) if last_seq else None
-        next_state(current, event.kind, event.state)
-        if event.seq != last_seq + 1:
-            raise ProtocolError(
-                f"task {event.task_id!r}: event {event.seq} does not follow {last_seq}",
-                code=ErrorCode.BAD_REQUEST,
-            )
+        self.append_all(last_seq, state, [event], now)
+
+    def append_all(self, last_seq: int, state: str, events: list[TaskEvent], now: float, *,
+                   also_set: str = "") -> None:
+        """`append` for events of one task in a row (each checked against the one before): their
+        rows, then the task's row once, for the last (`also_set`: more `col = value` for it)."""
+        for event in events:
+            next_state(TaskState(state) if last_seq else None, event.kind, event.state)
+            if event.seq != last_seq + 1:
+                raise ProtocolError(
+                    f"task {event.task_id!r}: event {event.seq} does not follow {last_seq}",
+                    code=ErrorCode.BAD_REQUEST,
+                )
+            last_seq, state = event.seq, event.state.value
+        if not events:
+            return
+        self.insert_events(events)
         self.conn.execute(
-            f"INSERT INTO {self.events} (task_id, seq, kind, state, at, data) VALUES (?, ?, ?, ?, ?, ?)",
-            (event.task_id, event.seq, event.kind.value, event.state.value, event.at,
-             json.dumps(event.data, ensure_ascii=False, separators=(",", ":"))),
+            f"UPDATE {self.tasks} SET state = ?, last_seq = ?, updated_at = ?{also_set} WHERE id = ?",
+            (state, last_seq, now, events[0].task_id),
         )
-        self.conn.execute(
-            f"UPDATE {self.tasks} SET state = ?, last_seq = ?, updated_at = ? WHERE id = ?",
-            (event.state.value, event.seq, now, event.task_id),
+
+    def insert_events(self, events: list[TaskEvent]) -> None:
+        """The events' rows alone, already checked, for a task row that says they are there."""
+        self.conn.executemany(
+            f"INSERT INTO {self.events} (task_id, seq, kind, state, at, data) VALUES (?, ?, ?, ?, ?, ?)",
+            [(event.task_id, event.seq, event.kind.value, event.state.value, event.at,
+              json.dumps(event.data, ensure_ascii=False, separators=(",", ":"))) for event in events],
         )
 
     def after(self, task_id: str, after_seq: int, limit: int) -> list[TaskEvent]:
