@@ -59,6 +59,9 @@ def _encode_manifest(m: Manifest | None) -> bytes | None:
     return None if m is None else msgpack.packb(m.model_dump(mode="python"), use_bin_type=True)
 
 
+RESOLVED_KEPT = 64  # names `resolve` keeps answers for between changes (then it starts afresh)
+
+
 @functools.lru_cache(maxsize=256)
 def _decode_manifest(blob: bytes | None) -> Manifest | None:
     """Manifests are read often (the door: after each change of the store) and change rarely:
@@ -123,6 +126,8 @@ class TrustStore:
         # value is current until it changes (the door keeps each peer's row on it). Every
         # write of the peers table goes through this store (the CLI asks the daemon's).
         self.version = 0
+        self._resolved: dict[str, Peer] = {}  # name or id -> its row, read while version was _resolved_at
+        self._resolved_at = -1
         ensure_schema(conn, SCHEMA)
         _add_column(conn, "peers", "revoked_us_at REAL")  # databases made before they existed
         _add_column(conn, "peers", "revocation_told_at REAL")
@@ -158,7 +163,20 @@ class TrustStore:
         return f"{row['name']} (…{peer_id[-8:]})" if row else peer_id
 
     def resolve(self, name_or_id: str) -> Peer:
-        """A paired peer by peer id or name (names are for people; ambiguity is an error)."""
+        """A paired peer by peer id or name (names are for people; ambiguity is an error).
+        Asked on every owner request that names a peer (a web query's `--via`): the answer is
+        kept until the store next changes (`version`, as the door keeps its rows), so a
+        revocation or a new grant is seen by the very next call; errors are never kept."""
+        version = self.version  # before the read: a write that lands meanwhile is seen next time
+        if version != self._resolved_at or len(self._resolved) >= RESOLVED_KEPT:
+            self._resolved.clear()
+            self._resolved_at = version
+        peer = self._resolved.get(name_or_id)
+        if peer is None:
+            peer = self._resolved[name_or_id] = self._resolve(name_or_id)
+        return peer
+
+    def _resolve(self, name_or_id: str) -> Peer:
         peer = self.get(name_or_id)
         if peer is not None:
             return peer
