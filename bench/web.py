@@ -25,6 +25,13 @@ All in one run, on 127.0.0.1, each server in its own process:
 Then CPU per query, by process (Linux /proc, clock ticks, so averaged over --runs queries of
 one kind in a row; "asker" is this process: the SDK, or httpx and the extraction when it
 fetches itself): where the time goes, with far less noise than latency on a busy machine.
+One more kind for CPU only: one hop to a second exit ("cached") that holds the page in its
+cache, so it answers at once: the phone does the very same work, but the exit spends no 1.5 ms
+extracting in between. On this 2-core machine that work runs beside the phone and leaves it
+colder (and preempted more often): the phone's CPU per query there minus here is what sharing
+the machine with its exit costs it, which a real phone (its exit elsewhere) does not pay.
+And counted, not timed: the phone's context switches per query, voluntary (it waited: a
+wakeup each) and involuntary (preempted by another process).
 
 Prints medians and p99 in ms, the ratios the issue sets (one hop <= 1.3x and two hops <=
 1.8x a direct fetch of the same page), and the same ratios against fetch + text. Every loop
@@ -73,6 +80,8 @@ PAGE_SERVER = textwrap.dedent("""
 
 
 KINDS = ("cold", "direct", "direct_text", "one", "two", "rtt")
+CPU_KINDS = (("direct", "direct fetch + text"), ("one", "one hop"), ("cached", "one hop, a cached exit"),
+             ("two", "two hops"), ("rtt", "session round trip"))
 CPU_COLUMNS = ("asker", "phone", "relay", "exit", "exit workers", "page server")
 TICK_MS = 1000 / os.sysconf("SC_CLK_TCK")
 
@@ -88,6 +97,18 @@ def cpu_ms(pid: int) -> tuple[float, float]:
         else:
             others += used
     return main, others
+
+
+def switches(pid: int) -> tuple[int, int]:
+    """(voluntary, involuntary) context switches of process `pid` so far, all its threads."""
+    voluntary = involuntary = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        for line in (task / "status").read_text().splitlines():
+            if line.startswith("voluntary_ctxt_switches:"):
+                voluntary += int(line.split()[1])
+            elif line.startswith("nonvoluntary_ctxt_switches:"):
+                involuntary += int(line.split()[1])
+    return voluntary, involuntary
 
 
 async def direct_fetch(http: httpx.AsyncClient, url: str) -> tuple[float, float, str]:
@@ -123,9 +144,10 @@ async def back_to_back(url: str, runs: int, server_pid: int
 
 
 async def bench(tmp: Path, url: str, runs: int, server_pid: int
-                ) -> tuple[dict[str, list[float]], dict[str, dict[str, float]]]:
-    """Each kind's latencies in ms, timed in turn, `runs` rounds, through three real daemons;
-    then each mesh kind's CPU ms per query by process (CPU_COLUMNS)."""
+                ) -> tuple[dict[str, list[float]], dict[str, dict[str, float]], dict[str, tuple[float, float]]]:
+    """Each kind's latencies in ms, timed in turn, `runs` rounds, through three real daemons (and
+    a fourth, the cached exit, for CPU only); then each mesh kind's CPU ms per query by process
+    (CPU_COLUMNS) and the phone's context switches per query (voluntary, involuntary)."""
     from psymesh.node.core.home import NodeHome
     from psymesh.node.control.process import DaemonProcess, pair_homes
     from psymesh.node.web.exit import ExitSettings
@@ -136,9 +158,13 @@ async def bench(tmp: Path, url: str, runs: int, server_pid: int
     exit_home.init(name="exit")
     settings = ExitSettings(enabled=True, allow_loopback=True, cache_entries=0, requests_per_minute=100_000)
     exit_home.save_config(exit_home.load_config().model_copy(update={"web": WebSettings(exit=settings)}))
+    cached_home = NodeHome(tmp / "cached")
+    cached_home.init(name="cached")
+    caching = settings.model_copy(update={"cache_entries": 8})
+    cached_home.save_config(cached_home.load_config().model_copy(update={"web": WebSettings(exit=caching)}))
     nodes = [DaemonProcess(tmp / name, name=name, profile="phone" if name == "phone" else "home")
-             for name in ("exit", "relay", "phone")]
-    exit_, relay, phone = nodes
+             for name in ("exit", "relay", "phone", "cached")]
+    exit_, relay, phone, cached = nodes
     roomy = Limits(requests_per_minute=1_000_000)
     for node in nodes:
         await node.start()
@@ -146,7 +172,9 @@ async def bench(tmp: Path, url: str, runs: int, server_pid: int
         await pair_homes(exit_.home, relay.home, grant="messaging")
         await pair_homes(exit_.home, phone.home, grant="messaging")
         await pair_homes(relay.home, phone.home, grant="messaging")
-        async with exit_.client() as e, relay.client() as r:
+        await pair_homes(cached.home, phone.home, grant="messaging")
+        async with exit_.client() as e, relay.client() as r, cached.client() as k:
+            await k.grant("phone", ["web.fetch"], limits=roomy)
             await e.grant("phone", ["web.fetch"], limits=roomy)
             await e.grant("relay", ["web.fetch"], limits=roomy)
             await r.grant("phone", ["web.relay"], limits=roomy)
@@ -170,24 +198,31 @@ async def bench(tmp: Path, url: str, runs: int, server_pid: int
                     ms[kind].append(value * 1000)
                 ms["rtt"].extend(ping.rtts_ms)
             cpu: dict[str, dict[str, float]] = {}
-            assert phone.proc and relay.proc and exit_.proc
-            pids = {"phone": phone.proc.pid, "relay": relay.proc.pid, "exit": exit_.proc.pid, "page server": server_pid}
+            assert phone.proc and relay.proc and exit_.proc and cached.proc
+            served = {"phone": phone.proc.pid, "relay": relay.proc.pid, "exit": exit_.proc.pid, "page server": server_pid}
+            for _ in range(10):  # the cached exit holds the page after the first
+                assert (await client.web_fetch(url, via="cached", hops=1)).text == text
             calls = {"one": lambda: client.web_fetch(url, via="exit", hops=1),
+                     "cached": lambda: client.web_fetch(url, via="cached", hops=1),
                      "two": lambda: client.web_fetch(url, via="exit", relay="relay"),
                      "rtt": lambda: client.ping("exit", count=1)}
+            switched: dict[str, tuple[float, float]] = {}
             for kind, call in calls.items():
+                pids = {**served, "exit": cached.proc.pid} if kind == "cached" else served
                 before = {name: cpu_ms(pid) for name, pid in pids.items()}
-                asker = time.process_time()
+                asker, phone_switches = time.process_time(), switches(phone.proc.pid)
                 for _ in range(runs):
                     await call()
                 used = {"asker": (time.process_time() - asker) * 1000}
+                after = switches(phone.proc.pid)
+                switched[kind] = ((after[0] - phone_switches[0]) / runs, (after[1] - phone_switches[1]) / runs)
                 for name, pid in pids.items():
                     (main0, others0), (main1, others1) = before[name], cpu_ms(pid)
                     used[name] = main1 - main0 + (others1 - others0 if name != "exit" else 0.0)
                     if name == "exit":
                         used["exit workers"] = others1 - others0
                 cpu[kind] = {name: value / runs for name, value in used.items()}
-        return ms, cpu
+        return ms, cpu, switched
     finally:
         for node in reversed(nodes):
             await node.stop()
@@ -202,7 +237,7 @@ def main() -> None:
     try:
         hot_ms, hot_text_ms, direct_cpu = anyio.run(back_to_back, url, args.runs, server.pid, backend="trio")
         with tempfile.TemporaryDirectory(prefix="psymesh-bench-web-") as tmp:
-            ms, cpu = anyio.run(bench, Path(tmp), url, args.runs, server.pid, backend="trio")
+            ms, cpu, switched = anyio.run(bench, Path(tmp), url, args.runs, server.pid, backend="trio")
     finally:
         server.terminate()
         server.wait()
@@ -232,9 +267,15 @@ def main() -> None:
     print()
     print(f"CPU ms per query ({args.runs} in a row)  " + "".join(f"{c:>13}" for c in CPU_COLUMNS))
     cpu["direct"] = direct_cpu
-    for kind, label in (("direct", "direct fetch + text"), ("one", "one hop"), ("two", "two hops"),
-                        ("rtt", "session round trip")):
+    for kind, label in CPU_KINDS:
         print(f"{label:<35}" + "".join(f"{cpu[kind][c]:>13.3f}" for c in CPU_COLUMNS))
+    print(f"(cached: the exit column is the cached exit's; the phone's cost of sharing this machine with a busy"
+          f" exit: {cpu['one']['phone'] - cpu['cached']['phone']:+.3f} ms a query)")
+    print()
+    print("phone context switches per query (counted)   voluntary  involuntary")
+    for kind, label in CPU_KINDS[1:]:
+        voluntary, involuntary = switched[kind]
+        print(f"{label:<45}{voluntary:>10.2f}{involuntary:>13.2f}")
 
 
 if __name__ == "__main__":

@@ -421,3 +421,66 @@ async def test_cli_trust_commands(tmp_path: Path) -> None:
         assert any(row["operation"] == "revoke" for row in json.loads(a.stdout))
         unknown = await anyio.to_thread.run_sync(cli, "revoke", "nobody", "--json")
         assert unknown.returncode == 1 and json.loads(unknown.stdout)["error"]["code"] == "unknown_peer"
+
+
+def test_resolve_reads_a_name_once_until_the_trust_store_changes(gate_world) -> None:
+    """`resolve` (every owner request naming a peer: a web query's --via) keeps its answer
+    while the store is unchanged, and reads again after any change: a revocation or a new
+    grant is what the very next call sees; a name it cannot resolve is asked again."""
+    _, grant, phone_id, _, trust, _ = gate_world
+    grant("tool:system.info")
+    reads: list[str] = []
+    trust.conn.set_trace_callback(lambda sql: reads.append(sql) if "FROM peers" in sql else None)
+    try:
+        for _ in range(5):
+            assert trust.resolve("phone").peer_id == phone_id
+        assert len(reads) == 2  # the first call only: by id (no such id), then by name
+        grant("tool:files.read")
+        assert trust.resolve("phone").granted.grants() == ["tool:files.read"]
+        trust.revoke(phone_id)
+        assert trust.resolve("phone").revoked
+        for _ in range(2):
+            with pytest.raises(PsymeshError):
+                trust.resolve("nobody")
+        assert sum("WHERE name" in sql for sql in reads[-4:]) == 2  # a miss is never kept
+    finally:
+        trust.conn.set_trace_callback(None)
+
+
+def test_the_web_router_checks_the_exits_grant_on_every_query(tmp_path: Path) -> None:
+    """One hop: the exit's grant to us must cover the query. Its signature is verified once
+    per stored grant (the same frozen object while the row is unchanged), the rest on every
+    query: a grant with a broken signature never routes, a new grant without the capability
+    and an expired one are refused on the very next query."""
+    from psymesh.node.core.websettings import WebSettings
+    from psymesh.node.web.router import WebKeys, WebRouter
+    from psymesh.protocol.web import WebFetch
+
+    exit_, phone = NodeHome(tmp_path / "exit").init(), NodeHome(tmp_path / "phone").init()
+    conn = open_db(tmp_path / "node.db")
+    trust, clock = TrustStore(conn), [time.time()]
+    router = WebRouter(WebSettings(), phone.peer_id, trust, None, WebKeys(conn), clock=lambda: clock[0])  # type: ignore[arg-type]
+    fetch = WebFetch(url="https://example.com/a")
+
+    def received(*caps: str, ttl: float | None = None, tamper: bool = False) -> None:
+        m = new_manifest(exit_.peer_id, phone.peer_id, list(caps), now=clock[0], ttl=ttl).sign(exit_.private_key)
+        if tamper:
+            m = m.model_copy(update={"capabilities": new_manifest(exit_.peer_id, phone.peer_id, ["web.fetch"],
+                                                                  now=clock[0]).capabilities})
+        trust.add(exit_.peer_id, name="exit", role="home", addrs=[], granted=None, received=m)
+
+    received("web.search", tamper=True)
+    with pytest.raises(PsymeshError) as broken:
+        router.route(fetch, via="exit", hops=1)
+    assert broken.value.code == ErrorCode.FORBIDDEN
+    received("web.fetch", ttl=60)
+    for _ in range(3):
+        assert router.route(fetch, via="exit", hops=1).exit == exit_.peer_id
+    received("web.search")
+    with pytest.raises(PsymeshError):
+        router.route(fetch, via="exit", hops=1)
+    received("web.fetch", ttl=60)
+    assert router.route(fetch, via="exit", hops=1).exit == exit_.peer_id
+    clock[0] += 61
+    with pytest.raises(PsymeshError):
+        router.route(fetch, via="exit", hops=1)

@@ -59,6 +59,8 @@ def _encode_manifest(m: Manifest | None) -> bytes | None:
     return None if m is None else msgpack.packb(m.model_dump(mode="python"), use_bin_type=True)
 
 
+
+
 @functools.lru_cache(maxsize=256)
 def _decode_manifest(blob: bytes | None) -> Manifest | None:
     """Manifests are read often (the door: after each change of the store) and change rarely:

@@ -501,13 +501,18 @@ class SessionPool:
 
     async def request(self, peer_id: str, message: Message, reply_type: type[M], *,
                       timeout: float = 30.0) -> M:
-        """One request, one reply of `reply_type` (an `error` reply raises RemoteError)."""
+        """One request, one reply of `reply_type` (an `error` reply raises RemoteError).
+        Bounded by a cancel scope of its own rather than `fail_after` (two generator context
+        managers around the same scope, on every request), which only this scope's deadline
+        can cancel: caught cancelled means timed out."""
         try:
-            with anyio.fail_after(timeout):
+            with anyio.CancelScope(deadline=anyio.current_time() + timeout) as bounded:
                 session = await self.session(peer_id)
                 return await session.request(message, reply_type)
-        except TimeoutError:
-            raise NetworkTimeout(f"{peer_id} did not answer {message.type} within {timeout:g} s") from None
+            assert bounded.cancelled_caught  # the block returns or raises otherwise
+        except TimeoutError:  # a timeout inside (as under fail_after, which caught these too)
+            pass
+        raise NetworkTimeout(f"{peer_id} did not answer {message.type} within {timeout:g} s")
 
 
 __all__ = ["Call", "Door", "OutboundSession", "SessionPool", "serve_session"]

@@ -30,7 +30,7 @@ from ..door.trust import Peer, TrustStore
 from ..core.websettings import WebSettings
 from ...protocol.common import Error
 from ...protocol.errors import ErrorCode, PsymeshError, RemoteError
-from ...protocol.manifest import Operation, check
+from ...protocol.manifest import Manifest, Operation, check
 from ...protocol.messages import Message, pack, unpack
 from ...protocol.oblivious import ExitKey, consistent_key, seal_request, verify_exit_key
 from ...protocol.web import (
@@ -112,6 +112,9 @@ class WebRouter:
         self.sessions = sessions
         self.keys = keys
         self.clock = clock
+        # peer id -> the received grant whose signature we verified: the trust store hands back
+        # the same frozen Manifest while the row's blob is unchanged, as the door relies on
+        self._verified: dict[str, Manifest] = {}
 
     def route(self, request: WebRequest, *, via: str | None = None, relay: str | None = None,
               hops: int | None = None) -> Route:
@@ -144,8 +147,17 @@ class WebRouter:
         return Route(exit=exit_peer.peer_id, relay=relay_peer.peer_id, key=keys[exit_peer.peer_id])
 
     def _grants(self, peer: Peer, op: Operation, now: float) -> bool:
-        return peer.received is not None and check(peer.received, op, local_peer_id=peer.peer_id,
-                                                   remote_peer_id=self.local_peer_id, now=now).allowed
+        """Whether `peer`'s grant to us covers `op`, signed and in date; its signature checked
+        once per stored grant (an Ed25519 verification each query before), the rest every time."""
+        grant = peer.received
+        if grant is None:
+            return False
+        known = self._verified.get(peer.peer_id) is grant
+        allowed = check(grant, op, local_peer_id=peer.peer_id, remote_peer_id=self.local_peer_id, now=now,
+                        signature_verified=known).allowed
+        if allowed and not known:
+            self._verified[peer.peer_id] = grant  # one entry per paired peer: replaced, never grows past them
+        return allowed
 
     def _key_of(self, exit_peer: str, now: float) -> ExitKey | None:
         key = self.keys.get(exit_peer)
