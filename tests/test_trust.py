@@ -338,6 +338,24 @@ def test_a_row_the_store_keeps_cannot_be_changed_by_a_reader(gate_world) -> None
     assert gate.paired(phone_id).addrs == () and trust.get(phone_id) == peer
 
 
+def test_a_resubmit_of_a_task_held_here_is_not_charged_again(gate_world, tmp_path: Path) -> None:
+    """One task counts as one request (protocol/admission.py): a resubmit of a task the
+    executor holds already (the submitter lost the answer) passes the door uncharged, so
+    it cannot be refused as over the rate its first submit was allowed under."""
+    from psymesh.node.tasks.executor_store import ExecutorStore
+
+    gate, grant, phone_id, _, trust, _ = gate_world
+    gate.queue = store = ExecutorStore(trust.conn)
+    grant("tool:*", requests_per_minute=1)
+    first = submit("system.info")
+    assert gate.admit(phone_id, ids.SESSION, first).allowed
+    store.submit(first.spec, phone_id)
+    assert gate.admit(phone_id, ids.SESSION, first).allowed  # the same task again: held, already counted
+    with pytest.raises(PsymeshError) as info:  # another task is a new request, over the rate
+        gate.admit(phone_id, ids.SESSION, submit("system.info"))
+    assert info.value.code == ErrorCode.RATE_LIMITED
+
+
 def test_expired_manifest_is_refused(gate_world) -> None:
     gate, grant, phone_id, clock, _, _ = gate_world
     grant("tool:*", ttl=60)
