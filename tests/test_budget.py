@@ -247,6 +247,7 @@ async def test_a_wal_sync_the_disk_fails_fails_its_answer_and_the_next_syncs(tmp
     await wal.sync()
     assert len(synced) == 1 and wal.syncs == 1
     conn.close()
+    wal.close()
 
 
 async def test_the_wal_sync_follows_a_new_wal_file(tmp_path: Path) -> None:
@@ -278,3 +279,50 @@ async def test_the_wal_sync_follows_a_new_wal_file(tmp_path: Path) -> None:
     assert synced == [(first, 1), (first, 1), (wal_path.stat().st_ino, 1)]
     conn.close()
     wal.close()
+
+
+def test_a_wal_sync_still_running_as_the_node_stops_lets_go_of_the_wal(tmp_path: Path) -> None:
+    """WalSync.close() while an fsync runs puts the descriptor's close off until that fsync
+    ends; if the event loop is gone by then (the node stopped), the worker thread settles
+    it itself: no descriptor of the WAL (maybe a removed file, holding its disk space) is
+    left open in the process."""
+    import threading
+
+    import trio
+
+    from psymesh.node.core.db import WalSync, open_db
+
+    release = threading.Event()
+    held: list[tuple[int, int]] = []  # (fd, inode) the fsync was given
+
+    def slow(fd: int) -> None:
+        held.append((fd, os.fstat(fd).st_ino))
+        release.wait(15)
+        os.fsync(fd)
+
+    wal = WalSync(tmp_path / "node.db", fsync=slow)
+    conn = open_db(tmp_path / "node.db", on_write=wal.wrote)
+    conn.execute("CREATE TABLE t (x)")
+
+    async def node() -> None:
+        wal.start()
+        with trio.fail_after(15):
+            while not held:
+                await trio.sleep(0.01)
+        wal.close()  # put off: the fsync holds the descriptor
+
+    trio.run(node)
+    conn.close()
+    fd, inode = held[0]
+    release.set()
+
+    def still_open() -> bool:
+        try:
+            return os.fstat(fd).st_ino == inode
+        except OSError:
+            return False
+
+    deadline = time.monotonic() + 15
+    while still_open() and time.monotonic() < deadline:
+        release.wait(0.01)
+    assert not still_open()

@@ -262,7 +262,7 @@ async def test_a_moved_peer_is_stored_at_its_new_address_once_a_dial_proves_it(f
     discovery.table.saw(PEER, (addr("192.168.1.66"), addr("192.168.1.77")), "mdns", 1000.0)
     assert await discovery._follow_one(PEER)
     assert host.dialed == [addr("192.168.1.66"), addr("192.168.1.77")]
-    assert trust.get(PEER).addrs == [addr("192.168.1.77"), addr("192.168.1.66"), addr("192.168.1.20")]
+    assert trust.get(PEER).addrs == (addr("192.168.1.77"), addr("192.168.1.66"), addr("192.168.1.20"))
 
 
 @pytest.mark.anyio
@@ -274,13 +274,13 @@ async def test_an_announcement_nobody_proves_never_reaches_the_trust_store(follo
     assert host.dialed == [addr("192.168.1.66")]
     now[0] += RETRY_S
     assert not await discovery._follow_one(PEER)
-    assert len(host.dialed) == 2 and trust.get(PEER).addrs == [addr("192.168.1.20")]
+    assert len(host.dialed) == 2 and trust.get(PEER).addrs == (addr("192.168.1.20"),)
     for _ in range(MAX_CHECKS - 3):
         now[0] += RETRY_S
         assert not await discovery._follow_one(PEER)
     now[0] += RETRY_S
     assert await discovery._follow_one(PEER)  # MAX_CHECKS: given up until the next announcement
-    assert len(host.dialed) == MAX_CHECKS and trust.get(PEER).addrs == [addr("192.168.1.20")]
+    assert len(host.dialed) == MAX_CHECKS and trust.get(PEER).addrs == (addr("192.168.1.20"),)
 
 
 @pytest.mark.anyio
@@ -290,7 +290,7 @@ async def test_a_live_connection_from_an_announced_ip_vouches_for_it(follow) -> 
     discovery.table.saw(PEER, (addr("192.168.1.66"),), "mdns", 1000.0)
     assert await discovery._follow_one(PEER)
     assert (host.dialed, host.probed) == ([], [])
-    assert trust.get(PEER).addrs == [addr("192.168.1.66"), addr("192.168.1.20")]
+    assert trust.get(PEER).addrs == (addr("192.168.1.66"), addr("192.168.1.20"))
 
 
 @pytest.mark.anyio
@@ -301,7 +301,7 @@ async def test_a_connection_that_still_answers_is_never_dropped_on_an_announceme
     assert not await discovery._follow_one(PEER)
     assert not await discovery._follow_one(PEER)  # asked again no sooner than RETRY_S
     assert (host.probed, host.dialed, host.live) == ([PEER], [], {PEER: "192.168.1.20"})
-    assert trust.get(PEER).addrs == [addr("192.168.1.20")]
+    assert trust.get(PEER).addrs == (addr("192.168.1.20"),)
 
     host.stale.add(PEER)  # now it moved (a new lease) and the old connection is dead
     host.answers[addr("192.168.1.66")] = PEER
@@ -309,7 +309,7 @@ async def test_a_connection_that_still_answers_is_never_dropped_on_an_announceme
     assert await discovery._follow_one(PEER)
     assert host.probed == [PEER, PEER] and host.dialed == [addr("192.168.1.66")]
     assert host.live == {PEER: "192.168.1.66"}
-    assert trust.get(PEER).addrs == [addr("192.168.1.66"), addr("192.168.1.20")]
+    assert trust.get(PEER).addrs == (addr("192.168.1.66"), addr("192.168.1.20"))
 
 
 @pytest.mark.anyio
@@ -640,7 +640,7 @@ async def test_a_paired_static_peer_is_stored_at_its_configured_address(tmp_path
         a.config = a_config.model_copy(update={"static_peers": [moved]})
         await b.start()
         a_node = await a.start()
-        await wait_until(lambda: a_node.trust.get(b_id).addrs[:1] == [moved], "a stores b at its static address")
+        await wait_until(lambda: a_node.trust.get(b_id).addrs[:1] == (moved,), "a stores b at its static address")
         async with Client(a_home.path) as client:
             assert (await client.ping("b", count=1)).peer_id == b_id
             assert [(n.peer_id, n.paired, n.name) for n in (await client.discovered()).nodes] == [(b_id, True, "b")]

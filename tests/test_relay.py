@@ -312,6 +312,6 @@ def test_an_address_record_is_its_peers_own_word(tmp_path: Path) -> None:
 
     trust = TrustStore(open_db(tmp_path / "node.db"))
     trust.add(alice, name="alice", role="home", addrs=["/ip4/192.168.1.2/tcp/4001"], granted=None, received=None)
-    assert trust.set_own_addrs(alice, [addr], 5) and trust.get(alice).addrs == [addr]
+    assert trust.set_own_addrs(alice, [addr], 5) and trust.get(alice).addrs == (addr,)
     assert not trust.set_own_addrs(alice, ["/ip4/10.9.9.9/tcp/1"], 4)  # an older record changes nothing
-    assert trust.get(alice).addrs == [addr]
+    assert trust.get(alice).addrs == (addr,)

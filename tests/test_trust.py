@@ -314,13 +314,46 @@ def test_the_door_reads_a_peers_row_once_until_the_trust_store_changes(gate_worl
             gate.admit(phone_id, ids.SESSION, submit("system.info"))
         trust.set_addrs(phone_id, ["/ip4/10.0.0.2/tcp/1"])
         assert gate.admit(phone_id, ids.SESSION, Ping(seq=9)).allowed
-        assert gate.paired(phone_id).addrs == ["/ip4/10.0.0.2/tcp/1"]
+        assert gate.paired(phone_id).addrs == ("/ip4/10.0.0.2/tcp/1",)
         trust.revoke(phone_id)
         with pytest.raises(PsymeshError) as revoked:
             gate.admit(phone_id, ids.SESSION, Ping(seq=10))
         assert revoked.value.code == ErrorCode.UNKNOWN_PEER
     finally:
         trust.conn.set_trace_callback(None)
+
+
+def test_a_row_the_store_keeps_cannot_be_changed_by_a_reader(gate_world) -> None:
+    """The store hands every reader the same Peer object until its table changes: a reader
+    that could change it (its addresses, its grant) would change what the door sees."""
+    gate, grant, phone_id, _, trust, _ = gate_world
+    grant("tool:system.info")
+    peer = trust.get(phone_id)
+    with pytest.raises((AttributeError, TypeError, ValueError)):
+        peer.addrs.append("/ip4/10.6.6.6/tcp/1")  # type: ignore[attr-defined]
+    with pytest.raises((AttributeError, TypeError, ValueError)):
+        peer.granted.capabilities.append(peer.granted.capabilities[0])  # type: ignore[union-attr]
+    with pytest.raises(ValueError):  # pydantic's frozen-instance error
+        peer.granted.limits.requests_per_minute = 1  # type: ignore[misc, union-attr]
+    assert gate.paired(phone_id).addrs == () and trust.get(phone_id) == peer
+
+
+def test_a_resubmit_of_a_task_held_here_is_not_charged_again(gate_world, tmp_path: Path) -> None:
+    """One task counts as one request (protocol/admission.py): a resubmit of a task the
+    executor holds already (the submitter lost the answer) passes the door uncharged, so
+    it cannot be refused as over the rate its first submit was allowed under."""
+    from psymesh.node.tasks.executor_store import ExecutorStore
+
+    gate, grant, phone_id, _, trust, _ = gate_world
+    gate.queue = store = ExecutorStore(trust.conn)
+    grant("tool:*", requests_per_minute=1)
+    first = submit("system.info")
+    assert gate.admit(phone_id, ids.SESSION, first).allowed
+    store.submit(first.spec, phone_id)
+    assert gate.admit(phone_id, ids.SESSION, first).allowed  # the same task again: held, already counted
+    with pytest.raises(PsymeshError) as info:  # another task is a new request, over the rate
+        gate.admit(phone_id, ids.SESSION, submit("system.info"))
+    assert info.value.code == ErrorCode.RATE_LIMITED
 
 
 def test_expired_manifest_is_refused(gate_world) -> None:

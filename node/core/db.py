@@ -428,12 +428,15 @@ def _in_thread_now(fn: Callable[[], None], finished: Callable[[BaseException | N
         loop = asyncio.get_running_loop()
 
         def run() -> None:
+            error: BaseException | None = None
             try:
                 fn()
             except BaseException as exc:  # raised in the task that waits
-                loop.call_soon_threadsafe(finished, exc)
-            else:
-                loop.call_soon_threadsafe(finished, None)
+                error = exc
+            try:
+                loop.call_soon_threadsafe(finished, error)
+            except RuntimeError:  # the loop closed meanwhile: as for trio below
+                finished(error)
 
         threading.Thread(target=run, name="psymesh wal sync", daemon=True).start()
         return
@@ -450,7 +453,7 @@ def _in_thread_now(fn: Callable[[], None], finished: Callable[[BaseException | N
             error = None
         try:
             token.run_sync_soon(finished, error)
-        except trio.RunFinishedError:  # the node stopped meanwhile: nobody is left to tell
-            pass
+        except trio.RunFinishedError:  # the node stopped meanwhile: nobody waits, and no loop is
+            finished(error)            # left to race with: settled here (a close() put off lets go)
 
     trio.lowlevel.start_thread_soon(fn, deliver, name="psymesh wal sync")

@@ -196,7 +196,8 @@ class Gate:
         decision.raise_if_denied()
         if rule.starts_task:
             assert isinstance(request, TaskSubmit)
-            self._check_queue(peer_id, request.spec.id, grant)
+            if self._check_queue(peer_id, request.spec.id, grant):
+                return decision  # a resubmit of a task it holds here: already counted, and charged
         if rule.holds_mail:
             assert isinstance(request, MailDeposit)
             if self.mailbox is None:
@@ -278,12 +279,14 @@ class Gate:
             self._record(peer_id, service, what, error, now)
         return decision
 
-    def _check_queue(self, peer_id: str, task_id: str, grant: Manifest) -> None:
+    def _check_queue(self, peer_id: str, task_id: str, grant: Manifest) -> bool:
+        """BUSY if the queue has no room for a new task; True if `peer_id` holds `task_id`
+        here already (a resubmit: neither counted again nor charged)."""
         if self.queue is None:
-            return
+            return False
         held, active_for_peer, depth = self.queue.load(peer_id, task_id)
         if held:
-            return  # a resubmit of a task it holds here: already counted
+            return True
         limits = self.queue_limits
         per_peer = min(limits.max_queue_per_peer, grant.limits.concurrent_tasks or limits.max_queue_per_peer)
         if active_for_peer >= per_peer:
@@ -292,6 +295,7 @@ class Gate:
         if depth >= limits.max_queue:
             raise PsymeshError(f"{self.name}'s task queue is full; retry later", code=ErrorCode.BUSY,
                                retry_after=limits.busy_retry_after * 2)
+        return False
 
     def _charge(self, peer_id: str, grant: Manifest, now: float) -> None:
         rpm = grant.limits.requests_per_minute
@@ -304,11 +308,11 @@ class Gate:
 
     # -- peers, connections, streams -------------------------------------------------
     def paired(self, peer_id: str) -> Peer:
-        """The peer's trust row, if it is paired and not revoked (else `unknown_peer`). The row
-        is read again whenever the trust store has changed since (`TrustStore.version`, bumped
-        by every write), so a revocation or a new grant acts on the very next request; kept
-        for paired peers only, one entry each."""
-        peer = self.trust.get(peer_id)  # (kept by the store until it changes: TrustStore.version)
+        """The peer's trust row, if it is paired and not revoked (else `unknown_peer`). The
+        store keeps the rows it read until it changes (`TrustStore.version`, bumped by every
+        write), so a revocation or a new grant acts on the very next request; whether the
+        grant is in date is judged at each request, on the clock (`_check`)."""
+        peer = self.trust.get(peer_id)
         if peer is None or peer.revoked:
             state = "was revoked" if peer is not None else f"is not paired with {self.name}"
             raise PsymeshError(f"peer {peer_id} {state}; pair first (psymesh pair join)",

@@ -70,10 +70,14 @@ def _decode_manifest(blob: bytes | None) -> Manifest | None:
 
 @dataclass(frozen=True)
 class Peer:
+    """One row of the peers table. Immutable all through (a tuple of addresses, frozen
+    Manifests): the store hands the same object to every reader until it changes, so a reader
+    that could change it would change what every other reader, the door included, sees."""
+
     peer_id: str
     name: str
     role: str
-    addrs: list[str]
+    addrs: tuple[str, ...]
     paired_at: float
     revoked_at: float | None
     granted: Manifest | None
@@ -104,7 +108,7 @@ class Peer:
             peer_id=self.peer_id,
             name=self.name,
             role=self.role,
-            addrs=self.addrs,
+            addrs=list(self.addrs),
             paired_at=self.paired_at,
             revoked_at=self.revoked_at,
             granted=self.granted.grants() if self.granted else [],
@@ -137,7 +141,7 @@ class TrustStore:
 
     @staticmethod
     def _peer(row: sqlite3.Row) -> Peer:
-        return Peer(row["peer_id"], row["name"], row["role"], json.loads(row["addrs"]), row["paired_at"],
+        return Peer(row["peer_id"], row["name"], row["role"], tuple(json.loads(row["addrs"])), row["paired_at"],
                     row["revoked_at"], _decode_manifest(row["granted"]), _decode_manifest(row["received"]),
                     row["revoked_us_at"], row["revocation_told_at"])
 
