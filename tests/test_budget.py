@@ -221,9 +221,11 @@ async def test_acknowledged_tasks_and_letters_survive_a_power_cut(tmp_path: Path
     assert set(delegated) <= outbox and set(delegated) <= tasks
 
 
-async def test_a_wal_sync_the_disk_fails_fails_its_answer_and_the_next_syncs(tmp_path: Path) -> None:
+async def test_a_wal_sync_the_disk_fails_fails_its_answer_and_every_later_one(tmp_path: Path) -> None:
     """A durable answer whose fsync failed is not sent as if it held: the waiter gets the disk's
-    error (raised on its worker thread), and the next answer's sync runs and succeeds."""
+    error (raised on its worker thread). And no later answer is either, though the disk's next
+    fsync would succeed: after a failed fsync the kernel may have dropped the WAL's pages, so a
+    later success proves nothing (fsyncgate); the node says so and that a restart is needed."""
     import errno
 
     from psymesh.node.core.db import WalSync, open_db
@@ -244,10 +246,19 @@ async def test_a_wal_sync_the_disk_fails_fails_its_answer_and_the_next_syncs(tmp
     with pytest.raises(PsymeshError, match="Input/output error"):
         await wal.sync()
     conn.execute("INSERT INTO t VALUES (2)")
-    await wal.sync()
-    assert len(synced) == 1 and wal.syncs == 1
+    wal.start()
+    with pytest.raises(PsymeshError, match="Input/output error.*until it is restarted"):
+        await wal.sync()
+    assert synced == [] and wal.syncs == 0  # no fsync was even tried
     conn.close()
     wal.close()
+    fresh = WalSync(tmp_path / "node.db", fsync=flaky)  # the node restarted
+    conn = open_db(tmp_path / "node.db", on_write=fresh.wrote)
+    conn.execute("INSERT INTO t VALUES (3)")
+    await fresh.sync()
+    assert fresh.syncs == 1
+    conn.close()
+    fresh.close()
 
 
 async def test_the_wal_sync_follows_a_new_wal_file(tmp_path: Path) -> None:

@@ -301,7 +301,13 @@ class WalSync:
     not N. A sync with nothing written since the last is skipped (`wrote()`, from
     `open_db(on_write=...)`, counts writes). The fsync runs on a worker thread: the event
     loop serves other requests meanwhile. `fsync` is the seam a test uses to trace the
-    syncs (or to model a power cut that keeps only what was synced)."""
+    syncs (or to model a power cut that keeps only what was synced).
+
+    A failed fsync fails every later sync too, until the node restarts: after one, the kernel
+    may have dropped the WAL's dirty pages and marked them clean (Linux does, "fsyncgate"), so
+    a later fsync that succeeds proves nothing of what was written before it, and every later
+    commit's frames build on those pages. Durable answers stop (each fails with the disk's
+    error); what is on disk is what SQLite finds at the next start."""
 
     def __init__(self, path: Path, *, fsync: Callable[[int], None] = SYNC_FILE) -> None:
         self.path = Path(path)
@@ -312,6 +318,7 @@ class WalSync:
         self._running: _Sync | None = None
         self._fd: int | None = None  # the WAL's, kept open between syncs (`_wal_fd`)
         self._closing = False
+        self._failed: PsymeshError | None = None  # the first fsync's failure: every later sync's
 
     def wrote(self) -> None:
         self._written += 1
@@ -326,6 +333,8 @@ class WalSync:
         is on disk."""
         target = self._written if upto is None else upto
         while self._synced < target:
+            if self._failed is not None:
+                raise self._failed
             running = self._running or self._begin()
             await running.done.wait()  # it may have started before our commit: loop, maybe sync again
             if running.error is not None:
@@ -336,7 +345,7 @@ class WalSync:
         runs already, or nothing is left to sync): the caller does other work meanwhile (the
         submitter hands its task over) without a task of its own to drive the sync."""
         target = self._written if upto is None else upto
-        if self._synced < target and self._running is None:
+        if self._synced < target and self._running is None and self._failed is None:
             self._begin()
 
     def _begin(self) -> _Sync:
@@ -352,15 +361,20 @@ class WalSync:
             self._running = None
             if error is None:
                 self._synced = max(self._synced, running.covers)
-            running.error = error
+            elif self._failed is None:
+                self._failed = StorageError(
+                    f"{error}; what was written since the last good sync may be lost, so this node gives "
+                    "no more durable answers until it is restarted (check the disk first: dmesg)")
+            running.error = self._failed if error is not None else None
             running.done.set()
             if self._closing:
                 self.close()
 
         try:
             fd = self._wal_fd()
-        except OSError as exc:
-            finished(storage_error(exc, self.path))
+        except OSError as exc:  # no fsync ran (e.g. out of descriptors): this answer fails, not the next
+            self._running, running.error = None, storage_error(exc, self.path)
+            running.done.set()
             return running
         if fd is None:  # no WAL: everything is in the database file, which checkpoints sync
             finished(None)
