@@ -365,6 +365,7 @@ class WalSync:
                 self._failed = StorageError(
                     f"{error}; what was written since the last good sync may be lost, so this node gives "
                     "no more durable answers until it is restarted (check the disk first: dmesg)")
+                log.error("syncing %s-wal failed: %s", self.path, self._failed)
             running.error = self._failed if error is not None else None
             running.done.set()
             if self._closing:
