@@ -21,7 +21,7 @@ from psymesh.node.daemon import Node
 from psymesh.node.core.db import transaction
 from psymesh.node.core.home import StorageSettings
 from psymesh.protocol.common import Ping, Pong
-from psymesh.protocol.errors import PsymeshError
+from psymesh.protocol.errors import ErrorCode, PsymeshError
 from psymesh.protocol.tasks import TaskAccepted, TaskSpec, TaskSubmit
 
 pytestmark = pytest.mark.anyio
@@ -337,3 +337,24 @@ def test_a_wal_sync_still_running_as_the_node_stops_lets_go_of_the_wal(tmp_path:
     while still_open() and time.monotonic() < deadline:
         release.wait(0.01)
     assert not still_open()
+
+
+async def test_a_task_refused_outright_stays_refused_across_a_power_cut(tmp_path: Path) -> None:
+    """delegate() that the home refuses (no grant) raises, and the phone forgets the task: that
+    forgetting is on disk before the refusal is told, so a power cut right after cannot bring
+    the outbox row back for the driver to submit again after the restart (the row's own sync
+    ran beside the hand-over; without a sync after the delete, the cut's disk still held it)."""
+    no_checkpoints = {"storage": StorageSettings(checkpoint_settle_s=600.0, checkpoint_max_defer_s=3600.0)}
+    cut = PowerCut(tmp_path / "phone" / "node.db", tmp_path / "phone-disk")
+    async with run_nodes(tmp_path, "home", "phone", configs={"phone": no_checkpoints},
+                         fsyncs={"phone": cut.fsync}) as nodes:
+        await pair(nodes["home"].home.path, nodes["phone"].home.path, grant="messaging")
+        async with Client(nodes["phone"].home.path) as p:
+            refused = []
+            for _ in range(3):
+                with pytest.raises(PsymeshError) as exc:
+                    await p.delegate("home", tool="system.info")  # home granted no tool
+                refused.append(exc.value)
+    assert all(e.code is ErrorCode.FORBIDDEN for e in refused)
+    on_phone = cut.after(tmp_path / "phone-after")
+    assert on_phone.execute("SELECT count(*) FROM outbox_tasks").fetchone()[0] == 0

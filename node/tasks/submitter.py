@@ -174,7 +174,7 @@ class TaskSubmitter:
         row_written = self._mark()
         if self.wal is not None:
             self.wal.start(row_written)  # the fsync begins now, on a worker thread, beside the hand-over
-        answer = await self._hand_over(spec, task, candidates)  # a refusal promises nothing: no wait
+        answer = await self._hand_over(spec, task, candidates)  # a refusal waits only for its delete (_forgotten)
         await self._synced(row_written)  # the row is on disk before this returns (or the disk failed)
         return answer
 
@@ -184,6 +184,16 @@ class TaskSubmitter:
     async def _synced(self, mark: int) -> None:
         if self.wal is not None:
             await self.wal.sync(mark)
+
+    async def _forgotten(self) -> None:
+        """A refused task's delete is on disk before the refusal is told: else a power cut could
+        bring back its row (synced beside the hand-over) and the driver submit it again after the
+        restart, a task its caller was told was refused. A disk that fails this sync has failed
+        every later durable answer too (WalSync); the refusal is still what the caller hears."""
+        try:
+            await self._synced(self._mark())
+        except PsymeshError as exc:
+            log.error("task refused, but its removal may not be on disk: %s", exc)
 
     async def _hand_over(self, spec: TaskSpec, task: OutboxTask, candidates: list[str]) -> Submitted:
         last: PsymeshError | None = None
@@ -199,6 +209,7 @@ class TaskSubmitter:
             if isinstance(last, RemoteError) and last.code not in (ErrorCode.BUSY, ErrorCode.RATE_LIMITED,
                                                                    ErrorCode.UNAVAILABLE, ErrorCode.TIMEOUT):
                 self.outbox.forget(spec.id)  # refused outright: as if never submitted
+                await self._forgotten()
                 if last.code is ErrorCode.UNKNOWN_PEER:
                     self.revoked_by(target, last.code, self._refusal(target, last))
                 raise last
