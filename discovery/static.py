@@ -1,9 +1,10 @@
 """Static peers: addresses from config.toml (`static_peers`), for networks without multicast.
 
-Each is dialed when the node starts and kept connected: whenever no connection to it is
-open (it restarted, the Wi-Fi dropped, it closed ours), it is dialed again, with an
-exponential backoff between failed dials (1 s doubling to 5 minutes, jittered so that
-nodes which lost the same peer do not redial in step). The dial proves the peer's key
+Each is dialed when the node starts and kept connected: whenever its connection ends (it
+restarted, the Wi-Fi dropped, it closed ours; a change of connections wakes the watcher,
+no timer), it is dialed again, with an exponential backoff between failed dials
+(protocol/backoff.py: 1 s doubling to 5 minutes, jittered so that nodes which lost the
+same peer do not redial in step). The dial proves the peer's key
 (Noise), so a paired static peer's address is one the node can trust (discovery/service.py).
 
 A static peer we have not paired with closes our connection after its stranger limit
@@ -21,16 +22,14 @@ import anyio
 import anyio.abc
 
 from .records import addr_peer_id
+from ..protocol.backoff import backoff_s
 from ..protocol.errors import ErrorCode, PsymeshError
 from ..protocol.identity import is_peer_id
 
 log = logging.getLogger("psymesh.discovery")
 
 MAX_STATIC_PEERS = 64
-WATCH_S = 1.0           # how often an open connection to a static peer is checked
 DIAL_TIMEOUT_S = 10.0   # one dial (TCP + Noise + yamux)
-BACKOFF_FIRST_S = 1.0
-BACKOFF_MAX_S = 300.0
 
 
 class Dialer(Protocol):
@@ -40,11 +39,7 @@ class Dialer(Protocol):
 
     def remote_ip(self, peer_id: str) -> str | None: ...  # None: no open connection to the peer
 
-
-def backoff_s(failures: int, jitter: float) -> float:
-    """Seconds to wait after `failures` dials in a row failed; `jitter` in [0, 1) takes up to
-    half of it off."""
-    return min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2 ** min(failures, 30)) * (1 - jitter / 2)
+    def changes(self) -> anyio.Event: ...  # set at the next change of connections
 
 
 def check_static_peers(addrs: Sequence[str], local_peer_id: str) -> list[tuple[str, str]]:
@@ -66,11 +61,10 @@ def check_static_peers(addrs: Sequence[str], local_peer_id: str) -> list[tuple[s
 
 class StaticPeers:
     def __init__(self, peers: Sequence[tuple[str, str]], host: Dialer,
-                 on_reached: Callable[[str, str], None], *, watch_s: float = WATCH_S) -> None:
+                 on_reached: Callable[[str, str], None]) -> None:
         self.peers = list(peers)
         self.host = host
         self.on_reached = on_reached  # (peer id, address) after each dial that worked
-        self.watch_s = watch_s
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         async with anyio.create_task_group() as tg:
@@ -96,4 +90,8 @@ class StaticPeers:
                     log.info("static peer %s reachable again", addr)
                 failures = 0
                 self.on_reached(peer_id, addr)
-            await anyio.sleep(self.watch_s)
+            while True:  # until the connection ends: woken by changes of connections, no timer
+                changed = self.host.changes()
+                if self.host.remote_ip(peer_id) is None:
+                    break
+                await changed.wait()

@@ -39,7 +39,8 @@ from psymesh.discovery.records import (
     txt_strings,
 )
 from psymesh.discovery.service import MAX_CHECKS, RETRY_S, Discovery
-from psymesh.discovery.static import BACKOFF_MAX_S, backoff_s, check_static_peers
+from psymesh.discovery.static import check_static_peers
+from psymesh.protocol.backoff import BACKOFF_MAX_S, backoff_s
 from psymesh.discovery.table import SeenTable
 from psymesh.node.control.client import Client
 from psymesh.node.daemon import Node
