@@ -15,6 +15,7 @@
       ├── MailOwner.run        our mail key to every peer; our mail fetched from our mailbox
       ├── Discovery.run        mDNS (if configured), static peers; paired peers' addresses follow them
       ├── Relaying.run         reservations at our relays; direct paths preferred; our addresses told (node/reach/relaying.py)
+      ├── KeepConnected.run    a phone's home PCs and any node's mailbox: redialed when the connection ends (node/reach/keep.py)
       ├── ControlServer.serve  local Unix socket for the CLI and scripts (handlers: node/control/owner.py)
       └── signal watcher       SIGINT/SIGTERM -> cancel the root scope -> clean shutdown
 
@@ -51,6 +52,7 @@ from .core.home import NodeConfig, NodeHome
 from .core.logs import fields
 from .bridges.mcp import McpTools
 from .net.p2p import P2PNode, P2PStream, local_ipv4_addresses
+from .reach.keep import KeepConnected, PoolReacher, kept_peers
 from .reach.relaying import Relaying
 from .door.pairing import PairingService
 from .net.liveness import Liveness
@@ -160,6 +162,10 @@ class Node:
                                     Liveness(self.config.liveness_probe_s, self.p2p.disconnect), path=self.p2p.path)
         self.relaying = Relaying(self.identity, self.config.relay, self.p2p, self.trust, self.sessions,
                                  addrs_file=home.path / "listen.last")
+        self.keeper = KeepConnected(
+            lambda: kept_peers(self.trust, profile=self.config.profile, mailbox=self.config.mailbox),
+            self.p2p, PoolReacher(self.sessions), keep_alive_s=self.config.keep_alive_s, label=self.trust.label)
+        self.trust.on_change(self.keeper.poke)
         self.reach = Reach(self.p2p, self.sessions, self.trust)
         self.web = WebServer(self.config.web.exit, home, self.identity.private_key, self.identity.peer_id,
                              gate=self.gate, audit=self.audit, trust=self.trust, sessions=self.sessions, db=self.db)
@@ -184,7 +190,7 @@ class Node:
                                    door=self.gate.admit_each,
                                    mail=MailSender(self.identity.peer_id, mail_store, self.trust, self.sessions,
                                                    self.mailbox), grace_s=self.config.mail.grace_s,
-                                   gap_s=self.config.mail.gap_s, wake=self.wake)
+                                   gap_s=self.config.mail.gap_s, wake=self.wake, links=self.p2p)
         self.mail = MailOwner(home, self.identity, self.config.mailbox, mail_store, self.trust, self.sessions,
                               self._door, self.messaging, self.config.mail)
         self.groups = Groups(self.db, self.trust, self.messaging)
@@ -356,6 +362,7 @@ class Node:
                 await tg.start(self.mail.run)
                 await tg.start(self.discovery.run)
                 await tg.start(self.relaying.run)
+                await tg.start(self.keeper.run)
                 await tg.start(self.web.run)
                 if self.config.ui.on_for(self.config.profile):  # before the control socket answers: a
                     await self.start_ui(required=False)        # signal then always finds its handler

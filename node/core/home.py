@@ -121,6 +121,10 @@ class NodeConfig(BaseModel):
     # as long again, its connection dropped and redialed): bounds how long a home PC that
     # lost power can stall a phone. Longer saves a phone's battery.
     liveness_probe_s: float = Field(default=20.0, ge=1.0, le=3600.0)
+    # A connection to a peer this node keeps connected (a phone's home PCs, the mailbox:
+    # node/reach/keep.py) that carried nothing this long gets one ping, so a carrier's NAT
+    # keeps its binding. 0: never (a NAT that drops the binding leaves the phone unreachable).
+    keep_alive_s: float = Field(default=1500.0, ge=0.0, le=86400.0)
     # The paired peer (name or id) that holds this node's letters while it is offline
     # (protocol/mailbox.py): a phone names its home PC. None: senders keep them.
     mailbox: str | None = None

@@ -42,7 +42,7 @@ import anyio.abc
 from ..core.home import Identity
 from .store import MessageStore, OutState, Received, Sent, Stored
 from ..core.notify import Notifier
-from ..net.session import Call, SessionPool
+from ..net.session import Call, Links, SessionPool
 from ..door.trust import TrustStore
 from ..core.wakelock import WakeLock
 from ...protocol import ids
@@ -118,8 +118,11 @@ class MailDrop(Protocol):
 class Messaging:
     def __init__(self, identity: Identity, store: MessageStore, trust: TrustStore, sessions: SessionPool,
                  door: LetterDoor, mail: MailDrop | None = None, grace_s: float = 5.0,
-                 gap_s: float = 600.0, wake: WakeLock | None = None) -> None:
+                 gap_s: float = 600.0, wake: WakeLock | None = None, links: Links | None = None) -> None:
+        """`links`: the p2p host's connections (P2PNode), so that a recipient that connects
+        gets its letters at once, not after its courier's back-off (None: after it)."""
         self.identity = identity
+        self.links = links
         self.wake = wake or WakeLock(None)  # held while letters wait to be delivered
         self.door = door
         self.store = store
@@ -144,6 +147,8 @@ class Messaging:
                     self._wake_acker(sender)
                 task_status.started()
                 tg.start_soon(self._expire_held)
+                if self.links is not None:
+                    tg.start_soon(self._nudge_when_connected, self.links)
                 await self._watch_gaps(tg)
             finally:  # stopping: the group takes no new task, so a letter the mailbox client
                 self._tg = None  # still hands over waits for the next run() (senders_owed)
@@ -223,6 +228,20 @@ class Messaging:
                     self._apply(recipient, done)
             else:
                 self._apply(recipient, action)
+
+    async def _nudge_when_connected(self, links: Links) -> None:
+        """A recipient our courier waits for (or a sender we owe receipts) that connects to us,
+        or we to it, is handed what waits for it at once, not after the back-off: a phone that
+        cannot be dialed comes back only by dialing us (node/reach/keep.py). Woken by changes of
+        connections only (no timer)."""
+        connected: set[str] = set()
+        while True:
+            changed = links.changes()  # taken before reading, so no change is missed
+            now = {peer_id for peer_id in self._couriers | self._ackers if links.path(peer_id) is not None}
+            for peer_id in now - connected:
+                self.changed.notify(_nudge(peer_id))
+            connected = now
+            await changed.wait()
 
     def _stub(self, letter: Letter) -> Letter:
         return letter.stub().sign(self.identity.private_key)

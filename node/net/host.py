@@ -434,7 +434,9 @@ class P2PNode(Relaying, HolePunching):
             bounded = fallback and relay is None and target != peer_id
             try:
                 with anyio.fail_after(DIRECT_FIRST_TIMEOUT_S if bounded else math.inf):
-                    return await self.open_stream(target, protocol)
+                    if target == peer_id:
+                        return await self.open_stream(target, protocol)
+                    return await self._dial_unless_met(target, peer_id, protocol)
             except TimeoutError:
                 last = ConnectError(f"no answer at {target} within {DIRECT_FIRST_TIMEOUT_S:g} s")
             except PsymeshError as exc:
@@ -453,6 +455,38 @@ class P2PNode(Relaying, HolePunching):
         else:
             cause = cause_of(last)
         raise ConnectError(f"{who or peer_id} is unreachable: {cause}", cause=cause)
+
+    async def _dial_unless_met(self, target: str, peer_id: str, protocol: str) -> P2PStream:
+        """`open_stream(target)`, unless `peer_id` connects to us while we dial: then on the
+        connection it opened. A phone behind a NAT cannot be dialed, so our SYNs to its old
+        address go unanswered for minutes (no answer is no refusal) while the phone, awake
+        again, has dialed us itself (node/reach/keep.py): what waits for it goes at once."""
+        opened: P2PStream | None = None
+        failed: BaseException | None = None
+        async with anyio.create_task_group() as tg:
+            async def dial() -> None:
+                nonlocal opened, failed
+                try:
+                    opened = await self.open_stream(target, protocol)
+                except Exception as exc:  # raised below, outside the task group
+                    failed = exc
+                tg.cancel_scope.cancel()
+
+            async def met() -> None:
+                while True:
+                    changed = self.changes()
+                    if self.path(peer_id) is not None:
+                        tg.cancel_scope.cancel()
+                        return
+                    await changed.wait()
+
+            tg.start_soon(dial)
+            tg.start_soon(met)
+        if opened is not None:
+            return opened
+        if failed is not None and self.path(peer_id) is None:
+            raise failed
+        return await self.open_stream(peer_id, protocol)  # on the connection it opened (or ours)
 
     async def _dial(self, info: PeerInfo, addr: str) -> None:
         self._require_running()

@@ -411,6 +411,16 @@ class PathOf(Protocol):
         """How we are connected to `peer_id`: "direct", "relayed" or None (node/net/host.py P2PNode.path)."""
 
 
+class Links(Protocol):
+    """A node's connections as its services watch them (node/net/host.py P2PNode)."""
+
+    def changes(self) -> anyio.Event:
+        """Set at the next change of connections or addresses (read, take this, wait, read again)."""
+
+    def path(self, peer_id: str) -> str | None:
+        """How we are connected to `peer_id`: "direct", "relayed" or None."""
+
+
 class SessionPool:
     """One outbound session per peer, opened when first needed and reused until it dies, or
     (`path` given) until a direct connection replaces the relayed one it runs on. Runs its
@@ -469,6 +479,11 @@ class SessionPool:
             if self._watcher is not None:
                 self._tg.start_soon(self._watcher.watch, session)
             return session
+
+    def last_heard(self, peer_id: str) -> float | None:
+        """When (anyio's clock) the live session to `peer_id` last heard from it; None: no session."""
+        session = self._sessions.get(peer_id)
+        return session.last_heard if session is not None and session.alive else None
 
     def away(self, peer_id: str) -> PeerAway | None:
         """Since when (and why) `peer_id` could not be reached, if the last try failed."""
