@@ -28,6 +28,8 @@ bench: $(STAMP)
 	$(PY) bench/web.py
 	$(PY) bench/ui.py
 	$(PY) bench/cli.py
+	$(PY) bench/idle.py
+	$(PY) bench/asleep.py
 
 clean:
 	rm -rf .venv .pytest_cache .hypothesis build *.egg-info .demo .bench
