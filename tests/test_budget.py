@@ -261,6 +261,52 @@ async def test_a_wal_sync_the_disk_fails_fails_its_answer_and_every_later_one(tm
     fresh.close()
 
 
+async def test_a_node_whose_disk_failed_keeps_no_later_request_alive(tmp_path: Path) -> None:
+    """After a failed fsync, every later durable answer fails, for hours maybe (a peer retries).
+    Each failure is an error of its own: one error object raised again and again would gather
+    each raise's frames in its traceback, and with them every refused request (its letter, its
+    task's arguments), held by the node until it restarts. The message names the disk's error
+    once, and its code once."""
+    import errno
+    import gc
+    import weakref
+
+    from psymesh.node.core.db import WalSync, open_db
+
+    failures = [OSError(errno.EIO, "Input/output error")]
+
+    def flaky(fd: int) -> None:
+        if failures:
+            raise failures.pop()
+        os.fsync(fd)
+
+    class Request:
+        """What a refused answer's frames hold (a letter, say)."""
+
+    wal = WalSync(tmp_path / "node.db", fsync=flaky)
+    conn = open_db(tmp_path / "node.db", on_write=wal.wrote)
+    conn.execute("CREATE TABLE t (x)")
+
+    async def answer(request: Request) -> None:
+        conn.execute("INSERT INTO t VALUES (1)")
+        await wal.sync()
+
+    seen: list[weakref.ref[Request]] = []
+    messages: list[str] = []
+    for _ in range(3):
+        request = Request()
+        seen.append(weakref.ref(request))
+        with pytest.raises(PsymeshError, match="Input/output error") as raised:
+            await answer(request)
+        messages.append(str(raised.value))
+        del request, raised
+    gc.collect()
+    assert [ref() for ref in seen] == [None, None, None]
+    assert all(m.count("unavailable:") == 1 and m.count("Input/output error") == 1 for m in messages), messages
+    conn.close()
+    wal.close()
+
+
 async def test_the_wal_sync_follows_a_new_wal_file(tmp_path: Path) -> None:
     """WalSync keeps the WAL's descriptor open between syncs; when the last connection closes,
     SQLite removes the WAL (after copying it all into the database), and the next sync must
