@@ -221,12 +221,15 @@ async def test_acknowledged_tasks_and_letters_survive_a_power_cut(tmp_path: Path
     assert set(delegated) <= outbox and set(delegated) <= tasks
 
 
-async def test_a_wal_sync_the_disk_fails_fails_its_answer_and_every_later_one(tmp_path: Path) -> None:
+async def test_a_wal_sync_the_disk_fails_fails_its_answer_and_every_later_one(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """A durable answer whose fsync failed is not sent as if it held: the waiter gets the disk's
     error (raised on its worker thread). And no later answer is either, though the disk's next
     fsync would succeed: after a failed fsync the kernel may have dropped the WAL's pages, so a
-    later success proves nothing (fsyncgate); the node says so and that a restart is needed."""
+    later success proves nothing (fsyncgate); the node says so and that a restart is needed,
+    and its log says it once, at error, however many answers it then refuses."""
     import errno
+    import logging
 
     from psymesh.node.core.db import WalSync, open_db
 
@@ -250,6 +253,10 @@ async def test_a_wal_sync_the_disk_fails_fails_its_answer_and_every_later_one(tm
     with pytest.raises(PsymeshError, match="Input/output error.*until it is restarted"):
         await wal.sync()
     assert synced == [] and wal.syncs == 0  # no fsync was even tried
+    with pytest.raises(PsymeshError, match="until it is restarted"):
+        await wal.sync()
+    told = [r for r in caplog.records if r.name == "psymesh.db" and r.levelno >= logging.WARNING]
+    assert [(r.levelno, "until it is restarted" in r.getMessage()) for r in told] == [(logging.ERROR, True)]
     conn.close()
     wal.close()
     fresh = WalSync(tmp_path / "node.db", fsync=flaky)  # the node restarted
@@ -259,6 +266,35 @@ async def test_a_wal_sync_the_disk_fails_fails_its_answer_and_every_later_one(tm
     assert fresh.syncs == 1
     conn.close()
     fresh.close()
+
+
+async def test_a_wal_the_node_cannot_open_fails_only_that_answer(tmp_path: Path) -> None:
+    """Out of descriptors, WalSync cannot open the WAL to sync it: that answer fails, but no
+    fsync ran, so nothing of what the kernel knows of the disk was lost, and the next answer,
+    a descriptor free again, is synced as usual (not refused until a restart, as after a
+    failed fsync)."""
+    import resource
+
+    from psymesh.node.core.db import WalSync, open_db
+
+    wal = WalSync(tmp_path / "node.db")
+    conn = open_db(tmp_path / "node.db", on_write=wal.wrote)
+    conn.execute("CREATE TABLE t (x)")
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    lowest = os.open(os.devnull, os.O_RDONLY)  # the descriptor the next open would get
+    os.close(lowest)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (lowest, hard))  # so that open fails (EMFILE)
+    try:
+        with pytest.raises(PsymeshError, match="Too many open files") as raised:
+            await wal.sync()
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert "restarted" not in str(raised.value) and wal.syncs == 0
+    conn.execute("INSERT INTO t VALUES (1)")
+    await wal.sync()
+    assert wal.syncs == 1
+    conn.close()
+    wal.close()
 
 
 async def test_a_node_whose_disk_failed_keeps_no_later_request_alive(tmp_path: Path) -> None:
@@ -396,11 +432,13 @@ async def test_a_task_refused_outright_stays_refused_across_a_power_cut(tmp_path
                          fsyncs={"phone": cut.fsync}) as nodes:
         await pair(nodes["home"].home.path, nodes["phone"].home.path, grant="messaging")
         async with Client(nodes["phone"].home.path) as p:
-            refused = []
-            for _ in range(3):
+            refused, left = [], []
+            for i in range(3):
                 with pytest.raises(PsymeshError) as exc:
                     await p.delegate("home", tool="system.info")  # home granted no tool
                 refused.append(exc.value)
+                on_phone = cut.after(tmp_path / f"phone-after-{i}")  # the power fails as the refusal is told
+                left.append(on_phone.execute("SELECT count(*) FROM outbox_tasks").fetchone()[0])
+                on_phone.close()
     assert all(e.code is ErrorCode.FORBIDDEN for e in refused)
-    on_phone = cut.after(tmp_path / "phone-after")
-    assert on_phone.execute("SELECT count(*) FROM outbox_tasks").fetchone()[0] == 0
+    assert left == [0, 0, 0]
