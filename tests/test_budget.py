@@ -442,3 +442,42 @@ async def test_a_task_refused_outright_stays_refused_across_a_power_cut(tmp_path
                 on_phone.close()
     assert all(e.code is ErrorCode.FORBIDDEN for e in refused)
     assert left == [0, 0, 0]
+
+
+
+async def test_a_phone_whose_disk_failed_holds_its_acks_and_keeps_serving(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Once the phone's WAL fsync failed, a task.ack (which promises the home that the events it
+    covers are on disk) cannot be sent: the phone holds it, tries again later, and keeps serving
+    what promises nothing (the task's result, pings); the home keeps the task for the ack that
+    comes after the phone's restart. Before, the ack batch's sync raised out of its task and
+    took the phone's daemon down at the first task that ended."""
+    import logging
+
+    caplog.set_level(logging.DEBUG, logger="psymesh.tasks")
+    failing = False
+
+    def disk(fd: int) -> None:
+        if failing:
+            raise OSError(5, "Input/output error")
+        os.fsync(fd)
+
+    def acks_held() -> int:
+        return sum("task.ack to" in r.getMessage() and "until it is restarted" in r.getMessage()
+                   for r in caplog.records)
+
+    async with run_nodes(tmp_path, "home", "phone", fsyncs={"phone": disk}) as nodes:
+        home, phone = nodes["home"], nodes["phone"]
+        await pair(home.home.path, phone.home.path)
+        async with Client(home.home.path) as h:
+            await h.grant("phone", ["tool:system.info"])
+        failing = True
+        async with Client(phone.home.path) as p:
+            with pytest.raises(PsymeshError, match="until it is restarted"):  # the row's sync failed
+                await p.delegate("home", tool="system.info", task_id="after-the-failure")
+            await wait_until(lambda: acks_held() >= 2, "the phone holding the task's ack, twice")
+            views = [t for t in (await p.tasks()).submitted if t.task_id == "after-the-failure"]
+            assert [v.state.terminal for v in views] == [True]  # its result is here all the same
+            assert len((await p.ping("home", count=1)).rtts_ms) == 1
+        held = home.executor.store.get("after-the-failure", submitter=phone.identity.peer_id)
+        assert held.acked_seq < held.last_seq  # the home keeps its events for the ack to come

@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 import anyio
 import anyio.abc
 
-from ..core.db import WalSync
+from ..core.db import StorageError, WalSync
 from ..core.notify import Notifier
 from ..net.session import SessionPool
 from .store import Outbox, OutboxTask
@@ -342,7 +342,11 @@ class TaskSubmitter:
             await anyio.sleep(self.ACK_DELAY_S)
             del self._acks[target]  # later acks start the next batch
             if self.wal is not None:
-                await self.wal.sync()  # the events acknowledged are on disk before the executor may forget them
+                try:
+                    await self.wal.sync()  # the events acknowledged are on disk before the executor may forget them
+                except StorageError as exc:  # not sent: each driver tries again later; the node serves on
+                    batch.failure = ConnectionLost(f"the acks wait for this node's disk: {exc.message}")
+                    return
             async with self.sessions.stream(target, TaskAcks(acks=batch.acks)) as replies:
                 async for message in replies:
                     batch.reply = message
