@@ -481,3 +481,38 @@ async def test_a_phone_whose_disk_failed_holds_its_acks_and_keeps_serving(
             assert len((await p.ping("home", count=1)).rtts_ms) == 1
         held = home.executor.store.get("after-the-failure", submitter=phone.identity.peer_id)
         assert held.acked_seq < held.last_seq  # the home keeps its events for the ack to come
+
+
+
+async def test_a_phone_whose_disk_failed_hands_over_no_new_task(tmp_path: Path) -> None:
+    """Once the phone's WAL fsync failed, delegate() cannot promise a task's row, so it fails;
+    and it fails before the task leaves: the home never hears of it, and nothing of it waits on
+    the phone to be delivered later. Before, each such task went out, ran on the home and was
+    followed by the phone, while its caller was told that delegate() had failed (and could only
+    try again: the tool's effects twice). The task whose own row's fsync failed went out beside
+    that fsync, before anyone knew."""
+    from psymesh.node.tasks.executor_store import TaskNotFound
+
+    failing = False
+
+    def disk(fd: int) -> None:
+        if failing:
+            raise OSError(5, "Input/output error")
+        os.fsync(fd)
+
+    async with run_nodes(tmp_path, "home", "phone", fsyncs={"phone": disk}) as nodes:
+        home, phone = nodes["home"], nodes["phone"]
+        await pair(home.home.path, phone.home.path)
+        async with Client(home.home.path) as h:
+            await h.grant("phone", ["tool:system.info"])
+        failing = True
+        async with Client(phone.home.path) as p:
+            for task_id in ("beside-the-failure", "after-the-failure"):
+                with pytest.raises(PsymeshError, match="until it is restarted"):
+                    await p.delegate("home", tool="system.info", task_id=task_id)
+            on_phone = {t.task_id for t in (await p.tasks()).submitted}
+        mine = phone.identity.peer_id
+        assert home.executor.store.get("beside-the-failure", submitter=mine).spec.id == "beside-the-failure"
+        with pytest.raises(TaskNotFound):
+            home.executor.store.get("after-the-failure", submitter=mine)
+    assert "after-the-failure" not in on_phone

@@ -335,12 +335,17 @@ class WalSync:
         is on disk."""
         target = self._written if upto is None else upto
         while self._synced < target:
-            if self._failed is not None:
-                raise StorageError(self._failed)
+            self.refuse_if_failed()
             running = self._running or self._begin()
             await running.done.wait()  # it may have started before our commit: loop, maybe sync again
             if running.error is not None:
                 raise running.error
+
+    def refuse_if_failed(self) -> None:
+        """Raise what every durable answer gets once an fsync failed (else nothing), for a caller
+        about to do what it then could not acknowledge (the submitter, before a task leaves)."""
+        if self._failed is not None:
+            raise StorageError(self._failed)
 
     def start(self, upto: int | None = None) -> None:
         """Begin now, on a worker thread, the fsync a later `sync(upto)` waits for (unless one

@@ -152,13 +152,16 @@ class TaskSubmitter:
     async def submit(self, spec: TaskSpec, to: str | None, offers: Offers) -> Submitted:
         """Store the task durably, then hand it over now if an executor takes it. Returns
         (target, accepted, final) once the task's outbox row is on disk (synced while the task is
-        on its way, not after); a refusal no resend can change raises RemoteError."""
+        on its way, not after); a refusal no resend can change raises RemoteError. Once a WAL
+        fsync failed, nothing can be promised: it raises before the task is stored or sent."""
         existing = self.outbox.find(spec.id)
         if existing is not None:  # already known (a resubmit from the script): keep its target
             self.outbox.add(existing.target, spec)
             await self._synced(self._mark())
             return Submitted(existing.target, existing.accepted,
                              self.outbox.final(spec.id) if existing.accepted else None)
+        if self.wal is not None:  # a row it could not promise: the task must not leave (run there, told failed here)
+            self.wal.refuse_if_failed()
         if to:
             peer = self.trust.resolve(to)
             peer.refuse_if_revoked_us()
