@@ -516,3 +516,30 @@ async def test_a_phone_whose_disk_failed_hands_over_no_new_task(tmp_path: Path) 
         with pytest.raises(TaskNotFound):
             home.executor.store.get("after-the-failure", submitter=mine)
     assert "after-the-failure" not in on_phone
+
+
+async def test_a_phone_whose_disk_failed_writes_no_new_letter(tmp_path: Path) -> None:
+    """As for tasks: once the phone's WAL fsync failed, send() and group_send() fail before the
+    letter is written, so no courier delivers a letter its sender was told had failed (and
+    might write again). The letter whose own fsync failed was queued before anyone knew."""
+    failing = False
+
+    def disk(fd: int) -> None:
+        if failing:
+            raise OSError(5, "Input/output error")
+        os.fsync(fd)
+
+    async with run_nodes(tmp_path, "home", "phone", fsyncs={"phone": disk}) as nodes:
+        home, phone = nodes["home"], nodes["phone"]
+        await pair(home.home.path, phone.home.path, grant="messaging")
+        async with Client(phone.home.path) as p:
+            await p.group_create("family", ["home"])
+            failing = True
+            for letter_id in ("beside-the-failure", "after-the-failure"):
+                with pytest.raises(PsymeshError, match="until it is restarted"):
+                    await p.send("home", "hello", letter_id=letter_id)
+            with pytest.raises(PsymeshError, match="until it is restarted"):
+                await p.group_send("family", "hello all")
+            store = phone.messaging.store
+            assert store.sent("beside-the-failure") is not None and store.sent("after-the-failure") is None
+            assert [s.letter.id for s in store.outbox() if s.letter.group] == []
