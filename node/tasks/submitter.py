@@ -160,14 +160,14 @@ class TaskSubmitter:
             await self._synced(self._mark())
             return Submitted(existing.target, existing.accepted,
                              self.outbox.final(spec.id) if existing.accepted else None)
-        if self.wal is not None:  # a row it could not promise: the task must not leave (run there, told failed here)
-            self.wal.refuse_if_failed()
         if to:
             peer = self.trust.resolve(to)
             peer.refuse_if_revoked_us()
             candidates = [peer.peer_id]
         else:
             candidates = await self._candidates(spec, offers)
+        if self.wal is not None:  # a row it could not promise: the task must not leave (run there, told failed here)
+            self.wal.refuse_if_failed()  # (here, after the offers were awaited: a failure meanwhile counts too)
         # Committed before anything leaves this node: if we die while the executor accepts
         # it, the driver delivers it again after the restart (a harmless resubmit). On disk
         # (for a power cut) before this returns: the WAL sync runs beside the hand-over and
