@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 import anyio
 import anyio.abc
 
-from ..core.db import StorageError, WalSync
+from ..core.db import WalSync
 from ..core.notify import Notifier
 from ..net.session import SessionPool
 from .store import Outbox, OutboxTask
@@ -347,7 +347,7 @@ class TaskSubmitter:
             if self.wal is not None:
                 try:
                     await self.wal.sync()  # the events acknowledged are on disk before the executor may forget them
-                except StorageError as exc:  # not sent: each driver tries again later; the node serves on
+                except PsymeshError as exc:  # the disk's, or no descriptor left: not sent; each driver retries
                     batch.failure = ConnectionLost(f"the acks wait for this node's disk: {exc.message}")
                     return
             async with self.sessions.stream(target, TaskAcks(acks=batch.acks)) as replies:
