@@ -221,12 +221,15 @@ async def test_acknowledged_tasks_and_letters_survive_a_power_cut(tmp_path: Path
     assert set(delegated) <= outbox and set(delegated) <= tasks
 
 
-async def test_a_wal_sync_the_disk_fails_fails_its_answer_and_every_later_one(tmp_path: Path) -> None:
+async def test_a_wal_sync_the_disk_fails_fails_its_answer_and_every_later_one(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """A durable answer whose fsync failed is not sent as if it held: the waiter gets the disk's
     error (raised on its worker thread). And no later answer is either, though the disk's next
     fsync would succeed: after a failed fsync the kernel may have dropped the WAL's pages, so a
-    later success proves nothing (fsyncgate); the node says so and that a restart is needed."""
+    later success proves nothing (fsyncgate); the node says so and that a restart is needed,
+    and its log says it once, at error, however many answers it then refuses."""
     import errno
+    import logging
 
     from psymesh.node.core.db import WalSync, open_db
 
@@ -250,6 +253,10 @@ async def test_a_wal_sync_the_disk_fails_fails_its_answer_and_every_later_one(tm
     with pytest.raises(PsymeshError, match="Input/output error.*until it is restarted"):
         await wal.sync()
     assert synced == [] and wal.syncs == 0  # no fsync was even tried
+    with pytest.raises(PsymeshError, match="until it is restarted"):
+        await wal.sync()
+    told = [r for r in caplog.records if r.name == "psymesh.db" and r.levelno >= logging.WARNING]
+    assert [(r.levelno, "until it is restarted" in r.getMessage()) for r in told] == [(logging.ERROR, True)]
     conn.close()
     wal.close()
     fresh = WalSync(tmp_path / "node.db", fsync=flaky)  # the node restarted
@@ -259,6 +266,81 @@ async def test_a_wal_sync_the_disk_fails_fails_its_answer_and_every_later_one(tm
     assert fresh.syncs == 1
     conn.close()
     fresh.close()
+
+
+async def test_a_wal_the_node_cannot_open_fails_only_that_answer(tmp_path: Path) -> None:
+    """Out of descriptors, WalSync cannot open the WAL to sync it: that answer fails, but no
+    fsync ran, so nothing of what the kernel knows of the disk was lost, and the next answer,
+    a descriptor free again, is synced as usual (not refused until a restart, as after a
+    failed fsync)."""
+    import resource
+
+    from psymesh.node.core.db import WalSync, open_db
+
+    wal = WalSync(tmp_path / "node.db")
+    conn = open_db(tmp_path / "node.db", on_write=wal.wrote)
+    conn.execute("CREATE TABLE t (x)")
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    lowest = os.open(os.devnull, os.O_RDONLY)  # the descriptor the next open would get
+    os.close(lowest)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (lowest, hard))  # so that open fails (EMFILE)
+    try:
+        with pytest.raises(PsymeshError, match="Too many open files") as raised:
+            await wal.sync()
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert "restarted" not in str(raised.value) and wal.syncs == 0
+    conn.execute("INSERT INTO t VALUES (1)")
+    await wal.sync()
+    assert wal.syncs == 1
+    conn.close()
+    wal.close()
+
+
+async def test_a_node_whose_disk_failed_keeps_no_later_request_alive(tmp_path: Path) -> None:
+    """After a failed fsync, every later durable answer fails, for hours maybe (a peer retries).
+    Each failure is an error of its own: one error object raised again and again would gather
+    each raise's frames in its traceback, and with them every refused request (its letter, its
+    task's arguments), held by the node until it restarts. The message names the disk's error
+    once, and its code once."""
+    import errno
+    import gc
+    import weakref
+
+    from psymesh.node.core.db import WalSync, open_db
+
+    failures = [OSError(errno.EIO, "Input/output error")]
+
+    def flaky(fd: int) -> None:
+        if failures:
+            raise failures.pop()
+        os.fsync(fd)
+
+    class Request:
+        """What a refused answer's frames hold (a letter, say)."""
+
+    wal = WalSync(tmp_path / "node.db", fsync=flaky)
+    conn = open_db(tmp_path / "node.db", on_write=wal.wrote)
+    conn.execute("CREATE TABLE t (x)")
+
+    async def answer(request: Request) -> None:
+        conn.execute("INSERT INTO t VALUES (1)")
+        await wal.sync()
+
+    seen: list[weakref.ref[Request]] = []
+    messages: list[str] = []
+    for _ in range(3):
+        request = Request()
+        seen.append(weakref.ref(request))
+        with pytest.raises(PsymeshError, match="Input/output error") as raised:
+            await answer(request)
+        messages.append(str(raised.value))
+        del request, raised
+    gc.collect()
+    assert [ref() for ref in seen] == [None, None, None]
+    assert all(m.count("unavailable:") == 1 and m.count("Input/output error") == 1 for m in messages), messages
+    conn.close()
+    wal.close()
 
 
 async def test_the_wal_sync_follows_a_new_wal_file(tmp_path: Path) -> None:
@@ -350,11 +432,114 @@ async def test_a_task_refused_outright_stays_refused_across_a_power_cut(tmp_path
                          fsyncs={"phone": cut.fsync}) as nodes:
         await pair(nodes["home"].home.path, nodes["phone"].home.path, grant="messaging")
         async with Client(nodes["phone"].home.path) as p:
-            refused = []
-            for _ in range(3):
+            refused, left = [], []
+            for i in range(3):
                 with pytest.raises(PsymeshError) as exc:
                     await p.delegate("home", tool="system.info")  # home granted no tool
                 refused.append(exc.value)
+                on_phone = cut.after(tmp_path / f"phone-after-{i}")  # the power fails as the refusal is told
+                left.append(on_phone.execute("SELECT count(*) FROM outbox_tasks").fetchone()[0])
+                on_phone.close()
     assert all(e.code is ErrorCode.FORBIDDEN for e in refused)
-    on_phone = cut.after(tmp_path / "phone-after")
-    assert on_phone.execute("SELECT count(*) FROM outbox_tasks").fetchone()[0] == 0
+    assert left == [0, 0, 0]
+
+
+
+async def test_a_phone_whose_disk_failed_holds_its_acks_and_keeps_serving(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Once the phone's WAL fsync failed, a task.ack (which promises the home that the events it
+    covers are on disk) cannot be sent: the phone holds it, tries again later, and keeps serving
+    what promises nothing (the task's result, pings); the home keeps the task for the ack that
+    comes after the phone's restart. Before, the ack batch's sync raised out of its task and
+    took the phone's daemon down at the first task that ended."""
+    import logging
+
+    caplog.set_level(logging.DEBUG, logger="psymesh.tasks")
+    failing = False
+
+    def disk(fd: int) -> None:
+        if failing:
+            raise OSError(5, "Input/output error")
+        os.fsync(fd)
+
+    def acks_held() -> int:
+        return sum("task.ack to" in r.getMessage() and "until it is restarted" in r.getMessage()
+                   for r in caplog.records)
+
+    async with run_nodes(tmp_path, "home", "phone", fsyncs={"phone": disk}) as nodes:
+        home, phone = nodes["home"], nodes["phone"]
+        await pair(home.home.path, phone.home.path)
+        async with Client(home.home.path) as h:
+            await h.grant("phone", ["tool:system.info"])
+        failing = True
+        async with Client(phone.home.path) as p:
+            with pytest.raises(PsymeshError, match="until it is restarted"):  # the row's sync failed
+                await p.delegate("home", tool="system.info", task_id="after-the-failure")
+            await wait_until(lambda: acks_held() >= 2, "the phone holding the task's ack, twice")
+            views = [t for t in (await p.tasks()).submitted if t.task_id == "after-the-failure"]
+            assert [v.state.terminal for v in views] == [True]  # its result is here all the same
+            assert len((await p.ping("home", count=1)).rtts_ms) == 1
+        held = home.executor.store.get("after-the-failure", submitter=phone.identity.peer_id)
+        assert held.acked_seq < held.last_seq  # the home keeps its events for the ack to come
+
+
+
+async def test_a_phone_whose_disk_failed_hands_over_no_new_task(tmp_path: Path) -> None:
+    """Once the phone's WAL fsync failed, delegate() cannot promise a task's row, so it fails;
+    and it fails before the task leaves: the home never hears of it, and nothing of it waits on
+    the phone to be delivered later. Before, each such task went out, ran on the home and was
+    followed by the phone, while its caller was told that delegate() had failed (and could only
+    try again: the tool's effects twice). The task whose own row's fsync failed went out beside
+    that fsync, before anyone knew."""
+    from psymesh.node.tasks.executor_store import TaskNotFound
+
+    failing = False
+
+    def disk(fd: int) -> None:
+        if failing:
+            raise OSError(5, "Input/output error")
+        os.fsync(fd)
+
+    async with run_nodes(tmp_path, "home", "phone", fsyncs={"phone": disk}) as nodes:
+        home, phone = nodes["home"], nodes["phone"]
+        await pair(home.home.path, phone.home.path)
+        async with Client(home.home.path) as h:
+            await h.grant("phone", ["tool:system.info"])
+        failing = True
+        async with Client(phone.home.path) as p:
+            for task_id in ("beside-the-failure", "after-the-failure"):
+                with pytest.raises(PsymeshError, match="until it is restarted"):
+                    await p.delegate("home", tool="system.info", task_id=task_id)
+            on_phone = {t.task_id for t in (await p.tasks()).submitted}
+        mine = phone.identity.peer_id
+        assert home.executor.store.get("beside-the-failure", submitter=mine).spec.id == "beside-the-failure"
+        with pytest.raises(TaskNotFound):
+            home.executor.store.get("after-the-failure", submitter=mine)
+    assert "after-the-failure" not in on_phone
+
+
+async def test_a_phone_whose_disk_failed_writes_no_new_letter(tmp_path: Path) -> None:
+    """As for tasks: once the phone's WAL fsync failed, send() and group_send() fail before the
+    letter is written, so no courier delivers a letter its sender was told had failed (and
+    might write again). The letter whose own fsync failed was queued before anyone knew."""
+    failing = False
+
+    def disk(fd: int) -> None:
+        if failing:
+            raise OSError(5, "Input/output error")
+        os.fsync(fd)
+
+    async with run_nodes(tmp_path, "home", "phone", fsyncs={"phone": disk}) as nodes:
+        home, phone = nodes["home"], nodes["phone"]
+        await pair(home.home.path, phone.home.path, grant="messaging")
+        async with Client(phone.home.path) as p:
+            await p.group_create("family", ["home"])
+            failing = True
+            for letter_id in ("beside-the-failure", "after-the-failure"):
+                with pytest.raises(PsymeshError, match="until it is restarted"):
+                    await p.send("home", "hello", letter_id=letter_id)
+            with pytest.raises(PsymeshError, match="until it is restarted"):
+                await p.group_send("family", "hello all")
+            store = phone.messaging.store
+            assert store.sent("beside-the-failure") is not None and store.sent("after-the-failure") is None
+            assert [s.letter.id for s in store.outbox() if s.letter.group] == []

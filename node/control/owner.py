@@ -401,6 +401,7 @@ class Owner:
                              skipped=received.skipped)
 
     async def _msg_send(self, req: c.MsgSendRequest, _: FramedStream) -> c.MsgSentReply:
+        self.node.wal.refuse_if_failed()  # a letter it could not promise must not be written (a courier would send it)
         letter = self.node.messaging.send(req.to, req.text, body=req.body, thread=req.thread,
                                           letter_id=req.letter_id)
         if req.letter_id is None:  # just written: pending (no second read of the row on a hot path)
@@ -474,6 +475,7 @@ class Owner:
         return c.GroupsReply(groups=self.node.groups.list())
 
     async def _group_send(self, req: c.GroupSendRequest, _: FramedStream) -> c.GroupSentReply:
+        self.node.wal.refuse_if_failed()  # as _msg_send
         letters = self.node.groups.send(req.name, req.text, body=req.body)
         return c.GroupSentReply(group=req.name, letters=[self._written(letter) for letter in letters])
 

@@ -318,7 +318,9 @@ class WalSync:
         self._running: _Sync | None = None
         self._fd: int | None = None  # the WAL's, kept open between syncs (`_wal_fd`)
         self._closing = False
-        self._failed: PsymeshError | None = None  # the first fsync's failure: every later sync's
+        self._failed: str | None = None  # why durable answers stopped (the first failed fsync): each later
+        # sync raises an error of its own with it; one object raised again and again would keep every
+        # raise's frames (and the requests they hold) in its traceback until the node restarts
 
     def wrote(self) -> None:
         self._written += 1
@@ -333,12 +335,17 @@ class WalSync:
         is on disk."""
         target = self._written if upto is None else upto
         while self._synced < target:
-            if self._failed is not None:
-                raise self._failed
+            self.refuse_if_failed()
             running = self._running or self._begin()
             await running.done.wait()  # it may have started before our commit: loop, maybe sync again
             if running.error is not None:
                 raise running.error
+
+    def refuse_if_failed(self) -> None:
+        """Raise what every durable answer gets once an fsync failed (else nothing), for a caller
+        about to do what it then could not acknowledge (the submitter, before a task leaves)."""
+        if self._failed is not None:
+            raise StorageError(self._failed)
 
     def start(self, upto: int | None = None) -> None:
         """Begin now, on a worker thread, the fsync a later `sync(upto)` waits for (unless one
@@ -361,12 +368,14 @@ class WalSync:
             self._running = None
             if error is None:
                 self._synced = max(self._synced, running.covers)
-            elif self._failed is None:
-                self._failed = StorageError(
-                    f"{error}; what was written since the last good sync may be lost, so this node gives "
-                    "no more durable answers until it is restarted (check the disk first: dmesg)")
-                log.error("syncing %s-wal failed: %s", self.path, self._failed)
-            running.error = self._failed if error is not None else None
+            else:
+                if self._failed is None:
+                    reason = error.message if isinstance(error, PsymeshError) else str(error)  # its code once
+                    self._failed = (f"{reason}; what was written since the last good sync may be lost, so this "
+                                    "node gives no more durable answers until it is restarted (check the disk "
+                                    "first: dmesg)")
+                    log.error("syncing %s-wal failed: %s", self.path, self._failed)
+                running.error = StorageError(self._failed)
             running.done.set()
             if self._closing:
                 self.close()

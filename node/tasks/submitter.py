@@ -152,7 +152,8 @@ class TaskSubmitter:
     async def submit(self, spec: TaskSpec, to: str | None, offers: Offers) -> Submitted:
         """Store the task durably, then hand it over now if an executor takes it. Returns
         (target, accepted, final) once the task's outbox row is on disk (synced while the task is
-        on its way, not after); a refusal no resend can change raises RemoteError."""
+        on its way, not after); a refusal no resend can change raises RemoteError. Once a WAL
+        fsync failed, nothing can be promised: it raises before the task is stored or sent."""
         existing = self.outbox.find(spec.id)
         if existing is not None:  # already known (a resubmit from the script): keep its target
             self.outbox.add(existing.target, spec)
@@ -165,6 +166,8 @@ class TaskSubmitter:
             candidates = [peer.peer_id]
         else:
             candidates = await self._candidates(spec, offers)
+        if self.wal is not None:  # a row it could not promise: the task must not leave (run there, told failed here)
+            self.wal.refuse_if_failed()  # (here, after the offers were awaited: a failure meanwhile counts too)
         # Committed before anything leaves this node: if we die while the executor accepts
         # it, the driver delivers it again after the restart (a harmless resubmit). On disk
         # (for a power cut) before this returns: the WAL sync runs beside the hand-over and
@@ -342,7 +345,11 @@ class TaskSubmitter:
             await anyio.sleep(self.ACK_DELAY_S)
             del self._acks[target]  # later acks start the next batch
             if self.wal is not None:
-                await self.wal.sync()  # the events acknowledged are on disk before the executor may forget them
+                try:
+                    await self.wal.sync()  # the events acknowledged are on disk before the executor may forget them
+                except PsymeshError as exc:  # the disk's, or no descriptor left: not sent; each driver retries
+                    batch.failure = ConnectionLost(f"the acks wait for this node's disk: {exc.message}")
+                    return
             async with self.sessions.stream(target, TaskAcks(acks=batch.acks)) as replies:
                 async for message in replies:
                     batch.reply = message
