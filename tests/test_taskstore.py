@@ -17,7 +17,7 @@ import pytest
 from psymesh.node.core.db import open_db
 from psymesh.node.tasks.executor_store import ExecutorStore
 from psymesh.node.tasks.outbox import Outbox
-from psymesh.node.tasks.tasklog import TaskConflict, TaskNotFound
+from psymesh.node.tasks.tasklog import EventLog, TaskConflict, TaskNotFound
 from psymesh.protocol.errors import ErrorCode, ProtocolError, RemoteError
 from psymesh.protocol.messages import pack, unpack
 from psymesh.protocol.tasks import EventKind, IllegalTransition, TaskEvent, TaskSpec, TaskState, next_state
@@ -358,6 +358,23 @@ def test_outbox_mirrors_each_event_exactly_once(store: ExecutorStore, outbox: Ou
     assert outbox.mark_acked("t1", len(log)).acked_seq == len(log)
     assert outbox.resumable() == []
     assert store.mark_fetched("t1", len(log)).acked_seq == len(log)
+
+
+def test_an_event_log_marks_a_task_accepted_when_told_so_never_from_sql_text(store: ExecutorStore,
+                                                                            outbox: Outbox) -> None:
+    """`append_all(accepted=True)` is how the outbox stores an executor's event and its acceptance
+    in one UPDATE; the flag is a bool, so no caller hands the log SQL to splice in."""
+    store.submit(spec(), PHONE)
+    [first] = store.events_after("t1")
+    outbox.add(PC, spec(), now=T0)
+    log = EventLog(outbox.conn, "outbox")
+    log.append_all(0, S.SUBMITTED.value, [first], T0 + 1)  # written here: not accepted by it
+    assert not outbox.get("t1").accepted
+    run_to_completion(store, "t1")
+    second = store.events_after("t1")[1]
+    log.append_all(first.seq, first.state.value, [second], T0 + 2, accepted=True)
+    task = outbox.get("t1")
+    assert task.accepted and task.last_seq == 2 and task.updated_at == T0 + 2
 
 
 def test_outbox_refuses_gaps_illegal_histories_and_strangers(store: ExecutorStore, outbox: Outbox) -> None:
