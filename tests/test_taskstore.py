@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from psymesh.node.core.db import open_db
+from psymesh.node.door.gate import QueueLoad
 from psymesh.node.tasks.executor_store import ExecutorStore
 from psymesh.node.tasks.outbox import Outbox
 from psymesh.node.tasks.tasklog import EventLog, TaskConflict, TaskNotFound
@@ -174,8 +175,9 @@ def test_listing_and_backpressure_counts(store: ExecutorStore) -> None:
     assert store.queue_depth() == 3
     assert store.active_for(PHONE) == 2 and store.active_for(OTHER) == 1 and store.active_for("x") == 0
     # what the door reads in one statement: held already?, the peer's unfinished tasks, everyone's
-    assert store.load(PHONE, "p1") == (True, 2, 3) and store.load(OTHER, "p1") == (False, 1, 3)
-    assert store.load("x", "new") == (False, 0, 3)
+    assert store.load(PHONE, "p1") == QueueLoad(held=True, active_for_peer=2, depth=3)
+    assert store.load(OTHER, "p1") == QueueLoad(held=False, active_for_peer=1, depth=3)
+    assert store.load("x", "new") == QueueLoad(held=False, active_for_peer=0, depth=3)
     assert [t.id for t in store.list(states=[S.SUBMITTED])] == ["p0", "o1"]  # oldest first: the run queue
     assert [t.id for t in store.list(submitter=PHONE)] == ["p0", "p1", "p2"]
     assert [t.id for t in store.list(PHONE, [S.COMPLETED, S.WORKING])] == ["p1", "p2"]
