@@ -26,6 +26,7 @@ the node really listens; nothing is spawned and forgotten.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import signal
@@ -154,7 +155,8 @@ class Node:
         msg_store = MessageStore(self.db, self.config.inbox)
         self.gate = Gate(self.identity.peer_id, self.trust, self.audit, queue=executor_store, mailbox=self.mailbox,
                          asks=msg_store, name=self.config.name, refusals_per_minute=storage.refusals_per_minute)
-        self.p2p = P2PNode(self.identity.seed, self.config.listen)
+        self.p2p = P2PNode(self.identity.seed, self.config.listen,
+                           label=functools.partial(self.trust.label, fingerprint=True))
         self.control = ControlServer(home.socket_path, self.config.max_frame_size, refused=self._control_refused)
         self.sessions = SessionPool(self.open_peer_stream, ids.SESSION, self.config.max_frame_size,
                                     Liveness(self.config.liveness_probe_s, self.p2p.disconnect), path=self.p2p.path)

@@ -382,7 +382,8 @@ class Gate:
         there)? Without one it is refused (`not_found`) and audited, one row."""
         if reserved:
             return True
-        exc = PsymeshError(f"{self.name} holds no reservation at relay {relay_id}", code=ErrorCode.NOT_FOUND)
+        exc = PsymeshError(f"{self.name} holds no reservation at relay {self.trust.label(relay_id, fingerprint=True)}",
+                           code=ErrorCode.NOT_FOUND)
         self._refuse(relay_id, STOP, TAKE_CIRCUIT, exc, self.clock())
         return False
 

@@ -22,6 +22,7 @@ import msgpack
 from ..core.db import ensure_schema, transaction
 from ...protocol.control import PeerView
 from ...protocol.errors import ErrorCode, PsymeshError
+from ...protocol.identity import peer_fingerprint
 from ...protocol.limits import Limits
 from ...protocol.manifest import Manifest
 
@@ -171,11 +172,15 @@ class TrustStore:
         """Every paired peer's name by peer id, revoked ones too: what output shows for an id."""
         return {row["peer_id"]: row["name"] for row in self.conn.execute("SELECT peer_id, name FROM peers")}
 
-    def label(self, peer_id: str) -> str:
+    def label(self, peer_id: str, *, fingerprint: bool = False) -> str:
         """A peer as log lines name it: `home (…gX2u9mU)` when paired (revoked too), else its
-        whole id (a stranger has no other name)."""
+        whole id (a stranger has no other name). `fingerprint`: `home (MFZW-IZLT-OQQG-S3TL)`, the
+        fingerprint `psymesh id` prints on that device, for a message that sends its reader
+        to check the peer itself (a relay's refusal)."""
         peer = self.get(peer_id)
-        return f"{peer.name} (…{peer_id[-8:]})" if peer else peer_id
+        if peer is None:
+            return peer_id
+        return f"{peer.name} ({peer_fingerprint(peer_id) if fingerprint else '…' + peer_id[-8:]})"
 
     def resolve(self, name_or_id: str) -> Peer:
         """A paired peer by peer id or name (names are for people; ambiguity is an error)."""
