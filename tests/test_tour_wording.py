@@ -61,6 +61,29 @@ async def test_a_grant_that_expires_says_until_when_in_grant_and_peers(tmp_path:
         assert view[0]["granted_expires"] is None
 
 
+async def test_a_revoked_peer_is_shown_with_no_capabilities(tmp_path: Path) -> None:
+    """Before: after `revoke phone`, `peers` still listed phone's last grant under "may ask us" (and
+    `--json` its `granted`), as if it could still ask them. Now the table says revoked there, and the
+    JSON grants it nothing (`granted: []`, no end, no limits; `revoked_at` says when)."""
+    async with run_nodes(tmp_path, "home", "phone", profiles={"phone": "phone"}) as nodes:
+        home = nodes["home"].home.path
+        await pair(home, nodes["phone"].home.path, grant="phone")
+        rc, _, err = await _cli(home, "grant", "phone", "+msg.send", "--expires", "30d")
+        assert rc == 0, err
+        rc, _, err = await _cli(home, "revoke", "phone")
+        assert rc == 0, err
+        rc, text, err = await _cli(home, "peers")
+        assert rc == 0, err
+        [row] = [line for line in text.splitlines() if "phone" in line]
+        cells = [cell.strip() for cell in row.split("│")]
+        assert cells[4:7] == ["revoked", "revoked", "-"], row  # state, may ask us, its limits
+        assert "task.infer" not in text and "(all until" not in text, text  # of its grant, not a word
+        rc, view, err = await _cli(home, "peers", json_mode=True)
+        assert rc == 0, err
+        assert view[0]["revoked_at"] is not None and view[0]["granted"] == [] and view[0]["granted_expires"] is None
+        assert all(v is None for v in view[0]["granted_limits"].values())
+
+
 async def test_status_lines_label_the_profile_not_a_second_name(tmp_path: Path) -> None:
     """Before: `paired with friend (home)` and `friend (home) psymesh 0.1.0` read as if the
     node were called home. Now the profile is labelled: `friend (profile: home)`."""

@@ -110,9 +110,9 @@ def peers(home: str | None, out: Output, active: bool) -> None:
         for p in rows:
             state = ("[red]revoked[/red]" if p.revoked_at else "[red]revoked us[/red]" if p.revoked_us_at
                      else "connected" if p.connected else "paired")
-            table.add_row(escape(p.name), p.role, p.peer_id, state, _caps_cell(p.granted, p.granted_expires),
-                          limits_text(p.granted_limits) if p.granted else "-",
-                          _caps_cell(p.received, p.received_expires))
+            may_ask = ("[red]revoked[/red]", "-") if p.revoked_at else \
+                (_caps_cell(p.granted, p.granted_expires), limits_text(p.granted_limits) if p.granted else "-")
+            table.add_row(escape(p.name), p.role, p.peer_id, state, *may_ask, _caps_cell(p.received, p.received_expires))
         con.print(table)
 
     out.data(rows, human)

@@ -104,7 +104,10 @@ class Peer:
                                code=ErrorCode.FORBIDDEN)
 
     def view(self, *, connected: bool = False) -> PeerView:
-        """This peer as the control API shows it to the owner (`connected`: the p2p host knows)."""
+        """This peer as the control API shows it to the owner (`connected`: the p2p host knows).
+        A revoked peer may ask nothing: its view grants nothing, whatever its last grant said (the
+        row keeps that grant, for the revocation notice that voids it)."""
+        granted = None if self.revoked else self.granted
         return PeerView(
             peer_id=self.peer_id,
             name=self.name,
@@ -112,9 +115,9 @@ class Peer:
             addrs=list(self.addrs),
             paired_at=self.paired_at,
             revoked_at=self.revoked_at,
-            granted=self.granted.grants() if self.granted else [],
-            granted_expires=self.granted.expires if self.granted else None,
-            granted_limits=self.granted.limits if self.granted else Limits(),
+            granted=granted.grants() if granted else [],
+            granted_expires=granted.expires if granted else None,
+            granted_limits=granted.limits if granted else Limits(),
             received=self.received.grants() if self.received else [],
             received_expires=self.received.expires if self.received else None,
             revoked_us_at=self.revoked_us_at,
