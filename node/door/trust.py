@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import msgpack
 
+from ..core.commands import Commands
 from ..core.db import ensure_schema, transaction
 from ...protocol.control import PeerView
 from ...protocol.errors import ErrorCode, PsymeshError
@@ -126,8 +127,9 @@ class Peer:
 
 
 class TrustStore:
-    def __init__(self, conn: sqlite3.Connection) -> None:
+    def __init__(self, conn: sqlite3.Connection, *, commands: Commands | None = None) -> None:
         self.conn = conn
+        self.commands = commands or Commands()  # how its refusals spell the command to run next
         self._listeners: list[Callable[[], None]] = []
         # Bumped after every write of this store has committed: a row read while it had a
         # value is current until it changes (the door keeps each peer's row on it). Every
@@ -197,7 +199,7 @@ class TrustStore:
         rows = self.conn.execute("SELECT * FROM peers WHERE name = ? ORDER BY paired_at DESC", (name_or_id,)).fetchall()
         live = [r for r in rows if r["revoked_at"] is None] or rows
         if not live:
-            raise PsymeshError(f"no paired peer named {name_or_id!r}; see: psymesh peers", code=ErrorCode.UNKNOWN_PEER)
+            raise PsymeshError(f"no paired peer named {name_or_id!r}; see: {self.commands('peers')}", code=ErrorCode.UNKNOWN_PEER)
         if len(live) > 1:
             raise PsymeshError(f"{len(live)} peers are named {name_or_id!r}; use a peer id", code=ErrorCode.CONFLICT)
         peer = self._peer(live[0])
@@ -292,4 +294,4 @@ class TrustStore:
         cur = self.conn.execute(f"UPDATE peers SET {column} = ? WHERE peer_id = ?", (value, peer_id))
         self.version += 1
         if cur.rowcount == 0:
-            raise PsymeshError(f"{peer_id} is not a paired peer; see: psymesh peers", code=ErrorCode.UNKNOWN_PEER)
+            raise PsymeshError(f"{peer_id} is not a paired peer; see: {self.commands('peers')}", code=ErrorCode.UNKNOWN_PEER)
