@@ -136,9 +136,10 @@ def until_text(expires: float | None) -> str:
 @dataclass(frozen=True)
 class GrantCell:
     """A peers-table cell for one direction of trust: the capabilities, comma-separated, then when
-    they end (if they do), then the limits of ours, one a line; `revoked` for a grant void now. The column is made as wide as its longest capability (with its comma) and limit, so
-    it wraps between capabilities, never inside one (`task.infer:models=botpsy*` folded over two
-    lines at 80 columns read as two capabilities, neither real)."""
+    they end (if they do), then the limits of ours, one a line; `revoked` for a grant void now.
+    The column is made as wide as its longest capability (with its comma) and limit, so it wraps
+    between capabilities, never inside one (`task.infer:models=botpsy*` folded over two lines at
+    80 columns read as two capabilities, neither real)."""
 
     caps: list[str]
     expires: float | None = None
