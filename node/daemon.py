@@ -27,6 +27,7 @@ the node really listens; nothing is spawned and forgotten.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import signal
@@ -43,6 +44,7 @@ from .messaging.answering import Answering
 from .bridges.apikey import load_api_key
 from .door.audit import AuditLog
 from .control.server import ControlServer
+from .core.commands import Commands
 from .core.db import SYNC_FILE, Checkpointer, Tally, WalSync, open_db
 from .tasks.executor import TaskExecutor
 from .net.framed import FramedStream
@@ -142,7 +144,9 @@ class Node:
                           on_write=self._wrote, tally=self.db_tally)
         self.started_at = time.monotonic()
         self.wake = WakeLock(termux_commands(environ) if wake_commands == "termux" else wake_commands)
-        self.trust = TrustStore(self.db)
+        # how this node's own messages spell a command for its owner: with --home when its home is not the default
+        self.commands = Commands.of(home.path)
+        self.trust = TrustStore(self.db, commands=self.commands)
         # The audit log's batches are committed on a connection of their own, on a worker thread
         # (node/door/audit.py): the event loop serves requests meanwhile.
         self.audit_db = open_db(home.db_path, background_checkpoints=True, wal_max_bytes=storage.wal_max_bytes)
@@ -156,8 +160,10 @@ class Node:
         msg_store = MessageStore(self.db, self.config.inbox)
         self.gate = Gate(self.identity.peer_id, self.trust, self.audit, queue=executor_store, mailbox=self.mailbox,
                          asks=msg_store, name=self.config.name, refusals_per_minute=storage.refusals_per_minute)
-        self.p2p = P2PNode(self.identity.seed, self.config.listen)
-        self.control = ControlServer(home.socket_path, self.config.max_frame_size, refused=self._control_refused)
+        self.p2p = P2PNode(self.identity.seed, self.config.listen,
+                           label=functools.partial(self.trust.label, fingerprint=True))
+        self.control = ControlServer(home.socket_path, self.config.max_frame_size, refused=self._control_refused,
+                                     commands=self.commands)
         self.sessions = SessionPool(self.open_peer_stream, ids.SESSION, self.config.max_frame_size,
                                     Liveness(self.config.liveness_probe_s, self.p2p.disconnect), path=self.p2p.path)
         self.relaying = Relaying(self.identity, self.config.relay, self.p2p, self.trust, self.sessions,
@@ -170,8 +176,8 @@ class Node:
         self.web = WebServer(self.config.web.exit, home, self.identity.private_key, self.identity.peer_id,
                              gate=self.gate, audit=self.audit, trust=self.trust, sessions=self.sessions, db=self.db)
         self.pairing = PairingService(self.identity, self.config, self.p2p, self.trust, self.push_manifest,
-                                      welcome=self.web.hand_key)
-        self.models = ModelPool(ModelRegistry(self.db), keep_alive_s=self.config.models.keep_alive_for(self.config.profile),
+                                      welcome=self.web.hand_key, commands=self.commands)
+        self.models = ModelPool(ModelRegistry(self.db, commands=self.commands), keep_alive_s=self.config.models.keep_alive_for(self.config.profile),
                                 memory_limit_mb=self.config.models.memory_limit_mb, log_dir=home.logs_dir)
         self.web_router = WebRouter(self.config.web, self.identity.peer_id, self.trust, self.sessions,
                                     WebKeys(self.db))
@@ -185,7 +191,8 @@ class Node:
                                      profile=self.config.profile, share_dir=self.config.share_dir,
                                      agent_runner=self.agents, wake=self.wake, wal=self.wal)
         self.submitter = TaskSubmitter(local_peer_id=self.identity.peer_id, outbox=Outbox(self.db), trust=self.trust,
-                                       sessions=self.sessions, wal=self.wal, wake=self.wake)
+                                       sessions=self.sessions, wal=self.wal, wake=self.wake,
+                                       commands=self.commands)
         self.messaging = Messaging(self.identity, msg_store, self.trust, self.sessions,
                                    door=self.gate.admit_each,
                                    mail=MailSender(self.identity.peer_id, mail_store, self.trust, self.sessions,
@@ -193,7 +200,7 @@ class Node:
                                    gap_s=self.config.mail.gap_s, wake=self.wake, links=self.p2p)
         self.mail = MailOwner(home, self.identity, self.config.mailbox, mail_store, self.trust, self.sessions,
                               self._door, self.messaging, self.config.mail)
-        self.groups = Groups(self.db, self.trust, self.messaging)
+        self.groups = Groups(self.db, self.trust, self.messaging, commands=self.commands)
         self.answering = Answering(self.db, self.messaging, self.trust, self.agents, self.tools, self.identity.peer_id,
                                    door=self.gate.readmit)
         self.discovery = Discovery(self.identity.peer_id, mdns=self.config.mdns, static_peers=self.config.static_peers,
@@ -399,7 +406,7 @@ class Node:
         ui = Dashboard(DashboardParts(config=self.config, identity=self.identity, trust=self.trust, models=self.models,
                                       tools=self.tools, agents=self.agents, messaging=self.messaging,
                                       mailbox=self.mailbox, submitter=self.submitter, control=self.control,
-                                      activity=self.activity),
+                                      activity=self.activity, commands=self.commands),
                        self.config.ui if port is None else self.config.ui.model_copy(update={"port": port}),
                        load_api_key(self.config.ui, self.home, self._environ))
         try:
@@ -551,13 +558,13 @@ class Node:
         from .bridges.openai import OpenAIParts
 
         return OpenAIParts(peer_id=self.identity.peer_id, models=self.models, trust=self.trust,
-                           submitter=self.submitter, offers=self.offers)
+                           submitter=self.submitter, offers=self.offers, commands=self.commands)
 
     def _a2a_parts(self) -> A2AParts:
         from .bridges.a2a import A2AParts
 
         return A2AParts(name=self.config.name, profile=self.config.profile, peer_id=self.identity.peer_id,
-                        agents=self.agents, tools=self.tools)
+                        agents=self.agents, tools=self.tools, commands=self.commands)
 
     async def offers(self, peer_id: str) -> TaskCapsReply:
         return await self.sessions.request(peer_id, TaskCaps(), TaskCapsReply)

@@ -75,15 +75,18 @@ class OpenCircuit:
 HopAction = Answer | Reserved | OpenCircuit
 Admit = Callable[[str, str], None]  # (peer id, RESERVE or CONNECT): returns, or raises why not
 Connected = Callable[[str], bool]   # is this peer directly connected to the relay now?
+Label = Callable[[str], str]        # a peer id as a message names it (the node's: a paired peer's name too)
 
 
 @dataclass
 class Hop:
-    """A relay's HOP side: its book, its gate, and whom it is connected to."""
+    """A relay's HOP side: its book, its gate, whom it is connected to, and how its refusals
+    name peers."""
 
     book: RelayBook
     admit: Admit
     connected: Connected
+    label: Label = str
 
     def receive(self, source: str, kind: int, destination: str | None, *, relayed: bool, now: float) -> HopAction:
         """One HOP request from `source` (`destination`: the CONNECT's target, None if it named
@@ -97,7 +100,7 @@ class Hop:
                     self.book.drop(other)  # a reservation lasts only while its peer stays connected
                 return Reserved(self.book.reserve(source, now))
             except PsymeshError as exc:
-                return Answer(status_for(exc), f"refused a reservation to {source}: {exc.message}")
+                return Answer(status_for(exc), f"refused a reservation to {self.label(source)}: {exc.message}")
         if kind == HopKind.CONNECT:
             if destination is None:
                 return Answer(Status.MALFORMED_MESSAGE)
@@ -107,7 +110,8 @@ class Hop:
                     self.book.drop(destination)
                 self.book.open_circuit(source, destination, now)
             except PsymeshError as exc:
-                return Answer(status_for(exc), f"refused a circuit from {source} to {destination}: {exc.message}")
+                return Answer(status_for(exc), f"refused a circuit from {self.label(source)} to {self.label(destination)}: "
+                                                  f"{exc.message}")
             return OpenCircuit(source, destination)
         return Answer(Status.UNEXPECTED_MESSAGE)
 

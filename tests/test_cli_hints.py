@@ -9,6 +9,7 @@ against an in-process daemon on loopback where the hint needs one.
 """
 from __future__ import annotations
 
+import logging
 import os
 import re
 import shlex
@@ -20,6 +21,7 @@ import pytest
 
 from conftest import run_nodes
 from psymesh.node.cli.output import Output
+from psymesh.node.core.commands import Commands
 
 pytestmark = pytest.mark.anyio
 
@@ -73,3 +75,32 @@ async def test_hints_keep_a_home_from_the_environment_implicit(tmp_path: Path) -
     assert rc == 0 and f"psymesh model add --home {home} NAME PATH.gguf" in " ".join(out.split())
     rc, out, _ = await _psymesh("model", "list", env={**ENV, "PSYMESH_HOME": home})
     assert rc == 0 and "psymesh model add NAME PATH.gguf" in " ".join(out.split())
+
+
+def test_the_daemon_names_a_home_only_when_it_is_not_the_default(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))  # where the platform's default home is
+    assert Commands.of((tmp_path / "data" / "psymesh").resolve())("peers") == "psymesh peers"
+    assert Commands.of(tmp_path / "desk")("group add", "family PEER") == \
+        f"psymesh group add --home {tmp_path / 'desk'} family PEER"
+
+
+async def test_the_daemons_own_hints_name_its_home_and_work_as_printed(tmp_path: Path,
+                                                                       caplog: pytest.LogCaptureFixture) -> None:
+    """Before: a daemon in ~/psy-home answered `no group named 'family'; see: psymesh group list` and
+    logged `its key: ...; psymesh serve openai --show-key`: run as printed, each went to the default
+    home. Now what the daemon writes for its owner names its home, and runs as printed."""
+    caplog.set_level(logging.INFO, logger="psymesh")
+    async with run_nodes(tmp_path, "home") as nodes:
+        home = str(nodes["home"].home.path)
+        rc, _, err = await _psymesh("group", "send", "--home", home, "family", "hi")  # refused by the daemon
+        assert rc == 1 and f"see: psymesh group list --home {home}" in err, err
+        rc, out, err = await _psymesh(*_hinted(" ".join(err.split()), "group list")[1:])
+        assert rc == 0, err
+        rc, _, err = await _psymesh("task", "send", "--home", home, "--to", "nobody", "--tool", "system.info")
+        assert rc == 1 and f"see: psymesh peers --home {home}" in err, err
+
+        rc, _, err = await _psymesh("serve", "openai", "--home", home, "--port", "0")
+        assert rc == 0, err
+        logged = " ".join(r.getMessage() for r in caplog.records if "OpenAI-compatible endpoint" in r.getMessage())
+        assert _hinted(logged, "serve openai") == ["psymesh", "serve", "openai", "--home", home, "--show-key"], logged

@@ -282,7 +282,7 @@ async def test_a_peer_that_is_down_is_a_network_error_in_one_line(tmp_path: Path
 
             refused = await run_cli(phone, "ping", "nobody")  # a refusal reads as one, not as the network
             assert refused.returncode == 1
-            assert refused.stderr.strip().splitlines() == [
-                "error [unknown_peer]: no paired peer named 'nobody'; see: psymesh peers"]
+            assert refused.stderr.strip().splitlines() == [  # the daemon's hint names its home (not the default)
+                f"error [unknown_peer]: no paired peer named 'nobody'; see: psymesh peers --home {phone}"]
     finally:
         await home.stop()

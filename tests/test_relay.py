@@ -10,6 +10,7 @@ task completing exactly once.
 from __future__ import annotations
 
 import contextlib
+import logging
 import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -25,6 +26,7 @@ from psymesh.node.control.client import Client
 from psymesh.node.daemon import Node
 from psymesh.node.core.home import NodeHome
 from psymesh.node.control.process import DaemonProcess
+from psymesh.protocol.identity import peer_fingerprint
 from psymesh.protocol.errors import ConnectError, ErrorCode, PsymeshError
 from psymesh.protocol.limits import Limits
 from psymesh.protocol.relay import CONNECT, HOP, RESERVE, RelaySettings
@@ -84,8 +86,11 @@ async def test_a_relay_serves_only_peers_it_granted_relay_and_audits_each_decisi
             assert circuit.endswith(f"/p2p/{relay_id}/p2p-circuit/p2p/{home.identity.peer_id}")
 
             # The phone is not granted `relay`: its circuit is refused, and audited.
-            with pytest.raises(ConnectError, match="permission_denied"):
+            with pytest.raises(ConnectError, match="permission_denied") as refused:
                 await phone.p2p.connect(circuit)
+            # named as the phone paired it, with its fingerprint; home, a stranger to the phone, by its id
+            assert f"relay relay ({peer_fingerprint(relay_id)}) refused the circuit to {home.identity.peer_id}" \
+                in refused.value.message
             row = relay_rows(relay, phone, CONNECT)[-1]
             assert not row["allowed"] and row["code"] == ErrorCode.FORBIDDEN.value
 
@@ -106,6 +111,31 @@ async def test_a_relay_serves_only_peers_it_granted_relay_and_audits_each_decisi
             assert home.p2p.path(phone.identity.peer_id) == "relayed"
             assert relay_rows(relay, phone, CONNECT)[-1]["allowed"]
 
+
+
+async def test_a_relay_refusal_names_both_peers_by_label_and_fingerprint(tmp_path: Path,
+                                                                        caplog: pytest.LogCaptureFixture) -> None:
+    """Before: `no reservation at relay 12D3KooW… (relay 12D3KooW… refused the reservation: ...)` on
+    the phone, `refused a reservation to 12D3KooW…` on the relay: a paired peer by its raw id. Now each
+    names the other as it was paired, with the fingerprint `psymesh id` prints on that device."""
+    caplog.set_level(logging.INFO, logger="psymesh")
+    caplog.set_level(logging.DEBUG, logger="psymesh.relay")  # the phone's retries after its first failure
+    relay_home = home_with(tmp_path / "relay", "relay", RelaySettings(enabled=True))
+    relay_id = relay_home.init().peer_id
+    home_with(tmp_path / "phone", "phone", RelaySettings(relays=[relay_id]), profile="phone")
+    async with run_nodes(tmp_path, "relay", "phone") as nodes:
+        relay, phone = nodes["relay"], nodes["phone"]
+        await pair(relay.home.path, phone.home.path, grant="messaging")  # paired, not granted `relay`
+        relay_fp, phone_fp = peer_fingerprint(relay_id), peer_fingerprint(phone.identity.peer_id)
+
+        def said(text: str) -> bool:
+            return any(text in r.getMessage() for r in caplog.records)
+
+        await wait_until(lambda: said("refused the reservation"), "the phone to log the relay's refusal")
+        assert said(f"no reservation: relay relay ({relay_fp}) refused the reservation: permission_denied")
+        assert said(f"refused a reservation to phone ({phone_fp}): not allowed")
+        assert not any(f"relay {relay_id}" in r.getMessage() or f"to {phone.identity.peer_id}" in r.getMessage()
+                       for r in caplog.records)
 
 
 async def test_pairing_through_a_relay_then_the_direct_path_takes_over(tmp_path: Path) -> None:

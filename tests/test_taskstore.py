@@ -15,9 +15,10 @@ from pathlib import Path
 import pytest
 
 from psymesh.node.core.db import open_db
+from psymesh.node.door.gate import QueueLoad
 from psymesh.node.tasks.executor_store import ExecutorStore
 from psymesh.node.tasks.outbox import Outbox
-from psymesh.node.tasks.tasklog import TaskConflict, TaskNotFound
+from psymesh.node.tasks.tasklog import EventLog, TaskConflict, TaskNotFound
 from psymesh.protocol.errors import ErrorCode, ProtocolError, RemoteError
 from psymesh.protocol.messages import pack, unpack
 from psymesh.protocol.tasks import EventKind, IllegalTransition, TaskEvent, TaskSpec, TaskState, next_state
@@ -174,8 +175,9 @@ def test_listing_and_backpressure_counts(store: ExecutorStore) -> None:
     assert store.queue_depth() == 3
     assert store.active_for(PHONE) == 2 and store.active_for(OTHER) == 1 and store.active_for("x") == 0
     # what the door reads in one statement: held already?, the peer's unfinished tasks, everyone's
-    assert store.load(PHONE, "p1") == (True, 2, 3) and store.load(OTHER, "p1") == (False, 1, 3)
-    assert store.load("x", "new") == (False, 0, 3)
+    assert store.load(PHONE, "p1") == QueueLoad(held=True, active_for_peer=2, depth=3)
+    assert store.load(OTHER, "p1") == QueueLoad(held=False, active_for_peer=1, depth=3)
+    assert store.load("x", "new") == QueueLoad(held=False, active_for_peer=0, depth=3)
     assert [t.id for t in store.list(states=[S.SUBMITTED])] == ["p0", "o1"]  # oldest first: the run queue
     assert [t.id for t in store.list(submitter=PHONE)] == ["p0", "p1", "p2"]
     assert [t.id for t in store.list(PHONE, [S.COMPLETED, S.WORKING])] == ["p1", "p2"]
@@ -358,6 +360,23 @@ def test_outbox_mirrors_each_event_exactly_once(store: ExecutorStore, outbox: Ou
     assert outbox.mark_acked("t1", len(log)).acked_seq == len(log)
     assert outbox.resumable() == []
     assert store.mark_fetched("t1", len(log)).acked_seq == len(log)
+
+
+def test_an_event_log_marks_a_task_accepted_when_told_so_never_from_sql_text(store: ExecutorStore,
+                                                                            outbox: Outbox) -> None:
+    """`append_all(accepted=True)` is how the outbox stores an executor's event and its acceptance
+    in one UPDATE; the flag is a bool, so no caller hands the log SQL to splice in."""
+    store.submit(spec(), PHONE)
+    [first] = store.events_after("t1")
+    outbox.add(PC, spec(), now=T0)
+    log = EventLog(outbox.conn, "outbox")
+    log.append_all(0, S.SUBMITTED.value, [first], T0 + 1)  # written here: not accepted by it
+    assert not outbox.get("t1").accepted
+    run_to_completion(store, "t1")
+    second = store.events_after("t1")[1]
+    log.append_all(first.seq, first.state.value, [second], T0 + 2, accepted=True)
+    task = outbox.get("t1")
+    assert task.accepted and task.last_seq == 2 and task.updated_at == T0 + 2
 
 
 def test_outbox_refuses_gaps_illegal_histories_and_strangers(store: ExecutorStore, outbox: Outbox) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -25,10 +26,11 @@ pytestmark = pytest.mark.anyio
 REPO = Path(__file__).resolve().parent.parent
 
 
-async def _cli(home: Path, *args: str, json_mode: bool = False) -> tuple[int, Any, str]:
+async def _cli(home: Path, *args: str, json_mode: bool = False,
+               env: dict[str, str] | None = None) -> tuple[int, Any, str]:
     """Run the CLI as a user does; with --json, stdout parsed as its one JSON document."""
     command = [sys.executable, "-m", "psymesh", *args, "--home", str(home), *(["--json"] if json_mode else [])]
-    done = await anyio.run_process(command, check=False, cwd=REPO)
+    done = await anyio.run_process(command, check=False, cwd=REPO, env={**os.environ, **(env or {})})
     out = done.stdout.decode()
     return done.returncode, (json.loads(out) if json_mode and out.strip() else out), done.stderr.decode()
 
@@ -59,6 +61,54 @@ async def test_a_grant_that_expires_says_until_when_in_grant_and_peers(tmp_path:
         assert rc == 0 and "lasts until revoked" in text, err
         _, view, _ = await _cli(home, "peers", json_mode=True)
         assert view[0]["granted_expires"] is None
+
+
+async def test_a_revoked_peer_is_shown_with_no_capabilities(tmp_path: Path) -> None:
+    """Before: after `revoke phone`, `peers` still listed phone's last grant under "may ask us" (and
+    `--json` its `granted`), as if it could still ask them. Now the table says revoked there, and the
+    JSON grants it nothing (`granted: []`, no end, no limits; `revoked_at` says when)."""
+    async with run_nodes(tmp_path, "home", "phone", profiles={"phone": "phone"}) as nodes:
+        home = nodes["home"].home.path
+        await pair(home, nodes["phone"].home.path, grant="phone")
+        rc, _, err = await _cli(home, "grant", "phone", "+msg.send", "--expires", "30d")
+        assert rc == 0, err
+        rc, _, err = await _cli(home, "revoke", "phone")
+        assert rc == 0, err
+        rc, text, err = await _cli(home, "peers")
+        assert rc == 0, err
+        [row] = [line for line in text.splitlines() if "phone" in line]
+        cells = [cell.strip() for cell in row.split("│")]
+        assert cells[4:6] == ["revoked", "revoked"], row  # state, may ask us (no limits under it)
+        assert "task.infer" not in text and "(all until" not in text, text  # of its grant, not a word
+        rc, view, err = await _cli(home, "peers", json_mode=True)
+        assert rc == 0, err
+        assert view[0]["revoked_at"] is not None and view[0]["granted"] == [] and view[0]["granted_expires"] is None
+        assert all(v is None for v in view[0]["granted_limits"].values())
+
+
+async def test_the_peers_table_wraps_between_capabilities_at_80_columns(tmp_path: Path) -> None:
+    """Before: at 80 columns (a pipe's, or a small terminal) each capability column was a few
+    characters wide and `task.infer:models=botpsy*` came out as `task.infer:mo` over `dels=botpsy*`,
+    two lines that read as two capabilities. Now the columns wrap after a comma, between
+    capabilities, and the table still fits in 80 columns."""
+    many = ["tool:files.search", "tool:files.read", "task.infer:models=botpsy*", "tool:mcp.notes.*", "web.fetch",
+            "web.search", "msg.send", "msg.ask", "task.agent", "tool:system.info", "mail.deposit"]
+    async with run_nodes(tmp_path, "home", "phone", profiles={"phone": "phone"}) as nodes:
+        home = nodes["home"].home.path
+        await pair(home, nodes["phone"].home.path, grant="phone")
+        rc, _, err = await _cli(home, "grant", "phone", *many, "--expires", "30d",
+                                "--limits", "requests_per_minute=600,concurrent_tasks=8")
+        assert rc == 0, err
+        rc, text, err = await _cli(home, "peers", env={"COLUMNS": "80"})
+        assert rc == 0, err
+        lines = text.splitlines()
+        assert max(len(line) for line in lines) <= 80, text
+        column = [line.split("│")[5].strip() for line in lines if line.startswith("│")]  # may ask us
+        shown = [cap.strip() for cap in " ".join(column).split(",")]
+        for cap in many:  # each whole on one line, one after the other, a comma between them
+            assert any(cap in line.replace(",", " ").split() for line in column), (cap, text)
+        assert shown[0] == many[0] and shown[len(many) - 1].startswith(many[-1]), shown
+        assert "600 req/min" in column and "8 at once" in column, text  # its limits, below, each whole
 
 
 async def test_status_lines_label_the_profile_not_a_second_name(tmp_path: Path) -> None:

@@ -449,7 +449,8 @@ async def test_ui_port_serves_the_dashboard_elsewhere_when_its_port_is_taken(tmp
                 with pytest.raises(RemoteError) as refused:
                     await phone.ui()
                 assert refused.value.code is ErrorCode.UNAVAILABLE
-                assert f"127.0.0.1:{port}" in refused.value.message and "psymesh ui --port" in refused.value.message
+                assert f"127.0.0.1:{port}" in refused.value.message  # and the command for this node's home:
+                assert f"psymesh ui --home {nodes['phone'].home.path} --port N" in refused.value.message
             done = await anyio.run_process([sys.executable, "-m", "psymesh", "ui", "--no-open", "--port", "0",
                                             "--json", "--home", str(nodes["phone"].home.path)], check=False)
             assert done.returncode == 0, done.stderr.decode()

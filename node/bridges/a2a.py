@@ -60,6 +60,7 @@ from starlette.responses import JSONResponse
 
 import psymesh
 from .apikey import ApiKey
+from ..core.commands import Commands
 from ..core.bridgeconfig import A2AServe
 from .httpguard import AllowedHosts, Check, GuardRules, HttpGuard, Refusal, RequiredHeader
 from ...protocol.errors import ErrorCode, PsymeshError
@@ -258,6 +259,7 @@ class A2AParts:
     peer_id: str
     agents: AgentTaskRunner
     tools: ToolRegistry
+    commands: Commands = Commands()  # how its log spells the command that prints its key
 
 
 class A2AEndpoint:
@@ -296,8 +298,9 @@ class A2AEndpoint:
             self._runs = runs
             thread.start()
             try:
-                log.info("A2A agent at %s (card %s%s; its key: %s, psymesh serve a2a --show-key)", self.url,
-                         self.url.rstrip("/") if self.url else "", AGENT_CARD_WELL_KNOWN_PATH, self.key.source)
+                log.info("A2A agent at %s (card %s%s; its key: %s, %s)", self.url,
+                         self.url.rstrip("/") if self.url else "", AGENT_CARD_WELL_KNOWN_PATH, self.key.source,
+                         self.node.commands("serve a2a", "--show-key"))
                 task_status.started()
                 await ended.wait()  # only if the server stopped by itself
                 raise PsymeshError(f"the A2A endpoint stopped: {failure[0] if failure else 'no reason given'}",

@@ -55,6 +55,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from .apikey import ApiKey
+from ..core.commands import Commands
 from ..core.bridgeconfig import OpenAIServe
 from ..tasks.ids import new_task_id
 from .httpguard import AllowedHosts, GuardRules, HttpGuard, Refusal
@@ -341,6 +342,7 @@ class OpenAIParts:
     trust: TrustStore
     submitter: TaskSubmitter
     offers: Offers
+    commands: Commands = Commands()  # how its log spells the command that prints its key
 
 
 @dataclass(frozen=True)
@@ -375,8 +377,8 @@ class OpenAIEndpoint:
 
     def _listening(self, url: str) -> None:
         self.url = url
-        log.info("OpenAI-compatible endpoint at %s/v1 (its key: %s; psymesh serve openai --show-key)",
-                 self.url, self.key.source)
+        log.info("OpenAI-compatible endpoint at %s/v1 (its key: %s; %s)",
+                 self.url, self.key.source, self.node.commands("serve openai", "--show-key"))
 
     # -- requests past the door ---------------------------------------------------------
     async def _body(self, request: Request) -> Any:

@@ -125,10 +125,11 @@ def model_ps(home: str | None, out: Output) -> None:
 
 def _models(node_home: NodeHome) -> ModelRegistry:
     """This node's model registry (read straight from its database: no daemon needed)."""
+    from ..core.commands import Commands
     from ..core.db import open_db
     from ..models import ModelRegistry
 
-    return ModelRegistry(open_db(node_home.db_path))
+    return ModelRegistry(open_db(node_home.db_path), commands=Commands.of(node_home.path))
 
 
 def _keep_alive(text: str | None) -> float | None:

@@ -35,8 +35,9 @@ def escape(text: str) -> str:
 
 
 def table(*headers: str, **options: Any) -> Any:
-    """A rich table whose cells wrap (folding a long word such as `task.infer:models=botpsy*`
-    over lines) instead of ending in `…` when the terminal, or a pipe's 80 columns, is narrow."""
+    """A rich table whose cells wrap (folding a long word such as a peer id over lines) instead
+    of ending in `…` when the terminal, or a pipe's 80 columns, is narrow. A column whose words
+    must stay whole (the peers table's capabilities) is given its width by its command."""
     from rich.table import Table
 
     t = Table(**options)

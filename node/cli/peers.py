@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import click
@@ -106,13 +107,20 @@ def peers(home: str | None, out: Output, active: bool) -> None:
         if not rows:
             con.print(escape(f"no paired peers; pair one with: {out.suggest('pair invite')}"))
             return
-        table = out_table("name", "role", "peer id", "state", "may ask us", "its limits", "we may ask")
+        table = out_table("name", "role", "peer id", "state", "may ask us", "we may ask")
+        ours, theirs, states = [], [], []
         for p in rows:
-            state = ("[red]revoked[/red]" if p.revoked_at else "[red]revoked us[/red]" if p.revoked_us_at
-                     else "connected" if p.connected else "paired")
-            table.add_row(escape(p.name), p.role, p.peer_id, state, _caps_cell(p.granted, p.granted_expires),
-                          limits_text(p.granted_limits) if p.granted else "-",
-                          _caps_cell(p.received, p.received_expires))
+            states.append("revoked" if p.revoked_at else "revoked us" if p.revoked_us_at
+                          else "connected" if p.connected else "paired")
+            state = f"[red]{states[-1]}[/red]" if "revoked" in states[-1] else states[-1]
+            ours.append(GrantCell([], revoked=True) if p.revoked_at else
+                        GrantCell(p.granted, p.granted_expires, _limit_lines(p.granted_limits)))
+            theirs.append(GrantCell(p.received, p.received_expires))
+            table.add_row(escape(p.name), p.role, p.peer_id, state, ours[-1].markup(), theirs[-1].markup())
+        for column, cells in ((table.columns[4], ours), (table.columns[5], theirs)):
+            # fixed, so that a narrow terminal takes its columns from the others (the peer id folds)
+            column.width = max([len(str(column.header)), *(cell.unbroken_width() for cell in cells)])
+        table.columns[3].width = max(len(state) for state in states)  # `connected`, `revoked us`: whole
         con.print(table)
 
     out.data(rows, human)
@@ -125,11 +133,34 @@ def until_text(expires: float | None) -> str:
     return "until " + time.strftime("%Y-%m-%d %H:%M", time.localtime(expires))
 
 
-def _caps_cell(caps: list[str], expires: float | None) -> str:
-    """A peers-table cell: the capabilities, then when they end (if they do)."""
-    if not caps:
-        return "-"
-    return "\n".join(caps) + (f"\n(all {until_text(expires)})" if expires is not None else "")
+@dataclass(frozen=True)
+class GrantCell:
+    """A peers-table cell for one direction of trust: the capabilities, comma-separated, then when
+    they end (if they do), then the limits of ours, one a line; `revoked` for a grant void now.
+    The column is made as wide as its longest capability (with its comma) and limit, so it wraps
+    between capabilities, never inside one (`task.infer:models=botpsy*` folded over two lines at
+    80 columns read as two capabilities, neither real)."""
+
+    caps: list[str]
+    expires: float | None = None
+    limits: list[str] = field(default_factory=list)
+    revoked: bool = False
+
+    def markup(self) -> str:
+        if self.revoked:
+            return "[red]revoked[/red]"
+        if not self.caps:
+            return "-"
+        lines = [", ".join(escape(cap) for cap in self.caps)]
+        if self.expires is not None:
+            lines.append(f"(all {until_text(self.expires)})")
+        lines += [f"[dim]{escape(limit)}[/dim]" for limit in self.limits]
+        return "\n".join(lines)
+
+    def unbroken_width(self) -> int:
+        """What the column needs so that no capability and no limit is folded."""
+        words = [len(cap) + 1 for cap in self.caps[:-1]] + [len(cap) for cap in self.caps[-1:]]
+        return max([*words, *(len(limit) for limit in self.limits if self.caps), len("revoked" if self.revoked else "-")])
 
 
 def _size(n: int) -> str:
@@ -145,6 +176,12 @@ LIMIT_WORDS = {  # how `psymesh peers` shows each limit
     "max_runtime_s": lambda v: f"{v} s/task",
     "max_payload_bytes": lambda v: f"{_size(v)} payload",
 }
+
+
+def _limit_lines(limits: Limits) -> list[str]:
+    """The limits as the peers table shows them under the capabilities."""
+    text = limits_text(limits)
+    return ["no limits"] if text == "none" else text.splitlines()
 
 
 def limits_text(limits: Limits) -> str:

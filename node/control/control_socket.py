@@ -5,7 +5,7 @@ blocking): a socket file owned by us, in a directory only we may enter, and (on 
 macOS) a listening process that runs as us. Not root either: psymesh never runs a daemon as one
 user for another user's home, so a root-owned listener is not ours.
 
-Standard library only (with core/paths.py): `psymesh status` loads this and no event loop.
+Standard library only (with core/paths.py and core/commands.py): `psymesh status` loads this and no event loop.
 """
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..core.commands import spell_command
 from ..core.paths import SOCKET_DIR_ADVICE, check_private_dir, os_error, socket_peer
 from ...protocol.errors import ErrorCode, PsymeshError
 
@@ -36,12 +37,12 @@ class ControlSocket:
 
     def not_running(self, reason: str) -> DaemonNotRunning:
         return DaemonNotRunning(f"no psymesh daemon is listening at {self.path} ({reason}); "
-                                f"start one with: psymesh node start --home {self.home}")
+                                f"start one with: {spell_command('node start', home=str(self.home))}")
 
     def _not_ours(self, why: str) -> NotOurDaemon:
         return NotOurDaemon(f"{self.path} is not your daemon's control socket ({why}); nothing was sent "
                             "to it. Stop whatever made it (it may be impersonating your daemon) or remove it, "
-                            f"then start your own: psymesh node start --home {self.home}")
+                            f"then start your own: {spell_command('node start', home=str(self.home))}")
 
     def check_file(self) -> None:
         """Before connecting: a socket, owned by us, in a directory only we may enter."""

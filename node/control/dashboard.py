@@ -49,6 +49,7 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, RedirectResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from ..core.commands import Commands
 from ...agent.loop import AgentEvent
 from ...agent.policy import DelegationInputs, decide
 from ..models.agents import task_event
@@ -189,6 +190,7 @@ class DashboardParts:
     submitter: TaskSubmitter
     control: ControlServer
     activity: Pulse
+    commands: Commands = Commands()  # how its log spells `psymesh ui` for this node
 
 
 class Dashboard:
@@ -248,7 +250,8 @@ class Dashboard:
             try:
                 await tg.start(functools.partial(
                     serve_face, self.app, self.settings.host, self.settings.port, what="the dashboard",
-                    port_hint="psymesh ui --port N, or [ui] port in config.toml and a restart", errorlog="psymesh.ui.http", on_listening=self._listening))
+                    port_hint=f"{self.node.commands('ui', '--port N')}, or [ui] port in config.toml and a restart",
+                    errorlog="psymesh.ui.http", on_listening=self._listening))
             except PsymeshError as exc:  # a port in use: raised out of the group, for start_ui to tell
                 failure = exc
             else:
@@ -258,7 +261,7 @@ class Dashboard:
 
     def _listening(self, url: str) -> None:
         self.url = url
-        log.info("dashboard at %s (open it with: psymesh ui)", url)
+        log.info("dashboard at %s (open it with: %s)", url, self.node.commands("ui"))
 
     # -- the owner's control handlers, in this process --------------------------------------
     async def ask(self, request: Message, reply_type: type[R]) -> R:

@@ -318,7 +318,7 @@ def check_home(home: NodeHome) -> Check:
     tightened, one others may write is refused) and the key readable by us alone."""
     if not home.key_path.exists():
         return fail("home", f"no node at {home.path} (no identity key)",
-                    f"start one there: psymesh node start --home {home.path}")
+                    f"start one there: {spell_command('node start', home=str(home.path))}")
     try:
         home.secure()
         home.load_or_create_identity()
@@ -438,7 +438,8 @@ async def run_checks(home: NodeHome, *, disk_usage: DiskUsage = shutil.disk_usag
             reply = await client.doctor(timeout_s)
     except DaemonNotRunning:
         checks.append(warn("daemon", "the daemon is not running, so peers were not probed",
-                           f"start it: psymesh node start --home {home.path} (or at boot: psymesh node install)"))
+                           f"start it: {spell_command('node start', home=str(home.path))} "
+                           f"(or at boot: {suggest('node install', '')})"))
         return checks + check_bindable(config, home.config_path) + judge_exposure(config.listen, home.config_path,
                                                                                   config.profile)
     except PsymeshError as exc:  # e.g. a control socket that is not our daemon's

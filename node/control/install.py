@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from ..core.commands import Commands
 from ...protocol.errors import ErrorCode, PsymeshError
 
 Platform = Literal["linux", "macos", "termux"]
@@ -78,6 +79,7 @@ class Plan:
     unload: tuple[Command, ...] = () # before (re)writing or removing it: may fail
     forget: tuple[Command, ...] = () # after removing it
     notes: tuple[str, ...] = ()      # what the owner should know or do by hand
+    stop: str = ""                   # the command that stops the daemon it started (for this home)
 
 
 def daemon_command(python: str, home: Path, *, log_file: bool) -> list[str]:
@@ -167,7 +169,7 @@ def plan(platform: Platform, python: str, home: Path, user_home: Path, uid: int)
                     unload=(("launchctl", "bootout", f"gui/{uid}/{LAUNCHD_LABEL}"),),
                     notes=(f"logs: {home / LOG_FILE} (rotated); startup errors: {home / START_LOG}",))
     script = user_home / ".termux" / "boot" / TERMUX_SCRIPT
-    return Plan("termux", script, render_termux(python, home), 0o700, None,
+    return Plan("termux", script, render_termux(python, home), 0o700, None, stop=Commands.of(home)("node stop"),
                 notes=("install the Termux:Boot app (F-Droid) and open it once, so Android lets it run at boot",
                        f"start it now without rebooting: {script}",
                        f"logs: {home / LOG_FILE} (rotated); startup errors: {home / START_LOG}"))
@@ -233,7 +235,7 @@ def uninstall(p: Plan, *, available: bool, run: Runner) -> Outcome:
     if present and available:
         _run_all(p.forget, run)
     if p.platform == "termux":
-        notes += ("the daemon Termux:Boot started keeps running until: psymesh node stop",)
+        notes += (f"the daemon Termux:Boot started keeps running until: {p.stop}",)
     ran = p.unload + p.forget if present and available else ()
     to_run = p.unload + p.forget if present and not available else ()
     return Outcome(p.path, present, ran, to_run, notes)

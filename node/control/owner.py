@@ -17,6 +17,7 @@ import anyio
 
 import psymesh
 from .server import ControlServer, Handler
+from ..core.commands import Commands
 from ..messaging.answering import ask_body, wait_answer
 from .doctor import DoctorParts, diagnose
 from ..net.framed import FramedStream
@@ -74,6 +75,7 @@ def _lifetime(req: c.GrantRequest, current: Manifest | None, now: float) -> floa
     return current.expires - now
 
 class OwnerNode(Protocol):
+    commands: Commands
     """What the owner's handlers use of the daemon (node/daemon.py's Node is one)."""
 
     config: NodeConfig
@@ -261,7 +263,8 @@ class Owner:
             start = peer.granted.grants() if peer.granted else []
         capabilities = edit_capabilities(start, add=req.add, remove=req.remove)
         if not capabilities:
-            raise PsymeshError(f"that would leave {peer.name} no capability; to cut it off: psymesh revoke {peer.name}",
+            raise PsymeshError(f"that would leave {peer.name} no capability; to cut it off: "
+                               f"{self.node.commands('revoke', peer.name)}",
                                code=ErrorCode.BAD_REQUEST)
         now = time.time()
         manifest = new_manifest(self.node.identity.peer_id, peer.peer_id, capabilities, now=now,
@@ -456,7 +459,7 @@ class Owner:
         if answer is None:
             state = self._written(ask).state
             why = (f"no answer from {self._name(ask.recipient)} within {req.timeout_s:g} s (the ask is {state}; "
-                   "a late answer lands in the inbox, see: psymesh msg inbox)")
+                   f"a late answer lands in the inbox, see: {self.node.commands('msg inbox')})")
             if state == OutState.PENDING:  # it never got there: the network, not the agent
                 raise NetworkTimeout(why)
             raise PsymeshError(why, code=ErrorCode.TIMEOUT)

@@ -32,6 +32,7 @@ from typing import Any, Protocol
 import anyio
 import anyio.abc
 
+from ..core.commands import Commands
 from ..core.db import storage_error
 from ..net.framed import AnyioByteStream, FramedStream
 from ..core.paths import SOCKET_DIR_ADVICE, ensure_private_dir, socket_peer
@@ -72,7 +73,8 @@ class _LocalReplies:
 
 class ControlServer:
     def __init__(self, socket_path: Path, max_frame_size: int, *, refused: Refused | None = None,
-                 peer_of: PeerOf = socket_peer, uid: int | None = None) -> None:
+                 peer_of: PeerOf = socket_peer, uid: int | None = None, commands: Commands | None = None) -> None:
+        self.commands = commands or Commands()  # how its refusals spell the command to run next
         self.socket_path = socket_path
         self.max_frame_size = max_frame_size
         self.refused = refused
@@ -114,7 +116,7 @@ class ControlServer:
                                    f"move it away: mv {path} {path}.old", code=ErrorCode.CONFLICT)
             if _socket_in_use(path):
                 raise PsymeshError(
-                    f"another daemon is already serving {path}; stop it first (psymesh status shows it)",
+                    f"another daemon is already serving {path}; stop it first ({self.commands('status')} shows it)",
                     code=ErrorCode.CONFLICT,
                 )
             path.unlink()  # left behind by a daemon that was killed

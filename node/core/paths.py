@@ -29,6 +29,12 @@ def resolve_home(home: str | os.PathLike[str] | None = None) -> Path:
     return Path(home).expanduser().resolve()
 
 
+def is_default_home(home: Path) -> bool:
+    """Whether `home` (resolved) is the platform's default home, which a command finds without
+    --home (and without $PSYMESH_HOME, which a service's or another shell's commands may not have)."""
+    return home == Path(_default_home()).expanduser().resolve()
+
+
 def _default_home() -> str:
     """The platform's data dir for psymesh (on Linux `$XDG_DATA_HOME/psymesh`, else
     `~/.local/share/psymesh`; Termux's and the others' as platformdirs says). platformdirs is

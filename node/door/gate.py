@@ -73,12 +73,22 @@ ASK_ANSWER = "ask.answer"  # ... of a peer's ask re-checked as this node's agent
 OVER_BUDGET = "*"  # the operation of the audit row counting a peer's refusals past its refusal budget
 
 
+@dataclass(frozen=True, slots=True)
+class QueueLoad:
+    """What the door reads of the queue for one task: whether its peer holds it here already
+    (a resubmit), the peer's unfinished tasks, and everyone's."""
+
+    held: bool
+    active_for_peer: int
+    depth: int
+
+
 class QueueGauge(Protocol):
     """How much work the node holds (the executor's store answers)."""
 
-    def load(self, peer_id: str, task_id: str) -> tuple[bool, int, int]:
-        """Whether `peer_id` holds `task_id` here already, its unfinished tasks, and everyone's,
-        read at once (one statement on the path of every task)."""
+    def load(self, peer_id: str, task_id: str) -> QueueLoad:
+        """`peer_id`'s and everyone's share of the queue as `task_id` arrives, read at once (one
+        statement on the path of every task)."""
         ...
 
 
@@ -284,15 +294,15 @@ class Gate:
         here already (a resubmit: neither counted again nor charged)."""
         if self.queue is None:
             return False
-        held, active_for_peer, depth = self.queue.load(peer_id, task_id)
-        if held:
+        load = self.queue.load(peer_id, task_id)
+        if load.held:
             return True
         limits = self.queue_limits
         per_peer = min(limits.max_queue_per_peer, grant.limits.concurrent_tasks or limits.max_queue_per_peer)
-        if active_for_peer >= per_peer:
+        if load.active_for_peer >= per_peer:
             raise PsymeshError(f"you have {per_peer} unfinished task(s) here, the most allowed; retry later",
                                code=ErrorCode.BUSY, retry_after=limits.busy_retry_after)
-        if depth >= limits.max_queue:
+        if load.depth >= limits.max_queue:
             raise PsymeshError(f"{self.name}'s task queue is full; retry later", code=ErrorCode.BUSY,
                                retry_after=limits.busy_retry_after * 2)
         return False
@@ -372,7 +382,8 @@ class Gate:
         there)? Without one it is refused (`not_found`) and audited, one row."""
         if reserved:
             return True
-        exc = PsymeshError(f"{self.name} holds no reservation at relay {relay_id}", code=ErrorCode.NOT_FOUND)
+        exc = PsymeshError(f"{self.name} holds no reservation at relay {self.trust.label(relay_id, fingerprint=True)}",
+                           code=ErrorCode.NOT_FOUND)
         self._refuse(relay_id, STOP, TAKE_CIRCUIT, exc, self.clock())
         return False
 

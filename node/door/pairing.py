@@ -19,6 +19,7 @@ from collections.abc import Awaitable, Callable
 
 import anyio
 
+from ..core.commands import Commands
 from ..net.framed import FramedStream
 from ..core.home import Identity, NodeConfig
 from ..core.logs import fields
@@ -58,8 +59,10 @@ Nearby = Callable[[], list[c.SeenNode]]       # the nodes discovery lists now, m
 class PairingService:
     def __init__(self, identity: Identity, config: NodeConfig, p2p: P2PNode, trust: TrustStore,
                  push_manifest: PushManifest, welcome: Welcome | None = None,
-                 clock: Callable[[], float] = time.time, nearby: Nearby | None = None) -> None:
+                 clock: Callable[[], float] = time.time, nearby: Nearby | None = None,
+                 commands: Commands | None = None) -> None:
         self.identity = identity
+        self.commands = commands or Commands()  # how its refusals spell the command to run next
         self.nearby: Nearby = nearby or (lambda: [])  # unpaired nodes discovered on the LAN (the daemon sets it)
         self.clock = clock  # wall time: when invites expire and grants are issued (a test moves it)
         self.config = config
@@ -180,7 +183,8 @@ class PairingService:
         if not candidates:
             raise PsymeshError("a bare pairing code needs the inviter's address too (--address), or both nodes "
                                "on one LAN with mdns = true in config.toml, so that the inviter is found: no "
-                               "unpaired node is discovered here (see: psymesh discover)", code=ErrorCode.BAD_REQUEST)
+                               f"unpaired node is discovered here (see: {self.commands('discover')})",
+                               code=ErrorCode.BAD_REQUEST)
         failures: list[str] = []
         for node in candidates:
             ticket = InviteTicket(code=code, peer_id=node.peer_id, addrs=tuple(node.addrs))

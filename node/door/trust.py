@@ -19,9 +19,11 @@ from dataclasses import dataclass
 
 import msgpack
 
+from ..core.commands import Commands
 from ..core.db import ensure_schema, transaction
 from ...protocol.control import PeerView
 from ...protocol.errors import ErrorCode, PsymeshError
+from ...protocol.identity import peer_fingerprint
 from ...protocol.limits import Limits
 from ...protocol.manifest import Manifest
 
@@ -103,7 +105,10 @@ class Peer:
                                code=ErrorCode.FORBIDDEN)
 
     def view(self, *, connected: bool = False) -> PeerView:
-        """This peer as the control API shows it to the owner (`connected`: the p2p host knows)."""
+        """This peer as the control API shows it to the owner (`connected`: the p2p host knows).
+        A revoked peer may ask nothing: its view grants nothing, whatever its last grant said (the
+        row keeps that grant, for the revocation notice that voids it)."""
+        granted = None if self.revoked else self.granted
         return PeerView(
             peer_id=self.peer_id,
             name=self.name,
@@ -111,9 +116,9 @@ class Peer:
             addrs=list(self.addrs),
             paired_at=self.paired_at,
             revoked_at=self.revoked_at,
-            granted=self.granted.grants() if self.granted else [],
-            granted_expires=self.granted.expires if self.granted else None,
-            granted_limits=self.granted.limits if self.granted else Limits(),
+            granted=granted.grants() if granted else [],
+            granted_expires=granted.expires if granted else None,
+            granted_limits=granted.limits if granted else Limits(),
             received=self.received.grants() if self.received else [],
             received_expires=self.received.expires if self.received else None,
             revoked_us_at=self.revoked_us_at,
@@ -122,8 +127,9 @@ class Peer:
 
 
 class TrustStore:
-    def __init__(self, conn: sqlite3.Connection) -> None:
+    def __init__(self, conn: sqlite3.Connection, *, commands: Commands | None = None) -> None:
         self.conn = conn
+        self.commands = commands or Commands()  # how its refusals spell the command to run next
         self._listeners: list[Callable[[], None]] = []
         # Bumped after every write of this store has committed: a row read while it had a
         # value is current until it changes (the door keeps each peer's row on it). Every
@@ -171,11 +177,15 @@ class TrustStore:
         """Every paired peer's name by peer id, revoked ones too: what output shows for an id."""
         return {row["peer_id"]: row["name"] for row in self.conn.execute("SELECT peer_id, name FROM peers")}
 
-    def label(self, peer_id: str) -> str:
+    def label(self, peer_id: str, *, fingerprint: bool = False) -> str:
         """A peer as log lines name it: `home (…gX2u9mU)` when paired (revoked too), else its
-        whole id (a stranger has no other name)."""
+        whole id (a stranger has no other name). `fingerprint`: `home (MFZW-IZLT-OQQG-S3TL)`, the
+        fingerprint `psymesh id` prints on that device, for a message that sends its reader
+        to check the peer itself (a relay's refusal)."""
         peer = self.get(peer_id)
-        return f"{peer.name} (…{peer_id[-8:]})" if peer else peer_id
+        if peer is None:
+            return peer_id
+        return f"{peer.name} ({peer_fingerprint(peer_id) if fingerprint else '…' + peer_id[-8:]})"
 
     def resolve(self, name_or_id: str) -> Peer:
         """A paired peer by peer id or name (names are for people; ambiguity is an error)."""
@@ -189,7 +199,7 @@ class TrustStore:
         rows = self.conn.execute("SELECT * FROM peers WHERE name = ? ORDER BY paired_at DESC", (name_or_id,)).fetchall()
         live = [r for r in rows if r["revoked_at"] is None] or rows
         if not live:
-            raise PsymeshError(f"no paired peer named {name_or_id!r}; see: psymesh peers", code=ErrorCode.UNKNOWN_PEER)
+            raise PsymeshError(f"no paired peer named {name_or_id!r}; see: {self.commands('peers')}", code=ErrorCode.UNKNOWN_PEER)
         if len(live) > 1:
             raise PsymeshError(f"{len(live)} peers are named {name_or_id!r}; use a peer id", code=ErrorCode.CONFLICT)
         peer = self._peer(live[0])
@@ -284,4 +294,4 @@ class TrustStore:
         cur = self.conn.execute(f"UPDATE peers SET {column} = ? WHERE peer_id = ?", (value, peer_id))
         self.version += 1
         if cur.rowcount == 0:
-            raise PsymeshError(f"{peer_id} is not a paired peer; see: psymesh peers", code=ErrorCode.UNKNOWN_PEER)
+            raise PsymeshError(f"{peer_id} is not a paired peer; see: {self.commands('peers')}", code=ErrorCode.UNKNOWN_PEER)

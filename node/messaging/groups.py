@@ -15,6 +15,7 @@ from __future__ import annotations
 import sqlite3
 import time
 
+from ..core.commands import Commands
 from ..core.db import ensure_schema, transaction
 from .service import Messaging
 from ..door.trust import Peer, TrustStore
@@ -42,16 +43,18 @@ def group_thread(name: str) -> str:
     return f"group:{name}"
 
 
-def _no_group(name: str) -> PsymeshError:
-    return PsymeshError(f"no group named {name!r}; see: psymesh group list", code=ErrorCode.NOT_FOUND)
-
-
 class Groups:
-    def __init__(self, conn: sqlite3.Connection, trust: TrustStore, messaging: Messaging) -> None:
+    def __init__(self, conn: sqlite3.Connection, trust: TrustStore, messaging: Messaging, *,
+                 commands: Commands | None = None) -> None:
         self.conn = conn
+        self.commands = commands or Commands()  # how its refusals spell the command to run next
         self.trust = trust
         self.messaging = messaging
         ensure_schema(conn, SCHEMA)
+
+
+    def _no_group(self, name: str) -> PsymeshError:
+        return PsymeshError(f"no group named {name!r}; see: {self.commands('group list')}", code=ErrorCode.NOT_FOUND)
 
     def _exists(self, name: str) -> bool:
         return self.conn.execute("SELECT 1 FROM msg_group WHERE name = ?", (name,)).fetchone() is not None
@@ -69,7 +72,8 @@ class Groups:
         peers = self._peers(members)
         with transaction(self.conn):
             if self._exists(name):
-                raise PsymeshError(f"a group named {name!r} exists already; add members with: psymesh group add",
+                raise PsymeshError(f"a group named {name!r} exists already; add members with: "
+                                   f"{self.commands('group add', f'{name} PEER')}",
                                    code=ErrorCode.CONFLICT)
             self.conn.execute("INSERT INTO msg_group (name, created_at) VALUES (?, ?)", (name, now))
             self._insert(name, peers, now)
@@ -101,12 +105,12 @@ class Groups:
 
     def _require(self, name: str) -> None:
         if not self._exists(name):
-            raise _no_group(name)
+            raise self._no_group(name)
 
     def get(self, name: str) -> GroupView:
         row = self.conn.execute("SELECT created_at FROM msg_group WHERE name = ?", (name,)).fetchone()
         if row is None:
-            raise _no_group(name)
+            raise self._no_group(name)
         members = []
         for (peer_id,) in self.conn.execute("SELECT peer_id FROM msg_group_member WHERE group_name = ?"
                                             " ORDER BY added_at, rowid", (name,)):
@@ -124,13 +128,14 @@ class Groups:
         or it revoked us) stops the whole send before any letter is written."""
         view = self.get(name)
         if not view.members:
-            raise PsymeshError(f"group {name!r} has no members; add some with: psymesh group add {name} PEER",
+            raise PsymeshError(f"group {name!r} has no members; add some with: {self.commands('group add', f'{name} PEER')}",
                                code=ErrorCode.BAD_REQUEST)
         for member in view.members:
             peer = self.trust.get(member.peer_id)
             if peer is None or peer.revoked:
-                raise PsymeshError(f"{member.name} is no longer paired; remove it: psymesh group remove {name} "
-                                   f"{member.peer_id}", code=ErrorCode.UNKNOWN_PEER)
+                raise PsymeshError(f"{member.name} is no longer paired; remove it: "
+                                   f"{self.commands('group remove', f'{name} {member.peer_id}')}",
+                                   code=ErrorCode.UNKNOWN_PEER)
             peer.refuse_if_revoked_us()
         return [self.messaging.send(m.peer_id, text, body=body, thread=group_thread(name), group=name)
                 for m in view.members]

@@ -99,7 +99,8 @@ def pick_model(registry: ModelRegistry, requested: str | None, default: str | No
             return name
         names = registry.names()
         if not names:
-            raise PsymeshError("no model on this node for the agent; add one with: psymesh model add NAME PATH.gguf",
+            raise PsymeshError("no model on this node for the agent; add one with: "
+                               f"{registry.commands('model add', 'NAME PATH.gguf')}",
                                code=ErrorCode.NOT_FOUND)
         return names[0]
     except PsymeshError as exc:
@@ -109,7 +110,7 @@ def pick_model(registry: ModelRegistry, requested: str | None, default: str | No
         raise PsymeshError(
             f"{exc.message.split('; add one with')[0]}; on a phone the model usually lives on the home PC: "
             f"run there with --delegate auto (agent run), or task send --to HOME --infer ... --model {wanted}; "
-            f"to run it here instead: psymesh model add {wanted} PATH.gguf", code=exc.code) from None
+            f"to run it here instead: {registry.commands('model add', f'{wanted} PATH.gguf')}", code=exc.code) from None
 
 
 def llama_model(worker: TextModel, params: Mapping[str, Any]) -> LlamaAgentModel:

@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..core.commands import Commands
 from ...agent.inference import ModelSettings
 from ..core.db import ensure_schema
 from ..core.paths import ensure_private_dir, tighten
@@ -33,8 +34,9 @@ GGUF_MAGIC = b"GGUF"
 
 
 class ModelRegistry:
-    def __init__(self, conn: sqlite3.Connection) -> None:
+    def __init__(self, conn: sqlite3.Connection, *, commands: Commands | None = None) -> None:
         self.conn = conn
+        self.commands = commands or Commands()  # how its refusals spell the command to run next
         ensure_schema(conn, SCHEMA)
         have = {r[1] for r in conn.execute("PRAGMA table_info(models)")}
         for column, decl in _ADDED_COLUMNS:
@@ -69,7 +71,7 @@ class ModelRegistry:
         if row is None:
             known = ", ".join(self.names()) or "none"
             raise PsymeshError(f"no model named {name!r} on this node (known: {known}); "
-                               f"add one with: psymesh model add {name} PATH.gguf", code=ErrorCode.NOT_FOUND)
+                               f"add one with: {self.commands('model add', f'{name} PATH.gguf')}", code=ErrorCode.NOT_FOUND)
         return dict(row)
 
     def names(self) -> list[str]:

@@ -61,7 +61,7 @@ class _Held:
 
 
 class Relaying:
-    """P2PNode's relay part (mixed in: it uses the host's `_host`, `_swarm`, `_admission`,
+    """P2PNode's relay part (mixed in: it uses the host's `_host`, `_swarm`, `_admission`, `_label`,
     `_tg`, `_connections()`, `_dial()`, `addrs()`, `_changed()`, `_close_connections()`,
     `_require_running()`, and the hole-punching part's `_dial_relay()`)."""
 
@@ -71,7 +71,7 @@ class Relaying:
         it audits every decision), within `settings`. Call before `run()`."""
         self._book = RelayBook(settings)
         self._relay_admit = admit
-        self._hop = Hop(self._book, admit, lambda peer: bool(self._connections(peer, direct=True)))
+        self._hop = Hop(self._book, admit, lambda peer: bool(self._connections(peer, direct=True)), self._label)
         self._host.set_stream_handler(TProtocol(HOP), self._serve_hop)
 
     async def reserve(self, relay: str, addrs: Sequence[str]) -> float:
@@ -91,7 +91,8 @@ class Relaying:
             except PsymeshError as exc:
                 failures.append(exc.message)
         if not self._connections(relay, direct=True):
-            raise ConnectError(f"relay {relay} is unreachable: {'; '.join(failures) or 'no direct address'}")
+            raise ConnectError(f"relay {self._label(relay)} is unreachable: "
+                               f"{'; '.join(failures) or 'no direct address'}")
         try:
             with anyio.fail_after(RELAY_STEP_TIMEOUT_S):
                 stream = await self._host.new_stream(relay_id, [TProtocol(HOP)])
@@ -101,9 +102,9 @@ class Relaying:
                 finally:
                     await _close_quietly(stream)
         except Exception as exc:
-            raise ConnectError(f"relay {relay} did not answer the reservation: {_reason(exc)}") from exc
+            raise ConnectError(f"relay {self._label(relay)} did not answer the reservation: {_reason(exc)}") from exc
         if reply.status != StatusCode.OK:
-            raise refusal(reply.status, f"relay {relay} refused the reservation")
+            raise refusal(reply.status, f"relay {self._label(relay)} refused the reservation")
         relay_addrs = [a for a in map(_bytes_to_addr, reply.reservation.addrs)
                        if a is not None and a.endswith(f"/p2p/{relay}") and not _is_circuit(a)]
         self._held[relay] = _Held(float(reply.reservation.expire), tuple(relay_addrs[:MAX_RELAY_ADDRS]))
@@ -263,7 +264,7 @@ class Relaying:
         connection, it is held to the limits for strangers (15, 17)."""
         relay = str(stream.muxed_conn.peer_id)
         if not self._admission.take_circuit(relay, self.reservation(relay) is not None):  # audited by the door
-            log.info("refused a circuit from %s: we hold no reservation there", relay)
+            log.info("refused a circuit from relay %s: we hold no reservation there", self._label(relay))
             await _reset_quietly(stream)
             return
         try:
@@ -280,7 +281,7 @@ class Relaying:
         circuit = multiaddr.Multiaddr(f"/p2p/{relay}/p2p-circuit/p2p/{source}")
         ip = _remote_ip(stream.muxed_conn)
         if (why := self._admission.start_handshake(ip)) is not None:
-            log.info("refused a circuit from relay %s: %s", relay, why)
+            log.info("refused a circuit from relay %s: %s", self._label(relay), why)
             await _reset_quietly(stream)
             return
         try:
@@ -309,14 +310,15 @@ class Relaying:
             with anyio.fail_after(RELAY_STEP_TIMEOUT_S):
                 stream = await self._host.new_stream(relay_info.peer_id, [TProtocol(HOP)])
         except Exception as exc:
-            raise ConnectError(f"relay {relay} does not relay for us: {_reason(exc)}") from exc
+            raise ConnectError(f"relay {self._label(relay)} does not relay for us: {_reason(exc)}") from exc
         try:
             with anyio.fail_after(RELAY_STEP_TIMEOUT_S):
                 await write_delimited_msg(stream, HopMessage(type=HopMessage.CONNECT,
                                                              peer=CircuitPeer(id=target.to_bytes())))
                 reply = await read_delimited_msg(stream, HopMessage)
             if reply.status != StatusCode.OK:
-                raise ConnectError(f"relay {relay} refused the circuit to {target}: {status_name(reply.status)}")
+                raise ConnectError(f"relay {self._label(relay)} refused the circuit to {self._label(str(target))}: "
+                                   f"{status_name(reply.status)}")
             self._note_observed(relay, reply)
             raw = RawConnection(stream, True, ConnectionType.RELAYED, [multiaddr.Multiaddr(addr)])
             with anyio.fail_after(RELAY_STEP_TIMEOUT_S):

@@ -16,7 +16,7 @@ import logging
 import math
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import anyio
@@ -100,12 +100,16 @@ class P2PNode(Relaying, HolePunching):
         listen_addrs: Sequence[str] = ("/ip4/127.0.0.1/tcp/0",),
         *,
         allow_peer: PeerFilter | None = None,
+        label: Callable[[str], str] = str,
     ) -> None:
-        """`seed`: the node's 32-byte Ed25519 private seed. `allow_peer(peer_id)`: None allows all."""
+        """`seed`: the node's 32-byte Ed25519 private seed. `allow_peer(peer_id)`: None allows all.
+        `label(peer_id)`: how the messages it writes name a peer (the daemon's trust store names a
+        paired one: `friend (MFZW-IZLT-OQQG-S3TL)`); its bare id by default."""
         if not isinstance(seed, bytes | bytearray) or len(seed) != 32:
             raise PsymeshError("an Ed25519 seed is 32 bytes", code=ErrorCode.BAD_REQUEST)
         self._listen = [_parse_multiaddr(a) for a in listen_addrs]
         self._allow_peer = allow_peer
+        self._label = label
         self._admission = _Admission()
         self._open_streams: Counter[IMuxedConn] = Counter()  # (17) inbound streams per connection
         key_pair = ed25519_key_pair(bytes(seed))

@@ -145,7 +145,8 @@ class Relaying:
                     expires = await self.p2p.reserve(relay.peer_id, relay.addrs)
                     renew_at = now + (expires - now) / 2
                     if failures:
-                        log.info("relay %s holds a reservation for this node", name)
+                        log.info("relay %s holds a reservation for this node", self.trust.label(relay.peer_id,
+                                                                                                fingerprint=True))
                     changes = self.p2p.changes()
                 failures = 0
                 with anyio.move_on_after(max(0.0, renew_at - time.time())):  # or its connection drops
@@ -153,8 +154,8 @@ class Relaying:
             except PsymeshError as exc:
                 delay = min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2 ** min(failures, 10)) * (1 - random.random() / 4)
                 failures += 1
-                log.log(logging.INFO if failures == 1 else logging.DEBUG,
-                        "no reservation at relay %s (%s); next try in %.0f s", name, exc.message, delay)
+                log.log(logging.INFO if failures == 1 else logging.DEBUG,  # each message names the relay
+                        "no reservation: %s; next try in %.0f s", exc.message, delay)
                 await anyio.sleep(delay)
 
     # -- which path to a peer ------------------------------------------------------------------

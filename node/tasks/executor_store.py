@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..core.db import ensure_schema, transaction
+from ..door.gate import QueueLoad
 from ...protocol.errors import ErrorCode, ProtocolError
 from ...protocol.tasks import (
     ACTIVE_STATES,
@@ -297,7 +298,7 @@ class ExecutorStore:
         return self.conn.execute("SELECT 1 FROM exec_tasks WHERE id = ? AND submitter = ?",
                                  (task_id, peer)).fetchone() is not None
 
-    def load(self, peer: str, task_id: str) -> tuple[bool, int, int]:
+    def load(self, peer: str, task_id: str) -> QueueLoad:
         """`holds(peer, task_id)`, `active_for(peer)` and `queue_depth()` in one statement (the
         door asks all three of every task it admits)."""
         marks, states = placeholders(s.value for s in ACTIVE_STATES)
@@ -307,7 +308,7 @@ class ExecutorStore:
             f" (SELECT COUNT(*) FROM exec_tasks WHERE state IN ({marks}))",
             (task_id, peer, peer, *states, *states),
         ).fetchone()
-        return bool(row[0]), row[1], row[2]
+        return QueueLoad(held=bool(row[0]), active_for_peer=row[1], depth=row[2])
 
     def next_deadline(self) -> float | None:
         """The earliest deadline among unfinished tasks: when the executor's expiry wakes next."""

@@ -168,7 +168,7 @@ class Outbox:
                     fresh.append(event)
             # checks each against the one before (seq, transition), one UPDATE of the row for all
             self._log.append_all(row["last_seq"], row["state"], fresh, resolve_now(now),
-                                 also_set=", accepted = 1" if target is not None and not row["accepted"] else "")
+                                 accepted=target is not None and not row["accepted"])
             return len(fresh)
 
     def mark_acked(self, task_id: str, upto_seq: int) -> OutboxTask:

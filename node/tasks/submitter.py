@@ -24,6 +24,7 @@ from typing import Any, NamedTuple
 import anyio
 import anyio.abc
 
+from ..core.commands import Commands
 from ..core.db import WalSync
 from ..core.notify import Notifier
 from ..net.session import SessionPool
@@ -103,7 +104,7 @@ class TaskSubmitter:
     ACK_DELAY_S = 0.05
 
     def __init__(self, *, local_peer_id: str, outbox: Outbox, trust: TrustStore, sessions: SessionPool,
-                 wal: WalSync | None = None, wake: WakeLock | None = None) -> None:
+                 wal: WalSync | None = None, wake: WakeLock | None = None, commands: Commands | None = None) -> None:
         """`wal`: puts what is committed on disk (node/core/db.py); `submit()` returns only once
         the task's outbox row is, and a task.ack (which promises the executor that the events it
         covers are) waits for it first. `wake`: held while a task is being driven
@@ -118,6 +119,7 @@ class TaskSubmitter:
         self._acks: dict[str, _AckBatch] = {}   # executor -> the batch being filled
         self._tg: anyio.abc.TaskGroup | None = None
         self.wake = wake or WakeLock(None)
+        self.commands = commands or Commands()  # how its refusals spell the command to run next
         self.retention_s = 7 * 86400.0   # finished tasks (and their events) are kept this long for the app
         self.purge_every_s = 3600.0
         self._retention_changed = anyio.Event()
@@ -247,7 +249,7 @@ class TaskSubmitter:
                 continue
             scored.append((caps.queue_depth, peer.peer_id))
         if not scored:
-            raise PsymeshError(f"no reachable paired peer offers {op.required()}; see: psymesh peers",
+            raise PsymeshError(f"no reachable paired peer offers {op.required()}; see: {self.commands('peers')}",
                                code=ErrorCode.UNAVAILABLE)
         return [pid for _, pid in sorted(scored)]
 

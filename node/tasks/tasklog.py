@@ -76,9 +76,10 @@ class EventLog:
         self.append_all(last_seq, state, [event], now)
 
     def append_all(self, last_seq: int, state: str, events: list[TaskEvent], now: float, *,
-                   also_set: str = "") -> None:
+                   accepted: bool = False) -> None:
         """`append` for events of one task in a row (each checked against the one before): their
-        rows, then the task's row once, for the last (`also_set`: more `col = value` for it)."""
+        rows, then the task's row once, for the last. `accepted`: the same UPDATE marks the task
+        accepted (the outbox's rows, which have that column: an event from the executor implies it)."""
         for event in events:
             next_state(TaskState(state) if last_seq else None, event.kind, event.state)
             if event.seq != last_seq + 1:
@@ -91,7 +92,8 @@ class EventLog:
             return
         self.insert_events(events)
         self.conn.execute(
-            f"UPDATE {self.tasks} SET state = ?, last_seq = ?, updated_at = ?{also_set} WHERE id = ?",
+            f"UPDATE {self.tasks} SET state = ?, last_seq = ?, updated_at = ?{', accepted = 1' if accepted else ''}"
+            " WHERE id = ?",
             (state, last_seq, now, events[0].task_id),
         )
 

@@ -61,7 +61,7 @@ class PeerView(View):
     addrs: list[str] = Field(default_factory=list)
     paired_at: float
     revoked_at: float | None = None       # we revoked it
-    granted: list[str] = Field(default_factory=list)   # what it may ask of us (CLI spelling)
+    granted: list[str] = Field(default_factory=list)   # what it may ask of us (CLI spelling); [] once revoked
     granted_expires: float | None = None
     granted_limits: Limits = Limits()     # the numbers of that grant (None: no limit from the grant)
     received: list[str] = Field(default_factory=list)  # what we may ask of it
