@@ -444,6 +444,17 @@ async def test_a_task_refused_outright_stays_refused_across_a_power_cut(tmp_path
     assert left == [0, 0, 0]
 
 
+class FailingDisk:
+    """A node's WAL fsync seam (`fsyncs=`) that fails with EIO once `failing` is set."""
+
+    def __init__(self) -> None:
+        self.failing = False
+
+    def fsync(self, fd: int) -> None:
+        if self.failing:
+            raise OSError(5, "Input/output error")
+        os.fsync(fd)
+
 
 async def test_a_phone_whose_disk_failed_holds_its_acks_and_keeps_serving(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
@@ -455,23 +466,18 @@ async def test_a_phone_whose_disk_failed_holds_its_acks_and_keeps_serving(
     import logging
 
     caplog.set_level(logging.DEBUG, logger="psymesh.tasks")
-    failing = False
-
-    def disk(fd: int) -> None:
-        if failing:
-            raise OSError(5, "Input/output error")
-        os.fsync(fd)
+    disk = FailingDisk()
 
     def acks_held() -> int:
         return sum("task.ack to" in r.getMessage() and "until it is restarted" in r.getMessage()
                    for r in caplog.records)
 
-    async with run_nodes(tmp_path, "home", "phone", fsyncs={"phone": disk}) as nodes:
+    async with run_nodes(tmp_path, "home", "phone", fsyncs={"phone": disk.fsync}) as nodes:
         home, phone = nodes["home"], nodes["phone"]
         await pair(home.home.path, phone.home.path)
         async with Client(home.home.path) as h:
             await h.grant("phone", ["tool:system.info"])
-        failing = True
+        disk.failing = True
         async with Client(phone.home.path) as p:
             with pytest.raises(PsymeshError, match="until it is restarted"):  # the row's sync failed
                 await p.delegate("home", tool="system.info", task_id="after-the-failure")
@@ -493,19 +499,14 @@ async def test_a_phone_whose_disk_failed_hands_over_no_new_task(tmp_path: Path) 
     that fsync, before anyone knew."""
     from psymesh.node.tasks.executor_store import TaskNotFound
 
-    failing = False
+    disk = FailingDisk()
 
-    def disk(fd: int) -> None:
-        if failing:
-            raise OSError(5, "Input/output error")
-        os.fsync(fd)
-
-    async with run_nodes(tmp_path, "home", "phone", fsyncs={"phone": disk}) as nodes:
+    async with run_nodes(tmp_path, "home", "phone", fsyncs={"phone": disk.fsync}) as nodes:
         home, phone = nodes["home"], nodes["phone"]
         await pair(home.home.path, phone.home.path)
         async with Client(home.home.path) as h:
             await h.grant("phone", ["tool:system.info"])
-        failing = True
+        disk.failing = True
         async with Client(phone.home.path) as p:
             for task_id in ("beside-the-failure", "after-the-failure"):
                 with pytest.raises(PsymeshError, match="until it is restarted"):
@@ -522,19 +523,14 @@ async def test_a_phone_whose_disk_failed_writes_no_new_letter(tmp_path: Path) ->
     """As for tasks: once the phone's WAL fsync failed, send() and group_send() fail before the
     letter is written, so no courier delivers a letter its sender was told had failed (and
     might write again). The letter whose own fsync failed was queued before anyone knew."""
-    failing = False
+    disk = FailingDisk()
 
-    def disk(fd: int) -> None:
-        if failing:
-            raise OSError(5, "Input/output error")
-        os.fsync(fd)
-
-    async with run_nodes(tmp_path, "home", "phone", fsyncs={"phone": disk}) as nodes:
+    async with run_nodes(tmp_path, "home", "phone", fsyncs={"phone": disk.fsync}) as nodes:
         home, phone = nodes["home"], nodes["phone"]
         await pair(home.home.path, phone.home.path, grant="messaging")
         async with Client(phone.home.path) as p:
             await p.group_create("family", ["home"])
-            failing = True
+            disk.failing = True
             for letter_id in ("beside-the-failure", "after-the-failure"):
                 with pytest.raises(PsymeshError, match="until it is restarted"):
                     await p.send("home", "hello", letter_id=letter_id)
