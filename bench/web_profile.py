@@ -1,0 +1,189 @@
+"""What one one-hop web query costs the phone daemon in work, not time: instructions and Python calls.
+
+Two real daemons in their own processes on 127.0.0.1, paired: an exit that holds the page in
+its cache (so it answers at once and leaves the machine to the phone) and the phone. The
+asker (this process) runs `Client.web_fetch(url, via="exit", hops=1)` `--count` times in a
+row, the same query bench/web.py times, and one of:
+
+- `--callgrind` (the default): the phone runs under valgrind's callgrind with its
+  instrumentation off until the loop starts (`callgrind_control -i on`) and off again after it:
+  instructions the phone executed a query, every thread. Load-independent (it counts, it does
+  not time), so a before/after difference of a few percent is real on this shared machine;
+  `--top N` also prints the N functions with the most inclusive instructions.
+- `--cprofile`: the phone runs under cProfile with `time.thread_time` as its clock, enabled
+  and dumped by signals around the loop: Python calls a query and the top functions by own
+  and by cumulative time (cProfile's own overhead inflates every figure; read the shares).
+
+The page server is a stdlib HTTP server in a third process. Usage:
+    .venv/bin/python bench/web_profile.py [--count N] [--cprofile] [--top N]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+from pathlib import Path
+
+import anyio
+from _common import spawn_server
+from web import PAGE_SERVER
+
+TICK_MS = 1000 / os.sysconf("SC_CLK_TCK")
+
+# The phone's daemon under cProfile: SIGUSR1 starts it, SIGUSR2 stops it and writes the stats.
+PROFILED = textwrap.dedent("""
+    import cProfile, signal, sys, time
+    from psymesh.node.cli import main
+    out = sys.argv.pop(1)
+    prof = cProfile.Profile(time.thread_time)
+    signal.signal(signal.SIGUSR1, lambda *_: prof.enable())
+    def dump(*_):
+        prof.disable()
+        prof.dump_stats(out)
+    signal.signal(signal.SIGUSR2, dump)
+    sys.argv[0] = "psymesh"
+    main()
+""")
+
+
+def _times(pid: int) -> tuple[float, float]:
+    """(user, system) CPU ms of process `pid` so far, all its threads."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[11]) * TICK_MS, int(fields[12]) * TICK_MS
+
+
+def _daemon_class():
+    from psymesh.node.control.process import DaemonProcess
+
+    class Wrapped(DaemonProcess):
+        """A daemon whose command line is prefixed (valgrind) or run through PROFILED."""
+
+        def __init__(self, *args, prefix: list[str], stats: Path | None, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            self.prefix, self.stats = prefix, stats
+
+        def command(self) -> list[str]:
+            cmd = super().command()
+            if self.stats is not None:  # [python, -m, psymesh, ...] -> [python, -c, PROFILED, out, ...]
+                cmd = [cmd[0], "-c", PROFILED, str(self.stats), *cmd[3:]]
+            return [*self.prefix, *cmd]
+
+    return Wrapped
+
+
+async def run(tmp: Path, url: str, count: int, mode: str, save: Path | None) -> None:
+    from psymesh.node.control.process import DaemonProcess, pair_homes
+    from psymesh.node.core.home import NodeHome
+    from psymesh.node.core.websettings import WebSettings
+    from psymesh.node.web.exit import ExitSettings
+    from psymesh.protocol.limits import Limits
+
+    home = NodeHome(tmp / "exit")
+    home.init(name="exit")
+    settings = ExitSettings(enabled=True, allow_loopback=True, cache_entries=8, requests_per_minute=100_000)
+    home.save_config(home.load_config().model_copy(update={"web": WebSettings(exit=settings)}))
+    exit_ = DaemonProcess(tmp / "exit", name="exit")
+    stats = tmp / "phone.prof" if mode == "cprofile" else None
+    out = tmp / "callgrind.out"
+    prefix = ([] if mode != "callgrind" else
+              ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}"])
+    phone = _daemon_class()(tmp / "phone", name="phone", profile="phone", prefix=prefix, stats=stats)
+    await exit_.start()
+    await phone.start(timeout=600)
+    try:
+        await pair_homes(exit_.home, phone.home, grant="messaging")
+        async with exit_.client() as e:
+            await e.grant("phone", ["web.fetch"], limits=Limits(requests_per_minute=1_000_000))
+        async with phone.client() as client:
+            for _ in range(20):
+                await client.web_fetch(url, via="exit", hops=1)
+            assert phone.proc is not None
+            pid = phone.proc.pid
+            before = _times(pid)
+            if mode == "cprofile":
+                os.kill(pid, signal.SIGUSR1)
+            elif mode == "callgrind":
+                subprocess.run(["callgrind_control", "-i", "on", str(pid)], check=True, capture_output=True)
+            for _ in range(count):
+                await client.web_fetch(url, via="exit", hops=1)
+            user, system = (b - a for a, b in zip(before, _times(pid)))
+            if mode == "cprofile":
+                os.kill(pid, signal.SIGUSR2)
+                with anyio.fail_after(60):
+                    while not stats.exists():
+                        await anyio.sleep(0.05)
+            elif mode == "callgrind":
+                subprocess.run(["callgrind_control", "-i", "off", str(pid)], check=True, capture_output=True)
+    finally:
+        await phone.stop(timeout=120)
+        await exit_.stop()
+    if mode == "cprofile":
+        report_cprofile(stats, count)
+    elif mode == "callgrind":
+        report_callgrind(out, count)
+    else:
+        print(f"phone daemon, {count} one-hop web queries: {user / count:.3f} ms user + {system / count:.3f} ms"
+              f" system CPU a query (/proc ticks), load {os.getloadavg()[0]:.2f}")
+    if save is not None:
+        for f in ([stats] if mode == "cprofile" else sorted(out.parent.glob(out.name + "*"))):
+            shutil.copy(f, save.parent / (save.name + f.name[len(out.name):] if mode != "cprofile" else save.name))
+
+
+TOP = 25
+
+
+def report_cprofile(stats_path: Path, count: int) -> None:
+    import pstats
+
+    stats = pstats.Stats(str(stats_path))
+    total_calls = sum(v[1] for v in stats.stats.values())  # type: ignore[attr-defined]
+    print(f"phone daemon, {count} one-hop web queries: {total_calls / count:.0f} Python calls a query,"
+          f" {stats.total_tt * 1000 / count:.3f} ms thread time a query (profiled)")  # type: ignore[attr-defined]
+    for key in ("tottime", "cumulative"):
+        print(f"\n-- by {key}")
+        stats.sort_stats(key).print_stats(TOP)
+
+
+def report_callgrind(out: Path, count: int) -> None:
+    files = sorted(out.parent.glob(out.name + "*"))
+    total = 0
+    for f in files:
+        for line in f.read_text(errors="replace").splitlines():
+            if line.startswith("totals:"):
+                total += int(line.split()[1])
+                break
+    print(f"phone daemon, {count} one-hop web queries: {total / count / 1e6:.3f} M instructions a query"
+          f" (callgrind, all threads)")
+    if TOP and shutil.which("callgrind_annotate"):
+        shown = subprocess.run(["callgrind_annotate", "--inclusive=yes", f"--threshold=99", *map(str, files)],
+                               capture_output=True, text=True).stdout.splitlines()
+        print("\n".join(shown[:TOP + 25]))
+
+
+def main() -> None:
+    global TOP
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--count", type=int, default=300, help="queries to count over")
+    ap.add_argument("--cprofile", action="store_true", help="cProfile the phone instead of counting instructions")
+    ap.add_argument("--ticks", action="store_true", help="neither: the phone's user and system CPU from /proc")
+    ap.add_argument("--top", type=int, default=TOP, help="functions to list")
+    ap.add_argument("--save", type=Path, help="keep the profile (cProfile stats, or callgrind's output) here")
+    args = ap.parse_args()
+    TOP = args.top
+    server, port = spawn_server(PAGE_SERVER)
+    try:
+        with tempfile.TemporaryDirectory(prefix="psymesh-bench-webprof-") as tmp:
+            anyio.run(run, Path(tmp), f"http://127.0.0.1:{port}/ferries", args.count,
+                      "cprofile" if args.cprofile else "ticks" if args.ticks else "callgrind", args.save, backend="trio")
+    finally:
+        server.terminate()
+        server.wait()
+
+
+if __name__ == "__main__":
+    main()
