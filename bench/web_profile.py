@@ -76,7 +76,14 @@ def _daemon_class():
     return Wrapped
 
 
-async def run(tmp: Path, url: str, count: int, mode: str, save: Path | None) -> None:
+def pin(pid: int, cpus: set[int]) -> None:
+    """Every thread of process `pid` onto `cpus`."""
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        os.sched_setaffinity(int(task.name), cpus)
+
+
+async def run(tmp: Path, url: str, count: int, mode: str, save: Path | None, cache: bool,
+              pinned: str | None, hops: int) -> None:
     from psymesh.node.control.process import DaemonProcess, pair_homes
     from psymesh.node.core.home import NodeHome
     from psymesh.node.core.websettings import WebSettings
@@ -85,32 +92,53 @@ async def run(tmp: Path, url: str, count: int, mode: str, save: Path | None) -> 
 
     home = NodeHome(tmp / "exit")
     home.init(name="exit")
-    settings = ExitSettings(enabled=True, allow_loopback=True, cache_entries=8, requests_per_minute=100_000)
+    settings = ExitSettings(enabled=True, allow_loopback=True, cache_entries=8 if cache else 0,
+                            requests_per_minute=100_000)
     home.save_config(home.load_config().model_copy(update={"web": WebSettings(exit=settings)}))
     exit_ = DaemonProcess(tmp / "exit", name="exit")
+    relay = DaemonProcess(tmp / "relay", name="relay") if hops == 2 else None
     stats = tmp / "phone.prof" if mode == "cprofile" else None
     out = tmp / "callgrind.out"
     prefix = ([] if mode != "callgrind" else
               ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}"])
     phone = _daemon_class()(tmp / "phone", name="phone", profile="phone", prefix=prefix, stats=stats)
+    roomy = Limits(requests_per_minute=1_000_000)
     await exit_.start()
+    if relay is not None:
+        await relay.start()
     await phone.start(timeout=600)
     try:
         await pair_homes(exit_.home, phone.home, grant="messaging")
         async with exit_.client() as e:
-            await e.grant("phone", ["web.fetch"], limits=Limits(requests_per_minute=1_000_000))
+            await e.grant("phone", ["web.fetch"], limits=roomy)
+        if relay is not None:
+            await pair_homes(exit_.home, relay.home, grant="messaging")
+            await pair_homes(relay.home, phone.home, grant="messaging")
+            async with exit_.client() as e, relay.client() as r:
+                await e.grant("relay", ["web.fetch"], limits=roomy)
+                await r.grant("phone", ["web.relay"], limits=roomy)
+
+        def query():
+            return client.web_fetch(url, via="exit", hops=1) if relay is None else \
+                client.web_fetch(url, via="exit", relay="relay")
+
         async with phone.client() as client:
             for _ in range(20):
-                await client.web_fetch(url, via="exit", hops=1)
-            assert phone.proc is not None
+                await query()
+            assert phone.proc is not None and exit_.proc is not None
             pid = phone.proc.pid
+            if pinned:
+                phone_cpu, exit_cpu, asker_cpu = (int(x) for x in pinned.split(","))
+                pin(pid, {phone_cpu})
+                pin(exit_.proc.pid, {exit_cpu})
+                os.sched_setaffinity(0, {asker_cpu})
             before = _times(pid)
             if mode == "cprofile":
                 os.kill(pid, signal.SIGUSR1)
             elif mode == "callgrind":
                 subprocess.run(["callgrind_control", "-i", "on", str(pid)], check=True, capture_output=True)
             for _ in range(count):
-                await client.web_fetch(url, via="exit", hops=1)
+                await query()
             user, system = (b - a for a, b in zip(before, _times(pid)))
             if mode == "cprofile":
                 os.kill(pid, signal.SIGUSR2)
@@ -121,13 +149,16 @@ async def run(tmp: Path, url: str, count: int, mode: str, save: Path | None) -> 
                 subprocess.run(["callgrind_control", "-i", "off", str(pid)], check=True, capture_output=True)
     finally:
         await phone.stop(timeout=120)
+        if relay is not None:
+            await relay.stop()
         await exit_.stop()
+    what = f"{'one' if hops == 1 else 'two'}-hop web queries"
     if mode == "cprofile":
-        report_cprofile(stats, count)
+        report_cprofile(stats, count, what)
     elif mode == "callgrind":
-        report_callgrind(out, count)
+        report_callgrind(out, count, what)
     else:
-        print(f"phone daemon, {count} one-hop web queries: {user / count:.3f} ms user + {system / count:.3f} ms"
+        print(f"phone daemon, {count} {what}: {user / count:.3f} ms user + {system / count:.3f} ms"
               f" system CPU a query (/proc ticks), load {os.getloadavg()[0]:.2f}")
     if save is not None:
         for f in ([stats] if mode == "cprofile" else sorted(out.parent.glob(out.name + "*"))):
@@ -137,19 +168,19 @@ async def run(tmp: Path, url: str, count: int, mode: str, save: Path | None) -> 
 TOP = 25
 
 
-def report_cprofile(stats_path: Path, count: int) -> None:
+def report_cprofile(stats_path: Path, count: int, what: str) -> None:
     import pstats
 
     stats = pstats.Stats(str(stats_path))
     total_calls = sum(v[1] for v in stats.stats.values())  # type: ignore[attr-defined]
-    print(f"phone daemon, {count} one-hop web queries: {total_calls / count:.0f} Python calls a query,"
+    print(f"phone daemon, {count} {what}: {total_calls / count:.0f} Python calls a query,"
           f" {stats.total_tt * 1000 / count:.3f} ms thread time a query (profiled)")  # type: ignore[attr-defined]
     for key in ("tottime", "cumulative"):
         print(f"\n-- by {key}")
         stats.sort_stats(key).print_stats(TOP)
 
 
-def report_callgrind(out: Path, count: int) -> None:
+def report_callgrind(out: Path, count: int, what: str) -> None:
     files = sorted(out.parent.glob(out.name + "*"))
     total = 0
     for f in files:
@@ -157,7 +188,7 @@ def report_callgrind(out: Path, count: int) -> None:
             if line.startswith("totals:"):
                 total += int(line.split()[1])
                 break
-    print(f"phone daemon, {count} one-hop web queries: {total / count / 1e6:.3f} M instructions a query"
+    print(f"phone daemon, {count} {what}: {total / count / 1e6:.3f} M instructions a query"
           f" (callgrind, all threads)")
     if TOP and shutil.which("callgrind_annotate"):
         shown = subprocess.run(["callgrind_annotate", "--inclusive=yes", f"--threshold=99", *map(str, files)],
@@ -171,6 +202,12 @@ def main() -> None:
     ap.add_argument("--count", type=int, default=300, help="queries to count over")
     ap.add_argument("--cprofile", action="store_true", help="cProfile the phone instead of counting instructions")
     ap.add_argument("--ticks", action="store_true", help="neither: the phone's user and system CPU from /proc")
+    ap.add_argument("--hops", type=int, choices=(1, 2), default=1,
+                    help="2: sealed through a relay (a third daemon), as bench/web.py's 'two hops'")
+    ap.add_argument("--pin", help="PHONE,EXIT,ASKER: the CPU each runs on")
+    ap.add_argument("--uncached", action="store_true",
+                    help="the exit fetches and extracts every query (bench/web.py's 'one hop') instead of answering"
+                         " from its cache")
     ap.add_argument("--top", type=int, default=TOP, help="functions to list")
     ap.add_argument("--save", type=Path, help="keep the profile (cProfile stats, or callgrind's output) here")
     args = ap.parse_args()
@@ -179,7 +216,8 @@ def main() -> None:
     try:
         with tempfile.TemporaryDirectory(prefix="psymesh-bench-webprof-") as tmp:
             anyio.run(run, Path(tmp), f"http://127.0.0.1:{port}/ferries", args.count,
-                      "cprofile" if args.cprofile else "ticks" if args.ticks else "callgrind", args.save, backend="trio")
+                      "cprofile" if args.cprofile else "ticks" if args.ticks else "callgrind", args.save, not args.uncached, args.pin, args.hops,
+                      backend="trio")
     finally:
         server.terminate()
         server.wait()
