@@ -1,21 +1,26 @@
-"""What one one-hop web query costs the phone daemon in work, not time: instructions and Python calls.
+"""What one web query through an exit costs the phone daemon in work, not time: instructions, Python calls.
 
-Two real daemons in their own processes on 127.0.0.1, paired: an exit that holds the page in
-its cache (so it answers at once and leaves the machine to the phone) and the phone. The
-asker (this process) runs `Client.web_fetch(url, via="exit", hops=1)` `--count` times in a
-row, the same query bench/web.py times, and one of:
+Real daemons in their own processes on 127.0.0.1, paired: an exit that holds the page in its
+cache (so it answers at once and leaves the machine to the phone; `--uncached`: it fetches and
+extracts every time, as in bench/web.py's "one hop"), the phone, and with `--hops 2` a relay.
+The asker (this process) runs `Client.web_fetch(url, via="exit", hops=1)` (or `relay="relay"`)
+`--count` times in a row, and one of:
 
-- `--callgrind` (the default): the phone runs under valgrind's callgrind with its
-  instrumentation off until the loop starts (`callgrind_control -i on`) and off again after it:
-  instructions the phone executed a query, every thread. Load-independent (it counts, it does
-  not time), so a before/after difference of a few percent is real on this shared machine;
-  `--top N` also prints the N functions with the most inclusive instructions.
+- the default: the phone runs under valgrind's callgrind with its instrumentation off until
+  the loop starts (`callgrind_control -i on`) and off again after it: instructions the phone
+  executed a query, all threads. Load-independent (it counts, it does not time): three runs of
+  the same code differ by under 1%, so a cut of a few percent is told from noise, which /proc
+  ticks on this shared 2-core machine cannot do. `--top N` also prints callgrind's N
+  functions with the most inclusive instructions (C level: the interpreter, pydantic-core,
+  msgpack, OpenSSL).
 - `--cprofile`: the phone runs under cProfile with `time.thread_time` as its clock, enabled
   and dumped by signals around the loop: Python calls a query and the top functions by own
   and by cumulative time (cProfile's own overhead inflates every figure; read the shares).
+- `--ticks`: nothing attached; the phone's user and system CPU a query from /proc.
+  `--pin PHONE,EXIT,ASKER` puts each on a CPU of its own choosing first.
 
-The page server is a stdlib HTTP server in a third process. Usage:
-    .venv/bin/python bench/web_profile.py [--count N] [--cprofile] [--top N]
+`--save PATH` keeps the profile. Usage:
+    .venv/bin/python bench/web_profile.py [--count N] [--hops 2] [--uncached] [--cprofile | --ticks] [--top N]
 """
 from __future__ import annotations
 
@@ -212,11 +217,15 @@ def main() -> None:
     ap.add_argument("--save", type=Path, help="keep the profile (cProfile stats, or callgrind's output) here")
     args = ap.parse_args()
     TOP = args.top
+    mode = "cprofile" if args.cprofile else "ticks" if args.ticks else "callgrind"
+    if mode == "callgrind" and shutil.which("valgrind") is None:
+        print("valgrind is not installed (apt-get install valgrind): the phone's /proc ticks instead")
+        mode = "ticks"
     server, port = spawn_server(PAGE_SERVER)
     try:
         with tempfile.TemporaryDirectory(prefix="psymesh-bench-webprof-") as tmp:
             anyio.run(run, Path(tmp), f"http://127.0.0.1:{port}/ferries", args.count,
-                      "cprofile" if args.cprofile else "ticks" if args.ticks else "callgrind", args.save, not args.uncached, args.pin, args.hops,
+                      mode, args.save, not args.uncached, args.pin, args.hops,
                       backend="trio")
     finally:
         server.terminate()
