@@ -26,6 +26,7 @@ bench: $(STAMP)
 	$(PY) bench/durable.py
 	$(PY) bench/denied.py
 	$(PY) bench/web.py
+	$(PY) bench/web_profile.py
 	$(PY) bench/ui.py
 	$(PY) bench/cli.py
 	$(PY) bench/idle.py

@@ -188,13 +188,7 @@ class Operation(BaseModel):
     @classmethod
     def fetch(cls, url: str, payload_bytes: int = 0) -> "Operation":
         """A web.fetch of `url` (only its host matters to the manifest)."""
-        try:
-            host = urlsplit(url).hostname
-        except ValueError:
-            host = None
-        if not host:
-            raise PsymeshError(f"not a URL with a host: {url[:120]!r}", code=ErrorCode.BAD_REQUEST)
-        return cls(name="web.fetch", domain=normalize_host(host), payload_bytes=payload_bytes)
+        return _fetch_operation(url, payload_bytes)
 
     def required(self) -> str:
         """The narrowest capability that would allow this request, in CLI spelling."""
@@ -208,6 +202,19 @@ class Operation(BaseModel):
         if self.name == "web.fetch":
             return f"web.fetch:domains={self.domain}"
         return self.name
+
+
+@functools.lru_cache(maxsize=256)
+def _fetch_operation(url: str, payload_bytes: int) -> Operation:
+    """`Operation.fetch`, kept per URL (a frozen model, so one can be shared): the phone's route
+    and the exit's door judge each web.fetch by it, and parsed the same URL each time."""
+    try:
+        host = urlsplit(url).hostname
+    except ValueError:
+        host = None
+    if not host:
+        raise PsymeshError(f"not a URL with a host: {url[:120]!r}", code=ErrorCode.BAD_REQUEST)
+    return Operation(name="web.fetch", domain=normalize_host(host), payload_bytes=payload_bytes)
 
 
 # ---------------------------------------------------------------------------- capabilities

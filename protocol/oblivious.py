@@ -128,22 +128,26 @@ def _check_suite(key: ExitKey) -> None:
             " psymesh seals with X25519, HKDF-SHA256, ChaCha20-Poly1305", code=ErrorCode.BAD_REQUEST)
 
 
-def verify_exit_key(key: ExitKey, *, exit: str, now: float) -> None:
+def verify_exit_key(key: ExitKey, *, exit: str, now: float, signature_verified: bool = False) -> None:
     """Check a key before sealing to it: it is `exit`'s own, validly signed (FORBIDDEN),
-    in our suite (BAD_REQUEST), and not past `not_after` (EXPIRED)."""
-    if key.exit != exit or not key.signature_valid():
+    in our suite (BAD_REQUEST), and not past `not_after` (EXPIRED). `signature_verified`:
+    the caller verified this very key's signature before (an equal key: same fields, same
+    signature), so only the rest is checked again."""
+    if key.exit != exit or not (signature_verified or key.signature_valid()):
         raise PsymeshError("an exit key must be the exit's own, validly signed", code=ErrorCode.FORBIDDEN)
     _check_suite(key)
     if now > key.not_after:
         raise PsymeshError(f"the exit key {key.key_id} expired at {key.not_after}", code=ErrorCode.EXPIRED)
 
 
-def consistent_key(ours: ExitKey, relays: ExitKey, *, exit: str, now: float) -> ExitKey:
+def consistent_key(ours: ExitKey, relays: ExitKey, *, exit: str, now: float,
+                   signature_verified: bool = False) -> ExitKey:
     """The key to seal to: the relay's view of the exit's key (checked: the exit's own,
     signed, in date), which the relay shows every asker alike. CONFLICT if the exit handed
     us a different public key under the same `key_id`: it keeps a key per asker, and
-    sealing to either would let it tell us apart."""
-    verify_exit_key(relays, exit=exit, now=now)
+    sealing to either would let it tell us apart. `signature_verified` as in `verify_exit_key`,
+    for the relay's view."""
+    verify_exit_key(relays, exit=exit, now=now, signature_verified=signature_verified)
     if ours.key_id == relays.key_id and ours.public_key != relays.public_key:
         raise PsymeshError(f"exit {exit} handed this node a key other than the one its relay sees under key id"
                            f" {ours.key_id}: it may be telling askers apart; not sealing to it",

@@ -517,3 +517,57 @@ def test_the_web_router_checks_the_exits_grant_on_every_query(tmp_path: Path) ->
     clock[0] += 61
     with pytest.raises(PsymeshError):
         router.route(fetch, via="exit", hops=1)
+
+
+def test_the_web_router_checks_the_exits_key_on_every_two_hop_query(tmp_path: Path) -> None:
+    """Two hops: the exit's key is read from the table once and kept (its only writer,
+    `receive`, keeps it too), its signature verified once per key; who it names and its expiry
+    are checked on every query: a forged key never routes, an expired one is refused on the
+    very next query, and a new key from the exit is the one the next query seals to."""
+    from psymesh.node.core.websettings import WebSettings
+    from psymesh.node.net.session import Call
+    from psymesh.node.web.router import WebKeys, WebRouter
+    from psymesh.protocol.oblivious import ExitSecret
+    from psymesh.protocol.web import WebFetch, WebKeyPush
+
+    exit_, relay, phone = (NodeHome(tmp_path / n).init() for n in ("exit", "relay", "phone"))
+    conn = open_db(tmp_path / "node.db")
+    trust, keys, clock = TrustStore(conn), WebKeys(conn), [time.time()]
+    router = WebRouter(WebSettings(), phone.peer_id, trust, None, keys, clock=lambda: clock[0])  # type: ignore[arg-type]
+    granting = new_manifest(relay.peer_id, phone.peer_id, ["web.relay"], now=clock[0]).sign(relay.private_key)
+    trust.add(relay.peer_id, name="relay", role="home", addrs=[], granted=None, received=granting)
+    trust.add(exit_.peer_id, name="exit", role="home", addrs=[], granted=None, received=None)
+    fetch = WebFetch(url="https://example.com/a")
+
+    async def nothing(rid: int, messages: tuple) -> None:  # type: ignore[type-arg]
+        pass
+
+    def pushed(ttl_s: float, *, forged: bool = False):  # the exit hands us a key (the door checked it)
+        key = ExitSecret.generate(1).public(exit_.private_key, exit_.peer_id, now=clock[0], ttl_s=ttl_s)
+        if forged:
+            key = key.model_copy(update={"public_key": bytes(32)})
+        anyio.run(keys.receive, Call(exit_.peer_id, 1, WebKeyPush(key=key), nothing))
+        return key
+
+    def route():
+        return router.route(fetch, via="exit", relay="relay")
+
+    pushed(60, forged=True)
+    with pytest.raises(PsymeshError) as forged:
+        route()
+    assert forged.value.code == ErrorCode.FORBIDDEN
+    key = pushed(60)
+    reads: list[str] = []
+    conn.set_trace_callback(lambda sql: reads.append(sql) if "FROM web_keys" in sql else None)
+    try:
+        for _ in range(3):
+            assert route().key == key
+        assert reads == []  # kept since `receive` wrote it
+        assert WebKeys(conn).get(exit_.peer_id) == key and len(reads) == 1  # and what a restart reads
+    finally:
+        conn.set_trace_callback(None)
+    newer = pushed(120)
+    assert route().key == newer
+    clock[0] += 121
+    with pytest.raises(PsymeshError):
+        route()

@@ -19,6 +19,10 @@ direct connection is open: the next request opens a new session (the p2p host op
 new streams on the direct connection), and the old one is closed as soon as the
 requests still on it have ended (node/reach/relaying.py closes the relayed connection then, or
 after `overlap_s` at the latest).
+
+What every request does (a deadline, the event its reply sets, the time a read came) is
+trio's own, not anyio's wrapper of it: the daemon runs on trio (libp2p is trio-native), and
+the wrappers cost ~4% of the phone's instructions a one-hop web query (bench/web_profile.py).
 """
 from __future__ import annotations
 
@@ -31,6 +35,7 @@ from typing import Protocol, TypeVar
 
 import anyio
 import anyio.abc
+import trio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from .framed import READ_CHUNK, ByteStream
@@ -185,7 +190,7 @@ class OutboundSession:
         self._write_lock = anyio.Lock(fast_acquire=True)
         self._dead: PsymeshError | None = None  # a NetworkError, or the server's refusal
         self.closed = anyio.Event()
-        self._opened = anyio.Event()  # set (and replaced) as each request is sent
+        self._opened: anyio.Event | None = None  # set (and dropped) as the next request is sent
         self.last_heard = anyio.current_time()
         self.relayed = False   # opened while the peer was reachable through a relay only
         self._retired = False  # replaced by a session on a direct connection: closes when idle
@@ -199,7 +204,10 @@ class OutboundSession:
         return len(self._client.open_requests)
 
     def next_request(self) -> anyio.Event:
-        """An event set when the next request is sent on this session."""
+        """An event set when the next request is sent on this session (made when first asked
+        for: the liveness watcher waits on it once a quiet period, not once a request)."""
+        if self._opened is None:
+            self._opened = anyio.Event()
         return self._opened
 
     async def run(self) -> None:
@@ -207,7 +215,7 @@ class OutboundSession:
         try:
             while True:
                 data = await self._stream.receive_some(READ_CHUNK)
-                self.last_heard = anyio.current_time()
+                self.last_heard = trio.current_time()
                 self._client.receive_data(data)
                 while (reply := self._client.next_reply()) is not None:
                     inbox = self._inboxes.get(reply.rid)
@@ -259,8 +267,9 @@ class OutboundSession:
             raise ConnectionLost(f"the session to {self.peer_id} was replaced by a direct one")
         rid, data = self._client.request(message)
         self._inboxes[rid] = inbox
-        self._opened.set()
-        self._opened = anyio.Event()
+        if self._opened is not None:
+            self._opened.set()
+            self._opened = None
         return rid, data
 
     async def _finish(self, rid: int) -> None:
@@ -344,7 +353,7 @@ class _OneReply:
     __slots__ = ("_ready", "reply")
 
     def __init__(self) -> None:
-        self._ready = anyio.Event()
+        self._ready = trio.Event()
         self.reply: Reply | None = None
 
     async def send(self, reply: Reply) -> None:
@@ -521,7 +530,7 @@ class SessionPool:
         managers around the same scope, on every request), which only this scope's deadline
         can cancel: caught cancelled means timed out."""
         try:
-            with anyio.CancelScope(deadline=anyio.current_time() + timeout) as bounded:
+            with trio.CancelScope(deadline=trio.current_time() + timeout) as bounded:
                 session = await self.session(peer_id)
                 return await session.request(message, reply_type)
             assert bounded.cancelled_caught  # the block returns or raises otherwise

@@ -79,11 +79,14 @@ class Route(BaseModel):
 
 
 class WebKeys:
-    """Exit keys handed to us by their exits, kept across restarts."""
+    """Exit keys handed to us by their exits, kept across restarts. `receive` is the table's
+    only writer, so each exit's key is read from it once and kept (every two-hop query
+    looks its exit's key up)."""
 
     def __init__(self, conn: sqlite3.Connection) -> None:
         self.conn = conn
         ensure_schema(conn, SCHEMA)
+        self._known: dict[str, ExitKey | None] = {}  # one entry per exit asked about: paired peers
 
     async def receive(self, call: Call) -> Message:
         """An exit hands us its key (the door checked it is the sender's own, signed)."""
@@ -91,14 +94,17 @@ class WebKeys:
         with transaction(self.conn):
             self.conn.execute("INSERT INTO web_keys (exit, key) VALUES (?, ?) ON CONFLICT(exit) DO UPDATE"
                               " SET key = excluded.key", (call.peer_id, pack(call.request)))
+        self._known[call.peer_id] = call.request.key
         return WebKeyOk()
 
     def get(self, exit_peer: str) -> ExitKey | None:
+        if exit_peer in self._known:
+            return self._known[exit_peer]
         row = self.conn.execute("SELECT key FROM web_keys WHERE exit = ?", (exit_peer,)).fetchone()
-        if row is None:
-            return None
-        push = unpack(row[0])
-        return push.key if isinstance(push, WebKeyPush) else None
+        push = None if row is None else unpack(row[0])
+        key = push.key if isinstance(push, WebKeyPush) else None
+        self._known[exit_peer] = key
+        return key
 
 
 class WebRouter:
@@ -115,6 +121,11 @@ class WebRouter:
         # peer id -> the received grant whose signature we verified: the trust store hands back
         # the same frozen Manifest while the row's blob is unchanged, as the door relies on
         self._verified: dict[str, Manifest] = {}
+        # exit peer id -> the exit key whose signature we verified last (ours, or the relay's
+        # view of it, which is equal unless the exit moved to a new key): equal keys have equal
+        # signing bytes and signature, so an Ed25519 verification each is once per key, not
+        # twice per two-hop query; who it names, its suite and its expiry are checked every time
+        self._verified_keys: dict[str, ExitKey] = {}
 
     def route(self, request: WebRequest, *, via: str | None = None, relay: str | None = None,
               hops: int | None = None) -> Route:
@@ -164,10 +175,15 @@ class WebRouter:
         if key is None:
             return None
         try:
-            verify_exit_key(key, exit=exit_peer, now=now)
+            verify_exit_key(key, exit=exit_peer, now=now, signature_verified=self._key_verified(exit_peer, key))
         except PsymeshError:
             return None
+        self._verified_keys[exit_peer] = key
         return key
+
+    def _key_verified(self, exit_peer: str, key: ExitKey) -> bool:
+        """Whether `key` equals the key of `exit_peer` whose signature was verified last."""
+        return self._verified_keys.get(exit_peer) == key
 
     def _pick(self, named: str | None, role: str, fits: Callable[[Peer], bool], lacks: str, *,
               exclude: str | None = None) -> Peer:
@@ -200,7 +216,9 @@ class WebRouter:
             return await self.sessions.request(route.exit, request, reply, timeout=timeout)
         assert route.key is not None  # a route through a relay carries the key (Route's validator)
         view = await self.sessions.request(route.relay, WebKeyOf(exit=route.exit), WebKeyView, timeout=timeout)
-        key = consistent_key(route.key, view.key, exit=route.exit, now=self.clock())
+        key = consistent_key(route.key, view.key, exit=route.exit, now=self.clock(),
+                             signature_verified=self._key_verified(route.exit, view.key))
+        self._verified_keys[route.exit] = key
         # whole seconds: the exit needs the time only to within its window, and the milliseconds
         # of a phone's clock offset would tell its requests apart
         sealed, pending = seal_request(key, pack(request), now=float(int(self.clock())))
