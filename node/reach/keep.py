@@ -82,17 +82,25 @@ def kept_peers(trust: TrustStore, *, profile: str, mailbox: str | None) -> set[s
 class KeepConnected:
     def __init__(self, wanted: Callable[[], set[str]], links: Links, reacher: Reacher, *,
                  keep_alive_s: float, label: Callable[[str], str] = str,
+                 backoff: Callable[[int, float], float] = backoff_s,
                  jitter: Callable[[], float] = random.random) -> None:
+        """`backoff(failures, jitter)`: seconds before the next dial after `failures` in a row."""
         self.wanted = wanted
         self.links = links
         self.reacher = reacher
         self.keep_alive_s = keep_alive_s
         self.label = label
+        self.backoff = backoff
         self.jitter = jitter
         self._failures: dict[str, int] = {}
         self._retry_at: dict[str, float] = {}
         self._dialing: set[str] = set()
         self._poke = anyio.Event()   # a dial ended, or the trust store changed
+
+    @property
+    def busy(self) -> bool:
+        """A dial or a keep-alive ping is under way."""
+        return bool(self._dialing)
 
     def poke(self) -> None:
         """Look again now (the trust store changed: a peer was paired or revoked)."""
@@ -132,7 +140,7 @@ class KeepConnected:
                 await self.reacher.open(peer_id)
         except (PsymeshError, TimeoutError) as exc:
             failures = self._failures.get(peer_id, 0)
-            delay = backoff_s(failures, self.jitter())
+            delay = self.backoff(failures, self.jitter())
             self._failures[peer_id] = failures + 1
             self._retry_at[peer_id] = anyio.current_time() + delay
             log.log(logging.INFO if failures == 0 else logging.DEBUG,
