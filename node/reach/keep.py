@@ -61,8 +61,9 @@ class PoolReacher:
         await self.sessions.request(peer_id, Ping(seq=0), Pong)
 
     def quiet_for(self, peer_id: str, now: float) -> float:
-        """Since when our session to it heard nothing; with none (it dialed us), as long as can
-        be: the first look opens one with a ping."""
+        """How long our session to it has heard nothing; with no session (it dialed us, or the
+        connection came from pairing), as long as can be: the keeper counts from when it saw the
+        connection open instead, so a new connection costs no ping."""
         heard = self.sessions.last_heard(peer_id)
         return math.inf if heard is None else now - heard
 
@@ -95,6 +96,7 @@ class KeepConnected:
         self._failures: dict[str, int] = {}
         self._retry_at: dict[str, float] = {}
         self._dialing: set[str] = set()
+        self._seen_since: dict[str, float] = {}  # peer id -> since when we see it connected (or pinged it)
         self._poke = anyio.Event()   # a dial ended, or the trust store changed
 
     @property
@@ -118,6 +120,7 @@ class KeepConnected:
                     if peer_id in self._dialing:
                         continue
                     if self.links.path(peer_id) is None:
+                        self._seen_since.pop(peer_id, None)
                         due = self._retry_at.get(peer_id, 0.0)
                         if due <= now:
                             self._dialing.add(peer_id)
@@ -125,7 +128,8 @@ class KeepConnected:
                         else:
                             wake_at = min(wake_at, due)
                     elif self.keep_alive_s > 0:
-                        quiet = self.reacher.quiet_for(peer_id, now)
+                        seen = self._seen_since.setdefault(peer_id, now)
+                        quiet = min(self.reacher.quiet_for(peer_id, now), now - seen)
                         if quiet >= self.keep_alive_s:
                             self._dialing.add(peer_id)
                             tg.start_soon(self._keep_alive, peer_id)
@@ -155,6 +159,7 @@ class KeepConnected:
             self._poke.set()
 
     async def _keep_alive(self, peer_id: str) -> None:
+        self._seen_since[peer_id] = anyio.current_time()  # quiet counts from the ping, session or not
         try:
             with anyio.fail_after(DIAL_TIMEOUT_S):
                 await self.reacher.ping(peer_id)
