@@ -430,3 +430,49 @@ async def test_receipts_travel_back_through_the_mailbox_between_two_phones_never
             check_receipt(proof, recipient=phone_id, local_peer_id=writer_id)
             assert receipts_held() == 0                # handed over once
             tg.cancel_scope.cancel()
+
+
+@pytest.mark.slow
+async def test_a_phone_with_a_mailbox_keeps_running_while_its_home_pc_is_down(tmp_path: Path) -> None:
+    """The README's phone names home as its mailbox; home stops (a reboot, a power cut). The
+    phone's open mail.fetch fails, and the phone waits for home to come back: it does not stop
+    (before, the failure left its fetch loop as an exception group and took the daemon down).
+    Home back, the phone is reached again and its letters arrive."""
+    from psymesh.node.control.process import DaemonProcess
+
+    home = DaemonProcess(tmp_path / "home", name="home", listen=["/ip4/127.0.0.1/tcp/0"])
+    phone = DaemonProcess(tmp_path / "phone", profile="phone", name="phone")
+    await home.start()
+    await phone.start()
+    try:
+        await pair(home.home, phone.home)
+        await phone.stop()
+        config = NodeHome(phone.home)
+        config.save_config(config.load_config().model_copy(update={"mailbox": "home"}))
+        await phone.start()
+        async with phone.client() as p:
+            async def fetching() -> bool:  # the phone's mail.fetch is open on home
+                return bool((await p.status()).connected_peers)
+
+            await wait_until(fetching, "the phone connected to its mailbox")
+            await home.stop()
+            await wait_until(_not(fetching), "the phone to see home gone", timeout=30)
+            assert phone.running, phone.log_tail()
+        await home.start()
+        async with home.client() as h, phone.client() as p:
+            sent = await h.send("phone", "back")
+            with anyio.fail_after(60):
+                letter = await p.inbox().__anext__()
+            assert letter.id == sent.id
+        assert phone.running, phone.log_tail()
+    finally:
+        if phone.running:
+            await phone.stop()
+        if home.running:
+            await home.stop()
+
+
+def _not(check):  # type: ignore[no-untyped-def]
+    async def negated() -> bool:
+        return not await check()
+    return negated

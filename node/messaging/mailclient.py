@@ -37,7 +37,7 @@ from typing import Protocol
 
 import anyio
 import anyio.abc
-from anyio.streams.memory import MemoryObjectReceiveStream
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
 from ..core.home import Identity, NodeHome
@@ -295,23 +295,43 @@ class MailOwner:
             await anyio.sleep(delay)
 
     async def _fetch(self, box: str) -> None:
-        """One `mail.fetch` on the mailbox: take each item in order, acknowledging behind."""
+        """One `mail.fetch` on the mailbox: take each item in order, acknowledging behind. A
+        failure of the fetch or of an ack (the mailbox went away) is raised as itself, not in
+        the task group's exception group, so that `_fetch_forever` retries: before, it escaped
+        as a group, and a phone with a `mailbox` stopped whenever its home PC did."""
+        failed: list[PsymeshError] = []
         send_ack, receive_ack = anyio.create_memory_object_stream[int](math.inf)
         async with anyio.create_task_group() as tg:
-            tg.start_soon(self._acknowledge, box, receive_ack)
+            async def acknowledge() -> None:
+                try:
+                    await self._acknowledge(box, receive_ack)
+                except PsymeshError as exc:
+                    failed.append(exc)
+                    tg.cancel_scope.cancel()
+
+            tg.start_soon(acknowledge)
             with send_ack:
-                request = MailFetch(after=self._after.get(box, 0), wait_s=self.FETCH_WAIT_S)
-                async with self.sessions.stream(box, request) as replies:
-                    async for reply in replies:
-                        if isinstance(reply, SessionEnd):
-                            break
-                        item = expect(reply, MailItem)
-                        await self._take(item)
-                        self._after[box] = item.seq
-                        try:
-                            send_ack.send_nowait(item.seq)
-                        except anyio.BrokenResourceError:  # the acknowledger stopped: the node is stopping
-                            return                         # (unacknowledged, the item comes again: no loss)
+                try:
+                    await self._take_all(box, send_ack)
+                except PsymeshError as exc:
+                    failed.append(exc)
+                    tg.cancel_scope.cancel()
+        if failed:
+            raise failed[0]
+
+    async def _take_all(self, box: str, send_ack: MemoryObjectSendStream[int]) -> None:
+        request = MailFetch(after=self._after.get(box, 0), wait_s=self.FETCH_WAIT_S)
+        async with self.sessions.stream(box, request) as replies:
+            async for reply in replies:
+                if isinstance(reply, SessionEnd):
+                    break
+                item = expect(reply, MailItem)
+                await self._take(item)
+                self._after[box] = item.seq
+                try:
+                    send_ack.send_nowait(item.seq)
+                except anyio.BrokenResourceError:  # the acknowledger stopped: the node is stopping
+                    return                         # (unacknowledged, the item comes again: no loss)
 
     async def _acknowledge(self, box: str, acks: MemoryObjectReceiveStream[int]) -> None:
         """Acknowledge the latest item taken, one `mail.ack` at a time: a burst of items
