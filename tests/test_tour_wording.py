@@ -62,6 +62,14 @@ async def test_a_grant_that_expires_says_until_when_in_grant_and_peers(tmp_path:
         _, view, _ = await _cli(home, "peers", json_mode=True)
         assert view[0]["granted_expires"] is None
 
+        # `-CAP` with an h in it takes it away too: it was read as -w -e -b ... -h, printed the help, exit 0
+        rc, text, err = await _cli(home, "grant", "phone", "+web.search")
+        assert rc == 0, err
+        rc, text, err = await _cli(home, "grant", "phone", "-web.search")
+        assert rc == 0 and "Usage" not in text, (text, err)
+        _, view, _ = await _cli(home, "peers", json_mode=True)
+        assert "web.search" not in view[0]["granted"]
+
 
 async def test_a_revoked_peer_is_shown_with_no_capabilities(tmp_path: Path) -> None:
     """Before: after `revoke phone`, `peers` still listed phone's last grant under "may ask us" (and

@@ -216,7 +216,8 @@ def parse_limits(text: str) -> dict[str, int | None]:
         raise PsymeshError(f"--limits: {exc}", code=ErrorCode.BAD_REQUEST) from None
 
 
-@click.command(context_settings={"ignore_unknown_options": True})
+# `-CAP` is an argument: no short options here, not even -h (it would take `-web.search` for -w -e -b ... -h)
+@click.command(context_settings={"ignore_unknown_options": True, "help_option_names": ["--help"]})
 @command
 @click.argument("peer")
 @click.argument("capabilities", nargs=-1, metavar="[CAP | +CAP | -CAP]...")
