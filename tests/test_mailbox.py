@@ -437,10 +437,15 @@ async def test_a_phone_with_a_mailbox_keeps_running_while_its_home_pc_is_down(tm
     """The README's phone names home as its mailbox; home stops (a reboot, a power cut). The
     phone's open mail.fetch fails, and the phone waits for home to come back: it does not stop
     (before, the failure left its fetch loop as an exception group and took the daemon down).
-    Home back, the phone is reached again and its letters arrive."""
+    Home back at its address, the phone dials it again and its letters arrive."""
+    import socket
+
     from psymesh.node.control.process import DaemonProcess
 
-    home = DaemonProcess(tmp_path / "home", name="home", listen=["/ip4/127.0.0.1/tcp/0"])
+    with socket.socket() as probe:  # home comes back where it was, as at its fixed port in the README
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    home = DaemonProcess(tmp_path / "home", name="home", listen=[f"/ip4/127.0.0.1/tcp/{port}"])
     phone = DaemonProcess(tmp_path / "phone", profile="phone", name="phone")
     await home.start()
     await phone.start()
