@@ -51,6 +51,7 @@ def refuse_dials_to(port: int) -> None:
 
 async def bench(sleeps: list[float], undialable: bool) -> tuple[float, list[Late]]:
     from psymesh.node.control.process import DaemonProcess, pair_homes
+    from psymesh.node.reach.dialback import tcp_ports
 
     with tempfile.TemporaryDirectory(prefix="psymesh-asleep-") as tmp:
         home = DaemonProcess(Path(tmp) / "home", name="home")
@@ -64,7 +65,7 @@ async def bench(sleeps: list[float], undialable: bool) -> tuple[float, list[Late
             async with phone.client() as p, home.client() as h:
                 await p.ping("home", count=1)
                 if undialable:
-                    refuse_dials_to(int((await p.status()).addrs[0].split("/tcp/")[1].split("/")[0]))
+                    refuse_dials_to(tcp_ports((await p.status()).addrs)[0])
                 inbox = p.inbox()
                 start = time.perf_counter()
                 await h.send("phone", "awake")

@@ -26,6 +26,7 @@ from test_relay import daemons
 from waiting import wait_until
 from psymesh.node.control.process import DaemonProcess
 from psymesh.node.core.home import NodeHome
+from psymesh.node.reach.dialback import tcp_ports
 from psymesh.node.reach.keep import KeepConnected
 from psymesh.protocol.errors import ConnectError
 
@@ -83,7 +84,7 @@ async def test_a_recipient_that_comes_back_gets_its_letter_at_once_not_after_the
     async with daemons(home, phone), home.client() as h:
         await pair(home.home, phone.home)
         async with phone.client() as p:
-            old_port = int((await p.status()).addrs[0].split("/tcp/")[1].split("/")[0])
+            [old_port] = tcp_ports((await p.status()).addrs)
         await phone.stop()
         # Where the phone was, connections are taken and closed at once: each of home's tries is
         # seen, and fails (as a circuit through a relay the phone left fails).

@@ -466,7 +466,7 @@ class P2PNode(Relaying, HolePunching):
         address go unanswered for minutes (no answer is no refusal) while the phone, awake
         again, has dialed us itself (node/reach/keep.py): what waits for it goes at once."""
         opened: P2PStream | None = None
-        failed: BaseException | None = None
+        failed: Exception | None = None
         async with anyio.create_task_group() as tg:
             async def dial() -> None:
                 nonlocal opened, failed
