@@ -61,6 +61,10 @@ PING_TIMEOUT_S = 30.0  # all of `psymesh ping`'s round trips
 # (TaskSubmitter.submit returns once the outbox row is on disk, synced while the task is on its
 # way; a sync here would wait again for the rows the answer does not promise: event 1, ...).
 SYNCS_ITSELF: frozenset[type[Message]] = frozenset({c.TaskSubmitRequest})
+# Requests that write what their durable answer promises (a letter a courier then sends): once a
+# WAL fsync failed, refused before they write, since no answer could promise it (the submitter
+# checks the same for a task, WalSync.refuse_if_failed, just before its row is written).
+WRITES_DURABLY: frozenset[type[Message]] = frozenset({c.MsgSendRequest, c.GroupSendRequest})
 
 
 
@@ -148,12 +152,16 @@ class Owner:
             c.UiRequest: self._ui,
         }
         for request_type, handler in routes.items():
-            control.route(request_type, handler if request_type in SYNCS_ITSELF else self._durable(handler))
+            control.route(request_type, handler if request_type in SYNCS_ITSELF
+                          else self._durable(handler, writes=request_type in WRITES_DURABLY))
 
-    def _durable(self, handler: Handler) -> Handler:
+    def _durable(self, handler: Handler, *, writes: bool = False) -> Handler:
         """An answer that promises durability (`Message.durable`: the letter written) leaves
-        only once the WAL is synced. The routes in SYNCS_ITSELF keep that promise themselves."""
+        only once the WAL is synced. The routes in SYNCS_ITSELF keep that promise themselves.
+        `writes` (WRITES_DURABLY): refused before the handler writes, once a WAL fsync failed."""
         async def answer(req: Message, framed: FramedStream) -> Message | None:
+            if writes:
+                self.node.wal.refuse_if_failed()  # a letter it could not promise must not be written
             reply = await handler(req, framed)
             if reply is not None and reply.durable:
                 await self.node.wal.sync()
@@ -404,7 +412,6 @@ class Owner:
                              skipped=received.skipped)
 
     async def _msg_send(self, req: c.MsgSendRequest, _: FramedStream) -> c.MsgSentReply:
-        self.node.wal.refuse_if_failed()  # a letter it could not promise must not be written (a courier would send it)
         letter = self.node.messaging.send(req.to, req.text, body=req.body, thread=req.thread,
                                           letter_id=req.letter_id)
         if req.letter_id is None:  # just written: pending (no second read of the row on a hot path)
@@ -478,7 +485,6 @@ class Owner:
         return c.GroupsReply(groups=self.node.groups.list())
 
     async def _group_send(self, req: c.GroupSendRequest, _: FramedStream) -> c.GroupSentReply:
-        self.node.wal.refuse_if_failed()  # as _msg_send
         letters = self.node.groups.send(req.name, req.text, body=req.body)
         return c.GroupSentReply(group=req.name, letters=[self._written(letter) for letter in letters])
 
