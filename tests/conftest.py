@@ -51,7 +51,7 @@ from psymesh.node.control.process import pair_homes as pair  # noqa: E402  (test
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A generated GGUF in the BotPsy chat format (psymesh.agent.testmodel), made once per run."""
-    from psymesh.agent.testmodel import tiny_model_path
+    """A generated GGUF in the BotPsy chat format (psymesh.agent.runtime.testmodel), made once per run."""
+    from psymesh.agent.runtime.testmodel import tiny_model_path
 
     return tiny_model_path(tmp_path_factory.getbasetemp() / "models")

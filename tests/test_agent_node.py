@@ -23,8 +23,8 @@ import anyio
 import pytest
 
 from conftest import pair, run_nodes
-from psymesh.agent.loop import ScriptedModel, tool_call_text
-from psymesh.agent.tools import tool_from_function
+from psymesh.agent.acting.loop import ScriptedModel, tool_call_text
+from psymesh.agent.acting.tools import tool_from_function
 from psymesh.node.models import agents
 from psymesh.node.control.client import Client, TaskHandle
 from psymesh.node.daemon import Node

@@ -9,15 +9,15 @@ from pathlib import Path
 
 import pytest
 
-from psymesh.agent.builtin_tools import default_registry
-from psymesh.agent.device import (
+from psymesh.agent.acting.builtin_tools import default_registry
+from psymesh.agent.acting.device import (
     MESSAGE_RESERVE_BYTES,
     NO_NETWORK,
     STORAGE_FULL,
     DeviceState,
     wifi_off_inbox_full,
 )
-from psymesh.agent.tools import ToolContext, ToolError, ToolRegistry
+from psymesh.agent.acting.tools import ToolContext, ToolError, ToolRegistry
 from psymesh.protocol.errors import ErrorCode
 
 NOW = datetime(2025, 6, 2, 9, 30)

@@ -69,8 +69,8 @@ from ...protocol.tasks import TaskState
 if TYPE_CHECKING:
     import uvicorn
 
-    from ...agent.loop import AgentEvent
-    from ...agent.tools import ToolRegistry
+    from ...agent.acting.loop import AgentEvent
+    from ...agent.acting.tools import ToolRegistry
     from ..core.home import Profile
     from ..models.agents import AgentTaskRunner
 

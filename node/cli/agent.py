@@ -23,7 +23,7 @@ from .task import _follow, _print_outcome
 if TYPE_CHECKING:
     from ..control.client import Client
     from ..core.home import NodeHome
-    from ...agent.bfcl import BfclReport
+    from ...agent.evaluation.bfcl import BfclReport
 
 
 @click.group()
@@ -40,7 +40,7 @@ class _StopOverContext:
         self.model, self.name, self.n_ctx, self.out = model, name, n_ctx, out
 
     async def reply(self, *args: Any, **kwargs: Any) -> Any:
-        from ...agent.inference import PromptTooLong
+        from ...agent.runtime.api import PromptTooLong
 
         try:
             return await self.model.reply(*args, **kwargs)
@@ -83,7 +83,7 @@ def _print_agent_event(out: Output, ev: Any) -> None:
 def agent_run(home: str | None, out: Output, goal: str, model_name: str | None, delegate: str, to: str | None,
               max_steps: int, thinking: bool, free_form: bool, yes: bool, ban_bytes: bool, seed: int | None) -> None:
     """Work on GOAL with this node's tools; irreversible calls ask first (or --yes)."""
-    from ...agent.policy import DelegationInputs, decide
+    from ...agent.acting.policy import DelegationInputs, decide
     from ..control.client import Client
 
     node_home = home_at(home)
@@ -128,8 +128,8 @@ def agent_run(home: str | None, out: Output, goal: str, model_name: str | None, 
 
 async def _agent_local(node_home: NodeHome, config: Any, registry: Any, out: Output, goal: str,
                        model_name: str | None, params: dict[str, Any], yes: bool) -> dict[str, Any]:
-    from ...agent.loop import run_agent
-    from ...agent.tools import ToolContext
+    from ...agent.acting.loop import run_agent
+    from ...agent.acting.tools import ToolContext
     from ..models.agents import agent_config, llama_model, node_tools, pick_model, result_of
 
     name = pick_model(registry, model_name, config.agent_model, config.profile)
@@ -220,7 +220,7 @@ def eval_cmd(home: str | None, out: Output, cases: str | None, model_name: str |
         return _eval_bfcl(home, out, bfcl_dir or None, categories, limit, model_name, free_form, thinking, ban_bytes,
                           score_dir, via, runs, temperature)
 
-    from ...agent.evaluation import evaluate, format_report, load_cases
+    from ...agent.evaluation.suite import evaluate, format_report, load_cases
     from ..models.agents import llama_model, pick_model
 
     node_home = home_at(home)
@@ -251,9 +251,9 @@ def _eval_bfcl(home: str | None, out: Output, bfcl_dir: str | None, categories: 
                model_name: str | None, free_form: bool, thinking: bool, ban_bytes: bool,
                score_dir: str | None, via: str | None = None, runs: int = 1, temperature: float = 0.0) -> None:
     """`eval --bfcl`: BFCL's questions through our prompt, the model (or the oracle) and our
-    parser, scored by agent/bfcl.py's mirror of BFCL's AST checker and, for multi-turn,
+    parser, scored by agent/evaluation/bfcl.py's mirror of BFCL's AST checker and, for multi-turn,
     by BFCL's own multi_turn_checker."""
-    from ...agent.bfcl import (
+    from ...agent.evaluation.bfcl import (
         WEB_CATEGORIES,
         default_data_dir,
         format_bfcl_report,
@@ -264,7 +264,7 @@ def _eval_bfcl(home: str | None, out: Output, bfcl_dir: str | None, categories: 
         run_spread,
         write_score_files,
     )
-    from ...agent.loop import LlamaAgentModel
+    from ...agent.acting.loop import LlamaAgentModel
     from ..control.client import Client
 
     data_dir = Path(bfcl_dir) if bfcl_dir else default_data_dir()

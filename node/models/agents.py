@@ -1,4 +1,4 @@
-"""Agent runs on a node: the same loop (agent/loop.py) whether the owner runs a goal here
+"""Agent runs on a node: the same loop (agent/acting/loop.py) whether the owner runs a goal here
 (`psymesh agent run`) or a paired phone delegates one (an `agent` task).
 
 The node supplies what the loop must not decide for itself: which model, which tools
@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ...agent.generate import GenerationParams, ToolGrammar
-from ...agent.loop import AgentConfig, AgentEvent, AgentResult, Confirm, Emit, LlamaAgentModel, run_agent
-from ...agent.tools import ToolContext, ToolRegistry
+from ...agent.runtime.generate import GenerationParams, ToolGrammar
+from ...agent.acting.loop import AgentConfig, AgentEvent, AgentResult, Confirm, Emit, LlamaAgentModel, run_agent
+from ...agent.acting.tools import ToolContext, ToolRegistry
 from ..core.home import NodeConfig, NodeHome
 from . import ModelPool, ModelRegistry
 from ...protocol.errors import ErrorCode, PsymeshError
@@ -23,7 +23,7 @@ from ...protocol.manifest import Manifest, Operation, check
 from ...protocol.tasks import EventKind
 
 if TYPE_CHECKING:
-    from ...agent.inference import TextModel
+    from ...agent.runtime.api import TextModel
 
 # What a delegating peer may set, and the most it may ask for. A peer never sets the
 # system prompt: that is where the node's own rules live.
@@ -36,12 +36,12 @@ Ask = Callable[[str, dict[str, Any]], Awaitable[dict[str, Any]]]
 def node_tools(home: NodeHome, config: NodeConfig) -> ToolRegistry:
     """The tools this node offers: built-ins for its profile, a simulated device on a phone,
     and any installed `psymesh.tools` plugins."""
-    from ...agent.builtin_tools import default_registry
-    from ...agent.tools import load_entry_points
+    from ...agent.acting.builtin_tools import default_registry
+    from ...agent.acting.tools import load_entry_points
 
     device = None
     if config.profile == "phone":  # a simulated device, so phone scenarios run anywhere
-        from ...agent.device import DeviceState
+        from ...agent.acting.device import DeviceState
 
         device = DeviceState(home.private_file("device.db"))  # born 0600, like all of the home
     registry = default_registry(config.profile, device=device)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from .chatformat import ToolCall, ToolSpec, parse_reply
+from ..formats.chatformat import ToolCall, ToolSpec, parse_reply
 from .bfcl_categories import PYTHON
 from .bfcl_checker import _PYTHON_TYPES, check_calls
 from .bfcl_data import BfclCase

@@ -50,7 +50,7 @@ from .bfcl_checker import check_calls
 from .bfcl_data import BfclCase, _expected_calls, tool_spec
 from .bfcl_oracle import _oracle_arguments
 from .bfcl_score import BfclResult
-from .chatformat import ChatMessage, ToolCall
+from ..formats.chatformat import ChatMessage, ToolCall
 
 FORMAT_CATEGORY = "format_sensitivity"
 

@@ -39,9 +39,9 @@ import anyio
 from pydantic import BaseModel, ConfigDict, ValidationError, create_model
 from pydantic_core import PydanticSerializationError, to_jsonable_python
 
-from .chatformat import ToolSpec
-from ..protocol.errors import ErrorCode, PsymeshError
-from ..protocol.tasks import check_json
+from ..formats.chatformat import ToolSpec
+from ...protocol.errors import ErrorCode, PsymeshError
+from ...protocol.tasks import check_json
 
 __all__ = [
     "ALL_PROFILES",

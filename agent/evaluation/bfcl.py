@@ -107,9 +107,9 @@ from .bfcl_report import (
     BfclReport, CategoryScore, format_bfcl_report, format_run_spread, run_spread, write_score_files,
 )
 from .bfcl_score import BfclResult, score_reply
-from .generate import GenerationParams, ToolGrammar
-from .loop import AgentModel
-from ..protocol.errors import PsymeshError
+from ..runtime.generate import GenerationParams, ToolGrammar
+from ..acting.loop import AgentModel
+from ...protocol.errors import PsymeshError
 
 if TYPE_CHECKING:
     from .bfcl_multiturn import MultiTurnCase, WebRoute

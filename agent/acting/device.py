@@ -26,7 +26,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field
 
 from .tools import ToolError, ToolRegistry
-from ..protocol.errors import ErrorCode
+from ...protocol.errors import ErrorCode
 
 __all__ = [
     "MESSAGE_RESERVE_BYTES",

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
-from .chatformat import ChatMessage, ToolSpec
-from ..protocol.errors import ErrorCode
+from ..formats.chatformat import ChatMessage, ToolSpec
+from ...protocol.errors import ErrorCode
 from .bfcl_categories import (
     FILE_PREFIX, BFCL_EVAL_VERSION, AST_CATEGORIES, IRRELEVANCE_CATEGORIES, RELEVANCE_CATEGORIES,
     MULTI_TURN_CATEGORIES, MEMORY_CATEGORIES, WEB_CATEGORIES, FORMAT_SENSITIVITY, CATEGORIES, NOT_RUN, PYTHON,

@@ -12,7 +12,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from .chatformat import ToolCall, ToolSpec
+from ..formats.chatformat import ToolCall, ToolSpec
 from .bfcl_categories import OMITTABLE, PYTHON, JAVA, bfcl_module
 
 

@@ -33,7 +33,7 @@ from pydantic import Field
 
 from .device import DeviceState, register_device_tools
 from .tools import ToolContext, ToolError, ToolRegistry
-from ..protocol.errors import ErrorCode
+from ...protocol.errors import ErrorCode
 
 __all__ = [
     "FILE_PROFILES",

@@ -8,8 +8,8 @@ import json
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from .chatformat import ToolSpec
-from .loop import tool_call_text
+from ..formats.chatformat import ToolSpec
+from ..acting.loop import tool_call_text
 from .bfcl_categories import OMITTABLE, PYTHON, JAVA, JAVASCRIPT
 from .bfcl_checker import ExpectedCall, _declared_type, _check_value
 from .bfcl_data import BfclCase

@@ -6,7 +6,7 @@ system, a trading bot, a travel agency, ...: the classes in ``involved_classes``
 from ``initial_config``). It runs as BFCL's ``inference_multi_turn_FC`` runs it:
 
 * the tools are the classes' function docs (``multi_turn_func_doc/``), converted as the
-  single-turn docs are (:func:`psymesh.agent.bfcl.tool_spec`); in miss_func, the functions
+  single-turn docs are (:func:`psymesh.agent.evaluation.bfcl.tool_spec`); in miss_func, the functions
   named in ``missed_function`` are held back and arrive at their turn, whose user message
   is then BFCL's "I have updated some more functions you can choose from. What about now?";
 * each turn's user messages are appended; then the model is asked again and again: every
@@ -59,10 +59,10 @@ from pydantic import ValidationError
 from .bfcl_categories import FILE_PREFIX, MULTI_TURN_CATEGORIES, BfclDataError, bfcl_module, offline_vector_encoder
 from .bfcl_data import _json_lines, tool_spec
 from .bfcl_score import BfclResult, _scoring_spec
-from .chatformat import ChatMessage, ParsedReply, ToolCall, ToolSpec, parse_reply
-from .loop import AgentModel, ScriptedModel, tool_call_text
-from ..protocol.errors import PsymeshError
-from ..protocol.web import WebPage, WebResults
+from ..formats.chatformat import ChatMessage, ParsedReply, ToolCall, ToolSpec, parse_reply
+from ..acting.loop import AgentModel, ScriptedModel, tool_call_text
+from ...protocol.errors import PsymeshError
+from ...protocol.web import WebPage, WebResults
 
 __all__ = [
     "ADDITIONAL_FUNCTION_PROMPT",
