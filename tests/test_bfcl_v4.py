@@ -444,7 +444,7 @@ def test_what_the_format_oracle_fails_bfcl_s_own_decoder_cannot_read(all_cases: 
     import json
 
     from psymesh.agent.evaluation.bfcl import bfcl_module
-    from psymesh.agent.evaluation.bfcl_oracle import _oracle_arguments
+    from psymesh.agent.evaluation.bfcl_oracle import oracle_arguments
 
     checker, language = bfcl_ast_checker
     parse_json = bfcl_module("model_handler.parser.json_parser").parse_json_function_call
@@ -453,7 +453,7 @@ def test_what_the_format_oracle_fails_bfcl_s_own_decoder_cannot_read(all_cases: 
     assert len(lost) == 6  # 3 doc formats x with and without <TOOLCALL>
     for case in lost:
         specs = {t.name: t for t in case.check_tools}
-        truth = [{e.name: _oracle_arguments(e, specs[e.name])} for e in case.expected]
+        truth = [{e.name: oracle_arguments(e, specs[e.name])} for e in case.expected]
         assert parse_json(json.dumps([{"function": n, "parameters": a} for c in truth for n, a in c.items()])) == []
         # the answer itself is right: BFCL's checker takes it when it is handed over decoded
         assert checker(copy.deepcopy(entries[case.id]["function"]), truth, _bfcl_answer(case), language.PYTHON,

@@ -95,6 +95,9 @@ AGENT_ALLOWED: dict[str, set[str]] = {
     "acting": {"formats", "runtime"},
     "evaluation": {"formats", "runtime", "acting"},
 }
+# evaluation/'s modules, lowest first: each imports only those before it (bfcl.py dispatches by kind of case)
+EVALUATION_ORDER = ["bfcl_categories", "bfcl_checker", "bfcl_data", "bfcl_score", "bfcl_oracle", "bfcl_format",
+                    "bfcl_multiturn", "bfcl_report", "bfcl", "suite"]
 
 
 def test_agent_holds_only_rooms():
@@ -118,4 +121,23 @@ def test_agent_imports_point_down_only():
         for line, target, _ in _module_imports(path):
             if target[0] == "psymesh" and target[1:2] not in (["agent"], ["protocol"]):
                 wrong.append(f"{path.relative_to(ROOT)}:{line} (agent -> {'.'.join(target)})")
+    assert wrong == []
+
+
+def test_evaluation_modules_import_in_one_order():
+    assert sorted(EVALUATION_ORDER) == sorted(p.stem for p in (AGENT / "evaluation").glob("*.py") if p.stem != "__init__")
+    wrong = []
+    for i, name in enumerate(EVALUATION_ORDER):
+        path = AGENT / "evaluation" / f"{name}.py"
+        for line, target, _ in _module_imports(path):
+            if target[:3] == ["psymesh", "agent", "evaluation"] and target[3] not in EVALUATION_ORDER[:i]:
+                wrong.append(f"{path.relative_to(ROOT)}:{line} ({name} -> {target[3]})")
+    assert wrong == []
+
+
+def test_agent_modules_take_no_private_names_from_each_other():
+    wrong = [f"{path.relative_to(ROOT)}:{line} ({'.'.join(target)}.{name})"
+             for path in sorted(AGENT.rglob("*.py"))
+             for line, target, names in _module_imports(path) if target[:2] == ["psymesh", "agent"]
+             for name in names if name.startswith("_")]
     assert wrong == []

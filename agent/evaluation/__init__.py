@@ -2,5 +2,6 @@
 and the names callers use; bfcl_categories, bfcl_checker, bfcl_data, bfcl_score, bfcl_oracle,
 bfcl_format, bfcl_multiturn and bfcl_report, one job each).
 
-May import formats, runtime and acting (and protocol/); nothing in agent/ imports it.
+May import formats, runtime and acting (and protocol/); nothing in agent/ imports it. Inside, the bfcl
+modules import in one direction (tests/test_node_layers.py checks it).
 """

@@ -57,8 +57,8 @@ from typing import Any, Protocol
 from pydantic import ValidationError
 
 from .bfcl_categories import FILE_PREFIX, MULTI_TURN_CATEGORIES, BfclDataError, bfcl_module, offline_vector_encoder
-from .bfcl_data import _json_lines, tool_spec
-from .bfcl_score import BfclResult, _scoring_spec
+from .bfcl_data import json_lines, tool_spec
+from .bfcl_score import BfclResult, scoring_spec
 from ..formats.chatformat import ChatMessage, ParsedReply, ToolCall, ToolSpec, parse_reply
 from ..acting.loop import AgentModel, ScriptedModel, tool_call_text
 from ...protocol.errors import PsymeshError
@@ -172,9 +172,9 @@ def load_multi_turn(directory: Path, category: str, limit: int | None) -> list[M
     """The cases of one multi-turn category, with their function docs (BFCL's
     populate_test_cases_with_predefined_functions) and ground truth."""
     assert category in MULTI_TURN_CATEGORIES
-    questions = _json_lines(directory / f"{FILE_PREFIX}{category}.json", limit)
+    questions = json_lines(directory / f"{FILE_PREFIX}{category}.json", limit)
     answers = {obj["id"]: obj.get("ground_truth")
-               for _, obj in _json_lines(directory / "possible_answer" / f"{FILE_PREFIX}{category}.json", None)}
+               for _, obj in json_lines(directory / "possible_answer" / f"{FILE_PREFIX}{category}.json", None)}
     docs_by_class: dict[str, list[dict[str, Any]]] = {}
     cases = []
     for where, obj in questions:
@@ -409,7 +409,7 @@ def _parse(text: str, tools: Sequence[ToolSpec]) -> ParsedReply:
             except ValidationError:
                 continue
             offered.add(call.name)
-    return parse_reply(text, [*(_scoring_spec(t) for t in tools), *extra])
+    return parse_reply(text, [*(scoring_spec(t) for t in tools), *extra])
 
 
 async def run_multi_turn_case(case: MultiTurnCase, model: AgentModel, *, thinking: bool = False,
