@@ -135,7 +135,7 @@ async def agent_on_the_phone(d: Demo) -> None:
 
     step("The same runtime with a scripted stand-in for BotPsy: Wi-Fi off and inbox full")
     from psymesh.agent.acting.builtin_tools import default_registry
-    from psymesh.agent.acting.device import DeviceState, wifi_off_inbox_full
+    from psymesh.agent.acting.device import DeviceState, Phone, wifi_off_inbox_full
     from psymesh.agent.acting.loop import ScriptedModel, run_agent, tool_call_text
     from psymesh.agent.acting.tools import ToolContext
 
@@ -158,7 +158,7 @@ async def agent_on_the_phone(d: Demo) -> None:
                 con.print(f"   <- {escape(str(body))[:110]}")
 
         run = await run_agent("Text Alice that I am running late", model=model,
-                              tools=default_registry("phone", device=device), ctx=ToolContext(profile="phone"),
+                              tools=default_registry("phone", phone=Phone.simulated(device)), ctx=ToolContext(profile="phone"),
                               profile="phone", confirm=approve, emit=show)
     con.print(f"phone: {run.answer}")
 

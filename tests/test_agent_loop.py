@@ -13,7 +13,7 @@ import pytest
 
 from psymesh.agent.acting.builtin_tools import default_registry
 from psymesh.agent.formats.chatformat import ToolCall
-from psymesh.agent.acting.device import NO_NETWORK, STORAGE_FULL, DeviceState, wifi_off_inbox_full
+from psymesh.agent.acting.device import NO_NETWORK, STORAGE_FULL, DeviceState, Phone, wifi_off_inbox_full
 from psymesh.agent.runtime.generate import GenerationParams, ToolGrammar
 from psymesh.agent.acting.loop import (
     AgentConfig,
@@ -46,7 +46,7 @@ def device(tmp_path: Path) -> Iterator[DeviceState]:
 
 
 def phone_tools(device: DeviceState) -> ToolRegistry:
-    return default_registry("phone", device=device)
+    return default_registry("phone", phone=Phone.simulated(device))
 
 
 class Recorder:

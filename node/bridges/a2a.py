@@ -367,7 +367,8 @@ class A2AEndpoint:
             examples=["What is on this machine?"])]
         for t in tools:
             skills.append(a2a.AgentSkill(id=f"tool.{t.name}", name=t.name, description=t.description,
-                                         tags=["tool", "irreversible (refused)" if t.irreversible else "reversible"]))
+                                         tags=["tool", "irreversible (refused)" if t.irreversible else "reversible",
+                                               *([f"device: {t.backend}"] if t.backend else [])]))
         return skills
 
     # -- from the asyncio thread ----------------------------------------------------------

@@ -51,14 +51,16 @@ class _StopOverContext:
                 code=ErrorCode.TOO_LARGE)) from None
 
 
-def _print_agent_event(out: Output, ev: Any) -> None:
+def _print_agent_event(out: Output, ev: Any, simulated: frozenset[str] = frozenset()) -> None:
+    """One event of a run here, on stderr; a call of a tool in `simulated` is marked so."""
     d = ev.data
     if ev.kind == "step":
         out.err.print(f"[dim]step {d['step']}/{d['max_steps']}[/dim]")
     elif ev.kind == "thinking" and d.get("text"):
         out.err.print(f"[dim]  thinking: {escape(d['text'][:200])}[/dim]")
     elif ev.kind == "tool_call":
-        out.err.print(f"  -> {escape(d['name'])}({escape(json.dumps(d.get('arguments', {}))[:200])})")
+        mark = " [yellow](simulated)[/yellow]" if d["name"] in simulated else ""
+        out.err.print(f"  -> {escape(d['name'])}({escape(json.dumps(d.get('arguments', {}))[:200])}){mark}")
     elif ev.kind == "tool_result":
         body = d.get("result") if d.get("ok") else d.get("error")
         mark = "[green]ok[/green]" if d.get("ok") else f"[red]{escape(str(d.get('status')))}[/red]"
@@ -128,8 +130,10 @@ def agent_run(home: str | None, out: Output, goal: str, model_name: str | None, 
 
 async def _agent_local(node_home: NodeHome, config: Any, registry: Any, out: Output, goal: str,
                        model_name: str | None, params: dict[str, Any], yes: bool) -> dict[str, Any]:
+    from ...protocol.devices import SIMULATED
     from ...agent.acting.loop import run_agent
     from ...agent.acting.tools import ToolContext
+    from .status import device_lines
     from ..models.agents import agent_config, llama_model, node_tools, pick_model, result_of
 
     name = pick_model(registry, model_name, config.agent_model, config.profile)
@@ -143,11 +147,14 @@ async def _agent_local(node_home: NodeHome, config: Any, registry: Any, out: Out
         return await anyio.to_thread.run_sync(
             lambda: click.confirm(f"allow {call.name}({json.dumps(call.arguments)})?", default=False, err=True))
 
+    tools = node_tools(node_home, config)
+    for line in device_lines((t.name, t.backend) for t in tools if t.backend):
+        out.hint(f"device tools: {line}")
+    simulated = frozenset(t.name for t in tools if t.backend == SIMULATED)
+
     async def emit(ev: Any) -> None:
         if not out.json_mode:
-            _print_agent_event(out, ev)
-
-    tools = node_tools(node_home, config)
+            _print_agent_event(out, ev, simulated)
     ctx = ToolContext(share_dir=Path(config.share_dir) if config.share_dir else None, profile=config.profile)
     async with _local_runner(node_home, registry, name) as worker:
         run = await run_agent(goal, model=llama_model(worker, params), tools=tools, ctx=ctx, profile=config.profile,
