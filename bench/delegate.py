@@ -19,7 +19,7 @@
    counts the same task's Python calls, scheduler turns and SQLite work in one process.
 2. Streamed tokens: an infer task on a tiny random-weight qwen35 model; the rate of
    `token` events (and characters) the phone's app receives, and the first token's
-   latency against the same model called in process (`agent.generate`, no mesh).
+   latency against the same model called in process (`agent.runtime.generate`, no mesh).
    The executor sends the first token at once, then batches deltas into one event
    per `token_flush_s` (50 ms); an in-process pair with batching off shows what the
    event pipeline itself carries.
@@ -55,7 +55,7 @@ WARMUP = 20
 PARAMS = {"ban_bytes": True, "seed": 1, "temperature": 0}
 
 PLUGIN = textwrap.dedent('''
-    from psymesh.agent.tools import tool_from_function
+    from psymesh.agent.acting.tools import tool_from_function
 
     async def noop() -> dict:
         """Do nothing (async: no worker-thread hop), for latency benchmarks."""
@@ -223,9 +223,10 @@ async def bench_mesh(runs: int, max_tokens: int, model: Path, tmp: Path) -> Mesh
 
 async def first_token_in_process(max_tokens: int, model: Path) -> float:
     """Time to the first token with the same model called here, no mesh: the floor."""
-    from psymesh.agent.chatformat import ChatMessage
-    from psymesh.agent.generate import GenerationParams, TextDelta, generate
-    from psymesh.agent.runtime import ModelSettings, ModelWorker
+    from psymesh.agent.formats.chatformat import ChatMessage
+    from psymesh.agent.runtime.generate import GenerationParams, TextDelta, generate
+    from psymesh.agent.runtime.api import ModelSettings
+    from psymesh.agent.runtime.worker import ModelWorker
 
     worker = ModelWorker(ModelSettings(path=model, n_ctx=8192, n_threads=1))
     await worker.start()
@@ -310,7 +311,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=4000, help="max_tokens of the streamed infer task")
     args = ap.parse_args()
 
-    from psymesh.agent.testmodel import tiny_model_path
+    from psymesh.agent.runtime.testmodel import tiny_model_path
 
     with tempfile.TemporaryDirectory(prefix="psymesh-bench-") as tmp_dir:
         tmp = Path(tmp_dir)

@@ -23,7 +23,7 @@ Random weights cannot pick a tool, so each step's reply is forced by a grammar t
 call (the same text in both runs), and the model is steered to spell it the way a
 trained model does (``<tool_call>`` as its one special token, merges where they
 apply): a random model writing it byte by byte would be non-canonical, and such a
-reply is never continued (see agent/runtime.py), which no trained model provokes.
+reply is never continued (see agent/runtime/worker.py), which no trained model provokes.
 
     .venv/bin/python bench/inference.py               # Q4_K_M, 2 threads
     .venv/bin/python bench/inference.py --wtype Q8_0 --runs 2
@@ -49,13 +49,14 @@ import anyio
 import llama_cpp
 from llama_cpp import Llama
 
-from psymesh.agent.chatformat import EMPTY_THINK, ChatMessage, ToolSpec, render_prompt
-from psymesh.agent.generate import GenerationParams
-from psymesh.agent.loop import AgentConfig, LlamaAgentModel, ModelReply, StepUsage, run_agent
-from psymesh.agent.runtime import Completion, ModelSettings, ModelWorker
+from psymesh.agent.formats.chatformat import EMPTY_THINK, ChatMessage, ToolSpec, render_prompt
+from psymesh.agent.runtime.generate import GenerationParams
+from psymesh.agent.acting.loop import AgentConfig, LlamaAgentModel, ModelReply, StepUsage, run_agent
+from psymesh.agent.runtime.api import Completion, ModelSettings
+from psymesh.agent.runtime.worker import ModelWorker
 from psymesh.node.models import ModelRunner
-from psymesh.agent.testmodel import make_botpsy_shaped_gguf
-from psymesh.agent.tools import ToolContext, ToolRegistry
+from psymesh.agent.runtime.testmodel import make_botpsy_shaped_gguf
+from psymesh.agent.acting.tools import ToolContext, ToolRegistry
 
 ROOT = Path(__file__).resolve().parent.parent
 SHORT_PROMPT = "<|im_start|>user\nTell me a story about a robot.<|im_end|>\n<|im_start|>assistant\n"

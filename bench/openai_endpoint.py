@@ -8,11 +8,11 @@ seed, same prompt, same token budget, the same grammar so that random weights wr
 letters) three ways:
 
 1. endpoint: the official `openai` client, `stream=True`, server-sent events from
-   the home daemon's endpoint (hypercorn on trio, `agent.generate.generate()`);
+   the home daemon's endpoint (hypercorn on trio, `agent.runtime.generate.generate()`);
 2. sdk: `psymesh.Client.delegate(infer=...)` from a paired phone daemon: the same
    model worker in the same home daemon, the tokens as task events over libp2p,
    mirrored by the phone and watched over its control socket;
-3. local: `agent.generate.generate()` on a ModelWorker in this process (no node):
+3. local: `agent.runtime.generate.generate()` on a ModelWorker in this process (no node):
    the floor, what the model itself does.
 
 Decode rate: completion tokens after the first, over the time from the first piece
@@ -102,8 +102,8 @@ async def via_sdk(phone_home: Path, max_tokens: int) -> Run:
 async def via_local(worker: object, max_tokens: int) -> Run:
     from contextlib import aclosing
 
-    from psymesh.agent.chatformat import ChatMessage
-    from psymesh.agent.generate import Generation, GenerationParams, generate
+    from psymesh.agent.formats.chatformat import ChatMessage
+    from psymesh.agent.runtime.generate import Generation, GenerationParams, generate
 
     params = GenerationParams(max_tokens=max_tokens, temperature=0, seed=SEED, grammar=grammar(max_tokens))
     start = time.perf_counter()
@@ -120,7 +120,8 @@ async def via_local(worker: object, max_tokens: int) -> Run:
 
 
 async def bench(model: Path, args: argparse.Namespace, tmp: Path) -> dict[str, list[Run]]:
-    from psymesh.agent.runtime import ModelSettings, ModelWorker
+    from psymesh.agent.runtime.api import ModelSettings
+    from psymesh.agent.runtime.worker import ModelWorker
     from psymesh.node.core.db import open_db
     from psymesh.node.core.home import NodeHome
     from psymesh.node.models import ModelRegistry
@@ -167,7 +168,7 @@ async def bench(model: Path, args: argparse.Namespace, tmp: Path) -> dict[str, l
 
 
 def main() -> None:
-    from psymesh.agent.testmodel import make_botpsy_shaped_gguf
+    from psymesh.agent.runtime.testmodel import make_botpsy_shaped_gguf
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--wtype", default="Q4_K_M")

@@ -134,10 +134,10 @@ async def agent_on_the_phone(d: Demo) -> None:
               f"calls: {[(c['name'], c['status']) for c in result['tool_calls']]}")
 
     step("The same runtime with a scripted stand-in for BotPsy: Wi-Fi off and inbox full")
-    from psymesh.agent.builtin_tools import default_registry
-    from psymesh.agent.device import DeviceState, wifi_off_inbox_full
-    from psymesh.agent.loop import ScriptedModel, run_agent, tool_call_text
-    from psymesh.agent.tools import ToolContext
+    from psymesh.agent.acting.builtin_tools import default_registry
+    from psymesh.agent.acting.device import DeviceState, Phone, wifi_off_inbox_full
+    from psymesh.agent.acting.loop import ScriptedModel, run_agent, tool_call_text
+    from psymesh.agent.acting.tools import ToolContext
 
     with DeviceState(d.workdir / "scenario-device.db") as device:
         fillers = wifi_off_inbox_full(device)
@@ -158,7 +158,7 @@ async def agent_on_the_phone(d: Demo) -> None:
                 con.print(f"   <- {escape(str(body))[:110]}")
 
         run = await run_agent("Text Alice that I am running late", model=model,
-                              tools=default_registry("phone", device=device), ctx=ToolContext(profile="phone"),
+                              tools=default_registry("phone", phone=Phone.simulated(device)), ctx=ToolContext(profile="phone"),
                               profile="phone", confirm=approve, emit=show)
     con.print(f"phone: {run.answer}")
 
@@ -295,8 +295,8 @@ async def web_through_home(d: Demo) -> None:
     con.print(f"phone: fetched {page.final_url} through home: {escape(page.text[:90])!r}... (untrusted text)")
 
     step("The phone's agent looks it up (scripted stand-in for BotPsy; web.search and web.fetch go through home)")
-    from psymesh.agent.loop import ScriptedModel, run_agent, tool_call_text
-    from psymesh.agent.tools import ToolContext, ToolRegistry
+    from psymesh.agent.acting.loop import ScriptedModel, run_agent, tool_call_text
+    from psymesh.agent.acting.tools import ToolContext, ToolRegistry
     from psymesh.node.web.tools import web_tools
     from psymesh.protocol.web import WebAnswer, WebRequest, WebSearch
 
@@ -418,7 +418,7 @@ def prepare_nodes(work: Path, web: str) -> list[str]:
     """A share dir for the files.* tools and a tiny generated model on both nodes (no downloads
     here; one token per character, hence the large context); home is the phone's web exit,
     searching and fetching from the demo's local web at `web`, and serves `[serve.openai]`."""
-    from psymesh.agent.testmodel import make_tiny_gguf
+    from psymesh.agent.runtime.testmodel import make_tiny_gguf
     from psymesh.node.core.db import open_db
     from psymesh.node.core.home import NodeHome
     from psymesh.node.models import ModelRegistry

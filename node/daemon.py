@@ -126,7 +126,8 @@ class Node:
     def __init__(self, home: NodeHome, config: NodeConfig | None = None, *,
                  environ: Mapping[str, str] = os.environ, fsync: Callable[[int], None] = SYNC_FILE,
                  wake_commands: WakeCommands | None | Literal["termux"] = "termux") -> None:
-        """`environ`: where the bridges' keys may come from ($PSYMESH_OPENAI_API_KEY, ...).
+        """`environ`: where the bridges' keys may come from ($PSYMESH_OPENAI_API_KEY, ...), and
+        the PATH a phone's device commands are found on (agent/acting/device_commands.py).
         `fsync`: how the WAL is synced before a durable answer (a test traces it).
         `wake_commands`: how a wake lock is taken and let go while work is in flight
         (node/core/wakelock.py); by default Termux's, when the node runs under Termux."""
@@ -181,7 +182,7 @@ class Node:
                                 memory_limit_mb=self.config.models.memory_limit_mb, log_dir=home.logs_dir)
         self.web_router = WebRouter(self.config.web, self.identity.peer_id, self.trust, self.sessions,
                                     WebKeys(self.db))
-        self.tools = node_tools(home, self.config)
+        self.tools = node_tools(home, self.config, environ)
         if self.config.web.exit.enabled or self.config.profile == "phone" or self.config.web.via:
             for tool in web_tools(self._web_for_agent):
                 self.tools.register(tool)

@@ -46,7 +46,7 @@ CMAKE_ARGS="${CMAKE_ARGS:--DGGML_NATIVE=OFF}" .venv/bin/python -m pip install -q
 # backends and its multi-turn checker. Pinned; --no-deps because its declared dependencies are every
 # model vendor's SDK, vllm-era numpy and sentence-transformers, none of which the parts we import use
 # (they need the standard library, mpmath, and for memory overrides, rank-bm25 and filelock, which
-# pyproject lists). agent/bfcl.py says which parts.
+# pyproject lists). agent/evaluation/bfcl.py says which parts.
 BFCL_EVAL_VERSION=2026.3.23
 .venv/bin/python -m pip install -q --no-deps "bfcl-eval==$BFCL_EVAL_VERSION"
 .venv/bin/python -c "import psymesh.node.daemon, llama_cpp

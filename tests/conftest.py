@@ -11,7 +11,7 @@ def anyio_backend() -> str:
 
 
 import contextlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
 
 import anyio
@@ -20,10 +20,12 @@ import anyio
 @contextlib.asynccontextmanager
 async def run_nodes(tmp_path: Path, *names: str, profiles: dict[str, str] | None = None,
                     configs: dict[str, dict] | None = None,
-                    fsyncs: dict[str, Callable[[int], None]] | None = None) -> AsyncIterator[dict]:
+                    fsyncs: dict[str, Callable[[int], None]] | None = None,
+                    environs: dict[str, Mapping[str, str]] | None = None) -> AsyncIterator[dict]:
     """Run in-process daemons (one per name) under one task group; cancel them all on exit.
     `configs[name]`: config.toml fields to set on that node (as NodeConfig values);
-    `fsyncs[name]`: how that node syncs its WAL before a durable answer (default os.fsync)."""
+    `fsyncs[name]`: how that node syncs its WAL before a durable answer (default os.fsync);
+    `environs[name]`: the environment that node reads (its PATH: which device commands it finds)."""
     from psymesh.node.core.bridgeconfig import UiServe
     from psymesh.node.daemon import Node
     from psymesh.node.core.home import NodeHome
@@ -35,9 +37,12 @@ async def run_nodes(tmp_path: Path, *names: str, profiles: dict[str, str] | None
             home = NodeHome(tmp_path / name)
             home.init(profile=profiles.get(name, "home"), name=name)  # type: ignore[arg-type]
             # port 0: a home's dashboard (on by default) must not fight other tests for 8765
-            update = {"listen": ["/ip4/127.0.0.1/tcp/0"], "ui": UiServe(port=0), **(configs or {}).get(name, {})}
+            # device "simulated": a phone's tools never drive the machine running the tests (its nmcli...)
+            update = {"listen": ["/ip4/127.0.0.1/tcp/0"], "ui": UiServe(port=0), "device": "simulated",
+                      **(configs or {}).get(name, {})}
             config = home.load_config().model_copy(update=update)
-            node = Node(home, config, **({"fsync": fsyncs[name]} if fsyncs and name in fsyncs else {}))
+            node = Node(home, config, **({"fsync": fsyncs[name]} if fsyncs and name in fsyncs else {}),
+                        **({"environ": environs[name]} if environs and name in environs else {}))
             await tg.start(node.run)
             nodes[name] = node
         try:
@@ -51,7 +56,7 @@ from psymesh.node.control.process import pair_homes as pair  # noqa: E402  (test
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A generated GGUF in the BotPsy chat format (psymesh.agent.testmodel), made once per run."""
-    from psymesh.agent.testmodel import tiny_model_path
+    """A generated GGUF in the BotPsy chat format (psymesh.agent.runtime.testmodel), made once per run."""
+    from psymesh.agent.runtime.testmodel import tiny_model_path
 
     return tiny_model_path(tmp_path_factory.getbasetemp() / "models")

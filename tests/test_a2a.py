@@ -39,8 +39,8 @@ from a2a.client import A2ACardResolver, A2AClientError, ClientConfig, create_cli
 from a2a.types import a2a_pb2 as a2a
 
 from conftest import run_nodes
-from psymesh.agent.loop import ScriptedModel, tool_call_text
-from psymesh.agent.tools import tool_from_function
+from psymesh.agent.acting.loop import ScriptedModel, tool_call_text
+from psymesh.agent.acting.tools import tool_from_function
 from psymesh.node.models import agents
 from psymesh.node.bridges.a2a import STATES, THREAD_NAME
 from psymesh.node.core.bridgeconfig import A2AServe, ServeSettings

@@ -11,11 +11,11 @@ from pathlib import Path
 import anyio
 import pytest
 
-from psymesh.agent.builtin_tools import default_registry
-from psymesh.agent.chatformat import ToolCall
-from psymesh.agent.device import NO_NETWORK, STORAGE_FULL, DeviceState, wifi_off_inbox_full
-from psymesh.agent.generate import GenerationParams, ToolGrammar
-from psymesh.agent.loop import (
+from psymesh.agent.acting.builtin_tools import default_registry
+from psymesh.agent.formats.chatformat import ToolCall
+from psymesh.agent.acting.device import NO_NETWORK, STORAGE_FULL, DeviceState, Phone, wifi_off_inbox_full
+from psymesh.agent.runtime.generate import GenerationParams, ToolGrammar
+from psymesh.agent.acting.loop import (
     AgentConfig,
     AgentError,
     AgentEvent,
@@ -26,9 +26,10 @@ from psymesh.agent.loop import (
     run_agent,
     tool_call_text,
 )
-from psymesh.agent.runtime import ModelSettings, ModelWorker
-from psymesh.agent.testmodel import special_token_ids, tiny_model_path
-from psymesh.agent.tools import Tool, ToolContext, ToolRegistry
+from psymesh.agent.runtime.api import ModelSettings
+from psymesh.agent.runtime.worker import ModelWorker
+from psymesh.agent.runtime.testmodel import special_token_ids, tiny_model_path
+from psymesh.agent.acting.tools import Tool, ToolContext, ToolRegistry
 from psymesh.protocol.errors import ErrorCode
 from trained import canonical_bias
 
@@ -45,7 +46,7 @@ def device(tmp_path: Path) -> Iterator[DeviceState]:
 
 
 def phone_tools(device: DeviceState) -> ToolRegistry:
-    return default_registry("phone", device=device)
+    return default_registry("phone", phone=Phone.simulated(device))
 
 
 class Recorder:

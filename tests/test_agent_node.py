@@ -23,8 +23,8 @@ import anyio
 import pytest
 
 from conftest import pair, run_nodes
-from psymesh.agent.loop import ScriptedModel, tool_call_text
-from psymesh.agent.tools import tool_from_function
+from psymesh.agent.acting.loop import ScriptedModel, tool_call_text
+from psymesh.agent.acting.tools import tool_from_function
 from psymesh.node.models import agents
 from psymesh.node.control.client import Client, TaskHandle
 from psymesh.node.daemon import Node
@@ -60,6 +60,8 @@ async def _cli(home: Path, *args: str) -> tuple[int, str, str]:
 def _register_model(home: Path, path: Path, profile: str = "phone") -> None:
     """`psymesh model add` without the subprocess: straight into the node database."""
     NodeHome(home).init(profile=profile, name=home.name)  # type: ignore[arg-type]
+    config = NodeHome(home).load_config()  # a phone's tools never drive the machine running the tests
+    NodeHome(home).save_config(config.model_copy(update={"device": "simulated"}))
     conn = open_db(NodeHome(home).db_path)
     try:
         ModelRegistry(conn).add("tiny", path, **MODEL)
@@ -263,6 +265,8 @@ async def test_agent_run_here(tmp_path: Path, tiny_model: Path) -> None:
     assert result["where"] == "local" and result["model"] == "tiny"
     assert result["stopped"] in ("final", "max_steps") and 1 <= result["steps"] <= 2
     assert isinstance(result["answer"], str) and isinstance(result["tool_calls"], list)
+    # before the run, the person is told what the phone's tools act on (nothing real is on this PATH)
+    assert "device tools: simulated: this node's device.db, not a real phone: calendar.add" in err
 
     # Forced remote with no daemon (so no paired home PC either): a clear error, not a traceback.
     rc, out, err = await _cli(phone, "agent", "run", "Turn wifi on", "--delegate", "always", "--json")

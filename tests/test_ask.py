@@ -14,8 +14,8 @@ import pytest
 
 from conftest import pair, run_nodes
 from waiting import wait_until
-from psymesh.agent.loop import ScriptedModel, tool_call_text
-from psymesh.agent.tools import tool_from_function
+from psymesh.agent.acting.loop import ScriptedModel, tool_call_text
+from psymesh.agent.acting.tools import tool_from_function
 from psymesh.node.door.gate import ASK_ANSWER
 from psymesh.node.models import agents
 from psymesh.node.messaging.answering import answer_id

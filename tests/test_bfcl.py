@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from psymesh.agent.bfcl import (
+from psymesh.agent.evaluation.bfcl import (
     CATEGORIES,
     FLOAT_NOTE,
     NOT_RUN,
@@ -41,8 +41,8 @@ from psymesh.agent.bfcl import (
     standardize_string,
     tool_spec,
 )
-from psymesh.agent.chatformat import ChatMessage, ToolCall
-from psymesh.agent.loop import ScriptedModel, tool_call_text
+from psymesh.agent.formats.chatformat import ChatMessage, ToolCall
+from psymesh.agent.acting.loop import ScriptedModel, tool_call_text
 
 CASE_COUNTS = {"simple_python": 400, "multiple": 200, "parallel": 200, "parallel_multiple": 200, "irrelevance": 240}
 FIVE = tuple(CASE_COUNTS)  # the categories the first version ran; tests/test_bfcl_v4.py covers the rest
@@ -108,7 +108,7 @@ def test_the_report_averages_the_ast_categories_unweighted(bfcl_dir: Path) -> No
 
 def test_every_case_has_a_tool_grammar(bfcl_dir: Path) -> None:
     """A model run constrains calls by each case's converted schemas: every case's grammar builds."""
-    from psymesh.agent.grammar import tool_call_grammar
+    from psymesh.agent.formats.grammar import tool_call_grammar
 
     params = generation_params(grammar=True)
     assert params.tool_grammar is not None and params.tool_grammar.max_calls >= 8  # parallel has up to 8 calls
@@ -119,8 +119,9 @@ def test_every_case_has_a_tool_grammar(bfcl_dir: Path) -> None:
 @pytest.mark.anyio
 async def test_a_real_model_is_asked_and_scored(bfcl_dir: Path, tiny_model: Path) -> None:
     """The random-weight GGUF scores near zero, but every case is asked and scored."""
-    from psymesh.agent.loop import LlamaAgentModel
-    from psymesh.agent.runtime import ModelSettings, ModelWorker
+    from psymesh.agent.acting.loop import LlamaAgentModel
+    from psymesh.agent.runtime.api import ModelSettings
+    from psymesh.agent.runtime.worker import ModelWorker
 
     cases = load_bfcl(bfcl_dir, ["parallel", "irrelevance"], limit=1)
     params = generation_params(grammar=True, ban_bytes=True).model_copy(update={"max_tokens": 60})

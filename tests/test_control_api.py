@@ -12,7 +12,7 @@ import anyio
 import pytest
 
 from conftest import pair, run_nodes
-from psymesh.agent.tools import tool_from_function
+from psymesh.agent.acting.tools import tool_from_function
 from psymesh.node.control.client import Client
 from psymesh.node.daemon import Node
 from psymesh.node.control.process import DaemonProcess

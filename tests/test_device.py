@@ -9,15 +9,16 @@ from pathlib import Path
 
 import pytest
 
-from psymesh.agent.builtin_tools import default_registry
-from psymesh.agent.device import (
+from psymesh.agent.acting.builtin_tools import default_registry
+from psymesh.agent.acting.device import (
     MESSAGE_RESERVE_BYTES,
     NO_NETWORK,
     STORAGE_FULL,
     DeviceState,
+    Phone,
     wifi_off_inbox_full,
 )
-from psymesh.agent.tools import ToolContext, ToolError, ToolRegistry
+from psymesh.agent.acting.tools import ToolContext, ToolError, ToolRegistry
 from psymesh.protocol.errors import ErrorCode
 
 NOW = datetime(2025, 6, 2, 9, 30)
@@ -35,7 +36,7 @@ def db_path(tmp_path: Path) -> Path:
 @pytest.fixture
 def phone(db_path: Path) -> Iterator[tuple[DeviceState, ToolRegistry]]:
     device = DeviceState(db_path, clock=clock)
-    yield device, default_registry("phone", device=device)
+    yield device, default_registry("phone", phone=Phone.simulated(device))
     device.close()
 
 
@@ -174,8 +175,8 @@ async def test_calendar_and_reminders(phone: tuple[DeviceState, ToolRegistry]) -
 def test_phone_tool_set_and_flags(phone: tuple[DeviceState, ToolRegistry]) -> None:
     device, reg = phone
     assert reg.names() == ["calendar.add", "calendar.list", "contacts.list", "messages.delete", "messages.list",
-                           "messages.send", "reminders.add", "reminders.complete", "reminders.list",
+                           "messages.send", "notify.show", "reminders.add", "reminders.complete", "reminders.list",
                            "storage.status", "system.info", "wifi.set", "wifi.status"]
     irreversible = sorted(s.name for s in reg.specs("phone") if s.irreversible)
     assert irreversible == ["messages.delete", "messages.send"]
-    assert "messages.send" not in default_registry("home", device=device)  # phone tools stay on phones
+    assert "messages.send" not in default_registry("home", phone=Phone.simulated(device))  # phone tools stay on phones

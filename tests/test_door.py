@@ -15,7 +15,7 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from conftest import pair, run_nodes
 from test_relay import home_with
 from waiting import wait_until
-from psymesh.agent.tools import tool_from_function
+from psymesh.agent.acting.tools import tool_from_function
 from psymesh.node.control.client import Client
 from psymesh.node.daemon import Node
 from psymesh.protocol import ids

@@ -1,13 +1,13 @@
 """The function-calling evaluation harness on the shipped case file, with scripted models
 whose accuracy is known in advance. The argument checker it scores with is BFCL's
-(agent/bfcl.py); its edge cases are tested in tests/test_bfcl.py."""
+(agent/evaluation/bfcl.py); its edge cases are tested in tests/test_bfcl.py."""
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
 
-from psymesh.agent.evaluation import (
+from psymesh.agent.evaluation.suite import (
     OMITTABLE,
     EvalCase,
     EvalCaseError,
@@ -15,7 +15,7 @@ from psymesh.agent.evaluation import (
     format_report,
     load_cases,
 )
-from psymesh.agent.loop import ScriptedModel, tool_call_text
+from psymesh.agent.acting.loop import ScriptedModel, tool_call_text
 
 CASES_FILE = Path(__file__).parent.parent / "examples" / "eval_cases.jsonl"
 
@@ -148,10 +148,11 @@ def test_missing_case_file_is_a_typed_error(tmp_path: Path) -> None:
 @pytest.mark.anyio
 async def test_harness_runs_a_real_model(cases: list[EvalCase], tmp_path_factory: pytest.TempPathFactory) -> None:
     """The tiny random-weight GGUF scores near zero, but every reply is scored, none is malformed."""
-    from psymesh.agent.generate import GenerationParams, ToolGrammar
-    from psymesh.agent.loop import LlamaAgentModel
-    from psymesh.agent.runtime import ModelSettings, ModelWorker
-    from psymesh.agent.testmodel import tiny_model_path
+    from psymesh.agent.runtime.generate import GenerationParams, ToolGrammar
+    from psymesh.agent.acting.loop import LlamaAgentModel
+    from psymesh.agent.runtime.api import ModelSettings
+    from psymesh.agent.runtime.worker import ModelWorker
+    from psymesh.agent.runtime.testmodel import tiny_model_path
 
     path = tiny_model_path(tmp_path_factory.getbasetemp() / "models")
     async with ModelWorker(ModelSettings(path=path, n_ctx=8192, n_threads=2)) as worker:

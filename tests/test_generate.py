@@ -1,4 +1,4 @@
-"""agent.generate: the one way to ask the model, on real llama-cpp-python with the generated
+"""agent.runtime.generate: the one way to ask the model, on real llama-cpp-python with the generated
 tiny qwen35 GGUF.
 
 What the callers (infer tasks, the agent loop, a future OpenAI-style endpoint) rely on:
@@ -17,8 +17,8 @@ import pytest
 from pydantic import ValidationError
 
 from conftest import pair, run_nodes
-from psymesh.agent.chatformat import ChatMessage, ToolSpec, render_prefix, render_prompt
-from psymesh.agent.generate import (
+from psymesh.agent.formats.chatformat import ChatMessage, ToolSpec, render_prefix, render_prompt
+from psymesh.agent.runtime.generate import (
     Generation,
     GenerationError,
     GenerationParams,
@@ -27,8 +27,9 @@ from psymesh.agent.generate import (
     complete,
     generate,
 )
-from psymesh.agent.runtime import ModelSettings, ModelWorker
-from psymesh.agent.testmodel import tiny_model_path
+from psymesh.agent.runtime.api import ModelSettings
+from psymesh.agent.runtime.worker import ModelWorker
+from psymesh.agent.runtime.testmodel import tiny_model_path
 from psymesh.node.models.agents import llama_model
 from psymesh.node.control.client import Client
 from psymesh.protocol.errors import ErrorCode, RemoteError

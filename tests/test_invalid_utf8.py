@@ -49,7 +49,7 @@ _CHILD = r"""
 import json, sys
 from pathlib import Path
 import anyio
-from psymesh.agent.runtime import ModelSettings, ModelWorker
+from psymesh.agent.runtime.worker import ModelSettings, ModelWorker
 
 PROMPT = "<|im_start|>user\nwrite one character<|im_end|>\n<|im_start|>assistant\n"
 

@@ -10,7 +10,7 @@ import anyio.abc
 import pytest
 
 from conftest import run_nodes
-from psymesh.agent.tools import tool_from_function
+from psymesh.agent.acting.tools import tool_from_function
 from psymesh.node.control.client import Client
 from psymesh.node.core.home import NodeHome
 

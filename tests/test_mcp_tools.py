@@ -22,9 +22,9 @@ import anyio
 import pytest
 
 from conftest import pair, run_nodes
-from psymesh.agent.loop import ScriptedModel, tool_call_text
-from psymesh.agent.testmodel import tiny_model_path
-from psymesh.agent.tools import ToolRegistry
+from psymesh.agent.acting.loop import ScriptedModel, tool_call_text
+from psymesh.agent.runtime.testmodel import tiny_model_path
+from psymesh.agent.acting.tools import ToolRegistry
 from psymesh.node.models import agents
 from psymesh.node.core.bridgeconfig import McpServerConfig
 from psymesh.node.control.client import Client

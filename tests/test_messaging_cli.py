@@ -11,7 +11,7 @@ import anyio
 import pytest
 
 from conftest import pair, run_nodes
-from psymesh.agent.loop import ScriptedModel
+from psymesh.agent.acting.loop import ScriptedModel
 from psymesh.node.models import agents
 from psymesh.node.control.client import Client
 from psymesh.node.core.db import open_db

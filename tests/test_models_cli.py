@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from psymesh.agent.testmodel import make_tiny_gguf
+from psymesh.agent.runtime.testmodel import make_tiny_gguf
 
 
 def cli(home: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:

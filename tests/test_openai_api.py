@@ -35,7 +35,7 @@ import openai
 import pytest
 
 from conftest import pair, run_nodes
-from psymesh.agent.testmodel import tiny_model_path
+from psymesh.agent.runtime.testmodel import tiny_model_path
 from psymesh.node.control.client import Client
 from psymesh.node.daemon import Node
 from psymesh.node.core.home import NodeHome

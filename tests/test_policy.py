@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from psymesh.agent.policy import DelegationInputs, decide
+from psymesh.agent.acting.policy import DelegationInputs, decide
 
 PHONE = dict(profile="phone", remote_available=True, local_models=frozenset({"botpsy-0.8b"}),
              local_tools=frozenset({"wifi.set", "messages.send"}), local_context_tokens=4096)

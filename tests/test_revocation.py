@@ -21,7 +21,7 @@ import pytest
 
 from waiting import wait_until
 from conftest import pair, run_nodes
-from psymesh.agent.tools import tool_from_function
+from psymesh.agent.acting.tools import tool_from_function
 from psymesh.node.control.client import Client, TaskHandle
 from psymesh.node.daemon import Node
 from psymesh.node.door.gate import QueueLimits

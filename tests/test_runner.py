@@ -21,7 +21,7 @@ import pytest
 
 from conftest import pair, run_nodes
 from waiting import wait_until
-from psymesh.agent.inference import ModelCrashed, ModelLoadError, ModelSettings
+from psymesh.agent.runtime.api import ModelCrashed, ModelLoadError, ModelSettings
 from psymesh.node.control.client import Client
 from psymesh.node.core.db import open_db
 from psymesh.node.core.home import NodeHome

@@ -18,19 +18,19 @@ from llama_cpp import LlamaGrammar
 
 from waiting import wait_until
 
-from psymesh.agent.chatformat import ChatMessage, ToolSpec, parse_reply, render_prefix, render_prompt
-from psymesh.agent.grammar import tool_call_grammar
-from psymesh.agent.runtime import (
+from psymesh.agent.formats.chatformat import ChatMessage, ToolSpec, parse_reply, render_prefix, render_prompt
+from psymesh.agent.formats.grammar import tool_call_grammar
+from psymesh.agent.runtime.api import (
     Completion,
     GrammarError,
     ModelLoadError,
     ModelSettings,
-    ModelWorker,
     PromptTooLong,
     WorkerBusy,
     WorkerClosed,
 )
-from psymesh.agent.testmodel import make_tiny_gguf, tiny_model_path
+from psymesh.agent.runtime.worker import ModelWorker
+from psymesh.agent.runtime.testmodel import make_tiny_gguf, tiny_model_path
 from psymesh.protocol.errors import ErrorCode
 
 TEMPLATE = (Path(__file__).parent / "data" / "qwen35_chat_template.jinja").read_text(encoding="utf-8")

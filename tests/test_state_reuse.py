@@ -6,7 +6,7 @@ not already put in the context (the tool result and the template's glue), to the
 token; a conversation that departs from what was evaluated falls back to the longest
 saved state that is a true prefix of its tokens and evaluates exactly the tokens a cold
 run does, so it samples the same greedy reply (on this F16 model one-token and batched
-evaluation agree to ~3e-4 on the logits; agent/runtime.py says why a quantized model
+evaluation agree to ~3e-4 on the logits; agent/runtime/worker.py says why a quantized model
 can part on a near-tie); conversations that take turns on one worker each keep their
 state; the saved states stay within their memory bound.
 
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from psymesh.agent.chatformat import (
+from psymesh.agent.formats.chatformat import (
     EMPTY_THINK,
     ChatMessage,
     ToolCall,
@@ -31,11 +31,12 @@ from psymesh.agent.chatformat import (
     render_prompt,
     split_generation_prompt,
 )
-from psymesh.agent.generate import Generation, GenerationParams, TextDelta, ToolGrammar, complete, generate
-from psymesh.agent.loop import AgentConfig, AgentResult, LlamaAgentModel, run_agent
-from psymesh.agent.runtime import ModelSettings, ModelWorker
-from psymesh.agent.testmodel import special_token_ids, tiny_model_path
-from psymesh.agent.tools import ToolContext, ToolRegistry
+from psymesh.agent.runtime.generate import Generation, GenerationParams, TextDelta, ToolGrammar, complete, generate
+from psymesh.agent.acting.loop import AgentConfig, AgentResult, LlamaAgentModel, run_agent
+from psymesh.agent.runtime.api import ModelSettings
+from psymesh.agent.runtime.worker import ModelWorker
+from psymesh.agent.runtime.testmodel import special_token_ids, tiny_model_path
+from psymesh.agent.acting.tools import ToolContext, ToolRegistry
 from trained import canonical_bias
 
 TEMPLATE = (Path(__file__).parent / "data" / "qwen35_chat_template.jinja").read_text(encoding="utf-8")

@@ -22,7 +22,7 @@ import psymesh
 from waiting import wait_until
 from psymesh.protocol.session import SessionEnd
 from conftest import run_nodes
-from psymesh.agent.tools import ToolContext, tool_from_function
+from psymesh.agent.acting.tools import ToolContext, tool_from_function
 from psymesh.node.control.client import Client, TaskHandle
 from psymesh.node.daemon import Node
 from psymesh.node.core.db import open_db

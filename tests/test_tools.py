@@ -19,10 +19,10 @@ import anyio
 import pytest
 from pydantic import BaseModel, Field
 
-from psymesh.agent.builtin_tools import SearchLimits, default_registry, resolve_in_share, search_files
-from psymesh.agent.chatformat import ToolSpec, parse_reply, render_prompt
-from psymesh.agent.chatformat import ChatMessage as ChatTurn
-from psymesh.agent.tools import (
+from psymesh.agent.acting.builtin_tools import SearchLimits, default_registry, resolve_in_share, search_files
+from psymesh.agent.formats.chatformat import ToolSpec, parse_reply, render_prompt
+from psymesh.agent.formats.chatformat import ChatMessage as ChatTurn
+from psymesh.agent.acting.tools import (
     Tool,
     ToolContext,
     ToolError,
@@ -301,7 +301,7 @@ def test_entry_points_load_good_plugins_and_skip_bad_ones(
         },
         {
             f"{prefix}good": """
-                from psymesh.agent.tools import tool_from_function
+                from psymesh.agent.acting.tools import tool_from_function
 
                 def register(registry):
                     @registry.tool("weather.today")
@@ -550,7 +550,7 @@ def specials(share: Path) -> Iterator[dict[str, str]]:
 
 @pytest.mark.anyio
 async def test_files_read_refuses_fifos_sockets_and_devices_at_once(share: Path, specials: dict[str, str]) -> None:
-    from psymesh.agent.builtin_tools import read_file
+    from psymesh.agent.acting.builtin_tools import read_file
 
     reg = default_registry("home")
     for name, kind in specials.items():
@@ -570,7 +570,7 @@ async def test_files_read_refuses_fifos_sockets_and_devices_at_once(share: Path,
 @pytest.mark.anyio
 async def test_files_list_and_search_show_special_files_without_opening_them(
         share: Path, specials: dict[str, str]) -> None:
-    from psymesh.agent.builtin_tools import list_files, search
+    from psymesh.agent.acting.builtin_tools import list_files, search
 
     listed = within(5, lambda: list_files(ctx=ctx_for(share)))
     types = {e["name"]: e["type"] for e in listed["entries"]}
@@ -590,7 +590,7 @@ async def test_files_list_and_search_show_special_files_without_opening_them(
 def test_a_file_swapped_for_a_fifo_after_the_check_is_refused_not_waited_on(tmp_path: Path) -> None:
     """The race the stat-then-open order leaves: O_NONBLOCK opens the FIFO without waiting
     for a writer, and the fstat after it sees it is not the file that was checked."""
-    from psymesh.agent.builtin_tools import _open_regular
+    from psymesh.agent.acting.builtin_tools import _open_regular
 
     path = tmp_path / "notes.txt"
     path.write_text("hello")

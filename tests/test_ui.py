@@ -407,6 +407,8 @@ async def test_psymesh_ui_starts_the_dashboard_of_a_phone_on_demand(tmp_path: Pa
         await daemon.stop()
     assert where["url"].startswith("http://127.0.0.1:")
     assert page.status_code == 200 and "Overview" in page.text and "phone" in page.text
+    # a phone's overview says what its device tools act on (here nothing real is on PATH for messages)
+    assert "Device tools" in page.text and "<code>messages.send</code> <span class=\"tag\">simulated</span>" in page.text
 
 
 @pytest.mark.anyio

@@ -25,8 +25,8 @@ from psymesh.protocol.errors import NetworkError
 from psymesh.protocol.messages import pack, unpack
 from psymesh.protocol.oblivious import ExitKey, ExitSecret, seal_request
 from psymesh.protocol.web import WebFetch, WebKeyOk, WebKeyPush, WebPage
-from psymesh.agent.loop import ScriptedModel, run_agent, tool_call_text
-from psymesh.agent.tools import ToolContext
+from psymesh.agent.acting.loop import ScriptedModel, run_agent, tool_call_text
+from psymesh.agent.acting.tools import ToolContext
 from psymesh.node.models import agents
 from psymesh.node.control.client import Client
 from psymesh.node.web.exit import ExitSettings, SearchSettings

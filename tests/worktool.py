@@ -16,7 +16,7 @@ PLUGIN = '''
 import os
 import time
 
-from psymesh.agent.tools import ToolContext, tool_from_function
+from psymesh.agent.acting.tools import ToolContext, tool_from_function
 
 
 def work(tag: str, ms: int = 400, *, ctx: ToolContext) -> dict:

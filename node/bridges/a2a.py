@@ -69,8 +69,8 @@ from ...protocol.tasks import TaskState
 if TYPE_CHECKING:
     import uvicorn
 
-    from ...agent.loop import AgentEvent
-    from ...agent.tools import ToolRegistry
+    from ...agent.acting.loop import AgentEvent
+    from ...agent.acting.tools import ToolRegistry
     from ..core.home import Profile
     from ..models.agents import AgentTaskRunner
 
@@ -367,7 +367,8 @@ class A2AEndpoint:
             examples=["What is on this machine?"])]
         for t in tools:
             skills.append(a2a.AgentSkill(id=f"tool.{t.name}", name=t.name, description=t.description,
-                                         tags=["tool", "irreversible (refused)" if t.irreversible else "reversible"]))
+                                         tags=["tool", "irreversible (refused)" if t.irreversible else "reversible",
+                                               *([f"device: {t.backend}"] if t.backend else [])]))
         return skills
 
     # -- from the asyncio thread ----------------------------------------------------------

@@ -20,7 +20,7 @@ The SDK is anyio-based; its client (stdio included) runs unchanged on the daemon
 trio loop, so no asyncio thread or bridge is needed.
 
 MCP tool names allow capitals, dashes and dots; ours are lowercase words joined by
-dots (agent/tools.py TOOL_NAME_RE), so `readFile` / `read-file` become `read_file`,
+dots (agent/acting/tools.py TOOL_NAME_RE), so `readFile` / `read-file` become `read_file`,
 and a name that would collide or run past 64 characters gets a short hash.
 """
 from __future__ import annotations
@@ -40,8 +40,8 @@ import anyio
 import anyio.abc
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from ...agent.chatformat import ToolSpec
-from ...agent.tools import MAX_TOOL_NAME, TOOL_NAME_RE, Tool, ToolError, ToolRegistry, schema_for_prompt
+from ...agent.formats.chatformat import ToolSpec
+from ...agent.acting.tools import MAX_TOOL_NAME, TOOL_NAME_RE, Tool, ToolError, ToolRegistry, schema_for_prompt
 from ..core.bridgeconfig import McpServerConfig
 from ..core.paths import private_opener
 from ...protocol.errors import ErrorCode, PsymeshError

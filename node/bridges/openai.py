@@ -18,12 +18,12 @@ openai`), bound to 127.0.0.1 unless the owner says otherwise, behind node/bridge
 
 A request becomes an infer task spec (protocol.tasks.TaskSpec: chat turns with tool
 calls, tools, the tool choice) whichever way it runs: on a model of this node through
-agent.generate.generate(), or delegated to the paired home it names (`home/tiny`)
+agent.runtime.generate.generate(), or delegated to the paired home it names (`home/tiny`)
 through the node's submitter, where the home's door checks `task.infer:models=...`
 and its executor renders the same spec with the same generate(). A reply's
 `<tool_call>` text comes back as OpenAI `tool_calls` (finish_reason "tool_calls");
 `tool_choice` "required" or a named function constrains decoding so the call is
-well formed even from a small model (agent/infer.py).
+well formed even from a small model (agent/runtime/infer_task.py).
 
 Errors have OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`: 401 for
 a missing or wrong key, 403 for a foreign Host or Origin, 415 for a body that is not
@@ -513,8 +513,8 @@ class OpenAIEndpoint:
 
     async def _local(self, spec: TaskSpec) -> AsyncIterator[Piece]:
         """A completion on a model of this node: the same generate() an infer task runs."""
-        from ...agent.generate import Generation, generate
-        from ...agent.infer import infer_inputs
+        from ...agent.runtime.generate import Generation, generate
+        from ...agent.runtime.infer_task import infer_inputs
 
         assert spec.model is not None and spec.max_tokens is not None
         inputs = infer_inputs(spec, spec.max_tokens)

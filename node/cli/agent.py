@@ -23,7 +23,7 @@ from .task import _follow, _print_outcome
 if TYPE_CHECKING:
     from ..control.client import Client
     from ..core.home import NodeHome
-    from ...agent.bfcl import BfclReport
+    from ...agent.evaluation.bfcl import BfclReport
 
 
 @click.group()
@@ -40,7 +40,7 @@ class _StopOverContext:
         self.model, self.name, self.n_ctx, self.out = model, name, n_ctx, out
 
     async def reply(self, *args: Any, **kwargs: Any) -> Any:
-        from ...agent.inference import PromptTooLong
+        from ...agent.runtime.api import PromptTooLong
 
         try:
             return await self.model.reply(*args, **kwargs)
@@ -51,14 +51,16 @@ class _StopOverContext:
                 code=ErrorCode.TOO_LARGE)) from None
 
 
-def _print_agent_event(out: Output, ev: Any) -> None:
+def _print_agent_event(out: Output, ev: Any, simulated: frozenset[str] = frozenset()) -> None:
+    """One event of a run here, on stderr; a call of a tool in `simulated` is marked so."""
     d = ev.data
     if ev.kind == "step":
         out.err.print(f"[dim]step {d['step']}/{d['max_steps']}[/dim]")
     elif ev.kind == "thinking" and d.get("text"):
         out.err.print(f"[dim]  thinking: {escape(d['text'][:200])}[/dim]")
     elif ev.kind == "tool_call":
-        out.err.print(f"  -> {escape(d['name'])}({escape(json.dumps(d.get('arguments', {}))[:200])})")
+        mark = " [yellow](simulated)[/yellow]" if d["name"] in simulated else ""
+        out.err.print(f"  -> {escape(d['name'])}({escape(json.dumps(d.get('arguments', {}))[:200])}){mark}")
     elif ev.kind == "tool_result":
         body = d.get("result") if d.get("ok") else d.get("error")
         mark = "[green]ok[/green]" if d.get("ok") else f"[red]{escape(str(d.get('status')))}[/red]"
@@ -83,7 +85,7 @@ def _print_agent_event(out: Output, ev: Any) -> None:
 def agent_run(home: str | None, out: Output, goal: str, model_name: str | None, delegate: str, to: str | None,
               max_steps: int, thinking: bool, free_form: bool, yes: bool, ban_bytes: bool, seed: int | None) -> None:
     """Work on GOAL with this node's tools; irreversible calls ask first (or --yes)."""
-    from ...agent.policy import DelegationInputs, decide
+    from ...agent.acting.policy import DelegationInputs, decide
     from ..control.client import Client
 
     node_home = home_at(home)
@@ -128,8 +130,10 @@ def agent_run(home: str | None, out: Output, goal: str, model_name: str | None, 
 
 async def _agent_local(node_home: NodeHome, config: Any, registry: Any, out: Output, goal: str,
                        model_name: str | None, params: dict[str, Any], yes: bool) -> dict[str, Any]:
-    from ...agent.loop import run_agent
-    from ...agent.tools import ToolContext
+    from ...protocol.devices import SIMULATED
+    from ...agent.acting.loop import run_agent
+    from ...agent.acting.tools import ToolContext
+    from .status import device_lines
     from ..models.agents import agent_config, llama_model, node_tools, pick_model, result_of
 
     name = pick_model(registry, model_name, config.agent_model, config.profile)
@@ -143,11 +147,14 @@ async def _agent_local(node_home: NodeHome, config: Any, registry: Any, out: Out
         return await anyio.to_thread.run_sync(
             lambda: click.confirm(f"allow {call.name}({json.dumps(call.arguments)})?", default=False, err=True))
 
+    tools = node_tools(node_home, config)
+    for line in device_lines((t.name, t.backend) for t in tools if t.backend):
+        out.hint(f"device tools: {line}")
+    simulated = frozenset(t.name for t in tools if t.backend == SIMULATED)
+
     async def emit(ev: Any) -> None:
         if not out.json_mode:
-            _print_agent_event(out, ev)
-
-    tools = node_tools(node_home, config)
+            _print_agent_event(out, ev, simulated)
     ctx = ToolContext(share_dir=Path(config.share_dir) if config.share_dir else None, profile=config.profile)
     async with _local_runner(node_home, registry, name) as worker:
         run = await run_agent(goal, model=llama_model(worker, params), tools=tools, ctx=ctx, profile=config.profile,
@@ -220,7 +227,7 @@ def eval_cmd(home: str | None, out: Output, cases: str | None, model_name: str |
         return _eval_bfcl(home, out, bfcl_dir or None, categories, limit, model_name, free_form, thinking, ban_bytes,
                           score_dir, via, runs, temperature)
 
-    from ...agent.evaluation import evaluate, format_report, load_cases
+    from ...agent.evaluation.suite import evaluate, format_report, load_cases
     from ..models.agents import llama_model, pick_model
 
     node_home = home_at(home)
@@ -251,9 +258,9 @@ def _eval_bfcl(home: str | None, out: Output, bfcl_dir: str | None, categories: 
                model_name: str | None, free_form: bool, thinking: bool, ban_bytes: bool,
                score_dir: str | None, via: str | None = None, runs: int = 1, temperature: float = 0.0) -> None:
     """`eval --bfcl`: BFCL's questions through our prompt, the model (or the oracle) and our
-    parser, scored by agent/bfcl.py's mirror of BFCL's AST checker and, for multi-turn,
+    parser, scored by agent/evaluation/bfcl.py's mirror of BFCL's AST checker and, for multi-turn,
     by BFCL's own multi_turn_checker."""
-    from ...agent.bfcl import (
+    from ...agent.evaluation.bfcl import (
         WEB_CATEGORIES,
         default_data_dir,
         format_bfcl_report,
@@ -264,7 +271,7 @@ def _eval_bfcl(home: str | None, out: Output, bfcl_dir: str | None, categories: 
         run_spread,
         write_score_files,
     )
-    from ...agent.loop import LlamaAgentModel
+    from ...agent.acting.loop import LlamaAgentModel
     from ..control.client import Client
 
     data_dir = Path(bfcl_dir) if bfcl_dir else default_data_dir()

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, cast
 
 import click
@@ -45,12 +46,26 @@ def status(home: str | None, out: Output) -> None:
             con.print(f"listening:   {a}")
         for line in _reachability_lines(st.reachability, out):
             con.print(f"reachable:   {escape(line)}")
+        for line in device_lines((d.tool, d.backend) for d in st.device_tools):
+            con.print(f"device:      {escape(line)}")
         table = out_table("connected peer", "addresses")
         for p in st.connected_peers:
             table.add_row(p.name or p.peer_id, " ".join(p.addrs))
         con.print(table if st.connected_peers else "no connected peers")
 
     out.data(st, human)
+
+
+def device_lines(tools: Iterable[tuple[str, str]]) -> list[str]:
+    """The phone's tools grouped by what they act through: a line per backend, the simulated
+    phone first (`status`, `agent run`)."""
+    from ...protocol.devices import SIMULATED, backend_note
+
+    by: dict[str, list[str]] = {}
+    for tool, backend in tools:
+        by.setdefault(backend, []).append(tool)
+    order = sorted(by, key=lambda b: (b != SIMULATED, b))
+    return [f"{backend_note(b)}: {', '.join(sorted(by[b]))}" for b in order]
 
 
 def _reachability_lines(reach: c.Reachability, out: Output) -> list[str]:

@@ -50,8 +50,8 @@ from starlette.responses import HTMLResponse, RedirectResponse, Response, Stream
 from starlette.routing import Route
 
 from ..core.commands import Commands
-from ...agent.loop import AgentEvent
-from ...agent.policy import DelegationInputs, decide
+from ...agent.acting.loop import AgentEvent
+from ...agent.acting.policy import DelegationInputs, decide
 from ..models.agents import task_event
 from ..bridges.apikey import ApiKey
 from ..core.bridgeconfig import UiServe
@@ -67,7 +67,7 @@ from ...protocol.messages import Message
 from ...protocol.tasks import EventKind, Outcome, TaskKind, TaskSpec, TaskState
 
 if TYPE_CHECKING:
-    from ...agent.tools import ToolRegistry
+    from ...agent.acting.tools import ToolRegistry
     from ..core.home import Identity, NodeConfig
     from ..core.notify import Pulse
     from ..door.trust import TrustStore
@@ -605,7 +605,7 @@ class Dashboard:
 
     async def _agent_submit(self, request: Request) -> Response:
         """Run the goal here or delegate it, as the delegation policy decides for `psymesh agent
-        run` (agent/policy.py): on a home PC here; on a phone, a home while one offers it and
+        run` (agent/acting/policy.py): on a home PC here; on a phone, a home while one offers it and
         the phone is low on battery or memory, or lacks a model."""
         form = await self._form(request)
         goal = str(form.get("goal") or "").strip()

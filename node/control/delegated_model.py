@@ -1,8 +1,8 @@
-"""A model on a paired peer, as an :class:`~psymesh.agent.loop.AgentModel`: each reply is
+"""A model on a paired peer, as an :class:`~psymesh.agent.acting.loop.AgentModel`: each reply is
 one delegated infer task (``Client.delegate(peer, infer=..., tools=...)``).
 
 `psymesh eval --via PEER` asks the peer's model this way, so a phone can score the model
-of its home. The task carries what a local run gives ``agent.generate``: the chat (calls
+of its home. The task carries what a local run gives ``agent.runtime.generate``: the chat (calls
 and tool results included), the tools, and the sampling params a peer may set; a tool
 grammar travels as the GBNF text it compiles to (a peer takes ``grammar``, not our
 ``tool_grammar``), built as ``generate`` builds it, so the peer decodes under the same
@@ -14,8 +14,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ...agent.chatformat import ChatMessage, ToolSpec
-from ...agent.generate import GenerationParams
+from ...agent.formats.chatformat import ChatMessage, ToolSpec
+from ...agent.runtime.generate import GenerationParams
 from .client import Client
 
 __all__ = ["DelegatedModel"]
@@ -54,7 +54,7 @@ class DelegatedModel:
         if p.max_think_tokens is not None:
             out["max_think_tokens"] = p.max_think_tokens
         if p.tool_grammar is not None:
-            from ...agent.grammar import tool_call_grammar
+            from ...agent.formats.grammar import tool_call_grammar
 
             rules = p.tool_grammar
             out["grammar"] = tool_call_grammar(list(tools), think="bounded" if thinking else "none",

@@ -205,6 +205,7 @@ class Owner:
                              for p in self.node.p2p.connected_peers()],
             listen=list(self.node.config.listen),
             reachability=self.node.reach.view(),
+            device_tools=[c.DeviceTool(tool=t.name, backend=t.backend) for t in self.node.tools if t.backend],
         )
 
     async def _doctor(self, req: c.DoctorRequest, _: FramedStream) -> c.DoctorReply:

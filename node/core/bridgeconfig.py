@@ -32,7 +32,7 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-_SERVER_NAME = r"^[a-z][a-z0-9_]{0,23}$"  # one segment of a tool name (agent/tools.py TOOL_NAME_RE)
+_SERVER_NAME = r"^[a-z][a-z0-9_]{0,23}$"  # one segment of a tool name (agent/acting/tools.py TOOL_NAME_RE)
 
 
 class KeyedServe(BaseModel):

@@ -113,6 +113,9 @@ class NodeConfig(BaseModel):
     static_peers: list[str] = Field(default_factory=list)
     share_dir: str | None = None  # files.* tools serve only inside this directory
     agent_model: str | None = None  # model for agent runs and agent tasks (default: the first registered)
+    # A phone's tools: "auto" drives this machine's own commands where they are on PATH at start
+    # (Termux:API; nmcli, notify-send), "simulated" keeps every one on the simulated phone in device.db.
+    device: Literal["auto", "simulated"] = "auto"
     # Marks the delegation policy reads on a phone: hand agent goals to the home PC while set.
     battery_low: bool = False
     memory_low: bool = False

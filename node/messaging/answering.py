@@ -35,7 +35,7 @@ from ..door.gate import ASK_ANSWER
 from .service import Messaging
 from .store import Received
 from ..door.trust import TrustStore
-from ...agent.tools import ToolRegistry
+from ...agent.acting.tools import ToolRegistry
 from ...protocol.errors import ErrorCode, PsymeshError
 from ...protocol.manifest import Decision, Manifest, Operation
 from ...protocol.messaging import Letter, LetterKind

@@ -1,4 +1,4 @@
-"""Agent runs on a node: the same loop (agent/loop.py) whether the owner runs a goal here
+"""Agent runs on a node: the same loop (agent/acting/loop.py) whether the owner runs a goal here
 (`psymesh agent run`) or a paired phone delegates one (an `agent` task).
 
 The node supplies what the loop must not decide for itself: which model, which tools
@@ -7,15 +7,17 @@ confirmed (the person at the CLI, or the submitter through `input-required`).
 """
 from __future__ import annotations
 
+import os
+import shutil
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ...agent.generate import GenerationParams, ToolGrammar
-from ...agent.loop import AgentConfig, AgentEvent, AgentResult, Confirm, Emit, LlamaAgentModel, run_agent
-from ...agent.tools import ToolContext, ToolRegistry
+from ...agent.runtime.generate import GenerationParams, ToolGrammar
+from ...agent.acting.loop import AgentConfig, AgentEvent, AgentResult, Confirm, Emit, LlamaAgentModel, run_agent
+from ...agent.acting.tools import ToolContext, ToolRegistry
 from ..core.home import NodeConfig, NodeHome
 from . import ModelPool, ModelRegistry
 from ...protocol.errors import ErrorCode, PsymeshError
@@ -23,7 +25,7 @@ from ...protocol.manifest import Manifest, Operation, check
 from ...protocol.tasks import EventKind
 
 if TYPE_CHECKING:
-    from ...agent.inference import TextModel
+    from ...agent.runtime.api import TextModel
 
 # What a delegating peer may set, and the most it may ask for. A peer never sets the
 # system prompt: that is where the node's own rules live.
@@ -33,18 +35,23 @@ TaskEmit = Callable[..., Awaitable[None]]
 Ask = Callable[[str, dict[str, Any]], Awaitable[dict[str, Any]]]
 
 
-def node_tools(home: NodeHome, config: NodeConfig) -> ToolRegistry:
-    """The tools this node offers: built-ins for its profile, a simulated device on a phone,
-    and any installed `psymesh.tools` plugins."""
-    from ...agent.builtin_tools import default_registry
-    from ...agent.tools import load_entry_points
+def node_tools(home: NodeHome, config: NodeConfig, environ: Mapping[str, str] = os.environ) -> ToolRegistry:
+    """The tools this node offers: built-ins for its profile, the phone's on a phone (each
+    through the device's own commands where `environ`'s PATH has them and config `device` is
+    "auto", else through a simulated phone, so phone scenarios run anywhere), and any
+    installed `psymesh.tools` plugins."""
+    from ...agent.acting.builtin_tools import default_registry
+    from ...agent.acting.tools import load_entry_points
 
-    device = None
-    if config.profile == "phone":  # a simulated device, so phone scenarios run anywhere
-        from ...agent.device import DeviceState
+    phone = None
+    if config.profile == "phone":
+        from ...agent.acting.device import DeviceState, Phone
+        from ...agent.acting.device_commands import detect_phone
 
         device = DeviceState(home.private_file("device.db"))  # born 0600, like all of the home
-    registry = default_registry(config.profile, device=device)
+        phone = Phone.simulated(device) if config.device == "simulated" else \
+            detect_phone(device, lambda name: shutil.which(name, path=environ.get("PATH")))
+    registry = default_registry(config.profile, phone=phone)
     load_entry_points(registry)
     return registry
 

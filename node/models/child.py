@@ -1,6 +1,6 @@
 """A model runner process: `python -m psymesh.node.models.child`, started by the node.
 
-It holds one loaded model (agent/runtime.py's `ModelWorker`, with its saved states and
+It holds one loaded model (agent/runtime/worker.py's `ModelWorker`, with its saved states and
 exact-prefix continuation) and answers the node over stdin/stdout in the frames of
 protocol/runner.py. Nothing here is trusted by the node beyond that conversation: if
 llama.cpp throws a C++ exception (std::terminate, SIGABRT), faults, or the kernel kills
@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from ...agent.inference import Completion, ModelSettings, StopAfter, ThinkBudget
+from ...agent.runtime.api import Completion, ModelSettings, StopAfter, ThinkBudget
 from ...protocol.channel import Channel
 from ...protocol.errors import PsymeshError
 from ...protocol.messages import Message
@@ -47,7 +47,7 @@ from ...protocol.runner import (
 )
 
 if TYPE_CHECKING:
-    from ...agent.runtime import ModelWorker
+    from ...agent.runtime.worker import ModelWorker
 
 
 def _limit_memory(limit_mb: int | None) -> None:
@@ -155,7 +155,7 @@ async def main() -> None:
         return
     settings = ModelSettings.model_validate_json(first.settings)
     _limit_memory(settings.memory_limit_mb)
-    from ...agent.runtime import ModelWorker  # llama.cpp is loaded here, in this process only
+    from ...agent.runtime.worker import ModelWorker  # llama.cpp is loaded here, in this process only
 
     worker = ModelWorker(settings)
     try:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..core.commands import Commands
-from ...agent.inference import ModelSettings
+from ...agent.runtime.api import ModelSettings
 from ..core.db import ensure_schema
 from ..core.paths import ensure_private_dir, tighten
 from ...protocol.errors import ConnectError, ErrorCode, PsymeshError

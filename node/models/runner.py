@@ -5,7 +5,7 @@ be killed for its memory; in the daemon's process any of that would end every se
 letter and task of the node. So a model is loaded in a child process
 (node/models/child.py) and driven over its stdin/stdout with the frames of
 protocol/runner.py. A runner handle offers the same async surface as the in-process
-engine (``agent.inference.TextModel``: `stream`, `complete`, `generate`, `tokenize`,
+engine (``agent.runtime.api.TextModel``: `stream`, `complete`, `generate`, `tokenize`,
 `info`), and is stable across the processes behind it:
 
 * the process starts on the first request (or `start()`), and exits by itself after
@@ -13,7 +13,7 @@ engine (``agent.inference.TextModel``: `stream`, `complete`, `generate`, `tokeni
 * requests queue here, one at a time in FIFO order (a model is single-threaded anyway),
   at most `max_pending` of them (then WorkerBusy);
 * when the process dies, the request it was running fails with
-  :class:`~psymesh.agent.inference.ModelCrashed` (the signal, and the last line of the
+  :class:`~psymesh.agent.runtime.api.ModelCrashed` (the signal, and the last line of the
   runner's log), and only that one: a request that had been sent but not started goes to
   a fresh process, and the queued ones run there. Starts after a crash back off
   (0.5 s, doubling, at most 30 s) until a request succeeds again.
@@ -40,7 +40,7 @@ from typing import IO
 import anyio
 from anyio.abc import Process
 
-from ...agent.inference import (
+from ...agent.runtime.api import (
     Completion,
     ModelCrashed,
     ModelError,

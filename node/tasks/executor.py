@@ -27,7 +27,7 @@ import anyio
 import anyio.abc
 import anyio.lowlevel
 
-from ...agent.tools import ToolContext, ToolRegistry, invoke
+from ...agent.acting.tools import ToolContext, ToolRegistry, invoke
 from ..models.agents import granted_tools
 from ..door.gate import Gate
 from ..core.db import WalSync
@@ -358,8 +358,8 @@ class TaskExecutor:
         return record.status()
 
     async def _infer(self, rec: TaskRecord, ceiling: int | None) -> dict[str, Any]:
-        from ...agent.generate import Generation, generate
-        from ...agent.infer import infer_inputs
+        from ...agent.runtime.generate import Generation, generate
+        from ...agent.runtime.infer_task import infer_inputs
 
         spec = rec.spec
         assert spec.model is not None

@@ -18,7 +18,7 @@ from typing import Annotated, Any
 
 from pydantic import Field
 
-from ...agent.tools import Tool, ToolContext, tool_from_function
+from ...agent.acting.tools import Tool, ToolContext, tool_from_function
 from ...protocol.web import (
     DEFAULT_PAGE_CHARS,
     MAX_HITS,

@@ -34,7 +34,7 @@ if TYPE_CHECKING:  # what type checkers see: every name, as if imported here
 # group module -> the names it defines
 _GROUPS: dict[str, tuple[str, ...]] = {
     "common": ("View", "PeerAway", "Ok", "error_reply"),
-    "node": ("StatusRequest", "ConnectedPeer", "ConfirmedAddr", "Reachability", "StatusReply",
+    "node": ("StatusRequest", "ConnectedPeer", "ConfirmedAddr", "Reachability", "DeviceTool", "StatusReply",
              "DoctorRequest", "ConnectionPath", "PeerDiagnosis", "DoctorReply", "PingRequest",
              "PingReply", "ShutdownRequest", "ServeRequest", "ServeReply", "UiRequest", "UiReply",
              "ModelsPsRequest", "LoadedModel", "ModelsPsReply", "McpStatusRequest", "McpServerState",

@@ -41,6 +41,15 @@ class Reachability(View):
     relayed: list[str] = Field(default_factory=list)
 
 
+class DeviceTool(View):
+    """A phone tool and what it acts through: ``simulated`` (the simulated phone in the node's
+    device.db: nothing real is sent or switched), or the device's own interface it runs as
+    commands (``termux-api``, ``nmcli``, ``notify-send``): protocol/devices.py."""
+
+    tool: str
+    backend: str
+
+
 class StatusReply(Message):
     type = "control.status_reply"
     peer_id: str
@@ -53,6 +62,7 @@ class StatusReply(Message):
     connected_peers: list[ConnectedPeer] = Field(default_factory=list)
     listen: list[str] = Field(default_factory=list)  # config `listen`, as configured (port 0: any)
     reachability: Reachability = Field(default_factory=Reachability)
+    device_tools: list[DeviceTool] = Field(default_factory=list)  # a phone's tools, picked at start
 
 
 class DoctorRequest(Message):

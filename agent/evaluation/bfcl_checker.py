@@ -12,7 +12,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from .chatformat import ToolCall, ToolSpec
+from ..formats.chatformat import ToolCall, ToolSpec
 from .bfcl_categories import OMITTABLE, PYTHON, JAVA, bfcl_module
 
 
@@ -37,7 +37,7 @@ class Mismatch:
     message: str
 
 
-_PYTHON_TYPES: dict[str, type] = {"string": str, "integer": int, "number": float, "boolean": bool,
+PYTHON_TYPES: dict[str, type] = {"string": str, "integer": int, "number": float, "boolean": bool,
                                   "array": list, "object": dict}
 _STANDARDIZE = re.compile(r"[ ,./\-_*^]")
 
@@ -56,9 +56,9 @@ def _show(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def _declared_type(schema: Any) -> type | None:
+def declared_type(schema: Any) -> type | None:
     kind = schema.get("type") if isinstance(schema, Mapping) else None
-    return _PYTHON_TYPES.get(kind) if isinstance(kind, str) else None
+    return PYTHON_TYPES.get(kind) if isinstance(kind, str) else None
 
 
 def _answer_type(values: Sequence[Any]) -> type | None:
@@ -163,12 +163,12 @@ def _converted(name: str, param: str, value: Any, schema: Mapping[str, Any],
     return convert(value, kind), table[kind], None, None
 
 
-def _check_value(name: str, param: str, value: Any, values: Sequence[Any],
+def check_value(name: str, param: str, value: Any, values: Sequence[Any],
                  schema: Mapping[str, Any], language: str = PYTHON) -> Mismatch | None:
     if language == PYTHON:
-        declared = _declared_type(schema)
+        declared = declared_type(schema)
         want = declared or _answer_type(values)
-        nested = _declared_type(schema.get("items")) if want is list else None
+        nested = declared_type(schema.get("items")) if want is list else None
         if declared is float and type(value) is int:
             value = float(value)  # Python's int -> float promotion, which BFCL allows
     else:
@@ -219,7 +219,7 @@ def check_call(call: ToolCall, expected: ExpectedCall, spec: ToolSpec, language:
             return Mismatch("simple_function_checker:unexpected_param",
                             f"{call.name}: unexpected argument {param}={_show(value)}")
         schema = props[param] if isinstance(props[param], Mapping) else {}
-        mismatch = _check_value(call.name, param, value, expected.arguments[param], schema, language)
+        mismatch = check_value(call.name, param, value, expected.arguments[param], schema, language)
         if mismatch is not None:
             return mismatch
     for param, values in expected.arguments.items():

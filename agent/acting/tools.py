@@ -39,9 +39,9 @@ import anyio
 from pydantic import BaseModel, ConfigDict, ValidationError, create_model
 from pydantic_core import PydanticSerializationError, to_jsonable_python
 
-from .chatformat import ToolSpec
-from ..protocol.errors import ErrorCode, PsymeshError
-from ..protocol.tasks import check_json
+from ..formats.chatformat import ToolSpec
+from ...protocol.errors import ErrorCode, PsymeshError
+from ...protocol.tasks import check_json
 
 __all__ = [
     "ALL_PROFILES",
@@ -121,7 +121,10 @@ class ToolContext:
 class Tool:
     """One callable tool. `func` takes the argument model's fields as keyword arguments
     (plus `ctx` when `wants_ctx`). `irreversible` tools are ones the agent loop should
-    confirm before running (sending a message, deleting data)."""
+    confirm before running (sending a message, deleting data). `backend`, for a tool that acts
+    on the device rather than on data of its own: what it acts through (``"simulated"``: the
+    simulated phone's SQLite file; ``"termux-api"``, ``"nmcli"``, ``"notify-send"``: the real
+    device, by those commands); empty for every other tool."""
 
     name: str
     description: str
@@ -130,6 +133,7 @@ class Tool:
     irreversible: bool = False
     profiles: frozenset[str] = ALL_PROFILES
     wants_ctx: bool = False
+    backend: str = ""
 
     def __post_init__(self) -> None:
         if len(self.name) > MAX_TOOL_NAME or not TOOL_NAME_RE.match(self.name):
@@ -191,6 +195,7 @@ def tool_from_function(
     description: str | None = None,
     irreversible: bool = False,
     profiles: Iterable[str] = ALL_PROFILES,
+    backend: str = "",
 ) -> Tool:
     """Build a Tool whose argument model comes from `func`'s type-hinted signature.
 
@@ -204,7 +209,7 @@ def tool_from_function(
         doc = inspect.getdoc(func) or ""
         description = doc.strip().splitlines()[0].strip() if doc.strip() else ""
     return Tool(name=name, description=description, args_model=model, func=func,
-                irreversible=irreversible, profiles=frozenset(profiles), wants_ctx=wants_ctx)
+                irreversible=irreversible, profiles=frozenset(profiles), wants_ctx=wants_ctx, backend=backend)
 
 
 def _args_model(func: Callable[..., Any], name: str) -> tuple[type[BaseModel], bool]:
@@ -371,13 +376,14 @@ class ToolRegistry:
         description: str | None = None,
         irreversible: bool = False,
         profiles: Iterable[str] = ALL_PROFILES,
+        backend: str = "",
     ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         """Decorator: register a function as a tool (see :func:`tool_from_function`).
         The function itself is returned unchanged, so it stays directly callable."""
 
         def decorate(func: Callable[..., Any]) -> Callable[..., Any]:
             self.register(tool_from_function(func, name, description=description,
-                                             irreversible=irreversible, profiles=profiles))
+                                             irreversible=irreversible, profiles=profiles, backend=backend))
             return func
 
         return decorate

@@ -1,13 +1,13 @@
 """Reading the generated text as it streams: stop strings held back until they cannot start, the
 ThinkBudget's thought and the StopAfter marker count, and whether bytes are valid UTF-8.
 
-Pure Python over text and bytes; agent/runtime.py feeds it each decoded piece.
+Pure Python over text and bytes; agent/runtime/worker.py feeds it each decoded piece.
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .inference import StopAfter, ThinkBudget
+from .api import StopAfter, ThinkBudget
 
 
 def is_utf8(data: bytes) -> bool:

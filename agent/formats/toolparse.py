@@ -1,7 +1,7 @@
 """Parsing a model's reply: its reasoning, its visible text and the tool calls written in it.
 
 :func:`parse_reply` never raises: whatever the model wrote, the agent loop gets a
-:class:`~psymesh.agent.chat.ParsedReply` whose ``errors`` it can hand back to the model as
+:class:`~psymesh.agent.formats.chat.ParsedReply` whose ``errors`` it can hand back to the model as
 observations. llama-cpp-python parses neither the Qwen3.5 XML form nor the Hermes JSON form of tool
 calls, hence this module.
 """

@@ -47,10 +47,10 @@ from xml.sax.saxutils import escape, quoteattr
 
 from .bfcl_categories import PYTHON, BfclDataError, bfcl_module
 from .bfcl_checker import check_calls
-from .bfcl_data import BfclCase, _expected_calls, tool_spec
-from .bfcl_oracle import _oracle_arguments
+from .bfcl_data import BfclCase, expected_calls, tool_spec
+from .bfcl_oracle import oracle_arguments
 from .bfcl_score import BfclResult
-from .chatformat import ChatMessage, ToolCall
+from ..formats.chatformat import ChatMessage, ToolCall
 
 FORMAT_CATEGORY = "format_sensitivity"
 
@@ -96,7 +96,7 @@ def load_format_sensitivity(limit: int | None = None) -> list[BfclCase]:
             [dict(m) for m in entry["question"][0]], entry["function"], entry["id"])
         try:
             tools = tuple(tool_spec(doc) for doc in entry["function"])
-            expected = _expected_calls(truth["ground_truth"], tools)
+            expected = expected_calls(truth["ground_truth"], tools)
         except ValueError as exc:
             raise BfclDataError(f"{entry['id']}: {exc}") from None
         cases.append(BfclCase(entry["id"], FORMAT_CATEGORY,
@@ -216,7 +216,7 @@ def format_oracle_reply(case: BfclCase) -> str:
     assert case.expected is not None
     fmt = PromptFormat.parse(case.prompt_format)
     specs = {t.name: t for t in case.check_tools}
-    calls = [(e.name, _oracle_arguments(e, specs[e.name])) for e in case.expected]
+    calls = [(e.name, oracle_arguments(e, specs[e.name])) for e in case.expected]
     if fmt.return_format == "python":
         body = "[" + ", ".join(_call_text(n, a, "python") for n, a in calls) + "]"
     elif fmt.return_format == "json":

@@ -92,31 +92,35 @@ overall weighing non-live, live, irrelevance, multi-turn and agentic 10/10/10/30
 from __future__ import annotations
 
 import tempfile
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from .bfcl_categories import (
-    AST_CATEGORIES, CATEGORIES, FILE_PREFIX, FLOAT_NOTE, JAVA, JAVASCRIPT, MULTI_TURN_CATEGORIES, NOT_RUN,
-    OMITTABLE, PYTHON, PYTHON_HINT, WEB_CATEGORIES, BfclDataError, bfcl_module, offline_vector_encoder,
+    AST_CATEGORIES, CATEGORIES, FILE_PREFIX, FLOAT_NOTE, FORMAT_SENSITIVITY, JAVA, JAVASCRIPT, MEMORY_CATEGORIES,
+    MULTI_TURN_CATEGORIES, NOT_RUN, OMITTABLE, PYTHON, PYTHON_HINT, WEB_CATEGORIES, BfclDataError, bfcl_module,
+    offline_vector_encoder,
 )
 from .bfcl_checker import ExpectedCall, Mismatch, check_call, check_calls, standardize_string
-from .bfcl_data import BfclCase, default_data_dir, load_bfcl, present_categories, tool_spec
-from .bfcl_oracle import oracle_reply
+from .bfcl_data import BfclCase, default_data_dir, load_single_turn, present_categories, tool_spec
+from .bfcl_format import format_oracle_reply, load_format_sensitivity, score_format_reply
+from .bfcl_multiturn import (
+    MultiTurnCase, WebRoute, load_memory, load_multi_turn, load_web_search, oracle_model, run_multi_turn_case,
+)
+from .bfcl_oracle import single_turn_oracle
 from .bfcl_report import (
     BfclReport, CategoryScore, format_bfcl_report, format_run_spread, run_spread, write_score_files,
 )
-from .bfcl_score import BfclResult, score_reply
-from .generate import GenerationParams, ToolGrammar
-from .loop import AgentModel
-from ..protocol.errors import PsymeshError
+from .bfcl_score import BfclResult, score_single_turn
+from ..runtime.generate import GenerationParams, ToolGrammar
+from ..acting.loop import AgentModel
+from ...protocol.errors import ErrorCode, PsymeshError
 
-if TYPE_CHECKING:
-    from .bfcl_multiturn import MultiTurnCase, WebRoute
-
-# The runner: the rest lives in one module per job, re-exported here for callers
-# (bfcl_categories: names and bfcl-eval; bfcl_checker; bfcl_data: docs and loading;
-# bfcl_score; bfcl_oracle; bfcl_report: summaries, tables and score files).
+# The runner, and the one place that knows every kind of case: the rest lives in one module
+# per job, re-exported here for callers. They import in one direction (tests/test_node_layers.py):
+# bfcl_categories (names and bfcl-eval) <- bfcl_checker <- bfcl_data (docs, single-turn loading)
+# <- bfcl_score, bfcl_oracle (single-turn) <- bfcl_format (format_sensitivity), bfcl_multiturn
+# <- bfcl_report (summaries, tables and score files) <- bfcl (loading, scoring and the oracle
+# for any case, dispatched by kind; the run).
 __all__ = [
     "AST_CATEGORIES",
     "CATEGORIES",
@@ -163,6 +167,43 @@ MAX_CALLS = 16
 MAX_TOKENS = 4096
 
 
+def load_bfcl(directory: str | Path | None = None, categories: Sequence[str] = (), *,
+              limit: int | None = None, encoder_cache: Path | None = None) -> list[BfclCase | MultiTurnCase]:
+    """The cases of `categories` (default: every supported one present in `directory`,
+    itself by default the installed bfcl-eval's data), each category cut to its first
+    `limit` cases (format_sensitivity: its first `limit` source cases, each in all 26
+    formats). `encoder_cache`: where memory_vector's encoder is linked in (load_memory)."""
+    directory = default_data_dir() if directory is None else Path(directory)
+    if not directory.is_dir():
+        raise BfclDataError(f"{directory} is not a directory", code=ErrorCode.NOT_FOUND)
+    unknown = [c for c in categories if c not in CATEGORIES]
+    if unknown:
+        why = "".join(f"; {c} is not run: {NOT_RUN[c]}" for c in unknown if c in NOT_RUN)
+        raise BfclDataError(f"unsupported BFCL categories {unknown}{why}; supported: {', '.join(CATEGORIES)}")
+    chosen = list(dict.fromkeys(categories)) or present_categories(directory)
+    if not chosen:
+        raise BfclDataError(f"{directory} holds none of the BFCL files {FILE_PREFIX}<category>.json "
+                            f"for {', '.join(CATEGORIES)}", code=ErrorCode.NOT_FOUND)
+    return [case for c in chosen
+            for case in (load_multi_turn(directory, c, limit) if c in MULTI_TURN_CATEGORIES
+                         else load_format_sensitivity(limit) if c == FORMAT_SENSITIVITY
+                         else load_memory(c, limit, encoder_cache) if c in MEMORY_CATEGORIES
+                         else load_web_search(c, limit) if c in WEB_CATEGORIES
+                         else load_single_turn(directory, c, limit))]
+
+
+def score_reply(case: BfclCase, text: str) -> BfclResult:
+    """Score one raw reply as BFCL would (format_sensitivity: decoded in the case's prompt format)."""
+    return score_format_reply(case, text) if case.prompt_format else score_single_turn(case, text)
+
+
+def oracle_reply(case: BfclCase) -> str:
+    """The reply a perfect model writes: the ground truth's first acceptable answer, each
+    call in the Qwen3.5 tool-call form (format_sensitivity: in the case's prompt format);
+    plain text where no function fits."""
+    return format_oracle_reply(case) if case.prompt_format else single_turn_oracle(case)
+
+
 async def run_bfcl(
     cases: Iterable[BfclCase | MultiTurnCase],
     model: AgentModel | None,
@@ -186,8 +227,6 @@ async def run_bfcl(
 async def _run(cases: Iterable[BfclCase | MultiTurnCase], model: AgentModel | None, thinking: bool,
                on_result: Callable[[BfclResult], Awaitable[None]] | None, workdir: Path,
                web: WebRoute | None, prompting: AgentModel | None) -> BfclReport:
-    from .bfcl_multiturn import MultiTurnCase, oracle_model, run_multi_turn_case
-
     results = []
     for case in cases:
         if isinstance(case, MultiTurnCase):

@@ -9,15 +9,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from statistics import fmean
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .bfcl_categories import (
     FILE_PREFIX, LIVE_AST, MULTI_TURN_CATEGORIES, WEB_CATEGORIES, FORMAT_SENSITIVITY, CATEGORIES, NOT_RUN,
 )
+from .bfcl_format import FormatSensitivity, all_configs, format_sensitivity
+from .bfcl_multiturn import WEB_NOTE
 from .bfcl_score import BfclResult
-
-if TYPE_CHECKING:
-    from .bfcl_format import FormatSensitivity
 
 
 # --------------------------------------------------------------------------- reporting
@@ -124,8 +123,6 @@ class BfclReport:
 
     def format_sensitivity(self) -> FormatSensitivity | None:
         """BFCL's format_sensitivity statistics (per config; max delta, variance, std)."""
-        from .bfcl_format import format_sensitivity
-
         return format_sensitivity(self.results)
 
     def data(self) -> dict[str, Any]:
@@ -137,7 +134,7 @@ class BfclReport:
                           for k, v in self.summaries().items()},
             "not_run": {c: why for c, why in NOT_RUN.items()},
             **({"format_sensitivity": fs.header_fields()} if (fs := self.format_sensitivity()) else {}),
-            "notes": [_web_note()] if any(c in self.categories for c in WEB_CATEGORIES) else [],
+            "notes": [WEB_NOTE] if any(c in self.categories for c in WEB_CATEGORIES) else [],
             "cases": len(self.results),
             "correct": sum(r.passed for r in self.results),
             "failures": [{"id": r.id, "category": r.category, "kind": r.kind, "reason": r.reason}
@@ -157,12 +154,6 @@ class BfclReport:
                       for r in self.results if r.category == c and not r.passed]
             out[f"{FILE_PREFIX}{c}_score.json"] = lines
         return out
-
-
-def _web_note() -> str:
-    from .bfcl_multiturn import WEB_NOTE
-
-    return WEB_NOTE
 
 
 def format_bfcl_report(report: BfclReport, asked: Sequence[str] = ()) -> str:
@@ -190,7 +181,7 @@ def format_bfcl_report(report: BfclReport, asked: Sequence[str] = ()) -> str:
     if cannot:
         lines.append("this harness cannot run here: " + "; ".join(f"{c} ({why})" for c, why in cannot.items()))
     if any(c in report.categories for c in WEB_CATEGORIES):
-        lines.append(f"note: {_web_note()}")
+        lines.append(f"note: {WEB_NOTE}")
     return "\n".join(lines) + "\n"
 
 
@@ -234,8 +225,6 @@ def write_score_files(report: BfclReport, directory: Path, model_name: str) -> l
     written.append(path)
     fs = report.format_sensitivity()
     if fs is not None:  # BFCL's data_format_sensitivity.csv: its columns, its 26 configs in its order
-        from .bfcl_format import all_configs
-
         configs = all_configs()
         path = directory / "data_format_sensitivity.csv"
         cells = [f"{k / n * 100:.2f}%" if n else "N/A" for k, n in (fs.by_config.get(c, (0, 0)) for c in configs)]

@@ -10,21 +10,18 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pydantic import ValidationError
 
-from .chatformat import ChatMessage, ToolSpec
-from ..protocol.errors import ErrorCode
+from ..formats.chatformat import ChatMessage, ToolSpec
+from ...protocol.errors import ErrorCode
 from .bfcl_categories import (
     FILE_PREFIX, BFCL_EVAL_VERSION, AST_CATEGORIES, IRRELEVANCE_CATEGORIES, RELEVANCE_CATEGORIES,
-    MULTI_TURN_CATEGORIES, MEMORY_CATEGORIES, WEB_CATEGORIES, FORMAT_SENSITIVITY, CATEGORIES, NOT_RUN, PYTHON,
+    MEMORY_CATEGORIES, WEB_CATEGORIES, CATEGORIES, PYTHON,
     JAVA, JAVASCRIPT, LANGUAGE_HINTS, FLOAT_NOTE, BfclDataError,
 )
 from .bfcl_checker import ExpectedCall
-
-if TYPE_CHECKING:
-    from .bfcl_multiturn import MultiTurnCase
 
 
 # --------------------------------------------------------------------------- BFCL function docs
@@ -169,7 +166,7 @@ def _file_stem(category: str) -> str:
     return "memory" if category in MEMORY_CATEGORIES else "web_search" if category in WEB_CATEGORIES else category
 
 
-def _json_lines(path: Path, limit: int | None) -> list[tuple[str, dict[str, Any]]]:
+def json_lines(path: Path, limit: int | None) -> list[tuple[str, dict[str, Any]]]:
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except OSError as exc:
@@ -190,7 +187,7 @@ def _json_lines(path: Path, limit: int | None) -> list[tuple[str, dict[str, Any]
     return out
 
 
-def _expected_calls(ground_truth: Any, tools: Sequence[ToolSpec]) -> tuple[ExpectedCall, ...]:
+def expected_calls(ground_truth: Any, tools: Sequence[ToolSpec]) -> tuple[ExpectedCall, ...]:
     if not isinstance(ground_truth, list) or not ground_truth:
         raise ValueError("'ground_truth' must be a non-empty list of calls")
     names = {t.name for t in tools}
@@ -205,13 +202,15 @@ def _expected_calls(ground_truth: Any, tools: Sequence[ToolSpec]) -> tuple[Expec
     return tuple(calls)
 
 
-def _load_category(directory: Path, category: str, limit: int | None) -> list[BfclCase]:
-    questions = _json_lines(directory / f"{FILE_PREFIX}{category}.json", limit)
+def load_single_turn(directory: Path, category: str, limit: int | None) -> list[BfclCase]:
+    """A single-turn category's cases (AST, irrelevance, relevance), paired with their
+    ground truth where the category is graded by it; the first `limit` of them."""
+    questions = json_lines(directory / f"{FILE_PREFIX}{category}.json", limit)
     answers: dict[str, Any] = {}
     language = language_of(category)
     graded = category in AST_CATEGORIES
     if graded:
-        answer_lines = _json_lines(directory / "possible_answer" / f"{FILE_PREFIX}{category}.json", None)
+        answer_lines = json_lines(directory / "possible_answer" / f"{FILE_PREFIX}{category}.json", None)
         answers = {obj["id"]: obj.get("ground_truth") for _, obj in answer_lines}
     cases = []
     for where, obj in questions:
@@ -228,36 +227,9 @@ def _load_category(directory: Path, category: str, limit: int | None) -> list[Bf
             if graded:
                 if obj["id"] not in answers:
                     raise ValueError(f"no ground truth for {obj['id']!r} in possible_answer/")
-                expected = _expected_calls(answers[obj["id"]], tools)
+                expected = expected_calls(answers[obj["id"]], tools)
         except (KeyError, TypeError, ValueError, ValidationError) as exc:  # a ValidationError is a ValueError
             raise BfclDataError(f"{where}: {exc}") from None
         cases.append(BfclCase(obj["id"], category, messages, tools, expected, language, check_tools))
     return cases
 
-
-def load_bfcl(directory: str | Path | None = None, categories: Sequence[str] = (), *,
-              limit: int | None = None, encoder_cache: Path | None = None) -> list[BfclCase | MultiTurnCase]:
-    """The cases of `categories` (default: every supported one present in `directory`,
-    itself by default the installed bfcl-eval's data), each category cut to its first
-    `limit` cases (format_sensitivity: its first `limit` source cases, each in all 26
-    formats). `encoder_cache`: where memory_vector's encoder is linked in (load_memory)."""
-    directory = default_data_dir() if directory is None else Path(directory)
-    if not directory.is_dir():
-        raise BfclDataError(f"{directory} is not a directory", code=ErrorCode.NOT_FOUND)
-    unknown = [c for c in categories if c not in CATEGORIES]
-    if unknown:
-        why = "".join(f"; {c} is not run: {NOT_RUN[c]}" for c in unknown if c in NOT_RUN)
-        raise BfclDataError(f"unsupported BFCL categories {unknown}{why}; supported: {', '.join(CATEGORIES)}")
-    chosen = list(dict.fromkeys(categories)) or present_categories(directory)
-    if not chosen:
-        raise BfclDataError(f"{directory} holds none of the BFCL files {FILE_PREFIX}<category>.json "
-                            f"for {', '.join(CATEGORIES)}", code=ErrorCode.NOT_FOUND)
-    from .bfcl_format import load_format_sensitivity
-    from .bfcl_multiturn import load_memory, load_multi_turn, load_web_search
-
-    return [case for c in chosen
-            for case in (load_multi_turn(directory, c, limit) if c in MULTI_TURN_CATEGORIES
-                         else load_format_sensitivity(limit) if c == FORMAT_SENSITIVITY
-                         else load_memory(c, limit, encoder_cache) if c in MEMORY_CATEGORIES
-                         else load_web_search(c, limit) if c in WEB_CATEGORIES
-                         else _load_category(directory, c, limit))]

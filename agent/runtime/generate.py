@@ -6,7 +6,7 @@ four things, and each doing them itself is how they drift apart:
 * the prompt, rendered with the GGUF's chat template (or the built-in Qwen3.5 one);
 * the cacheable prefix: the system turn with the tool block, shared by every
   conversation. A qwen35 hybrid model's recurrent state can only be reused at exact
-  boundaries where ``agent.runtime`` saved it, so every caller names this one, and
+  boundaries where ``agent.runtime.worker`` saved it, so every caller names this one, and
   every caller gets the saving. The rest of a conversation is reused when its history
   is rendered as the model wrote it: :attr:`Generation.raw` is the assistant turn to
   keep (``ParsedReply.to_message(raw=...)``);
@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from .chatformat import (
+from ..formats.chatformat import (
     THINK_CLOSE,
     TOOL_CALL_CLOSE,
     ChatMessage,
@@ -46,11 +46,11 @@ from .chatformat import (
     render_prompt,
     split_generation_prompt,
 )
-from ..protocol.errors import ErrorCode, PsymeshError
+from ...protocol.errors import ErrorCode, PsymeshError
 
 if TYPE_CHECKING:
-    from .grammar import ThinkMode
-    from .inference import Completion, TextModel
+    from ..formats.grammar import ThinkMode
+    from .api import Completion, TextModel
 
 __all__ = [
     "FinishReason",
@@ -85,7 +85,7 @@ class GenerationError(PsymeshError):
 
 
 class ToolGrammar(BaseModel):
-    """Constrain decoding (``agent.grammar``) to well-formed calls of the offered tools,
+    """Constrain decoding (``agent.formats.grammar``) to well-formed calls of the offered tools,
     or a plain answer unless `require_call`. The bounds are what guarantee a babbling
     model still reaches the end of the grammar."""
 
@@ -226,7 +226,7 @@ async def generate(
     parsed against them. Raises GenerationError / ChatFormatError for a request that
     cannot run, and the worker's ModelError family for one that failed.
     """
-    from .inference import StopAfter, ThinkBudget
+    from .api import StopAfter, ThinkBudget
 
     offered = tuple(tools) if tools is not None else ()
     template = worker.chat_template
@@ -320,7 +320,7 @@ def _names_tokens(gbnf: str) -> bool:
 def _tool_grammar(tools_json: tuple[str, ...], think: ThinkMode, rules: ToolGrammar) -> str:
     """GBNF for these tools, cached: an agent asks with the same tools at every step, and
     building the grammar (JSON-schema conversion) costs more than parsing the key."""
-    from .grammar import tool_call_grammar
+    from ..formats.grammar import tool_call_grammar
 
     try:
         return tool_call_grammar([ToolSpec.model_validate_json(t) for t in tools_json], think=think,

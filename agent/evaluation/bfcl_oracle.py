@@ -1,6 +1,6 @@
 """The oracle: a case's first acceptable ground-truth answer written as a model writes calls
 (Java and JavaScript values in those languages' syntax), so the harness can be shown to
-lose no correct answer (:func:`oracle_reply`).
+lose no correct answer (:func:`single_turn_oracle`; :func:`.bfcl.oracle_reply` for any case).
 """
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import json
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from .chatformat import ToolSpec
-from .loop import tool_call_text
+from ..formats.chatformat import ToolSpec
+from ..acting.loop import tool_call_text
 from .bfcl_categories import OMITTABLE, PYTHON, JAVA, JAVASCRIPT
-from .bfcl_checker import ExpectedCall, _declared_type, _check_value
+from .bfcl_checker import ExpectedCall, declared_type, check_value
 from .bfcl_data import BfclCase
 
 
@@ -37,33 +37,28 @@ def _first_acceptable(expected: ExpectedCall, spec: ToolSpec) -> Iterable[tuple[
         yield param, given[0], values, props[param]
 
 
-def _oracle_arguments(expected: ExpectedCall, spec: ToolSpec) -> dict[str, Any]:
+def oracle_arguments(expected: ExpectedCall, spec: ToolSpec) -> dict[str, Any]:
     """The first acceptable value of each parameter (see _first_acceptable)."""
     args: dict[str, Any] = {}
     for param, value, _values, schema in _first_acceptable(expected, spec):
-        if _declared_type(schema) is dict and isinstance(value, Mapping):
+        if declared_type(schema) is dict and isinstance(value, Mapping):
             value = _first_of_each(value)
-        elif _declared_type(schema) is list and _declared_type(schema.get("items")) is dict and isinstance(value, list):
+        elif declared_type(schema) is list and declared_type(schema.get("items")) is dict and isinstance(value, list):
             value = [_first_of_each(v) if isinstance(v, Mapping) else v for v in value]
         args[param] = value
     return args
 
 
-def oracle_reply(case: BfclCase) -> str:
-    """The reply a perfect model writes: the ground truth's first acceptable answer, each
-    call in the Qwen3.5 tool-call form (format_sensitivity: in the case's prompt format);
-    plain text where no function fits."""
-    if case.prompt_format:
-        from .bfcl_format import format_oracle_reply
-
-        return format_oracle_reply(case)
+def single_turn_oracle(case: BfclCase) -> str:
+    """The reply a perfect model writes to a single-turn case: the ground truth's first
+    acceptable answer, each call in the Qwen3.5 tool-call form; plain text where no function fits."""
     if case.wants_call:  # BFCL's relevance check asks for any well-formed call
         return tool_call_text(case.tools[0].name, {})
     if case.expected is None:
         return "None of the functions I have can do that, so I will answer directly."
     specs = {t.name: t for t in case.tools}
     if case.language == PYTHON:
-        return "\n".join(tool_call_text(e.name, _oracle_arguments(e, specs[e.name])) for e in case.expected)
+        return "\n".join(tool_call_text(e.name, oracle_arguments(e, specs[e.name])) for e in case.expected)
     checking = {t.name: t for t in case.check_tools}
     return "\n".join(tool_call_text(e.name, _spelled_arguments(e, checking[e.name], case.language))
                      for e in case.expected)
@@ -123,5 +118,5 @@ def _spelled_arguments(expected: ExpectedCall, spec: ToolSpec, language: str) ->
             value = _first_of_each(value)
         spellings = _spellings(value, schema, language)
         args[param] = next((s for s in spellings
-                            if _check_value(spec.name, param, s, values, schema, language) is None), spellings[0])
+                            if check_value(spec.name, param, s, values, schema, language) is None), spellings[0])
     return args

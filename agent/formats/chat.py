@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from ..protocol.errors import ErrorCode, PsymeshError
+from ...protocol.errors import ErrorCode, PsymeshError
 
 
 Role = Literal["system", "user", "assistant", "tool"]
@@ -24,7 +24,7 @@ END_MARKERS = (IM_END, "<|endoftext|>")
 # Tool and parameter names: a letter or "_", then letters, digits, "_", "." or "-", in any script
 # (real schemas name parameters "año_vehiculo" or "件数"); never "<", ">", "=", quotes, spaces or
 # newlines, so a name cannot break out of a `<function=NAME>` / `<parameter=NAME>` tag, and a GBNF
-# literal carries it as UTF-8 (agent/grammar.py escapes only quotes, backslashes and controls).
+# literal carries it as UTF-8 (agent/formats/grammar.py escapes only quotes, backslashes and controls).
 _NAME_RE = r"^[^\W\d][\w.\-]{0,63}$"
 
 # The calling instructions of the Qwen3.5 / Qwen3-Coder template, verbatim in effect:

@@ -12,7 +12,7 @@ calls and their observations: the multi-turn cases). `system` adds case facts
 (default: every tool defined so far). `expected: []` means no tool fits: the model
 must answer in text.
 
-Scoring is BFCL's AST matching, by the one checker in :mod:`psymesh.agent.bfcl`
+Scoring is BFCL's AST matching, by the one checker in :mod:`psymesh.agent.evaluation.bfcl`
 (BFCL's own rules: exact names, required and declared parameters, Python type
 strictness with int accepted for a number, BFCL's string normalisation, ``""`` among
 an argument's values meaning it may be left out, several calls in any order). Around
@@ -30,9 +30,9 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from .bfcl import OMITTABLE, CategoryScore, ExpectedCall, check_calls
-from .chatformat import ChatMessage, ToolCall, ToolSpec, parse_reply
-from .loop import AgentModel, default_system_prompt
-from ..protocol.errors import ErrorCode, PsymeshError
+from ..formats.chatformat import ChatMessage, ToolCall, ToolSpec, parse_reply
+from ..acting.loop import AgentModel, default_system_prompt
+from ...protocol.errors import ErrorCode, PsymeshError
 
 __all__ = [
     "CaseResult",

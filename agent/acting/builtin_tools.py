@@ -31,9 +31,9 @@ from typing import Annotated, Any, BinaryIO
 
 from pydantic import Field
 
-from .device import DeviceState, register_device_tools
+from .device import Phone, register_device_tools
 from .tools import ToolContext, ToolError, ToolRegistry
-from ..protocol.errors import ErrorCode
+from ...protocol.errors import ErrorCode
 
 __all__ = [
     "FILE_PROFILES",
@@ -417,12 +417,12 @@ def register_builtin_tools(registry: ToolRegistry) -> None:
     registry.tool("files.search", profiles=FILE_PROFILES)(search)
 
 
-def default_registry(profile: str = "home", *, device: DeviceState | None = None) -> ToolRegistry:
-    """The tools a node of `profile` offers: the built-ins for it, plus the simulated
-    phone's tools when `profile` is "phone" and a :class:`DeviceState` is given.
-    Tools of other profiles are not registered at all."""
+def default_registry(profile: str = "home", *, phone: Phone | None = None) -> ToolRegistry:
+    """The tools a node of `profile` offers: the built-ins for it, plus the phone's tools
+    when `profile` is "phone" and a :class:`Phone` is given (``Phone.simulated(device)``, or
+    ``device_commands.detect_phone``). Tools of other profiles are not registered at all."""
     everything = ToolRegistry()
     register_builtin_tools(everything)
-    if device is not None:
-        register_device_tools(everything, device)
+    if phone is not None:
+        register_device_tools(everything, phone)
     return ToolRegistry(t for t in everything if t.offered_on(profile))

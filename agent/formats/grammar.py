@@ -11,7 +11,7 @@ values go through llama-cpp-python's own JSON-schema converter; free-form ones
 Everything is bounded (string lengths, item counts, reasoning length), so even a
 model that babbles reaches the end of the grammar, and the grammar describes only
 what the model writes after the generation prompt: the output always parses with
-:func:`psymesh.agent.chatformat.parse_reply`.
+:func:`psymesh.agent.formats.chatformat.parse_reply`.
 """
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ The settings a model is loaded with, the facts it reports once loaded, the shape
 request's outcome (:class:`Completion`), the rules that end or steer a generation
 (:class:`StopAfter`, :class:`ThinkBudget`), the counters it keeps, the errors it raises,
 and :class:`TextModel`: the async surface that both the in-process engine
-(``agent.runtime.ModelWorker``, which only a model runner process uses) and the daemon's
+(``agent.runtime.worker.ModelWorker``, which only a model runner process uses) and the daemon's
 handle on a runner process (``node.models.runner.ModelRunner``) offer. Nothing here
 imports llama_cpp, so the daemon can name all of it without loading the native library.
 """
@@ -19,7 +19,7 @@ from typing import Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..protocol.errors import ErrorCode, PsymeshError
+from ...protocol.errors import ErrorCode, PsymeshError
 
 __all__ = [
     "Completion",

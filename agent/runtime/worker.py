@@ -2,7 +2,7 @@
 
 The engine of a model runner process (node/models/child.py): the daemon never loads
 llama.cpp itself, because a C++ exception or a fault in it ends the whole process.
-The types a caller sees (settings, completions, errors) live in agent/inference.py.
+The types a caller sees (settings, completions, errors) live in agent/runtime/api.py.
 
 Why a thread of its own: a ``llama_cpp.Llama`` is not thread-safe, and decoding
 blocks for seconds. Every call on the model (load, tokenize, evaluate, sample,
@@ -56,8 +56,8 @@ insurance costs each step one more small batch (the generation prompt, evaluated
 after the checkpoint) and a state copy: ~60 ms on the bench model, against ~0.8 s for
 a step's new tokens.
 
-The sampler chain is agent/sampling.py's and reading the streamed text (stop strings, the
-ThinkBudget, StopAfter, UTF-8 validity) agent/decoding.py's; what stays here is one job over one
+The sampler chain is agent/runtime/sampling.py's and reading the streamed text (stop strings, the
+ThinkBudget, StopAfter, UTF-8 validity) agent/runtime/decoding.py's; what stays here is one job over one
 llama context: the thread and its queue, and the snapshot bookkeeping that decides what that
 context must evaluate next (the two share the live context's state, so they are kept together).
 """
@@ -76,7 +76,7 @@ from typing import Any, Literal
 import anyio
 import llama_cpp
 from llama_cpp import Llama, LlamaGrammar
-from .inference import (
+from .api import (
     Completion,
     FinishReason,
     GrammarError,
@@ -93,7 +93,7 @@ from .inference import (
     WorkerStats,
     default_threads,
 )
-from ..protocol.errors import PsymeshError
+from ...protocol.errors import PsymeshError
 from .decoding import StopScanner, Watch, is_utf8
 from .sampling import grammar_allows, make_sampler
 

@@ -7,7 +7,7 @@ model can change course: a failed ``messages.send`` ("no network: wifi is off")
 is a fact to work around, not an exception. What keeps a 0.8B model from doing
 damage or spinning:
 
-* arguments are validated (pydantic, in :func:`agent.tools.invoke`) before any
+* arguments are validated (pydantic, in :func:`agent.acting.tools.invoke`) before any
   tool runs; malformed or unknown calls come back as error observations;
 * tools marked ``irreversible`` run only after ``confirm(call, tool)`` says yes;
   a declined call, or one nobody can confirm, is an observation, never a run;
@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 import anyio
 import anyio.lowlevel
 
-from .chatformat import (
+from ..formats.chatformat import (
     ChatMessage,
     ParsedReply,
     ToolCall,
@@ -55,12 +55,12 @@ from .chatformat import (
     render_prompt,
     split_generation_prompt,
 )
-from .generate import GenerationParams, complete
+from ..runtime.generate import GenerationParams, complete
 from .tools import Tool, ToolContext, ToolError, ToolRegistry, invoke
-from ..protocol.errors import ErrorCode, PsymeshError
+from ...protocol.errors import ErrorCode, PsymeshError
 
 if TYPE_CHECKING:
-    from .inference import TextModel
+    from ..runtime.api import TextModel
 
 __all__ = [
     "AgentConfig",
@@ -193,7 +193,8 @@ class ScriptedModel:
 
 @dataclass
 class LlamaAgentModel:
-    """A real model (a :class:`~psymesh.agent.inference.TextModel`), asked through :func:`agent.generate.complete`.
+    """A real model (a :class:`~psymesh.agent.runtime.api.TextModel`), asked through
+    :func:`agent.runtime.generate.complete`.
 
     That renders the prompt with the GGUF's chat template and passes the system turn with
     the tool block as the cacheable prefix; the reply comes back with its raw text, so

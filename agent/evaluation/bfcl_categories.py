@@ -9,7 +9,7 @@ import importlib.util
 from pathlib import Path
 from typing import Any
 
-from ..protocol.errors import ErrorCode, PsymeshError
+from ...protocol.errors import ErrorCode, PsymeshError
 
 
 FILE_PREFIX = "BFCL_v4_"
@@ -63,7 +63,7 @@ def offline_vector_encoder(cache_root: Path) -> Path:
 
 MEMORY_CATEGORIES = ("memory_kv", "memory_rec_sum", *(("memory_vector",) if _vector_memory_installed() else ()))
 WEB_CATEGORIES = ("web_search_base", "web_search_no_snippet")  # through this node's web route, not BFCL's API
-FORMAT_SENSITIVITY = "format_sensitivity"  # BFCL's prompting formats (agent/bfcl_format.py); scored in no summary
+FORMAT_SENSITIVITY = "format_sensitivity"  # BFCL's prompting formats (evaluation/bfcl_format.py); in no summary
 CATEGORIES = (*SINGLE_TURN_CATEGORIES, *MULTI_TURN_CATEGORIES, *MEMORY_CATEGORIES, *WEB_CATEGORIES, FORMAT_SENSITIVITY)
 # BFCL v4 categories this harness does not run, and why (the report names them).
 NOT_RUN = {

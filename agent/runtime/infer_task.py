@@ -3,7 +3,7 @@ shapes the reply.
 
 A peer's delegated infer task and the owner's OpenAI-compatible endpoint
 (node/bridges/openai.py) describe a completion the same way (protocol.tasks.TaskSpec);
-this one translation turns it into :func:`psymesh.agent.generate.generate`'s
+this one translation turns it into :func:`psymesh.agent.runtime.generate.generate`'s
 arguments, so a request asked of a paired home renders, samples and parses exactly
 as it would on this node.
 
@@ -26,10 +26,10 @@ from dataclasses import dataclass
 
 from pydantic import ValidationError
 
-from .chatformat import ChatMessage, ToolCall, ToolSpec
+from ..formats.chatformat import ChatMessage, ToolCall, ToolSpec
 from .generate import GenerationError, GenerationParams, ToolGrammar
-from ..protocol.tasks import ChatMessage as WireMessage
-from ..protocol.tasks import TaskSpec, ToolDef
+from ...protocol.tasks import ChatMessage as WireMessage
+from ...protocol.tasks import TaskSpec, ToolDef
 
 __all__ = ["InferInputs", "infer_inputs"]
 

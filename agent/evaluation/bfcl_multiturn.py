@@ -6,7 +6,7 @@ system, a trading bot, a travel agency, ...: the classes in ``involved_classes``
 from ``initial_config``). It runs as BFCL's ``inference_multi_turn_FC`` runs it:
 
 * the tools are the classes' function docs (``multi_turn_func_doc/``), converted as the
-  single-turn docs are (:func:`psymesh.agent.bfcl.tool_spec`); in miss_func, the functions
+  single-turn docs are (:func:`psymesh.agent.evaluation.bfcl.tool_spec`); in miss_func, the functions
   named in ``missed_function`` are held back and arrive at their turn, whose user message
   is then BFCL's "I have updated some more functions you can choose from. What about now?";
 * each turn's user messages are appended; then the model is asked again and again: every
@@ -57,12 +57,12 @@ from typing import Any, Protocol
 from pydantic import ValidationError
 
 from .bfcl_categories import FILE_PREFIX, MULTI_TURN_CATEGORIES, BfclDataError, bfcl_module, offline_vector_encoder
-from .bfcl_data import _json_lines, tool_spec
-from .bfcl_score import BfclResult, _scoring_spec
-from .chatformat import ChatMessage, ParsedReply, ToolCall, ToolSpec, parse_reply
-from .loop import AgentModel, ScriptedModel, tool_call_text
-from ..protocol.errors import PsymeshError
-from ..protocol.web import WebPage, WebResults
+from .bfcl_data import json_lines, tool_spec
+from .bfcl_score import BfclResult, scoring_spec
+from ..formats.chatformat import ChatMessage, ParsedReply, ToolCall, ToolSpec, parse_reply
+from ..acting.loop import AgentModel, ScriptedModel, tool_call_text
+from ...protocol.errors import PsymeshError
+from ...protocol.web import WebPage, WebResults
 
 __all__ = [
     "ADDITIONAL_FUNCTION_PROMPT",
@@ -172,9 +172,9 @@ def load_multi_turn(directory: Path, category: str, limit: int | None) -> list[M
     """The cases of one multi-turn category, with their function docs (BFCL's
     populate_test_cases_with_predefined_functions) and ground truth."""
     assert category in MULTI_TURN_CATEGORIES
-    questions = _json_lines(directory / f"{FILE_PREFIX}{category}.json", limit)
+    questions = json_lines(directory / f"{FILE_PREFIX}{category}.json", limit)
     answers = {obj["id"]: obj.get("ground_truth")
-               for _, obj in _json_lines(directory / "possible_answer" / f"{FILE_PREFIX}{category}.json", None)}
+               for _, obj in json_lines(directory / "possible_answer" / f"{FILE_PREFIX}{category}.json", None)}
     docs_by_class: dict[str, list[dict[str, Any]]] = {}
     cases = []
     for where, obj in questions:
@@ -409,7 +409,7 @@ def _parse(text: str, tools: Sequence[ToolSpec]) -> ParsedReply:
             except ValidationError:
                 continue
             offered.add(call.name)
-    return parse_reply(text, [*(_scoring_spec(t) for t in tools), *extra])
+    return parse_reply(text, [*(scoring_spec(t) for t in tools), *extra])
 
 
 async def run_multi_turn_case(case: MultiTurnCase, model: AgentModel, *, thinking: bool = False,

@@ -1,7 +1,7 @@
 """The sampler: llama.cpp's sampler chain for one generation (logit bias, GBNF grammar, greedy or
 top-k / top-p / min-p / temperature / seeded draw), and the grammar check for a forced token.
 
-Called on the model worker's thread only (agent/runtime.py), like every llama.cpp call.
+Called on the model worker's thread only (agent/runtime/worker.py), like every llama.cpp call.
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import Any
 import llama_cpp
 from llama_cpp import Llama
 
-from .inference import GrammarError
+from .api import GrammarError
 
 
 def make_sampler(llm: Llama, *, grammar_text: str | None, temperature: float, top_k: int,

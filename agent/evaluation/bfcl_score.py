@@ -1,15 +1,15 @@
 """One single-turn reply scored: parsed with ``chatformat.parse_reply`` and judged by the
 mirrored checker (:mod:`.bfcl_checker`), or by the irrelevance / relevance rule, into a
-:class:`BfclResult`.
+:class:`BfclResult` (:func:`score_single_turn`; :func:`.bfcl.score_reply` for any case).
 """
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from .chatformat import ToolCall, ToolSpec, parse_reply
+from ..formats.chatformat import ToolCall, ToolSpec, parse_reply
 from .bfcl_categories import PYTHON
-from .bfcl_checker import _PYTHON_TYPES, check_calls
+from .bfcl_checker import PYTHON_TYPES, check_calls
 from .bfcl_data import BfclCase
 
 
@@ -27,14 +27,14 @@ class BfclResult:
     calls: list[ToolCall]
 
 
-def _scoring_spec(spec: ToolSpec) -> ToolSpec:
+def scoring_spec(spec: ToolSpec) -> ToolSpec:
     """`spec` for reading a reply back: a value that does not fit its declared type stays
     the text the model wrote, and enums are not enforced. BFCL decodes a reply without the
     schema and judges types and values in the checker, which then refuses such a value
     (or, for a ground truth that names a variable, accepts it); refusing it in the parse
     would make the checker see no call at all."""
     props = {k: ({key: v for key, v in p.items() if key != "enum"}
-                 | ({"type": [p["type"], "string"]} if p.get("type") in _PYTHON_TYPES.keys() - {"string"} else {}))
+                 | ({"type": [p["type"], "string"]} if p.get("type") in PYTHON_TYPES.keys() - {"string"} else {}))
              if isinstance(p, Mapping) else p
              for k, p in spec.parameters.get("properties", {}).items()}
     return spec.model_copy(update={"parameters": {**spec.parameters, "properties": props}})
@@ -43,7 +43,7 @@ def _scoring_spec(spec: ToolSpec) -> ToolSpec:
 def _literal_spec(spec: ToolSpec) -> ToolSpec:
     """`spec` for the other reading of a reply: string parameters untyped, so text that
     looks like JSON (true, 2, null) reads as JSON."""
-    scoring = _scoring_spec(spec)
+    scoring = scoring_spec(spec)
     props = {k: ({key: v for key, v in p.items() if key != "type"} if isinstance(p, Mapping)
                  and p.get("type") == "string" else p)
              for k, p in scoring.parameters.get("properties", {}).items()}
@@ -64,12 +64,8 @@ def _readings(calls: list[ToolCall], literal: list[ToolCall], limit: int = 64) -
         yield [c.model_copy(update={"arguments": a}) for c, a in zip(calls, mixed, strict=True)]
 
 
-def score_reply(case: BfclCase, text: str) -> BfclResult:
-    """Score one raw reply as BFCL would."""
-    if case.prompt_format:
-        from .bfcl_format import score_format_reply
-
-        return score_format_reply(case, text)
+def score_single_turn(case: BfclCase, text: str) -> BfclResult:
+    """Score one raw reply to a single-turn case (AST, irrelevance, relevance) as BFCL would."""
     if case.wants_call is not None:
         reply = parse_reply(text)  # a well-formed call to any function, offered or not, counts
         calls = list(reply.tool_calls)
@@ -81,7 +77,7 @@ def score_reply(case: BfclCase, text: str) -> BfclResult:
                               "expected a tool call, got none", text, calls)
         return BfclResult(case.id, case.category, True, "", "", text, calls)
     assert case.expected is not None
-    reply = parse_reply(text, [_scoring_spec(t) for t in case.tools])
+    reply = parse_reply(text, [scoring_spec(t) for t in case.tools])
     calls = list(reply.tool_calls)
     if reply.errors:
         return BfclResult(case.id, case.category, False, "ast_decoder:decoder_failed",

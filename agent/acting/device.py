@@ -1,12 +1,19 @@
-"""A simulated phone in SQLite, so agent scenarios run the same on any machine.
+"""The phone profile's tools, and the simulated phone in SQLite they act on where the device offers
+nothing real, so agent scenarios run the same on any machine.
 
-The phone profile's tools (Wi-Fi, storage, messages, contacts, calendar,
-reminders) act on a :class:`DeviceState`: one SQLite database holding settings and
-the user's data. Its rules are the ones a real phone enforces and a small model
-must learn to work around: nothing is sent without a network ("no network: wifi
-is off"), and a full message store blocks both sending and receiving ("storage
-full: free space first") until messages are deleted. State survives reopening the
-database, so a scenario can be set up, run, and inspected afterwards.
+The tools (Wi-Fi, storage, messages, contacts, calendar, reminders, notifications) act
+through a :class:`Phone`: one backend per job. Each backend is either the simulated phone
+(:class:`DeviceState`, its ``backend`` named ``"simulated"``) or the real device's commands
+(device_commands.py: Termux:API on Android, nmcli and notify-send on a Linux desktop,
+picked at start by what is on PATH). A tool says which in its description and in
+``Tool.backend``, so neither a person reading the tool list nor a model mistakes a row
+written to device.db for a message sent.
+
+The simulated phone is one SQLite database holding settings and the user's data. Its rules
+are the ones a real phone enforces and a small model must learn to work around: nothing is
+sent without a network ("no network: wifi is off"), and a full message store blocks both
+sending and receiving ("storage full: free space first") until messages are deleted. State
+survives reopening the database, so a scenario can be set up, run, and inspected afterwards.
 
 Times are the device's local wall-clock time, stored as naive ISO-8601 text
 (``YYYY-MM-DDTHH:MM:SS``), which sorts chronologically as text.
@@ -21,19 +28,23 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import date, datetime, timedelta
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal, NotRequired, Protocol, TypedDict
 
 from pydantic import Field
 
 from .tools import ToolError, ToolRegistry
-from ..protocol.errors import ErrorCode
+from ...protocol.devices import SIMULATED, backend_note
+from ...protocol.errors import ErrorCode
 
 __all__ = [
     "MESSAGE_RESERVE_BYTES",
     "NO_NETWORK",
     "PHONE_PROFILES",
+    "SIMULATED",
     "STORAGE_FULL",
     "DeviceState",
+    "Phone",
     "register_device_tools",
     "wifi_off_inbox_full",
 ]
@@ -46,8 +57,16 @@ STORAGE_FULL = "storage full: free space first"
 MESSAGE_RESERVE_BYTES = 16 * 1024
 MAX_MESSAGE_CHARS = 2000
 _PREVIEW_CHARS = 80
-_SCHEMA_VERSION = 1
+_SCHEMA_VERSION = 2
 
+_NOTIFICATIONS = """
+CREATE TABLE notifications (
+    id INTEGER PRIMARY KEY,
+    title TEXT NOT NULL,
+    text TEXT NOT NULL,
+    at TEXT NOT NULL
+);
+"""
 _SCHEMA = """
 CREATE TABLE settings (key TEXT PRIMARY KEY, value TEXT NOT NULL);   -- JSON values
 CREATE TABLE contacts (name TEXT PRIMARY KEY COLLATE NOCASE, number TEXT NOT NULL);
@@ -74,7 +93,7 @@ CREATE TABLE reminders (
     at TEXT NOT NULL,
     done INTEGER NOT NULL DEFAULT 0
 );
-"""
+""" + _NOTIFICATIONS
 
 _DEFAULT_SETTINGS: dict[str, Any] = {
     "wifi_enabled": True,
@@ -85,6 +104,65 @@ _DEFAULT_SETTINGS: dict[str, Any] = {
 }
 _DEFAULT_CONTACTS = [("Alice", "+1 555 0101"), ("Bob", "+1 555 0102"), ("Mom", "+1 555 0103"),
                      ("Sam", "+1 555 0104")]
+
+
+# --------------------------------------------------------------------------- the seam
+
+
+class WifiState(TypedDict):
+    enabled: bool
+    connected: bool
+    ssid: str | None
+
+
+class Contact(TypedDict):
+    name: str
+    number: str
+
+
+class SentMessage(TypedDict):
+    to: str
+    size_bytes: int
+    sent_at: str
+    id: NotRequired[int]        # the simulated store's id
+    number: NotRequired[str]    # the number a real message went to
+
+
+class MessagePage(TypedDict):
+    folder: str
+    messages: list[dict[str, Any]]  # each: id, from (inbox) or to (sent), text, at; size_bytes, attachment
+    total: NotRequired[int]         # in the folder (the simulated store knows it; Termux:API does not say)
+
+
+class Notice(TypedDict):
+    title: str
+    text: str
+    shown_at: str
+    id: NotRequired[int]        # the simulated store's id
+
+
+class WifiBackend(Protocol):
+    backend: str
+
+    def wifi_status(self) -> WifiState: ...
+
+    def set_wifi(self, enabled: bool) -> WifiState: ...
+
+
+class MessagesBackend(Protocol):
+    backend: str
+
+    def contacts(self) -> list[Contact]: ...
+
+    def list_messages(self, folder: str = "inbox", limit: int = 20) -> MessagePage: ...
+
+    def send_message(self, to: str, text: str) -> SentMessage: ...
+
+
+class NotifyBackend(Protocol):
+    backend: str
+
+    def notify(self, title: str, text: str) -> Notice: ...
 
 
 def _iso(dt: datetime) -> str:
@@ -98,6 +176,7 @@ def _local(dt: datetime) -> datetime:
 
 class DeviceState:
     """The simulated phone. Opens (and on first use creates and seeds) its database.
+    Every one of its jobs is a backend named :data:`SIMULATED`.
 
     Give a path, or an open connection (then it must be usable from the threads that
     call the tools: open it with ``check_same_thread=False``). Sync tools run on
@@ -115,6 +194,8 @@ class DeviceState:
         self._clock = clock
         self._setup()
 
+    backend = SIMULATED
+
     # ------------------------------------------------------------------ plumbing
 
     def _setup(self) -> None:
@@ -131,6 +212,8 @@ class DeviceState:
                 now = self.now()
                 self._insert_message("inbox", "Bob", "Lunch tomorrow at 12?", at=now - timedelta(hours=3), db=db)
                 self._insert_message("inbox", "Mom", "Call me when you can", at=now - timedelta(days=1), db=db)
+            elif version == 1:  # v2 added notifications
+                db.executescript("BEGIN;" + _NOTIFICATIONS + f"PRAGMA user_version = {_SCHEMA_VERSION};")
 
     @contextmanager
     def _tx(self) -> Iterator[sqlite3.Connection]:
@@ -183,11 +266,11 @@ class DeviceState:
 
     # ------------------------------------------------------------------ wifi
 
-    def wifi_status(self) -> dict[str, Any]:
+    def wifi_status(self) -> WifiState:
         enabled = bool(self._get("wifi_enabled"))
         return {"enabled": enabled, "connected": enabled, "ssid": self._get("wifi_ssid") if enabled else None}
 
-    def set_wifi(self, enabled: bool) -> dict[str, Any]:
+    def set_wifi(self, enabled: bool) -> WifiState:
         self._set("wifi_enabled", bool(enabled))
         return self.wifi_status()
 
@@ -215,9 +298,10 @@ class DeviceState:
 
     # ------------------------------------------------------------------ contacts and messages
 
-    def contacts(self) -> list[dict[str, str]]:
+    def contacts(self) -> list[Contact]:
         with self._lock:
-            return [dict(r) for r in self._conn.execute("SELECT name, number FROM contacts ORDER BY name")]
+            rows = self._conn.execute("SELECT name, number FROM contacts ORDER BY name").fetchall()
+        return [Contact(name=r["name"], number=r["number"]) for r in rows]
 
     def _contact(self, name: str) -> str:
         with self._lock:
@@ -227,7 +311,7 @@ class DeviceState:
             raise ToolError(f"no contact named {name!r} (contacts: {known})", code=ErrorCode.NOT_FOUND)
         return str(row["name"])
 
-    def list_messages(self, folder: str = "inbox", limit: int = 20) -> dict[str, Any]:
+    def list_messages(self, folder: str = "inbox", limit: int = 20) -> MessagePage:
         who = "from" if folder == "inbox" else "to"
         with self._lock:
             rows = self._conn.execute(
@@ -240,7 +324,7 @@ class DeviceState:
             if r["attachment"]:
                 item["attachment"] = r["attachment"]
             messages.append(item)
-        return {"folder": folder, "total": total, "messages": messages}
+        return MessagePage(folder=folder, total=total, messages=messages)
 
     def delete_messages(self, ids: list[int] | None = None, older_than_days: int | None = None) -> dict[str, Any]:
         if (ids is None) == (older_than_days is None):
@@ -259,7 +343,7 @@ class DeviceState:
         return {"deleted": found, "not_found": sorted(set(wanted) - set(found)),
                 "freed_bytes": sum(r["size"] for r in rows), "storage": self.storage_status()["messages"]}
 
-    def send_message(self, to: str, text: str) -> dict[str, Any]:
+    def send_message(self, to: str, text: str) -> SentMessage:
         """Send `text` to a contact. Needs Wi-Fi, and room in the message store for the copy."""
         contact = self._contact(to)
         if not self._get("wifi_enabled"):
@@ -268,7 +352,7 @@ class DeviceState:
         with self._lock:  # check and store atomically
             self._require_room(size)
             message_id = self._insert_message("sent", contact, text)
-        return {"id": message_id, "to": contact, "size_bytes": size, "sent_at": _iso(self.now())}
+        return SentMessage(id=message_id, to=contact, size_bytes=size, sent_at=_iso(self.now()))
 
     def receive_message(self, sender: str, text: str, *, attachment: str | None = None,
                         attachment_bytes: int = 0) -> int:
@@ -325,6 +409,38 @@ class DeviceState:
             db.execute("UPDATE reminders SET done = 1 WHERE id = ?", (reminder_id,))
         return {**dict(row), "done": True}
 
+    # ------------------------------------------------------------------ notifications
+
+    def notify(self, title: str, text: str) -> Notice:
+        """Record a notification (a real phone would show it)."""
+        at = _iso(self.now())
+        with self._tx() as db:
+            cur = db.execute("INSERT INTO notifications (title, text, at) VALUES (?, ?, ?)", (title, text, at))
+        return Notice(id=int(cur.lastrowid or 0), title=title, text=text, shown_at=at)
+
+    def notifications(self) -> list[Notice]:
+        with self._lock:
+            rows = self._conn.execute("SELECT * FROM notifications ORDER BY id").fetchall()
+        return [Notice(id=r["id"], title=r["title"], text=r["text"], shown_at=r["at"]) for r in rows]
+
+
+@dataclass(frozen=True)
+class Phone:
+    """What the phone's tools act through, one backend per job. `device` (the simulated
+    phone) always holds storage, the calendar and reminders, for which neither Termux:API
+    nor a Linux desktop offers a command; messages.delete and storage.status are offered
+    only while messages are the simulated phone's too (Termux:API cannot delete a message,
+    and the message store's quota is the simulation's)."""
+
+    device: DeviceState
+    wifi: WifiBackend
+    messages: MessagesBackend
+    notify: NotifyBackend
+
+    @classmethod
+    def simulated(cls, device: DeviceState) -> Phone:
+        return cls(device=device, wifi=device, messages=device, notify=device)
+
 
 # --------------------------------------------------------------------------- scenarios
 
@@ -363,70 +479,91 @@ Title = Annotated[str, Field(min_length=1, max_length=200)]
 Duration = Annotated[int, Field(ge=1, le=24 * 60, description="length in minutes")]
 ReminderText = Annotated[str, Field(min_length=1, max_length=500)]
 Limit = Annotated[int, Field(ge=1, le=100, description="most messages to show, newest first")]
+NoticeTitle = Annotated[str, Field(min_length=1, max_length=100)]
+NoticeText = Annotated[str, Field(min_length=1, max_length=500)]
 
 
-def register_device_tools(registry: ToolRegistry, device: DeviceState) -> None:
-    """Register the phone profile's tools, bound to `device`."""
+def described(summary: str, backend: str) -> str:
+    """A device tool's description, saying first (simulated) or last what it really acts on."""
+    note = backend_note(backend)
+    return f"({note}) {summary}" if backend == SIMULATED else f"{summary} ({note})"
 
-    def tool(name: str, *, irreversible: bool = False) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-        return registry.tool(name, irreversible=irreversible, profiles=PHONE_PROFILES)
 
-    @tool("wifi.status")
-    def wifi_status() -> dict[str, Any]:
+def register_device_tools(registry: ToolRegistry, phone: Phone) -> None:
+    """Register the phone profile's tools, each acting through its backend in `phone`."""
+
+    def tool(name: str, backend: str, *,
+             irreversible: bool = False) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+        def decorate(func: Callable[..., Any]) -> Callable[..., Any]:
+            summary = (func.__doc__ or "").strip().splitlines()[0]
+            return registry.tool(name, description=described(summary, backend), irreversible=irreversible,
+                                 profiles=PHONE_PROFILES, backend=backend)(func)
+        return decorate
+
+    device, wifi, messages = phone.device, phone.wifi, phone.messages
+
+    @tool("wifi.status", wifi.backend)
+    def wifi_status() -> WifiState:
         """Show whether Wi-Fi is on and which network it is connected to."""
-        return device.wifi_status()
+        return wifi.wifi_status()
 
-    @tool("wifi.set")
-    def wifi_set(enabled: bool) -> dict[str, Any]:
+    @tool("wifi.set", wifi.backend)
+    def wifi_set(enabled: bool) -> WifiState:
         """Turn Wi-Fi on (true) or off (false)."""
-        return device.set_wifi(enabled)
+        return wifi.set_wifi(enabled)
 
-    @tool("storage.status")
-    def storage_status() -> dict[str, Any]:
-        """Show free storage, and whether the message store is full."""
-        return device.storage_status()
+    if messages is device:
+        @tool("storage.status", SIMULATED)
+        def storage_status() -> dict[str, Any]:
+            """Show free storage, and whether the message store is full."""
+            return device.storage_status()
 
-    @tool("contacts.list")
-    def contacts_list() -> list[dict[str, str]]:
+        @tool("messages.delete", SIMULATED, irreversible=True)
+        def messages_delete(ids: MessageIds | None = None, older_than_days: Days | None = None) -> dict[str, Any]:
+            """Delete messages by id, or all messages older than some days, to free space."""
+            return device.delete_messages(ids, older_than_days)
+
+    @tool("contacts.list", messages.backend)
+    def contacts_list() -> list[Contact]:
         """List the contacts messages can be sent to."""
-        return device.contacts()
+        return messages.contacts()
 
-    @tool("messages.list")
-    def messages_list(folder: Folder = "inbox", limit: Limit = 20) -> dict[str, Any]:
-        """List messages with their ids and sizes, newest first."""
-        return device.list_messages(folder, limit)
+    @tool("messages.list", messages.backend)
+    def messages_list(folder: Folder = "inbox", limit: Limit = 20) -> MessagePage:
+        """List messages with their ids, newest first."""
+        return messages.list_messages(folder, limit)
 
-    @tool("messages.delete", irreversible=True)
-    def messages_delete(ids: MessageIds | None = None, older_than_days: Days | None = None) -> dict[str, Any]:
-        """Delete messages by id, or all messages older than some days, to free space."""
-        return device.delete_messages(ids, older_than_days)
-
-    @tool("messages.send", irreversible=True)
-    def messages_send(to: ContactName, text: MessageText) -> dict[str, Any]:
+    @tool("messages.send", messages.backend, irreversible=True)
+    def messages_send(to: ContactName, text: MessageText) -> SentMessage:
         """Send a text message to a contact (needs Wi-Fi and free message storage)."""
-        return device.send_message(to, text)
+        return messages.send_message(to, text)
 
-    @tool("calendar.list")
+    @tool("notify.show", phone.notify.backend)
+    def notify_show(title: NoticeTitle, text: NoticeText) -> Notice:
+        """Show a notification on the phone's screen."""
+        return phone.notify.notify(title, text)
+
+    @tool("calendar.list", SIMULATED)
     def calendar_list(day: date | None = None) -> dict[str, Any]:
         """List the calendar events of a day (today if no day is given)."""
         return device.list_events(day)
 
-    @tool("calendar.add")
+    @tool("calendar.add", SIMULATED)
     def calendar_add(title: Title, start: datetime, duration_min: Duration = 30) -> dict[str, Any]:
         """Add an event to the calendar."""
         return device.add_event(title, start, duration_min)
 
-    @tool("reminders.add")
+    @tool("reminders.add", SIMULATED)
     def reminders_add(text: ReminderText, at: datetime) -> dict[str, Any]:
         """Set a reminder for a date and time."""
         return device.add_reminder(text, at)
 
-    @tool("reminders.list")
+    @tool("reminders.list", SIMULATED)
     def reminders_list(include_done: bool = False) -> dict[str, Any]:
         """List reminders (open ones, unless include_done is true)."""
         return device.list_reminders(include_done)
 
-    @tool("reminders.complete")
+    @tool("reminders.complete", SIMULATED)
     def reminders_complete(id: Annotated[int, Field(ge=1)]) -> dict[str, Any]:
         """Mark a reminder as done."""
         return device.complete_reminder(id)
