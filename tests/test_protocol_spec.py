@@ -186,7 +186,7 @@ def letter_as_the_spec_says(sent: dict, key: Ed25519PrivateKey) -> dict:
 def test_the_partial_web_page_example_and_an_older_exits_page() -> None:
     """§5.10's partial page parses as this node reads it; an older exit's page, without the
     optional fields, still does, and reads as partial for a reason not named."""
-    example = re.search(r'shown as JSON; a session reply adds `rid` and `end`\): `(\{.*?\})`', SPEC, re.S)
+    example = re.search(r'shown as JSON; a session reply adds `rid`\s+and `end`\): `(\{.*?\})`', SPEC, re.S)
     assert example is not None
     page = from_map(json.loads(example.group(1)))
     assert isinstance(page, WebPage) and page.truncated_reasons == ("too_large", "max_chars")
