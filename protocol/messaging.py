@@ -250,7 +250,8 @@ class MsgMissingOk(Message):
 
 class InboxSettings(BaseModel):
     """config.toml `[inbox]`: what one sender's letters may take of this node's inbox.
-    Sized so that a phone's disk is safe from each paired sender (8 MiB held, 64 MiB kept)
+    Sized so that a phone's disk is safe from each paired sender (8 MiB held, 64 MiB kept,
+    the places of 8192 threads)
     and an honest sender never meets them: its courier has at most 256 letters (about
     4 MiB) in flight, so a gap it leaves holds no more than that."""
 
@@ -261,6 +262,11 @@ class InboxSettings(BaseModel):
     held_s: float = Field(default=86_400.0, ge=1.0, le=365 * 86_400.0)   # then the gap is given up
     kept_letters: int = Field(default=4096, ge=1, le=10_000_000)         # released, per sender (oldest go)
     kept_bytes: int = Field(default=64 * 1024 * 1024, ge=64 * 1024, le=64 * 1024 ** 3)
+    # threads whose place is kept, per sender (a letter opening one more is refused `busy`); a
+    # thread's place goes with its last letter, so the default, above kept_letters + held_letters
+    # + a batch, is never met: the letter shares bound the threads. Set lower, a sender with that
+    # many threads open waits until its oldest letters here are pruned.
+    threads: int = Field(default=8192, ge=1, le=10_000_000)
 
 
 # -- the receiver's ordering rule ------------------------------------------------------------

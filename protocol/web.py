@@ -29,6 +29,7 @@ sees the relay and the query; never the phone. The exit admits the opened reques
 *relay's* grant: it serves what the relay may ask, on behalf of whoever the relay serves.
 """
 
+from enum import StrEnum
 from typing import Annotated
 
 from pydantic import Field, StringConstraints, field_validator
@@ -96,9 +97,22 @@ class WebResults(Message):
     untrusted: bool = True
 
 
+class Truncation(StrEnum):
+    """Why a page's text is not all of the page (`web.page` `truncated_reasons`). A receiver MUST take a
+    reason it does not know as "partial, for a reason this node cannot name"."""
+
+    MAX_CHARS = "max_chars"    # the text ran past the asker's max_chars: cut there
+    TOO_LARGE = "too_large"    # the HTML ran past what the exit extracts: text of its first `extracted_bytes` only
+    TOO_DEEP = "too_deep"      # the HTML nests deeper than the exit's parser follows: the text past that is lost
+
+
 class WebPage(Message):
     """A fetched page as text (HTML reduced to its readable text). `final_url` is where the
-    redirects, if any, ended. Text from the web: data for the caller, never instructions."""
+    redirects, if any, ended. Text from the web: data for the caller, never instructions.
+
+    `truncated` says the text is not all of the page, `truncated_reasons` why (`Truncation`);
+    `body_bytes` is how much of the body the exit read, `extracted_bytes` how much of it the
+    text came from (fewer when `too_large`). An older exit sends neither: `truncated` alone."""
 
     type = "web.page"
     url: str
@@ -110,6 +124,27 @@ class WebPage(Message):
     truncated: bool = False
     cached: bool = False
     untrusted: bool = True
+    truncated_reasons: tuple[Annotated[str, Field(max_length=64)], ...] = Field(default=(), max_length=8)
+    body_bytes: int | None = Field(default=None, ge=0)
+    extracted_bytes: int | None = Field(default=None, ge=0)
+
+    def partial(self) -> str | None:
+        """What the asker did not see, in a sentence (None: the whole page's text)."""
+        if not self.truncated:
+            return None
+        said = []
+        for why in self.truncated_reasons or ("",):
+            if why == Truncation.MAX_CHARS:
+                said.append(f"the text was cut at the {len(self.text)} characters asked for (max_chars)")
+            elif why == Truncation.TOO_LARGE:
+                said.append(f"the exit read the text of only the first {self.extracted_bytes} of the page's "
+                            f"{self.body_bytes} bytes")
+            elif why == Truncation.TOO_DEEP:
+                said.append("the page nests its HTML deeper than the exit's parser follows (255 levels): "
+                            "the text past that point is missing")
+            else:
+                said.append("the exit cut the text" + (f" ({why})" if why else ""))
+        return "partial: " + "; ".join(said)
 
 
 WebRequest = WebSearch | WebFetch

@@ -1,14 +1,18 @@
 """Each sender's share of the inbox (issue 20, finding 2): letters held behind a gap that
 never fills stop at the sender's quota and a revoke frees them; a gap waited for too long is
 given up and the reader told; another letter under a used id or place is refused
-`conflict`, never answered `stored` and dropped.
+`conflict`, never answered `stored` and dropped. The threads whose place the inbox keeps
+(`msg_threads`) are a share too (issue 32, item 8): a sender opening threads past it is
+refused `busy`, a thread's row goes with its last letter, and a revoke drops the rows.
 
 Real daemons on loopback for the flood (bounded: 1,000 letters in 10 batches), real SQLite
 with an injected clock (`now=`) for the store's rules.
 """
 from __future__ import annotations
 
+import contextlib
 import os
+import sqlite3
 import time
 from pathlib import Path
 
@@ -17,6 +21,7 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from letters import inbox, letter_mesh
+from waiting import wait_until
 from psymesh.node.control.client import Client
 from psymesh.node.core.db import open_db
 from psymesh.node.messaging.store import MessageStore
@@ -70,6 +75,72 @@ async def test_letters_into_a_gap_stop_at_the_senders_quota_and_a_revoke_frees_t
         assert home.messaging.store.share(greedy.identity.peer_id, held=True) == (0, 0)
         phone.messaging.send("home", "still here", thread="main")
         assert [letter.text for letter in await inbox(home, 11)][-1] == "still here"
+
+
+async def test_threads_past_the_senders_share_wait_go_with_their_letters_and_a_revoke_frees_them(
+        tmp_path: Path) -> None:
+    threads, kept = 100, 150
+    async with letter_mesh(tmp_path, "home", "greedy", "phone", limits=ROOMY,
+                           configs={"home": {"inbox": InboxSettings(threads=threads, kept_letters=kept)}}) as nodes:
+        home, greedy, phone = nodes["home"], nodes["greedy"], nodes["phone"]
+        store, db, me = home.messaging.store, home.home.db_path, greedy.identity.peer_id
+
+        def letter(thread: str, tseq: int) -> Letter:
+            return Letter(id=f"{thread}-{tseq}", sender=me, recipient=home.identity.peer_id, thread=thread,
+                          tseq=tseq, text="hi", at=int(time.time() * 1000)).sign(greedy.identity.private_key)
+
+        async def send(letters: list[Letter]) -> list[tuple[str, ReceiptStatus, ErrorCode | None, str]]:
+            reply = await greedy.sessions.request(home.identity.peer_id, MsgSendMany(letters=letters), MsgReceipts)
+            return [(r.id, r.status, r.code, r.reason) for r in reply.results]
+
+        size_before = db.stat().st_size + wal_size(db)
+        results = []
+        with anyio.fail_after(60):
+            for batch in range(3):  # 300 letters, each opening a thread of its own
+                results += await send([letter(f"t{batch * 100 + i}", 1) for i in range(100)])
+                phone.messaging.send("home", f"hello {batch}", thread="main")  # a well-behaved sender is served
+            await wait_until(lambda: store.share(phone.identity.peer_id, held=False)[0] == 3, "phone's letters")
+        stored = [i for i, status, _, _ in results if status is ReceiptStatus.STORED]
+        assert stored == [f"t{i}-1" for i in range(threads)]  # the first 100 threads, in order
+        refusals = [(code, reason) for _, status, code, reason in results if status is ReceiptStatus.REFUSED]
+        assert len(refusals) == 200 and {code for code, _ in refusals} == {ErrorCode.BUSY}
+        assert "[inbox] threads" in refusals[0][1] and "100 threads" in refusals[0][1]
+        assert store.threads(me) == threads and thread_rows(db, me) == threads
+        print(f"greedy: 300 letters in 300 new threads, {len(stored)} stored, {len(refusals)} refused busy; "
+              f"{thread_rows(db, me)} thread rows; node.db + WAL grew "
+              f"{(db.stat().st_size + wal_size(db) - size_before) / 1e3:.0f} kB")
+
+        # 100 more letters in its open thread t0: past kept_letters, its 50 oldest letters go, and the
+        # 49 threads (t1 ... t49) left with no letter go with them
+        more = [letter("t0", t) for t in range(2, 102)]
+        with anyio.fail_after(30):
+            assert {status for _, status, _, _ in await send(more)} == {ReceiptStatus.STORED}
+        assert store.share(me, held=False)[0] == kept
+        assert thread_rows(db, me) == store.threads(me) == threads - 49
+        # ... which makes room for 49 new threads, and no more (the 49 let in then push out the next
+        # 49 oldest letters, and their threads)
+        with anyio.fail_after(30):
+            again = await send([letter(f"n{i}", 1) for i in range(60)])
+        assert [i for i, status, _, _ in again if status is ReceiptStatus.STORED] == [f"n{i}-1" for i in range(49)]
+        assert thread_rows(db, me) == store.threads(me) == threads - 49
+        # the places kept stay taken: a letter of t0 sent again is nothing new
+        assert (await send(more[-1:]))[0][1] is ReceiptStatus.STORED
+        assert [r.letter.tseq for r in store.released_after(0) if r.letter.thread == "t0"][-1] == 101
+
+        size = db.stat().st_size + wal_size(db)
+        async with Client(home.home.path) as h:
+            await h.revoke("greedy")
+        assert thread_rows(db, me) == 0 and thread_rows(db, phone.identity.peer_id) == 1
+        print(f"revoke: greedy's thread rows {threads - 49} -> 0; node.db + WAL {size} -> "
+              f"{db.stat().st_size + wal_size(db)} bytes (SQLite keeps freed pages for reuse)")
+        phone.messaging.send("home", "still here", thread="main")
+        await wait_until(lambda: [r.letter.text for r in store.released_after(0)][-1] == "still here", "phone again")
+
+
+def thread_rows(db: Path, sender: str) -> int:
+    """`sender`'s rows in msg_threads, read as another process would."""
+    with contextlib.closing(sqlite3.connect(db)) as conn:
+        return conn.execute("SELECT COUNT(*) FROM msg_threads WHERE sender = ?", (sender,)).fetchone()[0]
 
 
 def wal_size(db: Path) -> int:
@@ -146,6 +217,26 @@ def test_released_letters_past_the_senders_share_go_oldest_first_without_reopeni
     assert [r.letter.tseq for r in store.store(nxt, now=3.0)] == [7]
 
 
+def test_a_sender_writing_each_letter_in_a_new_thread_costs_at_most_its_letter_shares(tmp_path: Path) -> None:
+    """The flood of issue 32 (12,032 tiny letters, each in a thread of its own, left 12,032
+    rows), with the default shares: the rows stop at kept_letters, and none is refused."""
+    conn = open_db(tmp_path / "db")
+    store = MessageStore(conn)
+    key, sender, me = keys()
+    total, refused = 12_032, 0
+    for start in range(0, total, 256):  # bounded: 47 batches
+        letters = [Letter(id=f"x{i}", sender=sender, recipient=me, thread=f"x{i}", tseq=1, at=1).sign(key)
+                   for i in range(start, min(start + 256, total))]
+        refused += len(store.store_many(letters, now=float(start)).refused)
+    kept = InboxSettings().kept_letters
+    assert refused == 0
+    assert store.threads(sender) == store.thread_rows() == store.share(sender, held=False)[0] == kept
+    assert [r.letter.thread for r in store.released_after(0)][:1] == [f"x{total - kept}"]
+    conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    print(f"{total} letters in {total} threads: {store.thread_rows()} thread rows, node.db "
+          f"{(tmp_path / 'db').stat().st_size / 1e6:.2f} MB")
+
+
 def test_an_older_inbox_gets_its_sizes_and_thread_places(tmp_path: Path) -> None:
     """A database from before the quotas: the new columns are added and each thread's place is
     taken from what it had released, so nothing released before comes in again."""
@@ -163,3 +254,32 @@ def test_an_older_inbox_gets_its_sizes_and_thread_places(tmp_path: Path) -> None
     assert store.store(old) == []
     nxt = Letter(id="o2", sender=sender, recipient=me, thread="o", tseq=2, at=1).sign(key)
     assert [(r.letter.tseq, r.release_seq) for r in store.store(nxt)] == [(2, 2)]
+
+
+def test_a_thread_keeps_its_place_while_it_has_letters_here_rows_or_not(tmp_path: Path) -> None:
+    """A revoke drops the sender's rows; a thread with letters still here keeps its place
+    (the highest tseq released), so a re-paired sender goes on where it was, exactly once."""
+    store = MessageStore(open_db(tmp_path / "db"))
+    key, sender, me = keys()
+    letters = [Letter(id=f"a{t}", sender=sender, recipient=me, thread="a", tseq=t, at=1).sign(key) for t in range(1, 5)]
+    store.store_many(letters[:3], now=1.0)
+    assert store.forget(sender) == 0 and store.thread_rows() == 0 and store.threads(sender) == 1
+    assert store.store(letters[1], now=2.0) == []  # sent again: nothing new
+    assert [r.letter.tseq for r in store.store(letters[3], now=2.0)] == [4]  # goes on, not held
+    assert [r.letter.tseq for r in store.released_after(0)] == [1, 2, 3, 4]
+
+
+def test_a_mailbox_copy_of_a_letter_whose_thread_was_forgotten_is_stale(tmp_path: Path) -> None:
+    """A thread goes with its last letter; a copy of one of its letters that our mailbox kept
+    (fetched after days of direct letters) is told apart by its `at`: no later than a letter
+    of its sender's pruned here, it is stale, so it is not delivered twice."""
+    store = MessageStore(open_db(tmp_path / "db"), InboxSettings(kept_letters=3))
+    key, sender, me = keys()
+    places = [("s0", 1), ("s0", 2), ("s2", 1), ("s3", 1), ("s4", 1)]
+    letters = [Letter(id=f"{thread}-{tseq}", sender=sender, recipient=me, thread=thread, tseq=tseq,
+                      at=1000 + i).sign(key) for i, (thread, tseq) in enumerate(places)]
+    store.store_many(letters, now=1.0)  # the oldest two go, and thread s0 with them
+    assert store.thread_rows() == 3 and not store.stale(letters[4])
+    assert store.stale(letters[0]) and store.stale(letters[1])  # s0, forgotten
+    later = Letter(id="s9", sender=sender, recipient=me, thread="s0", tseq=1, at=1002).sign(key)
+    assert not store.stale(later)  # written after what was pruned: a new letter

@@ -6,6 +6,7 @@ drifts from the spec, fails here."""
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 from pathlib import Path
 
@@ -27,6 +28,7 @@ from psymesh.protocol.pairing import PairingCode, parse_code
 from psymesh.protocol.session import Reply, Request, SessionClient, SessionServer
 from psymesh.protocol.signing import canonical_encode
 from psymesh.protocol.tasks import EventKind, TaskEvent, TaskState
+from psymesh.protocol.web import WebPage
 
 SPEC = (Path(__file__).resolve().parent.parent / "docs" / "protocol.md").read_text()
 
@@ -179,6 +181,23 @@ def letter_as_the_spec_says(sent: dict, key: Ed25519PrivateKey) -> dict:
     defaults = {"thread": "main", "kind": "send", "text": "", "body": {}, "withdrawn": False}
     signed = {k: v for k, v in {**defaults, **sent}.items() if v is not None}
     return {**sent, "signature": key.sign(b"psymesh/letter/v1\x00" + canonical_encode(signed, floats=True))}
+
+
+def test_the_partial_web_page_example_and_an_older_exits_page() -> None:
+    """§5.10's partial page parses as this node reads it; an older exit's page, without the
+    optional fields, still does, and reads as partial for a reason not named."""
+    example = re.search(r'shown as JSON; a session reply adds `rid`\s+and `end`\): `(\{.*?\})`', SPEC, re.S)
+    assert example is not None
+    page = from_map(json.loads(example.group(1)))
+    assert isinstance(page, WebPage) and page.truncated_reasons == ("too_large", "max_chars")
+    assert "first 1048576 of the page's 2092863 bytes" in (page.partial() or "")
+    older = unpack(msgpack.packb({"v": 1, "type": "web.page", "url": "u", "final_url": "u", "status": 200,
+                                  "content_type": "text/html", "text": "t", "truncated": True}))
+    assert isinstance(older, WebPage) and older.truncated_reasons == () and older.body_bytes is None
+    assert older.partial() == "partial: the exit cut the text"
+    newer = unpack(msgpack.packb({"v": 1, "type": "web.page", "url": "u", "final_url": "u", "status": 200,
+                                  "content_type": "text/html", "truncated": True, "truncated_reasons": ["too_odd"]}))
+    assert newer.partial() == "partial: the exit cut the text (too_odd)"  # type: ignore[union-attr]
 
 
 def test_the_letter_example_signs_the_defaults_too() -> None:

@@ -35,7 +35,7 @@ from psymesh.protocol import ids
 from psymesh.protocol.errors import ErrorCode, RemoteError
 from psymesh.protocol.tasks import TaskState
 from psymesh.protocol.web import WebRelay, WebSealed, WebSealedReply
-from websites import Site, serving
+from websites import Site, deep_page, long_page, serving
 
 QUERY = "psymesh-secret-query-7781"
 PAGE = """<html><head><title>Tides of Kestrel Bay</title></head><body><article>
@@ -413,6 +413,32 @@ async def test_a_prompt_injected_page_leads_to_no_call_outside_the_grant(
     assert "1234" not in str(result)
 
 
+@pytest.mark.anyio
+async def test_a_partial_page_says_so_to_the_phone_and_its_agent(tmp_path: Path, site: Site) -> None:
+    """Issue 32 item 9, one hop: a 2 MiB page (HTML past the exit's 1 MiB is never extracted) and
+    a page nested 300 deep (the parser stops at 256 levels) come to the phone saying what their
+    text lacks, and the phone's agent reads it beside the text."""
+    big = long_page()
+    long_url, deep_url = site.route("/long", big), site.route("/deep", deep_page(300))
+    model = ScriptedModel([tool_call_text("web.fetch", {"url": deep_url}), "The page could not be read."])
+    async with run_nodes(tmp_path, "home", "phone", profiles={"phone": "phone"},
+                         configs={"home": exit_config(site)}) as nodes:
+        await pair(nodes["home"].home.path, nodes["phone"].home.path, grant="phone")
+        async with Client(nodes["phone"].home.path) as phone:
+            long = await phone.web_fetch(long_url)
+            deep = await phone.web_fetch(deep_url)
+        run = await run_agent("When is high tide in the deep bay?", model=model, tools=nodes["phone"].tools,
+                              ctx=ToolContext(profile="phone"), profile="phone")
+    assert long.truncated and long.truncated_reasons == ("too_large", "max_chars")
+    assert (long.body_bytes, long.extracted_bytes) == (len(big), 1024 * 1024)
+    assert long.text.startswith("The first words") and len(long.text) == 8000
+    assert deep.truncated and deep.truncated_reasons == ("too_deep",)
+    fetched = run.tool_calls[0].result
+    assert fetched["truncated"] is True and "255 levels" in fetched["partial"]
+    shown = model.seen[-1][0][-1]                      # what the model read after the fetch
+    assert shown.role == "tool" and "255 levels" in shown.content
+
+
 # ----------------------------------------------------------------------------- the CLI
 
 
@@ -438,3 +464,25 @@ async def test_psymesh_web_search_and_fetch_from_the_command_line(tmp_path: Path
     assert "via exit through relay relay" in fetched.stderr  # names, not peer ids, where the peers have them
     # one hop would tell the exit who asks: the phone holds no web grant from it, and is told so
     assert refused.returncode != 0 and "web.fetch" in refused.stderr and "Traceback" not in refused.stderr
+
+
+@pytest.mark.anyio
+async def test_psymesh_web_fetch_says_what_a_partial_page_lacks(tmp_path: Path, site: Site) -> None:
+    """Two hops (the page sealed through the relay, its new fields too) to the command line:
+    the human output warns what the text lacks; --json carries the fields."""
+    big = long_page()
+    long_url, deep_url = site.route("/long", big), site.route("/deep", deep_page(300))
+    async with run_nodes(tmp_path, "exit", "relay", "phone", configs={"exit": exit_config(site)}) as nodes:
+        await _three(nodes)
+        phone = nodes["phone"].home.path
+        shown = await anyio.to_thread.run_sync(_cli, phone, "fetch", long_url, "--hops", "2")
+        deep = await anyio.to_thread.run_sync(_cli, phone, "fetch", deep_url, "--hops", "2", "--json")
+        whole = await anyio.to_thread.run_sync(_cli, phone, "fetch", site.url("/tides"), "--hops", "2")
+    assert shown.returncode == 0, shown.stderr
+    assert "The first words" in shown.stdout and "last words" not in shown.stdout
+    warning = " ".join(shown.stderr.split())
+    assert f"partial: the exit read the text of only the first 1048576 of the page's {len(big)} bytes" in warning
+    assert "characters asked for (max_chars)" in warning
+    page = json.loads(deep.stdout)["page"]
+    assert page["truncated"] is True and page["truncated_reasons"] == ["too_deep"] and page["title"] == "Deep tides"
+    assert whole.returncode == 0 and "partial" not in whole.stderr

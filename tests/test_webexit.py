@@ -23,8 +23,8 @@ from pydantic import ValidationError
 from psymesh.node.web.exit import ExitSettings, IPAddress, WebExit, resolve_host
 from psymesh.node.web.search import SearchSettings
 from psymesh.protocol.errors import ErrorCode, PsymeshError
-from psymesh.protocol.web import WebFetch, WebSearch
-from websites import Site, serving, tls_contexts
+from psymesh.protocol.web import MAX_PAGE_CHARS, WebFetch, WebSearch
+from websites import Site, deep_page, long_page, serving, tls_contexts
 
 pytestmark = pytest.mark.anyio
 
@@ -168,6 +168,29 @@ async def test_a_page_too_costly_to_extract_costs_a_child_not_the_exit(site: Sit
     async with make_exit(allow_loopback=True, max_html_bytes=1024) as exit_:
         page = await exit_.fetch(WebFetch(url=padded), host_allowed=allow_all)
         assert "hold paws while sleeping" in page.text and "tail words" not in page.text  # past the cut: never parsed
+
+
+async def test_a_page_cut_before_extraction_or_nested_too_deep_says_so(site: Site) -> None:
+    """Issue 32 item 9: HTML past max_html_bytes was cut silently, and a page nested past
+    libxml2's 256 levels came back `text: ""`, `truncated: false`. Now the page says what
+    its text lacks, and why; a page nested less deep, or short, says nothing."""
+    big = long_page()
+    long_url, deep_url, shallow_url = site.route("/long", big), site.route("/deep", deep_page(300)), site.route(
+        "/shallow", deep_page(200))
+    async with make_exit(allow_loopback=True) as exit_:
+        long = await exit_.fetch(WebFetch(url=long_url, max_chars=MAX_PAGE_CHARS), host_allowed=allow_all)
+        deep = await exit_.fetch(WebFetch(url=deep_url), host_allowed=allow_all)
+        shallow = await exit_.fetch(WebFetch(url=shallow_url), host_allowed=allow_all)
+        short = await exit_.fetch(WebFetch(url=long_url, max_chars=100), host_allowed=allow_all)  # from the cache
+    assert long.truncated and long.truncated_reasons == ("too_large", "max_chars")
+    assert (long.body_bytes, long.extracted_bytes) == (len(big), 1024 * 1024)
+    assert long.text.startswith("The first words") and "last words" not in long.text
+    assert f"first 1048576 of the page's {len(big)} bytes" in (long.partial() or "")
+    assert short.cached and short.truncated_reasons == ("too_large", "max_chars") and len(short.text) == 100
+    assert deep.truncated and deep.truncated_reasons == ("too_deep",) and deep.title == "Deep tides"
+    assert "255 levels" in (deep.partial() or "")
+    assert not shallow.truncated and shallow.truncated_reasons == () and "07:20" in shallow.text
+    assert shallow.partial() is None
 
 
 async def test_extractions_run_a_few_at_once_and_a_deadline_kills_its_child(site: Site) -> None:

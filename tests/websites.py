@@ -163,3 +163,25 @@ def tls_contexts(folder: Path, hostname: str) -> tuple[ssl.SSLContext, ssl.SSLCo
     server.load_cert_chain(chain)
     client = ssl.create_default_context(cadata=ca.public_bytes(serialization.Encoding.PEM).decode())
     return server, client
+
+
+def long_page(size: int = 2 * 1024 * 1024 - 4096) -> bytes:
+    """An article of plain paragraphs, about `size` bytes: its first paragraph says
+    "first words", its last "last words" (what a cut at 1 MiB keeps, and loses)."""
+    head = b"<html><head><title>Long tides</title></head><body><article><p>The first words of the tables.</p>"
+    tail = b"<p>The last words of the tables.</p></article></body></html>"
+    body, length, i = [head], len(head) + len(tail), 0
+    while length < size - 200:
+        i += 1
+        body.append(b"<p>Entry %d: the tide tables for the bay are read at the pier each morning, beside the old "
+                    b"lighthouse, and copied into the harbour log with the wind and the swell.</p>\n" % i)
+        length += len(body[-1])
+    return b"".join(body) + tail
+
+
+def deep_page(depth: int) -> bytes:
+    """A page whose article sits `depth` <div>s deep, then a closing paragraph after the nest."""
+    return (b"<html><head><title>Deep tides</title></head><body>" + b"<div>" * depth
+            + b"<article><p>High tide in the deep bay is at 07:20, low tide at 13:35, by the pier's own tables "
+              b"that the harbour master posts.</p></article>"
+            + b"</div>" * depth + b"<p>After the nest, the last words.</p></body></html>")

@@ -80,8 +80,10 @@ def web_fetch(home: str | None, out: Output, url: str, max_chars: int, via: str 
 
     def human(con: Console) -> None:
         out.hint(f"{page.status} {page.content_type} from {page.final_url} {_way(reply, names)}"
-                 + (" (cached)" if page.cached else "") + ("; cut" if page.truncated else "")
-                 + "; untrusted text from the web")
+                 + (" (cached)" if page.cached else "") + "; untrusted text from the web")
+        partial = page.partial()
+        if partial is not None:  # the text is not all of the page: said where it cannot be missed
+            out.warn(partial)
         if page.title:
             con.print(f"[bold]{escape(page.title)}[/bold]")
         con.print(escape(page.text))

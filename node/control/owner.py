@@ -297,7 +297,7 @@ class Owner:
         await self.node.tell_revoked(peer.peer_id)
         await self.node.p2p.disconnect(peer.peer_id)
         canceled = self.node.executor.cancel_for(peer.peer_id, "the submitter was revoked")
-        dropped = self.node.messaging.store.drop_held(peer.peer_id)  # letters it left behind a gap
+        dropped = self.node.messaging.store.forget(peer.peer_id)  # letters it left behind a gap, thread rows
         if dropped:
             log.info("revoked %s: %d letter(s) it had held behind a gap removed", peer.name, dropped)
         log.info("revoked %s (%s): %d queued or running task(s) canceled", peer.name, peer.peer_id, canceled)

@@ -364,11 +364,16 @@ class MailOwner:
         """Open one item and admit its letter through our door, as its sender's `msg.send`.
         An item that does not open or check is dropped; a letter the door refuses for good
         keeps its place in its thread (a withdrawn stub), so the letters after it are not
-        held. A refusal that may pass later raises: the item is taken again then."""
+        held; a stale copy (`MessageStore.stale`) is dropped. A refusal that may pass later
+        raises: the item is taken again then."""
         try:
             letter = self.open(item)
         except PsymeshError as exc:
             log.warning("mail item %d from %s dropped: %s", item.seq, item.sender, exc.message)
+            return
+        if self.inbox.stale(letter):
+            log.info("letter %s from %s, from the mailbox, dropped: a copy of one delivered directly before its "
+                     "thread was pruned here", letter.id, letter.sender)
             return
         try:
             await self.door(Call(letter.sender, item.seq, MsgSend(letter=letter), _no_frames), VIA_MAILBOX)

@@ -370,6 +370,11 @@ class Messaging:
         after it are released (on the direct way its sender sends the stub)."""
         self._stored([letter.stub()])  # refused: the letter itself is here already, or its place was given up
 
+    def stale(self, letter: Letter) -> bool:
+        """A letter from our mailbox that is a copy of one delivered directly long ago (see
+        MessageStore.stale): dropped, not admitted."""
+        return self.store.stale(letter)
+
     def took(self, letter: Letter) -> None:
         """A letter our mailbox handed over was stored: its sender is owed our receipt."""
         self.store.owe(letter.sender, [letter.id])

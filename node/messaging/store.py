@@ -20,9 +20,20 @@ refused `busy` and sent again later); released letters, in items and bytes (past
 the sender's oldest released ones go, as a mail spool's do); and a letter held longer
 than `held_s` gives up its thread's gap: it and those behind it are released with
 `skipped` saying how many letters never came, and a letter that comes later for a place
-given up is refused `expired`. A revoked sender's held letters are removed. Where each
-thread is released up to lives in `msg_threads`, so pruning released letters never
-re-opens a place.
+given up is refused `expired`.
+
+Where each thread is released up to lives in `msg_threads` (else it is the highest tseq
+of the thread's released letters here), so pruning released letters never re-opens a place
+while the thread has a letter here. The threads whose place the inbox keeps are a share
+too (`threads`): a letter that would open one more is refused `busy`, and a thread's row
+goes with its last letter, so a sender writing each letter in a new thread costs at most
+its letter shares. A thread forgotten so could take its old letters again; directly, only
+a sender replaying its own letters after more than its share of later ones could send
+them (a courier resends just the letters it has no receipt for, oldest first, at most 256
+in flight), and a copy our mailbox kept is `stale` (the inbox remembers, per sender, the
+newest `at` it pruned: a letter from the mailbox opening a thread, written no later than
+that, was delivered directly, or its sender sends it so). A revoke removes the sender's
+held letters and its threads' rows.
 
 Both sides commit before they answer (a receipt leaves only after the INSERT commits;
 a letter leaves the outbox only after its receipt is recorded), so a SIGKILL of either
@@ -90,6 +101,10 @@ CREATE TABLE IF NOT EXISTS msg_threads (
     released_upto INTEGER NOT NULL,     -- every tseq up to here is released (or its place given up)
     PRIMARY KEY (sender, thread)
 );
+CREATE TABLE IF NOT EXISTS msg_forgotten (
+    sender   TEXT PRIMARY KEY,
+    at_upto  INTEGER NOT NULL           -- the newest `at` of the sender's letters pruned here
+);
 """
 _AWAITING = "state IN ('pending', 'deposited') OR (state = 'refused' AND stub_sent = 0)"
 # Columns added after the first release: (name, definition), added to older databases on open;
@@ -155,9 +170,6 @@ class MessageStore:
             conn.execute("CREATE INDEX IF NOT EXISTS msg_inbox_held ON msg_inbox(sender, size) WHERE release_seq IS NULL")
             conn.execute("CREATE INDEX IF NOT EXISTS msg_inbox_kept ON msg_inbox(sender, size)"
                          " WHERE release_seq IS NOT NULL")
-            conn.execute("INSERT OR IGNORE INTO msg_threads (sender, thread, released_upto)"
-                         " SELECT sender, thread, MAX(tseq) FROM msg_inbox WHERE release_seq IS NOT NULL"
-                         " GROUP BY sender, thread")
 
     # -- outbox ----------------------------------------------------------------------------
     def next_tseq(self, recipient: str, thread: str) -> int:
@@ -310,6 +322,10 @@ class MessageStore:
                     continue
                 taken[letter.sender, letter.thread, letter.tseq] = letter
                 fresh.append(letter)
+            opened: dict[str, list[str]] = {}  # per sender, the threads this batch opens (in order)
+            for sender, thread in dict.fromkeys((letter.sender, letter.thread) for letter in fresh):
+                if self._new_thread(sender, thread):
+                    opened.setdefault(sender, []).append(thread)
             self.conn.executemany(
                 "INSERT INTO msg_inbox (id, sender, thread, tseq, letter, received_at, size) VALUES (?, ?, ?, ?, ?, ?, ?)",
                 [(letter.id, letter.sender, letter.thread, letter.tseq, js, now, len(js))
@@ -318,7 +334,8 @@ class MessageStore:
                 self._release(sender, thread, self._released_upto(sender, thread))
             for sender in dict.fromkeys(letter.sender for letter in fresh):
                 refused.update(self._over_held_share(sender, [x for x in fresh if x.sender == sender]))
-                self._prune_released(sender)
+                refused.update(self._over_thread_share(sender, opened.get(sender, []), fresh))
+                self._prune_released(sender)  # only what was let in pushes old letters out
         return Stored(self.released_after(base, limit=len(letters) + 10_000), refused)
 
     def expire_held(self, now: float | None = None) -> list[Received]:
@@ -330,9 +347,11 @@ class MessageStore:
             self._expire(now)
         return self.released_after(base, limit=100_000)
 
-    def drop_held(self, sender: str) -> int:
-        """Remove what `sender` has held here (it was revoked): how many letters went."""
+    def forget(self, sender: str) -> int:
+        """Remove what `sender` has held here and its threads' rows (it was revoked): how many
+        letters went. Its released letters stay for the app (and keep their threads' places)."""
         with transaction(self.conn):
+            self.conn.execute("DELETE FROM msg_threads WHERE sender = ?", (sender,))
             return self.conn.execute("DELETE FROM msg_inbox WHERE sender = ? AND release_seq IS NULL",
                                      (sender,)).rowcount
 
@@ -342,6 +361,17 @@ class MessageStore:
             f"SELECT COUNT(*), COALESCE(SUM(size), 0) FROM msg_inbox WHERE sender = ? AND"
             f" release_seq IS {'' if held else 'NOT '}NULL", (sender,)).fetchone()
         return row[0], row[1]
+
+    def threads(self, sender: str) -> int:
+        """How many threads of `sender`'s the inbox keeps a place for: those with a row in
+        `msg_threads` or a letter here."""
+        return self.conn.execute("SELECT COUNT(*) FROM (SELECT thread FROM msg_threads WHERE sender = ?"
+                                 " UNION SELECT thread FROM msg_inbox WHERE sender = ?)",
+                                 (sender, sender)).fetchone()[0]
+
+    def thread_rows(self) -> int:
+        """Rows in `msg_threads`, every sender's."""
+        return self.conn.execute("SELECT COUNT(*) FROM msg_threads").fetchone()[0]
 
     def _conflict(self, letter: Letter, row: sqlite3.Row | None,
                   taken: dict[tuple[str, str, int], Letter]) -> PsymeshError | None:
@@ -365,9 +395,19 @@ class MessageStore:
                                  (sender, letter_id)).fetchone()
 
     def _released_upto(self, sender: str, thread: str) -> int:
-        row = self.conn.execute("SELECT released_upto FROM msg_threads WHERE sender = ? AND thread = ?",
-                                (sender, thread)).fetchone()
-        return 0 if row is None else row[0]
+        """Its row's, else the highest tseq released here (a thread's letters are released, and
+        pruned, in tseq order; a revoke drops rows, and databases from before rows had none)."""
+        return self.conn.execute(
+            "SELECT COALESCE((SELECT released_upto FROM msg_threads WHERE sender = ? AND thread = ?),"
+            " (SELECT MAX(tseq) FROM msg_inbox WHERE sender = ? AND thread = ? AND release_seq IS NOT NULL), 0)",
+            (sender, thread, sender, thread)).fetchone()[0]
+
+    def _new_thread(self, sender: str, thread: str) -> bool:
+        """Whether the inbox keeps no place for this thread yet (no row, no letter)."""
+        return self.conn.execute(
+            "SELECT NOT EXISTS (SELECT 1 FROM msg_threads WHERE sender = ? AND thread = ?) AND"
+            " NOT EXISTS (SELECT 1 FROM msg_inbox WHERE sender = ? AND thread = ?)",
+            (sender, thread, sender, thread)).fetchone()[0] == 1
 
     def _last_released(self) -> int:
         return self.conn.execute("SELECT COALESCE(MAX(release_seq), 0) FROM msg_inbox").fetchone()[0]
@@ -430,22 +470,63 @@ class MessageStore:
             self.conn.execute("DELETE FROM msg_inbox WHERE sender = ? AND id = ?", (sender, letter.id))
             count, size = count - 1, size - row[0]
             refused[letter.id] = self._held_share_refusal()
+        self._drop_spent_rows(sender, {letter.thread for letter in fresh if letter.id in refused})
         return refused
 
+    def _over_thread_share(self, sender: str, opened: list[str], fresh: list[Letter]) -> dict[str, PsymeshError]:
+        """Refuse (and un-store) the threads this batch `opened` for `sender`, the last opened
+        first, until its threads fit its share again. (All their letters are this batch's.)"""
+        if not opened:
+            return {}
+        live, limit = self.threads(sender), self.settings.threads
+        refused: dict[str, PsymeshError] = {}
+        for thread in reversed(opened):
+            if live <= limit:
+                break
+            self.conn.execute("DELETE FROM msg_inbox WHERE sender = ? AND thread = ?", (sender, thread))
+            self.conn.execute("DELETE FROM msg_threads WHERE sender = ? AND thread = ?", (sender, thread))
+            live -= 1
+            refused.update((letter.id, PsymeshError(
+                f"this node keeps the places of {limit} threads of yours, the most it keeps for one sender "
+                f"([inbox] threads): write in a thread you have open; a thread is forgotten when its last "
+                f"letter here is pruned ([inbox] kept_letters)", code=ErrorCode.BUSY, retry_after=RETRY_HELD_S))
+                for letter in fresh if letter.sender == sender and letter.thread == thread)
+        return refused
+
+    def _drop_spent_rows(self, sender: str, threads: set[str]) -> None:
+        """The rows of these threads of `sender`'s that have no letter here any more go."""
+        self.conn.executemany("DELETE FROM msg_threads WHERE sender = ? AND thread = ? AND NOT EXISTS"
+                              " (SELECT 1 FROM msg_inbox WHERE sender = ? AND thread = ?)",
+                              [(sender, thread, sender, thread) for thread in threads])
+
     def _prune_released(self, sender: str) -> None:
-        """Past the sender's share of released letters, its oldest go (a mail spool's rule)."""
+        """Past the sender's share of released letters, its oldest go (a mail spool's rule), and
+        the rows of threads left with no letter go with them."""
         s = self.settings
         count, size = self.share(sender, held=False)
         if count <= s.kept_letters and size <= s.kept_bytes:
             return
-        drop, left_count, left_size = [], count, size
-        for row in self.conn.execute("SELECT release_seq, size FROM msg_inbox WHERE sender = ? AND"
-                                     " release_seq IS NOT NULL ORDER BY release_seq", (sender,)):
+        drop, threads, newest, left_count, left_size = [], set(), 0, count, size
+        for row in self.conn.execute("SELECT release_seq, size, thread, json_extract(letter, '$.at') FROM msg_inbox"
+                                     " WHERE sender = ? AND release_seq IS NOT NULL ORDER BY release_seq", (sender,)):
             if left_count <= s.kept_letters and left_size <= s.kept_bytes:
                 break
             drop.append((row[0],))
+            threads.add(row[2])
+            newest = max(newest, row[3])
             left_count, left_size = left_count - 1, left_size - row[1]
         self.conn.executemany("DELETE FROM msg_inbox WHERE release_seq = ?", drop)
+        self._drop_spent_rows(sender, threads)
+        self.conn.execute("INSERT INTO msg_forgotten (sender, at_upto) VALUES (?, ?) ON CONFLICT(sender)"
+                          " DO UPDATE SET at_upto = MAX(at_upto, excluded.at_upto)", (sender, newest))
+
+    def stale(self, letter: Letter) -> bool:
+        """Whether `letter` (a copy our mailbox kept) opens a thread the inbox keeps no place for
+        and was written no later than a letter of its sender's pruned here: then it was
+        delivered directly before, its thread forgotten since (or, never delivered, its sender,
+        which holds it until our receipt, sends it directly)."""
+        row = self.conn.execute("SELECT at_upto FROM msg_forgotten WHERE sender = ?", (letter.sender,)).fetchone()
+        return row is not None and letter.at <= row[0] and self._new_thread(letter.sender, letter.thread)
 
     def released_after(self, cursor: int, limit: int = 500) -> list[Received]:
         """Released letters numbered above `cursor`, in release order (withdrawn stubs included:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from ...protocol.errors import ErrorCode, PsymeshError
-from ...protocol.web import WebFetch, WebPage
+from ...protocol.web import Truncation, WebFetch, WebPage
 
 
 # --------------------------------------------------------------------- cache and rate
@@ -67,7 +67,9 @@ class Bucket:
 @dataclass(frozen=True)
 class Page:
     """A fetched page as the cache keeps it: its text (one char past the most any request
-    may ask, so `truncated` stays right) and every hop's host, to re-check per asker."""
+    may ask, so `truncated` stays right), why that text is not all of the page (`cut`: the
+    HTML read past what is extracted, or nested too deep), the body's bytes and the bytes
+    the text came from, and every hop's host, to re-check per asker."""
 
     final_url: str
     status: int
@@ -75,8 +77,13 @@ class Page:
     title: str
     text: str
     hosts: tuple[str, ...]
+    cut: tuple[Truncation, ...] = ()
+    body_bytes: int | None = None
+    extracted_bytes: int | None = None
 
     def answer(self, request: WebFetch, *, cached: bool) -> WebPage:
+        cut = self.cut + ((Truncation.MAX_CHARS,) if len(self.text) > request.max_chars else ())
         return WebPage(url=request.url, final_url=self.final_url, status=self.status,
                        content_type=self.content_type, title=self.title, text=self.text[:request.max_chars],
-                       truncated=len(self.text) > request.max_chars, cached=cached)
+                       truncated=bool(cut), truncated_reasons=tuple(str(why) for why in cut), cached=cached,
+                       body_bytes=self.body_bytes, extracted_bytes=self.extracted_bytes)

@@ -71,7 +71,7 @@ from .guard import (  # IPAddress and resolve_host: callers import them from her
 from .search import backend_for
 from ..core.websettings import ExitSettings, SearchSettings  # noqa: F401 (the config lives there)
 from ...protocol.errors import ErrorCode, PsymeshError
-from ...protocol.web import MAX_PAGE_CHARS, WebFetch, WebHit, WebPage, WebResults, WebSearch
+from ...protocol.web import MAX_PAGE_CHARS, Truncation, WebFetch, WebHit, WebPage, WebResults, WebSearch
 
 __all__ = ["AddressPolicy", "ExitSettings", "GuardedBackend", "IPAddress", "SearchSettings", "WebExit", "resolve_host"]
 
@@ -224,10 +224,12 @@ class WebExit:
             else:
                 raise PsymeshError(f"refused: more than {s.max_redirects} redirects ([web.exit] max_redirects)",
                                    code=ErrorCode.BAD_REQUEST)
-            title, text = await self._extractors.text(cut_html(body, media_type, s.max_html_bytes), media_type,
-                                                      charset(response))
+            extracted = cut_html(body, media_type, s.max_html_bytes)
+            readable = await self._extractors.text(extracted, media_type, charset(response))
+        cut = ((Truncation.TOO_LARGE,) if len(extracted) < len(body) else ()) + readable.cut
         return Page(final_url=str(response.url), status=response.status_code, content_type=media_type,
-                     title=title, text=text[:MAX_PAGE_CHARS + 1], hosts=tuple(hosts))
+                    title=readable.title, text=readable.text[:MAX_PAGE_CHARS + 1], hosts=tuple(hosts), cut=cut,
+                    body_bytes=len(body), extracted_bytes=len(extracted))
 
     def _media_type(self, response: httpx.Response) -> str:
         """The response's media type, if this exit serves it; checked before the body is read."""

@@ -18,12 +18,16 @@ libxml2 fails quietly there) answers with an error and exits; one that overruns 
 deadline is killed; one that grew past `extract_memory_bytes / 2` and kept it is retired
 after its answer. Each way the page costs a child, the daemon keeps its memory, and the
 asker gets a clean error (`too_large`, `timeout`). HTML over `max_html_bytes` is cut
-there before it is handed over (the body cap, `max_body_bytes`, is what is read).
+there before it is handed over (the body cap, `max_body_bytes`, is what is read), and the
+page then says so (`too_large`); HTML nested deeper than libxml2 follows (256 levels
+without XML_PARSE_HUGE, which the child does not lift) stops the parse there, and the page
+says that too (`too_deep`): an asker is told what it did not see.
 
 Frames on the child's stdin and stdout: a 4-byte big-endian length, then msgpack:
-request {body: bin, media_type: str, charset: str | nil}, answer {title, text} or
-{error: str, memory: bool}; then one more frame, {rss: int}, the bytes the child's resident
-size grew by since it started (past `extract_memory_bytes / 2` it is retired).
+request {body: bin, media_type: str, charset: str | nil}, answer {title, text, cut: [str]}
+(cut: protocol/web.py `Truncation` values) or {error: str, memory: bool}; then one more
+frame, {rss: int}, the bytes the child's resident size grew by since it started (past
+`extract_memory_bytes / 2` it is retired).
 """
 from __future__ import annotations
 
@@ -35,6 +39,7 @@ import struct
 import subprocess
 import sys
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import BinaryIO
 
 import anyio
@@ -44,6 +49,7 @@ from anyio.streams.buffered import BufferedByteReceiveStream
 
 from .search import MAX_TITLE_CHARS
 from ...protocol.errors import ErrorCode, PsymeshError
+from ...protocol.web import Truncation
 
 log = logging.getLogger("psymesh.web.extract")
 
@@ -51,21 +57,34 @@ HTML_TYPES = frozenset({"text/html", "application/xhtml+xml"})
 _LENGTH = struct.Struct(">I")
 MAX_ANSWER = 64 * 1024 * 1024  # a child's answer frame (the text of a page cut at max_html_bytes)
 CAP_MARGIN = 4 * 1024 * 1024    # a child whose address space came this close to its cap met it
+PARSER_MAX_DEPTH = 256          # libxml2's nesting limit without XML_PARSE_HUGE: the parse stops there
 
 
-def readable_text(body: bytes, media_type: str, charset: str | None) -> tuple[str, str]:
-    """(title, text) of a body: HTML reduced to its readable text by trafilatura (or, when
-    it finds no main text, every text node outside scripts and styles); other types as
+@dataclass(frozen=True)
+class Readable:
+    """A page's title and text, and why the text is not all of the page (`Truncation`s)."""
+
+    title: str
+    text: str
+    cut: tuple[Truncation, ...] = ()
+
+
+def readable_text(body: bytes, media_type: str, charset: str | None) -> Readable:
+    """The title and text of a body: HTML reduced to its readable text by trafilatura (or,
+    when it finds no main text, every text node outside scripts and styles); other types as
     text. Blocking and CPU-bound, without bound on a hostile page: the exit runs it in an
     `Extractors` child. (Public for bench/web.py, whose baseline does exactly this work.)"""
     if media_type not in HTML_TYPES:
-        return "", body.decode(charset or "utf-8", errors="replace")
+        return Readable("", body.decode(charset or "utf-8", errors="replace"))
     import trafilatura  # imported when used: heavy
 
     source: str | bytes = body.decode(charset, errors="replace") if charset else body   # else sniff <meta charset>
     tree = trafilatura.load_html(source)
     if tree is None:
-        return "", ""
+        return Readable("", "")
+    # the parse stopped where the page nests past libxml2's limit (a page that reaches it
+    # exactly, and no deeper, is said to be cut too: rare, and only an over-cautious word)
+    cut = (Truncation.TOO_DEEP,) if _deepest(tree) >= PARSER_MAX_DEPTH else ()
     title = " ".join((tree.findtext(".//title") or "").split())[:MAX_TITLE_CHARS]
     text = trafilatura.extract(tree, include_comments=False, include_links=False, include_images=False)
     if text is None:
@@ -73,7 +92,18 @@ def readable_text(body: bytes, media_type: str, charset: str | None) -> tuple[st
             element.drop_tree()
         lines = (" ".join(line.split()) for line in tree.text_content().splitlines())
         text = "\n".join(line for line in lines if line)
-    return title, text
+    return Readable(title, text, cut)
+
+
+def _deepest(tree: object) -> int:
+    """How many levels the parsed tree nests (the root is 1), in one walk."""
+    from lxml import etree
+
+    depth = deepest = 0
+    for event, _ in etree.iterwalk(tree, events=("start", "end")):
+        depth += 1 if event == "start" else -1
+        deepest = max(deepest, depth)
+    return deepest
 
 
 def cut_html(body: bytes, media_type: str, limit: int) -> bytes:
@@ -139,8 +169,8 @@ class Extractors:
         """The pids of the children alive now (tests look)."""
         return [child.process.pid for child in self._all]
 
-    async def text(self, body: bytes, media_type: str, charset: str | None) -> tuple[str, str]:
-        """(title, text) of `body`, from a child. Cancel it (a deadline) and the child is killed.
+    async def text(self, body: bytes, media_type: str, charset: str | None) -> Readable:
+        """The title and text of `body`, from a child. Cancel it (a deadline) and the child is killed.
         Raises PsymeshError: TOO_LARGE (the page needs more memory than a child has),
         INTERNAL (the child failed otherwise)."""
         async with self._slots, self._child() as child:
@@ -158,7 +188,9 @@ class Extractors:
                                        "([web.exit] extract_memory_bytes)", code=ErrorCode.TOO_LARGE)
                 raise PsymeshError(f"the page's text could not be extracted: {answer['error']}",
                                    code=ErrorCode.INTERNAL)
-            return str(answer["title"]), str(answer["text"])
+            cut = answer.get("cut")
+            return Readable(str(answer["title"]), str(answer["text"]),
+                            tuple(Truncation(why) for why in cut) if isinstance(cut, list) else ())
 
     @contextlib.asynccontextmanager
     async def _child(self) -> AsyncIterator[_Child]:
@@ -250,11 +282,12 @@ def main(argv: list[str]) -> int:
             return 0
         try:
             request = msgpack.unpackb(data, raw=False)
-            title, text = readable_text(request["body"], request["media_type"], request["charset"])
+            readable = readable_text(request["body"], request["media_type"], request["charset"])
             peak = _peak_address_space()
             if cap is not None and peak is not None and peak >= cap - CAP_MARGIN:
                 raise MemoryError  # it met the cap: what came back may be cut short
-            answer: dict[str, object] = {"title": title, "text": text}
+            answer: dict[str, object] = {"title": readable.title, "text": readable.text,
+                                         "cut": [str(why) for why in readable.cut]}
         except MemoryError:
             answer = {"error": "out of memory", "memory": True}
         except Exception as exc:  # a page that breaks the parser: its asker's error, not ours

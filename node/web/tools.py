@@ -38,13 +38,18 @@ RunWeb = Callable[[WebRequest, str | None], Awaitable[WebAnswer]]
 
 
 def tool_result(answer: WebAnswer) -> dict[str, Any]:
-    """What the model sees of an answer: the text, where it came from, and that it is untrusted."""
+    """What the model sees of an answer: the text, where it came from, that it is untrusted,
+    and, when the text is not all of the page, a sentence saying what is missing and why."""
     if isinstance(answer, WebResults):
         return {"untrusted": True, "source": "web.search", "query": answer.query,
                 "results": [{"title": h.title, "url": h.url, "snippet": h.snippet} for h in answer.hits]}
     assert isinstance(answer, WebPage)
-    return {"untrusted": True, "source": answer.final_url, "status": answer.status, "title": answer.title,
-            "text": answer.text, "truncated": answer.truncated}
+    page: dict[str, Any] = {"untrusted": True, "source": answer.final_url, "status": answer.status,
+                            "title": answer.title, "text": answer.text, "truncated": answer.truncated}
+    partial = answer.partial()
+    if partial is not None:  # what the page held that the text does not: the model must not take it as all
+        page["partial"] = partial
+    return page
 
 
 def web_tools(run: RunWeb) -> list[Tool]:
