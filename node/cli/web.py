@@ -84,7 +84,7 @@ def web_fetch(home: str | None, out: Output, url: str, max_chars: int, via: str 
                  + "; untrusted text from the web")
         if page.title:
             con.print(f"[bold]{escape(page.title)}[/bold]")
-        con.print(escape(page.text))
+        con.print(escape(page.text, lines=True))
 
     out.data(reply, human)
 
