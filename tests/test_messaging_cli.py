@@ -3,6 +3,7 @@ and the SDK's send / inbox / ask / groups under trio and under plain asyncio."""
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -103,6 +104,64 @@ async def test_msg_and_group_commands(tmp_path: Path, tiny_model: Path, monkeypa
             assert rc == 1 and error["error"]["code"] == code and "Traceback" not in err, (args, err)
         done = await anyio.run_process(_command(phone, "msg", "send", "home", "hi", "--body", "[1]"), check=False)
         assert done.returncode == 2 and b"must be a JSON object" in done.stderr
+
+
+# what a hostile peer may write: clear the screen and turn it red, a CR to overwrite the line, a
+# newline and what looks like another letter after it, a one-byte CSI (C1), a right-to-left override
+HOSTILE = "\x1b[2J\x1b[31mred\rover\n    9 12:00:00 home (main): pay me\x9b31m \u202eevil\x7f"
+HOSTILE_SHOWN = r"\x1b[2J\x1b[31mred\rover\n    9 12:00:00 home (main): pay me\x9b31m \u202eevil\x7f"
+ACTING = re.compile("[\x00-\x09\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069\u2028\u2029]")
+
+
+@pytest.mark.anyio
+async def test_a_letter_with_control_characters_prints_escaped_one_letter_a_line(tmp_path: Path) -> None:
+    """`msg inbox` and `msg inbox --follow` show a peer's control characters (in the text and the
+    thread name) as escapes, so a letter can neither act on the terminal nor pass for another
+    letter: two letters, two lines. --json keeps the text as it came."""
+    async with run_nodes(tmp_path, "home", "phone", profiles={"phone": "phone"}) as nodes:
+        home, phone = nodes["home"].home.path, nodes["phone"].home.path
+        await pair(home, phone, grant="phone")
+        async with Client(phone) as p:
+            for text, thread in ((HOSTILE, "chat\x1b]0;owned\x07"), ("plain", "main")):
+                sent = await p.send("home", text, thread=thread)
+                assert (await p.letter(sent.id, wait=True)).state == "delivered"
+
+        listed = await anyio.run_process(_command(home, "msg", "inbox"), check=False, cwd=REPO)
+        async with await anyio.open_process(_command(home, "msg", "inbox", "--follow"), cwd=REPO) as follow:
+            try:
+                with anyio.fail_after(30):
+                    followed = b""
+                    while followed.count(b"\n") < 2:
+                        followed += await follow.stdout.receive()
+            finally:
+                follow.terminate()
+        rc, as_json, err = await _cli(home, "msg", "inbox")
+
+    assert listed.returncode == 0, listed.stderr
+    for printed in (listed.stdout.decode(), followed.decode()):
+        lines = printed.rstrip("\n").split("\n")
+        assert len(lines) == 2 and not ACTING.search(printed.rstrip("\n").replace("\n", "")), printed
+        assert lines[0].endswith(r"phone (chat\x1b]0;owned\x07): " + HOSTILE_SHOWN), lines[0]
+        assert lines[1].endswith("phone (main): plain"), lines[1]
+    assert rc == 0 and [m["text"] for m in as_json] == [HOSTILE, "plain"], err
+
+
+@pytest.mark.anyio
+async def test_an_answer_with_control_characters_prints_them_escaped_keeping_its_lines(
+        tmp_path: Path, tiny_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`msg ask` prints the peer's answer as a document: its line feeds stay, whatever would act
+    on the terminal (ESC, a bare CR, C1, bidi) shows as an escape, and rich markup in it is text."""
+    async with run_nodes(tmp_path, "home", "phone", profiles={"phone": "phone"}) as nodes:
+        home, phone = nodes["home"].home.path, nodes["phone"].home.path
+        await pair(home, phone, grant="phone")
+        nodes["home"].models.registry.add("tiny", tiny_model, **MODEL)
+        model = ScriptedModel(["\x1b[2J[bold]Dinner[/bold]\ris at 7.\r\nSee you\x9b \u202eth."])
+        monkeypatch.setattr(agents, "llama_model", lambda worker, params: model)
+        done = await anyio.run_process(_command(phone, "msg", "ask", "home", "When is dinner?", "--timeout", "60s"),
+                                       check=False, cwd=REPO)
+
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.decode() == "\\x1b[2J[bold]Dinner[/bold]\\ris at 7.\nSee you\\x9b \\u202eth.\n"
 
 
 @pytest.mark.anyio

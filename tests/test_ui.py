@@ -342,6 +342,51 @@ async def test_a_letter_with_a_script_is_shown_as_text_and_another_site_cannot_p
     assert "cross_origin" in answer and still_trusted
 
 
+@browser_test
+@pytest.mark.anyio
+async def test_a_letter_with_line_breaks_comes_live_and_the_activity_page_keeps_every_row(tmp_path: Path) -> None:
+    """The live stream frames each re-render as one server-sent event: a CR, a CRLF or an LF in
+    a letter neither ends the event early (the page cut after the letter) nor starts a field."""
+    breaking = "one\rtwo\r\nthree\nfour\r\rfive </script><b>six</b>"
+    async with run_nodes(tmp_path, "home", "phone", profiles={"phone": "phone"}, configs={"phone": UI}) as nodes, \
+            Browser.running() as browser:
+        home, phone = nodes["home"], nodes["phone"]
+        await pair(home.home.path, phone.home.path, grant="phone", grant_back="messaging")
+        page = await browser.do(browser.page)
+
+        def open_activity() -> None:
+            _login(page, phone)
+            page.goto(phone.ui.url + "/activity")
+            page.wait_for_selector("#audit")
+            page.evaluate("window.__stayed = true")  # a reload would lose it: the letters must come live
+
+        await browser.do(open_activity)
+
+        def shown(letters: int) -> dict[str, Any]:
+            page.locator("#live .letters .letter-text").nth(letters - 1).wait_for(timeout=10000)
+            return {"letters": page.eval_on_selector_all(".letters .letter-text", "els => els.map(e => e.textContent)"),
+                    "headings": page.eval_on_selector_all("#live h2, #live h3", "els => els.map(e => e.textContent)"),
+                    "audit": page.eval_on_selector_all("#audit tbody tr", "rows => rows.map(r => r.textContent)"),
+                    "elements": page.locator(".letters b, .letters script").count(),
+                    "stayed": page.evaluate("window.__stayed === true")}
+
+        async with Client(home.home.path) as h:
+            sent = await h.send("phone", breaking, thread="family")
+            await h.letter(sent.id, wait=True)
+            first = await browser.do(shown, 1)
+            after = await h.send("phone", "and after it", thread="family")  # the stream goes on
+            await h.letter(after.id, wait=True)
+            second = await browser.do(shown, 2)
+
+    as_lines = "one\ntwo\nthree\nfour\n\nfive </script><b>six</b>"  # every line ending is a line feed in HTML
+    assert first["letters"] == [as_lines] and second["letters"] == [as_lines, "and after it"]
+    for seen in (first, second):
+        assert seen["headings"] == ["Audit log", "Tasks", "Delegated from here", "Run here for peers", "Letters",
+                                    "home / family", "Sent", "Held here as a mailbox"]
+        assert any("home" in row and "msg.send" in row for row in seen["audit"])
+        assert seen["elements"] == 0 and seen["stayed"]
+
+
 # --------------------------------------------------------------------------------- the door
 
 

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import click
 
-from .output import Output, escape
+from .output import Output, escape, visible
 from ...protocol import control as c
 from ...protocol.errors import ErrorCode, PsymeshError
 from .common import EvalStopped, command, home_at, on_node, run_async
@@ -125,7 +125,7 @@ def agent_run(home: str | None, out: Output, goal: str, model_name: str | None, 
         return await _agent_local(node_home, config, registry, out, goal, model_name, params, yes)
 
     result = run_async(go)
-    out.data(result, lambda con: con.print(result["answer"]))
+    out.data(result, lambda con: con.print(escape(str(result["answer"]), lines=True)))
 
 
 async def _agent_local(node_home: NodeHome, config: Any, registry: Any, out: Output, goal: str,
@@ -145,7 +145,8 @@ async def _agent_local(node_home: NodeHome, config: Any, registry: Any, out: Out
             out.warn(f"{call.name} is irreversible and there is no terminal to ask; pass --yes to allow it")
             return False
         return await anyio.to_thread.run_sync(
-            lambda: click.confirm(f"allow {call.name}({json.dumps(call.arguments)})?", default=False, err=True))
+            lambda: click.confirm(visible(f"allow {call.name}({json.dumps(call.arguments)})?"), default=False,
+                                 err=True))
 
     tools = node_tools(node_home, config)
     for line in device_lines((t.name, t.backend) for t in tools if t.backend):

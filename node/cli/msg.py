@@ -190,7 +190,7 @@ def msg_ask(home: str | None, out: Output, peer: str, question: str, thread: str
         calls = answer.body.get("tool_calls") or []
         if calls:
             out.hint("tools: " + ", ".join(f"{t.get('name')} ({t.get('status')})" for t in calls))
-        con.print(escape(answer.text))
+        con.print(escape(answer.text, lines=True))
 
     out.data(answer, human)
 

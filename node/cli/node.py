@@ -111,7 +111,7 @@ def _service_change(home: str | None, out: Output, platform_name: str | None, dr
         data = {"platform": plan.platform, "path": str(plan.path), "content": plan.content if installing else None,
                 "commands": [list(cmd) for cmd in commands], "dry_run": True}
         out.data(data, lambda con: con.print(
-            (f"would write {plan.path}:\n\n{escape(plan.content)}" if installing else f"would remove {plan.path}")
+            (f"would write {plan.path}:\n\n{escape(plan.content, lines=True)}" if installing else f"would remove {plan.path}")
             + "".join(f"\nwould run: {escape(shlex.join(cmd))}" for cmd in commands)))
         return
     if installing:

@@ -3,6 +3,11 @@
 Scripts can always parse stdout of a `--json` command: it holds exactly one JSON
 document (an object, a list — `[]` when empty — or {"error": {...}} on failure).
 
+Text a peer controls (letters, names, results, answers, audit reasons, web pages) reaches the
+terminal only through `escape`: its control characters shown as escapes (node/core/visible.py),
+so it cannot clear the screen, rewrite a line or pass for another letter, and one letter is one
+line. `--json` writes JSON, whose escapes do the same.
+
 A failure is one line on stderr, and exit status 1. The network failing (a NetworkError:
 a peer or a server that could not be reached or stopped answering) reads apart from a
 refusal, its JSON error says `"network": <how>`, and when it was the daemon that could
@@ -18,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..control.oneshot import Reply
 from ..core.commands import spell_command
+from ..core.visible import visible
 from ...protocol.errors import NetworkError, PsymeshError, network_kind
 
 if TYPE_CHECKING:
@@ -26,12 +32,14 @@ if TYPE_CHECKING:
 PEER_NEXT_STEP = "is its daemon running and reachable? try again later, or see: {peers}"
 
 
-def escape(text: str) -> str:
-    """rich's markup escape, imported on first use: a `--json` command prints no markup, and
-    rich is a good part of what a short command would load before doing anything."""
+def escape(text: str, *, lines: bool = False) -> str:
+    """`text` as a rich console may print it: its control characters shown as escapes (one
+    line unless `lines`: see node/core/visible.py), then rich's markup escaped. Every text
+    from a peer or the web goes through it. rich is imported on first use: a `--json`
+    command prints no markup, and rich is a good part of what a short command would load."""
     from rich.markup import escape as rich_escape
 
-    return rich_escape(text)
+    return rich_escape(visible(text, lines=lines))
 
 
 def table(*headers: str, **options: Any) -> Any:

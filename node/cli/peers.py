@@ -43,9 +43,9 @@ def _show_paired(out: Output, p: c.PairedReply) -> None:
             con.print(f"[yellow]{escape(p.name)} knows this node as {escape(p.known_as)}[/yellow]: commands on "
                       f"{escape(p.name)} name this node {escape(p.known_as)}")
         con.print(f"verification words: [bold]{p.verification}[/bold]  (both screens must show the same)")
-        con.print(f"it may ask this node:  {', '.join(p.granted) or 'nothing'}")
+        con.print(f"it may ask this node:  {escape(', '.join(p.granted)) or 'nothing'}")
         if p.received:
-            con.print(f"this node may ask it:  {', '.join(p.received)}")
+            con.print(f"this node may ask it:  {escape(', '.join(p.received))}")
 
     out.data(p, human)
 
@@ -261,7 +261,7 @@ def grant(home: str | None, out: Output, peer: str, capabilities: tuple[str, ...
                                                   preset_limits=preset_limits, set_limits=set_limits))
 
     def human(con: Console) -> None:
-        con.print(f"{r.peer.name} may now ask: {', '.join(r.peer.granted)}"
+        con.print(f"{escape(r.peer.name)} may now ask: {escape(', '.join(r.peer.granted))}"
                   + ("" if r.delivered else "  (not reachable now: it will see the new grant when next told)"))
         con.print(f"the whole grant lasts {until_text(r.peer.granted_expires)}")
         con.print("limits: " + limits_text(r.peer.granted_limits).replace("\n", ", "))
@@ -275,5 +275,5 @@ def grant(home: str | None, out: Output, peer: str, capabilities: tuple[str, ...
 def revoke(home: str | None, out: Output, peer: str) -> None:
     """Revoke PEER now: its open connections close and every later request is refused."""
     r = on_node(home, lambda client: client.revoke(peer))
-    out.data(r, lambda con: con.print(f"revoked {r.peer.name} ({r.peer.peer_id})"
+    out.data(r, lambda con: con.print(f"revoked {escape(r.peer.name)} ({r.peer.peer_id})"
                                       + ("" if r.delivered else "  (not reachable now: it is told when it next calls)")))

@@ -40,17 +40,17 @@ def status(home: str | None, out: Output) -> None:
     st = cast("c.StatusReply", ask(home, "control.status"))
 
     def human(con: Console) -> None:
-        con.print(f"[bold]{st.name}[/bold] (profile: {st.profile}) psymesh {st.version}, up {st.uptime_s:.0f} s")
+        con.print(f"[bold]{escape(st.name)}[/bold] (profile: {st.profile}) psymesh {st.version}, up {st.uptime_s:.0f} s")
         con.print(f"peer id:     {st.peer_id}\nfingerprint: {st.fingerprint}")
         for a in st.addrs:
-            con.print(f"listening:   {a}")
+            con.print(f"listening:   {escape(a)}")
         for line in _reachability_lines(st.reachability, out):
             con.print(f"reachable:   {escape(line)}")
         for line in device_lines((d.tool, d.backend) for d in st.device_tools):
             con.print(f"device:      {escape(line)}")
         table = out_table("connected peer", "addresses")
         for p in st.connected_peers:
-            table.add_row(p.name or p.peer_id, " ".join(p.addrs))
+            table.add_row(escape(p.name or p.peer_id), escape(" ".join(p.addrs)))
         con.print(table if st.connected_peers else "no connected peers")
 
     out.data(st, human)
@@ -151,7 +151,7 @@ def discover(home: str | None, out: Output, wait_s: float) -> None:
         now = time.time()
         for n in reply.nodes:
             table.add_row(f"[green]{escape(n.name)}[/green]" if n.name else "[dim]not paired[/dim]",
-                          n.peer_id[:20] + "…", n.fingerprint or "-", escape("\n".join(n.addrs)), n.source,
+                          n.peer_id[:20] + "…", n.fingerprint or "-", "\n".join(escape(a) for a in n.addrs), n.source,
                           f"{max(0.0, now - n.last_seen):.0f} s ago")
         con.print(table)
 

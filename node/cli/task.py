@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import click
 
-from .output import Output, escape, table as out_table
+from .output import Output, escape, table as out_table, visible
 from ...protocol import control as c
 from .common import Duration, command, on_node
 from .msg import _away_since, _away_text
@@ -37,7 +37,7 @@ async def _answer_input(handle: TaskHandle, out: Output, ev: TaskEvent, approve:
     """The remote agent asks to run an irreversible tool: ask the person (or --yes)."""
     question = ev.data.get("question", "the task needs an answer")
     if not approve and sys.stdin.isatty():
-        approve = await anyio.to_thread.run_sync(lambda: click.confirm(question, default=False, err=True))
+        approve = await anyio.to_thread.run_sync(lambda: click.confirm(visible(question), default=False, err=True))
     elif not approve:
         out.warn(f"{question} -- declined: no terminal to ask (pass --yes to allow)")
     await handle.respond({"approve": approve})
@@ -66,7 +66,7 @@ async def _follow(handle: TaskHandle, out: Output, after_seq: int = 0, approve: 
             if status is not None:
                 status.update(f"task {handle.id}: {ev.state.value} ({ev.seq} events)")
             if ev.kind == "token":
-                out.out.print(escape(ev.data.get("text", "")), end="")
+                out.out.print(escape(ev.data.get("text", ""), lines=True), end="")
                 streaming_tokens = True
                 continue
             if streaming_tokens:
@@ -174,11 +174,11 @@ def task_list(home: str | None, out: Output, limit: int) -> None:
         submitted = table("delegated by this node", "target")
         for s in r.submitted:
             state = s.state.value + (f"\n({_away_since(s.away)})" if s.away else "")
-            submitted.add_row(s.task_id, s.kind.value, s.target, state, str(s.events))
+            submitted.add_row(s.task_id, s.kind.value, escape(s.target), state, str(s.events))
         con.print(submitted if r.submitted else "delegated by this node: none")
         executing = table("run by this node for others", "submitter")
         for e in r.executing:
-            executing.add_row(e.task_id, e.kind.value, e.submitter, e.state.value, str(e.last_seq))
+            executing.add_row(e.task_id, e.kind.value, escape(e.submitter), e.state.value, str(e.last_seq))
         con.print(executing if r.executing else "run by this node for others: none")
 
     out.data(r, human)

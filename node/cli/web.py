@@ -86,7 +86,7 @@ def web_fetch(home: str | None, out: Output, url: str, max_chars: int, via: str 
             out.warn(partial)
         if page.title:
             con.print(f"[bold]{escape(page.title)}[/bold]")
-        con.print(escape(page.text))
+        con.print(escape(page.text, lines=True))
 
     out.data(reply, human)
 

@@ -48,6 +48,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, RedirectResponse, Response, StreamingResponse
 from starlette.routing import Route
+from sse_starlette.event import ServerSentEvent
 
 from ..core.commands import Commands
 from ...agent.acting.loop import AgentEvent
@@ -458,18 +459,17 @@ class Dashboard:
 
         async def events() -> AsyncIterator[bytes]:
             nonlocal last, seen
-            yield b": live\n\n"
+            yield _sse(comment="live")
             rendered, html = time.monotonic(), first
             while True:
                 digest = hashlib.sha256(html.encode()).hexdigest()[:16]
                 if digest != last:
                     last = digest
-                    yield b"event: region\n" + b"".join(b"data: " + line.encode() + b"\n"
-                                                        for line in html.split("\n")) + b"\n"
+                    yield _sse(html, event="region")
                 with anyio.move_on_after(LIVE_KEEPALIVE_S) as waited:
                     await pulse.wait(after=seen)
                 if waited.cancelled_caught:
-                    yield b": keep-alive\n\n"
+                    yield _sse(comment="keep-alive")
                 since = time.monotonic() - rendered
                 if since < LIVE_MIN_INTERVAL_S:  # a burst becomes one re-render; a lone event shows at once
                     await anyio.sleep(LIVE_MIN_INTERVAL_S - since)
@@ -707,6 +707,14 @@ class Dashboard:
         except (PsymeshError, ValueError) as exc:
             return self._back("/models", error=_message(exc))
         return self._back("/models", ok=f"model {name} -> {path}")
+
+
+def _sse(data: str | None = None, *, event: str | None = None, comment: str | None = None) -> bytes:
+    """One server-sent event, the one place the live stream is framed: sse-starlette writes each
+    line of `data` as a `data:` line, splitting on every line ending the SSE spec knows (CRLF, LF
+    and a bare CR), so no text in the page (a peer's letter with a CR in it) can end the event
+    early or add a field of its own. The browser joins the lines with LF."""
+    return ServerSentEvent(data, event=event, comment=comment, sep="\n").encode()
 
 
 def _message(exc: Exception) -> str:

@@ -3,6 +3,10 @@
 To stderr, where a terminal, journald (systemd) or a test's log file takes it; or, with
 `--log-file`, to a file rotated by size (5 MiB, 3 old ones kept): for service managers
 that keep stderr in a file that only grows (launchd) or nowhere (Termux:Boot).
+
+A human line is one line: a peer's name or text in a message is shown with its control
+characters escaped (node/core/visible.py), so it can neither forge a log line nor act on the
+terminal reading the log; a traceback follows on lines of its own.
 """
 from __future__ import annotations
 
@@ -12,6 +16,8 @@ import logging.handlers
 import sys
 import time
 from pathlib import Path
+
+from .visible import visible
 
 LOG_FILE_BYTES = 5 * 1024 * 1024
 LOG_FILE_KEEP = 3
@@ -35,8 +41,8 @@ class HumanFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         ts = time.strftime("%H:%M:%S", time.localtime(record.created))
         fields = getattr(record, "fields", {})
-        extra = "".join(f" {k}={v}" for k, v in fields.items())
-        line = f"{ts} {record.levelname:<5} {record.name}: {record.getMessage()}{extra}"
+        extra = "".join(f" {k}={visible(str(v))}" for k, v in fields.items())
+        line = f"{ts} {record.levelname:<5} {record.name}: {visible(record.getMessage())}{extra}"
         if record.exc_info:
             line += "\n" + self.formatException(record.exc_info)
         return line
