@@ -236,7 +236,7 @@ class Dashboard:
                     Route("/models/add", self._model_add, methods=["POST"])],
             exception_handlers={HTTPException: self._http_error})
         self.rules = GuardRules(key=key.value, hosts=AllowedHosts.of(settings.host_names()),
-                                public=frozenset({"/login"}), session=self.session)
+                                public=frozenset({"/login"}), session=self.session, max_body=settings.max_body_bytes)
         self.app = HttpGuard(routes, self.rules, _refused)
 
     def login_url(self) -> str:
