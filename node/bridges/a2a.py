@@ -254,6 +254,32 @@ async def _http_error(request: Request, exc: Exception) -> JSONResponse:
         status_code=exc.status_code, headers=exc.headers)
 
 
+#: a2a-sdk's loggers that log a traceback (logger.exception) for a request it cannot parse,
+#: and those messages: a client's mistake, which the answer already tells the client.
+_SDK_PARSE_LOGGERS = ("a2a.server.routes.jsonrpc_dispatcher", "a2a.compat.v0_3.jsonrpc_adapter")
+_SDK_PARSE_FAILURES = ("Failed to validate base JSON-RPC request", "Failed to parse request params")
+
+
+class ClientMistakeLine(logging.Filter):
+    """One WARNING line, with the exception's first line, in place of the SDK's ERROR and
+    traceback for a request it could not parse (bad input is not the node failing)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and str(record.msg).startswith(_SDK_PARSE_FAILURES):
+            exc = record.exc_info[1]
+            record.msg = f"{record.getMessage()}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            record.args, record.exc_info, record.exc_text = None, None, None
+            record.levelno, record.levelname = logging.WARNING, logging.getLevelName(logging.WARNING)
+        return True
+
+
+def _quiet_sdk_parse_failures() -> None:
+    for name in _SDK_PARSE_LOGGERS:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, ClientMistakeLine) for f in logger.filters):
+            logger.addFilter(ClientMistakeLine())
+
+
 def guard_rules(settings: A2AServe, key: str) -> GuardRules:
     """The door's rules for the A2A face: the card is public; every other request needs the
     key and an A2A-Version the SDK serves."""
@@ -423,6 +449,7 @@ class A2AEndpoint:
     async def _serve(self, sock: socket.socket, card: a2a.AgentCard) -> None:
         import uvicorn
 
+        _quiet_sdk_parse_failures()
         handler = DefaultRequestHandler(agent_executor=NodeAgentExecutor(self), task_store=InMemoryTaskStore(),
                                         agent_card=card)
         app = Starlette(routes=[*create_agent_card_routes(card, card_modifier=self._fresh_card),
