@@ -22,7 +22,10 @@ cannot deadlock.
 
 Every request passes node/bridges/httpguard.py first (the Host allow-list, no cross-site
 Origin, the bearer key but for the card, JSON bodies, and an A2A-Version header of 1.0
-or 0.3: the SDK would read a missing one as 0.3, and a web page cannot add it).
+or 0.3: the SDK would read a missing one as 0.3, and a web page cannot add it); the body
+is read there, at most `max_body_bytes` (the SDK would hold any size), and must be JSON
+nested at most httpguard.JSON_MAX_DEPTH deep. What the guard refuses, and what the app
+fails to answer, comes back as a JSON-RPC error (`refused`).
 
 An A2A client holds the owner's key, so the agent gets this node's tools; but nobody
 is there to confirm an irreversible one (A2A's input-required would park the run
@@ -56,6 +59,8 @@ from a2a.types import a2a_pb2 as a2a
 from a2a.utils.constants import AGENT_CARD_WELL_KNOWN_PATH, PROTOCOL_VERSION_0_3, PROTOCOL_VERSION_1_0, VERSION_HEADER
 from google.protobuf.json_format import MessageToDict
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 import psymesh
@@ -224,18 +229,55 @@ class NodeAgentExecutor(AgentExecutor):
             STATES[TaskState.CANCELED])
 
 
-#: JSON-RPC codes of the door's refusals (A2A's -32009 for the version; the rest are ours,
-#: in JSON-RPC's server range, clear of A2A's -32001..-32009).
+#: JSON-RPC codes of the door's answers (JSON-RPC's own for a body that is too large, not
+#: JSON, or a failure; A2A's -32009 for the version; the rest are ours, in JSON-RPC's server
+#: range, clear of A2A's -32001..-32009).
 _RPC_CODES: Mapping[Check, int] = {Check.HOST: -32010, Check.ORIGIN: -32010, Check.KEY: -32011,
-                                   Check.CONTENT_TYPE: -32600, Check.HEADER: -32009}
+                                   Check.CONTENT_TYPE: -32600, Check.HEADER: -32009, Check.SIZE: -32600,
+                                   Check.JSON: -32700, Check.INTERNAL: -32603}
 
 
 def refused(refusal: Refusal) -> JSONResponse:
-    """A request the door (node/bridges/httpguard.py) refused, as a JSON-RPC error; `data.code`
-    names the check."""
+    """A request the door (node/bridges/httpguard.py) refused, or one the app failed, as a
+    JSON-RPC error; `data.code` names the check."""
     return JSONResponse({"jsonrpc": "2.0", "id": None, "error": {
         "code": _RPC_CODES[refusal.check], "message": refusal.message, "data": {"code": refusal.check.value}}},
         status_code=refusal.status, headers=dict(refusal.headers))
+
+
+async def _http_error(request: Request, exc: Exception) -> JSONResponse:
+    """A route the app lacks (404), or a method it does not take there (405), as a JSON-RPC error."""
+    assert isinstance(exc, HTTPException)
+    return JSONResponse({"jsonrpc": "2.0", "id": None, "error": {
+        "code": -32600, "message": f"{request.method} {request.url.path}: {exc.detail}",
+        "data": {"code": "not_found" if exc.status_code == 404 else "invalid_request"}}},
+        status_code=exc.status_code, headers=exc.headers)
+
+
+#: a2a-sdk's loggers that log a traceback (logger.exception) for a request it cannot parse,
+#: and those messages: a client's mistake, which the answer already tells the client.
+_SDK_PARSE_LOGGERS = ("a2a.server.routes.jsonrpc_dispatcher", "a2a.compat.v0_3.jsonrpc_adapter")
+_SDK_PARSE_FAILURES = ("Failed to validate base JSON-RPC request", "Failed to parse request params")
+
+
+class ClientMistakeLine(logging.Filter):
+    """One WARNING line, with the exception's first line, in place of the SDK's ERROR and
+    traceback for a request it could not parse (bad input is not the node failing)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and str(record.msg).startswith(_SDK_PARSE_FAILURES):
+            exc = record.exc_info[1]
+            record.msg = f"{record.getMessage()}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            record.args, record.exc_info, record.exc_text = None, None, None
+            record.levelno, record.levelname = logging.WARNING, logging.getLevelName(logging.WARNING)
+        return True
+
+
+def _quiet_sdk_parse_failures() -> None:
+    for name in _SDK_PARSE_LOGGERS:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, ClientMistakeLine) for f in logger.filters):
+            logger.addFilter(ClientMistakeLine())
 
 
 def guard_rules(settings: A2AServe, key: str) -> GuardRules:
@@ -243,7 +285,8 @@ def guard_rules(settings: A2AServe, key: str) -> GuardRules:
     key and an A2A-Version the SDK serves."""
     return GuardRules(key=key, hosts=AllowedHosts.of(settings.host_names()),
                       public=frozenset({AGENT_CARD_WELL_KNOWN_PATH}),
-                      header=RequiredHeader(VERSION_HEADER, frozenset({PROTOCOL_VERSION_1_0, PROTOCOL_VERSION_0_3})))
+                      header=RequiredHeader(VERSION_HEADER, frozenset({PROTOCOL_VERSION_1_0, PROTOCOL_VERSION_0_3})),
+                      max_body=settings.max_body_bytes)
 
 
 # -------------------------------------------------------------------------------- the service
@@ -407,10 +450,12 @@ class A2AEndpoint:
     async def _serve(self, sock: socket.socket, card: a2a.AgentCard) -> None:
         import uvicorn
 
+        _quiet_sdk_parse_failures()
         handler = DefaultRequestHandler(agent_executor=NodeAgentExecutor(self), task_store=InMemoryTaskStore(),
                                         agent_card=card)
         app = Starlette(routes=[*create_agent_card_routes(card, card_modifier=self._fresh_card),
-                                *create_jsonrpc_routes(handler, RPC_PATH, enable_v0_3_compat=True)])
+                                *create_jsonrpc_routes(handler, RPC_PATH, enable_v0_3_compat=True)],
+                        exception_handlers={HTTPException: _http_error})
         guarded = HttpGuard(app, guard_rules(self.settings, self.key.value), refused)
         config = uvicorn.Config(guarded, lifespan="off", log_config=None, log_level="warning", access_log=False,
                                 timeout_graceful_shutdown=SHUTDOWN_GRACE_S)

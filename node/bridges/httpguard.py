@@ -28,6 +28,28 @@ but its requests then carry its own name in Host. So every request passes, in or
                  with one of its values; not asked on public paths. 400
                  `version_not_supported`.
 
+Then the body, for a request that carries one (the app is handed the body read here):
+
+    6. Size      at most the face's `max_body` bytes: a larger Content-Length is refused
+                 unread, and a body that streams past the limit (chunked, or framed by a
+                 Content-Length the server trusts) is refused once it does, so no more than
+                 `max_body` (and one chunk) is ever held. 413 `request_too_large`, with
+                 `Connection: close`. The answer goes out at once; then, as nginx's lingering
+                 close does, the rest of the body is read and dropped for up to LINGER_S
+                 before the connection closes: a client that sends its whole body before
+                 it reads (httpx, most do) would otherwise lose the answer to the reset a
+                 close with unread data makes.
+    7. JSON      a JSON body parses, and nests at most JSON_MAX_DEPTH arrays and objects
+                 deep (so no parser or validator behind the door recurses past that). 400
+                 `invalid_json`.
+
+An exception the app did not handle is logged once (here, with its traceback) and
+answered in the face's own error shape, status 500 `internal` (Starlette's own bare 500
+never answers: HttpGuard installs the face's answer as the app's 500 handler); if the
+answer had already begun (a stream), it is ended where it is. A client that went away
+costs a debug line. So no face ever answers a bare 500, nor lets its server log a
+traceback for what a client sent.
+
 WebSocket connections are closed unheard (no face serves one yet).
 
 API, for a face that serves HTTP:
@@ -35,9 +57,11 @@ API, for a face that serves HTTP:
     rules = GuardRules(key=load_api_key(settings, home, os.environ).value,
                        hosts=AllowedHosts.of(settings.host_names()),
                        public=frozenset({"/.well-known/agent-card.json"}),   # optional
-                       header=RequiredHeader("A2A-Version", frozenset({"1.0", "0.3"})))  # optional
+                       header=RequiredHeader("A2A-Version", frozenset({"1.0", "0.3"})),  # optional
+                       max_body=settings.max_body_bytes)                        # default 4 MiB
     app = HttpGuard(app, rules, refuse)    # refuse(Refusal) -> starlette Response, in the
-                                           # face's own error shape (OpenAI's, JSON-RPC's)
+                                           # face's own error shape (OpenAI's, JSON-RPC's, an
+                                           # HTML page), for every answer the guard makes
     refusal = check_request(rules, method, path, headers)   # the same checks, pure: None
                                                             # if the request may pass
 
@@ -51,8 +75,8 @@ A browser face (the dashboard, node/control/dashboard.py) adds `session=SessionR
                  token), compared in constant time beside the bearer check.
     4. The body  a request the cookie admitted that carries a body must also carry the
                  CSRF token: in the `X-CSRF-Token` header (a JSON body), or as the
-                 `csrf` field of an application/x-www-form-urlencoded body (a form; at
-                 most FORM_MAX_BYTES, read here and handed on to the app unchanged).
+                 `csrf` field of an application/x-www-form-urlencoded body (a form, read
+                 here within the face's `max_body` and handed on to the app unchanged).
                  403 `csrf_token_invalid` without it; a body of any other type, 415.
 
 Steps 1 and 2 already refuse what a cross-site page or a rebound name could send; the
@@ -63,16 +87,23 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
+import json
 import logging
+import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
+from itertools import accumulate
 from urllib.parse import parse_qs, urlsplit
 
 import anyio
+from starlette.applications import Starlette
 from starlette.datastructures import Headers
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from ...protocol.errors import ErrorCode
 
 log = logging.getLogger("psymesh.http")
 
@@ -83,7 +114,9 @@ _FETCH_SITES = frozenset({"same-origin", "none"})  # Sec-Fetch-Site values of a 
 _LOOPBACK_NAMES = frozenset({"localhost"})
 _ANY = (ipaddress.ip_address("0.0.0.0"), ipaddress.ip_address("::"))
 FORM = "application/x-www-form-urlencoded"
-FORM_MAX_BYTES = 64 * 1024  # a dashboard form: a letter, a grant; larger is refused unread
+MAX_BODY_BYTES = 4 * 1024 * 1024  # a face's body limit unless its rules say otherwise
+JSON_MAX_DEPTH = 64               # arrays and objects inside each other, at most
+LINGER_S = 5.0                    # how long the rest of a refused body is read and dropped
 CSRF_HEADER = "x-csrf-token"
 CSRF_FIELD = "csrf"
 
@@ -97,6 +130,9 @@ class Check(StrEnum):
     CONTENT_TYPE = "unsupported_media_type"
     HEADER = "version_not_supported"
     CSRF = "csrf_token_invalid"
+    SIZE = "request_too_large"
+    JSON = "invalid_json"
+    INTERNAL = "internal"          # not a check: the app failed; the guard answers for it
 
 
 @dataclass(frozen=True)
@@ -182,6 +218,7 @@ class GuardRules:
     public: frozenset[str] = frozenset()  # paths a GET or HEAD reaches without the key (nor the header)
     header: RequiredHeader | None = None
     session: SessionRules | None = None   # a browser face: the cookie and the CSRF token
+    max_body: int = MAX_BODY_BYTES        # bytes of a request body, at most
 
 
 @dataclass(frozen=True)
@@ -309,19 +346,67 @@ def admit(rules: GuardRules, method: str, path: str, headers: Headers) -> Refusa
 
 def check_form(session: SessionRules, body: bytes) -> Refusal | None:
     """A form body's CSRF field (the last check of a cookie's request with a form)."""
-    if len(body) > FORM_MAX_BYTES:
-        return Refusal(Check.CSRF, 413, f"a form is at most {FORM_MAX_BYTES} bytes")
     given = parse_qs(body.decode("latin-1"), keep_blank_values=True).get(CSRF_FIELD, [None])[-1]
     return None if csrf_matches(given, session) else _csrf_refusal("form field csrf")
 
 
+# A JSON string, or what is left of the body after an unterminated one: possessive, so each
+# byte is read once whatever the body (a backtracking pattern is quadratic on `"\\"\\"\\"...`).
+_JSON_STRING = re.compile(rb'"(?:[^"\\]++|\\.?)*+"?', re.DOTALL)
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+_STEP = [0] * 256
+_STEP[ord("[")] = _STEP[ord("{")] = 1
+_STEP[ord("]")] = _STEP[ord("}")] = -1
+
+
+def json_depth(document: bytes) -> int:
+    """How deep arrays and objects nest in `document` (brackets inside strings do not
+    count). Linear in the length of any bytes, well-formed or not, and no recursion."""
+    brackets = _JSON_STRING.sub(b"", document).translate(None, _NOT_BRACKETS)
+    return max(accumulate(map(_STEP.__getitem__, brackets)), default=0)
+
+
+def check_json(body: bytes) -> Refusal | None:
+    """A JSON body: nested at most JSON_MAX_DEPTH deep (counted before it is parsed, so no
+    parser here or behind the door recurses further), UTF-8 (RFC 8259) and well-formed."""
+    depth = json_depth(body)
+    if depth > JSON_MAX_DEPTH:
+        return Refusal(Check.JSON, 400, f"the JSON body nests {depth} deep; at most {JSON_MAX_DEPTH} levels "
+                                        "of arrays and objects are taken")
+    try:
+        json.loads(body.decode("utf-8"))
+    except ValueError as exc:  # UnicodeDecodeError included
+        return Refusal(Check.JSON, 400, f"the body is not JSON in UTF-8 ({str(exc).splitlines()[0]})")
+    return None
+
+
+def _too_large(limit: int) -> Refusal:
+    return Refusal(Check.SIZE, 413, f"the request body is over {limit} bytes", {"Connection": "close"})
+
+
+INTERNAL = Refusal(Check.INTERNAL, 500, "the node failed to answer; see its log")
+
+_STATUS: Mapping[ErrorCode, int] = {
+    ErrorCode.BAD_REQUEST: 400, ErrorCode.BAD_FRAME: 400, ErrorCode.TOO_LARGE: 413, ErrorCode.NOT_FOUND: 404,
+    ErrorCode.FORBIDDEN: 403, ErrorCode.UNKNOWN_PEER: 404, ErrorCode.EXPIRED: 403, ErrorCode.CONFLICT: 409,
+    ErrorCode.RATE_LIMITED: 429, ErrorCode.BUSY: 429, ErrorCode.TIMEOUT: 504, ErrorCode.UNAVAILABLE: 503,
+    ErrorCode.CANCELED: 499, ErrorCode.MODEL_CRASHED: 502,
+}
+
+
+def http_status(code: ErrorCode) -> int:
+    """The HTTP status a face answers a PsymeshError of `code` with (500 for the rest)."""
+    return _STATUS.get(code, 500)
+
+
 async def _read_body(receive: Receive, limit: int) -> bytes | None:
-    """The whole request body, or None once it passes `limit` bytes."""
+    """The whole request body, or None once it passes `limit` bytes (the rest unread).
+    Raises ClientDisconnect if the client leaves first."""
     chunks, size = [], 0
     while True:
         message = await receive()
         if message["type"] != "http.request":
-            return None
+            raise ClientDisconnect()
         chunk = message.get("body", b"")
         size += len(chunk)
         if size > limit:
@@ -331,28 +416,73 @@ async def _read_body(receive: Receive, limit: int) -> bytes | None:
             return b"".join(chunks)
 
 
-def _replay(body: bytes) -> Receive:
-    """A `receive` that hands the app the body the guard already read, then waits for the
-    client to leave (as a real one does)."""
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """A `receive` that hands the app the body the guard already read, then the client's
+    own next message (its disconnect: a stream's app learns that the client left)."""
     sent = False
 
-    async def receive() -> dict:
+    async def replayed() -> Message:
         nonlocal sent
         if not sent:
             sent = True
             return {"type": "http.request", "body": body, "more_body": False}
-        await anyio.sleep_forever()
-        raise AssertionError("unreachable")
+        return await receive()
 
-    return receive
+    return replayed
+
+
+def _declared_length(headers: Headers) -> int | None:
+    value = headers.get("content-length", "").strip()
+    return int(value) if value.isdigit() else None
+
+
+async def _linger(refusal: Response, scope: Scope, receive: Receive, send: Send) -> None:
+    """Send `refusal` whole but for its end, read and drop what is left of the request body
+    for up to LINGER_S (constant memory), then end the answer (the server then closes)."""
+
+    async def all_but_the_end(message: Message) -> None:
+        if message["type"] == "http.response.body" and not message.get("more_body", False):
+            message = {**message, "more_body": True}
+        await send(message)
+
+    await refusal(scope, receive, all_but_the_end)
+    if "expect" not in Headers(scope=scope):  # a client waiting for 100-continue sends no body
+        with anyio.move_on_after(LINGER_S):
+            while (message := await receive())["type"] == "http.request" and message.get("more_body", False):
+                pass
+    await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+class _Answer:
+    """The app's `send`, watched: whether its answer has begun, and ended."""
+
+    def __init__(self, send: Send) -> None:
+        self._send = send
+        self.started = self.ended = False
+
+    async def send(self, message: Message) -> None:
+        if message["type"] == "http.response.start":
+            self.started = True
+        elif message["type"] == "http.response.body" and not message.get("more_body", False):
+            self.ended = True
+        await self._send(message)
 
 
 class HttpGuard:
-    """ASGI middleware: `app` hears only requests that pass `check_request(rules, ...)`;
-    the others are answered with `refuse(refusal)` and logged."""
+    """ASGI middleware: `app` hears only requests that pass `admit(rules, ...)` and whose
+    body passes the size and JSON checks; the others are answered with `refuse(refusal)`
+    and logged. An exception out of `app` is answered `refuse(INTERNAL)` and logged once.
+    A Starlette `app` gets that answer as its 500 handler (its own would be a bare
+    text/plain 500)."""
 
     def __init__(self, app: ASGIApp, rules: GuardRules, refuse: Callable[[Refusal], Response]) -> None:
         self.app, self.rules, self.refuse = app, rules, refuse
+        if isinstance(app, Starlette):
+            app.add_exception_handler(Exception, self._internal)
+
+    async def _internal(self, request: Request, exc: Exception) -> Response:
+        """Starlette's 500 handler: the face's answer; Starlette re-raises, and __call__ logs."""
+        return self.refuse(INTERNAL)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -361,18 +491,47 @@ class HttpGuard:
         if scope["type"] != "http":  # a WebSocket: no face serves one
             await send({"type": "websocket.close", "code": 1008})
             return
-        decision = admit(self.rules, scope["method"], scope["path"], Headers(scope=scope))
-        if isinstance(decision, Admitted) and decision.form_csrf and self.rules.session is not None:
-            body = await _read_body(receive, FORM_MAX_BYTES)
-            decision = (check_form(self.rules.session, body) if body is not None else
-                        Refusal(Check.CSRF, 413, f"a form is at most {FORM_MAX_BYTES} bytes")) or decision
-            if isinstance(decision, Admitted):
-                receive = _replay(body or b"")
+        answer = _Answer(send)
+        try:
+            await self._serve(scope, receive, answer.send)
+        except ClientDisconnect:
+            log.debug("%s %s: the client left before its answer", scope["method"], scope["path"])
+        except Exception as exc:
+            log.error("%s %s failed", scope["method"], scope["path"], exc_info=exc)
+            if not answer.started:
+                await self.refuse(INTERNAL)(scope, receive, send)
+            elif not answer.ended:  # a stream already under way: end it where it is
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _serve(self, scope: Scope, receive: Receive, send: Send) -> None:
+        method, headers = scope["method"], Headers(scope=scope)
+        decision = admit(self.rules, method, scope["path"], headers)
+        body: bytes | None = None
+        if isinstance(decision, Admitted) and _carries_body(method, headers):
+            decision, body = await self._body(decision, headers, receive)
         if isinstance(decision, Admitted):
-            await self.app(scope, receive, send)
+            await self.app(scope, receive if body is None else _replay(body, receive), send)
             return
         refusal = decision
         client = scope.get("client")
-        log.info("refused %s %s from %s: %s", scope["method"], scope["path"],
+        log.info("refused %s %s from %s: %s", method, scope["path"],
                  f"{client[0]}:{client[1]}" if client else "?", refusal.message)
-        await self.refuse(refusal)(scope, receive, send)
+        if refusal.check is Check.SIZE:
+            await _linger(self.refuse(refusal), scope, receive, send)
+        else:
+            await self.refuse(refusal)(scope, receive, send)
+
+    async def _body(self, admitted: Admitted, headers: Headers,
+                    receive: Receive) -> tuple[Refusal | Admitted, bytes]:
+        """The body's checks (module docstring, 6 and 7, and a form's CSRF token): the
+        decision, and the body read for the app."""
+        limit = self.rules.max_body
+        declared = _declared_length(headers)
+        if declared is not None and declared > limit:
+            return _too_large(limit), b""
+        body = await _read_body(receive, limit)
+        if body is None:
+            return _too_large(limit), b""
+        if admitted.form_csrf and self.rules.session is not None:
+            return check_form(self.rules.session, body) or admitted, body
+        return check_json(body) or admitted, body

@@ -27,7 +27,9 @@ well formed even from a small model (agent/runtime/infer_task.py).
 
 Errors have OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`: 401 for
 a missing or wrong key, 403 for a foreign Host or Origin, 415 for a body that is not
-application/json, 400 for a request we cannot take, 404 for an unknown model.
+application/json, 413 for one over `max_body_bytes`, 400 for one that is not JSON (or
+nests past 64) and for a request we cannot take, 404 for an unknown model, 500 (logged
+once, by the door) for a bug.
 
 One job, one file (a little over 600 lines): OpenAI's request and reply shapes, the
 translation of one into a TaskSpec and of a Generation or an InferResult back, and the three
@@ -58,7 +60,7 @@ from .apikey import ApiKey
 from ..core.commands import Commands
 from ..core.bridgeconfig import OpenAIServe
 from ..tasks.ids import new_task_id
-from .httpguard import AllowedHosts, GuardRules, HttpGuard, Refusal
+from .httpguard import AllowedHosts, GuardRules, HttpGuard, Refusal, http_status
 from .httpserve import serve_face
 from ...protocol.errors import ErrorCode, PsymeshError
 from ...protocol.manifest import Operation, check, grants_kind
@@ -78,12 +80,6 @@ TOOL_CALL_OPEN = "<tool_call>"
 
 # -------------------------------------------------------------------------------- errors
 
-_STATUS: Mapping[ErrorCode, int] = {
-    ErrorCode.BAD_REQUEST: 400, ErrorCode.BAD_FRAME: 400, ErrorCode.TOO_LARGE: 413, ErrorCode.NOT_FOUND: 404,
-    ErrorCode.FORBIDDEN: 403, ErrorCode.UNKNOWN_PEER: 404, ErrorCode.EXPIRED: 403, ErrorCode.CONFLICT: 409,
-    ErrorCode.RATE_LIMITED: 429, ErrorCode.BUSY: 429, ErrorCode.TIMEOUT: 504, ErrorCode.UNAVAILABLE: 503,
-    ErrorCode.CANCELED: 499, ErrorCode.MODEL_CRASHED: 502,
-}
 _TYPES: Mapping[int, str] = {400: "invalid_request_error", 401: "invalid_request_error", 403: "permission_error",
                              404: "invalid_request_error", 409: "invalid_request_error", 413: "invalid_request_error",
                              415: "invalid_request_error", 429: "rate_limit_error"}
@@ -107,7 +103,7 @@ class ApiError(Exception):
 
     @classmethod
     def of(cls, exc: PsymeshError, *, model: str | None = None) -> ApiError:
-        status = _STATUS.get(exc.code, 500)
+        status = http_status(exc.code)
         code = "model_not_found" if status == 404 and model is not None else exc.code.value
         return cls(status, exc.message, code=code, param="model" if code == "model_not_found" else None,
                    retry_after=exc.retry_after)
@@ -365,10 +361,11 @@ class OpenAIEndpoint:
             routes=[Route("/v1/models", self._models, methods=["GET"]),
                     Route("/v1/models/{model:path}", self._model, methods=["GET"]),
                     Route("/v1/chat/completions", self._chat, methods=["POST"])],
-            exception_handlers={HTTPException: self._http_error, Exception: self._internal_error})
-        # The door of the HTTP face (node/bridges/httpguard.py): Host, Origin, the key, JSON bodies.
-        self.app = HttpGuard(routes, GuardRules(key=key.value, hosts=AllowedHosts.of(settings.host_names())),
-                             _refused)
+            exception_handlers={HTTPException: self._http_error})
+        # The door of the HTTP face (node/bridges/httpguard.py): Host, Origin, the key, JSON bodies within
+        # max_body_bytes; it also answers (and logs) what no route caught, as a 500 in OpenAI's shape.
+        self.app = HttpGuard(routes, GuardRules(key=key.value, hosts=AllowedHosts.of(settings.host_names()),
+                                                max_body=settings.max_body_bytes), _refused)
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         await serve_face(self.app, self.settings.host, self.settings.port, what="the OpenAI-compatible endpoint",
@@ -381,31 +378,16 @@ class OpenAIEndpoint:
                  self.url, self.key.source, self.node.commands("serve openai", "--show-key"))
 
     # -- requests past the door ---------------------------------------------------------
-    async def _body(self, request: Request) -> Any:
-        limit = self.settings.max_body_bytes
-        declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > limit:
-            raise ApiError(413, f"request body over {limit} bytes", code="request_too_large")
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise ApiError(413, f"request body over {limit} bytes", code="request_too_large")
-            chunks.append(chunk)
-        try:
-            return json.loads(b"".join(chunks))
-        except ValueError:
-            raise ApiError(400, "the request body is not JSON", code="invalid_json") from None
+    @staticmethod
+    async def _body(request: Request) -> Any:
+        """The request's JSON: the door read it, within the limit, and saw that it parses."""
+        return json.loads(await request.body())
 
     async def _http_error(self, request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
         message = {404: f"no route {request.url.path}", 405: f"{request.method} is not allowed here"}.get(
             exc.status_code, exc.detail)
         return ApiError(exc.status_code, message, code="not_found" if exc.status_code == 404 else None).response()
-
-    async def _internal_error(self, request: Request, exc: Exception) -> Response:
-        log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
-        return ApiError(500, "the node failed to answer; see its log", code="internal").response()
 
     # -- models -------------------------------------------------------------------------
     async def _models(self, request: Request) -> Response:

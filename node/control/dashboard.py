@@ -57,7 +57,7 @@ from ..models.agents import task_event
 from ..bridges.apikey import ApiKey
 from ..core.bridgeconfig import UiServe
 from ..tasks.ids import new_task_id
-from ..bridges.httpguard import AllowedHosts, Check, GuardRules, HttpGuard, Refusal, SessionRules
+from ..bridges.httpguard import AllowedHosts, Check, GuardRules, HttpGuard, Refusal, SessionRules, http_status
 from ..bridges.httpserve import serve_face
 from ...protocol import control as c
 from ...protocol.common import Error
@@ -235,9 +235,9 @@ class Dashboard:
                     Route("/agent", self._agent_submit, methods=["POST"]),
                     Route("/models", self._page("models"), methods=["GET"]),
                     Route("/models/add", self._model_add, methods=["POST"])],
-            exception_handlers={HTTPException: self._http_error})
+            exception_handlers={HTTPException: self._http_error, PsymeshError: self._failed})
         self.rules = GuardRules(key=key.value, hosts=AllowedHosts.of(settings.host_names()),
-                                public=frozenset({"/login"}), session=self.session)
+                                public=frozenset({"/login"}), session=self.session, max_body=settings.max_body_bytes)
         self.app = HttpGuard(routes, self.rules, _refused)
 
     def login_url(self) -> str:
@@ -483,6 +483,14 @@ class Dashboard:
         assert isinstance(exc, HTTPException)
         return self._html(self.env.get_template("error.html").render(status=exc.status_code, message=exc.detail),
                           status=exc.status_code)
+
+    async def _failed(self, request: Request, exc: Exception) -> Response:
+        """A page whose control request was refused (`/activity?peer=nobody`: no such peer):
+        the error page, its status from the error's code."""
+        assert isinstance(exc, PsymeshError)
+        status = http_status(exc.code)
+        return self._html(self.env.get_template("error.html").render(status=status, message=exc.message),
+                          status=status)
 
     # -- forms ----------------------------------------------------------------------------------
     @staticmethod

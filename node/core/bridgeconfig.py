@@ -55,6 +55,8 @@ class KeyedServe(BaseModel):
     # Host names (besides localhost, loopback addresses and `host`) clients may put in the
     # Host header, e.g. "desk.lan" for a LAN bind: any other name is refused (DNS rebinding).
     allowed_hosts: list[str] = Field(default_factory=list)
+    # A request body's bytes, at most: more is refused 413 while it streams in, never held.
+    max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1024, le=64 * 1024 * 1024)
 
     def host_names(self) -> list[str]:
         """The names a client may reach this face by, besides loopback (httpguard.AllowedHosts)."""
@@ -68,8 +70,6 @@ class OpenAIServe(KeyedServe):
     SECTION: ClassVar[str] = "serve.openai"
     KEY_FILE: ClassVar[str] = "openai.key"
     KEY_ENV: ClassVar[str] = "PSYMESH_OPENAI_API_KEY"
-
-    max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1024, le=64 * 1024 * 1024)
 
 
 class A2AServe(KeyedServe):
@@ -108,6 +108,7 @@ class UiServe(KeyedServe):
 
     enabled: bool | None = None  # type: ignore[assignment]  # None: the profile decides
     port: int = Field(default=8765, ge=0, le=65535)
+    max_body_bytes: int = Field(default=64 * 1024, ge=1024, le=64 * 1024 * 1024)  # a form: a letter, a grant
 
     def on_for(self, profile: str) -> bool:
         return self.enabled if self.enabled is not None else profile == "home"
