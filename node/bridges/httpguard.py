@@ -14,7 +14,8 @@ but its requests then carry its own name in Host. So every request passes, in or
                  bind host, `allowed_hosts`, the host of the A2A `public_url`); any IP
                  address when bound to all (0.0.0.0, ::), since rebinding needs a name.
                  403 `host_not_allowed`. Syncthing's GUI does the same.
-    2. Origin    if sent, the request's own origin (same host and port as Host); an
+    2. Origin    if sent, the request's own origin (same host and port as Host; a Host
+                 without a port is the scheme's default one, so the Origin names none); an
                  `Origin: null` or a `Sec-Fetch-Site` other than same-origin or none
                  (the owner typed the URL) is refused too. 403 `cross_origin`.
     3. The key   `Authorization: Bearer KEY`, compared in constant time; not asked of
@@ -224,9 +225,10 @@ def _same_origin(origin: str, host: str, port: int | None) -> bool:
         return False
     if _name(parts.hostname) != _name(host):
         return False
-    if port is None:  # Host without a port (a reverse proxy's): the name decides
-        return True
-    return (origin_port or (443 if parts.scheme == "https" else 80)) == port
+    default = 443 if parts.scheme == "https" else 80
+    if port is None:  # Host without a port (a reverse proxy's): the default one, so the Origin names none
+        return origin_port in (None, default)
+    return (origin_port or default) == port
 
 
 def _bearer_matches(headers: Headers, key: str) -> bool:
