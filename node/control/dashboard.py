@@ -17,9 +17,9 @@ Every request passes node/bridges/httpguard.py first (Host allow-list against DN
 cross-site Origin, the token or the HttpOnly SameSite=Strict cookie of a live session made at
 this Host name, the session's CSRF token on every request with a body). Logins and sessions are
 node/control/uisessions.py's policy: a login link works once, within a minute, at a name of its
-own (NAME.localhost), so the cookie it sets reaches no other local server. What the pages do, they do through the owner's control
-handlers (node/control/owner.py, `ControlServer.call`): a grant, an approval (`task.input`), a
-letter are the very requests the CLI sends. Pages are jinja2 with autoescape on: letters,
+own (NAME.localhost), so the cookie it sets reaches no other local server. What the pages do,
+they do through the owner's control handlers (node/control/owner.py, `ControlServer.call`): a
+grant, an approval (`task.input`), a letter are the very requests the CLI sends. Pages are jinja2 with autoescape on: letters,
 task results, page text and peer names came from peers or the web and are shown as text.
 The Content-Security-Policy allows only this daemon's own script and style (no inline
 code), no frames, no form posts elsewhere; nothing is loaded from the internet.
