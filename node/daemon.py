@@ -409,7 +409,8 @@ class Node:
                                       mailbox=self.mailbox, submitter=self.submitter, control=self.control,
                                       activity=self.activity, commands=self.commands),
                        self.config.ui if port is None else self.config.ui.model_copy(update={"port": port}),
-                       load_api_key(self.config.ui, self.home, self._environ))
+                       load_api_key(self.config.ui, self.home, self._environ),
+                       reload_key=functools.partial(load_api_key, self.config.ui, self.home, self._environ))
         try:
             await self._tg.start(ui.run)
         except PsymeshError as exc:

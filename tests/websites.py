@@ -38,6 +38,7 @@ class Site:
         self.routes: dict[str, Route] = {}
         self.hits: Counter[str] = Counter()
         self.queries: list[str] = []
+        self.heard: list[tuple[str, str]] = []   # each GET's (Host, Cookie): what a browser gave this server
         self.release = threading.Event()
         self._lock = threading.Lock()
 
@@ -69,6 +70,7 @@ class _Handler(BaseHTTPRequestHandler):
         site = self.server.site
         path, _, query = self.path.partition("?")
         site.record(path, query)
+        site.heard.append((self.headers.get("Host", ""), self.headers.get("Cookie", "")))
         route = site.routes.get(path, Route(b"not here", status=404, content_type="text/plain"))
         if route.stall == "headers":
             site.release.wait()

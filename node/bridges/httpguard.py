@@ -11,12 +11,16 @@ but its requests then carry its own name in Host. So every request passes, in or
 (the first that fails answers, and the app never sees the request):
 
     1. Host      a loopback address, `localhost`, or a name the owner configured (the
-                 bind host, `allowed_hosts`, the host of the A2A `public_url`); any IP
+                 bind host, `allowed_hosts`, the host of the A2A `public_url`), or one under
+                 a suffix the face names (the dashboard: `*.localhost`); any IP
                  address when bound to all (0.0.0.0, ::), since rebinding needs a name.
                  403 `host_not_allowed`. Syncthing's GUI does the same.
-    2. Origin    if sent, the request's own origin (same host and port as Host); an
-                 `Origin: null` or a `Sec-Fetch-Site` other than same-origin or none
-                 (the owner typed the URL) is refused too. 403 `cross_origin`.
+    2. Origin    if sent, the request's own origin (same host and port as Host; a Host
+                 without a port is the scheme's default one, so the Origin names none);
+                 an `Origin: null` or a `Sec-Fetch-Site` other than same-origin or none
+                 (the owner typed the URL) is refused too, except for a link's top-level
+                 GET to one of the rules' `links` (the dashboard's one-use login link,
+                 opened from a file: its own credential). 403 `cross_origin`.
     3. The key   `Authorization: Bearer KEY`, compared in constant time; not asked of
                  GET/HEAD on the rules' public paths (the A2A card). 401
                  `invalid_api_key` with `WWW-Authenticate: Bearer`.
@@ -71,10 +75,11 @@ code), the HTTP status, a one-line message and the headers to send (WWW-Authenti
 A browser face (the dashboard, node/control/dashboard.py) adds `session=SessionRules(...)`:
 
     3. The key   ... or the session cookie (`Cookie: NAME=VALUE`, HttpOnly, SameSite=Strict,
-                 set by the face's login page, a public path, once the owner showed the
-                 token), compared in constant time beside the bearer check.
-    4. The body  a request the cookie admitted that carries a body must also carry the
-                 CSRF token: in the `X-CSRF-Token` header (a JSON body), or as the
+                 set by the face's login page, a public path), which the face looks up
+                 (`find(value, host)`: a live session of its own, made at this Host name).
+                 The app finds the cookie's value at scope["psymesh.session"].
+    4. The body  a request the cookie admitted that carries a body must also carry that
+                 session's CSRF token: in the `X-CSRF-Token` header (a JSON body), or as the
                  `csrf` field of an application/x-www-form-urlencoded body (a form, read
                  here within the face's `max_body` and handed on to the app unchanged).
                  403 `csrf_token_invalid` without it; a body of any other type, 415.
@@ -165,29 +170,32 @@ class AllowedHosts:
     names: frozenset[str]
     ips: frozenset[IPAddress]
     any_ip: bool  # bound to all addresses: any IP literal (the machine's own, as a client dialed it)
+    suffixes: frozenset[str] = frozenset()  # "*.localhost" given: any name ending ".localhost"
 
     @classmethod
     def of(cls, configured: Iterable[str]) -> AllowedHosts:
         """Loopback and `localhost`, and each configured name or address (the bind host
-        first: 0.0.0.0 or :: there means any IP literal)."""
-        names, ips, any_ip = set(_LOOPBACK_NAMES), set(), False
+        first: 0.0.0.0 or :: there means any IP literal); `*.NAME`: every name under NAME."""
+        names, ips, any_ip, suffixes = set(_LOOPBACK_NAMES), set(), False, set()
         for entry in configured:
             host = _name(entry)
             ip = _ip(host)
-            if ip is None:
+            if host.startswith("*.") and len(host) > 2:
+                suffixes.add(host[1:])
+            elif ip is None:
                 if host:
                     names.add(host)
             elif ip in _ANY:
                 any_ip = True
             else:
                 ips.add(ip)
-        return cls(frozenset(names), frozenset(ips), any_ip)
+        return cls(frozenset(names), frozenset(ips), any_ip, frozenset(suffixes))
 
     def allows(self, host: str) -> bool:
         host = _name(host)
         ip = _ip(host)
         if ip is None:
-            return host in self.names
+            return host in self.names or any(host.endswith(suffix) for suffix in self.suffixes)
         return ip.is_loopback or self.any_ip or ip in self.ips
 
 
@@ -205,8 +213,7 @@ class SessionRules:
     CSRF token every request with a body it admits must carry (module docstring)."""
 
     cookie: str                          # the cookie's name
-    value: str = field(repr=False)       # its value: a secret derived from the key (never the key)
-    csrf: str = field(repr=False)        # the CSRF token the face's pages embed
+    find: Callable[[str, str], str | None]  # (its value, the Host header) -> that live session's CSRF token
 
 
 @dataclass(frozen=True)
@@ -219,14 +226,17 @@ class GuardRules:
     header: RequiredHeader | None = None
     session: SessionRules | None = None   # a browser face: the cookie and the CSRF token
     max_body: int = MAX_BODY_BYTES        # bytes of a request body, at most
+    links: frozenset[str] = frozenset()   # paths a link from elsewhere may open (a top-level GET)
 
 
 @dataclass(frozen=True)
 class Admitted:
     """A request that passed the headers' checks; `form_csrf`: the body is a form that
-    must still show the CSRF token (`check_form`) before the app may read it."""
+    must still show this CSRF token (`check_form`) before the app may read it; `session`:
+    the cookie value that admitted it (None: the key did, or a public path)."""
 
-    form_csrf: bool = False
+    form_csrf: str | None = field(default=None, repr=False)
+    session: str | None = field(default=None, repr=False)
 
 
 def split_host(value: str) -> tuple[str, int | None] | None:
@@ -261,9 +271,10 @@ def _same_origin(origin: str, host: str, port: int | None) -> bool:
         return False
     if _name(parts.hostname) != _name(host):
         return False
-    if port is None:  # Host without a port (a reverse proxy's): the name decides
-        return True
-    return (origin_port or (443 if parts.scheme == "https" else 80)) == port
+    default = 443 if parts.scheme == "https" else 80
+    if port is None:  # Host without a port (a reverse proxy's): the default one, so the Origin names none
+        return origin_port in (None, default)
+    return (origin_port or default) == port
 
 
 def _bearer_matches(headers: Headers, key: str) -> bool:
@@ -271,22 +282,25 @@ def _bearer_matches(headers: Headers, key: str) -> bool:
     return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), key.encode())
 
 
-def _cookie_matches(headers: Headers, session: SessionRules | None) -> bool:
+def _cookie_session(headers: Headers, session: SessionRules | None, host: str) -> tuple[str, str] | None:
+    """The cookie value that opens a live session at this host, and that session's CSRF token."""
     if session is None:
-        return False
+        return None
     for part in headers.get("cookie", "").split(";"):
         name, sep, value = part.strip().partition("=")
-        if sep and name == session.cookie and hmac.compare_digest(value.strip().encode(), session.value.encode()):
-            return True
-    return False
+        if sep and name == session.cookie:
+            csrf = session.find(value.strip(), host)
+            if csrf is not None:
+                return value.strip(), csrf
+    return None
 
 
 def _csrf_refusal(where: str) -> Refusal:
     return Refusal(Check.CSRF, 403, f"the CSRF token is missing or wrong ({where}); reload the page and try again")
 
 
-def csrf_matches(given: str | None, session: SessionRules) -> bool:
-    return given is not None and hmac.compare_digest(given.strip().encode(), session.csrf.encode())
+def csrf_matches(given: str | None, csrf: str) -> bool:
+    return given is not None and hmac.compare_digest(given.strip().encode(), csrf.encode())
 
 
 def _carries_body(method: str, headers: Headers) -> bool:
@@ -313,26 +327,27 @@ def admit(rules: GuardRules, method: str, path: str, headers: Headers) -> Refusa
     if origin is not None and not _same_origin(origin, *where):
         return Refusal(Check.ORIGIN, 403, f"cross-origin requests are refused (Origin {origin!r})")
     site = headers.get("sec-fetch-site")
-    if site is not None and site.strip().lower() not in _FETCH_SITES:
+    link = method == "GET" and path in rules.links and headers.get("sec-fetch-mode") == "navigate"
+    if site is not None and site.strip().lower() not in _FETCH_SITES and not link:
         return Refusal(Check.ORIGIN, 403, f"cross-site requests are refused (Sec-Fetch-Site {site!r})")
     public = method in _SAFE_METHODS and path in rules.public
-    by_cookie = False
+    by_cookie: tuple[str, str] | None = None
     if not public and not _bearer_matches(headers, rules.key):
-        by_cookie = _cookie_matches(headers, rules.session)
-        if not by_cookie:
+        by_cookie = _cookie_session(headers, rules.session, host_header)
+        if by_cookie is None:
             return Refusal(Check.KEY, 401, "missing or incorrect API key (send Authorization: Bearer KEY; "
                                            "psymesh serve ... --show-key prints it; for the dashboard, "
                                            "open the link psymesh ui prints)",
                            {"WWW-Authenticate": 'Bearer realm="psymesh"'})
-    form_csrf = False
+    form_csrf: str | None = None
     if _carries_body(method, headers):
         media = headers.get("content-type", "").partition(";")[0].strip().lower()
-        if by_cookie and rules.session is not None:
+        if by_cookie is not None:
             if media == FORM:
-                form_csrf = True
-            elif media == "application/json" and not csrf_matches(headers.get(CSRF_HEADER), rules.session):
+                form_csrf = by_cookie[1]
+            elif media == "application/json" and not csrf_matches(headers.get(CSRF_HEADER), by_cookie[1]):
                 return _csrf_refusal("X-CSRF-Token header")
-        if media != "application/json" and not form_csrf:
+        if media != "application/json" and form_csrf is None:
             return Refusal(Check.CONTENT_TYPE, 415, f"the body must be JSON with Content-Type: application/json "
                                                     f"(got {media or 'none'!r})")
     if rules.header is not None and not public:
@@ -341,13 +356,13 @@ def admit(rules: GuardRules, method: str, path: str, headers: Headers) -> Refusa
             wanted = " or ".join(sorted(rules.header.values))
             return Refusal(Check.HEADER, 400, f"send the header {rules.header.name}: {wanted} "
                                               f"(got {'none' if given is None else repr(given)})")
-    return Admitted(form_csrf=form_csrf)
+    return Admitted(form_csrf=form_csrf, session=None if by_cookie is None else by_cookie[0])
 
 
-def check_form(session: SessionRules, body: bytes) -> Refusal | None:
+def check_form(csrf: str, body: bytes) -> Refusal | None:
     """A form body's CSRF field (the last check of a cookie's request with a form)."""
     given = parse_qs(body.decode("latin-1"), keep_blank_values=True).get(CSRF_FIELD, [None])[-1]
-    return None if csrf_matches(given, session) else _csrf_refusal("form field csrf")
+    return None if csrf_matches(given, csrf) else _csrf_refusal("form field csrf")
 
 
 # A JSON string, or what is left of the body after an unterminated one: possessive, so each
@@ -510,6 +525,7 @@ class HttpGuard:
         if isinstance(decision, Admitted) and _carries_body(method, headers):
             decision, body = await self._body(decision, headers, receive)
         if isinstance(decision, Admitted):
+            scope["psymesh.session"] = decision.session
             await self.app(scope, receive if body is None else _replay(body, receive), send)
             return
         refusal = decision
@@ -532,6 +548,6 @@ class HttpGuard:
         body = await _read_body(receive, limit)
         if body is None:
             return _too_large(limit), b""
-        if admitted.form_csrf and self.rules.session is not None:
-            return check_form(self.rules.session, body) or admitted, body
+        if admitted.form_csrf:
+            return check_form(admitted.form_csrf, body) or admitted, body
         return check_json(body) or admitted, body

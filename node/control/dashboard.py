@@ -1,6 +1,7 @@
 """The dashboard: the node in a browser, served by the daemon itself (docs/ui.md).
 
-    GET  /login?token=T       trades the token `psymesh ui` prints for the session cookie
+    GET  /login?code=C        trades the one-use code of the link `psymesh ui` opens for a session
+    POST /logout              ends the session
     GET  /                    overview: identity, reachability, doctor's findings, peers
     GET  /pair                invite (QR as SVG, code, string, expiry), join by code, LAN
     GET  /peers               each peer's grant as boxes to tick; revoke; what it grants us
@@ -13,10 +14,12 @@
     POST ...                  forms, each with the CSRF token
 
 Every request passes node/bridges/httpguard.py first (Host allow-list against DNS rebinding, no
-cross-site Origin, the token or the HttpOnly SameSite=Strict cookie, the CSRF token on
-every request with a body). What the pages do, they do through the owner's control
-handlers (node/control/owner.py, `ControlServer.call`): a grant, an approval (`task.input`), a
-letter are the very requests the CLI sends. Pages are jinja2 with autoescape on: letters,
+cross-site Origin, the token or the HttpOnly SameSite=Strict cookie of a live session made at
+this Host name, the session's CSRF token on every request with a body). Logins and sessions are
+node/control/uisessions.py's policy: a login link works once, within a minute, at a name of its
+own (NAME.localhost), so the cookie it sets reaches no other local server. What the pages do,
+they do through the owner's control handlers (node/control/owner.py, `ControlServer.call`): a
+grant, an approval (`task.input`), a letter are the very requests the CLI sends. Pages are jinja2 with autoescape on: letters,
 task results, page text and peer names came from peers or the web and are shown as text.
 The Content-Security-Policy allows only this daemon's own script and style (no inline
 code), no frames, no form posts elsewhere; nothing is loaded from the internet.
@@ -27,16 +30,16 @@ each file would repeat the session, CSRF and render plumbing that sits here once
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
-import hmac
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
-from urllib.parse import urlencode
+from urllib.parse import urlencode, urlsplit
 
 import anyio
 import anyio.abc
@@ -58,6 +61,7 @@ from ..bridges.apikey import ApiKey
 from ..core.bridgeconfig import UiServe
 from ..tasks.ids import new_task_id
 from ..bridges.httpguard import AllowedHosts, Check, GuardRules, HttpGuard, Refusal, SessionRules, http_status
+from .uisessions import Refused, Session, Sessions, shared_name
 from ..bridges.httpserve import serve_face
 from ...protocol import control as c
 from ...protocol.common import Error
@@ -101,16 +105,6 @@ PAGES = (("/", "Overview"), ("/pair", "Pair"), ("/peers", "Peers"), ("/activity"
          ("/agent", "Agent"), ("/models", "Models"))
 
 
-def _derived(key: str, purpose: str) -> str:
-    """A secret for `purpose` derived from the token: the cookie and the CSRF token never
-    show the token itself, and change with it."""
-    return hmac.new(key.encode(), f"psymesh-ui:{purpose}".encode(), hashlib.sha256).hexdigest()
-
-
-def session_rules(key: str) -> SessionRules:
-    return SessionRules(cookie=COOKIE, value=_derived(key, "session"), csrf=_derived(key, "csrf"))
-
-
 def _when(ts: float | None) -> str:
     return "" if ts is None else time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts))
 
@@ -121,8 +115,7 @@ def _refused(refusal: Refusal) -> Response:
     body = (f"<!doctype html><meta charset=utf-8><title>refused</title><h1>{refusal.status} {refusal.check.value}</h1>"
             f"<p>{jinja2.utils.markupsafe.escape(refusal.message)}</p>")
     if refusal.check is Check.KEY:
-        body += ('<form method="get" action="/login"><label>token <input name="token" type="password" '
-                 'autocomplete="off" required></label> <button>Sign in</button></form>')
+        body += "<p>To sign in, run <code>psymesh ui</code> on this machine: it opens a signed-in page.</p>"
     return HTMLResponse(body, status_code=refusal.status, headers={**SECURITY_HEADERS, **refusal.headers})
 
 
@@ -197,13 +190,15 @@ class DashboardParts:
 class Dashboard:
     """The dashboard of one node; `run` serves it in the node's task group."""
 
-    def __init__(self, node: DashboardParts, settings: UiServe, key: ApiKey, *, now: Callable[[], float] = time.time) -> None:
+    def __init__(self, node: DashboardParts, settings: UiServe, key: ApiKey, *, now: Callable[[], float] = time.time,
+                 reload_key: Callable[[], ApiKey] | None = None) -> None:
         self.node = node
         self.settings = settings
         self.key = key
         self.now = now
+        self.reload_key = reload_key  # ui.key as it is now: read at each `psymesh ui`
         self.url: str | None = None  # http://HOST:PORT once listening
-        self.session = session_rules(key.value)
+        self.sessions = Sessions()
         self.state = _State()
         self._doctor: tuple[float, c.DoctorReply] | None = None  # (when, findings)
         self.runs: dict[str, LocalRun] = {}  # runs of this node's own agent, newest last
@@ -236,13 +231,45 @@ class Dashboard:
                     Route("/models", self._page("models"), methods=["GET"]),
                     Route("/models/add", self._model_add, methods=["POST"])],
             exception_handlers={HTTPException: self._http_error, PsymeshError: self._failed})
-        self.rules = GuardRules(key=key.value, hosts=AllowedHosts.of(settings.host_names()),
-                                public=frozenset({"/login"}), session=self.session, max_body=settings.max_body_bytes)
+        # every NAME.localhost: a login's own name (uisessions.py), which browsers resolve to
+        # loopback themselves, never by DNS, so no page can re-point it (nor read its cookie)
+        self.rules = GuardRules(key=key.value, hosts=AllowedHosts.of([*settings.host_names(), "*.localhost"]),
+                                public=frozenset({"/login"}), links=frozenset({"/login"}),
+                                session=SessionRules(cookie=COOKIE, find=self._session_csrf),
+                                max_body=settings.max_body_bytes)
         self.app = HttpGuard(routes, self.rules, _refused)
 
-    def login_url(self) -> str:
+    def mint_login(self) -> str:
+        """A link that signs a browser in once, within a minute (`psymesh ui`): at a name of
+        its own, NAME.localhost, when the dashboard listens on loopback; else at its host.
+        ui.key is read again first: a new key ends every session."""
         assert self.url is not None
-        return f"{self.url}/login?{urlencode({'token': self.key.value})}"
+        if self.reload_key is not None:
+            key = self.reload_key()
+            if key.value != self.key.value:
+                self.rekey(key)
+        login = self.sessions.mint(now=self.now())
+        host = login.name if shared_name(self.settings.host) or self.settings.host in ("0.0.0.0", "::") \
+            else self.settings.host
+        return f"http://{host}:{urlsplit(self.url).port}/login?{urlencode({'code': login.code})}"
+
+    def rekey(self, key: ApiKey) -> None:
+        """A new ui.key: it is the bearer key from now on, and every session is over."""
+        self.key = key
+        self.sessions.end_all()
+        self.rules = dataclasses.replace(self.rules, key=key.value)
+        self.app.rules = self.rules
+        log.info("the dashboard's key changed (%s): every session ended", key.source)
+
+    def _session_csrf(self, sid: str, host: str) -> str | None:
+        """The guard's lookup: the CSRF token of the live session this cookie opens at `host`."""
+        session = self.sessions.find(sid, host, now=self.now())
+        return None if session is None else session.csrf
+
+    def _session(self, request: Request) -> Session | None:
+        """The session that admitted this request (None: the bearer key did)."""
+        sid = request.scope.get("psymesh.session")
+        return None if sid is None else self.sessions.find(sid, request.headers.get("host", ""), now=self.now())
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         failure: PsymeshError | None = None
@@ -382,11 +409,11 @@ class Dashboard:
                                  "activity": "_activity", "task": "_task", "run": "_run", "agent": "_agent",
                                  "models": "_models"}
 
-    async def render(self, view: str, request: Request, *, live_only: bool = False,
+    async def render(self, view: str, request: Request, *, csrf: str, live_only: bool = False,
                      flash: Flash | None = None) -> str:
         data = await getattr(self, self._VIEWS[view])(request, live_only)
         template = self.env.get_template("task.html" if view == "run" else f"{view}.html")
-        context = {**data, "csrf": self.session.csrf, "pages": PAGES, "path": request.url.path,
+        context = {**data, "csrf": csrf, "pages": PAGES, "path": request.url.path,
                    "flash": flash, "node_name": self.node.config.name,
                    "live_view": request.url.path + (f"?{request.url.query}" if request.url.query else "")}
         if live_only:
@@ -400,7 +427,8 @@ class Dashboard:
             if "ok" in request.query_params or "error" in request.query_params:
                 flash = Flash(request.query_params.get("ok") or request.query_params.get("error", ""),
                               ok="ok" in request.query_params)
-            return self._html(await self.render(view, request, flash=flash))
+            session = self._session(request)
+            return self._html(await self.render(view, request, csrf=session.csrf if session else "", flash=flash))
 
         return page
 
@@ -410,16 +438,27 @@ class Dashboard:
 
     # -- login, static files, live updates ----------------------------------------------------
     async def _login(self, request: Request) -> Response:
-        given = request.query_params.get("token", "")
-        if given and hmac.compare_digest(given.encode(), self.key.value.encode()):
-            response = RedirectResponse("/", status_code=303, headers=SECURITY_HEADERS)
-            response.set_cookie(COOKIE, self.session.value, httponly=True, samesite="strict", path="/",
-                                secure=False)  # plain http on loopback: Secure would drop it
-            return response
+        """The link `psymesh ui` opened: its code, once, for a session at this Host name. The
+        answer is a page that goes on to the overview by itself: the link came from a file (a
+        cross-site navigation), and a SameSite=Strict cookie rides only a same-site one."""
         template = self.env.get_template("login.html")
-        return self._html(template.render(wrong=bool(given)), status=401 if given else 200)
+        code = request.query_params.get("code", "")
+        if not code:
+            return self._html(template.render(error=None, signed_in=False))
+        try:
+            session = self.sessions.redeem(code, request.headers.get("host", ""), now=self.now())
+        except Refused as exc:
+            return self._html(template.render(error=str(exc), signed_in=False), status=401)
+        response = self._html(template.render(error=None, signed_in=True))
+        response.set_cookie(COOKIE, session.id, httponly=True, samesite="strict", path="/",
+                            secure=False)  # plain http on loopback: Secure would drop it
+        return response
 
     async def _logout(self, request: Request) -> Response:
+        """The session is over here, not only in this browser: its cookie opens nothing now."""
+        sid = request.scope.get("psymesh.session")
+        if sid is not None:
+            self.sessions.end(sid)
         response = RedirectResponse("/login", status_code=303, headers=SECURITY_HEADERS)
         response.delete_cookie(COOKIE, path="/")
         return response
@@ -453,9 +492,11 @@ class Dashboard:
         view, page_request = self._view_of(request.query_params.get("view", "/"))
         last = request.query_params.get("digest", "")
 
+        session = self._session(request)
+        csrf, host = (session.csrf if session else ""), request.headers.get("host", "")
         pulse = self.node.activity
         seen = pulse.count  # before the read: whatever happens from here on is rendered
-        first = await self.render(view, page_request, live_only=True)  # an unknown task: 404, not a stream
+        first = await self.render(view, page_request, csrf=csrf, live_only=True)  # an unknown task: 404, not a stream
 
         async def events() -> AsyncIterator[bytes]:
             nonlocal last, seen
@@ -468,13 +509,15 @@ class Dashboard:
                     yield _sse(html, event="region")
                 with anyio.move_on_after(LIVE_KEEPALIVE_S) as waited:
                     await pulse.wait(after=seen)
+                if session is not None and self.sessions.find(session.id, host, now=self.now()) is None:
+                    return  # logged out, expired or a new key: the page gets nothing more
                 if waited.cancelled_caught:
                     yield _sse(comment="keep-alive")
                 since = time.monotonic() - rendered
                 if since < LIVE_MIN_INTERVAL_S:  # a burst becomes one re-render; a lone event shows at once
                     await anyio.sleep(LIVE_MIN_INTERVAL_S - since)
                 rendered, seen = time.monotonic(), pulse.count
-                html = await self.render(view, page_request, live_only=True)
+                html = await self.render(view, page_request, csrf=csrf, live_only=True)
 
         return StreamingResponse(events(), media_type="text/event-stream",
                                  headers={**SECURITY_HEADERS, "X-Accel-Buffering": "no"})

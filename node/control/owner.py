@@ -188,7 +188,7 @@ class Owner:
     async def _ui(self, req: c.UiRequest, _: FramedStream) -> c.UiReply:
         ui = await self.node.start_ui(port=req.port)
         assert ui.url is not None
-        return c.UiReply(url=ui.url, login_url=ui.login_url(), token_source=ui.key.source)
+        return c.UiReply(url=ui.url, login_url=ui.mint_login(), token_source=ui.key.source)
 
     async def _status(self, req: c.StatusRequest, _: FramedStream) -> c.StatusReply:
         names = self.node.trust.names()

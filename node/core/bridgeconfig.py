@@ -98,8 +98,8 @@ class A2AServe(KeyedServe):
 
 class UiServe(KeyedServe):
     """`[ui]`: the dashboard (node/control/dashboard.py), a local web page for pairing, grants,
-    approvals and activity. Its key is the token `psymesh ui` prints; the browser trades it
-    for a session cookie. `enabled` unset: on for the home profile, off on a phone (where
+    approvals and activity. Its key is the bearer token for scripts; a browser signs in with
+    the one-use link `psymesh ui` opens (node/control/uisessions.py). `enabled` unset: on for the home profile, off on a phone (where
     `psymesh ui` starts it on demand, so an idle phone pays nothing for it)."""
 
     SECTION: ClassVar[str] = "ui"

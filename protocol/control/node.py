@@ -156,8 +156,8 @@ class UiRequest(Message):
 class UiReply(Message):
     type = "control.ui_reply"
     url: str        # http://HOST:PORT
-    login_url: str  # url + /login?token=TOKEN: opening it trades the token for the session cookie
-    token_source: str  # where the token is kept (its file, or the environment variable)
+    login_url: str  # http://NAME.localhost:PORT/login?code=CODE: signs a browser in once, within 60 s
+    token_source: str  # where the bearer token for scripts is kept (its file, or the environment variable)
 
 
 class ModelsPsRequest(Message):
