@@ -34,7 +34,7 @@ import httpx
 import pytest
 
 from conftest import run_nodes
-from psymesh.agent.tools import Tool
+from psymesh.agent.acting.tools import Tool
 from psymesh.node.bridges.a2a import A2AEndpoint, A2AParts
 from psymesh.node.bridges.apikey import ApiKey
 from psymesh.node.bridges.httpguard import JSON_MAX_DEPTH, json_depth

@@ -372,8 +372,7 @@ async def test_a_letter_with_line_breaks_comes_live_and_the_activity_page_keeps_
         page = await browser.do(browser.page)
 
         def open_activity() -> None:
-            _login(page, phone)
-            page.goto(phone.ui.url + "/activity")
+            page.goto(_login(page, phone) + "/activity")
             page.wait_for_selector("#audit")
             page.evaluate("window.__stayed = true")  # a reload would lose it: the letters must come live
 
