@@ -10,6 +10,7 @@ import json
 import re
 import sys
 import tempfile
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -120,6 +121,39 @@ async def delegate_tasks(d: Demo) -> None:
         con.print(f"\n   {out['usage']['completion_tokens']} tokens, finish: {out['finish_reason']}")
 
 
+REAL_QUESTION = "Which city is the capital of France?"
+
+
+async def real_model_on_home(d: Demo) -> None:
+    step("A real model on home (SmolLM2-135M-Instruct): the phone's question, answered and streamed")
+    from psymesh.agent.realmodel import missing_reason, real_model_path
+
+    path = real_model_path()
+    if path is None:  # scripts/bootstrap.sh fetches it; without the package index it could not
+        con.print(f"(skipped: {escape(missing_reason())})")
+        return
+    start = time.perf_counter()
+    added = await anyio.run_process([sys.executable, "-m", "psymesh", "model", "add", "smol", str(path), "--ctx",
+                                     "2048", "--home", str(d.home.home), "--json"], check=False)
+    took = time.perf_counter() - start
+    if added.returncode != 0:
+        con.print(f"[red]model add failed[/red]: {escape(added.stdout.decode() + added.stderr.decode())}")
+        return
+    con.print(f" home: psymesh model add smol {escape(path.name)} ({took:.2f} s: only the GGUF's header is read; "
+              "the running daemon has it at once)")
+    async with d.phone.client() as phone:
+        handle = await phone.delegate("home", infer=REAL_QUESTION, model="smol", max_tokens=48,
+                                      params={"temperature": 0})
+        con.print(f"phone: {REAL_QUESTION!r} -> home (task {handle.id}, model 'smol', greedy)")
+        con.print("   home's answer: ", end="")
+        async for ev in handle.events():
+            if ev.kind.value == "token":
+                con.print(escape(ev.data["text"]), end="")
+        out = await handle.result()
+    con.print(f"\n   {out['usage']['completion_tokens']} tokens, finish: {out['finish_reason']} "
+              "(SmolLM2's own chat template from its GGUF)")
+
+
 async def agent_on_the_phone(d: Demo) -> None:
     step("The agent on the phone: a generated BotPsy-format model, grammar-constrained tool calls")
     con.print("(random weights: the grammar guarantees well-formed calls to real tools, not sensible choices;\n"
@@ -187,7 +221,8 @@ async def model_crash_is_one_failed_request(d: Demo) -> None:
         handle = await phone.delegate("home", infer="Count to a thousand.", model="tiny", max_tokens=120_000,
                                       params={"temperature": 0, "ban_bytes": True})
         with anyio.fail_after(60):
-            while not (busy := [m for m in await home.models_ps() if m.loaded and m.pending]):
+            # running: the runner has started it (killed before that, a request goes to a fresh runner)
+            while not (busy := [m for m in await home.models_ps() if m.running]):
                 await anyio.sleep(0.05)
         m = busy[0]
         con.print(f"home: model {m.name} in runner pid {m.pid} ({(m.rss_bytes or 0) / 2**20:.0f} MiB, "
@@ -200,7 +235,7 @@ async def model_crash_is_one_failed_request(d: Demo) -> None:
         again = await phone.delegate("home", infer="Hi", model="tiny", max_tokens=8,
                                      params={"temperature": 0, "ban_bytes": True})
         out = await again.result()
-        after = (await home.models_ps())[0]
+        [after] = [m for m in await home.models_ps() if m.name == "tiny"]
         con.print(f"phone: the next infer task ran on a fresh runner (pid {after.pid}): "
                   f"{out['usage']['completion_tokens']} tokens")
     proc = await anyio.run_process([sys.executable, "-m", "psymesh", "model", "ps", "--home", str(d.home.home)],
@@ -407,7 +442,7 @@ async def bfcl_oracle(d: Demo) -> None:
 
 
 STEPS: list[Callable[[Demo], Awaitable[None]]] = [
-    start_nodes, pair_by_code, ping_both_ways, allowed_and_refused, delegate_tasks,
+    start_nodes, pair_by_code, ping_both_ways, allowed_and_refused, delegate_tasks, real_model_on_home,
     agent_on_the_phone, agent_delegated_home, model_crash_is_one_failed_request, exchange_letters,
     letter_to_a_sleeping_phone, ask_home, web_through_home, doctor_and_reach, openai_app_and_a_web_page,
     bfcl_oracle,
@@ -443,7 +478,8 @@ def prepare_nodes(work: Path, web: str) -> list[str]:
     config = home.load_config()  # and home serves an OpenAI-compatible endpoint (port 0: any free one)
     serve = config.serve.model_copy(update={"openai": config.serve.openai.model_copy(
         update={"enabled": True, "port": 0})})
-    home.save_config(config.model_copy(update={"web": WebSettings(exit=exit_), "serve": serve}))
+    # Its agent runs on the BotPsy-format model (the real one added later has no tool format)
+    home.save_config(config.model_copy(update={"web": WebSettings(exit=exit_), "serve": serve, "agent_model": "tiny"}))
     return ["--share", str(share)]
 
 
