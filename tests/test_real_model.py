@@ -194,17 +194,26 @@ async def _chat(worker: ModelWorker) -> list[Generation]:
 @pytest.mark.anyio
 async def test_state_reuse_over_a_multi_turn_chat_changes_no_token(real_model: Path) -> None:
     """Each turn after the first continues from the state the worker kept (its prompt and reply
-    evaluated once), and writes what a worker evaluating every prompt from scratch writes."""
+    evaluated once), and writes what a worker evaluating every prompt from scratch writes. Asked
+    again with another second question, it cuts its context back to what the two share (SmolLM2
+    has no recurrent layers) and still writes what a fresh evaluation does; no state is copied."""
+    params = GenerationParams(max_tokens=N, **GREEDY)
     async with ModelWorker(_settings(real_model)) as warm_worker:
         warm = await _chat(warm_worker)
+        other = [ChatMessage.user(QUESTION), ChatMessage.assistant(warm[0].text), ChatMessage.user("And of Spain?")]
+        again = await complete(warm_worker, other, params=params)
+        stats = warm_worker.stats
     async with ModelWorker(_settings(real_model, reuse=False)) as cold_worker:
         cold = await _chat(cold_worker)
+        fresh = await complete(cold_worker, other, params=params)
     assert [w.text for w in warm] == [c.text for c in cold]
     assert [w.usage.completion_tokens for w in warm] == [c.usage.completion_tokens for c in cold]
     assert all(c.usage.prompt_tokens_cached == 0 for c in cold)
     for before, after in zip(warm, warm[1:]):  # all of the last prompt and reply, but the reply's last token
         assert after.usage.prompt_tokens_cached >= before.usage.prompt_tokens + before.usage.completion_tokens - 1
     assert warm[-1].usage.prompt_tokens_evaluated < warm[-1].usage.prompt_tokens // 4
+    assert again.text == fresh.text and again.usage.prompt_tokens_cached > warm[0].usage.prompt_tokens
+    assert (stats.misses, stats.continuation_hits, stats.snapshots_saved) == (1, 3, 0)
 
 
 def test_model_add_reads_the_real_gguf_in_well_under_a_second(tmp_path: Path, real_model: Path) -> None:
