@@ -6,7 +6,8 @@
 (the architecture, its context length and attention shapes), so this reads that section
 sequentially, keeps the scalar values and short numeric arrays (a per-layer head count)
 and skips the others (seeking over numeric ones; string arrays by their length prefixes),
-and never touches the tensor infos or the tensor data. Layout per the GGUF spec (ggml/docs/gguf.md), little-endian, versions 2-3:
+and never touches the tensor infos or the tensor data. Layout per the GGUF spec
+(ggml/docs/gguf.md), little-endian, versions 2-3:
 ``"GGUF" u32 version, u64 tensor_count, u64 kv_count`` then per pair a string key, a u32
 value type and the value; a string is ``u64 length`` + UTF-8 bytes, an array ``u32 item
 type, u64 count`` + items.
@@ -129,6 +130,21 @@ class _Reader:
                 raise GgufHeaderError(f"{self.path}: metadata {key!r} has an unknown value type {kind}")
         return GgufHeader(version=version, tensor_count=tensors, values=values)
 
+    def _skip_strings(self, n: int) -> None:
+        """Past `n` length-prefixed strings (a vocabulary: 49k-250k of them, and as many merges),
+        walking their lengths in 1 MiB chunks rather than with a read and a seek each."""
+        buf, at = b"", 0
+        for _ in range(n):
+            if len(buf) - at < 8:
+                buf, at = buf[at:] + self.f.read(_READ_BUFFER), 0
+                if len(buf) < 8:
+                    raise GgufHeaderError(f"{self.path} ends inside its GGUF header")
+            at += 8 + _U64.unpack_from(buf, at)[0]
+            if at > len(buf):  # a string longer than what is buffered: seek past the rest of it
+                self._skip(at - len(buf))
+                buf, at = b"", 0
+        self._skip(at - len(buf))  # back to just after the last string
+
     def _array(self) -> tuple[int | float | bool, ...] | None:
         """A short numeric array's items; None for the others, skipped."""
         kind, n = int(self._unpack(_U32)), int(self._unpack(_U64))
@@ -138,8 +154,7 @@ class _Reader:
         if kind in _SCALARS:
             self._skip(n * _SCALARS[kind].size)
         elif kind == _STRING:
-            for _ in range(n):  # each string's length, then past it (a file cut short ends at its EOF)
-                self._skip(int(self._unpack(_U64)))
+            self._skip_strings(n)
         else:
             raise GgufHeaderError(f"{self.path}: an array of value type {kind} (nested arrays are not read)")
         return None

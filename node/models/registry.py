@@ -121,8 +121,8 @@ def default_context(path: Path, *, memory_bytes: int | None = None) -> ContextCh
     try:
         header = read_gguf_header(path)  # the key-value section only: never the tensors (see ggufheader)
     except OSError as exc:
-        raise PsymeshError(f"cannot read the GGUF metadata of {path}: {exc.strerror}",
-                           code=ErrorCode.BAD_REQUEST) from None
+        raise PsymeshError(f"cannot read {path}: {exc.strerror}", code=ErrorCode.NOT_FOUND
+                           if isinstance(exc, FileNotFoundError) else ErrorCode.BAD_REQUEST) from None
     except GgufHeaderError as exc:
         raise PsymeshError(f"cannot read the GGUF metadata of {path}: {exc.message}",
                            code=ErrorCode.BAD_REQUEST) from None
