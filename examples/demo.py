@@ -20,6 +20,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from localweb import local_web
+from psymesh.node.control.client import Client
 from psymesh.node.control.process import DaemonProcess
 from psymesh.protocol.control import StatusReply
 from psymesh.protocol.errors import RemoteError
@@ -110,15 +111,22 @@ async def delegate_tasks(d: Demo) -> None:
         found = await handle.result()
         con.print(f"phone: result: {[(h['path'], h.get('text', h['match'])) for h in found['results']]}")
 
-        handle = await phone.delegate("home", infer="Say hello to the mesh.", model="tiny", max_tokens=48,
-                                      params={"seed": 7, "temperature": 0.8, "ban_bytes": True})
-        con.print(f"phone: task {handle.id} -> home (infer on model 'tiny': random weights, so gibberish)")
-        con.print("   tokens: ", end="")
-        async for ev in handle.events():
-            if ev.kind.value == "token":
-                con.print(escape(ev.data["text"]), end="")
-        out = await handle.result()
-        con.print(f"\n   {out['usage']['completion_tokens']} tokens, finish: {out['finish_reason']}")
+        await streamed_infer(phone, "Say hello to the mesh.", "tiny",
+                             {"seed": 7, "temperature": 0.8, "ban_bytes": True},
+                             "phone: task {id} -> home (infer on model 'tiny': random weights, so gibberish)",
+                             "   tokens: ")
+
+
+async def streamed_infer(phone: Client, prompt: str, model: str, params: dict, says: str, lead: str) -> None:
+    """An infer task delegated to home, its tokens printed as they come (`says`: the line naming it)."""
+    handle = await phone.delegate("home", infer=prompt, model=model, max_tokens=48, params=params)
+    con.print(says.format(id=handle.id))
+    con.print(lead, end="")
+    async for ev in handle.events():
+        if ev.kind.value == "token":
+            con.print(escape(ev.data["text"]), end="")
+    out = await handle.result()
+    con.print(f"\n   {out['usage']['completion_tokens']} tokens, finish: {out['finish_reason']}")
 
 
 REAL_QUESTION = "Which city is the capital of France?"
@@ -142,16 +150,9 @@ async def real_model_on_home(d: Demo) -> None:
     con.print(f" home: psymesh model add smol {escape(path.name)} ({took:.2f} s: only the GGUF's header is read; "
               "the running daemon has it at once)")
     async with d.phone.client() as phone:
-        handle = await phone.delegate("home", infer=REAL_QUESTION, model="smol", max_tokens=48,
-                                      params={"temperature": 0})
-        con.print(f"phone: {REAL_QUESTION!r} -> home (task {handle.id}, model 'smol', greedy)")
-        con.print("   home's answer: ", end="")
-        async for ev in handle.events():
-            if ev.kind.value == "token":
-                con.print(escape(ev.data["text"]), end="")
-        out = await handle.result()
-    con.print(f"\n   {out['usage']['completion_tokens']} tokens, finish: {out['finish_reason']} "
-              "(SmolLM2's own chat template from its GGUF)")
+        await streamed_infer(phone, REAL_QUESTION, "smol", {"temperature": 0},
+                             f"phone: {REAL_QUESTION!r} -> home (task {{id}}, model 'smol', greedy, "
+                             "SmolLM2's own chat template from its GGUF)", "   home's answer: ")
 
 
 async def agent_on_the_phone(d: Demo) -> None:
@@ -479,7 +480,8 @@ def prepare_nodes(work: Path, web: str) -> list[str]:
     serve = config.serve.model_copy(update={"openai": config.serve.openai.model_copy(
         update={"enabled": True, "port": 0})})
     # Its agent runs on the BotPsy-format model (the real one added later has no tool format)
-    home.save_config(config.model_copy(update={"web": WebSettings(exit=exit_), "serve": serve, "agent_model": "tiny"}))
+    home.save_config(config.model_copy(update={"web": WebSettings(exit=exit_), "serve": serve,
+                                               "agent_model": "tiny"}))
     return ["--share", str(share)]
 
 
