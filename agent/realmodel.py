@@ -74,10 +74,11 @@ def missing_reason() -> str:
 def fetch_real_model(*, timeout: float = FETCH_TIMEOUT_S) -> Path:
     """The real model's path, fetched first if it is not here (see the module docstring).
     Raises RealModelUnavailable (the reason is also kept for :func:`missing_reason`)."""
+    dest = models_dir()
     have = real_model_path()
     if have is not None:
+        (dest / _FAILED).unlink(missing_ok=True)  # an old failure says nothing now
         return have
-    dest = models_dir()
     dest.mkdir(parents=True, exist_ok=True)
     try:
         path = _fetch(dest, timeout)
