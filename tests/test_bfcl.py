@@ -43,6 +43,7 @@ from psymesh.agent.evaluation.bfcl import (
 )
 from psymesh.agent.formats.chatformat import ChatMessage, ToolCall
 from psymesh.agent.acting.loop import ScriptedModel, tool_call_text
+from psymesh.agent.runtime.testmodel import SPECIAL_TOKENS
 
 CASE_COUNTS = {"simple_python": 400, "multiple": 200, "parallel": 200, "parallel_multiple": 200, "irrelevance": 240}
 FIVE = tuple(CASE_COUNTS)  # the categories the first version ran; tests/test_bfcl_v4.py covers the rest
@@ -451,3 +452,31 @@ def test_eval_usage_errors_are_clear(tmp_path: Path, args: list[str], message: s
     done = psymesh(tmp_path, *args)
     assert done.returncode == 1
     assert message in json.loads(done.stdout)["error"]["message"]
+
+
+def test_eval_max_tokens_caps_every_reply_and_the_defaults_are_per_case_kind(bfcl_dir: Path, tiny_model: Path,
+                                                                             tmp_path: Path) -> None:
+    """BFCL lets a reply run to 4096 tokens, which a small model that never stops fills (SmolLM2:
+    720 s for 20 cases). By default a single-turn reply gets 512 and a multi-turn step 1024
+    (+1024 each with --thinking); --max-tokens N caps them all: here 1 token, so each reply the
+    score files show (a multi-turn case's, one line a step) is one token of the tiny model."""
+    home = tmp_path / "home"
+    added = subprocess.run([sys.executable, "-m", "psymesh", "model", "add", "tiny", str(tiny_model), "--ctx", "32768",
+                            "--threads", "1", "--home", str(home)], capture_output=True, text=True, timeout=120)
+    assert added.returncode == 0, added.stderr
+    defaults = json.loads(psymesh(home, "--bfcl", "--oracle", "--limit", "1", "--category", "simple_python").stdout)
+    assert defaults["max_tokens"] == {"single_turn": 512, "multi_turn": 1024}
+    thinking = json.loads(psymesh(home, "--bfcl", "--oracle", "--limit", "1", "--category", "simple_python",
+                                  "--thinking").stdout)
+    assert thinking["max_tokens"] == {"single_turn": 1536, "multi_turn": 2048}
+
+    done = psymesh(home, "--bfcl", "--model", "tiny", "--limit", "1", "--category", "simple_python", "--category",
+                   "multi_turn_base", "--free", "--ban-bytes", "--max-tokens", "1", "--score-dir", str(tmp_path / "s"))
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["max_tokens"] == {"single_turn": 1, "multi_turn": 1}
+    longest = max(len(text) for text, _ in SPECIAL_TOKENS)  # the tiny vocabulary's longest piece
+    replies = []
+    for category in ("simple_python", "multi_turn_base"):
+        lines = (tmp_path / "s" / f"BFCL_v4_{category}_score.json").read_text().splitlines()[1:]
+        replies += [step for line in lines for step in json.loads(line)["model_result_raw"].split("\n")]
+    assert replies and all(len(r) <= longest for r in replies), replies

@@ -65,3 +65,24 @@ def test_a_phone_without_the_model_is_told_to_run_it_on_home(tmp_path: Path) -> 
     assert cli(home, "id").returncode == 0
     r = cli(home, "agent", "run", "hi", "--model", "botpsy", "--delegate", "never", "--json")
     assert "--delegate auto" not in json.loads(r.stdout)["error"]["message"]
+
+
+def test_add_reads_the_header_only_and_never_loads_the_model(tmp_path: Path) -> None:
+    """`model add` takes the context from the GGUF's key-value section alone: the file here is
+    cut right after that section (no tensor infos, no weights), which neither llama.cpp nor
+    gguf.GGUFReader could open, and the command never imports llama.cpp."""
+    model = make_tiny_gguf(tmp_path / "tiny.gguf", n_ctx_train=6144)
+    data = model.read_bytes()
+    cut = tmp_path / "header-only.gguf"
+    cut.write_bytes(data[:data.index(b"token_embd.weight") - 8])  # the first tensor info's name, length first
+    probe = ("import sys\nfrom psymesh.cli import main\n"
+             "try:\n    main()\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
+             "assert 'llama_cpp' not in sys.modules, 'model add imported llama_cpp'\n")
+    done = subprocess.run([sys.executable, "-c", probe, "model", "add", "cut", str(cut), "--home",
+                           str(tmp_path / "h"), "--json"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["n_ctx"] == 6144  # what the header declares
+    (tmp_path / "cut-short.gguf").write_bytes(data[:40])  # inside the header: a clear refusal
+    r = cli(tmp_path / "h", "model", "add", "x", str(tmp_path / "cut-short.gguf"), "--json")
+    assert r.returncode == 1 and json.loads(r.stdout)["error"]["code"] == "bad_request"
+    assert "ends inside its GGUF header" in json.loads(r.stdout)["error"]["message"]

@@ -18,7 +18,14 @@ from llama_cpp import LlamaGrammar
 
 from waiting import wait_until
 
-from psymesh.agent.formats.chatformat import ChatMessage, ToolSpec, parse_reply, render_prefix, render_prompt
+from psymesh.agent.formats.chatformat import (
+    ChatMessage,
+    ToolSpec,
+    parse_reply,
+    render_prefix,
+    render_prompt,
+    split_generation_prompt,
+)
 from psymesh.agent.formats.grammar import tool_call_grammar
 from psymesh.agent.runtime.api import (
     Completion,
@@ -329,6 +336,28 @@ async def test_prompt_extending_the_context_continues_without_reevaluation(model
         assert second.prompt_tokens_reused == first.prompt_tokens
     async with ModelWorker(_settings(model_path)) as fresh:
         assert (await fresh.complete(longer, max_tokens=24, **kw)).text == second.text
+
+
+@pytest.mark.anyio
+async def test_a_model_without_recurrent_layers_cuts_its_context_back_and_saves_no_state(model_dir: Path) -> None:
+    """A dense (attention-only) model's context can be cut back to any prefix: a prompt that
+    departs from what was evaluated (another question after the same system turn, with its
+    prefix and checkpoint named) keeps their longest common prefix, is evaluated in one go, and
+    no state is copied; the reply is a fresh evaluation's."""
+    dense = make_tiny_gguf(model_dir, arch="qwen3")
+    one = render_prompt(CONVERSATION, TOOLS, thinking=False)
+    other = render_prompt([CONVERSATION[0], ChatMessage.user("And the weather in Oslo?")], TOOLS, thinking=False)
+    prefix = render_prefix(CONVERSATION, TOOLS)
+    kw = dict(max_tokens=24, temperature=1.0, seed=3, logit_bias=NO_HIGH_BYTES, prefix=prefix)
+    async with ModelWorker(_settings(dense)) as worker:
+        shared = len(await worker.tokenize(prefix))
+        first = await worker.complete(one, checkpoint=split_generation_prompt(one)[0], **kw)
+        second = await worker.complete(other, checkpoint=split_generation_prompt(other)[0], **kw)
+        stats = worker.stats
+    assert first.prompt_tokens_reused == 0 and second.prompt_tokens_reused >= shared > 1000
+    assert (stats.misses, stats.continuation_hits, stats.snapshots_saved, stats.state_cache_bytes) == (1, 1, 0, 0)
+    async with ModelWorker(_settings(dense, reuse=False)) as fresh:
+        assert (await fresh.complete(other, **kw)).text == second.text
 
 
 # --------------------------------------------------------------------------- errors and lifecycle

@@ -93,7 +93,9 @@ from __future__ import annotations
 
 import tempfile
 from collections.abc import Awaitable, Callable, Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 from .bfcl_categories import (
     AST_CATEGORIES, CATEGORIES, FILE_PREFIX, FLOAT_NOTE, FORMAT_SENSITIVITY, JAVA, JAVASCRIPT, MEMORY_CATEGORIES,
@@ -141,6 +143,7 @@ __all__ = [
     "CategoryScore",
     "ExpectedCall",
     "Mismatch",
+    "ReplyCaps",
     "bfcl_module",
     "check_call",
     "check_calls",
@@ -164,6 +167,7 @@ __all__ = [
 # truth has at most 8 calls, so a reply is never cut below what a case needs.
 MAX_CALLS = 16
 # BFCL's cap on a reply: 4096 tokens, or what the context has left (the runtime takes the smaller).
+# Ours is smaller by default (ReplyCaps), and at most this.
 MAX_TOKENS = 4096
 
 
@@ -204,6 +208,32 @@ def oracle_reply(case: BfclCase) -> str:
     return format_oracle_reply(case) if case.prompt_format else single_turn_oracle(case)
 
 
+@dataclass(frozen=True)
+class ReplyCaps:
+    """How many tokens a reply may take, per kind of case (`eval --max-tokens N`: N for all).
+
+    BFCL lets every reply run to 4096 tokens; a small model that never stops then costs
+    minutes a case (SmolLM2-135M: 720 s for 20 cases). What a case needs is far less: a
+    single-turn reply (format_sensitivity's included) is at most BFCL's 8 ground-truth
+    calls of ~40 tokens each, so 512; a multi-turn step's reply is a few calls or a short
+    answer, so 1024 (the tool results it reads are the prompt's, not the reply's). A
+    thought (`--thinking`) adds THINKING_EXTRA to each."""
+
+    single_turn: int = 512
+    multi_turn: int = 1024
+
+    THINKING_EXTRA: ClassVar[int] = 1024
+
+    @classmethod
+    def of(cls, max_tokens: int | None, *, thinking: bool) -> ReplyCaps:
+        """`max_tokens` for every kind if given, else the defaults (with room for a thought)."""
+        if max_tokens is not None:
+            return cls(single_turn=max_tokens, multi_turn=max_tokens)
+        extra = cls.THINKING_EXTRA if thinking else 0
+        return cls(single_turn=min(MAX_TOKENS, cls.single_turn + extra),
+                   multi_turn=min(MAX_TOKENS, cls.multi_turn + extra))
+
+
 async def run_bfcl(
     cases: Iterable[BfclCase | MultiTurnCase],
     model: AgentModel | None,
@@ -212,6 +242,7 @@ async def run_bfcl(
     on_result: Callable[[BfclResult], Awaitable[None]] | None = None,
     web: WebRoute | None = None,
     prompting: AgentModel | None = None,
+    multi_turn: AgentModel | None = None,
 ) -> BfclReport:
     """Ask `model` each case in turn and score its reply (a multi-turn case: its whole
     conversation). `model` None is the oracle: each case answered with its ground truth,
@@ -219,18 +250,21 @@ async def run_bfcl(
     see bfcl_multiturn.WEB_NOTE). `prompting`: the model asked format_sensitivity's cases
     (default `model`): the same model without the tool grammar, since a prompting model
     writes the format its system turn asks for, <TOOLCALL> and XML included, which the tool
-    grammar's plain answer cannot hold. A model error fails that case only."""
+    grammar's plain answer cannot hold. `multi_turn`: the model asked each step of a
+    multi-turn case (default `model`; the CLI gives it ReplyCaps.multi_turn). A model error
+    fails that case only."""
     with tempfile.TemporaryDirectory(prefix="psymesh-bfcl-") as workdir:  # a run's memory snapshots
-        return await _run(cases, model, thinking, on_result, Path(workdir), web, prompting or model)
+        return await _run(cases, model, thinking, on_result, Path(workdir), web, prompting or model,
+                          multi_turn or model)
 
 
 async def _run(cases: Iterable[BfclCase | MultiTurnCase], model: AgentModel | None, thinking: bool,
                on_result: Callable[[BfclResult], Awaitable[None]] | None, workdir: Path,
-               web: WebRoute | None, prompting: AgentModel | None) -> BfclReport:
+               web: WebRoute | None, prompting: AgentModel | None, multi_turn: AgentModel | None) -> BfclReport:
     results = []
     for case in cases:
         if isinstance(case, MultiTurnCase):
-            turn_result = await run_multi_turn_case(case, oracle_model(case) if model is None else model,
+            turn_result = await run_multi_turn_case(case, oracle_model(case) if multi_turn is None else multi_turn,
                                                     thinking=thinking, workdir=workdir, web=web)
             if turn_result is None:  # a memory prerequisite: not scored
                 continue
@@ -254,8 +288,9 @@ async def _run(cases: Iterable[BfclCase | MultiTurnCase], model: AgentModel | No
 
 
 
-def generation_params(*, grammar: bool, ban_bytes: bool = False) -> GenerationParams:
-    """Greedy decoding; with `grammar`, tool calls constrained as the case-format eval
-    constrains them, allowing the several calls the parallel categories need."""
-    return GenerationParams(max_tokens=MAX_TOKENS, temperature=0.0, ban_bytes=ban_bytes,
+def generation_params(*, grammar: bool, ban_bytes: bool = False, max_tokens: int = MAX_TOKENS) -> GenerationParams:
+    """Greedy decoding of at most `max_tokens` (see ReplyCaps); with `grammar`, tool calls
+    constrained as the case-format eval constrains them, allowing the several calls the
+    parallel categories need."""
+    return GenerationParams(max_tokens=max_tokens, temperature=0.0, ban_bytes=ban_bytes,
                             tool_grammar=ToolGrammar(max_calls=MAX_CALLS) if grammar else None)

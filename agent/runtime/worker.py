@@ -56,6 +56,15 @@ insurance costs each step one more small batch (the generation prompt, evaluated
 after the checkpoint) and a state copy: ~60 ms on the bench model, against ~0.8 s for
 a step's new tokens.
 
+A model whose context *can* be cut back (attention layers only: Llama, Qwen3, SmolLM2; not a
+recurrent or hybrid one) takes none of that machinery: a prompt continues the live context
+from the longest common prefix of their tokens, the rest cut off (``seq_rm``), and is evaluated
+in one go. Snapshots there would only cost: evaluating a prompt in three pieces (the prefix,
+the history, the generation prompt) reads every weight three times, and each piece's state is
+copied; on SmolLM2-135M that was most of the first token's overhead over bare llama.cpp. What it
+gives up is a conversation coming back after another replaced it: it re-evaluates past their
+shared head (the system turn), where a hybrid model would restore its saved end.
+
 The sampler chain is agent/runtime/sampling.py's and reading the streamed text (stop strings, the
 ThinkBudget, StopAfter, UTF-8 validity) agent/runtime/decoding.py's; what stays here is one job over one
 llama context: the thread and its queue, and the snapshot bookkeeping that decides what that
@@ -200,6 +209,7 @@ class ModelWorker(StreamingModel):
         self._snapshots: list[_Snapshot] = []  # least recently used first
         self._live_saved = True      # the live context is a snapshot already (or empty)
         self._live_canonical = True  # its tokens are the fresh tokenisation of their text
+        self._cuttable = False       # the context can be cut back to any prefix (no recurrent layers)
         self._pieces: dict[int, bytes] = {}
 
     # ------------------------------------------------------------------ lifecycle
@@ -390,10 +400,13 @@ class ModelWorker(StreamingModel):
             raise ModelLoadError(f"model file not found: {s.path}")
         threads = s.n_threads or default_threads()
         try:
-            return Llama(model_path=str(s.path), n_ctx=s.n_ctx, n_batch=s.n_batch, n_threads=threads,
-                         n_threads_batch=threads, verbose=False)
+            llm = Llama(model_path=str(s.path), n_ctx=s.n_ctx, n_batch=s.n_batch, n_threads=threads,
+                        n_threads_batch=threads, verbose=False)
         except Exception as exc:  # llama-cpp-python raises bare ValueError/RuntimeError
             raise ModelLoadError(f"cannot load {s.path.name}: {exc}") from exc
+        model = llm.model
+        self._cuttable = not (llama_cpp.llama_model_is_recurrent(model) or llama_cpp.llama_model_is_hybrid(model))
+        return llm
 
     def _info_of(self, llm: Llama) -> ModelInfo:
         vocab = llama_cpp.llama_model_get_vocab(llm.model)
@@ -441,7 +454,7 @@ class ModelWorker(StreamingModel):
     @property
     def _keeps_snapshots(self) -> bool:
         s = self.settings
-        return s.reuse and s.state_cache_entries > 0 and s.state_cache_bytes > 0
+        return s.reuse and not self._cuttable and s.state_cache_entries > 0 and s.state_cache_bytes > 0
 
     @staticmethod
     def _tokenize(llm: Llama, text: bytes, *, first: bool) -> list[int]:
@@ -461,6 +474,10 @@ class ModelWorker(StreamingModel):
         if not self.settings.reuse:
             return _Plan(tokens, 0)
         n = llm.n_tokens
+        if self._cuttable:  # the longest common prefix, short of the whole prompt (its last token's logits are new)
+            have = llm.input_ids[:min(n, len(tokens) - 1)].tolist()
+            same = next((i for i, (a, b) in enumerate(zip(have, tokens)) if a != b), len(have))
+            return _Plan(tokens, same)
         live = n if self._live_canonical and 0 < n < len(tokens) and llm.input_ids[:n].tolist() == tokens[:n] else 0
         best = max((s for s in self._snapshots if s.starts(tokens)), key=lambda s: len(s.tokens), default=None)
         if best is not None and len(best.tokens) > live:
@@ -472,7 +489,7 @@ class ModelWorker(StreamingModel):
         not reuse, and saving the states at the job's marks on the way."""
         stats = self._stats
         start = plan.reused
-        if start and plan.base is None:
+        if start and plan.base is None and self._cut(llm, start):
             stats.continuation_hits += 1
         else:
             self._save_live(llm, "conversation")  # another conversation may come back to it
@@ -491,6 +508,15 @@ class ModelWorker(StreamingModel):
         except _Cancelled:
             self._forget_context(llm)  # stopped between batches, at no boundary worth keeping
             raise
+
+    def _cut(self, llm: Llama, n: int) -> bool:
+        """Keep the live context's first `n` tokens (the rest is cut off); False if it cannot be."""
+        if n == llm.n_tokens:
+            return True
+        if not self._cuttable or not llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(llm.ctx), 0, n, -1):
+            return False
+        llm.n_tokens = n
+        return True
 
     def _marks(self, llm: Llama, job: _Job, tokens: list[int], start: int) -> list[tuple[int, SnapshotKind]]:
         """Token positions past `start` where the job's prefix and checkpoint end, if they
@@ -666,7 +692,7 @@ class ModelWorker(StreamingModel):
             if not forced and watch.over_budget():
                 forced = self._tokenize(llm, watch.closing_text().encode("utf-8"), first=False)
         self._live_saved = self._live_saved and not evaluated
-        self._live_canonical = self._canonical(llm, evaluated)
+        self._live_canonical = self._cuttable or self._canonical(llm, evaluated)  # a cut needs no canonical reply
         if not stopped and reason != "cancelled":  # a stop string drops what is held back
             tail, _ = scanner.feed(utf8.decode(b"", final=True))
             tail += scanner.flush()

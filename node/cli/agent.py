@@ -210,10 +210,14 @@ async def _agent_remote(home: str | None, out: Output, goal: str, to: str | None
                                               "through the same render/parse/score path (checks the harness).")
 @click.option("--free", "free_form", is_flag=True, help="No grammar constraint (measures the raw model).")
 @click.option("--thinking", is_flag=True, help="Let the model think (its <think> block) before each answer.")
+@click.option("--max-tokens", type=click.IntRange(1, 4096), default=None, metavar="N",
+              help="Tokens a reply may take. Default: 256 with a case file; with --bfcl 512 a single-turn reply "
+                   "and 1024 a multi-turn step (each +1024 with --thinking; BFCL itself allows 4096).")
 @click.option("--ban-bytes", is_flag=True, hidden=True)
 def eval_cmd(home: str | None, out: Output, cases: str | None, model_name: str | None, bfcl_dir: str | None,
              categories: tuple[str, ...], score_dir: str | None, via: str | None, runs: int, temperature: float,
-             limit: int | None, oracle: bool, free_form: bool, thinking: bool, ban_bytes: bool) -> None:
+             limit: int | None, oracle: bool, free_form: bool, thinking: bool, max_tokens: int | None,
+             ban_bytes: bool) -> None:
     """Score a model on function-calling cases (JSONL), per category, BFCL-style; or, with
     --bfcl DIR, on BFCL v4's own files, as BFCL scores them."""
     if (cases is None) == (bfcl_dir is None):
@@ -226,7 +230,7 @@ def eval_cmd(home: str | None, out: Output, cases: str | None, model_name: str |
                            else "--oracle answers without a model: drop --model", code=ErrorCode.BAD_REQUEST)
     if bfcl_dir is not None:
         return _eval_bfcl(home, out, bfcl_dir or None, categories, limit, model_name, free_form, thinking, ban_bytes,
-                          score_dir, via, runs, temperature)
+                          score_dir, via, runs, temperature, max_tokens)
 
     from ...agent.evaluation.suite import evaluate, format_report, load_cases
     from ..models.agents import llama_model, pick_model
@@ -243,7 +247,8 @@ def eval_cmd(home: str | None, out: Output, cases: str | None, model_name: str |
     async def go() -> Any:
         async with _local_runner(node_home, registry, name) as worker:
             model = _StopOverContext(llama_model(worker, {"grammar": not free_form, "temperature": 0.0,
-                                                          "max_tokens": 256, "ban_bytes": ban_bytes}),
+                                                          "max_tokens": max_tokens or 256,
+                                                          "ban_bytes": ban_bytes}),
                                      name, worker.settings.n_ctx, out)
             return await evaluate(loaded, model, thinking=thinking,
                                   on_result=progress)
@@ -257,12 +262,14 @@ def eval_cmd(home: str | None, out: Output, cases: str | None, model_name: str |
 
 def _eval_bfcl(home: str | None, out: Output, bfcl_dir: str | None, categories: tuple[str, ...], limit: int | None,
                model_name: str | None, free_form: bool, thinking: bool, ban_bytes: bool,
-               score_dir: str | None, via: str | None = None, runs: int = 1, temperature: float = 0.0) -> None:
+               score_dir: str | None, via: str | None = None, runs: int = 1, temperature: float = 0.0,
+               max_tokens: int | None = None) -> None:
     """`eval --bfcl`: BFCL's questions through our prompt, the model (or the oracle) and our
     parser, scored by agent/evaluation/bfcl.py's mirror of BFCL's AST checker and, for multi-turn,
     by BFCL's own multi_turn_checker."""
     from ...agent.evaluation.bfcl import (
         WEB_CATEGORIES,
+        ReplyCaps,
         default_data_dir,
         format_bfcl_report,
         format_run_spread,
@@ -285,8 +292,12 @@ def _eval_bfcl(home: str | None, out: Output, bfcl_dir: str | None, categories: 
         if model_name is not None or not r.passed:  # the oracle's passes are 1240 lines of noise
             out.hint(f"[{done[0]}/{total}] {r.id}: {'pass' if r.passed else 'fail: ' + r.reason}")
 
-    def params(seed: int, grammar: bool = True) -> Any:  # grammar=False: format_sensitivity's prompting asks
-        return generation_params(grammar=grammar and not free_form, ban_bytes=ban_bytes).model_copy(
+    caps = ReplyCaps.of(max_tokens, thinking=thinking)
+
+    def params(seed: int, grammar: bool = True, multi_turn: bool = False) -> Any:
+        # grammar=False: format_sensitivity's prompting asks
+        return generation_params(grammar=grammar and not free_form, ban_bytes=ban_bytes,
+                                 max_tokens=caps.multi_turn if multi_turn else caps.single_turn).model_copy(
             update={"temperature": temperature, "seed": seed})
 
     if model_name is None:
@@ -301,7 +312,8 @@ def _eval_bfcl(home: str | None, out: Output, bfcl_dir: str | None, categories: 
         async def remote(client: Client) -> list[BfclReport]:
             return [await run_bfcl(loaded, DelegatedModel(client, via, model_name, params(seed)),
                                    thinking=thinking, on_result=progress, web=client,
-                                   prompting=DelegatedModel(client, via, model_name, params(seed, False)))
+                                   prompting=DelegatedModel(client, via, model_name, params(seed, False)),
+                                   multi_turn=DelegatedModel(client, via, model_name, params(seed, multi_turn=True)))
                     for seed in range(runs)]
 
         reports = on_node(home, remote)
@@ -319,15 +331,19 @@ def _eval_bfcl(home: str | None, out: Output, bfcl_dir: str | None, categories: 
                 web = await stack.enter_async_context(Client(home)) if any(c.category in WEB_CATEGORIES
                                                                            for c in loaded) else None
                 n_ctx = worker.settings.n_ctx
-                return [await run_bfcl(loaded, _StopOverContext(LlamaAgentModel(worker, params(seed)), name, n_ctx, out),
-                                       thinking=thinking, on_result=progress, web=web,
-                                       prompting=_StopOverContext(LlamaAgentModel(worker, params(seed, False)),
-                                                                  name, n_ctx, out))
+
+                def asked(p: Any) -> _StopOverContext:
+                    return _StopOverContext(LlamaAgentModel(worker, p), name, n_ctx, out)
+
+                return [await run_bfcl(loaded, asked(params(seed)), thinking=thinking, on_result=progress, web=web,
+                                       prompting=asked(params(seed, False)),
+                                       multi_turn=asked(params(seed, multi_turn=True)))
                         for seed in range(runs)]
 
         reports = run_async(go)
     report = reports[0]
-    data = {"model": name, "bfcl_dir": str(data_dir.resolve()), "limit": limit, "via": via, **report.data()}
+    data = {"model": name, "bfcl_dir": str(data_dir.resolve()), "limit": limit, "via": via,
+            "max_tokens": {"single_turn": caps.single_turn, "multi_turn": caps.multi_turn}, **report.data()}
     if runs > 1:
         data["runs"] = [{"seed": i, **r.data()} for i, r in enumerate(reports)]
         data["spread"] = run_spread(reports)

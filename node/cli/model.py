@@ -41,12 +41,15 @@ def model_add(home: str | None, out: Output, name: str, path: str, n_ctx: int | 
     node_home = home_at(home)
     node_home.init()
     template = open(chat_template).read() if chat_template else None
-    row = _models(node_home).add(name, path, n_ctx=n_ctx, n_threads=n_threads,
-                                 chat_template=template, keep_alive_s=_keep_alive(keep_alive))
-    if n_ctx is None:
+    registry = _models(node_home)
+    choice = None
+    if n_ctx is None:  # the header is read once, here (the registry would read it for n_ctx None)
         from ..models.registry import default_context
 
-        choice = default_context(Path(row["path"]))
+        choice = default_context(Path(path).expanduser())
+    row = registry.add(name, path, n_ctx=choice.n_ctx if choice else n_ctx, n_threads=n_threads,
+                       chat_template=template, keep_alive_s=_keep_alive(keep_alive))
+    if choice is not None:
         out.hint(f"context {row['n_ctx']} tokens: the GGUF declares {choice.declared or 'none'}"
                  + (f", capped to {choice.memory_cap} for this machine's memory" if row["n_ctx"] < (choice.declared or 0)
                     else "") + "; --ctx N sets another")

@@ -46,7 +46,8 @@ class ModelRegistry:
     def add(self, name: str, path: str | Path, *, n_ctx: int | None = None, n_threads: int | None = None,
             chat_template: str | None = None, keep_alive_s: float | None = None) -> dict:
         """Register `path` as `name`. `n_ctx` None: the context the GGUF declares, capped so
-        its KV cache takes at most a sixteenth of this machine's memory (`default_context`)."""
+        its KV cache takes at most a sixteenth of this machine's memory (`default_context`).
+        Only the GGUF's header is read: adding a model never loads it."""
         p = Path(path).expanduser().resolve()
         try:
             with open(p, "rb") as f:
@@ -115,21 +116,18 @@ def default_context(path: Path, *, memory_bytes: int | None = None) -> ContextCh
     qwen35 has attention in every `full_attention_interval`-th layer only) may take a
     sixteenth of `memory_bytes` (default: this machine's RAM), and at most 32768 tokens
     unless asked. Never below 2048 tokens, nor above what the GGUF declares."""
-    from gguf import GGUFReader
-
-    def field(key: str) -> int | None:
-        f = reader.fields.get(key)
-        if f is None or not f.data:
-            return None
-        value = f.parts[f.data[0]]
-        return int(value[0]) if len(value) else None
+    from .ggufheader import GgufHeaderError, read_gguf_header
 
     try:
-        reader = GGUFReader(path)
-        arch_field = reader.fields.get("general.architecture")
-        arch = bytes(arch_field.parts[arch_field.data[0]]).decode() if arch_field is not None else ""
-    except (OSError, ValueError) as exc:
-        raise PsymeshError(f"cannot read the GGUF metadata of {path}: {exc}", code=ErrorCode.BAD_REQUEST) from None
+        header = read_gguf_header(path)  # the key-value section only: never the tensors (see ggufheader)
+    except OSError as exc:
+        raise PsymeshError(f"cannot read {path}: {exc.strerror}", code=ErrorCode.NOT_FOUND
+                           if isinstance(exc, FileNotFoundError) else ErrorCode.BAD_REQUEST) from None
+    except GgufHeaderError as exc:
+        raise PsymeshError(f"cannot read the GGUF metadata of {path}: {exc.message}",
+                           code=ErrorCode.BAD_REQUEST) from None
+    arch = header.architecture
+    field = header.int
     declared = field(f"{arch}.context_length")
     layers = field(f"{arch}.block_count") or 0
     interval = field(f"{arch}.full_attention_interval") or 1
