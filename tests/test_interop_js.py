@@ -12,6 +12,7 @@ Node or the npm packages cannot be had.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -20,7 +21,9 @@ import anyio
 import pytest
 
 from conftest import run_nodes
+from waiting import wait_until
 from psymesh.node.control.client import Client
+from psymesh.protocol import control as c
 
 pytestmark = pytest.mark.anyio
 
@@ -73,9 +76,18 @@ async def test_a_js_libp2p_peer_is_refused_as_a_stranger_then_pairs_pings_runs_a
         tmp_path: Path, js_peer: list[str]) -> None:
     async with run_nodes(tmp_path, "home") as nodes:
         home = nodes["home"]
-        async with Client(home.home.path) as h:
-            invite = await h.pair_invite(name="js-phone")
-            steps = await run_peer(js_peer, invite.invite, "float")
+        invites: list[c.PairInviteReply] = []
+        paired: list[c.PairedReply] = []
+
+        async def invite_and_wait() -> None:  # as `psymesh pair invite` does: the inviter shows the words
+            async with Client(home.home.path) as w:
+                paired.append(await w.pair_invite_and_wait(invites.append, name="js-phone"))
+
+        async with Client(home.home.path) as h, anyio.create_task_group() as tg:
+            tg.start_soon(invite_and_wait)
+            await wait_until(lambda: invites, "the invite")
+            steps = await run_peer(js_peer, invites[0].invite, "float")
+            await wait_until(lambda: paired, "the inviter to see the pairing")
             for name in ("examples", "connect", "stranger", "pair", "ping", "task", "letter:float", "done"):
                 assert steps[name]["ok"], steps[name]
             assert steps["stranger"]["refusal"]["code"] == "unknown_peer"
@@ -83,6 +95,10 @@ async def test_a_js_libp2p_peer_is_refused_as_a_stranger_then_pairs_pings_runs_a
             assert steps["task"]["kinds"][0] == "accepted" and steps["task"]["state"] == "completed"
 
             js_id = steps["done"]["peer_id"]
+            # the key schedule agrees: both sides show the same verification words
+            words = steps["pair"]["words"].split()
+            assert len(words) == 4 and re.findall(r"[a-z]+", paired[0].verification) == words
+            assert (paired[0].peer_id, paired[0].name, paired[0].role) == (js_id, "js-phone", "node")
             peers = {p.peer_id: p for p in await h.peers()}
             assert peers[js_id].name == "js-phone"
             letter = (await inbox_bodies(h))[steps["letter:float"]["id"]]
