@@ -40,8 +40,8 @@ def _node_ready() -> str | None:
     if not (PEER_DIR / "node_modules" / "libp2p").is_dir():
         if npm is None:
             return "no `npm` on PATH to install tests/interop's pinned packages"
-        done = subprocess.run([npm, "ci", "--no-audit", "--no-fund", "--fetch-retries=1"], cwd=PEER_DIR, capture_output=True,
-                              text=True, timeout=600)
+        done = subprocess.run([npm, "ci", "--no-audit", "--no-fund", "--fetch-retries=1"], cwd=PEER_DIR,
+                              capture_output=True, text=True, timeout=600)
         if done.returncode != 0:
             errors = [line for line in done.stderr.splitlines() if line.startswith("npm error")][:3]
             return f"npm ci in tests/interop failed (is the npm registry reachable?): {' / '.join(errors)}"
