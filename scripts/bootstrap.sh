@@ -44,7 +44,9 @@ if [ "$(id -u)" -eq 0 ] && ! command -v npm >/dev/null 2>&1 && command -v apt-ge
   echo "installing nodejs and npm (the js-libp2p interop test)" >&2
   apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nodejs npm
 fi
-if command -v npm >/dev/null 2>&1 && [ ! -d tests/interop/node_modules/libp2p ]; then
+# (npm writes node_modules/.package-lock.json: older than the lock file means the pins changed)
+if command -v npm >/dev/null 2>&1 \
+   && [ ! tests/interop/node_modules/.package-lock.json -nt tests/interop/package-lock.json ]; then
   (cd tests/interop && npm ci --no-audit --no-fund --loglevel=error) \
     || echo "warning: npm ci in tests/interop failed; the interop test will skip (see above)" >&2
 fi

@@ -37,7 +37,8 @@ def _node_ready() -> str | None:
     node, npm = shutil.which("node"), shutil.which("npm")
     if node is None:
         return "no `node` on PATH (scripts/bootstrap.sh installs nodejs and npm on Debian as root)"
-    if not (PEER_DIR / "node_modules" / "libp2p").is_dir():
+    installed = PEER_DIR / "node_modules" / ".package-lock.json"  # npm writes it; older: the pins changed
+    if not installed.exists() or installed.stat().st_mtime < (PEER_DIR / "package-lock.json").stat().st_mtime:
         if npm is None:
             return "no `npm` on PATH to install tests/interop's pinned packages"
         done = subprocess.run([npm, "ci", "--no-audit", "--no-fund", "--fetch-retries=1"], cwd=PEER_DIR,
