@@ -37,6 +37,20 @@ if [ "$(id -u)" -eq 0 ] && ! command -v chromium >/dev/null 2>&1 && command -v a
   apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium
 fi
 
+# The interop test (tests/test_interop_js.py) runs a second implementation, a js-libp2p peer, against a
+# real daemon: Node >= 20 and npm, then the npm packages pinned by tests/interop/package-lock.json.
+# Not fatal: without them (no registry) that test skips and says why.
+if [ "$(id -u)" -eq 0 ] && ! command -v npm >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
+  echo "installing nodejs and npm (the js-libp2p interop test)" >&2
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nodejs npm
+fi
+# (npm writes node_modules/.package-lock.json: older than the lock file means the pins changed)
+if command -v npm >/dev/null 2>&1 \
+   && [ ! tests/interop/node_modules/.package-lock.json -nt tests/interop/package-lock.json ]; then
+  (cd tests/interop && npm ci --no-audit --no-fund --loglevel=error) \
+    || echo "warning: npm ci in tests/interop failed; the interop test will skip (see above)" >&2
+fi
+
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip setuptools wheel
 # llama-cpp-python has no wheels on the index: it builds from source (~5 min once; pip caches the wheel).
