@@ -8,6 +8,8 @@
        paired      nothing more (msg.missing: "send me again what you sent me")
        grant       we issued the peer a grant, ours, for it, signed, in date       forbidden / expired
        capability  ... and a capability covers this exact request, payload within  forbidden / too_large
+                   (a letter, msg.send: first its own checks, from the sender, to us,
+                   validly signed: bad_request / forbidden, so a refused letter is never charged)
     4. charged requests: within the grant's request rate       rate_limited (retry_after)
     5. requests that start a task: within the queue limits     busy (retry_after)
        deposits of mail: the recipient named this node its mailbox, and the sender's
@@ -61,7 +63,7 @@ from ...protocol.manifest import (
     verify_grant,
 )
 from ...protocol.messages import Message
-from ...protocol.messaging import MsgAck, MsgSend, MsgSendMany, answered_ask, check_receipt
+from ...protocol.messaging import MsgAck, MsgSend, MsgSendMany, answered_ask, check_letter, check_receipt
 from ...protocol.relay import DCUTR, HOLE_PUNCH, HOP, STOP, TAKE_CIRCUIT
 from ...protocol.oblivious import verify_exit_key
 from ...protocol.web import WebKeyPush
@@ -199,6 +201,8 @@ class Gate:
                 raise PsymeshError(f"stale revocation: serial {request.serial} is older than the grant held",
                                    code=ErrorCode.CONFLICT)
             return Decision(True)
+        if isinstance(request, MsgSend):  # the letter's own: from its sender, to us, signed (before any charge)
+            check_letter(request.letter, sender=peer_id, local_peer_id=self.local_peer_id)
         if self._answers_our_asks(peer_id, request):
             return Decision(True)
         grant = self._grant_of(peer)

@@ -11,7 +11,7 @@
                  (node/messaging/mailclient.py) -> deposited, and still offered directly
                  (backoff up to PARKED_RETRY_MAX_S) until the recipient's signed receipt
                  comes back, on a direct delivery or a `msg.ack`
-    msg.send (admitted by the door) ─> check_letter ─> inbox (exactly once) ─> receipt,
+    msg.send (admitted by the door, which checks the letter itself) ─> inbox (exactly once) ─> receipt,
         with `proof`: our signed Receipt over the ids stored
     msg.ack     (the recipient's signed receipt for letters its mailbox handed over) ─> delivered
     msg.missing (the recipient held a gap past `gap_s`) ─> those letters pending again
@@ -24,7 +24,7 @@
     parked      a courier whose letters all sit at the mailbox takes the receipts the
                 recipient left there, each round, besides offering the letters directly
     msg.send_many (the envelope admitted by the door, then each letter as its msg.send)
-        ─> check_letter each ─> the accepted ones stored in one transaction ─> receipts
+        ─> the accepted ones stored in one transaction ─> receipts
         released letters wake `follow()` (the app's inbox stream)
 """
 from __future__ import annotations
@@ -79,7 +79,6 @@ from ...protocol.messaging import (
     MsgSend,
     MsgSendMany,
     Receipt,
-    check_letter,
     check_receipt,
 )
 from ...protocol.tasks import JsonMap
@@ -316,8 +315,7 @@ class Messaging:
     # -- receiving (a door service) ----------------------------------------------------------
     async def receive(self, call: Call) -> Message:
         request = call.request
-        assert isinstance(request, MsgSend)
-        check_letter(request.letter, sender=call.peer_id, local_peer_id=self.identity.peer_id)
+        assert isinstance(request, MsgSend)  # the door checked it is the sender's, to us, signed
         stored = self._stored([request.letter])
         if request.letter.id in stored.refused:  # a refusal (conflict, expired, busy) is the peer's error
             raise stored.refused[request.letter.id]
@@ -337,7 +335,7 @@ class Messaging:
                        at=int(time.time() * 1000)).sign(self.identity.private_key)
 
     async def receive_many(self, call: Call) -> Message:
-        """A batch: each letter admitted (the door let the envelope in) and checked on its own;
+        """A batch: each letter admitted and checked on its own (the door let the envelope in);
         the accepted ones stored in one transaction; a receipt per letter, refused ones saying
         why, so one bad letter refuses only itself."""
         request = call.request
@@ -345,12 +343,7 @@ class Messaging:
         refusals = self.door(call.peer_id, ids.SESSION, [MsgSend(letter=letter) for letter in request.letters])
         refused: dict[str, PsymeshError] = {}
         accepted: list[Letter] = []
-        for letter, refusal in zip(request.letters, refusals):
-            if refusal is None:
-                try:
-                    check_letter(letter, sender=call.peer_id, local_peer_id=self.identity.peer_id)
-                except PsymeshError as exc:
-                    refusal = exc
+        for letter, refusal in zip(request.letters, refusals):  # (the door checked each letter itself)
             if refusal is None:
                 accepted.append(letter)
             else:
