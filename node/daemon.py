@@ -200,7 +200,8 @@ class Node:
                                    door=self.gate.admit_each,
                                    mail=MailSender(self.identity.peer_id, mail_store, self.trust, self.sessions,
                                                    self.mailbox), grace_s=self.config.mail.grace_s,
-                                   gap_s=self.config.mail.gap_s, wake=self.wake, links=self.p2p)
+                                   gap_s=self.config.mail.gap_s, wake=self.wake, links=self.p2p,
+                                   undo=self.gate.undo)
         self.mail = MailOwner(home, self.identity, self.config.mailbox, mail_store, self.trust, self.sessions,
                               self._door, self.messaging, self.config.mail)
         self.groups = Groups(self.db, self.trust, self.messaging, commands=self.commands)

@@ -239,3 +239,33 @@ async def test_a_letter_with_a_bad_signature_is_refused_at_the_door_and_spends_n
         assert [(r["allowed"], r["code"], r["count"]) for r in rows] == [
             (False, "forbidden", 2), (True, None, 1), (True, None, 1)]
         assert "signature" in rows[0]["reason"]
+
+
+async def test_a_letter_the_inbox_refuses_after_the_door_gives_its_charge_back(tmp_path: Path) -> None:
+    """Issue 34 item 3: a letter the door admits and the inbox then refuses (here `conflict`:
+    another letter under a used id) spends nothing of the grant's rate, and the audit log
+    says what became of it: a refused `msg.inbox` row with the code, after the door's row."""
+    async with run_nodes(tmp_path, "home", "phone") as nodes:
+        home, phone = nodes["home"], nodes["phone"]
+        await pair(home.home.path, phone.home.path)
+        async with Client(home.home.path) as h:
+            await h.grant("phone", ["msg.send"], limits=Limits(requests_per_minute=2))
+
+        def letter(tseq: int, text: str, letter_id: str) -> Letter:
+            return Letter(id=letter_id, sender=phone.identity.peer_id, recipient=home.identity.peer_id,
+                          thread="inbox", tseq=tseq, text=text, at=int(time.time() * 1000)
+                          ).sign(phone.identity.private_key)
+
+        to_home = home.identity.peer_id
+        assert (await phone.sessions.request(to_home, MsgSend(letter=letter(1, "one", "a")), MsgReceipt)).id == "a"
+        with pytest.raises(PsymeshError) as info:  # the same id, other content
+            await phone.sessions.request(to_home, MsgSend(letter=letter(1, "uno", "a")), MsgReceipt)
+        assert info.value.code is ErrorCode.CONFLICT
+        reply = await phone.sessions.request(to_home, MsgSendMany(letters=[letter(1, "eins", "a")]), MsgReceipts)
+        assert [r.code for r in reply.results] == [ErrorCode.CONFLICT]
+        # one of the two a minute is left: the refused ones gave theirs back
+        assert (await phone.sessions.request(to_home, MsgSend(letter=letter(2, "two", "b")), MsgReceipt)).id == "b"
+        rows = [(r["protocol"], r["allowed"], r["code"], r["count"])
+                for r in home.audit.query(peer_id=phone.identity.peer_id, limit=100) if r["operation"] == "msg.send"]
+        assert ("msg.inbox", False, "conflict", 2) in rows
+        assert [row for row in rows if row[1]] == [(ids.SESSION, True, None, 1)] * 4  # the door let all 4 in

@@ -27,7 +27,8 @@ again when it is done, by `readmit()` with a row of its own: a queued task as it
 session (libp2p), never from the request. Like syncthing's connection checks, the order
 is fixed and the list lives here only: the daemon calls `admit()` from one place (its
 session door), `admit_each()` for the letters of a batch the door let in (each as the
-`msg.send` it stands for, through the same checks), `admit_stream()` for every inbound
+`msg.send` it stands for, through the same checks), `undo()` for a letter it admitted that the
+inbox then refused (its unit given back, a refused row), `admit_stream()` for every inbound
 stream (a revoked peer that took our notice may open pairing only), `recheck()` when a queued
 task starts, `admit_relay()` for each reservation and circuit asked of this node as
 a relay (protocol/relay.py: steps 1 and 3, the grant covering `relay`), `admit_hole_punch()`
@@ -72,6 +73,7 @@ from ...protocol.tasks import TaskSpec, TaskSubmit
 log = logging.getLogger("psymesh.gate")
 RECHECK = "task.start"  # the audit row of a queued task re-checked as it starts (not a wire request)
 ASK_ANSWER = "ask.answer"  # ... of a peer's ask re-checked as this node's agent takes it up (neither)
+INBOX = "msg.inbox"  # ... of a letter the door admitted and the inbox then refused (`undo`)
 OVER_BUDGET = "*"  # the operation of the audit row counting a peer's refusals past its refusal budget
 
 
@@ -266,6 +268,21 @@ class Gate:
             if ask is None or not self.asks.asked(peer_id, ask):
                 return False
         return True
+
+    def undo(self, peer_id: str, request: Message, refusal: PsymeshError) -> None:
+        """A request this door admitted that its service then refused (a letter the inbox
+        cannot take: `conflict`, `expired`, `busy`): the unit it was charged is given back, so
+        only work done is charged, and a refused row (service INBOX) says what became of it,
+        after the door's allowed one."""
+        now = self.clock()
+        operation = operation_for(request)
+        what = operation.required() if operation is not None else request.type
+        peer = self.trust.get(peer_id)
+        grant = peer.granted if peer is not None else None
+        rpm = grant.limits.requests_per_minute if grant is not None else None
+        if rule_for(request).charged and rpm is not None and not self._answers_our_asks(peer_id, request):
+            self.rate.refund(peer_id, per_minute=rpm)
+        self._record(peer_id, INBOX, what, refusal, now)
 
     def recheck(self, peer_id: str, spec: TaskSpec) -> Decision:
         """A queued task about to start: does the submitter's grant, as it is *now*, still

@@ -101,6 +101,12 @@ class LetterDoor(Protocol):
         `admit_each`): per letter, None or why it was refused."""
 
 
+class LetterUndo(Protocol):
+    def __call__(self, peer_id: str, request: Message, refusal: PsymeshError) -> None:
+        """A letter the door admitted that the inbox refused: its charge given back, the refusal
+        audited (the gate's `undo`)."""
+
+
 class MailDrop(Protocol):
     async def deposit(self, letter: Letter) -> bool:
         """Leave `letter` at its recipient's mailbox: True once held there, False if the
@@ -117,10 +123,13 @@ class MailDrop(Protocol):
 class Messaging:
     def __init__(self, identity: Identity, store: MessageStore, trust: TrustStore, sessions: SessionPool,
                  door: LetterDoor, mail: MailDrop | None = None, grace_s: float = 5.0,
-                 gap_s: float = 600.0, wake: WakeLock | None = None, links: Links | None = None) -> None:
+                 gap_s: float = 600.0, wake: WakeLock | None = None, links: Links | None = None,
+                 undo: LetterUndo | None = None) -> None:
         """`links`: the p2p host's connections (P2PNode), so that a recipient that connects
-        gets its letters at once, not after its courier's back-off (None: after it)."""
+        gets its letters at once, not after its courier's back-off (None: after it). `undo`:
+        told of each letter the door admitted and the inbox refused."""
         self.identity = identity
+        self.undo = undo
         self.links = links
         self.wake = wake or WakeLock(None)  # held while letters wait to be delivered
         self.door = door
@@ -318,6 +327,7 @@ class Messaging:
         assert isinstance(request, MsgSend)  # the door checked it is the sender's, to us, signed
         stored = self._stored([request.letter])
         if request.letter.id in stored.refused:  # a refusal (conflict, expired, busy) is the peer's error
+            self._undo(call.peer_id, request.letter, stored.refused[request.letter.id])
             raise stored.refused[request.letter.id]
         return MsgReceipt(id=request.letter.id, proof=self._receipt(call.peer_id, [request.letter.id]))
 
@@ -329,6 +339,10 @@ class Messaging:
         if len(stored.released) < len(letters) - len(stored.refused):  # some may be held behind a gap
             self.changed.notify(_HELD)
         return stored
+
+    def _undo(self, sender: str, letter: Letter, refusal: PsymeshError) -> None:
+        if self.undo is not None:
+            self.undo(sender, MsgSend(letter=letter), refusal)
 
     def _receipt(self, sender: str, ids: list[str]) -> Receipt:
         return Receipt(recipient=self.identity.peer_id, sender=sender, ids=ids,
@@ -351,6 +365,9 @@ class Messaging:
         kept: list[str] = []
         if accepted:
             stored = self._stored(accepted)
+            for letter in accepted:
+                if letter.id in stored.refused:
+                    self._undo(call.peer_id, letter, stored.refused[letter.id])
             refused = {**stored.refused, **refused}
             kept = [letter.id for letter in accepted if letter.id not in refused]
         return MsgReceipts(results=[LetterResult.refused(letter.id, refused[letter.id]) if letter.id in refused
