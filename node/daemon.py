@@ -64,6 +64,7 @@ from .messaging.service import Messaging
 from .messaging.store import MessageStore
 from .models import ModelPool, ModelRegistry
 from .core.notify import Pulse
+from .core.redact import Redactor
 from .control.owner import Owner
 from .net.ping import pong_time
 from .core.bridgeconfig import A2AServe, OpenAIServe
@@ -132,6 +133,7 @@ class Node:
         `wake_commands`: how a wake lock is taken and let go while work is in flight
         (node/core/wakelock.py); by default Termux's, when the node runs under Termux."""
         self.home = home
+        self.redact = Redactor.for_node(home.path)  # what a peer is told never names this machine's paths
         self.identity = home.init()
         self.config = config or home.load_config()
         self._environ = environ  # for a bridge turned on later (serve_endpoint)
@@ -190,7 +192,7 @@ class Node:
                                       self.config.agent_model)
         self.executor = TaskExecutor(store=executor_store, gate=self.gate, trust=self.trust, tools=self.tools, models=self.models,
                                      profile=self.config.profile, share_dir=self.config.share_dir,
-                                     agent_runner=self.agents, wake=self.wake, wal=self.wal)
+                                     agent_runner=self.agents, wake=self.wake, wal=self.wal, redact=self.redact)
         self.submitter = TaskSubmitter(local_peer_id=self.identity.peer_id, outbox=Outbox(self.db), trust=self.trust,
                                        sessions=self.sessions, wal=self.wal, wake=self.wake,
                                        commands=self.commands)
@@ -198,12 +200,13 @@ class Node:
                                    door=self.gate.admit_each,
                                    mail=MailSender(self.identity.peer_id, mail_store, self.trust, self.sessions,
                                                    self.mailbox), grace_s=self.config.mail.grace_s,
-                                   gap_s=self.config.mail.gap_s, wake=self.wake, links=self.p2p)
+                                   gap_s=self.config.mail.gap_s, wake=self.wake, links=self.p2p,
+                                   undo=self.gate.undo)
         self.mail = MailOwner(home, self.identity, self.config.mailbox, mail_store, self.trust, self.sessions,
                               self._door, self.messaging, self.config.mail)
         self.groups = Groups(self.db, self.trust, self.messaging, commands=self.commands)
         self.answering = Answering(self.db, self.messaging, self.trust, self.agents, self.tools, self.identity.peer_id,
-                                   door=self.gate.readmit)
+                                   door=self.gate.readmit, redact=self.redact)
         self.discovery = Discovery(self.identity.peer_id, mdns=self.config.mdns, static_peers=self.config.static_peers,
                                    host=self.p2p, peers=self.trust,
                                    probe=lambda peer_id: self.sessions.request(peer_id, Ping(seq=0), Pong))
@@ -501,11 +504,17 @@ class Node:
         mail.receipt) leaves only once the WAL is synced, whether it ends the call or not (or
         goes out with the final answer, `Call.send_with_answer`); the services of SYNCS_ITSELF
         keep that promise themselves."""
-        self.gate.admit(call.peer_id, via, call.request)
-        if type(call.request) in SYNCS_ITSELF:
-            return await self.services[type(call.request)](call)
-        reply = await self.services[type(call.request)](Call(call.peer_id, call.rid, call.request,
-                                                             self._durable_send(call), call.ahead))
+        try:
+            self.gate.admit(call.peer_id, via, call.request)
+            if type(call.request) in SYNCS_ITSELF:
+                return await self.services[type(call.request)](call)
+            reply = await self.services[type(call.request)](Call(call.peer_id, call.rid, call.request,
+                                                                 self._durable_send(call), call.ahead))
+        except PsymeshError as exc:  # said to the peer: never this machine's paths (node/core/redact.py)
+            redacted = self.redact.error(exc)
+            if redacted is exc:
+                raise
+            raise redacted from exc
         if reply.durable or any(m.durable for m in call.ahead):
             await self.wal.sync()
         return reply

@@ -62,6 +62,12 @@ class RateLimiter:
         self._tat[key] = tat + interval
         return None
 
+    def refund(self, key: str, *, per_minute: int) -> None:
+        """Give back one request `acquire` admitted (work that was then not done)."""
+        tat = self._tat.get(key)
+        if tat is not None:
+            self._tat[key] = tat - 60.0 / per_minute
+
     def prune(self, now: float) -> int:
         """Forget keys whose allowance is full again (they behave as if never seen).
 

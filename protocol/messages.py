@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from .envelope import SCHEMA_VERSION, decode_map, open_envelope, seal
 from .errors import ProtocolError
+from .wiretypes import wire_type_error
 
 __all__ = ["SCHEMA_VERSION", "Message", "decode_map", "from_map", "message_types", "pack", "unpack"]
 
@@ -82,6 +83,8 @@ def from_map(obj: dict[str, Any]) -> Message:
         cls = _load_all().get(kind)
     if cls is None:
         raise ProtocolError(f"unknown message type {kind!r}")
+    if (problem := wire_type_error(cls, obj)) is not None:  # "1" is not 1 on the wire (§3)
+        raise ProtocolError(f"invalid {kind!r} message: {problem}")
     try:
         return cls.model_validate(obj)
     except ValidationError as exc:

@@ -15,8 +15,9 @@ A stranger who wants to burn an invite must find its number by running whole pai
 attempts, which the node rate-limits (`psymesh.protocol.strangers`).
 
     joiner (A)                                   inviter (B)
-    pair.hello   {nameplate, pake: X}     ->     finds the invite (charges one attempt) or a decoy
-                                          <-     pair.pake    {pake: Y}
+    pair.hello   {nameplate, pake: X}     ->     finds the invite or a decoy; a malformed X: `error`
+                                                 bad_request, nothing charged
+                                          <-     pair.pake    {pake: Y}   (sending it charges one attempt)
     pair.confirm {mac_A, joiner info}     ->     wrong mac: `error` bad_code (attempt stays spent)
                                           <-     pair.welcome {mac_B, inviter info, signed manifest}
 
@@ -601,11 +602,12 @@ class PairingInviter(_PairingMachine):
         return self._step(message, lambda m: self._on_confirm(m, now))
 
     def _on_hello(self, msg: PairHello, now: float) -> list[Message]:
+        """An attempt is charged only as `pair.pake` is about to be sent: a hello whose `pake`
+        is malformed (wrong side byte, not a point of the group, ...) is refused `bad_request`
+        and spends nothing, since it tested no code."""
         invite = self._find_invite(msg.nameplate)
         if invite is not None:
             invite.check_usable(now)
-            invite.record_failure()
-            self.invite = invite
             password = invite.code.password
         else:  # a decoy: no invite has this number, and the joiner must not learn that here
             password = b"decoy " + (self._entropy or secrets.token_bytes)(16)
@@ -614,6 +616,9 @@ class PairingInviter(_PairingMachine):
         msg_b = self._spake.start()
         key = _finish(self._spake, msg.pake)
         self._keys = _schedule(key, msg.nameplate, self.remote_peer_id, self.local_peer_id, msg.pake, msg_b)
+        if invite is not None:
+            invite.record_failure()  # the run now tests a code: it counts, whatever comes next
+            self.invite = invite
         self.state = PairState.AWAIT_CONFIRM
         return [PairPake(pake=msg_b)]
 

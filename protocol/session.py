@@ -17,7 +17,8 @@ Every frame is an ordinary psymesh frame whose map carries two more envelope key
                                         <─────  {type: task.accepted, rid: 7, end: false}
                                         <─────  {type: task.event, rid: 7, end: false}
                                         <─────  {type: task.event, rid: 7, end: true}
-    {type: session.cancel, rid: 9}      ─────>  (stop answering 9; its final frame still comes)
+    {type: session.cancel, rid: 9}      ─────>  (stop answering 9; its final frame still comes;
+                                                 a rid not open: ignored)
 
 Requests are answered concurrently, so frames of different requests interleave. Each
 request gets any number of frames with `end: false`, then exactly one with `end: true`;
@@ -56,8 +57,11 @@ _MAX_RID = (1 << 63) - 1
 
 
 class SessionCancel(Message):
-    """Client -> server: stop working on request `rid` (its frame's own `rid`). The server
-    still ends the request with one final frame (a `canceled` error if nothing else)."""
+    """Client -> server: stop working on request `rid`. It carries nothing but the envelope's
+    `rid`, which names the request to stop: it is not a request itself (no rid of its own, no
+    answer, no place in the order of rids). The server still ends the request with one final
+    frame (a `canceled` error if nothing else); a cancel of a `rid` that is not open (it ended,
+    or was never sent) is ignored, and the session goes on."""
 
     type = "session.cancel"
 
@@ -198,12 +202,10 @@ class SessionServer(_Side):
                 if obj is None:
                     return None
                 rid = obj.pop("rid")
-                if obj.get("type") == SessionCancel.type:
+                if obj.get("type") == SessionCancel.type:  # its `rid` names the request to stop
                     if rid in self._open:
                         return Cancel(rid)
-                    if rid > self._last_rid:
-                        raise ProtocolError(f"cancel of request {rid}, which was never sent")
-                    continue  # it ended while the cancel was on its way
+                    continue  # ended while the cancel was on its way, or never sent: nothing to stop
                 if rid <= self._last_rid:
                     raise ProtocolError(f"request id {rid} does not follow {self._last_rid}")
             except ProtocolError as exc:

@@ -193,3 +193,38 @@ async def test_an_ask_whose_grant_was_withdrawn_while_it_waited_is_refused_at_th
         assert await home.answering.answer(first_ask.model_copy(update={"id": "asked-before-unpairing"})) is None
         last = home.audit.query(peer_id=phone.identity.peer_id, denied_only=True, limit=1)[-1]
         assert (last["protocol"], last["operation"], last["code"]) == (ASK_ANSWER, "msg.ask", "unknown_peer")
+
+
+async def test_no_answer_or_task_error_tells_the_peer_this_machine_s_paths(
+        tmp_path: Path, tiny_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 34 item 6: a tool whose error names a file under the node's home (as an OSError
+    does), and an agent that repeats it: the task's error, its events and the ask's answer
+    reach the peer with `<node home>` (and `~` for the user's home) in place of the paths."""
+    async with run_nodes(tmp_path, "home", "phone", profiles={"phone": "phone"}) as nodes:
+        home, phone = nodes["home"], nodes["phone"]
+        await pair(home.home.path, phone.home.path, grant="phone")
+        secret = home.home.path / "keys" / "spare.key"
+        user_home = Path.home() / "notes.txt"
+
+        def read(name: str) -> dict:
+            """Read a note."""
+            raise PermissionError(13, "Permission denied", str(secret))
+
+        home.tools.register(tool_from_function(read, "notes.read"))
+        home.models.registry.add("tiny", tiny_model, **MODEL)
+        model = ScriptedModel([tool_call_text("notes.read", {"name": "x"}),
+                               f"I could not read {secret}; try {user_home} instead."])
+        monkeypatch.setattr(agents, "llama_model", lambda worker, params: model)
+        async with Client(home.home.path) as h:
+            await h.grant("phone", ["msg.ask", "tool:notes.*"], limits=Limits(max_runtime_s=60))
+        async with Client(phone.home.path) as p:
+            task = await p.delegate("home", tool="notes.read", args={"name": "x"})
+            with pytest.raises(RemoteError) as err:
+                await task.result()
+            events = [e async for e in task.events(0)]
+            answer = await p.ask("home", "Read my note x.", timeout=60)
+
+        said = repr((err.value.message, [e.data for e in events], answer.text, answer.body))
+        assert str(home.home.path) not in said and str(Path.home()) not in said
+        assert "<node home>/keys/spare.key" in err.value.message
+        assert answer.text == "I could not read <node home>/keys/spare.key; try ~/notes.txt instead."

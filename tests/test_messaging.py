@@ -206,3 +206,66 @@ def test_the_inbox_holds_a_letter_until_its_predecessor_arrives(tmp_path: Path) 
     assert [(r.letter.tseq, r.release_seq) for r in store.store_many(batch).released] == [(4, 4), (5, 5)]
     assert store.held() == 1
     assert releasable([5, 3, 4, 7], 2) == [3, 4, 5]
+
+
+async def test_a_letter_with_a_bad_signature_is_refused_at_the_door_and_spends_no_rate(tmp_path: Path) -> None:
+    """Issue 34 item 3: a letter whose signature does not verify (alone, or in a batch) is
+    refused by the door (`forbidden`), its audit row says so, and it spends nothing of the
+    grant's request rate: the good letters after it are all taken."""
+    async with run_nodes(tmp_path, "home", "phone") as nodes:
+        home, phone = nodes["home"], nodes["phone"]
+        await pair(home.home.path, phone.home.path)
+        async with Client(home.home.path) as h:
+            await h.grant("phone", ["msg.send"], limits=Limits(requests_per_minute=2))
+
+        def letter(tseq: int, text: str, *, forged: bool = False) -> Letter:
+            signed = Letter(id=f"sig-{tseq}", sender=phone.identity.peer_id, recipient=home.identity.peer_id,
+                            thread="sig", tseq=tseq, text=text, at=int(time.time() * 1000)
+                            ).sign(phone.identity.private_key)
+            return signed.model_copy(update={"text": text + " (altered)"}) if forged else signed
+
+        to_home = home.identity.peer_id
+        with pytest.raises(PsymeshError) as info:
+            await phone.sessions.request(to_home, MsgSend(letter=letter(1, "one", forged=True)), MsgReceipt)
+        assert info.value.code is ErrorCode.FORBIDDEN and "signature" in info.value.message
+        reply = await phone.sessions.request(to_home, MsgSendMany(letters=[letter(1, "one", forged=True)]), MsgReceipts)
+        assert [(r.status, r.code) for r in reply.results] == [(ReceiptStatus.REFUSED, ErrorCode.FORBIDDEN)]
+        # the grant's 2 a minute are all still there
+        assert (await phone.sessions.request(to_home, MsgSend(letter=letter(1, "one")), MsgReceipt)).id == "sig-1"
+        reply = await phone.sessions.request(to_home, MsgSendMany(letters=[letter(2, "two")]), MsgReceipts)
+        assert [r.status for r in reply.results] == [ReceiptStatus.STORED]
+        assert [r.letter.text for r in home.messaging.store.released_after(0)] == ["one", "two"]
+        rows = [r for r in home.audit.query(peer_id=phone.identity.peer_id, limit=100) if r["operation"] == "msg.send"]
+        assert [(r["allowed"], r["code"], r["count"]) for r in rows] == [
+            (False, "forbidden", 2), (True, None, 1), (True, None, 1)]
+        assert "signature" in rows[0]["reason"]
+
+
+async def test_a_letter_the_inbox_refuses_after_the_door_gives_its_charge_back(tmp_path: Path) -> None:
+    """Issue 34 item 3: a letter the door admits and the inbox then refuses (here `conflict`:
+    another letter under a used id) spends nothing of the grant's rate, and the audit log
+    says what became of it: a refused `msg.inbox` row with the code, after the door's row."""
+    async with run_nodes(tmp_path, "home", "phone") as nodes:
+        home, phone = nodes["home"], nodes["phone"]
+        await pair(home.home.path, phone.home.path)
+        async with Client(home.home.path) as h:
+            await h.grant("phone", ["msg.send"], limits=Limits(requests_per_minute=2))
+
+        def letter(tseq: int, text: str, letter_id: str) -> Letter:
+            return Letter(id=letter_id, sender=phone.identity.peer_id, recipient=home.identity.peer_id,
+                          thread="inbox", tseq=tseq, text=text, at=int(time.time() * 1000)
+                          ).sign(phone.identity.private_key)
+
+        to_home = home.identity.peer_id
+        assert (await phone.sessions.request(to_home, MsgSend(letter=letter(1, "one", "a")), MsgReceipt)).id == "a"
+        with pytest.raises(PsymeshError) as info:  # the same id, other content
+            await phone.sessions.request(to_home, MsgSend(letter=letter(1, "uno", "a")), MsgReceipt)
+        assert info.value.code is ErrorCode.CONFLICT
+        reply = await phone.sessions.request(to_home, MsgSendMany(letters=[letter(1, "eins", "a")]), MsgReceipts)
+        assert [r.code for r in reply.results] == [ErrorCode.CONFLICT]
+        # one of the two a minute is left: the refused ones gave theirs back
+        assert (await phone.sessions.request(to_home, MsgSend(letter=letter(2, "two", "b")), MsgReceipt)).id == "b"
+        rows = [(r["protocol"], r["allowed"], r["code"], r["count"])
+                for r in home.audit.query(peer_id=phone.identity.peer_id, limit=100) if r["operation"] == "msg.send"]
+        assert ("msg.inbox", False, "conflict", 2) in rows
+        assert [row for row in rows if row[1]] == [(ids.SESSION, True, None, 1)] * 4  # the door let all 4 in

@@ -403,12 +403,20 @@ def test_joiner_rejects_a_bad_inviter_mac() -> None:
     assert info.value.code is ErrorCode.BAD_CODE
 
 
-def test_garbage_pake_message_is_a_protocol_error() -> None:
+@pytest.mark.parametrize("pake", [b"B" + bytes(32), b"A" + bytes(32), b"A" + b"\xff" * 32, b"A", b"A" + bytes(40)],
+                         ids=["wrong side", "identity", "not a point", "short", "long"])
+def test_malformed_hellos_are_refused_and_charge_no_attempt(pake: bytes) -> None:
+    """Protocol.md §5.2: an attempt is charged when the inviter sends `pair.pake`; a hello
+    whose `pake` is malformed gets `bad_request` and no `pair.pake`, so any number of them
+    leave the invite as it was, and the right code still pairs."""
     invite = make_invite()
-    inviter = inviter_for(Invites(invite))
-    with pytest.raises(ProtocolError):
-        inviter.receive(PairHello(nameplate=invite.nameplate, pake=b"B" + bytes(32)), NOW)  # wrong side
-    assert invite.attempts_left == MAX_ATTEMPTS - 1
+    for _ in range(MAX_ATTEMPTS + 1):
+        inviter = inviter_for(Invites(invite))
+        with pytest.raises(ProtocolError) as info:
+            inviter.receive(PairHello(nameplate=invite.nameplate, pake=pake), NOW)
+        assert info.value.code is ErrorCode.BAD_REQUEST
+    assert invite.attempts_left == MAX_ATTEMPTS
+    assert converse(joiner_for(invite.code), inviter_for(Invites(invite))) == (None, None) and invite.used
 
 
 def test_misconfigured_machines_are_caught_early() -> None:

@@ -256,3 +256,50 @@ async def test_a_running_node_answers_the_spec_s_session_ping_and_takes_its_lett
         assert isinstance(pong.pop("time"), float)
         assert frame_of(pong) == spec_bytes(until_equals(lines[3:]))
         assert {"rid": 2, "end": True, "type": "msg.receipt", "id": "spec-1", "status": "stored"}.items() <= answers[2].items()
+
+
+def test_the_task_id_grammar_of_section_5_4_is_the_node_s() -> None:
+    """Issue 34 item 5: §5.4 states the task-id grammar as a regular expression; the node's
+    TaskId takes exactly the ids it matches (the spec's own examples, and edge cases)."""
+    from pydantic import TypeAdapter, ValidationError
+
+    from psymesh.protocol.tasks import TaskId
+
+    grammar = re.search(r"A task id is .*?`(\^[^`]+\$)`", SPEC, re.S)
+    assert grammar is not None, "§5.4 must state the task-id grammar as a regular expression"
+    spec_re = re.compile(grammar.group(1))
+    section = SPEC[SPEC.index("### 5.4"):SPEC.index("### 5.5")]
+    said_ok = re.search(r"Examples:\s*(.*?) are task ids", section, re.S)
+    said_bad = re.search(r"task ids; (.*?) are not", section, re.S)
+    assert said_ok and said_bad
+    ok = re.findall(r"`([^`]+)`", said_ok.group(1))
+    bad = re.findall(r"`([^`]+)`", said_bad.group(1)) + ["x" * 65]
+    adapter = TypeAdapter(TaskId)
+
+    def node_takes(task_id: str) -> bool:
+        try:
+            adapter.validate_python(task_id)
+        except ValidationError:
+            return False
+        return True
+
+    for task_id in ok + bad + ["a", "9", "x" * 64, "a_b", "a\n", "_a", ":a", "a b", "A.-:_9"]:
+        assert node_takes(task_id) is bool(spec_re.fullmatch(task_id)), task_id
+    assert all(node_takes(t) for t in ok) and not any(node_takes(t) for t in bad)
+
+
+def test_the_mistyped_ping_of_section_3_is_bad_frame_for_its_rid_alone() -> None:
+    """Issue 34 item 5: §3's example frame, `ping {seq: "1"}`, is refused `bad_frame` with the
+    spec's message; it is not answered as `seq: 1`, and the session goes on."""
+    from psymesh.protocol.session import Refused
+
+    lines = block_after("So `ping {seq: \"1\"}` is answered")
+    frame = spec_bytes(until_equals(lines[:1]))
+    assert frame == frame_of({"seq": "1", "rid": 1, "v": 1, "type": "ping"})
+    server = SessionServer()
+    server.receive_data(frame)
+    event = server.next_event()
+    assert isinstance(event, Refused) and event.error.code.value == "bad_frame"
+    said = re.search(r'message: "([^"]+)"', "\n".join(lines))
+    assert said is not None and event.error.message == said.group(1)
+    assert not server.broken

@@ -86,6 +86,34 @@ def test_cancel_reaches_the_server_once_and_is_ignored_after_the_end() -> None:
     assert pump_to_server(server, late_cancel) == []
 
 
+def test_a_cancel_of_a_rid_never_sent_is_ignored_and_the_session_goes_on() -> None:
+    """Issue 34 item 5: `session.cancel` carries only the `rid` of the request to stop. A
+    client that gives its cancel a fresh rid of its own (as if it were a request) cancels
+    nothing, gets no answer, and keeps its session; the open request and that rid are
+    unaffected."""
+    server = SessionServer()
+    assert pump_to_server(server, raw({"v": 1, "type": "ping", "seq": 1, "rid": 1})) == [Request(1, Ping(seq=1))]
+    assert pump_to_server(server, raw({"v": 1, "type": "session.cancel", "rid": 2, "task_id": "t"})) == []
+    assert not server.broken and server.open_requests == frozenset({1})
+    assert pump_to_server(server, raw({"v": 1, "type": "ping", "seq": 2, "rid": 2})) == [Request(2, Ping(seq=2))]
+    assert pump_to_server(server, raw({"v": 1, "type": "session.cancel", "rid": 1})) == [Cancel(1)]
+
+
+@pytest.mark.parametrize("fields, where", [
+    ({"seq": "1"}, "seq: must be an integer, not str"),
+    ({"seq": 1.0}, "seq: must be an integer, not float"),
+    ({"seq": True}, "seq: must be an integer, not bool"),
+    ({"seq": 1, "payload": "abc"}, "payload: must be bin (bytes), not str"),
+])
+def test_a_field_of_another_msgpack_type_is_bad_frame_not_coerced(fields: dict, where: str) -> None:
+    """Issue 34 item 5: fields are validated as the spec types them (protocol.md §3): a ping
+    with `seq: "1"` is refused `bad_frame` for its rid alone, never answered as `seq: 1`."""
+    server = SessionServer()
+    [event] = pump_to_server(server, raw({"v": 1, "type": "ping", "rid": 1, **fields}))
+    assert isinstance(event, Refused) and event.error.code is ErrorCode.BAD_FRAME
+    assert where in event.error.message and not server.broken
+
+
 def test_a_bad_request_is_refused_alone_and_the_session_goes_on() -> None:
     server = SessionServer()
     events = pump_to_server(server, raw({"v": 1, "type": "no.such", "rid": 1})
@@ -101,7 +129,6 @@ def test_a_bad_request_is_refused_alone_and_the_session_goes_on() -> None:
     ({"v": 1, "type": "ping", "seq": 1}, "integer 'rid'"),
     ({"v": 1, "type": "ping", "seq": 1, "rid": True}, "integer 'rid'"),
     ({"v": 1, "type": "ping", "seq": 1, "rid": 0}, "integer 'rid'"),
-    ({"v": 1, "type": "session.cancel", "rid": 99}, "never sent"),
 ])
 def test_malformed_frames_break_the_session(frame: dict, why: str) -> None:
     server = SessionServer()

@@ -326,3 +326,29 @@ async def test_a_small_frame_limit_also_bounds_what_framing_reads_ahead() -> Non
         assert isinstance(await framed.receive(), PairPake)
         assert framed.channel._decoder.buffered <= 2 * (PAIR_MAX_FRAME + 4)
     assert max(stream.asked) == PAIR_MAX_FRAME + 4
+
+
+async def test_malformed_hellos_do_not_use_up_an_invite(tmp_path: Path) -> None:
+    """Issue 34 item 4: three (here four) `pair.hello` frames naming the invite's number with a
+    `pake` that is not a SPAKE2 element are each answered `bad_request`, and no `pair.pake`:
+    no code was tested, so no attempt is spent, and the phone then pairs with the invite."""
+    from psymesh.protocol.pairing import PairHello
+
+    async with run_nodes(tmp_path, "home", "phone") as nodes:
+        home, phone = nodes["home"], nodes["phone"]
+        addr, peer_id = home.p2p.addrs()[0], home.identity.peer_id
+        async with Client(home.home.path) as h:
+            invite = await h.pair_invite(name="my-phone")
+        nameplate = int(invite.code.split("-")[0])
+        answers = []
+        with anyio.fail_after(60):
+            for pake in (b"A" + bytes(32), b"A" + b"\xff" * 32, b"B" + bytes(32), b"A"):
+                async with Stranger.connect(addr, peer_id, source="127.0.0.2") as s:
+                    stream = await s.open(ids.PAIR)
+                    assert await stream.negotiated()
+                    await stream.send_message(PairHello(nameplate=nameplate, pake=pake))
+                    answers.append(await stream.receive_message())
+            assert all(isinstance(a, Error) and a.code == ErrorCode.BAD_REQUEST.value for a in answers), answers
+            async with Client(phone.home.path) as p:
+                paired = await p.pair_join(invite.invite)
+        assert paired.peer_id == peer_id

@@ -8,6 +8,8 @@
        paired      nothing more (msg.missing: "send me again what you sent me")
        grant       we issued the peer a grant, ours, for it, signed, in date       forbidden / expired
        capability  ... and a capability covers this exact request, payload within  forbidden / too_large
+                   (a letter, msg.send: first its own checks, from the sender, to us,
+                   validly signed: bad_request / forbidden, so a refused letter is never charged)
     4. charged requests: within the grant's request rate       rate_limited (retry_after)
     5. requests that start a task: within the queue limits     busy (retry_after)
        deposits of mail: the recipient named this node its mailbox, and the sender's
@@ -25,7 +27,8 @@ again when it is done, by `readmit()` with a row of its own: a queued task as it
 session (libp2p), never from the request. Like syncthing's connection checks, the order
 is fixed and the list lives here only: the daemon calls `admit()` from one place (its
 session door), `admit_each()` for the letters of a batch the door let in (each as the
-`msg.send` it stands for, through the same checks), `admit_stream()` for every inbound
+`msg.send` it stands for, through the same checks), `undo()` for a letter it admitted that the
+inbox then refused (its unit given back, a refused row), `admit_stream()` for every inbound
 stream (a revoked peer that took our notice may open pairing only), `recheck()` when a queued
 task starts, `admit_relay()` for each reservation and circuit asked of this node as
 a relay (protocol/relay.py: steps 1 and 3, the grant covering `relay`), `admit_hole_punch()`
@@ -61,7 +64,7 @@ from ...protocol.manifest import (
     verify_grant,
 )
 from ...protocol.messages import Message
-from ...protocol.messaging import MsgAck, MsgSend, MsgSendMany, answered_ask, check_receipt
+from ...protocol.messaging import MsgAck, MsgSend, MsgSendMany, answered_ask, check_letter, check_receipt
 from ...protocol.relay import DCUTR, HOLE_PUNCH, HOP, STOP, TAKE_CIRCUIT
 from ...protocol.oblivious import verify_exit_key
 from ...protocol.web import WebKeyPush
@@ -70,6 +73,7 @@ from ...protocol.tasks import TaskSpec, TaskSubmit
 log = logging.getLogger("psymesh.gate")
 RECHECK = "task.start"  # the audit row of a queued task re-checked as it starts (not a wire request)
 ASK_ANSWER = "ask.answer"  # ... of a peer's ask re-checked as this node's agent takes it up (neither)
+INBOX = "msg.inbox"  # ... of a letter the door admitted and the inbox then refused (`undo`)
 OVER_BUDGET = "*"  # the operation of the audit row counting a peer's refusals past its refusal budget
 
 
@@ -199,6 +203,8 @@ class Gate:
                 raise PsymeshError(f"stale revocation: serial {request.serial} is older than the grant held",
                                    code=ErrorCode.CONFLICT)
             return Decision(True)
+        if isinstance(request, MsgSend):  # the letter's own: from its sender, to us, signed (before any charge)
+            check_letter(request.letter, sender=peer_id, local_peer_id=self.local_peer_id)
         if self._answers_our_asks(peer_id, request):
             return Decision(True)
         grant = self._grant_of(peer)
@@ -262,6 +268,21 @@ class Gate:
             if ask is None or not self.asks.asked(peer_id, ask):
                 return False
         return True
+
+    def undo(self, peer_id: str, request: Message, refusal: PsymeshError) -> None:
+        """A request this door admitted that its service then refused (a letter the inbox
+        cannot take: `conflict`, `expired`, `busy`): the unit it was charged is given back, so
+        only work done is charged, and a refused row (service INBOX) says what became of it,
+        after the door's allowed one."""
+        now = self.clock()
+        operation = operation_for(request)
+        what = operation.required() if operation is not None else request.type
+        peer = self.trust.get(peer_id)
+        grant = peer.granted if peer is not None else None
+        rpm = grant.limits.requests_per_minute if grant is not None else None
+        if rule_for(request).charged and rpm is not None and not self._answers_our_asks(peer_id, request):
+            self.rate.refund(peer_id, per_minute=rpm)
+        self._record(peer_id, INBOX, what, refusal, now)
 
     def recheck(self, peer_id: str, spec: TaskSpec) -> Decision:
         """A queued task about to start: does the submitter's grant, as it is *now*, still

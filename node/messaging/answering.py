@@ -31,6 +31,7 @@ import anyio.abc
 
 from ..models.agents import AgentTaskRunner, granted_tools
 from ..core.db import ensure_schema
+from ..core.redact import Redactor
 from ..door.gate import ASK_ANSWER
 from .service import Messaging
 from .store import Received
@@ -65,8 +66,11 @@ def answer_id(ask: Letter) -> str:
 
 class Answering:
     def __init__(self, conn: sqlite3.Connection, messaging: Messaging, trust: TrustStore, agents: AgentTaskRunner,
-                 tools: ToolRegistry, local_peer_id: str, *, door: Readmission) -> None:
+                 tools: ToolRegistry, local_peer_id: str, *, door: Readmission, redact: Redactor | None = None) -> None:
+        """`redact`: this machine's paths taken out of every answer (and its error) before it is
+        signed and sent (node/core/redact.py)."""
         self.conn = conn
+        self.redact = redact or Redactor()
         self.door = door
         self.messaging = messaging
         self.trust = trust
@@ -117,6 +121,7 @@ class Answering:
             log.exception("ask %s from %s failed", ask.id, peer.name)
             body = {"ok": False, "error": {"code": ErrorCode.INTERNAL.value, "message": type(exc).__name__}}
             text = "internal error"
+        text, body = self.redact.text(text), self.redact.data(body)  # never the home's paths, to a peer
         try:
             return self.messaging.send(ask.sender, text, body=body, thread=ask.thread, kind=LetterKind.ANSWER,
                                        reply_to=ask.id, letter_id=answer_id(ask))

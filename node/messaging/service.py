@@ -11,7 +11,7 @@
                  (node/messaging/mailclient.py) -> deposited, and still offered directly
                  (backoff up to PARKED_RETRY_MAX_S) until the recipient's signed receipt
                  comes back, on a direct delivery or a `msg.ack`
-    msg.send (admitted by the door) ─> check_letter ─> inbox (exactly once) ─> receipt,
+    msg.send (admitted by the door, which checks the letter itself) ─> inbox (exactly once) ─> receipt,
         with `proof`: our signed Receipt over the ids stored
     msg.ack     (the recipient's signed receipt for letters its mailbox handed over) ─> delivered
     msg.missing (the recipient held a gap past `gap_s`) ─> those letters pending again
@@ -24,7 +24,7 @@
     parked      a courier whose letters all sit at the mailbox takes the receipts the
                 recipient left there, each round, besides offering the letters directly
     msg.send_many (the envelope admitted by the door, then each letter as its msg.send)
-        ─> check_letter each ─> the accepted ones stored in one transaction ─> receipts
+        ─> the accepted ones stored in one transaction ─> receipts
         released letters wake `follow()` (the app's inbox stream)
 """
 from __future__ import annotations
@@ -79,7 +79,6 @@ from ...protocol.messaging import (
     MsgSend,
     MsgSendMany,
     Receipt,
-    check_letter,
     check_receipt,
 )
 from ...protocol.tasks import JsonMap
@@ -102,6 +101,12 @@ class LetterDoor(Protocol):
         `admit_each`): per letter, None or why it was refused."""
 
 
+class LetterUndo(Protocol):
+    def __call__(self, peer_id: str, request: Message, refusal: PsymeshError) -> None:
+        """A letter the door admitted that the inbox refused: its charge given back, the refusal
+        audited (the gate's `undo`)."""
+
+
 class MailDrop(Protocol):
     async def deposit(self, letter: Letter) -> bool:
         """Leave `letter` at its recipient's mailbox: True once held there, False if the
@@ -118,10 +123,13 @@ class MailDrop(Protocol):
 class Messaging:
     def __init__(self, identity: Identity, store: MessageStore, trust: TrustStore, sessions: SessionPool,
                  door: LetterDoor, mail: MailDrop | None = None, grace_s: float = 5.0,
-                 gap_s: float = 600.0, wake: WakeLock | None = None, links: Links | None = None) -> None:
+                 gap_s: float = 600.0, wake: WakeLock | None = None, links: Links | None = None,
+                 undo: LetterUndo | None = None) -> None:
         """`links`: the p2p host's connections (P2PNode), so that a recipient that connects
-        gets its letters at once, not after its courier's back-off (None: after it)."""
+        gets its letters at once, not after its courier's back-off (None: after it). `undo`:
+        told of each letter the door admitted and the inbox refused."""
         self.identity = identity
+        self.undo = undo
         self.links = links
         self.wake = wake or WakeLock(None)  # held while letters wait to be delivered
         self.door = door
@@ -316,10 +324,10 @@ class Messaging:
     # -- receiving (a door service) ----------------------------------------------------------
     async def receive(self, call: Call) -> Message:
         request = call.request
-        assert isinstance(request, MsgSend)
-        check_letter(request.letter, sender=call.peer_id, local_peer_id=self.identity.peer_id)
+        assert isinstance(request, MsgSend)  # the door checked it is the sender's, to us, signed
         stored = self._stored([request.letter])
         if request.letter.id in stored.refused:  # a refusal (conflict, expired, busy) is the peer's error
+            self._undo(call.peer_id, request.letter, stored.refused[request.letter.id])
             raise stored.refused[request.letter.id]
         return MsgReceipt(id=request.letter.id, proof=self._receipt(call.peer_id, [request.letter.id]))
 
@@ -332,12 +340,16 @@ class Messaging:
             self.changed.notify(_HELD)
         return stored
 
+    def _undo(self, sender: str, letter: Letter, refusal: PsymeshError) -> None:
+        if self.undo is not None:
+            self.undo(sender, MsgSend(letter=letter), refusal)
+
     def _receipt(self, sender: str, ids: list[str]) -> Receipt:
         return Receipt(recipient=self.identity.peer_id, sender=sender, ids=ids,
                        at=int(time.time() * 1000)).sign(self.identity.private_key)
 
     async def receive_many(self, call: Call) -> Message:
-        """A batch: each letter admitted (the door let the envelope in) and checked on its own;
+        """A batch: each letter admitted and checked on its own (the door let the envelope in);
         the accepted ones stored in one transaction; a receipt per letter, refused ones saying
         why, so one bad letter refuses only itself."""
         request = call.request
@@ -345,12 +357,7 @@ class Messaging:
         refusals = self.door(call.peer_id, ids.SESSION, [MsgSend(letter=letter) for letter in request.letters])
         refused: dict[str, PsymeshError] = {}
         accepted: list[Letter] = []
-        for letter, refusal in zip(request.letters, refusals):
-            if refusal is None:
-                try:
-                    check_letter(letter, sender=call.peer_id, local_peer_id=self.identity.peer_id)
-                except PsymeshError as exc:
-                    refusal = exc
+        for letter, refusal in zip(request.letters, refusals):  # (the door checked each letter itself)
             if refusal is None:
                 accepted.append(letter)
             else:
@@ -358,6 +365,9 @@ class Messaging:
         kept: list[str] = []
         if accepted:
             stored = self._stored(accepted)
+            for letter in accepted:
+                if letter.id in stored.refused:
+                    self._undo(call.peer_id, letter, stored.refused[letter.id])
             refused = {**stored.refused, **refused}
             kept = [letter.id for letter in accepted if letter.id not in refused]
         return MsgReceipts(results=[LetterResult.refused(letter.id, refused[letter.id]) if letter.id in refused

@@ -35,6 +35,7 @@ from ..core.logs import fields
 from ..models import ModelPool
 from ..core.notify import Notifier
 from ..core.wakelock import WakeLock
+from ..core.redact import Redactor
 from ..net.session import Call
 from .store import ExecutorStore, TaskRecord
 from ..door.trust import TrustStore
@@ -105,10 +106,12 @@ class TaskExecutor:
     def __init__(self, *, store: ExecutorStore, gate: Gate, trust: TrustStore, tools: ToolRegistry,
                  models: ModelPool, profile: str, share_dir: str | None, limits: ExecutorLimits | None = None,
                  agent_runner: AgentRunner | None = None, wake: WakeLock | None = None,
-                 wal: WalSync | None = None) -> None:
+                 wal: WalSync | None = None, redact: Redactor | None = None) -> None:
         """`wal`: puts what is committed on disk (node/core/db.py); a `task.accepted` leaves
         only once the task's row is (the door leaves this answer's promise to us: daemon.py
-        SYNCS_ITSELF)."""
+        SYNCS_ITSELF). `redact`: this machine's paths taken out of every event before it is
+        stored, so none reaches the submitter (node/core/redact.py)."""
+        self.redact = redact or Redactor()
         self.store = store
         self.gate = gate
         self.trust = trust
@@ -255,7 +258,7 @@ class TaskExecutor:
               new_state: TaskState | None = None) -> bool:
         """Append an event unless the task already ended (e.g. canceled meanwhile)."""
         try:
-            self.store.append_event(task_id, kind, data, new_state)
+            self.store.append_event(task_id, kind, self.redact.data(data), new_state)
         except ProtocolError:
             return False
         self.changed.notify(task_id)
