@@ -489,7 +489,7 @@ class ModelRunner(StreamingModel):
 
 def _engine_error(msg: Failed) -> PsymeshError:
     """A refusal from the engine, as the same error class the in-process engine raises."""
-    from ...agent import inference
+    from ...agent.runtime import api as inference
 
     by_code = {ErrorCode.TOO_LARGE: inference.PromptTooLong, ErrorCode.BAD_REQUEST: inference.GrammarError,
                ErrorCode.BUSY: inference.WorkerBusy, ErrorCode.UNAVAILABLE: inference.WorkerClosed}
