@@ -403,7 +403,8 @@ class ModelRunner(StreamingModel):
         if isinstance(msg, Ready):
             self._now = pending
             self._info = ModelInfo(path=self.settings.path, n_ctx=msg.n_ctx, n_vocab=msg.n_vocab,
-                                   chat_template=msg.chat_template, eog_token_ids=tuple(msg.eog_token_ids))
+                                   chat_template=msg.chat_template, eog_token_ids=tuple(msg.eog_token_ids),
+                                   family_tokens=tuple(msg.family_tokens))
             return self._now
         await self._reap(pending)
         if isinstance(msg, LoadFailed):
