@@ -24,7 +24,8 @@ from typing import Any, Literal
 
 from .chat import ToolSpec
 
-__all__ = ["ThinkMode", "bounded_schema", "gbnf_literal", "reply_rules", "schema_converter", "tool_call_grammar"]
+__all__ = ["ThinkMode", "bounded_schema", "gbnf_literal", "json_rules", "reply_rules", "schema_converter",
+           "tool_call_grammar"]
 
 ThinkMode = Literal["none", "empty", "bounded"]
 
@@ -167,11 +168,20 @@ class _Builder:
             self.rules.update(_free_json_rules(self.max_string_chars))
         lines = [f"{name} ::= {body}" for name, body in self.rules.items()]
         if self._json_used:
-            for line in self._json.format_grammar().splitlines():
-                if line.startswith("char ::= "):  # valid JSON has no raw controls; '<' could end the parameter
-                    line = line.replace(r'[^"\\', r'[^"\\<\x00-\x1F', 1)
-                lines.append(line)
+            lines.extend(json_rules(self._json))
         return "\n".join(lines) + "\n"
+
+
+def json_rules(converter: Any) -> list[str]:
+    """The rules a JSON-schema converter built, its string characters narrowed: valid JSON
+    has no raw controls, and a '<' could end the call early (``</parameter>``, ``</tool_call>``,
+    where the runtime stops after the last call)."""
+    lines = []
+    for line in converter.format_grammar().splitlines():
+        if line.startswith("char ::= "):
+            line = line.replace(r'[^"\\', r'[^"\\<\x00-\x1F', 1)
+        lines.append(line)
+    return lines
 
 
 def tool_call_grammar(

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .chat import ParsedReply, ToolCall, ToolSpec
-from .grammar import ThinkMode, bounded_schema, gbnf_literal, reply_rules, schema_converter
+from .grammar import ThinkMode, bounded_schema, gbnf_literal, json_rules, reply_rules, schema_converter
 from .toolparse import admit_call, call_from_json, short, split_reply
 
 __all__ = ["hermes_grammar", "llama3_grammar", "mistral_grammar", "parse_llama3", "parse_mistral"]
@@ -130,7 +130,7 @@ def _call_objects(tools: Sequence[ToolSpec], arguments_key: str, max_string_char
                                                    arguments_key: bounded_schema(tool.parameters, max_string_chars)},
                   "required": ["name", arguments_key], "additionalProperties": False}
         names.append(converter.visit(converter.resolve_refs(schema, ""), f"tc-obj-{i}"))
-    lines = [line for line in converter.format_grammar().splitlines() if line and not line.startswith("root ::=")]
+    lines = [line for line in json_rules(converter) if line and not line.startswith("root ::=")]
     lines.append(f"tc-obj ::= {' | '.join(names)}")
     return "tc-obj", lines
 

@@ -80,10 +80,14 @@ def _print_agent_event(out: Output, ev: Any, simulated: frozenset[str] = frozens
 @click.option("--thinking", is_flag=True, help="Let the model think before answering.")
 @click.option("--free", "free_form", is_flag=True, help="No grammar: let the model write calls freely.")
 @click.option("--yes", is_flag=True, help="Approve irreversible tool calls without asking.")
+@click.option("--no-tools", "no_tools", is_flag=True,
+              help="Offer the model no tools: it answers from what it knows (for a model that cannot call tools; "
+                   "`psymesh model ps` shows each model's tool family).")
 @click.option("--ban-bytes", is_flag=True, hidden=True, help="Keep random-weight test models in ASCII.")
 @click.option("--seed", type=int, default=None, hidden=True)
 def agent_run(home: str | None, out: Output, goal: str, model_name: str | None, delegate: str, to: str | None,
-              max_steps: int, thinking: bool, free_form: bool, yes: bool, ban_bytes: bool, seed: int | None) -> None:
+              max_steps: int, thinking: bool, free_form: bool, yes: bool, no_tools: bool, ban_bytes: bool,
+              seed: int | None) -> None:
     """Work on GOAL with this node's tools; irreversible calls ask first (or --yes)."""
     from ...agent.acting.policy import DelegationInputs, decide
     from ..control.client import Client
@@ -98,6 +102,8 @@ def agent_run(home: str | None, out: Output, goal: str, model_name: str | None, 
         params["seed"] = seed
     if model_name:
         params["model"] = model_name
+    if no_tools:
+        params["tools"] = False
 
     async def remote_offers() -> list[c.Offer]:
         try:
@@ -134,7 +140,7 @@ async def _agent_local(node_home: NodeHome, config: Any, registry: Any, out: Out
     from ...agent.acting.loop import run_agent
     from ...agent.acting.tools import ToolContext
     from .status import device_lines
-    from ..models.agents import agent_config, llama_model, node_tools, pick_model, result_of
+    from ..models.agents import agent_config, llama_model, node_tools, offered_tools, pick_model, result_of
 
     name = pick_model(registry, model_name, config.agent_model, config.profile)
 
@@ -148,7 +154,7 @@ async def _agent_local(node_home: NodeHome, config: Any, registry: Any, out: Out
             lambda: click.confirm(visible(f"allow {call.name}({json.dumps(call.arguments)})?"), default=False,
                                  err=True))
 
-    tools = node_tools(node_home, config)
+    tools = offered_tools(params, node_tools(node_home, config))
     for line in device_lines((t.name, t.backend) for t in tools if t.backend):
         out.hint(f"device tools: {line}")
     simulated = frozenset(t.name for t in tools if t.backend == SIMULATED)
@@ -156,6 +162,7 @@ async def _agent_local(node_home: NodeHome, config: Any, registry: Any, out: Out
     async def emit(ev: Any) -> None:
         if not out.json_mode:
             _print_agent_event(out, ev, simulated)
+
     ctx = ToolContext(share_dir=Path(config.share_dir) if config.share_dir else None, profile=config.profile)
     async with _local_runner(node_home, registry, name) as worker:
         run = await run_agent(goal, model=llama_model(worker, params), tools=tools, ctx=ctx, profile=config.profile,

@@ -72,6 +72,7 @@ class PeerAgentParams(BaseModel):
     temperature: float | None = Field(default=None, ge=0)
     seed: int | None = None
     ban_bytes: bool | None = None
+    tools: bool | None = None  # False: run without tools (for a model that cannot call them)
 
 
 def peer_params(params: Mapping[str, Any]) -> dict[str, Any]:
@@ -83,6 +84,12 @@ def peer_params(params: Mapping[str, Any]) -> dict[str, Any]:
                              for e in exc.errors(include_url=False))
         raise PsymeshError(f"bad agent params: {problems}", code=ErrorCode.BAD_REQUEST) from None
     return checked.model_dump(exclude_none=True)
+
+
+def offered_tools(params: Mapping[str, Any], tools: ToolRegistry) -> ToolRegistry:
+    """The tools a run offers its model: `tools`, or none when its params say "tools": false
+    (`agent run --no-tools`, for a model whose template cannot call tools)."""
+    return tools if params.get("tools", True) else ToolRegistry()
 
 
 def agent_config(params: Mapping[str, Any], *, from_peer: bool) -> AgentConfig:
@@ -187,7 +194,8 @@ class AgentTaskRunner:
         worker = await self.models.get(pick_model(self.models.registry, params.get("model"), self.default_model))
         ctx = ToolContext(share_dir=Path(self.share_dir) if self.share_dir else None, profile=self.profile,
                           peer_id=peer_id, deadline=deadline)
-        run = await run_agent(goal, model=llama_model(worker, params), tools=self.tools if tools is None else tools,
+        run = await run_agent(goal, model=llama_model(worker, params),
+                              tools=offered_tools(params, self.tools if tools is None else tools),
                               ctx=ctx, profile=self.profile, config=agent_config(params, from_peer=True),
                               confirm=confirm, emit=emit)
         return result_of(run)
