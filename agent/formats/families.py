@@ -35,6 +35,7 @@ import string
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import Any, Protocol
 
 from ...protocol.errors import ErrorCode, PsymeshError
 from .chat import IM_END, IM_START, ParsedReply, ToolSpec
@@ -46,6 +47,7 @@ __all__ = [
     "FAMILIES",
     "FAMILY_TOKENS",
     "FamilyFormat",
+    "ReplyParser",
     "ToolFamily",
     "ToolsUnsupported",
     "detect_family",
@@ -61,7 +63,11 @@ class ToolFamily(StrEnum):
     NONE = "none"
 
 
-Parser = Callable[[str, Sequence[ToolSpec] | None, bool], ParsedReply]
+class ReplyParser(Protocol):
+    """A family's parser: a reply into reasoning, text and calls (never raising)."""
+
+    def __call__(self, text: str, tools: Sequence[ToolSpec] | None = None, *,
+                 in_think: bool = False) -> ParsedReply: ...
 
 
 def _same_id(call_id: str) -> str:
@@ -80,8 +86,11 @@ def _nine_alnum(call_id: str) -> str:
     return "".join(_ALNUM[b % len(_ALNUM)] for b in digest[:9])
 
 
-def _no_grammar(tools: Sequence[ToolSpec], **_: object) -> str:
-    raise ValueError("this model's chat template has no tool calls to constrain")
+def _answer_only(tools: Sequence[ToolSpec], **rules: Any) -> str:
+    """A model that cannot call tools: without tools, the plain-answer grammar every family has."""
+    if tools:
+        raise ValueError("this model's chat template has no tool calls to constrain")
+    return tool_call_grammar((), **rules)
 
 
 @dataclass(frozen=True)
@@ -105,7 +114,7 @@ class FamilyFormat:
     control_tokens: tuple[str, ...]
     call_close: str | None
     call_id: Callable[[str], str]
-    parse: Parser
+    parse: ReplyParser
     grammar: Callable[..., str]  # as agent.grammar.tool_call_grammar: (tools, *, require_call, max_calls, think, ...)
 
 
@@ -125,7 +134,7 @@ FAMILIES: dict[ToolFamily, FamilyFormat] = {f.family: f for f in (
     FamilyFormat(ToolFamily.MISTRAL, "Mistral [TOOL_CALLS] [{\"name\", \"arguments\"}]", True, "</s>", "[INST]",
                  _MISTRAL, None, _nine_alnum, parse_mistral, mistral_grammar),
     FamilyFormat(ToolFamily.NONE, "no tool calling (the chat template has no tool section)", False, IM_END,
-                 IM_START, _CHATML, None, _same_id, parse_plain, _no_grammar),
+                 IM_START, _CHATML, None, _same_id, parse_plain, _answer_only),
 )}
 
 # Template markers, in llama.cpp's order (common/chat.cpp, common_chat_templates_apply_jinja):

@@ -74,8 +74,8 @@ _BAN_BYTES = {t: -100.0 for t in range(128, 256)}
 
 # What a peer may set in an infer task's params. Not logit_bias: its token ids index
 # straight into llama.cpp's candidate array, and which ids mean what is ours to know.
-_PEER_KEYS = ("temperature", "top_k", "top_p", "min_p", "seed", "grammar", "stop", "thinking", "max_think_tokens",
-              "ban_bytes")
+_PEER_KEYS = ("temperature", "top_k", "top_p", "min_p", "seed", "grammar", "tool_grammar", "stop", "thinking",
+              "max_think_tokens", "ban_bytes")
 
 
 class GenerationError(PsymeshError):
@@ -92,9 +92,9 @@ class ToolGrammar(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     require_call: bool = False
-    max_calls: int = Field(default=1, ge=1)            # calls per reply
-    max_think_chars: int = Field(default=512, ge=1)    # reasoning, when the prompt opened <think>
-    max_string_chars: int = Field(default=256, ge=1)   # each string argument
+    max_calls: int = Field(default=1, ge=1, le=64)              # calls per reply (a result holds at most 64)
+    max_think_chars: int = Field(default=512, ge=1, le=8192)    # reasoning, when the prompt opened <think>
+    max_string_chars: int = Field(default=256, ge=1, le=4096)   # each string argument
 
 
 class GenerationParams(BaseModel):

@@ -105,8 +105,8 @@ class ApiError(Exception):
     def of(cls, exc: PsymeshError, *, model: str | None = None) -> ApiError:
         status = http_status(exc.code)
         code = "model_not_found" if status == 404 and model is not None else exc.code.value
-        return cls(status, exc.message, code=code, param="model" if code == "model_not_found" else None,
-                   retry_after=exc.retry_after)
+        param = {"model_not_found": "model", ErrorCode.UNSUPPORTED.value: "tools"}.get(code)
+        return cls(status, exc.message, code=code, param=param, retry_after=exc.retry_after)
 
 
 def _validation_error(exc: ValidationError, what: str) -> ApiError:

@@ -32,12 +32,15 @@ def agent() -> None:
 
 
 class _StopOverContext:
-    """An eval's model, stopping the whole eval at the first prompt over the model's
-    context: every case would fail the same way and score 0 % with exit status 0. Both
-    eval paths (a case file, --bfcl) wrap their model in it."""
+    """An eval's model, stopping the whole eval where every case would fail the same way and
+    score 0 % with exit status 0: at the first prompt over the model's context, or at the
+    first request with tools to a model that cannot call tools (`unsupported`: then no
+    category ran, and the error says so, naming each with the reason). Every eval path (a
+    case file, --bfcl here or --via a peer) wraps its model in it."""
 
-    def __init__(self, model: Any, name: str, n_ctx: int, out: Output) -> None:
+    def __init__(self, model: Any, name: str, n_ctx: int | None, out: Output, categories: Any) -> None:
         self.model, self.name, self.n_ctx, self.out = model, name, n_ctx, out
+        self.categories = sorted(set(categories))
 
     async def reply(self, *args: Any, **kwargs: Any) -> Any:
         from ...agent.runtime.api import PromptTooLong
@@ -45,10 +48,17 @@ class _StopOverContext:
         try:
             return await self.model.reply(*args, **kwargs)
         except PromptTooLong as exc:
+            ctx = max(2 * (self.n_ctx or 4096), 8192)
             raise EvalStopped(PsymeshError(
                 f"eval stopped: {exc.message}; give model {self.name} a larger context: "
-                + self.out.suggest("model add", f"{self.name} PATH.gguf --ctx {max(2 * self.n_ctx, 8192)}"),
+                + self.out.suggest("model add", f"{self.name} PATH.gguf --ctx {ctx}"),
                 code=ErrorCode.TOO_LARGE)) from None
+        except PsymeshError as exc:
+            if exc.code != ErrorCode.UNSUPPORTED:
+                raise
+            raise EvalStopped(PsymeshError(
+                f"not run: {', '.join(self.categories)}: {exc.message}", code=ErrorCode.UNSUPPORTED,
+                details={"not_run": {c: exc.message for c in self.categories}})) from None
 
 
 def _print_agent_event(out: Output, ev: Any, simulated: frozenset[str] = frozenset()) -> None:
@@ -240,6 +250,7 @@ def eval_cmd(home: str | None, out: Output, cases: str | None, model_name: str |
                           score_dir, via, runs, temperature, max_tokens)
 
     from ...agent.evaluation.suite import evaluate, format_report, load_cases
+    from ...agent.formats.families import FAMILIES
     from ..models.agents import llama_model, pick_model
 
     node_home = home_at(home)
@@ -256,9 +267,9 @@ def eval_cmd(home: str | None, out: Output, cases: str | None, model_name: str |
             model = _StopOverContext(llama_model(worker, {"grammar": not free_form, "temperature": 0.0,
                                                           "max_tokens": max_tokens or 256,
                                                           "ban_bytes": ban_bytes}),
-                                     name, worker.settings.n_ctx, out)
-            return await evaluate(loaded, model, thinking=thinking,
-                                  on_result=progress)
+                                     name, worker.settings.n_ctx, out, (c.category for c in loaded))
+            return await evaluate(loaded, model, thinking=thinking, on_result=progress,
+                                  parse=FAMILIES[worker.info.tool_family].parse)
 
     report = run_async(go)
     data = {"model": name, "cases": report.total, "passed": report.passed, "accuracy": report.accuracy,
@@ -286,6 +297,7 @@ def _eval_bfcl(home: str | None, out: Output, bfcl_dir: str | None, categories: 
         run_spread,
         write_score_files,
     )
+    from ...agent.formats.families import FAMILIES
     from ...agent.acting.loop import LlamaAgentModel
     from ..control.client import Client
 
@@ -317,10 +329,13 @@ def _eval_bfcl(home: str | None, out: Output, bfcl_dir: str | None, categories: 
         name = model_name
 
         async def remote(client: Client) -> list[BfclReport]:
-            return [await run_bfcl(loaded, DelegatedModel(client, via, model_name, params(seed)),
-                                   thinking=thinking, on_result=progress, web=client,
-                                   prompting=DelegatedModel(client, via, model_name, params(seed, False)),
-                                   multi_turn=DelegatedModel(client, via, model_name, params(seed, multi_turn=True)))
+            cats = [c.category for c in loaded]
+
+            def asked(p: Any) -> _StopOverContext:
+                return _StopOverContext(DelegatedModel(client, via, model_name, p), model_name, None, out, cats)
+
+            return [await run_bfcl(loaded, asked(params(seed)), thinking=thinking, on_result=progress, web=client,
+                                   prompting=asked(params(seed, False)), multi_turn=asked(params(seed, multi_turn=True)))
                     for seed in range(runs)]
 
         reports = on_node(home, remote)
@@ -337,14 +352,15 @@ def _eval_bfcl(home: str | None, out: Output, bfcl_dir: str | None, categories: 
                 # web_search asks the web through this node's route: its daemon must be running.
                 web = await stack.enter_async_context(Client(home)) if any(c.category in WEB_CATEGORIES
                                                                            for c in loaded) else None
-                n_ctx = worker.settings.n_ctx
+                n_ctx, cats = worker.settings.n_ctx, [c.category for c in loaded]
 
                 def asked(p: Any) -> _StopOverContext:
-                    return _StopOverContext(LlamaAgentModel(worker, p), name, n_ctx, out)
+                    return _StopOverContext(LlamaAgentModel(worker, p), name, n_ctx, out, cats)
 
                 return [await run_bfcl(loaded, asked(params(seed)), thinking=thinking, on_result=progress, web=web,
                                        prompting=asked(params(seed, False)),
-                                       multi_turn=asked(params(seed, multi_turn=True)))
+                                       multi_turn=asked(params(seed, multi_turn=True)),
+                                       parse=FAMILIES[worker.info.tool_family].parse)
                         for seed in range(runs)]
 
         reports = run_async(go)

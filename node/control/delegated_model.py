@@ -4,9 +4,10 @@ one delegated infer task (``Client.delegate(peer, infer=..., tools=...)``).
 `psymesh eval --via PEER` asks the peer's model this way, so a phone can score the model
 of its home. The task carries what a local run gives ``agent.runtime.generate``: the chat (calls
 and tool results included), the tools, and the sampling params a peer may set; a tool
-grammar travels as the GBNF text it compiles to (a peer takes ``grammar``, not our
-``tool_grammar``), built as ``generate`` builds it, so the peer decodes under the same
-constraint and a greedy run gives the same replies, and scores, as a local one.
+grammar travels as its rules (``tool_grammar``), and the peer builds the GBNF for its
+model's tool-calling family (agent/families.py) as ``generate`` builds it here, so the
+peer decodes under the same constraint and a greedy run gives the same replies, and
+scores, as a local one.
 """
 from __future__ import annotations
 
@@ -53,14 +54,8 @@ class DelegatedModel:
             out["stop"] = list(p.stop)
         if p.max_think_tokens is not None:
             out["max_think_tokens"] = p.max_think_tokens
-        if p.tool_grammar is not None:
-            from ...agent.formats.grammar import tool_call_grammar
-
-            rules = p.tool_grammar
-            out["grammar"] = tool_call_grammar(list(tools), think="bounded" if thinking else "none",
-                                               require_call=rules.require_call, max_calls=rules.max_calls,
-                                               max_think_chars=rules.max_think_chars,
-                                               max_string_chars=rules.max_string_chars)
+        if p.tool_grammar is not None and tools:  # without tools the reply is a plain answer anyway
+            out["tool_grammar"] = p.tool_grammar.model_dump()
         elif p.grammar is not None:
             out["grammar"] = p.grammar
         return out

@@ -1,0 +1,145 @@
+"""A model that cannot call tools says so, everywhere (issue 33, item 2).
+
+A generated tiny GGUF carries SmolLM2-135M-Instruct's real chat template, which has no tool
+section (family "none", agent/families.py). A request with tools to it must fail with
+`unsupported` and a message naming the model and what to do, never come back as an answer
+invented without the tools with exit status 0: through `psymesh agent run` (and `--no-tools`
+runs it), `model add`/`model list`, the OpenAI endpoint over real HTTP (400, OpenAI's error
+format), an `msg ask`-style agent run, and a delegated agent task between two real daemons.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import anyio
+import httpx
+import pytest
+
+from conftest import pair, run_nodes
+from psymesh.agent.testmodel import tiny_model_path
+from psymesh.node.control.process import DaemonProcess
+from psymesh.node.core.db import open_db
+from psymesh.node.core.home import NodeHome
+from psymesh.node.models import ModelRegistry
+from psymesh.protocol.errors import ErrorCode, PsymeshError
+
+pytestmark = pytest.mark.anyio
+
+REPO = Path(__file__).resolve().parent.parent
+MODEL = {"n_ctx": 8192, "n_threads": 1}
+SMOLLM2 = (Path(__file__).parent / "data" / "templates" / "smollm2-135m-instruct.jinja").read_text(encoding="utf-8")
+KEY = "sk-test-psymesh-0123456789"
+
+
+@pytest.fixture(scope="module")
+def chat_only(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_model_path(tmp_path_factory.getbasetemp() / "models", chat_template=SMOLLM2)
+
+
+async def _cli(home: Path, *args: str) -> tuple[int, str, str]:
+    done = await anyio.run_process([sys.executable, "-m", "psymesh", *args, "--home", str(home)], check=False,
+                                   cwd=REPO)
+    return done.returncode, done.stdout.decode(), done.stderr.decode()
+
+
+def _register(home: Path, path: Path, profile: str) -> None:
+    NodeHome(home).init(profile=profile, name=home.name)  # type: ignore[arg-type]
+    conn = open_db(NodeHome(home).db_path)
+    try:
+        ModelRegistry(conn).add("smol", path, **MODEL)
+    finally:
+        conn.close()
+
+
+def _unsupported(out: str, model_file: str) -> None:
+    error = json.loads(out)["error"]
+    assert error["code"] == "unsupported", error
+    assert model_file in error["message"] and "--no-tools" in error["message"]
+
+
+async def test_agent_run_refuses_a_model_without_tools(tmp_path: Path, chat_only: Path) -> None:
+    home = tmp_path / "phone"
+    NodeHome(home).init(profile="phone", name="phone")
+    rc, out, err = await _cli(home, "model", "add", "smol", str(chat_only), "--ctx", "8192")
+    assert rc == 0, err
+    assert "cannot call tools" in err and "--no-tools" in err  # said when it is added
+    rc, out, err = await _cli(home, "model", "list", "--json")
+    assert [(m["name"], m["tool_family"]) for m in json.loads(out)] == [("smol", "none")]
+
+    goal = ["agent", "run", "How much disk space is free?", "--model", "smol", "--delegate", "never",
+            "--ban-bytes", "--seed", "1", "--max-steps", "1", "--json"]
+    rc, out, err = await _cli(home, *goal)
+    assert rc == 1 and "Traceback" not in err, err
+    _unsupported(out, chat_only.name)
+
+    rc, out, err = await _cli(home, *goal, "--no-tools")  # asked without tools, it is a chat model
+    assert rc == 0, err
+    result = json.loads(out)
+    assert result["tool_calls"] == [] and result["where"] == "local"
+
+
+async def test_openai_endpoint_answers_400_unsupported(tmp_path: Path, chat_only: Path) -> None:
+    home = NodeHome(tmp_path / "home")
+    home.init(profile="home", name="home")
+    key_file = tmp_path / "openai.key"
+    key_file.write_text(KEY + "\n")
+    key_file.chmod(0o600)
+    config = home.load_config()
+    openai_cfg = config.serve.openai.model_copy(update={"enabled": True, "port": 0, "api_key_file": str(key_file)})
+    home.save_config(config.model_copy(update={"serve": config.serve.model_copy(update={"openai": openai_cfg})}))
+    tool = {"type": "function", "function": {"name": "disk_free", "description": "Free disk space.",
+                                             "parameters": {"type": "object", "properties": {}}}}
+    ask = {"model": "smol", "messages": [{"role": "user", "content": "How much disk space is free?"}],
+           "max_tokens": 8, "ban_bytes": True}
+    async with run_nodes(tmp_path, "home") as nodes:
+        node = nodes["home"]
+        node.models.registry.add("smol", chat_only, **MODEL)
+        assert node.openai is not None and node.openai.url is not None
+        async with httpx.AsyncClient(base_url=node.openai.url, headers={"Authorization": f"Bearer {KEY}"},
+                                     timeout=120) as http:
+            refused = await http.post("/v1/chat/completions", json={**ask, "tools": [tool]})
+            plain = await http.post("/v1/chat/completions", json=ask)
+            forced = await http.post("/v1/chat/completions", json={**ask, "tools": [tool], "tool_choice": "required"})
+    assert refused.status_code == 400, refused.text
+    error = refused.json()["error"]
+    assert error["code"] == "unsupported" and error["param"] == "tools"
+    assert error["type"] == "invalid_request_error" and chat_only.name in error["message"]
+    assert forced.status_code == 400 and forced.json()["error"]["code"] == "unsupported"
+    assert plain.status_code == 200, plain.text  # without tools it answers
+
+
+async def test_an_ask_of_a_chat_only_model_is_unsupported(tmp_path: Path, chat_only: Path) -> None:
+    """The agent run an `msg ask` and an A2A message take (AgentTaskRunner.run)."""
+    async with run_nodes(tmp_path, "home") as nodes:
+        node = nodes["home"]
+        node.models.registry.add("smol", chat_only, **MODEL)
+        with pytest.raises(PsymeshError) as err:
+            await node.agents.run("How much disk space is free?", {"ban_bytes": True, "max_steps": 1},
+                                  peer_id=node.identity.peer_id, deadline=None)
+        assert err.value.code == ErrorCode.UNSUPPORTED
+        done = await node.agents.run("Hello", {"ban_bytes": True, "max_steps": 1, "tools": False, "max_tokens": 8},
+                                     peer_id=node.identity.peer_id, deadline=None)
+        assert done["tool_calls"] == []
+
+
+async def test_a_delegated_agent_task_to_a_chat_only_model_is_unsupported(tmp_path: Path, chat_only: Path) -> None:
+    home = DaemonProcess(tmp_path / "home", name="home")
+    phone = DaemonProcess(tmp_path / "phone", profile="phone", name="phone")
+    _register(home.home, chat_only, profile="home")  # the phone has no model of its own
+    await home.start()
+    await phone.start()
+    try:
+        await pair(home.home, phone.home, grant="phone")
+        goal = ["agent", "run", "How much disk space is free?", "--delegate", "always", "--ban-bytes",
+                "--seed", "1", "--max-steps", "1", "--json"]
+        rc, out, err = await _cli(phone.home, *goal)
+        assert rc == 1 and "Traceback" not in err, err
+        _unsupported(out, chat_only.name)
+        rc, out, err = await _cli(phone.home, *goal, "--no-tools")
+        assert rc == 0, err
+        assert json.loads(out)["where"] == "remote"
+    finally:
+        await phone.stop()
+        await home.stop()
