@@ -143,3 +143,27 @@ async def test_a_delegated_agent_task_to_a_chat_only_model_is_unsupported(tmp_pa
     finally:
         await phone.stop()
         await home.stop()
+
+
+async def test_eval_reports_every_category_not_run(tmp_path: Path, chat_only: Path) -> None:
+    home = tmp_path / "home"
+    _register(home, chat_only, profile="home")
+    rc, out, err = await _cli(home, "eval", str(REPO / "examples" / "eval_cases.jsonl"), "--model", "smol",
+                              "--ban-bytes", "--json")
+    assert rc == 1 and "Traceback" not in err, err
+    _unsupported(out, chat_only.name)
+    not_run = json.loads(out)["error"]["not_run"]
+    from psymesh.agent.evaluation import load_cases
+
+    assert set(not_run) == {c.category for c in load_cases(REPO / "examples" / "eval_cases.jsonl")}
+    assert all("cannot call tools" in why for why in not_run.values())
+
+
+async def test_bfcl_reports_the_category_not_run(tmp_path: Path, chat_only: Path) -> None:
+    home = tmp_path / "home"
+    _register(home, chat_only, profile="home")
+    rc, out, err = await _cli(home, "eval", "--bfcl", "--model", "smol", "--category", "simple_python",
+                              "--limit", "1", "--ban-bytes", "--json")
+    assert rc == 1 and "Traceback" not in err, err
+    _unsupported(out, chat_only.name)
+    assert list(json.loads(out)["error"]["not_run"]) == ["simple_python"]
