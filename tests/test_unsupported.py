@@ -17,12 +17,9 @@ import anyio
 import httpx
 import pytest
 
-from conftest import pair, run_nodes
+from conftest import home_and_phone_daemons, pair, register_model, run_nodes
 from psymesh.agent.testmodel import tiny_model_path
-from psymesh.node.control.process import DaemonProcess
-from psymesh.node.core.db import open_db
 from psymesh.node.core.home import NodeHome
-from psymesh.node.models import ModelRegistry
 from psymesh.protocol.errors import ErrorCode, PsymeshError
 
 pytestmark = pytest.mark.anyio
@@ -45,12 +42,7 @@ async def _cli(home: Path, *args: str) -> tuple[int, str, str]:
 
 
 def _register(home: Path, path: Path, profile: str) -> None:
-    NodeHome(home).init(profile=profile, name=home.name)  # type: ignore[arg-type]
-    conn = open_db(NodeHome(home).db_path)
-    try:
-        ModelRegistry(conn).add("smol", path, **MODEL)
-    finally:
-        conn.close()
+    register_model(home, path, name="smol", profile=profile, **MODEL)
 
 
 def _unsupported(out: str, model_file: str) -> None:
@@ -125,12 +117,7 @@ async def test_an_ask_of_a_chat_only_model_is_unsupported(tmp_path: Path, chat_o
 
 
 async def test_a_delegated_agent_task_to_a_chat_only_model_is_unsupported(tmp_path: Path, chat_only: Path) -> None:
-    home = DaemonProcess(tmp_path / "home", name="home")
-    phone = DaemonProcess(tmp_path / "phone", profile="phone", name="phone")
-    _register(home.home, chat_only, profile="home")  # the phone has no model of its own
-    await home.start()
-    await phone.start()
-    try:
+    async with home_and_phone_daemons(tmp_path, lambda h: _register(h, chat_only, profile="home")) as (home, phone):
         await pair(home.home, phone.home, grant="phone")
         goal = ["agent", "run", "How much disk space is free?", "--delegate", "always", "--ban-bytes",
                 "--seed", "1", "--max-steps", "1", "--json"]
@@ -140,9 +127,6 @@ async def test_a_delegated_agent_task_to_a_chat_only_model_is_unsupported(tmp_pa
         rc, out, err = await _cli(phone.home, *goal, "--no-tools")
         assert rc == 0, err
         assert json.loads(out)["where"] == "remote"
-    finally:
-        await phone.stop()
-        await home.stop()
 
 
 async def test_eval_reports_every_category_not_run(tmp_path: Path, chat_only: Path) -> None:
