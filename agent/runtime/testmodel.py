@@ -394,6 +394,8 @@ def tiny_model_path(cache_dir: str | os.PathLike[str], *, chat_template: str | N
     a turn (give its `chat_template` with it)."""
     d = Path(cache_dir)
     d.mkdir(parents=True, exist_ok=True)
+    from .families import FAMILIES, ToolFamily
+
     extra = FAMILY_SPECIAL_TOKENS.get(family or "", ())
-    eos = {"llama3": "<|eot_id|>", "mistral": "</s>"}.get(family or "", "<|im_end|>")
+    eos = FAMILIES[ToolFamily(family)].eos_token if family else "<|im_end|>"
     return make_tiny_gguf(d, chat_template=chat_template, special_tokens=extra, eos=eos, **shape)
