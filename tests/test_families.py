@@ -164,3 +164,14 @@ def test_mistral_call_ids_are_nine_alphanumerics() -> None:
     call = ToolCall(name="set_alarm", arguments={"time": "07:00"})
     spelled = fmt.call_id(call.id)
     assert len(spelled) == 9 and spelled.isalnum() and spelled == fmt.call_id(call.id)
+
+
+@pytest.mark.parametrize("reply", ['Sure. [TOOL_CALLS] [{"name": "set_alarm", "arguments": {}}]',
+                                   'Sure. <|python_tag|>{"name": "set_alarm", "parameters": {}}',
+                                   'Sure. <tool_call>\n{"name": "set_alarm", "arguments": {}}\n</tool_call>'])
+def test_a_streamed_call_is_held_back_in_any_family(reply: str) -> None:
+    from psymesh.node.bridges.openai import VisibleText
+
+    visible = VisibleText(hide_calls=True)
+    shown = "".join(visible.feed(reply[i:i + 3]) for i in range(0, len(reply), 3)) + visible.flush()
+    assert shown == "Sure. "

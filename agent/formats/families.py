@@ -44,6 +44,7 @@ from .jsoncalls import hermes_grammar, llama3_grammar, mistral_grammar, parse_ll
 from .toolparse import parse_plain, parse_reply
 
 __all__ = [
+    "CALL_OPENERS",
     "FAMILIES",
     "FAMILY_TOKENS",
     "FamilyFormat",
@@ -101,7 +102,8 @@ class FamilyFormat:
     stands for (the end of an assistant turn). `turn_open`: the text that opens every turn
     (the prefix shared by a conversation's prompts ends before the first user turn's).
     `control_tokens`: special tokens a message's text may not carry (they are broken with a
-    word joiner). `call_close`: the text a call ends with, where the runtime can stop after
+    word joiner). `call_open`: the text a call starts with, where the family has one (a Llama
+    3.x call may also be bare JSON). `call_close`: the text a call ends with, where the runtime can stop after
     the last allowed call (None: the call ends the turn, at the model's end-of-turn token).
     `call_id`: the id a template is shown for a call (and its result).
     """
@@ -112,6 +114,7 @@ class FamilyFormat:
     eos_token: str
     turn_open: str
     control_tokens: tuple[str, ...]
+    call_open: str | None
     call_close: str | None
     call_id: Callable[[str], str]
     parse: ReplyParser
@@ -126,16 +129,19 @@ _MISTRAL = ("[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]", "[/AVAILAB
 
 FAMILIES: dict[ToolFamily, FamilyFormat] = {f.family: f for f in (
     FamilyFormat(ToolFamily.QWEN35, "Qwen3.5 XML: <tool_call><function=NAME><parameter=KEY>", True, IM_END,
-                 IM_START, _CHATML, "</tool_call>", _same_id, parse_reply, tool_call_grammar),
+                 IM_START, _CHATML, "<tool_call>", "</tool_call>", _same_id, parse_reply, tool_call_grammar),
     FamilyFormat(ToolFamily.HERMES, "Hermes / Qwen2.5 / Qwen3 JSON in <tool_call>", True, IM_END, IM_START, _CHATML,
-                 "</tool_call>", _same_id, parse_reply, hermes_grammar),
+                 "<tool_call>", "</tool_call>", _same_id, parse_reply, hermes_grammar),
     FamilyFormat(ToolFamily.LLAMA3, "Llama 3.x JSON {\"name\", \"parameters\"}", True, "<|eot_id|>",
-                 "<|start_header_id|>", _LLAMA3, None, _same_id, parse_llama3, llama3_grammar),
+                 "<|start_header_id|>", _LLAMA3, "<|python_tag|>", None, _same_id, parse_llama3, llama3_grammar),
     FamilyFormat(ToolFamily.MISTRAL, "Mistral [TOOL_CALLS] [{\"name\", \"arguments\"}]", True, "</s>", "[INST]",
-                 _MISTRAL, None, _nine_alnum, parse_mistral, mistral_grammar),
+                 _MISTRAL, "[TOOL_CALLS]", None, _nine_alnum, parse_mistral, mistral_grammar),
     FamilyFormat(ToolFamily.NONE, "no tool calling (the chat template has no tool section)", False, IM_END,
-                 IM_START, _CHATML, None, _same_id, parse_plain, _answer_only),
+                 IM_START, _CHATML, None, None, _same_id, parse_plain, _answer_only),
 )}
+
+# What any family's call starts with (a reply streamed to a client is held back from there on).
+CALL_OPENERS: tuple[str, ...] = tuple(dict.fromkeys(f.call_open for f in FAMILIES.values() if f.call_open))
 
 # Template markers, in llama.cpp's order (common/chat.cpp, common_chat_templates_apply_jinja):
 # every marker of a row must be in the template.
