@@ -5,7 +5,8 @@ section (family "none", agent/families.py). A request with tools to it must fail
 `unsupported` and a message naming the model and what to do, never come back as an answer
 invented without the tools with exit status 0: through `psymesh agent run` (and `--no-tools`
 runs it), `model add`/`model list`, the OpenAI endpoint over real HTTP (400, OpenAI's error
-format), an `msg ask`-style agent run, and a delegated agent task between two real daemons.
+format), an `msg ask` between two nodes, `eval` and `eval --bfcl`, and a delegated agent task between
+two real daemons.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import pytest
 from conftest import home_and_phone_daemons, pair, register_model, run_nodes
 from psymesh.agent.testmodel import tiny_model_path
 from psymesh.node.core.home import NodeHome
-from psymesh.protocol.errors import ErrorCode, PsymeshError
+from psymesh.node.control.client import Client
 
 pytestmark = pytest.mark.anyio
 
@@ -102,18 +103,20 @@ async def test_openai_endpoint_answers_400_unsupported(tmp_path: Path, chat_only
     assert plain.status_code == 200, plain.text  # without tools it answers
 
 
-async def test_an_ask_of_a_chat_only_model_is_unsupported(tmp_path: Path, chat_only: Path) -> None:
-    """The agent run an `msg ask` and an A2A message take (AgentTaskRunner.run)."""
-    async with run_nodes(tmp_path, "home") as nodes:
-        node = nodes["home"]
-        node.models.registry.add("smol", chat_only, **MODEL)
-        with pytest.raises(PsymeshError) as err:
-            await node.agents.run("How much disk space is free?", {"ban_bytes": True, "max_steps": 1},
-                                  peer_id=node.identity.peer_id, deadline=None)
-        assert err.value.code == ErrorCode.UNSUPPORTED
-        done = await node.agents.run("Hello", {"ban_bytes": True, "max_steps": 1, "tools": False, "max_tokens": 8},
-                                     peer_id=node.identity.peer_id, deadline=None)
-        assert done["tool_calls"] == []
+async def test_an_ask_of_a_chat_only_model_is_answered_unsupported(tmp_path: Path, chat_only: Path) -> None:
+    """`msg ask` between two nodes: the answer letter says unsupported (the CLI then exits 1 with
+    it); asked with params tools: false, the model answers. An A2A message takes the same run."""
+    async with run_nodes(tmp_path, "home", "phone", profiles={"phone": "phone"}) as nodes:
+        await pair(nodes["home"].home.path, nodes["phone"].home.path, grant="phone")
+        nodes["home"].models.registry.add("smol", chat_only, **MODEL)
+        async with Client(nodes["phone"].home.path) as phone:
+            refused = await phone.ask("home", "How much disk space is free?",
+                                      params={"ban_bytes": True, "max_steps": 1}, timeout=120)
+            plain = await phone.ask("home", "Hello", params={"ban_bytes": True, "max_steps": 1, "tools": False,
+                                                             "max_tokens": 8}, timeout=120)
+    assert refused.body["ok"] is False and refused.body["error"]["code"] == "unsupported"
+    assert chat_only.name in refused.text and "--no-tools" in refused.text
+    assert plain.body["ok"] is True and plain.body["tool_calls"] == []
 
 
 async def test_a_delegated_agent_task_to_a_chat_only_model_is_unsupported(tmp_path: Path, chat_only: Path) -> None:
