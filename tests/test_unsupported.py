@@ -130,6 +130,9 @@ async def test_a_delegated_agent_task_to_a_chat_only_model_is_unsupported(tmp_pa
         rc, out, err = await _cli(phone.home, *goal, "--no-tools")
         assert rc == 0, err
         assert json.loads(out)["where"] == "remote"
+        rc, out, err = await _cli(home.home, "model", "ps", "--json")  # loaded now: the runner's own detection
+        assert rc == 0, err
+        assert [(m["name"], m["loaded"], m["tool_family"]) for m in json.loads(out)] == [("smol", True, "none")]
 
 
 async def test_eval_reports_every_category_not_run(tmp_path: Path, chat_only: Path) -> None:
