@@ -175,3 +175,12 @@ def test_a_streamed_call_is_held_back_in_any_family(reply: str) -> None:
     visible = VisibleText(hide_calls=True)
     shown = "".join(visible.feed(reply[i:i + 3]) for i in range(0, len(reply), 3)) + visible.flush()
     assert shown == "Sure. "
+
+
+def test_an_observation_without_a_call_renders_for_mistral() -> None:
+    """The loop answers a malformed reply with a tool turn that answers no call; Mistral's
+    template refuses a result without a 9-character id, so the family gives it one."""
+    history = [*CHAT, ChatMessage.assistant('[TOOL_CALLS] [{"name": '), ChatMessage(role="tool", content="bad call")]
+    prompt = render_prompt(history, TOOLS, thinking=False, template=_template("mistral-7b-instruct-v0.3.jinja"),
+                           family=ToolFamily.MISTRAL)
+    assert '[TOOL_RESULTS] {"content": bad call, "call_id": "' in prompt
