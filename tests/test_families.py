@@ -179,8 +179,10 @@ def test_a_streamed_call_is_held_back_in_any_family(reply: str) -> None:
 
 def test_an_observation_without_a_call_renders_for_mistral() -> None:
     """The loop answers a malformed reply with a tool turn that answers no call; Mistral's
-    template refuses a result without a 9-character id, so the family gives it one."""
-    history = [*CHAT, ChatMessage.assistant('[TOOL_CALLS] [{"name": '), ChatMessage(role="tool", content="bad call")]
+    template refuses a result without a call id and two assistant turns in a row, so the
+    family shows that turn as the user's."""
+    history = [*CHAT, ChatMessage.assistant('[TOOL_CALLS] [{"name": '), ChatMessage(role="tool", content="bad call"),
+               ChatMessage.assistant("Sorry.")]
     prompt = render_prompt(history, TOOLS, thinking=False, template=_template("mistral-7b-instruct-v0.3.jinja"),
                            family=ToolFamily.MISTRAL)
-    assert '[TOOL_RESULTS] {"content": bad call, "call_id": "' in prompt
+    assert "[INST] bad call[/INST] Sorry.</s>" in prompt

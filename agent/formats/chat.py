@@ -157,8 +157,6 @@ class ChatMessage(BaseModel):
                                 "function": {"name": c.name, "arguments": c.arguments}} for c in self.tool_calls]
         if self.tool_call_id is not None:
             d["tool_call_id"] = call_id(self.tool_call_id)
-        elif self.role == "tool" and call_id(""):  # an observation answering no call (a malformed
-            d["tool_call_id"] = call_id("")        # reply), for a template that wants every result's id
         if self.name is not None:
             d["name"] = self.name
         return d

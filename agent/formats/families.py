@@ -35,7 +35,7 @@ import string
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from ...protocol.errors import ErrorCode, PsymeshError
 from .chat import IM_END, IM_START, ParsedReply, ToolSpec
@@ -105,7 +105,10 @@ class FamilyFormat:
     word joiner). `call_open`: the text a call starts with, where the family has one (a Llama
     3.x call may also be bare JSON). `call_close`: the text a call ends with, where the runtime can stop after
     the last allowed call (None: the call ends the turn, at the model's end-of-turn token).
-    `call_id`: the id a template is shown for a call (and its result).
+    `call_id`: the id a template is shown for a call (and its result). `loose_result_role`: the
+    role a tool turn that answers no call (the agent loop's word on a malformed reply) is shown
+    with: "user" where the template wants every result tied to a call (Mistral's raises on a
+    result without a call id, and on two assistant turns in a row around one).
     """
 
     family: ToolFamily
@@ -117,6 +120,7 @@ class FamilyFormat:
     call_open: str | None
     call_close: str | None
     call_id: Callable[[str], str]
+    loose_result_role: Literal["tool", "user"]
     parse: ReplyParser
     grammar: Callable[..., str]  # as agent.grammar.tool_call_grammar: (tools, *, require_call, max_calls, think, ...)
 
@@ -129,15 +133,17 @@ _MISTRAL = ("[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]", "[/AVAILAB
 
 FAMILIES: dict[ToolFamily, FamilyFormat] = {f.family: f for f in (
     FamilyFormat(ToolFamily.QWEN35, "Qwen3.5 XML: <tool_call><function=NAME><parameter=KEY>", True, IM_END,
-                 IM_START, _CHATML, "<tool_call>", "</tool_call>", _same_id, parse_reply, tool_call_grammar),
+                 IM_START, _CHATML, "<tool_call>", "</tool_call>", _same_id, "tool", parse_reply,
+                 tool_call_grammar),
     FamilyFormat(ToolFamily.HERMES, "Hermes / Qwen2.5 / Qwen3 JSON in <tool_call>", True, IM_END, IM_START, _CHATML,
-                 "<tool_call>", "</tool_call>", _same_id, parse_reply, hermes_grammar),
+                 "<tool_call>", "</tool_call>", _same_id, "tool", parse_reply, hermes_grammar),
     FamilyFormat(ToolFamily.LLAMA3, "Llama 3.x JSON {\"name\", \"parameters\"}", True, "<|eot_id|>",
-                 "<|start_header_id|>", _LLAMA3, "<|python_tag|>", None, _same_id, parse_llama3, llama3_grammar),
+                 "<|start_header_id|>", _LLAMA3, "<|python_tag|>", None, _same_id, "tool", parse_llama3,
+                 llama3_grammar),
     FamilyFormat(ToolFamily.MISTRAL, "Mistral [TOOL_CALLS] [{\"name\", \"arguments\"}]", True, "</s>", "[INST]",
-                 _MISTRAL, "[TOOL_CALLS]", None, _nine_alnum, parse_mistral, mistral_grammar),
+                 _MISTRAL, "[TOOL_CALLS]", None, _nine_alnum, "user", parse_mistral, mistral_grammar),
     FamilyFormat(ToolFamily.NONE, "no tool calling (the chat template has no tool section)", False, IM_END,
-                 IM_START, _CHATML, None, None, _same_id, parse_plain, _answer_only),
+                 IM_START, _CHATML, None, None, _same_id, "tool", parse_plain, _answer_only),
 )}
 
 # What any family's call starts with (a reply streamed to a client is held back from there on).

@@ -113,7 +113,7 @@ def _render_jinja_plain(template: str, messages: Sequence[ChatMessage], tools: S
     # bos_token is left to the tokenizer (it adds one where the GGUF asks for it).
     try:
         return _compile_template(template).render(
-            messages=[m.to_template_dict(fmt.call_id) for m in messages],
+            messages=[_shown(m, fmt).to_template_dict(fmt.call_id) for m in messages],
             tools=[t.to_openai() for t in tools] or None,
             add_generation_prompt=add_generation_prompt,
             enable_thinking=thinking,
@@ -124,6 +124,14 @@ def _render_jinja_plain(template: str, messages: Sequence[ChatMessage], tools: S
         raise
     except (jinja2.TemplateError, TypeError, ValueError, AttributeError, KeyError, IndexError) as exc:
         raise ChatFormatError(f"chat template failed: {exc}") from exc
+
+
+def _shown(message: ChatMessage, fmt: FamilyFormat) -> ChatMessage:
+    """`message` as its family's template is shown it: a tool turn that answers no call in
+    the family's `loose_result_role`."""
+    if message.role == "tool" and message.tool_call_id is None and fmt.loose_result_role != "tool":
+        return ChatMessage(role=fmt.loose_result_role, content=message.content)
+    return message
 
 
 def _is_tool_response_turn(content: str) -> bool:
