@@ -186,3 +186,23 @@ def test_an_observation_without_a_call_renders_for_mistral() -> None:
     prompt = render_prompt(history, TOOLS, thinking=False, template=_template("mistral-7b-instruct-v0.3.jinja"),
                            family=ToolFamily.MISTRAL)
     assert "[INST] bad call[/INST] Sorry.</s>" in prompt
+
+
+async def test_a_peer_model_is_read_by_its_family(tmp_path: Path, models: dict[str, Path]) -> None:
+    """`eval --via`: the peer builds the grammar for its own model (params.tool_grammar), and its
+    result names the family, so the asker reads the reply with the right parser."""
+    from conftest import pair, run_nodes
+    from psymesh.node.control.client import Client
+    from psymesh.node.control.delegated_model import DelegatedModel
+
+    async with run_nodes(tmp_path, "home", "phone", profiles={"phone": "phone"}) as nodes:
+        await pair(nodes["home"].home.path, nodes["phone"].home.path, grant="phone")
+        nodes["home"].models.registry.add("llama", models["llama32"], n_ctx=4096, n_threads=1)
+        async with Client(nodes["phone"].home.path) as phone:
+            model = DelegatedModel(phone, "home", "llama", GenerationParams(
+                max_tokens=200, temperature=1.0, seed=1, ban_bytes=True,
+                tool_grammar=ToolGrammar(require_call=True, max_string_chars=12)), timeout=120)
+            text = await model.reply(CHAT, TOOLS)
+    assert model.family.family == ToolFamily.LLAMA3
+    reply = model.family.parse(text, TOOLS)
+    assert not reply.errors and len(reply.tool_calls) == 1, text

@@ -324,18 +324,20 @@ def _eval_bfcl(home: str | None, out: Output, bfcl_dir: str | None, categories: 
         reports = [run_async(lambda: run_bfcl(loaded, None, thinking=thinking, on_result=progress))
                    for _ in range(runs)]
     elif via is not None:
-        from ..control.delegated_model import DelegatedModel
+        from ..control.delegated_model import DelegatedModel, PeerFamily
 
         name = model_name
 
         async def remote(client: Client) -> list[BfclReport]:
-            cats = [c.category for c in loaded]
+            cats, family = [c.category for c in loaded], PeerFamily()
 
             def asked(p: Any) -> _StopOverContext:
-                return _StopOverContext(DelegatedModel(client, via, model_name, p), model_name, None, out, cats)
+                return _StopOverContext(DelegatedModel(client, via, model_name, p, family=family), model_name, None,
+                                        out, cats)
 
             return [await run_bfcl(loaded, asked(params(seed)), thinking=thinking, on_result=progress, web=client,
-                                   prompting=asked(params(seed, False)), multi_turn=asked(params(seed, multi_turn=True)))
+                                   prompting=asked(params(seed, False)), multi_turn=asked(params(seed, multi_turn=True)),
+                                   parse=family.parse)
                     for seed in range(runs)]
 
         reports = on_node(home, remote)

@@ -7,19 +7,21 @@ and tool results included), the tools, and the sampling params a peer may set; a
 grammar travels as its rules (``tool_grammar``), and the peer builds the GBNF for its
 model's tool-calling family (agent/families.py) as ``generate`` builds it here, so the
 peer decodes under the same constraint and a greedy run gives the same replies, and
-scores, as a local one.
+scores, as a local one (its result says the family: :meth:`PeerFamily.parse` reads
+replies with that family's parser).
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from ...agent.formats.chatformat import ChatMessage, ToolSpec
+from ...agent.formats.chatformat import ChatMessage, ParsedReply, ToolSpec
+from ...agent.formats.families import FAMILIES, ToolFamily
 from ...agent.runtime.generate import GenerationParams
 from .client import Client
 
-__all__ = ["DelegatedModel"]
+__all__ = ["DelegatedModel", "PeerFamily"]
 
 
 def _wire_message(m: ChatMessage) -> dict[str, Any]:
@@ -34,6 +36,18 @@ def _wire_message(m: ChatMessage) -> dict[str, Any]:
 
 
 @dataclass
+class PeerFamily:
+    """A peer model's tool family, as its results with tools say (a node from before families
+    says none: then Qwen3.5's, which reads the Hermes form too); the DelegatedModels asking
+    one model share it, and an eval reads their replies with :meth:`parse`."""
+
+    family: ToolFamily = ToolFamily.QWEN35
+
+    def parse(self, text: str, tools: Sequence[ToolSpec] | None = None, *, in_think: bool = False) -> ParsedReply:
+        return FAMILIES[self.family].parse(text, tools, in_think=in_think)
+
+
+@dataclass
 class DelegatedModel:
     """Replies from `model` on the paired node `peer` (name or peer id), asked through
     `client` (this node's control socket). `params` as for a local LlamaAgentModel."""
@@ -43,6 +57,7 @@ class DelegatedModel:
     model: str | None
     params: GenerationParams
     timeout: float | None = None
+    family: PeerFamily = field(default_factory=PeerFamily)
 
     def _peer_params(self, tools: Sequence[ToolSpec], thinking: bool) -> dict[str, Any]:
         p = self.params
@@ -67,4 +82,6 @@ class DelegatedModel:
             max_tokens=self.params.max_tokens, params=self._peer_params(tools, thinking), timeout=self.timeout,
             tools=[{"name": t.name, "description": t.description, "parameters": t.parameters} for t in tools] or None)
         result = await task.result()
+        if result.get("tool_family") in {f.value for f in ToolFamily}:  # a node of before families: not said
+            self.family.family = ToolFamily(result["tool_family"])
         return str(result["text"])
