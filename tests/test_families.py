@@ -1,4 +1,4 @@
-"""Tool calling by template family (agent/families.py), on real templates and real llama.cpp.
+"""Tool calling by template family (agent/formats/families.py), on real templates and real llama.cpp.
 
 Each family gets a generated tiny GGUF carrying a real model's chat template
 (tests/data/templates/, sources in its README) and that model's special tokens. Through the
@@ -19,11 +19,12 @@ from typing import Any
 
 import pytest
 
-from psymesh.agent.chatformat import ChatMessage, ToolCall, ToolSpec, render_prompt
-from psymesh.agent.families import FAMILIES, FAMILY_TOKENS, ToolFamily, ToolsUnsupported, detect_family
-from psymesh.agent.generate import GenerationParams, ToolGrammar, complete
-from psymesh.agent.runtime import ModelSettings, ModelWorker
-from psymesh.agent.testmodel import tiny_model_path
+from psymesh.agent.formats.chatformat import ChatMessage, ToolCall, ToolSpec, render_prompt
+from psymesh.agent.formats.families import FAMILIES, FAMILY_TOKENS, ToolFamily, ToolsUnsupported, detect_family
+from psymesh.agent.runtime.generate import GenerationParams, ToolGrammar, complete
+from psymesh.agent.runtime.api import ModelSettings
+from psymesh.agent.runtime.worker import ModelWorker
+from psymesh.agent.runtime.testmodel import tiny_model_path
 from psymesh.protocol.errors import ErrorCode
 
 pytestmark = pytest.mark.anyio

@@ -1,7 +1,7 @@
 """A model that cannot call tools says so, everywhere (issue 33, item 2).
 
 A generated tiny GGUF carries SmolLM2-135M-Instruct's real chat template, which has no tool
-section (family "none", agent/families.py). A request with tools to it must fail with
+section (family "none", agent/formats/families.py). A request with tools to it must fail with
 `unsupported` and a message naming the model and what to do, never come back as an answer
 invented without the tools with exit status 0: through `psymesh agent run` (and `--no-tools`
 runs it), `model add`/`model list`, the OpenAI endpoint over real HTTP (400, OpenAI's error
@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from conftest import home_and_phone_daemons, pair, register_model, run_nodes
-from psymesh.agent.testmodel import tiny_model_path
+from psymesh.agent.runtime.testmodel import tiny_model_path
 from psymesh.node.core.home import NodeHome
 from psymesh.node.control.client import Client
 
@@ -143,7 +143,7 @@ async def test_eval_reports_every_category_not_run(tmp_path: Path, chat_only: Pa
     assert rc == 1 and "Traceback" not in err, err
     _unsupported(out, chat_only.name)
     not_run = json.loads(out)["error"]["not_run"]
-    from psymesh.agent.evaluation import load_cases
+    from psymesh.agent.evaluation.suite import load_cases
 
     assert set(not_run) == {c.category for c in load_cases(REPO / "examples" / "eval_cases.jsonl")}
     assert all("cannot call tools" in why for why in not_run.values())

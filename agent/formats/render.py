@@ -225,7 +225,7 @@ def render_prompt(
 
     `template` is a Jinja chat template (usually the GGUF's `tokenizer.chat_template`);
     without one the built-in Qwen3.5 renderer is used. `family` is the template's tool-calling
-    family (agent.families): its end-of-turn text, its control tokens (kept out of message
+    family (families.py): its end-of-turn text, its control tokens (kept out of message
     text) and how it spells call ids. With `thinking=False` the generation prompt ends with
     an empty think block, as Qwen3 does. An assistant turn with `raw` text is written
     verbatim wherever the template shows the turn whole (with its thinking); elsewhere it is

@@ -136,11 +136,11 @@ class ModelInfo:
     n_vocab: int
     chat_template: str | None
     eog_token_ids: tuple[int, ...]
-    family_tokens: tuple[str, ...] = ()  # which of agent.families.FAMILY_TOKENS the vocabulary has
+    family_tokens: tuple[str, ...] = ()  # which of agent.formats.families.FAMILY_TOKENS the vocabulary has
 
     @property
     def tool_family(self) -> ToolFamily:
-        """How this model calls tools (agent.families), from its template and vocabulary."""
+        """How this model calls tools (agent.formats.families), from its template and vocabulary."""
         return detect_family(self.chat_template, self.family_tokens)
 
 

@@ -18,7 +18,7 @@ four things, and each doing them itself is how they drift apart:
 * parameters, as one typed :class:`GenerationParams`. Untrusted ones (a peer's infer
   task) come in through :meth:`GenerationParams.from_untrusted`, which takes only the
   keys a peer may set and names every bad value in a BAD_REQUEST;
-* with tools, the reply parsed (by the model's tool family: ``agent.families``), its calls part of the
+* with tools, the reply parsed (by the model's tool family: ``agent.formats.families``), its calls part of the
   result; :class:`ToolGrammar` constrains decoding so that they always parse.
 
 llama_cpp is never imported here: the model runs behind a `TextModel` (a runner process,

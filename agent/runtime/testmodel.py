@@ -58,7 +58,7 @@ SPECIAL_TOKENS: tuple[tuple[str, gguf.TokenType], ...] = (
     ("<tool_response>", gguf.TokenType.USER_DEFINED),
     ("</tool_response>", gguf.TokenType.USER_DEFINED),
 )
-# Each tool-calling family's own specials (agent/families.py), added to the ChatML ones above
+# Each tool-calling family's own specials (agent/formats/families.py), added to the ChatML ones above
 # for a model of that family; the real tokenizers have them as control tokens.
 FAMILY_SPECIAL_TOKENS: dict[str, tuple[tuple[str, gguf.TokenType], ...]] = {
     "llama3": tuple((t, gguf.TokenType.CONTROL) for t in (
@@ -394,7 +394,7 @@ def tiny_model_path(cache_dir: str | os.PathLike[str], *, chat_template: str | N
     a turn (give its `chat_template` with it)."""
     d = Path(cache_dir)
     d.mkdir(parents=True, exist_ok=True)
-    from .families import FAMILIES, ToolFamily
+    from ..formats.families import FAMILIES, ToolFamily
 
     extra = FAMILY_SPECIAL_TOKENS.get(family or "", ())
     eos = FAMILIES[ToolFamily(family)].eos_token if family else "<|im_end|>"

@@ -296,11 +296,11 @@ Piece = str | Finished
 class VisibleText:
     """The streamed text a client should see: with tools offered, everything before the
     first call (`<tool_call>`, `[TOOL_CALLS]` or `<|python_tag|>`, as the model's tool family
-    writes it: agent/families.py), which comes back parsed, as `tool_calls`. A suffix that
+    writes it: agent/formats/families.py), which comes back parsed, as `tool_calls`. A suffix that
     may be the start of such a marker is held back until the next delta tells."""
 
     def __init__(self, hide_calls: bool) -> None:
-        from ...agent.families import CALL_OPENERS
+        from ...agent.formats.families import CALL_OPENERS
 
         self.hide_calls, self.openers = hide_calls, CALL_OPENERS
         self._held = ""

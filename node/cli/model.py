@@ -142,7 +142,7 @@ def _models(node_home: NodeHome) -> ModelRegistry:
 
 
 def _family_text(family: str | None) -> str:
-    """A model's tool-calling family as the tables show it (agent/families.py)."""
+    """A model's tool-calling family as the tables show it (agent/formats/families.py)."""
     return {None: "?", "none": "none (cannot call tools)"}.get(family, family or "?")
 
 

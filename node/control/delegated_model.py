@@ -5,7 +5,7 @@ one delegated infer task (``Client.delegate(peer, infer=..., tools=...)``).
 of its home. The task carries what a local run gives ``agent.runtime.generate``: the chat (calls
 and tool results included), the tools, and the sampling params a peer may set; a tool
 grammar travels as its rules (``tool_grammar``), and the peer builds the GBNF for its
-model's tool-calling family (agent/families.py) as ``generate`` builds it here, so the
+model's tool-calling family (agent/formats/families.py) as ``generate`` builds it here, so the
 peer decodes under the same constraint and a greedy run gives the same replies, and
 scores, as a local one (its result says the family: :meth:`PeerFamily.parse` reads
 replies with that family's parser).

@@ -158,7 +158,7 @@ def default_context(path: Path, *, memory_bytes: int | None = None) -> ContextCh
 
 
 def gguf_tool_family(path: Path, chat_template: str | None = None) -> ToolFamily:
-    """How the model in the GGUF at `path` calls tools (agent/families.py): from its chat
+    """How the model in the GGUF at `path` calls tools (agent/formats/families.py): from its chat
     template (or `chat_template`, the entry's override) and the family tokens its vocabulary
     has, as the runner reports them once the model is loaded."""
     from gguf import GGUFReader

@@ -104,7 +104,7 @@ class RunnerStatus:
     keep_alive_s: float | None
     pending: int                # requests queued or running
     running: bool = False       # the runner has started a request (it is decoding one now)
-    tool_family: str | None = None  # how the loaded model calls tools (agent/families.py); None: not loaded
+    tool_family: str | None = None  # how the loaded model calls tools (agent/formats/families.py); None: not loaded
 
 
 @dataclass
