@@ -158,22 +158,17 @@ def default_context(path: Path, *, memory_bytes: int | None = None) -> ContextCh
 
 
 def gguf_tool_family(path: Path, chat_template: str | None = None) -> ToolFamily:
-    """How the model in the GGUF at `path` calls tools (agent/formats/families.py): from its chat
-    template (or `chat_template`, the entry's override) and the family tokens its vocabulary
-    has, as the runner reports them once the model is loaded."""
-    from gguf import GGUFReader
+    """How the model in the GGUF at `path` calls tools (agent/formats/families.py): from its
+    chat template (or `chat_template`, the entry's override) and the family tokens its
+    vocabulary has, as the runner reports them once the model is loaded. Its header only
+    (ggufheader), as default_context reads it."""
+    from .ggufheader import GgufHeaderError, read_gguf_header
 
     try:
-        reader = GGUFReader(path)
-    except (OSError, ValueError) as exc:
+        header = read_gguf_header(path, find=FAMILY_TOKENS)
+    except (OSError, GgufHeaderError) as exc:
         raise PsymeshError(f"cannot read the GGUF metadata of {path}: {exc}", code=ErrorCode.BAD_REQUEST) from None
-    if chat_template is None:
-        field = reader.fields.get("tokenizer.chat_template")
-        chat_template = bytes(field.parts[field.data[0]]).decode("utf-8", "replace") if field and field.data else None
-    tokens = reader.fields.get("tokenizer.ggml.tokens")
-    wanted = {t.encode(): t for t in FAMILY_TOKENS}
-    have = [wanted[b] for b in (bytes(tokens.parts[i]) for i in tokens.data) if b in wanted] if tokens else []
-    return detect_family(chat_template, have)
+    return detect_family(chat_template or header.str("tokenizer.chat_template"), header.found)
 
 
 def pull_model(repo_id: str, quant: str, dest: Path, *,
