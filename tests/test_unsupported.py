@@ -157,3 +157,18 @@ async def test_bfcl_reports_the_category_not_run(tmp_path: Path, chat_only: Path
     assert rc == 1 and "Traceback" not in err, err
     _unsupported(out, chat_only.name)
     assert list(json.loads(out)["error"]["not_run"]) == ["simple_python"]
+
+
+async def test_a_run_without_a_named_model_takes_one_that_can_call_tools(tmp_path: Path, chat_only: Path,
+                                                                         tiny_model: Path) -> None:
+    """SmolLM2 added beside the tool-calling model ("smol" sorts first) does not take the agent's runs."""
+    async with run_nodes(tmp_path, "home") as nodes:
+        node = nodes["home"]
+        node.models.registry.add("smol", chat_only, **MODEL)
+        node.models.registry.add("tiny", tiny_model, **MODEL)
+        done = await node.agents.run("Show system info.", {"ban_bytes": True, "max_steps": 1, "max_tokens": 16},
+                                     peer_id=node.identity.peer_id, deadline=None)
+        assert done["stopped"] in ("final", "max_steps")
+        plain = await node.agents.run("Hello", {"ban_bytes": True, "max_steps": 1, "tools": False, "max_tokens": 8},
+                                      peer_id=node.identity.peer_id, deadline=None)
+        assert plain["tool_calls"] == []

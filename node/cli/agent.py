@@ -152,7 +152,7 @@ async def _agent_local(node_home: NodeHome, config: Any, registry: Any, out: Out
     from .status import device_lines
     from ..models.agents import agent_config, llama_model, node_tools, offered_tools, pick_model, result_of
 
-    name = pick_model(registry, model_name, config.agent_model, config.profile)
+    name = pick_model(registry, model_name, config.agent_model, config.profile, tools=params.get("tools", True))
 
     async def confirm(call: Any, tool: Any) -> bool:
         if yes:

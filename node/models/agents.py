@@ -102,10 +102,12 @@ def agent_config(params: Mapping[str, Any], *, from_peer: bool) -> AgentConfig:
 
 
 def pick_model(registry: ModelRegistry, requested: str | None, default: str | None,
-               profile: str = "home") -> str:
+               profile: str = "home", *, tools: bool = True) -> str:
     """The model a run here uses: `requested`, else the node's default, else the first one
-    registered; NOT_FOUND naming what to do (on a phone, the model usually lives on its
-    home PC, so the hint says how to run there rather than to add the model here)."""
+    registered (with `tools`, the first that can call tools, if any can: a chat-only model
+    added beside a tool-calling one does not take its runs); NOT_FOUND naming what to do (on
+    a phone, the model usually lives on its home PC, so the hint says how to run there
+    rather than to add the model here)."""
     name = requested or default
     try:
         if name:
@@ -116,7 +118,8 @@ def pick_model(registry: ModelRegistry, requested: str | None, default: str | No
             raise PsymeshError("no model on this node for the agent; add one with: "
                                f"{registry.commands('model add', 'NAME PATH.gguf')}",
                                code=ErrorCode.NOT_FOUND)
-        return names[0]
+        callers = [r["name"] for r in registry.list() if r.get("tool_family") != "none"] if tools else []
+        return callers[0] if callers else names[0]
     except PsymeshError as exc:
         if profile != "phone":
             raise
@@ -191,7 +194,8 @@ class AgentTaskRunner:
         tools (or `tools`, a subset), until `deadline` (Unix s). An `agent` task and an
         `msg.ask` letter (node/messaging/answering.py) both come here."""
         params = peer_params(params)
-        worker = await self.models.get(pick_model(self.models.registry, params.get("model"), self.default_model))
+        worker = await self.models.get(pick_model(self.models.registry, params.get("model"), self.default_model,
+                                                  tools=params.get("tools", True)))
         ctx = ToolContext(share_dir=Path(self.share_dir) if self.share_dir else None, profile=self.profile,
                           peer_id=peer_id, deadline=deadline)
         run = await run_agent(goal, model=llama_model(worker, params),
