@@ -34,6 +34,7 @@ class ErrorCode(StrEnum):
     UNAVAILABLE = "unavailable"          # peer unreachable, daemon not running
     BAD_CODE = "bad_code"                # pairing: wrong short code
     MODEL_CRASHED = "model_crashed"      # the model runner process died running this request
+    UNSUPPORTED = "unsupported"          # the model cannot do what was asked (tools to a model without tool calling)
     INTERNAL = "internal"
 
 

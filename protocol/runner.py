@@ -83,6 +83,7 @@ class Ready(Message):
     n_vocab: int
     chat_template: str | None = None
     eog_token_ids: tuple[int, ...] = ()
+    family_tokens: tuple[str, ...] = ()  # the special tokens that tell a tool-calling family, as the vocabulary has them
 
 
 class LoadFailed(Message):

@@ -433,6 +433,7 @@ class InferResult(Message):
     usage: InferUsage = Field(default_factory=InferUsage)
     content: str | None = None
     tool_calls: Annotated[list[InferCall], Field(max_length=MAX_CALLS)] | None = None
+    tool_family: str | None = None  # how the model writes calls (qwen35, hermes, llama3, mistral), with tools
 
     def wire(self) -> dict[str, Any]:
         """The result map: the fields set, none of them nil."""

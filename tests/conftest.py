@@ -60,3 +60,37 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from psymesh.agent.runtime.testmodel import tiny_model_path
 
     return tiny_model_path(tmp_path_factory.getbasetemp() / "models")
+
+
+@contextlib.asynccontextmanager
+async def home_and_phone_daemons(tmp_path: Path, setup_home: Callable[[Path], None]) -> AsyncIterator[tuple]:
+    """A home and a phone daemon process (not paired), each in a process of its own, stopped on
+    exit; `setup_home(its folder)` runs before home starts (to register its model, say)."""
+    from psymesh.node.control.process import DaemonProcess
+
+    home = DaemonProcess(tmp_path / "home", name="home")
+    phone = DaemonProcess(tmp_path / "phone", profile="phone", name="phone")
+    setup_home(home.home)
+    await home.start()
+    await phone.start()
+    try:
+        yield home, phone
+    finally:
+        await phone.stop()
+        await home.stop()
+
+
+def register_model(home: Path, path: Path, *, name: str, profile: str = "phone", **settings: int) -> None:
+    """`psymesh model add` without the subprocess: straight into the node database of `home`."""
+    from psymesh.node.core.db import open_db
+    from psymesh.node.core.home import NodeHome
+    from psymesh.node.models import ModelRegistry
+
+    NodeHome(home).init(profile=profile, name=home.name)  # type: ignore[arg-type]
+    config = NodeHome(home).load_config()  # a phone's tools never drive the machine running the tests
+    NodeHome(home).save_config(config.model_copy(update={"device": "simulated"}))
+    conn = open_db(NodeHome(home).db_path)
+    try:
+        ModelRegistry(conn).add(name, path, **settings)  # type: ignore[arg-type]
+    finally:
+        conn.close()

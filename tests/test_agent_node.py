@@ -22,16 +22,12 @@ from typing import Any
 import anyio
 import pytest
 
-from conftest import pair, run_nodes
+from conftest import home_and_phone_daemons, pair, register_model, run_nodes
 from psymesh.agent.acting.loop import ScriptedModel, tool_call_text
 from psymesh.agent.acting.tools import tool_from_function
 from psymesh.node.models import agents
 from psymesh.node.control.client import Client, TaskHandle
 from psymesh.node.daemon import Node
-from psymesh.node.core.db import open_db
-from psymesh.node.core.home import NodeHome
-from psymesh.node.models import ModelRegistry
-from psymesh.node.control.process import DaemonProcess
 from psymesh.protocol.errors import ErrorCode, RemoteError
 from psymesh.protocol.tasks import EventKind, TaskEvent, TaskState
 
@@ -58,15 +54,7 @@ async def _cli(home: Path, *args: str) -> tuple[int, str, str]:
 
 
 def _register_model(home: Path, path: Path, profile: str = "phone") -> None:
-    """`psymesh model add` without the subprocess: straight into the node database."""
-    NodeHome(home).init(profile=profile, name=home.name)  # type: ignore[arg-type]
-    config = NodeHome(home).load_config()  # a phone's tools never drive the machine running the tests
-    NodeHome(home).save_config(config.model_copy(update={"device": "simulated"}))
-    conn = open_db(NodeHome(home).db_path)
-    try:
-        ModelRegistry(conn).add("tiny", path, **MODEL)
-    finally:
-        conn.close()
+    register_model(home, path, name="tiny", profile=profile, **MODEL)
 
 
 # --------------------------------------------------------------------------- delegated agent tasks
@@ -276,12 +264,9 @@ async def test_agent_run_here(tmp_path: Path, tiny_model: Path) -> None:
 
 @pytest.mark.anyio
 async def test_agent_run_delegates_from_a_phone_daemon(tmp_path: Path, tiny_model: Path) -> None:
-    home = DaemonProcess(tmp_path / "home", name="home")
-    phone = DaemonProcess(tmp_path / "phone", profile="phone", name="phone")
-    _register_model(home.home, tiny_model, profile="home")  # the phone has no model of its own
-    await home.start()
-    await phone.start()
-    try:
+    # the phone has no model of its own
+    async with home_and_phone_daemons(tmp_path, lambda h: _register_model(h, tiny_model, profile="home")) as (home,
+                                                                                                        phone):
         goal = ["agent", "run", "Turn wifi on", "--ban-bytes", "--seed", "3", "--max-steps", "2", "--json"]
         rc, out, err = await _cli(phone.home, *goal, "--delegate", "always")
         assert rc == 1 and "Traceback" not in err, err  # a running daemon, but no paired home PC
@@ -298,9 +283,6 @@ async def test_agent_run_delegates_from_a_phone_daemon(tmp_path: Path, tiny_mode
             listed = (await client.tasks()).submitted
         assert [(t.task_id, t.kind, t.target, t.state) for t in listed] == [
             (result["task_id"], "agent", "home", "completed")]
-    finally:
-        await phone.stop()
-        await home.stop()
 
 
 @pytest.mark.anyio

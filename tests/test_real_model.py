@@ -157,8 +157,6 @@ async def test_delegation_and_the_openai_endpoint_write_what_bare_llama_cpp_writ
     assert chunks[-1].usage.completion_tokens == n
 
 
-@pytest.mark.xfail(reason="needs families branch (the `unsupported` error for a template without tools)",
-                   strict=False)
 @pytest.mark.anyio
 async def test_a_tools_request_to_a_model_whose_template_has_none_is_unsupported(tmp_path: Path,
                                                                                  real_model: Path) -> None:

@@ -134,6 +134,7 @@ class ModelReply:
     text: str
     raw: str | None = None
     usage: StepUsage | None = None
+    reply: ParsedReply | None = None  # `text` parsed by the model's tool family (None: the loop parses it)
 
 
 @runtime_checkable
@@ -218,7 +219,7 @@ class LlamaAgentModel:
         u = done.usage
         return ModelReply(_OPEN_THINK + done.text if done.opened_think else done.text, raw=done.raw,
                           usage=StepUsage(u.prompt_tokens, u.prompt_tokens_evaluated, u.completion_tokens,
-                                          u.prompt_seconds, u.generation_seconds))
+                                          u.prompt_seconds, u.generation_seconds), reply=done.reply)
 
 
 def tool_call_text(name: str, arguments: Mapping[str, Any] | None = None) -> str:
@@ -390,7 +391,7 @@ class _Run:
                 raise
             if said.usage is not None:
                 self.usage.append(said.usage)
-            reply = parse_reply(said.text, self.specs)
+            reply = said.reply if said.reply is not None else parse_reply(said.text, self.specs)
             self.messages.append(reply.to_message(raw=said.raw))
             if reply.thinking:
                 await self.emit("thinking", text=reply.thinking)

@@ -113,6 +113,8 @@ from .bfcl_report import (
     BfclReport, CategoryScore, format_bfcl_report, format_run_spread, run_spread, write_score_files,
 )
 from .bfcl_score import BfclResult, score_single_turn
+from ..formats.chatformat import parse_reply
+from ..formats.families import ReplyParser
 from ..runtime.generate import GenerationParams, ToolGrammar
 from ..acting.loop import AgentModel
 from ...protocol.errors import ErrorCode, PsymeshError
@@ -196,9 +198,10 @@ def load_bfcl(directory: str | Path | None = None, categories: Sequence[str] = (
                          else load_single_turn(directory, c, limit))]
 
 
-def score_reply(case: BfclCase, text: str) -> BfclResult:
-    """Score one raw reply as BFCL would (format_sensitivity: decoded in the case's prompt format)."""
-    return score_format_reply(case, text) if case.prompt_format else score_single_turn(case, text)
+def score_reply(case: BfclCase, text: str, parse: ReplyParser = parse_reply) -> BfclResult:
+    """Score one raw reply as BFCL would (format_sensitivity: decoded in the case's prompt format;
+    the others read by `parse`, the model's tool family's parser)."""
+    return score_format_reply(case, text) if case.prompt_format else score_single_turn(case, text, parse)
 
 
 def oracle_reply(case: BfclCase) -> str:
@@ -243,6 +246,7 @@ async def run_bfcl(
     web: WebRoute | None = None,
     prompting: AgentModel | None = None,
     multi_turn: AgentModel | None = None,
+    parse: ReplyParser = parse_reply,
 ) -> BfclReport:
     """Ask `model` each case in turn and score its reply (a multi-turn case: its whole
     conversation). `model` None is the oracle: each case answered with its ground truth,
@@ -251,21 +255,24 @@ async def run_bfcl(
     (default `model`): the same model without the tool grammar, since a prompting model
     writes the format its system turn asks for, <TOOLCALL> and XML included, which the tool
     grammar's plain answer cannot hold. `multi_turn`: the model asked each step of a
-    multi-turn case (default `model`; the CLI gives it ReplyCaps.multi_turn). A model error
+    multi-turn case (default `model`; the CLI gives it ReplyCaps.multi_turn). `parse` reads
+    the model's replies: its tool family's parser (agent.formats.families). A model error
     fails that case only."""
     with tempfile.TemporaryDirectory(prefix="psymesh-bfcl-") as workdir:  # a run's memory snapshots
         return await _run(cases, model, thinking, on_result, Path(workdir), web, prompting or model,
-                          multi_turn or model)
+                          multi_turn or model, parse)
 
 
 async def _run(cases: Iterable[BfclCase | MultiTurnCase], model: AgentModel | None, thinking: bool,
                on_result: Callable[[BfclResult], Awaitable[None]] | None, workdir: Path,
-               web: WebRoute | None, prompting: AgentModel | None, multi_turn: AgentModel | None) -> BfclReport:
+               web: WebRoute | None, prompting: AgentModel | None, multi_turn: AgentModel | None,
+               parse: ReplyParser) -> BfclReport:
     results = []
     for case in cases:
         if isinstance(case, MultiTurnCase):
             turn_result = await run_multi_turn_case(case, oracle_model(case) if multi_turn is None else multi_turn,
-                                                    thinking=thinking, workdir=workdir, web=web)
+                                                    thinking=thinking, workdir=workdir, web=web,
+                                                    parse=parse_reply if multi_turn is None else parse)
             if turn_result is None:  # a memory prerequisite: not scored
                 continue
             result = turn_result
@@ -280,7 +287,7 @@ async def _run(cases: Iterable[BfclCase | MultiTurnCase], model: AgentModel | No
         except PsymeshError as exc:
             result = BfclResult(case.id, case.category, False, "model_error", f"model error: {exc}", "", [])
         else:
-            result = score_reply(case, text)
+            result = score_reply(case, text, parse_reply if asked is None else parse)
         results.append(result)
         if on_result is not None:
             await on_result(result)

@@ -60,6 +60,7 @@ from .bfcl_categories import FILE_PREFIX, MULTI_TURN_CATEGORIES, BfclDataError, 
 from .bfcl_data import json_lines, tool_spec
 from .bfcl_score import BfclResult, scoring_spec
 from ..formats.chatformat import ChatMessage, ParsedReply, ToolCall, ToolSpec, parse_reply
+from ..formats.families import ReplyParser
 from ..acting.loop import AgentModel, ScriptedModel, tool_call_text
 from ...protocol.errors import PsymeshError
 from ...protocol.web import WebPage, WebResults
@@ -395,26 +396,27 @@ def _check(case: MultiTurnCase, decoded: list[list[list[str]]], model_name: str)
                                       case.category, model_name)
 
 
-def _parse(text: str, tools: Sequence[ToolSpec]) -> ParsedReply:
+def _parse(text: str, tools: Sequence[ToolSpec], parse: ReplyParser) -> ParsedReply:
     """The reply's calls as BFCL's decoder sees them: a call to a function not offered
     (yet) is a call too (BFCL decodes without the docs); offered ones are typed by their
     schema, a value that does not fit it kept as written (BFCL's convert_value keeps it
     too), the others read as JSON where they look like it."""
     offered = {t.name for t in tools}
     extra = []
-    for call in parse_reply(text).tool_calls:
+    for call in parse(text).tool_calls:
         if call.name not in offered:
             try:
                 extra.append(ToolSpec(name=call.name))
             except ValidationError:
                 continue
             offered.add(call.name)
-    return parse_reply(text, [*(scoring_spec(t) for t in tools), *extra])
+    return parse(text, [*(scoring_spec(t) for t in tools), *extra])
 
 
 async def run_multi_turn_case(case: MultiTurnCase, model: AgentModel, *, thinking: bool = False,
-                              workdir: Path | None = None, web: WebRoute | None = None) -> BfclResult | None:
-    """Run `case` through `model` as BFCL's multi-turn inference does, and judge it with
+                              workdir: Path | None = None, web: WebRoute | None = None,
+                              parse: ReplyParser = parse_reply) -> BfclResult | None:
+    """Run `case` through `model` (its replies read by `parse`, its tool family's parser) as BFCL's multi-turn inference does, and judge it with
     BFCL's multi_turn_checker (a memory question: with BFCL's agentic_checker; a memory
     prerequisite is not judged, and gives None). `workdir` holds a run's memory snapshots."""
     backends: _Backends | _WebBackend = _WebBackend(case, web) if case.web is not None else _Backends(case, workdir)
@@ -441,7 +443,7 @@ async def run_multi_turn_case(case: MultiTurnCase, model: AgentModel, *, thinkin
                     return BfclResult(case.id, case.category, False, "model_error", f"model error: {exc}",
                                       "\n".join(replies), calls_made)
                 replies.append(text)
-                reply = _parse(text, tools)
+                reply = _parse(text, tools, parse)
                 history.append(reply.to_message())
                 if not reply.tool_calls:
                     answer = reply.content

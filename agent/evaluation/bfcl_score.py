@@ -8,6 +8,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from ..formats.chatformat import ToolCall, ToolSpec, parse_reply
+from ..formats.families import ReplyParser
 from .bfcl_categories import PYTHON
 from .bfcl_checker import PYTHON_TYPES, check_calls
 from .bfcl_data import BfclCase
@@ -64,10 +65,11 @@ def _readings(calls: list[ToolCall], literal: list[ToolCall], limit: int = 64) -
         yield [c.model_copy(update={"arguments": a}) for c, a in zip(calls, mixed, strict=True)]
 
 
-def score_single_turn(case: BfclCase, text: str) -> BfclResult:
-    """Score one raw reply to a single-turn case (AST, irrelevance, relevance) as BFCL would."""
+def score_single_turn(case: BfclCase, text: str, parse: ReplyParser = parse_reply) -> BfclResult:
+    """Score one raw reply to a single-turn case (AST, irrelevance, relevance) as BFCL would,
+    read by `parse` (the model's tool family's parser)."""
     if case.wants_call is not None:
-        reply = parse_reply(text)  # a well-formed call to any function, offered or not, counts
+        reply = parse(text)  # a well-formed call to any function, offered or not, counts
         calls = list(reply.tool_calls)
         if calls and not case.wants_call:
             return BfclResult(case.id, case.category, False, "irrelevance_error:decoder_success",
@@ -77,7 +79,7 @@ def score_single_turn(case: BfclCase, text: str) -> BfclResult:
                               "expected a tool call, got none", text, calls)
         return BfclResult(case.id, case.category, True, "", "", text, calls)
     assert case.expected is not None
-    reply = parse_reply(text, [scoring_spec(t) for t in case.tools])
+    reply = parse(text, [scoring_spec(t) for t in case.tools])
     calls = list(reply.tool_calls)
     if reply.errors:
         return BfclResult(case.id, case.category, False, "ast_decoder:decoder_failed",
@@ -87,7 +89,7 @@ def score_single_turn(case: BfclCase, text: str) -> BfclResult:
         # The XML call form writes `true`, `2` and `null` alike for a string and for a JSON
         # literal; a JSON-writing model is read unambiguously by BFCL. So a reply also
         # passes if it does with its string parameters read as the literals they spell.
-        literal = parse_reply(text, [_literal_spec(t) for t in case.tools])
+        literal = parse(text, [_literal_spec(t) for t in case.tools])
         for reading in _readings(calls, list(literal.tool_calls) if not literal.errors else []):
             if check_calls(reading, case.expected, case.tools) is None:
                 return BfclResult(case.id, case.category, True, "", "", text, reading)

@@ -31,6 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from .bfcl import OMITTABLE, CategoryScore, ExpectedCall, check_calls
 from ..formats.chatformat import ChatMessage, ToolCall, ToolSpec, parse_reply
+from ..formats.families import ReplyParser
 from ..acting.loop import AgentModel, default_system_prompt
 from ...protocol.errors import ErrorCode, PsymeshError
 
@@ -190,9 +191,9 @@ class EvalReport:
         return self.passed / self.total if self.total else 0.0
 
 
-def score_reply(case: EvalCase, text: str) -> CaseResult:
-    """Score one raw reply against `case`."""
-    reply = parse_reply(text, case.tools)
+def score_reply(case: EvalCase, text: str, parse: ReplyParser = parse_reply) -> CaseResult:
+    """Score one raw reply against `case`, read by `parse` (the model's tool family's parser)."""
+    reply = parse(text, case.tools)
     if reply.errors:
         reason = "malformed reply: " + "; ".join(reply.errors)
     elif not case.expected and not reply.tool_calls and not reply.content:
@@ -210,8 +211,10 @@ async def evaluate(
     thinking: bool = False,
     profile: str = "phone",
     on_result: Callable[[CaseResult], Awaitable[None]] | None = None,
+    parse: ReplyParser = parse_reply,
 ) -> EvalReport:
-    """Ask `model` each case in turn and score its reply. A model error fails that case only."""
+    """Ask `model` each case in turn and score its reply (read by `parse`, the model's tool
+    family's parser). A model error fails that case only."""
     results = []
     for case in cases:
         try:
@@ -219,7 +222,7 @@ async def evaluate(
         except PsymeshError as exc:
             result = CaseResult(case.id, case.category, False, f"model error: {exc}", "", [])
         else:
-            result = score_reply(case, text)
+            result = score_reply(case, text, parse)
         results.append(result)
         if on_result is not None:
             await on_result(result)

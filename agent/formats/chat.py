@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 import secrets
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -146,16 +146,17 @@ class ChatMessage(BaseModel):
     def tool(cls, call: ToolCall, content: str) -> ChatMessage:
         return cls(role="tool", content=content, tool_call_id=call.id, name=call.name)
 
-    def to_template_dict(self) -> dict[str, Any]:
-        """The Hugging Face message shape chat templates are written against."""
+    def to_template_dict(self, call_id: Callable[[str], str] = str) -> dict[str, Any]:
+        """The Hugging Face message shape chat templates are written against; `call_id`
+        spells a call id as the template wants it (Mistral's: 9 letters or digits)."""
         d: dict[str, Any] = {"role": self.role, "content": self.content}
         if self.reasoning is not None:
             d["reasoning_content"] = self.reasoning
         if self.tool_calls:
-            d["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-                               for c in self.tool_calls]
+            d["tool_calls"] = [{"id": call_id(c.id), "type": "function",
+                                "function": {"name": c.name, "arguments": c.arguments}} for c in self.tool_calls]
         if self.tool_call_id is not None:
-            d["tool_call_id"] = self.tool_call_id
+            d["tool_call_id"] = call_id(self.tool_call_id)
         if self.name is not None:
             d["name"] = self.name
         return d

@@ -22,15 +22,16 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-from .chatformat import ToolSpec
+from .chat import ToolSpec
 
-__all__ = ["ThinkMode", "tool_call_grammar"]
+__all__ = ["ThinkMode", "bounded_schema", "gbnf_literal", "json_rules", "reply_rules", "schema_converter",
+           "tool_call_grammar"]
 
 ThinkMode = Literal["none", "empty", "bounded"]
 
 
 @functools.cache
-def _schema_converter() -> Any:
+def schema_converter() -> Any:
     """llama-cpp-python's JSON-schema -> GBNF converter, without the native library.
 
     `llama_cpp/llama_grammar.py` is pure Python (it imports only the standard library),
@@ -53,7 +54,7 @@ _TEXT_CHAR = r"[^<\x00-\x08\x0B-\x1F]"
 _MAX_ITEMS = 16  # items in arrays / entries in free-form objects
 
 
-def _lit(text: str) -> str:
+def gbnf_literal(text: str) -> str:
     """A GBNF string literal."""
     out = []
     for ch in text:
@@ -77,17 +78,17 @@ def _render_enum_value(value: Any) -> str:
     return value if isinstance(value, str) else json.dumps(value)
 
 
-def _bounded(schema: Any, max_string_chars: int) -> Any:
+def bounded_schema(schema: Any, max_string_chars: int) -> Any:
     """A copy of `schema` whose strings and arrays have upper bounds and whose objects
     admit only their declared properties, so a babbling model still terminates."""
     if isinstance(schema, list):
-        return [_bounded(s, max_string_chars) for s in schema]
+        return [bounded_schema(s, max_string_chars) for s in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {k: _bounded(v, max_string_chars) if k in ("items", "anyOf", "oneOf", "allOf") else v
+    out = {k: bounded_schema(v, max_string_chars) if k in ("items", "anyOf", "oneOf", "allOf") else v
            for k, v in schema.items()}
     if isinstance(schema.get("properties"), dict):
-        out["properties"] = {k: _bounded(v, max_string_chars) for k, v in schema["properties"].items()}
+        out["properties"] = {k: bounded_schema(v, max_string_chars) for k, v in schema["properties"].items()}
         out.setdefault("additionalProperties", False)
     types = schema.get("type")
     types = types if isinstance(types, list) else [types]
@@ -115,7 +116,7 @@ class _Builder:
     def __init__(self, max_string_chars: int) -> None:
         self.rules: dict[str, str] = {}
         self.max_string_chars = max_string_chars
-        self._json = _schema_converter()(prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False)
+        self._json = schema_converter()(prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False)
         self._json_used = False
 
     def add(self, name: str, body: str) -> str:
@@ -132,9 +133,9 @@ class _Builder:
         """A rule for one parameter value, written the way parse_reply reads it back."""
         schema = schema or {}
         if "const" in schema:
-            return self.add(name, _lit(_render_enum_value(schema["const"])))
+            return self.add(name, gbnf_literal(_render_enum_value(schema["const"])))
         if isinstance(schema.get("enum"), list) and schema["enum"]:
-            return self.add(name, " | ".join(_lit(_render_enum_value(v)) for v in schema["enum"]))
+            return self.add(name, " | ".join(gbnf_literal(_render_enum_value(v)) for v in schema["enum"]))
         alternatives = [s for s in (schema.get("anyOf") or schema.get("oneOf") or []) if isinstance(s, dict)]
         if alternatives:
             subs = [self.value_rule(f"{name}-{k}", s) for k, s in enumerate(alternatives)]
@@ -159,7 +160,7 @@ class _Builder:
             return self.add(name, "tc-free-array")
         if types in ("object", "array"):
             self._json_used = True
-            return self._json.visit(self._json.resolve_refs(_bounded(schema, self.max_string_chars), ""), name)
+            return self._json.visit(self._json.resolve_refs(bounded_schema(schema, self.max_string_chars), ""), name)
         return self.add(name, self.string_rule(schema))
 
     def grammar(self) -> str:
@@ -167,11 +168,20 @@ class _Builder:
             self.rules.update(_free_json_rules(self.max_string_chars))
         lines = [f"{name} ::= {body}" for name, body in self.rules.items()]
         if self._json_used:
-            for line in self._json.format_grammar().splitlines():
-                if line.startswith("char ::= "):  # valid JSON has no raw controls; '<' could end the parameter
-                    line = line.replace(r'[^"\\', r'[^"\\<\x00-\x1F', 1)
-                lines.append(line)
+            lines.extend(json_rules(self._json))
         return "\n".join(lines) + "\n"
+
+
+def json_rules(converter: Any) -> list[str]:
+    """The rules a JSON-schema converter built, its string characters narrowed: valid JSON
+    has no raw controls, and a '<' could end the call early (``</parameter>``, ``</tool_call>``,
+    where the runtime stops after the last call)."""
+    lines = []
+    for line in converter.format_grammar().splitlines():
+        if line.startswith("char ::= "):
+            line = line.replace(r'[^"\\', r'[^"\\<\x00-\x1F', 1)
+        lines.append(line)
+    return lines
 
 
 def tool_call_grammar(
@@ -197,34 +207,41 @@ def tool_call_grammar(
     if max_calls < 1:
         raise ValueError("max_calls must be >= 1")
     b = _Builder(max_string_chars)
-    b.add("root", "tc-think tc-reply" if think != "none" else "tc-reply")
-    if think == "empty":
-        b.add("tc-think", _lit("\n</think>\n\n"))
-    elif think == "bounded":
-        b.add("tc-think", f"{_TEXT_CHAR}{{0,{max_think_chars}}} " + _lit("</think>\n\n"))
-
     functions = []
     for i, tool in enumerate(tools):
         params = tool.parameters.get("properties", {})
         required = set(tool.parameters.get("required", []))
-        parts = [_lit(f"<function={tool.name}>\n")]
+        parts = [gbnf_literal(f"<function={tool.name}>\n")]
         for j, (pname, pschema) in enumerate(params.items()):
             value = b.value_rule(f"tc-v-{i}-{j}", pschema if isinstance(pschema, dict) else None)
-            open_tag, close_tag = _lit(f"<parameter={pname}>\n"), _lit("\n</parameter>\n")
+            open_tag, close_tag = gbnf_literal(f"<parameter={pname}>\n"), gbnf_literal("\n</parameter>\n")
             param = b.add(f"tc-p-{i}-{j}", f"{open_tag} {value} {close_tag}")
             parts.append(param if pname in required else f"{param}?")
-        parts.append(_lit("</function>\n"))
+        parts.append(gbnf_literal("</function>\n"))
         functions.append(b.add(f"tc-fn-{i}", " ".join(parts)))
 
-    # Answer: non-empty, starts with a visible character, never opens a tag ("a < b" is fine).
-    answer = b.add("tc-answer", r'[^<\x00-\x20] tc-answer-char*')
-    b.add("tc-answer-char", f'{_TEXT_CHAR} | "<" [ =0-9]')
+    calls = None
     if functions:
-        call_open, call_close, newline = _lit("<tool_call>\n"), _lit("</tool_call>"), _lit("\n")
+        call_open, call_close, newline = gbnf_literal("<tool_call>\n"), gbnf_literal("</tool_call>"), gbnf_literal("\n")
         b.add("tc-call", f"{call_open} ({' | '.join(functions)}) {call_close}")
         more = f" ({newline} tc-call){{0,{max_calls - 1}}}" if max_calls > 1 else ""
         calls = b.add("tc-calls", "tc-call" + more)
-        b.add("tc-reply", calls if require_call else f"{calls} | {answer}")
-    else:
-        b.add("tc-reply", answer)
+    b.rules.update(reply_rules(think, max_think_chars, calls, require_call))
     return b.grammar()
+
+
+def reply_rules(think: ThinkMode, max_think_chars: int, calls: str | None, require_call: bool) -> dict[str, str]:
+    """The rules around the calls, the same for every family: what comes first (`think`,
+    as :func:`tool_call_grammar` says), then the rule `calls` or (unless `require_call`)
+    a plain answer. `root` is the reply."""
+    rules = {"root": "tc-think tc-reply" if think != "none" else "tc-reply"}
+    if think == "empty":
+        rules["tc-think"] = gbnf_literal("\n</think>\n\n")
+    elif think == "bounded":
+        rules["tc-think"] = f"{_TEXT_CHAR}{{0,{max_think_chars}}} " + gbnf_literal("</think>\n\n")
+    # Answer: non-empty, starts with a visible character, never opens a tag ("a < b" is fine).
+    rules["tc-answer"] = r'[^<\x00-\x20] tc-answer-char*'
+    rules["tc-answer-char"] = f'{_TEXT_CHAR} | "<" [ =0-9]'
+    rules["tc-reply"] = calls if calls is not None and require_call else \
+        f"{calls} | tc-answer" if calls is not None else "tc-answer"
+    return rules

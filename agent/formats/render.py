@@ -36,6 +36,7 @@ from .chat import (
     ChatMessage,
     ToolSpec,
 )
+from .families import FAMILIES, FamilyFormat, ToolFamily
 
 def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
             separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
@@ -62,7 +63,7 @@ def _compile_template(source: str) -> jinja2.Template:
 
 
 def _render_jinja(template: str, messages: Sequence[ChatMessage], tools: Sequence[ToolSpec], *,
-                  thinking: bool, add_generation_prompt: bool) -> str:
+                  thinking: bool, add_generation_prompt: bool, fmt: FamilyFormat) -> str:
     """Render with the template; assistant turns with `raw` text go in verbatim where the
     template shows them whole.
 
@@ -77,7 +78,7 @@ def _render_jinja(template: str, messages: Sequence[ChatMessage], tools: Sequenc
     while True:
         probe = [_raw_markers(i) if i in verbatim else m for i, m in enumerate(messages)]
         text = _render_jinja_plain(template, probe, tools, thinking=thinking,
-                                   add_generation_prompt=add_generation_prompt)
+                                   add_generation_prompt=add_generation_prompt, fmt=fmt)
         spliced: str | None = text
         for i in sorted(verbatim):
             spliced = _splice_raw(spliced, i, messages[i].raw or "")
@@ -108,20 +109,29 @@ def _splice_raw(text: str, i: int, raw: str) -> str | None:
 
 
 def _render_jinja_plain(template: str, messages: Sequence[ChatMessage], tools: Sequence[ToolSpec], *,
-                        thinking: bool, add_generation_prompt: bool) -> str:
+                        thinking: bool, add_generation_prompt: bool, fmt: FamilyFormat) -> str:
+    # bos_token is left to the tokenizer (it adds one where the GGUF asks for it).
     try:
         return _compile_template(template).render(
-            messages=[m.to_template_dict() for m in messages],
+            messages=[_shown(m, fmt).to_template_dict(fmt.call_id) for m in messages],
             tools=[t.to_openai() for t in tools] or None,
             add_generation_prompt=add_generation_prompt,
             enable_thinking=thinking,
             bos_token="",
-            eos_token=IM_END,
+            eos_token=fmt.eos_token,
         )
     except ChatFormatError:
         raise
     except (jinja2.TemplateError, TypeError, ValueError, AttributeError, KeyError, IndexError) as exc:
         raise ChatFormatError(f"chat template failed: {exc}") from exc
+
+
+def _shown(message: ChatMessage, fmt: FamilyFormat) -> ChatMessage:
+    """`message` as its family's template is shown it: a tool turn that answers no call in
+    the family's `loose_result_role`."""
+    if message.role == "tool" and message.tool_call_id is None and fmt.loose_result_role != "tool":
+        return ChatMessage(role=fmt.loose_result_role, content=message.content)
+    return message
 
 
 def _is_tool_response_turn(content: str) -> bool:
@@ -209,20 +219,25 @@ def render_prompt(
     thinking: bool,
     add_generation_prompt: bool = True,
     template: str | None = None,
+    family: ToolFamily = ToolFamily.QWEN35,
 ) -> str:
     """Render a conversation to the prompt text the model continues.
 
     `template` is a Jinja chat template (usually the GGUF's `tokenizer.chat_template`);
-    without one the built-in Qwen3.5 renderer is used. With `thinking=False` the
-    generation prompt ends with an empty think block, as Qwen3 does. An assistant turn
-    with `raw` text is written verbatim wherever the template shows the turn whole
-    (with its thinking); elsewhere it is rendered from its parse like any other.
+    without one the built-in Qwen3.5 renderer is used. `family` is the template's tool-calling
+    family (families.py): its end-of-turn text, its control tokens (kept out of message
+    text) and how it spells call ids. With `thinking=False` the generation prompt ends with
+    an empty think block, as Qwen3 does. An assistant turn with `raw` text is written
+    verbatim wherever the template shows the turn whole (with its thinking); elsewhere it is
+    rendered from its parse like any other.
     """
     if not messages:
         raise ChatFormatError("no messages to render")
-    messages = [_defanged(m) for m in messages]
+    fmt = FAMILIES[family]
+    messages = [_defanged(m, fmt.control_tokens) for m in messages]
     if template:
-        return _render_jinja(template, messages, tools, thinking=thinking, add_generation_prompt=add_generation_prompt)
+        return _render_jinja(template, messages, tools, thinking=thinking, add_generation_prompt=add_generation_prompt,
+                             fmt=fmt)
     return _render_builtin(messages, tools, thinking=thinking, add_generation_prompt=add_generation_prompt)
 
 
@@ -230,22 +245,23 @@ def render_prompt(
 # become control tokens), so the same text inside a message would too: a goal or chat message
 # from a peer could end its turn and open a system turn of its own. Message text therefore
 # gets an invisible word joiner inside each control token, which breaks the token match.
-_CONTROL_TOKENS = (IM_START, IM_END, "<|endoftext|>")
+_CONTROL_TOKENS = FAMILIES[ToolFamily.QWEN35].control_tokens
 _WORD_JOINER = "\u2060"
 
 
-def neutralize_control_tokens(text: str) -> str:
-    """`<|im_end|>` in message text -> `<\u2060|im_end|>`: readable, but never a control token."""
-    for token in _CONTROL_TOKENS:
+def neutralize_control_tokens(text: str, tokens: Sequence[str] = _CONTROL_TOKENS) -> str:
+    """`<|im_end|>` in message text -> `<\u2060|im_end|>`: readable, but never a control token.
+    `tokens`: the control tokens of the model's family (ChatML's by default)."""
+    for token in tokens:
         if token in text:
             text = text.replace(token, token[0] + _WORD_JOINER + token[1:])
     return text
 
 
-def _defanged(message: ChatMessage) -> ChatMessage:
-    content = neutralize_control_tokens(message.content)
-    reasoning = None if message.reasoning is None else neutralize_control_tokens(message.reasoning)
-    raw = None if message.raw is None else neutralize_control_tokens(message.raw)
+def _defanged(message: ChatMessage, tokens: Sequence[str]) -> ChatMessage:
+    content = neutralize_control_tokens(message.content, tokens)
+    reasoning = None if message.reasoning is None else neutralize_control_tokens(message.reasoning, tokens)
+    raw = None if message.raw is None else neutralize_control_tokens(message.raw, tokens)
     if content == message.content and reasoning == message.reasoning and raw == message.raw:
         return message
     return message.model_copy(update={"content": content, "reasoning": reasoning, "raw": raw})
@@ -267,16 +283,17 @@ _PREFIX_SENTINEL = "\u2063psymesh-prefix-sentinel\u2063"
 
 
 def render_prefix(messages: Sequence[ChatMessage], tools: Sequence[ToolSpec] = (), *,
-                  template: str | None = None) -> str:
+                  template: str | None = None, family: ToolFamily = ToolFamily.QWEN35) -> str:
     """The part of every prompt of this conversation that never changes: the system turn
     with the tool block. The runtime caches the model state at this boundary.
 
-    Found by rendering a sentinel user turn and cutting before its `<|im_start|>`, so it
-    works for any ChatML template. Returns "" when there is no stable prefix.
+    Found by rendering a sentinel user turn and cutting before the turn that holds it
+    (its family's `turn_open`), so it works for any template. Returns "" when there is no
+    stable prefix.
     """
     head = [m for m in messages[:1] if m.role == "system"]
     probe = render_prompt([*head, ChatMessage.user(_PREFIX_SENTINEL)], tools, thinking=False,
-                          add_generation_prompt=False, template=template)
+                          add_generation_prompt=False, template=template, family=family)
     at = probe.find(_PREFIX_SENTINEL)
-    cut = probe.rfind(IM_START, 0, at) if at >= 0 else -1
+    cut = probe.rfind(FAMILIES[family].turn_open, 0, at) if at >= 0 else -1
     return probe[:cut] if cut > 0 else ""

@@ -21,7 +21,8 @@ _JSON_START = re.compile(r"^(?:[\[{\"]|-?\d|true\b|false\b|null\b)")
 _LITERAL_EVAL_LIMIT = 10_000
 
 
-def _short(text: str, limit: int = 60) -> str:
+def short(text: str, limit: int = 60) -> str:
+    """A reply's text quoted for an error message, cut to `limit` characters."""
     text = text.replace("\n", "\\n")
     return repr(text if len(text) <= limit else text[:limit] + "...")
 
@@ -118,9 +119,9 @@ def _convert_value(raw: str, schema: Mapping[str, Any] | None) -> tuple[Any, str
         if ok:
             enum = schema.get("enum") if schema else None
             if isinstance(enum, list) and v not in enum:
-                return None, f"value {_short(raw)} is not one of {enum}"
+                return None, f"value {short(raw)} is not one of {enum}"
             return v, None
-    return None, f"expected {' or '.join(dict.fromkeys(types))}, got {_short(raw)}"
+    return None, f"expected {' or '.join(dict.fromkeys(types))}, got {short(raw)}"
 
 
 def _strip_one_newline(value: str) -> str:
@@ -138,7 +139,7 @@ def _parse_xml_call(body: str, tools: Mapping[str, ToolSpec] | None) -> tuple[To
     """
     m = _FUNCTION_OPEN.match(body)
     if m is None:
-        return None, f"malformed function tag {_short(body)}", ""
+        return None, f"malformed function tag {short(body)}", ""
     name = m.group(1).strip()
     end = body.find("</function>", m.end())
     if end < 0:
@@ -156,7 +157,7 @@ def _parse_xml_call(body: str, tools: Mapping[str, ToolSpec] | None) -> tuple[To
             break
         pm = _PARAMETER_OPEN.match(inner, pos)
         if pm is None:
-            return None, f"unexpected text in <function={name}>: {_short(inner[pos:])}", rest
+            return None, f"unexpected text in <function={name}>: {short(inner[pos:])}", rest
         pname = pm.group(1).strip()
         close = inner.find("</parameter>", pm.end())
         if close < 0:
@@ -179,7 +180,13 @@ def _parse_xml_call(body: str, tools: Mapping[str, ToolSpec] | None) -> tuple[To
 def _parse_json_call(body: str) -> tuple[ToolCall | None, str | None]:
     ok, obj = _loads(body)
     if not ok or not isinstance(obj, dict):
-        return None, f"tool call is not a JSON object: {_short(body)}"
+        return None, f"tool call is not a JSON object: {short(body)}"
+    return call_from_json(obj)
+
+
+def call_from_json(obj: Mapping[str, Any]) -> tuple[ToolCall | None, str | None]:
+    """A call written as a JSON object: its "name", and its "arguments" (Hermes, Mistral) or
+    "parameters" (Llama 3.x), maybe double-encoded as a string. (call, None) or (None, error)."""
     name = obj.get("name")
     args = obj.get("arguments", obj.get("parameters", {}))
     if isinstance(args, str):  # some models double-encode the arguments
@@ -217,11 +224,7 @@ def parse_reply(text: str, tools: Sequence[ToolSpec] | None = None, *, in_think:
     string may have eaten it). With `tools`, parameter values are typed by the tool's
     schema and calls to unknown tools are reported instead of returned.
     """
-    for marker in END_MARKERS:
-        cut = text.find(marker)
-        if cut >= 0:
-            text = text[:cut]
-    thinking, rest, errors = _split_thinking(text, in_think)
+    thinking, rest, errors = split_reply(text, END_MARKERS, in_think)
     by_name = {t.name: t for t in tools} if tools is not None else None
 
     content: list[str] = []
@@ -249,20 +252,43 @@ def parse_reply(text: str, tools: Sequence[ToolSpec] | None = None, *, in_think:
             if body.startswith("<function="):
                 call, err, after = _parse_xml_call(body, by_name)
                 if err is None and after.strip():
-                    call, err = None, f"unexpected text after </function>: {_short(after.strip())}"
+                    call, err = None, f"unexpected text after </function>: {short(after.strip())}"
             elif body.startswith("{"):
                 call, err = _parse_json_call(body)
             elif not body:
                 call, err = None, "empty <tool_call>" if close >= 0 else "unterminated <tool_call>"
             else:
-                call, err = None, f"unrecognised tool call {_short(body)}"
+                call, err = None, f"unrecognised tool call {short(body)}"
             if err is not None and close < 0 and body:
                 err = f"unterminated <tool_call> ({err})"
-        if err is not None:
-            errors.append(f"tool call {n}: {err}")
-        elif call is not None and by_name is not None and call.name not in by_name:
-            available = ", ".join(sorted(by_name)) or "none"
-            errors.append(f"tool call {n}: unknown tool {call.name!r} (available: {available})")
-        elif call is not None:
-            calls.append(call)
+        admit_call(n, call, err, by_name, calls, errors)
     return ParsedReply(thinking=thinking, content="".join(content).strip(), tool_calls=calls, errors=errors)
+
+
+def split_reply(text: str, end_markers: Sequence[str], in_think: bool) -> tuple[str, str, list[str]]:
+    """(thinking, the rest, errors) of a reply cut at the first of `end_markers` (the turn's
+    end, when a stop string did not already cut it)."""
+    for marker in end_markers:
+        cut = text.find(marker)
+        if cut >= 0:
+            text = text[:cut]
+    return _split_thinking(text, in_think)
+
+
+def admit_call(n: int, call: ToolCall | None, err: str | None, by_name: Mapping[str, ToolSpec] | None,
+               calls: list[ToolCall], errors: list[str]) -> None:
+    """File the `n`-th call of a reply: an error, a call to a tool not offered (an error
+    naming the offered ones), or a call."""
+    if err is not None:
+        errors.append(f"tool call {n}: {err}")
+    elif call is not None and by_name is not None and call.name not in by_name:
+        available = ", ".join(sorted(by_name)) or "none"
+        errors.append(f"tool call {n}: unknown tool {call.name!r} (available: {available})")
+    elif call is not None:
+        calls.append(call)
+
+
+def parse_plain(text: str, tools: Sequence[ToolSpec] | None = None, *, in_think: bool = False) -> ParsedReply:
+    """A reply of a model that cannot call tools: reasoning and text, never a call."""
+    thinking, rest, errors = split_reply(text, END_MARKERS, in_think)
+    return ParsedReply(thinking=thinking, content=rest.strip(), errors=errors)

@@ -20,6 +20,7 @@ from typing import Any, Literal, Protocol
 from pydantic import BaseModel, ConfigDict, Field
 
 from ...protocol.errors import ErrorCode, PsymeshError
+from ..formats.families import ToolFamily, detect_family
 
 __all__ = [
     "Completion",
@@ -135,6 +136,12 @@ class ModelInfo:
     n_vocab: int
     chat_template: str | None
     eog_token_ids: tuple[int, ...]
+    family_tokens: tuple[str, ...] = ()  # which of agent.formats.families.FAMILY_TOKENS the vocabulary has
+
+    @property
+    def tool_family(self) -> ToolFamily:
+        """How this model calls tools (agent.formats.families), from its template and vocabulary."""
+        return detect_family(self.chat_template, self.family_tokens)
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,8 @@
 Infer tasks, agent steps and (next) an OpenAI-compatible endpoint all need the same
 four things, and each doing them itself is how they drift apart:
 
-* the prompt, rendered with the GGUF's chat template (or the built-in Qwen3.5 one);
+* the prompt, rendered with the GGUF's chat template (or the built-in Qwen3.5 one), and
+  refused (``unsupported``) when it offers tools to a model whose template has none;
 * the cacheable prefix: the system turn with the tool block, shared by every
   conversation. A qwen35 hybrid model's recurrent state can only be reused at exact
   boundaries where ``agent.runtime.worker`` saved it, so every caller names this one, and
@@ -17,7 +18,7 @@ four things, and each doing them itself is how they drift apart:
 * parameters, as one typed :class:`GenerationParams`. Untrusted ones (a peer's infer
   task) come in through :meth:`GenerationParams.from_untrusted`, which takes only the
   keys a peer may set and names every bad value in a BAD_REQUEST;
-* with tools, the reply parsed (``chatformat.parse_reply``), its calls part of the
+* with tools, the reply parsed (by the model's tool family: ``agent.formats.families``), its calls part of the
   result; :class:`ToolGrammar` constrains decoding so that they always parse.
 
 llama_cpp is never imported here: the model runs behind a `TextModel` (a runner process,
@@ -36,17 +37,16 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from ..formats.chatformat import (
     THINK_CLOSE,
-    TOOL_CALL_CLOSE,
     ChatMessage,
     ParsedReply,
     ToolCall,
     ToolSpec,
-    parse_reply,
     render_prefix,
     render_prompt,
     split_generation_prompt,
 )
 from ...protocol.errors import ErrorCode, PsymeshError
+from ..formats.families import FAMILIES, FamilyFormat, ToolFamily, require_tools
 
 if TYPE_CHECKING:
     from ..formats.grammar import ThinkMode
@@ -74,8 +74,8 @@ _BAN_BYTES = {t: -100.0 for t in range(128, 256)}
 
 # What a peer may set in an infer task's params. Not logit_bias: its token ids index
 # straight into llama.cpp's candidate array, and which ids mean what is ours to know.
-_PEER_KEYS = ("temperature", "top_k", "top_p", "min_p", "seed", "grammar", "stop", "thinking", "max_think_tokens",
-              "ban_bytes")
+_PEER_KEYS = ("temperature", "top_k", "top_p", "min_p", "seed", "grammar", "tool_grammar", "stop", "thinking",
+              "max_think_tokens", "ban_bytes")
 
 
 class GenerationError(PsymeshError):
@@ -92,9 +92,9 @@ class ToolGrammar(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     require_call: bool = False
-    max_calls: int = Field(default=1, ge=1)            # calls per reply
-    max_think_chars: int = Field(default=512, ge=1)    # reasoning, when the prompt opened <think>
-    max_string_chars: int = Field(default=256, ge=1)   # each string argument
+    max_calls: int = Field(default=1, ge=1, le=64)              # calls per reply (a result holds at most 64)
+    max_think_chars: int = Field(default=512, ge=1, le=8192)    # reasoning, when the prompt opened <think>
+    max_string_chars: int = Field(default=256, ge=1, le=4096)   # each string argument
 
 
 class GenerationParams(BaseModel):
@@ -230,15 +230,19 @@ async def generate(
 
     offered = tuple(tools) if tools is not None else ()
     template = worker.chat_template
-    prompt = render_prompt(messages, offered, thinking=params.thinking, template=template)
-    prefix = render_prefix(messages, offered, template=template)
+    family = worker.info.tool_family
+    if offered:
+        require_tools(family, worker.info.path.name)
+    fmt = FAMILIES[family]
+    prompt = render_prompt(messages, offered, thinking=params.thinking, template=template, family=family)
+    prefix = render_prefix(messages, offered, template=template, family=family)
     history, opening = split_generation_prompt(prompt)
     opened = prompt.rstrip().endswith("<think>")
     grammar = params.grammar
     if params.tool_grammar is not None:
         if tools is None:
             raise GenerationError("tool_grammar needs tools (an empty list allows only an answer)")
-        grammar = _tool_grammar(tuple(t.model_dump_json() for t in offered), "bounded" if opened else "none",
+        grammar = _tool_grammar(family, tuple(t.model_dump_json() for t in offered), "bounded" if opened else "none",
                                 params.tool_grammar)
     calls = params.call_limit or (params.tool_grammar.max_calls if params.tool_grammar is not None else None)
     budget = params.max_think_tokens if opened else None
@@ -247,14 +251,14 @@ async def generate(
         stop=params.stop, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
         min_p=params.min_p, seed=params.seed, logit_bias=_logit_bias(params, worker.info.n_vocab),
         think_budget=ThinkBudget(budget, THINK_CLOSE) if budget else None,
-        stop_after=StopAfter(TOOL_CALL_CLOSE, calls, after=THINK_CLOSE.strip() if opened else None)
-        if tools and calls else None)
+        stop_after=StopAfter(fmt.call_close, calls, after=THINK_CLOSE.strip() if opened else None)
+        if tools and calls and fmt.call_close else None)
     async with aclosing(stream) as events:  # type: ignore[type-var]  # stream() is an async generator
         async for event in events:
             if isinstance(event, str):
                 yield TextDelta(event)
             else:
-                yield _finished(event, tools, opened, opening)
+                yield _finished(event, tools, opened, opening, fmt)
                 return
 
 
@@ -273,8 +277,9 @@ async def complete(
     raise GenerationError("the model worker ended a request without a result", code=ErrorCode.INTERNAL)
 
 
-def _finished(done: Completion, tools: Sequence[ToolSpec] | None, opened: bool, opening: str) -> Generation:
-    reply = parse_reply(done.text, tools, in_think=opened) if tools is not None else None
+def _finished(done: Completion, tools: Sequence[ToolSpec] | None, opened: bool, opening: str,
+              fmt: FamilyFormat) -> Generation:
+    reply = fmt.parse(done.text, tools, in_think=opened) if tools is not None else None
     reason: FinishReason = done.finish_reason
     if reason == "stop" and reply is not None and reply.tool_calls:
         reason = "tool_calls"
@@ -317,14 +322,14 @@ def _names_tokens(gbnf: str) -> bool:
 
 
 @functools.lru_cache(maxsize=32)
-def _tool_grammar(tools_json: tuple[str, ...], think: ThinkMode, rules: ToolGrammar) -> str:
-    """GBNF for these tools, cached: an agent asks with the same tools at every step, and
-    building the grammar (JSON-schema conversion) costs more than parsing the key."""
-    from ..formats.grammar import tool_call_grammar
-
+def _tool_grammar(family: ToolFamily, tools_json: tuple[str, ...], think: ThinkMode, rules: ToolGrammar) -> str:
+    """GBNF for these tools in `family`'s call format, cached: an agent asks with the same
+    tools at every step, and building the grammar (JSON-schema conversion) costs more than
+    parsing the key."""
     try:
-        return tool_call_grammar([ToolSpec.model_validate_json(t) for t in tools_json], think=think,
-                                 require_call=rules.require_call, max_calls=rules.max_calls,
-                                 max_think_chars=rules.max_think_chars, max_string_chars=rules.max_string_chars)
+        return FAMILIES[family].grammar([ToolSpec.model_validate_json(t) for t in tools_json], think=think,
+                                        require_call=rules.require_call, max_calls=rules.max_calls,
+                                        max_think_chars=rules.max_think_chars,
+                                        max_string_chars=rules.max_string_chars)
     except ValueError as exc:  # e.g. require_call without tools
         raise GenerationError(f"cannot build the tool grammar: {exc}") from None

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -32,6 +33,7 @@ import numpy as np
 
 __all__ = [
     "BOTPSY_SHAPE",
+    "FAMILY_SPECIAL_TOKENS",
     "SPECIAL_TOKENS",
     "special_token_ids",
     "GgufShape",
@@ -56,6 +58,16 @@ SPECIAL_TOKENS: tuple[tuple[str, gguf.TokenType], ...] = (
     ("<tool_response>", gguf.TokenType.USER_DEFINED),
     ("</tool_response>", gguf.TokenType.USER_DEFINED),
 )
+# Each tool-calling family's own specials (agent/formats/families.py), added to the ChatML ones above
+# for a model of that family; the real tokenizers have them as control tokens.
+FAMILY_SPECIAL_TOKENS: dict[str, tuple[tuple[str, gguf.TokenType], ...]] = {
+    "llama3": tuple((t, gguf.TokenType.CONTROL) for t in (
+        "<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
+        "<|eom_id|>", "<|python_tag|>")),
+    "mistral": tuple((t, gguf.TokenType.CONTROL) for t in (
+        "<s>", "</s>", "[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]",
+        "[TOOL_RESULTS]", "[/TOOL_RESULTS]")),
+}
 # A few BPE merges so the merge path of the tokenizer is exercised ("Ġ" is a space).
 _MERGES: tuple[tuple[str, str], ...] = (
     ("n", "a"), ("m", "e"), ("na", "me"), ("t", "r"), ("u", "e"), ("tr", "ue"), ("Ġ", "t"), ("{", '"'),
@@ -99,14 +111,15 @@ def _bytes_to_unicode() -> list[str]:
     return [chr(table[b]) for b in range(256)]
 
 
-def _vocabulary(pad_to: int) -> tuple[list[str], list[int], list[str], dict[str, int]]:
+def _vocabulary(pad_to: int, extra: tuple[tuple[str, gguf.TokenType], ...] = ()
+                ) -> tuple[list[str], list[int], list[str], dict[str, int]]:
     tokens = _bytes_to_unicode()  # token id == byte value for ids 0-255
     types = [int(gguf.TokenType.NORMAL)] * 256
     for a, b in _MERGES:
         tokens.append(a + b)
         types.append(int(gguf.TokenType.NORMAL))
     ids: dict[str, int] = {}
-    for text, token_type in SPECIAL_TOKENS:
+    for text, token_type in (*SPECIAL_TOKENS, *extra):
         ids[text] = len(tokens)
         tokens.append(text)
         types.append(int(token_type))
@@ -204,7 +217,8 @@ def _nbytes_and_dtype(t: _Tensor, wtype: str) -> tuple[tuple[int, ...], np.dtype
     return byte_shape, np.dtype(np.uint8), int(np.prod(byte_shape)), qtype
 
 
-def _write_gguf(path: Path, arch: str, shape: GgufShape, chat_template: str | None, wtype: str, seed: int) -> None:
+def _write_gguf(path: Path, arch: str, shape: GgufShape, chat_template: str | None, wtype: str, seed: int,
+                special_tokens: tuple[tuple[str, gguf.TokenType], ...] = (), eos: str = "<|im_end|>") -> None:
     """Stream tensors to disk one at a time: the BotPsy-shaped model is 1.5 GB in F16."""
     if arch not in ("qwen35", "qwen3"):
         raise ValueError(f"unsupported arch {arch!r} (qwen35 or qwen3)")
@@ -212,7 +226,7 @@ def _write_gguf(path: Path, arch: str, shape: GgufShape, chat_template: str | No
         raise ValueError(f"unsupported wtype {wtype!r} (one of {sorted(_WTYPES)})")
     s = shape
     rng = np.random.default_rng(seed)
-    tokens, types, merges, ids = _vocabulary(s.vocab_size)
+    tokens, types, merges, ids = _vocabulary(s.vocab_size, special_tokens)
 
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name(f"random-{arch}")
@@ -242,7 +256,7 @@ def _write_gguf(path: Path, arch: str, shape: GgufShape, chat_template: str | No
     w.add_token_list(tokens)
     w.add_token_types(types)
     w.add_token_merges(merges)
-    w.add_eos_token_id(ids["<|im_end|>"])
+    w.add_eos_token_id(ids[eos])
     w.add_bos_token_id(ids["<|endoftext|>"])
     w.add_pad_token_id(ids["<|endoftext|>"])
     w.add_add_bos_token(False)
@@ -291,21 +305,29 @@ def make_tiny_gguf(
     chat_template: str | None = None,
     wtype: str = "F16",
     seed: int = 0,
+    special_tokens: tuple[tuple[str, gguf.TokenType], ...] = (),
+    eos: str = "<|im_end|>",
     **shape: object,
 ) -> Path:
     """Write a tiny random-weight model to `path` (a file, or a directory to cache in).
 
-    `shape` overrides fields of :class:`GgufShape`. When `path` is a directory the
-    file name is a hash of all parameters, and an existing file is reused.
+    `chat_template` is written as ``tokenizer.chat_template``; `special_tokens` are added to
+    the ChatML ones (e.g. a family's, :data:`FAMILY_SPECIAL_TOKENS`) and `eos` (one of them)
+    ends a turn. `shape` overrides fields of :class:`GgufShape`. When `path` is a directory
+    the file name is a hash of all parameters, and an existing file is reused.
     """
     s = dataclasses.replace(GgufShape(), **shape)  # type: ignore[arg-type]
     target = Path(path)
+    write = functools.partial(_write_gguf, arch=arch, shape=s, chat_template=chat_template, wtype=wtype, seed=seed,
+                              special_tokens=special_tokens, eos=eos)
     if target.is_dir():
-        params = {"arch": arch, "template": chat_template, "wtype": wtype, "seed": seed, "shape": dataclasses.asdict(s)}
-        return _atomic_create(target / _cache_name(f"tiny-{arch}", params),
-                              lambda tmp: _write_gguf(tmp, arch, s, chat_template, wtype, seed))
+        params: dict[str, object] = {"arch": arch, "template": chat_template, "wtype": wtype, "seed": seed,
+                                     "shape": dataclasses.asdict(s)}
+        if special_tokens or eos != "<|im_end|>":  # only then, so existing cache names stay
+            params.update(special_tokens=[(t, int(k)) for t, k in special_tokens], eos=eos)
+        return _atomic_create(target / _cache_name(f"tiny-{arch}", params), lambda tmp: write(tmp))
     target.parent.mkdir(parents=True, exist_ok=True)
-    _write_gguf(target, arch, s, chat_template, wtype, seed)
+    write(target)
     return target
 
 
@@ -365,8 +387,15 @@ def make_botpsy_shaped_gguf(
     return _atomic_create(target, build)
 
 
-def tiny_model_path(cache_dir: str | os.PathLike[str], *, chat_template: str | None = None, **shape: object) -> Path:
-    """The cached tiny qwen35 model for tests (e.g. under pytest's `tmp_path_factory`)."""
+def tiny_model_path(cache_dir: str | os.PathLike[str], *, chat_template: str | None = None,
+                    family: str | None = None, **shape: object) -> Path:
+    """The cached tiny qwen35 model for tests (e.g. under pytest's `tmp_path_factory`); with
+    `family` ("llama3", "mistral"), that family's specials too, its end-of-turn token ending
+    a turn (give its `chat_template` with it)."""
     d = Path(cache_dir)
     d.mkdir(parents=True, exist_ok=True)
-    return make_tiny_gguf(d, chat_template=chat_template, **shape)
+    from ..formats.families import FAMILIES, ToolFamily
+
+    extra = FAMILY_SPECIAL_TOKENS.get(family or "", ())
+    eos = FAMILIES[ToolFamily(family)].eos_token if family else "<|im_end|>"
+    return make_tiny_gguf(d, chat_template=chat_template, special_tokens=extra, eos=eos, **shape)

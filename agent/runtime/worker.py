@@ -104,6 +104,7 @@ from .api import (
 )
 from ...protocol.errors import PsymeshError
 from .decoding import StopScanner, Watch, is_utf8
+from ..formats.families import FAMILY_TOKENS
 from .sampling import grammar_allows, make_sampler
 
 __all__ = [
@@ -211,6 +212,7 @@ class ModelWorker(StreamingModel):
         self._live_canonical = True  # its tokens are the fresh tokenisation of their text
         self._cuttable = False       # the context can be cut back to any prefix (no recurrent layers)
         self._pieces: dict[int, bytes] = {}
+        self._spelled: frozenset[int] = frozenset()  # control tokens written into the text (see _piece)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -412,8 +414,14 @@ class ModelWorker(StreamingModel):
         vocab = llama_cpp.llama_model_get_vocab(llm.model)
         eog = tuple(t for t in range(llm.n_vocab()) if llama_cpp.llama_vocab_is_eog(vocab, t))
         template = self.settings.chat_template or llm.metadata.get("tokenizer.chat_template") or None
+        family_tokens = {}
+        for text in FAMILY_TOKENS:  # the vocabulary has it when it is one token
+            ids = llm.tokenize(text.encode(), add_bos=False, special=True)
+            if len(ids) == 1:
+                family_tokens[text] = ids[0]
+        self._spelled = frozenset(family_tokens.values())
         return ModelInfo(path=self.settings.path, n_ctx=llm.n_ctx(), n_vocab=llm.n_vocab(),
-                         chat_template=template, eog_token_ids=eog)
+                         chat_template=template, eog_token_ids=eog, family_tokens=tuple(family_tokens))
 
     def _execute(self, llm: Llama, job: _Job) -> None:
         started = time.perf_counter()
@@ -609,7 +617,9 @@ class ModelWorker(StreamingModel):
     def _piece(self, llm: Llama, token: int) -> bytes:
         piece = self._pieces.get(token)
         if piece is None:
-            piece = self._pieces[token] = llm.detokenize([token])
+            # A family's call marker is a control token in some vocabularies (Mistral's
+            # [TOOL_CALLS]): spelled out, or the parser would never see the call.
+            piece = self._pieces[token] = llm.detokenize([token], special=token in self._spelled)
         return piece
 
     def _canonical(self, llm: Llama, tokens: list[int]) -> bool:

@@ -405,7 +405,7 @@ _STATUS: Mapping[ErrorCode, int] = {
     ErrorCode.BAD_REQUEST: 400, ErrorCode.BAD_FRAME: 400, ErrorCode.TOO_LARGE: 413, ErrorCode.NOT_FOUND: 404,
     ErrorCode.FORBIDDEN: 403, ErrorCode.UNKNOWN_PEER: 404, ErrorCode.EXPIRED: 403, ErrorCode.CONFLICT: 409,
     ErrorCode.RATE_LIMITED: 429, ErrorCode.BUSY: 429, ErrorCode.TIMEOUT: 504, ErrorCode.UNAVAILABLE: 503,
-    ErrorCode.CANCELED: 499, ErrorCode.MODEL_CRASHED: 502,
+    ErrorCode.CANCELED: 499, ErrorCode.MODEL_CRASHED: 502, ErrorCode.UNSUPPORTED: 400,
 }
 
 

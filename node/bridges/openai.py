@@ -76,7 +76,6 @@ log = logging.getLogger("psymesh.openai")
 DEFAULT_MAX_TOKENS = 1024   # when the request names none (OpenAI's default is "the rest of the context")
 DELEGATED_TIMEOUT_S = 600   # a delegated completion's deadline: a request nobody waits for must end
 OFFERS_TIMEOUT_S = 3.0      # how long GET /v1/models waits for each paired peer's list
-TOOL_CALL_OPEN = "<tool_call>"
 
 # -------------------------------------------------------------------------------- errors
 
@@ -105,8 +104,8 @@ class ApiError(Exception):
     def of(cls, exc: PsymeshError, *, model: str | None = None) -> ApiError:
         status = http_status(exc.code)
         code = "model_not_found" if status == 404 and model is not None else exc.code.value
-        return cls(status, exc.message, code=code, param="model" if code == "model_not_found" else None,
-                   retry_after=exc.retry_after)
+        param = {"model_not_found": "model", ErrorCode.UNSUPPORTED.value: "tools"}.get(code)
+        return cls(status, exc.message, code=code, param=param, retry_after=exc.retry_after)
 
 
 def _validation_error(exc: ValidationError, what: str) -> ApiError:
@@ -296,11 +295,14 @@ Piece = str | Finished
 
 class VisibleText:
     """The streamed text a client should see: with tools offered, everything before the
-    first `<tool_call>` (which comes back parsed, as `tool_calls`). A suffix that may be
-    the start of that tag is held back until the next delta tells."""
+    first call (`<tool_call>`, `[TOOL_CALLS]` or `<|python_tag|>`, as the model's tool family
+    writes it: agent/formats/families.py), which comes back parsed, as `tool_calls`. A suffix that
+    may be the start of such a marker is held back until the next delta tells."""
 
     def __init__(self, hide_calls: bool) -> None:
-        self.hide_calls = hide_calls
+        from ...agent.formats.families import CALL_OPENERS
+
+        self.hide_calls, self.openers = hide_calls, CALL_OPENERS
         self._held = ""
         self._in_calls = False
 
@@ -310,12 +312,12 @@ class VisibleText:
         if self._in_calls:
             return ""
         text = self._held + delta
-        at = text.find(TOOL_CALL_OPEN)
-        if at >= 0:
+        found = [at for at in (text.find(m) for m in self.openers) if at >= 0]
+        if found:
             self._in_calls, self._held = True, ""
-            return text[:at]
-        keep = next((k for k in range(min(len(TOOL_CALL_OPEN) - 1, len(text)), 0, -1)
-                     if text.endswith(TOOL_CALL_OPEN[:k])), 0)
+            return text[:min(found)]
+        keep = max(next((k for k in range(min(len(m) - 1, len(text)), 0, -1) if text.endswith(m[:k])), 0)
+                   for m in self.openers)
         self._held = text[len(text) - keep:]
         return text[:len(text) - keep]
 

@@ -32,12 +32,15 @@ def agent() -> None:
 
 
 class _StopOverContext:
-    """An eval's model, stopping the whole eval at the first prompt over the model's
-    context: every case would fail the same way and score 0 % with exit status 0. Both
-    eval paths (a case file, --bfcl) wrap their model in it."""
+    """An eval's model, stopping the whole eval where every case would fail the same way and
+    score 0 % with exit status 0: at the first prompt over the model's context, or at the
+    first request with tools to a model that cannot call tools (`unsupported`: then no
+    category ran, and the error says so, naming each with the reason). Every eval path (a
+    case file, --bfcl here or --via a peer) wraps its model in it."""
 
-    def __init__(self, model: Any, name: str, n_ctx: int, out: Output) -> None:
+    def __init__(self, model: Any, name: str, n_ctx: int | None, out: Output, categories: Any) -> None:
         self.model, self.name, self.n_ctx, self.out = model, name, n_ctx, out
+        self.categories = sorted(set(categories))
 
     async def reply(self, *args: Any, **kwargs: Any) -> Any:
         from ...agent.runtime.api import PromptTooLong
@@ -45,10 +48,17 @@ class _StopOverContext:
         try:
             return await self.model.reply(*args, **kwargs)
         except PromptTooLong as exc:
+            ctx = max(2 * (self.n_ctx or 4096), 8192)
             raise EvalStopped(PsymeshError(
                 f"eval stopped: {exc.message}; give model {self.name} a larger context: "
-                + self.out.suggest("model add", f"{self.name} PATH.gguf --ctx {max(2 * self.n_ctx, 8192)}"),
+                + self.out.suggest("model add", f"{self.name} PATH.gguf --ctx {ctx}"),
                 code=ErrorCode.TOO_LARGE)) from None
+        except PsymeshError as exc:
+            if exc.code != ErrorCode.UNSUPPORTED:
+                raise
+            raise EvalStopped(PsymeshError(
+                f"not run: {', '.join(self.categories)}: {exc.message}", code=ErrorCode.UNSUPPORTED,
+                details={"not_run": {c: exc.message for c in self.categories}})) from None
 
 
 def _print_agent_event(out: Output, ev: Any, simulated: frozenset[str] = frozenset()) -> None:
@@ -80,10 +90,14 @@ def _print_agent_event(out: Output, ev: Any, simulated: frozenset[str] = frozens
 @click.option("--thinking", is_flag=True, help="Let the model think before answering.")
 @click.option("--free", "free_form", is_flag=True, help="No grammar: let the model write calls freely.")
 @click.option("--yes", is_flag=True, help="Approve irreversible tool calls without asking.")
+@click.option("--no-tools", "no_tools", is_flag=True,
+              help="Offer the model no tools: it answers from what it knows (for a model that cannot call tools; "
+                   "`psymesh model ps` shows each model's tool family).")
 @click.option("--ban-bytes", is_flag=True, hidden=True, help="Keep random-weight test models in ASCII.")
 @click.option("--seed", type=int, default=None, hidden=True)
 def agent_run(home: str | None, out: Output, goal: str, model_name: str | None, delegate: str, to: str | None,
-              max_steps: int, thinking: bool, free_form: bool, yes: bool, ban_bytes: bool, seed: int | None) -> None:
+              max_steps: int, thinking: bool, free_form: bool, yes: bool, no_tools: bool, ban_bytes: bool,
+              seed: int | None) -> None:
     """Work on GOAL with this node's tools; irreversible calls ask first (or --yes)."""
     from ...agent.acting.policy import DelegationInputs, decide
     from ..control.client import Client
@@ -98,6 +112,8 @@ def agent_run(home: str | None, out: Output, goal: str, model_name: str | None, 
         params["seed"] = seed
     if model_name:
         params["model"] = model_name
+    if no_tools:
+        params["tools"] = False
 
     async def remote_offers() -> list[c.Offer]:
         try:
@@ -134,9 +150,9 @@ async def _agent_local(node_home: NodeHome, config: Any, registry: Any, out: Out
     from ...agent.acting.loop import run_agent
     from ...agent.acting.tools import ToolContext
     from .status import device_lines
-    from ..models.agents import agent_config, llama_model, node_tools, pick_model, result_of
+    from ..models.agents import agent_config, llama_model, node_tools, offered_tools, pick_model, result_of
 
-    name = pick_model(registry, model_name, config.agent_model, config.profile)
+    name = pick_model(registry, model_name, config.agent_model, config.profile, tools=params.get("tools", True))
 
     async def confirm(call: Any, tool: Any) -> bool:
         if yes:
@@ -148,7 +164,7 @@ async def _agent_local(node_home: NodeHome, config: Any, registry: Any, out: Out
             lambda: click.confirm(visible(f"allow {call.name}({json.dumps(call.arguments)})?"), default=False,
                                  err=True))
 
-    tools = node_tools(node_home, config)
+    tools = offered_tools(params, node_tools(node_home, config))
     for line in device_lines((t.name, t.backend) for t in tools if t.backend):
         out.hint(f"device tools: {line}")
     simulated = frozenset(t.name for t in tools if t.backend == SIMULATED)
@@ -156,6 +172,7 @@ async def _agent_local(node_home: NodeHome, config: Any, registry: Any, out: Out
     async def emit(ev: Any) -> None:
         if not out.json_mode:
             _print_agent_event(out, ev, simulated)
+
     ctx = ToolContext(share_dir=Path(config.share_dir) if config.share_dir else None, profile=config.profile)
     async with _local_runner(node_home, registry, name) as worker:
         run = await run_agent(goal, model=llama_model(worker, params), tools=tools, ctx=ctx, profile=config.profile,
@@ -233,6 +250,7 @@ def eval_cmd(home: str | None, out: Output, cases: str | None, model_name: str |
                           score_dir, via, runs, temperature, max_tokens)
 
     from ...agent.evaluation.suite import evaluate, format_report, load_cases
+    from ...agent.formats.families import FAMILIES
     from ..models.agents import llama_model, pick_model
 
     node_home = home_at(home)
@@ -249,9 +267,9 @@ def eval_cmd(home: str | None, out: Output, cases: str | None, model_name: str |
             model = _StopOverContext(llama_model(worker, {"grammar": not free_form, "temperature": 0.0,
                                                           "max_tokens": max_tokens or 256,
                                                           "ban_bytes": ban_bytes}),
-                                     name, worker.settings.n_ctx, out)
-            return await evaluate(loaded, model, thinking=thinking,
-                                  on_result=progress)
+                                     name, worker.settings.n_ctx, out, (c.category for c in loaded))
+            return await evaluate(loaded, model, thinking=thinking, on_result=progress,
+                                  parse=FAMILIES[worker.info.tool_family].parse)
 
     report = run_async(go)
     data = {"model": name, "cases": report.total, "passed": report.passed, "accuracy": report.accuracy,
@@ -279,6 +297,7 @@ def _eval_bfcl(home: str | None, out: Output, bfcl_dir: str | None, categories: 
         run_spread,
         write_score_files,
     )
+    from ...agent.formats.families import FAMILIES
     from ...agent.acting.loop import LlamaAgentModel
     from ..control.client import Client
 
@@ -305,15 +324,20 @@ def _eval_bfcl(home: str | None, out: Output, bfcl_dir: str | None, categories: 
         reports = [run_async(lambda: run_bfcl(loaded, None, thinking=thinking, on_result=progress))
                    for _ in range(runs)]
     elif via is not None:
-        from ..control.delegated_model import DelegatedModel
+        from ..control.delegated_model import DelegatedModel, PeerFamily
 
         name = model_name
 
         async def remote(client: Client) -> list[BfclReport]:
-            return [await run_bfcl(loaded, DelegatedModel(client, via, model_name, params(seed)),
-                                   thinking=thinking, on_result=progress, web=client,
-                                   prompting=DelegatedModel(client, via, model_name, params(seed, False)),
-                                   multi_turn=DelegatedModel(client, via, model_name, params(seed, multi_turn=True)))
+            cats, family = [c.category for c in loaded], PeerFamily()
+
+            def asked(p: Any) -> _StopOverContext:
+                return _StopOverContext(DelegatedModel(client, via, model_name, p, family=family), model_name, None,
+                                        out, cats)
+
+            return [await run_bfcl(loaded, asked(params(seed)), thinking=thinking, on_result=progress, web=client,
+                                   prompting=asked(params(seed, False)), multi_turn=asked(params(seed, multi_turn=True)),
+                                   parse=family.parse)
                     for seed in range(runs)]
 
         reports = on_node(home, remote)
@@ -330,14 +354,15 @@ def _eval_bfcl(home: str | None, out: Output, bfcl_dir: str | None, categories: 
                 # web_search asks the web through this node's route: its daemon must be running.
                 web = await stack.enter_async_context(Client(home)) if any(c.category in WEB_CATEGORIES
                                                                            for c in loaded) else None
-                n_ctx = worker.settings.n_ctx
+                n_ctx, cats = worker.settings.n_ctx, [c.category for c in loaded]
 
                 def asked(p: Any) -> _StopOverContext:
-                    return _StopOverContext(LlamaAgentModel(worker, p), name, n_ctx, out)
+                    return _StopOverContext(LlamaAgentModel(worker, p), name, n_ctx, out, cats)
 
                 return [await run_bfcl(loaded, asked(params(seed)), thinking=thinking, on_result=progress, web=web,
                                        prompting=asked(params(seed, False)),
-                                       multi_turn=asked(params(seed, multi_turn=True)))
+                                       multi_turn=asked(params(seed, multi_turn=True)),
+                                       parse=FAMILIES[worker.info.tool_family].parse)
                         for seed in range(runs)]
 
         reports = run_async(go)

@@ -54,7 +54,11 @@ def model_add(home: str | None, out: Output, name: str, path: str, n_ctx: int | 
                  + (f", capped to {choice.memory_cap} for this machine's memory" if row["n_ctx"] < (choice.declared or 0)
                     else "") + "; --ctx N sets another")
     out.data({k: v for k, v in row.items() if k != "chat_template"},
-             lambda con: con.print(f"model {name} -> {row['path']} (context {row['n_ctx']})"))
+             lambda con: con.print(f"model {name} -> {row['path']} (context {row['n_ctx']}, "
+                                   f"tools: {_family_text(row['tool_family'])})"))
+    if row["tool_family"] == "none":
+        out.warn(f"{name} cannot call tools (its chat template has no tool section): agent run, eval and requests "
+                 "with tools will refuse it; `agent run --no-tools` asks it without tools")
 
 
 @model.command("pull")
@@ -87,9 +91,10 @@ def model_list(home: str | None, out: Output) -> None:
             for r in rows]
 
     def human(con: Console) -> None:
-        table = out_table("name", "path", "context", "threads")
+        table = out_table("name", "path", "context", "threads", "tools")
         for r in rows:
-            table.add_row(r["name"], r["path"], str(r["n_ctx"]), str(r["n_threads"] or "all"))
+            table.add_row(r["name"], r["path"], str(r["n_ctx"]), str(r["n_threads"] or "all"),
+                          _family_text(r.get("tool_family")))
         con.print(table if rows else escape(f"no models; add one with: {out.suggest('model add', 'NAME PATH.gguf')}"))
 
     out.data(rows, human)
@@ -109,7 +114,7 @@ def model_ps(home: str | None, out: Output) -> None:
         if not models:
             con.print(escape(f"no models; add one with: {out.suggest('model add', 'NAME PATH.gguf')}"))
             return
-        table = out_table("name", "state", "pid", "memory", "idle/keep", "served")
+        table = out_table("name", "state", "tools", "pid", "memory", "idle/keep", "served")
         for m in models:
             state = ("busy" if m.pending else "loaded") if m.loaded else "unloaded"
             if m.crashes:
@@ -117,7 +122,8 @@ def model_ps(home: str | None, out: Output) -> None:
             memory = f"{mib(m.rss_bytes)}, {mib(m.state_cache_bytes)} saved" if m.loaded else "-"
             idle = "-" if m.idle_s is None else f"{m.idle_s:.0f}s"
             keep = "forever" if m.keep_alive_s is None else f"{m.keep_alive_s:g}s"
-            table.add_row(m.name, state, str(m.pid or "-"), memory, f"{idle}/{keep}", str(m.jobs_served))
+            table.add_row(m.name, state, _family_text(m.tool_family), str(m.pid or "-"), memory, f"{idle}/{keep}",
+                          str(m.jobs_served))
         con.print(table)
 
     out.data([m.model_dump() for m in models], human)
@@ -133,6 +139,11 @@ def _models(node_home: NodeHome) -> ModelRegistry:
     from ..models import ModelRegistry
 
     return ModelRegistry(open_db(node_home.db_path), commands=Commands.of(node_home.path))
+
+
+def _family_text(family: str | None) -> str:
+    """A model's tool-calling family as the tables show it (agent/formats/families.py)."""
+    return {None: "?", "none": "none (cannot call tools)"}.get(family, family or "?")
 
 
 def _keep_alive(text: str | None) -> float | None:

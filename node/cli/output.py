@@ -118,6 +118,8 @@ class Output:
             error: dict[str, Any] = {"code": exc.code.value, "message": exc.message}
             if network:
                 error["network"] = network_kind(exc)
+            if "not_run" in exc.details:  # an eval that could not run: each category and why
+                error["not_run"] = exc.details["not_run"]
             self.data({"error": error})
         code = escape(f"[{exc.code.value}]")
         if network:

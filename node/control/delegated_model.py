@@ -4,21 +4,24 @@ one delegated infer task (``Client.delegate(peer, infer=..., tools=...)``).
 `psymesh eval --via PEER` asks the peer's model this way, so a phone can score the model
 of its home. The task carries what a local run gives ``agent.runtime.generate``: the chat (calls
 and tool results included), the tools, and the sampling params a peer may set; a tool
-grammar travels as the GBNF text it compiles to (a peer takes ``grammar``, not our
-``tool_grammar``), built as ``generate`` builds it, so the peer decodes under the same
-constraint and a greedy run gives the same replies, and scores, as a local one.
+grammar travels as its rules (``tool_grammar``), and the peer builds the GBNF for its
+model's tool-calling family (agent/formats/families.py) as ``generate`` builds it here, so the
+peer decodes under the same constraint and a greedy run gives the same replies, and
+scores, as a local one (its result says the family: :meth:`PeerFamily.parse` reads
+replies with that family's parser).
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from ...agent.formats.chatformat import ChatMessage, ToolSpec
+from ...agent.formats.chatformat import ChatMessage, ParsedReply, ToolSpec
+from ...agent.formats.families import FAMILIES, ToolFamily
 from ...agent.runtime.generate import GenerationParams
 from .client import Client
 
-__all__ = ["DelegatedModel"]
+__all__ = ["DelegatedModel", "PeerFamily"]
 
 
 def _wire_message(m: ChatMessage) -> dict[str, Any]:
@@ -33,6 +36,18 @@ def _wire_message(m: ChatMessage) -> dict[str, Any]:
 
 
 @dataclass
+class PeerFamily:
+    """A peer model's tool family, as its results with tools say (a node from before families
+    says none: then Qwen3.5's, which reads the Hermes form too); the DelegatedModels asking
+    one model share it, and an eval reads their replies with :meth:`parse`."""
+
+    family: ToolFamily = ToolFamily.QWEN35
+
+    def parse(self, text: str, tools: Sequence[ToolSpec] | None = None, *, in_think: bool = False) -> ParsedReply:
+        return FAMILIES[self.family].parse(text, tools, in_think=in_think)
+
+
+@dataclass
 class DelegatedModel:
     """Replies from `model` on the paired node `peer` (name or peer id), asked through
     `client` (this node's control socket). `params` as for a local LlamaAgentModel."""
@@ -42,6 +57,7 @@ class DelegatedModel:
     model: str | None
     params: GenerationParams
     timeout: float | None = None
+    family: PeerFamily = field(default_factory=PeerFamily)
 
     def _peer_params(self, tools: Sequence[ToolSpec], thinking: bool) -> dict[str, Any]:
         p = self.params
@@ -53,14 +69,8 @@ class DelegatedModel:
             out["stop"] = list(p.stop)
         if p.max_think_tokens is not None:
             out["max_think_tokens"] = p.max_think_tokens
-        if p.tool_grammar is not None:
-            from ...agent.formats.grammar import tool_call_grammar
-
-            rules = p.tool_grammar
-            out["grammar"] = tool_call_grammar(list(tools), think="bounded" if thinking else "none",
-                                               require_call=rules.require_call, max_calls=rules.max_calls,
-                                               max_think_chars=rules.max_think_chars,
-                                               max_string_chars=rules.max_string_chars)
+        if p.tool_grammar is not None and tools:  # without tools the reply is a plain answer anyway
+            out["tool_grammar"] = p.tool_grammar.model_dump()
         elif p.grammar is not None:
             out["grammar"] = p.grammar
         return out
@@ -72,4 +82,6 @@ class DelegatedModel:
             max_tokens=self.params.max_tokens, params=self._peer_params(tools, thinking), timeout=self.timeout,
             tools=[{"name": t.name, "description": t.description, "parameters": t.parameters} for t in tools] or None)
         result = await task.result()
+        if result.get("tool_family") in {f.value for f in ToolFamily}:  # a node of before families: not said
+            self.family.family = ToolFamily(result["tool_family"])
         return str(result["text"])

@@ -174,12 +174,13 @@ class Owner:
         models = []
         for name in self.node.models.registry.names():
             s = running.get(name)
+            family = self.node.models.registry.get(name).get("tool_family")  # as `model add` read it
             if s is None:
                 settings = self.node.models.settings(name)  # what it will load with: its keep-alive too
                 models.append(c.LoadedModel(name=name, path=str(settings.path), loaded=False, n_ctx=settings.n_ctx,
-                                            keep_alive_s=settings.keep_alive_s))
+                                            keep_alive_s=settings.keep_alive_s, tool_family=family))
             else:
-                models.append(c.LoadedModel(**dataclasses.asdict(s)))
+                models.append(c.LoadedModel(**{**dataclasses.asdict(s), "tool_family": s.tool_family or family}))
         return c.ModelsPsReply(models=models)
 
     async def _mcp_status(self, req: c.McpStatusRequest, _: FramedStream) -> c.McpStatusReply:

@@ -72,6 +72,7 @@ class PeerAgentParams(BaseModel):
     temperature: float | None = Field(default=None, ge=0)
     seed: int | None = None
     ban_bytes: bool | None = None
+    tools: bool | None = None  # False: run without tools (for a model that cannot call them)
 
 
 def peer_params(params: Mapping[str, Any]) -> dict[str, Any]:
@@ -85,6 +86,12 @@ def peer_params(params: Mapping[str, Any]) -> dict[str, Any]:
     return checked.model_dump(exclude_none=True)
 
 
+def offered_tools(params: Mapping[str, Any], tools: ToolRegistry) -> ToolRegistry:
+    """The tools a run offers its model: `tools`, or none when its params say "tools": false
+    (`agent run --no-tools`, for a model whose template cannot call tools)."""
+    return tools if params.get("tools", True) else ToolRegistry()
+
+
 def agent_config(params: Mapping[str, Any], *, from_peer: bool) -> AgentConfig:
     """Loop limits from task params (a peer's are clamped; see PEER_MAX_STEPS)."""
     max_steps = int(params.get("max_steps", 8))
@@ -95,10 +102,12 @@ def agent_config(params: Mapping[str, Any], *, from_peer: bool) -> AgentConfig:
 
 
 def pick_model(registry: ModelRegistry, requested: str | None, default: str | None,
-               profile: str = "home") -> str:
+               profile: str = "home", *, tools: bool = True) -> str:
     """The model a run here uses: `requested`, else the node's default, else the first one
-    registered; NOT_FOUND naming what to do (on a phone, the model usually lives on its
-    home PC, so the hint says how to run there rather than to add the model here)."""
+    registered (with `tools`, the first that can call tools, if any can: a chat-only model
+    added beside a tool-calling one does not take its runs); NOT_FOUND naming what to do (on
+    a phone, the model usually lives on its home PC, so the hint says how to run there
+    rather than to add the model here)."""
     name = requested or default
     try:
         if name:
@@ -109,7 +118,8 @@ def pick_model(registry: ModelRegistry, requested: str | None, default: str | No
             raise PsymeshError("no model on this node for the agent; add one with: "
                                f"{registry.commands('model add', 'NAME PATH.gguf')}",
                                code=ErrorCode.NOT_FOUND)
-        return names[0]
+        callers = [r["name"] for r in registry.list() if r.get("tool_family") != "none"] if tools else []
+        return callers[0] if callers else names[0]
     except PsymeshError as exc:
         if profile != "phone":
             raise
@@ -184,10 +194,12 @@ class AgentTaskRunner:
         tools (or `tools`, a subset), until `deadline` (Unix s). An `agent` task and an
         `msg.ask` letter (node/messaging/answering.py) both come here."""
         params = peer_params(params)
-        worker = await self.models.get(pick_model(self.models.registry, params.get("model"), self.default_model))
+        worker = await self.models.get(pick_model(self.models.registry, params.get("model"), self.default_model,
+                                                  tools=params.get("tools", True)))
         ctx = ToolContext(share_dir=Path(self.share_dir) if self.share_dir else None, profile=self.profile,
                           peer_id=peer_id, deadline=deadline)
-        run = await run_agent(goal, model=llama_model(worker, params), tools=self.tools if tools is None else tools,
+        run = await run_agent(goal, model=llama_model(worker, params),
+                              tools=offered_tools(params, self.tools if tools is None else tools),
                               ctx=ctx, profile=self.profile, config=agent_config(params, from_peer=True),
                               confirm=confirm, emit=emit)
         return result_of(run)

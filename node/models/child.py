@@ -164,7 +164,7 @@ async def main() -> None:
         await r.send(LoadFailed(message=exc.message))
         return
     await r.send(Ready(pid=os.getpid(), n_ctx=info.n_ctx, n_vocab=info.n_vocab, chat_template=info.chat_template,
-                       eog_token_ids=info.eog_token_ids))
+                       eog_token_ids=info.eog_token_ids, family_tokens=info.family_tokens))
     try:
         async with trio.open_nursery() as nursery:
             if settings.keep_alive_s is not None:

@@ -18,7 +18,7 @@ that ends early or names an unknown type is a GgufHeaderError, never a hang.
 from __future__ import annotations
 
 import struct
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -59,6 +59,7 @@ class GgufHeader:
     version: int
     tensor_count: int
     values: Mapping[str, Value]
+    found: frozenset[str] = frozenset()  # of the strings asked for, those some string array holds
 
     def int(self, key: str) -> int | None:
         """An integer value; of a per-layer array, its largest item."""
@@ -77,15 +78,20 @@ class GgufHeader:
         return self.str("general.architecture") or ""
 
 
-def read_gguf_header(path: Path) -> GgufHeader:
-    """The header of the GGUF at `path` (GgufHeaderError if it is none; OSError if unreadable)."""
+def read_gguf_header(path: Path, find: Collection[str] = ()) -> GgufHeader:
+    """The header of the GGUF at `path` (GgufHeaderError if it is none; OSError if unreadable);
+    `find`: short strings to look for in its string arrays (a vocabulary's special tokens), as
+    they are skipped: `found` says which are there."""
     with open(path, "rb", buffering=_READ_BUFFER) as f:
-        return _Reader(f, path).header()
+        return _Reader(f, path, find).header()
 
 
 class _Reader:
-    def __init__(self, f: BinaryIO, path: Path) -> None:
+    def __init__(self, f: BinaryIO, path: Path, find: Collection[str] = ()) -> None:
         self.f, self.path = f, path
+        self.wanted = {s.encode(): s for s in find}
+        self.lengths = {len(b) for b in self.wanted}
+        self.found: set[str] = set()
 
     def _bytes(self, n: int) -> bytes:
         data = self.f.read(n)
@@ -128,7 +134,7 @@ class _Reader:
                 values[key] = self._unpack(_SCALARS[kind])
             else:
                 raise GgufHeaderError(f"{self.path}: metadata {key!r} has an unknown value type {kind}")
-        return GgufHeader(version=version, tensor_count=tensors, values=values)
+        return GgufHeader(version=version, tensor_count=tensors, values=values, found=frozenset(self.found))
 
     def _skip_strings(self, n: int) -> None:
         """Past `n` length-prefixed strings (a vocabulary: 49k-250k of them, and as many merges),
@@ -139,7 +145,10 @@ class _Reader:
                 buf, at = buf[at:] + self.f.read(_READ_BUFFER), 0
                 if len(buf) < 8:
                     raise GgufHeaderError(f"{self.path} ends inside its GGUF header")
-            at += 8 + _U64.unpack_from(buf, at)[0]
+            n = _U64.unpack_from(buf, at)[0]
+            if n in self.lengths and at + 8 + n <= len(buf) and buf[at + 8:at + 8 + n] in self.wanted:
+                self.found.add(self.wanted[buf[at + 8:at + 8 + n]])
+            at += 8 + n
             if at > len(buf):  # a string longer than what is buffered: seek past the rest of it
                 self._skip(at - len(buf))
                 buf, at = b"", 0

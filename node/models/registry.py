@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..core.commands import Commands
+from ...agent.formats.families import FAMILY_TOKENS, ToolFamily, detect_family
 from ...agent.runtime.api import ModelSettings
 from ..core.db import ensure_schema
 from ..core.paths import ensure_private_dir, tighten
@@ -29,7 +30,7 @@ CREATE TABLE IF NOT EXISTS models (
 );
 """
 # Columns added after the table first shipped: (name, declaration).
-_ADDED_COLUMNS = (("keep_alive_s", "REAL"),)
+_ADDED_COLUMNS = (("keep_alive_s", "REAL"), ("tool_family", "TEXT"))
 GGUF_MAGIC = b"GGUF"
 
 
@@ -58,12 +59,14 @@ class ModelRegistry:
             raise PsymeshError(f"{p} is not a GGUF file", code=ErrorCode.BAD_REQUEST)
         if n_ctx is None:
             n_ctx = default_context(p).n_ctx
+        family = gguf_tool_family(p, chat_template)
         self.conn.execute(
-            "INSERT INTO models (name, path, n_ctx, n_threads, chat_template, keep_alive_s, added_at) "
-            "VALUES (?, ?, ?, ?, ?, ?, ?) "
+            "INSERT INTO models (name, path, n_ctx, n_threads, chat_template, keep_alive_s, tool_family, added_at) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?) "
             "ON CONFLICT(name) DO UPDATE SET path=excluded.path, n_ctx=excluded.n_ctx, n_threads=excluded.n_threads, "
-            "chat_template=excluded.chat_template, keep_alive_s=excluded.keep_alive_s",
-            (name, str(p), n_ctx, n_threads, chat_template, keep_alive_s, time.time()),
+            "chat_template=excluded.chat_template, keep_alive_s=excluded.keep_alive_s, "
+            "tool_family=excluded.tool_family",
+            (name, str(p), n_ctx, n_threads, chat_template, keep_alive_s, family.value, time.time()),
         )
         return self.get(name)
 
@@ -73,13 +76,24 @@ class ModelRegistry:
             known = ", ".join(self.names()) or "none"
             raise PsymeshError(f"no model named {name!r} on this node (known: {known}); "
                                f"add one with: {self.commands('model add', f'{name} PATH.gguf')}", code=ErrorCode.NOT_FOUND)
-        return dict(row)
+        return self._with_family(dict(row))
 
     def names(self) -> list[str]:
         return [r["name"] for r in self.conn.execute("SELECT name FROM models ORDER BY name")]
 
     def list(self) -> list[dict]:
-        return [dict(r) for r in self.conn.execute("SELECT * FROM models ORDER BY name")]
+        return [self._with_family(dict(r)) for r in self.conn.execute("SELECT * FROM models ORDER BY name")]
+
+    def _with_family(self, row: dict) -> dict:
+        """`row` with its tool family, read from its GGUF once for an entry added before
+        families were recorded (None while the file cannot be read)."""
+        if row.get("tool_family") is None:
+            try:
+                row["tool_family"] = gguf_tool_family(Path(row["path"]), row["chat_template"]).value
+            except PsymeshError:
+                return row
+            self.conn.execute("UPDATE models SET tool_family = ? WHERE name = ?", (row["tool_family"], row["name"]))
+        return row
 
     def remove(self, name: str) -> None:
         if self.conn.execute("DELETE FROM models WHERE name = ?", (name,)).rowcount == 0:
@@ -141,6 +155,20 @@ def default_context(path: Path, *, memory_bytes: int | None = None) -> ContextCh
         else FALLBACK_CTX
     n_ctx = min(declared, cap) if declared else min(FALLBACK_CTX, cap)
     return ContextChoice(n_ctx=max(min(MIN_CTX, declared or MIN_CTX), n_ctx), declared=declared, memory_cap=cap)
+
+
+def gguf_tool_family(path: Path, chat_template: str | None = None) -> ToolFamily:
+    """How the model in the GGUF at `path` calls tools (agent/formats/families.py): from its
+    chat template (or `chat_template`, the entry's override) and the family tokens its
+    vocabulary has, as the runner reports them once the model is loaded. Its header only
+    (ggufheader), as default_context reads it."""
+    from .ggufheader import GgufHeaderError, read_gguf_header
+
+    try:
+        header = read_gguf_header(path, find=FAMILY_TOKENS)
+    except (OSError, GgufHeaderError) as exc:
+        raise PsymeshError(f"cannot read the GGUF metadata of {path}: {exc}", code=ErrorCode.BAD_REQUEST) from None
+    return detect_family(chat_template or header.str("tokenizer.chat_template"), header.found)
 
 
 def pull_model(repo_id: str, quant: str, dest: Path, *,

@@ -104,6 +104,7 @@ class RunnerStatus:
     keep_alive_s: float | None
     pending: int                # requests queued or running
     running: bool = False       # the runner has started a request (it is decoding one now)
+    tool_family: str | None = None  # how the loaded model calls tools (agent/formats/families.py); None: not loaded
 
 
 @dataclass
@@ -201,7 +202,8 @@ class ModelRunner(StreamingModel):
             state_cache_bytes=self._stats.state_cache_bytes if pid is not None else 0,
             idle_s=None if self._last_used is None or self._queued else max(0.0, self._clock() - self._last_used),
             jobs_served=self.jobs_served, crashes=self.crashes, keep_alive_s=self.settings.keep_alive_s,
-            pending=self._queued, running=self.running)
+            pending=self._queued, running=self.running,
+            tool_family=self._info.tool_family.value if self._info is not None else None)
 
     async def start(self) -> ModelInfo:
         """The model's info, loading it first if it never was (ModelLoadError / ModelCrashed if
@@ -403,7 +405,8 @@ class ModelRunner(StreamingModel):
         if isinstance(msg, Ready):
             self._now = pending
             self._info = ModelInfo(path=self.settings.path, n_ctx=msg.n_ctx, n_vocab=msg.n_vocab,
-                                   chat_template=msg.chat_template, eog_token_ids=tuple(msg.eog_token_ids))
+                                   chat_template=msg.chat_template, eog_token_ids=tuple(msg.eog_token_ids),
+                                   family_tokens=tuple(msg.family_tokens))
             return self._now
         await self._reap(pending)
         if isinstance(msg, LoadFailed):

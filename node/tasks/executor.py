@@ -398,4 +398,5 @@ class TaskExecutor:
                              completion_tokens=result.usage.completion_tokens),
             content=None if reply is None else reply.content,
             tool_calls=None if reply is None else [InferCall(id=c.id, name=c.name, arguments=c.arguments)
-                                                   for c in result.tool_calls]).wire()
+                                                   for c in result.tool_calls],
+            tool_family=None if reply is None else worker.info.tool_family.value).wire()

@@ -183,6 +183,7 @@ class LoadedModel(View):
     keep_alive_s: float | None = None
     pending: int = 0                # requests queued or running
     running: bool = False           # the runner has started one of them (it is decoding now)
+    tool_family: str | None = None  # how it calls tools: qwen35, hermes, llama3, mistral, or none (cannot)
 
 
 class ModelsPsReply(Message):
