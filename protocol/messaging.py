@@ -73,7 +73,7 @@ class Letter(Signed, BaseModel):
     signing_context: ClassVar[bytes] = b"psymesh/letter/v1\x00"
     signer_field: ClassVar[str] = "sender"
     signer_role: ClassVar[str] = "sender"
-    signing_floats: ClassVar[bool] = True  # `body` is free-form JSON: its floats are float64
+    signing_floats: ClassVar[bool] = True  # `body` is free-form JSON: numbers signed by value (§3)
 
     id: LetterId
     sender: str
@@ -96,6 +96,15 @@ class Letter(Signed, BaseModel):
             public_key_from_peer_id(value)
         except PsymeshError as exc:
             raise ValueError(exc.message) from None
+        return value
+
+    @field_validator("body")
+    @classmethod
+    def _finite(cls, value: dict) -> dict:
+        try:  # what the signature covers must exist: JSON has no NaN or infinity
+            canonical_encode(value, floats=True)
+        except TypeError as exc:
+            raise ValueError(f"body: {exc}") from None
         return value
 
     def stub(self) -> Self:
