@@ -110,6 +110,14 @@ def foreign_letter(key: Ed25519PrivateKey, recipient: str, lid: str, tseq: int, 
     return {**fields, "signature": key.sign(CONTEXT + spec_canonical(fields))}
 
 
+def whole_as_int(value: object) -> object:
+    if isinstance(value, dict):
+        return {k: whole_as_int(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [whole_as_int(v) for v in value]
+    return int(value) if isinstance(value, float) and value.is_integer() and abs(value) < 2**63 else value
+
+
 def spec_block_bytes(marker: str) -> bytes:
     start = SPEC.index(marker)
     fence = SPEC.index("```\n", start) + 4
@@ -170,7 +178,8 @@ def test_a_foreign_frame_decodes_and_its_signature_holds() -> None:
 async def test_a_running_node_stores_letters_another_library_packed(tmp_path: Path) -> None:
     """Letters from a peer whose library writes other widths and orders (whole numbers as
     float64, big and small integers as 64-bit, floats as float32) are stored whole by the
-    home: `stored`, released with their bodies, none withdrawn."""
+    home: `stored`, released with their bodies, none withdrawn; the same letter sent again
+    with its numbers written another way is the same letter (`stored`, not `conflict`)."""
     bodies = [BODY, {"n": 3.0, "list": [1.0, 2.25, -7.0], "deep": {"b": 2**53 + 1, "a": 0.1}},
               {"count": 2**40, "ratio": 0.75, "nested": [{"10": 1.0, "2": "two", "1": None}]}]
     async with run_nodes(tmp_path, "home", "phone", profiles={"phone": "phone"}) as nodes:
@@ -183,11 +192,15 @@ async def test_a_running_node_stores_letters_another_library_packed(tmp_path: Pa
             letter = foreign_letter(key, home.identity.peer_id, f"js-{i}", i, body)
             frame = foreign_pack({"type": "msg.send", "v": 1, "rid": i, "letter": letter})
             wire += len(frame).to_bytes(4, "big") + frame
+        # the first letter again, as a library with one number type writes it (2.0 as 02): the same letter
+        again = foreign_letter(key, home.identity.peer_id, "js-1", 1, BODY)
+        frame = msgpack.packb({"type": "msg.send", "v": 1, "rid": 4, "letter": {**again, "body": whole_as_int(BODY)}})
+        wire += len(frame).to_bytes(4, "big") + frame
         await stream.send_all(wire)
         answers: dict[int, dict] = {}
         decoder = FrameDecoder()
         with anyio.fail_after(20):
-            while len(answers) < len(bodies):
+            while len(answers) < len(bodies) + 1:
                 data = await stream.receive_some(65536)
                 assert data, f"the stream closed after {answers}"
                 decoder.feed(data)
@@ -195,7 +208,7 @@ async def test_a_running_node_stores_letters_another_library_packed(tmp_path: Pa
                     obj = decode_map(raw)
                     answers[obj["rid"]] = obj
         await stream.aclose()
-        for rid in range(1, len(bodies) + 1):
+        for rid in range(1, len(bodies) + 2):
             assert (answers[rid]["type"], answers[rid].get("status")) == ("msg.receipt", "stored"), answers[rid]
         got = await inbox(home, len(bodies))
         assert [g.id for g in got] == ["js-1", "js-2", "js-3"]
