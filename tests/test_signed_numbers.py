@@ -11,7 +11,6 @@ import re
 import struct
 from pathlib import Path
 
-import anyio
 import msgpack
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -19,9 +18,9 @@ from pydantic import ValidationError
 
 from conftest import pair, run_nodes
 from letters import inbox
-from psymesh.protocol.framing import FrameDecoder
+from p2p_helpers import raw_answers
 from psymesh.protocol.identity import peer_id_from_public_key
-from psymesh.protocol.messages import decode_map, unpack
+from psymesh.protocol.messages import unpack
 from psymesh.protocol.messaging import Letter, MsgSend, check_letter
 from psymesh.protocol.signing import canonical_encode, legacy_encode
 
@@ -106,7 +105,7 @@ def foreign_letter(key: Ed25519PrivateKey, recipient: str, lid: str, tseq: int, 
     """A letter signed by the spec's rule alone, its fields in an order of its own."""
     sender = peer_id_from_public_key(key.public_key().public_bytes_raw())
     fields = {"withdrawn": False, "tseq": tseq, "text": "numbers", "kind": "send", "body": js_ordered(body),
-              "at": 1800000000000.0, "thread": "main", "recipient": recipient, "sender": sender, "id": lid}
+              "at": 1800000000000, "thread": "main", "recipient": recipient, "sender": sender, "id": lid}
     return {**fields, "signature": key.sign(CONTEXT + spec_canonical(fields))}
 
 
@@ -197,16 +196,7 @@ async def test_a_running_node_stores_letters_another_library_packed(tmp_path: Pa
         frame = msgpack.packb({"type": "msg.send", "v": 1, "rid": 4, "letter": {**again, "body": whole_as_int(BODY)}})
         wire += len(frame).to_bytes(4, "big") + frame
         await stream.send_all(wire)
-        answers: dict[int, dict] = {}
-        decoder = FrameDecoder()
-        with anyio.fail_after(20):
-            while len(answers) < len(bodies) + 1:
-                data = await stream.receive_some(65536)
-                assert data, f"the stream closed after {answers}"
-                decoder.feed(data)
-                while (raw := decoder.next_frame()) is not None:
-                    obj = decode_map(raw)
-                    answers[obj["rid"]] = obj
+        answers = await raw_answers(stream, len(bodies) + 1)
         await stream.aclose()
         for rid in range(1, len(bodies) + 2):
             assert (answers[rid]["type"], answers[rid].get("status")) == ("msg.receipt", "stored"), answers[rid]
