@@ -47,7 +47,7 @@ from collections.abc import Iterable
 from enum import StrEnum
 from typing import Annotated, ClassVar, Self
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
 from .errors import ErrorCode, PsymeshError
 from .identity import PeerId, public_key_from_peer_id
@@ -60,6 +60,19 @@ MAX_TEXT = 64 * 1024
 MAX_THREAD = 128
 LetterId = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]*$")]
 Thread = Annotated[str, Field(min_length=1, max_length=MAX_THREAD)]
+
+
+def _signable(body: dict) -> dict:
+    """A body the signature can cover: JSON has no NaN or infinity, and neither has §3's
+    canonical form."""
+    try:
+        canonical_encode(body, floats=True)
+    except TypeError as exc:
+        raise ValueError(f"body: {exc}") from None
+    return body
+
+
+LetterBody = Annotated[JsonMap, AfterValidator(_signable)]
 
 
 class LetterKind(StrEnum):
@@ -82,7 +95,7 @@ class Letter(Signed, BaseModel):
     tseq: int = Field(ge=1, lt=2**63)
     kind: LetterKind = LetterKind.SEND
     text: str = Field(default="", max_length=MAX_TEXT)
-    body: JsonMap = Field(default_factory=dict)
+    body: LetterBody = Field(default_factory=dict)
     at: int = Field(ge=0)  # Unix time in milliseconds, as the sender's clock says
     reply_to: LetterId | None = None
     group: Annotated[str, Field(max_length=64)] | None = None
@@ -96,15 +109,6 @@ class Letter(Signed, BaseModel):
             public_key_from_peer_id(value)
         except PsymeshError as exc:
             raise ValueError(exc.message) from None
-        return value
-
-    @field_validator("body")
-    @classmethod
-    def _finite(cls, value: dict) -> dict:
-        try:  # what the signature covers must exist: JSON has no NaN or infinity
-            canonical_encode(value, floats=True)
-        except TypeError as exc:
-            raise ValueError(f"body: {exc}") from None
         return value
 
     def stub(self) -> Self:

@@ -19,6 +19,7 @@ from pydantic import ValidationError
 from conftest import pair, run_nodes
 from letters import inbox
 from p2p_helpers import raw_answers
+from psymesh.protocol.errors import ErrorCode, PsymeshError
 from psymesh.protocol.identity import peer_id_from_public_key
 from psymesh.protocol.messages import unpack
 from psymesh.protocol.messaging import Letter, MsgSend, check_letter
@@ -162,6 +163,11 @@ def test_an_older_release_s_letter_still_verifies_and_nan_is_refused() -> None:
     for bad in (math.nan, math.inf):
         with pytest.raises(ValidationError, match="NaN and infinities"):
             Letter.model_validate({**fields, "body": {"x": [bad]}})
+        # an app asking its node to send one hears why, bad_frame, not `internal` at signing
+        for kind in ("control.msg_send", "control.group_send"):
+            with pytest.raises(PsymeshError, match="NaN and infinities") as refused:
+                unpack(msgpack.packb({"v": 1, "type": kind, "to": "home", "name": "g", "body": {"x": bad}}))
+            assert refused.value.code == ErrorCode.BAD_FRAME
 
 
 def test_a_foreign_frame_decodes_and_its_signature_holds() -> None:
