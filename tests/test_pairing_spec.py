@@ -87,7 +87,7 @@ def test_the_invite_string_example_is_what_the_node_writes_and_reads() -> None:
     assert encode_invite(ticket) == string
     # readers: upper case (a QR code's), `=` padding, a key they do not know
     body = string[len("psymesh1:"):]
-    for variant in (string, "psymesh1:" + body.upper(), string + "=" * (-len(body) % 8)):
+    for variant in (string, "psymesh1:" + body.upper(), string.upper(), string + "=" * (-len(body) % 8)):
         assert parse_invite(variant) == ticket
     extra = msgpack.packb({"a": ["/ip4/192.168.1.20/tcp/4001"], "c": [4817, b"\x33\x94"], "k": PUBLIC, "z": 1})
     assert parse_invite("psymesh1:" + base64.b32encode(extra).decode().rstrip("=").lower()) == ticket
