@@ -47,7 +47,7 @@ from collections.abc import Iterable
 from enum import StrEnum
 from typing import Annotated, ClassVar, Self
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
 from .errors import ErrorCode, PsymeshError
 from .identity import PeerId, public_key_from_peer_id
@@ -62,6 +62,19 @@ LetterId = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0
 Thread = Annotated[str, Field(min_length=1, max_length=MAX_THREAD)]
 
 
+def _signable(body: dict) -> dict:
+    """A body the signature can cover: JSON has no NaN or infinity, and neither has §3's
+    canonical form."""
+    try:
+        canonical_encode(body, floats=True)
+    except TypeError as exc:
+        raise ValueError(f"body: {exc}") from None
+    return body
+
+
+LetterBody = Annotated[JsonMap, AfterValidator(_signable)]
+
+
 class LetterKind(StrEnum):
     SEND = "send"
     ASK = "ask"
@@ -73,7 +86,7 @@ class Letter(Signed, BaseModel):
     signing_context: ClassVar[bytes] = b"psymesh/letter/v1\x00"
     signer_field: ClassVar[str] = "sender"
     signer_role: ClassVar[str] = "sender"
-    signing_floats: ClassVar[bool] = True  # `body` is free-form JSON: its floats are float64
+    signing_floats: ClassVar[bool] = True  # `body` is free-form JSON: numbers signed by value (§3)
 
     id: LetterId
     sender: str
@@ -82,7 +95,7 @@ class Letter(Signed, BaseModel):
     tseq: int = Field(ge=1, lt=2**63)
     kind: LetterKind = LetterKind.SEND
     text: str = Field(default="", max_length=MAX_TEXT)
-    body: JsonMap = Field(default_factory=dict)
+    body: LetterBody = Field(default_factory=dict)
     at: int = Field(ge=0)  # Unix time in milliseconds, as the sender's clock says
     reply_to: LetterId | None = None
     group: Annotated[str, Field(max_length=64)] | None = None

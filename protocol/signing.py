@@ -14,11 +14,16 @@ Canonical msgpack (`canonical_encode`): every map's keys sorted (by code point: 
 are ASCII field names), arrays in order, ints in msgpack's smallest encoding, byte
 strings as `bin`, text as `str` (msgpack-python's `packb(use_bin_type=True)`). Floats
 have no place in signed grants and are refused unless the caller allows them (a letter's
-free-form `body` may hold them: then each is a float64, 0xcb).
+free-form `body` may hold them). A number is signed by its *value*, never by the type or
+width it arrived in, so that an encoder with one number type (JavaScript's) or other
+widths (float32, int64 for small ints) signs the same bytes: a whole number in the 64-bit
+range is an integer in its smallest form (2.0 -> 0x02, -0.0 -> 0x00), any other finite
+float a float64 (0xcb); NaN and infinities are refused (the body is JSON).
 """
 from __future__ import annotations
 
 import functools
+import math
 from typing import TYPE_CHECKING, Any, ClassVar, Self
 
 import msgpack
@@ -27,20 +32,34 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from .identity import peer_id_from_public_key, public_key_from_peer_id
 
 
+_INT_RANGE = (-(2**63), 2**64 - 1)
+
+
 def canonical_encode(obj: Any, *, floats: bool = False) -> bytes:
     """msgpack with sorted map keys: equal values always give equal bytes. A float is a
-    TypeError unless `floats` (then float64)."""
+    TypeError unless `floats` (then a whole one is its integer, any other a float64)."""
     return msgpack.packb(_canonical(obj, floats), use_bin_type=True)
 
 
-def _canonical(obj: Any, floats: bool) -> Any:
+def _canonical(obj: Any, floats: bool, by_value: bool = True) -> Any:
     if isinstance(obj, dict):
-        return {key: _canonical(obj[key], floats) for key in sorted(obj)}
+        return {key: _canonical(obj[key], floats, by_value) for key in sorted(obj)}
     if isinstance(obj, (list, tuple)):
-        return [_canonical(item, floats) for item in obj]
-    if isinstance(obj, float) and not floats:
-        raise TypeError("floats have no canonical encoding here; use integers")
+        return [_canonical(item, floats, by_value) for item in obj]
+    if isinstance(obj, float):
+        if not floats:
+            raise TypeError("floats have no canonical encoding here; use integers")
+        if not math.isfinite(obj):
+            raise TypeError("NaN and infinities have no canonical encoding")
+        if by_value and obj.is_integer() and _INT_RANGE[0] <= obj <= _INT_RANGE[1]:
+            return int(obj)
     return obj
+
+
+def legacy_encode(obj: Any) -> bytes:
+    """The canonical form of releases before issue 34, which kept a float's type (2.0 as a
+    float64): still accepted in their letters, never signed."""
+    return msgpack.packb(_canonical(obj, True, by_value=False), use_bin_type=True)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -90,4 +109,10 @@ class Signed:
         return self.model_copy(update={"signature": key.sign(self.signing_bytes())})
 
     def signature_valid(self) -> bool:
-        return verify(self.signer, self.signature, self.signing_bytes())
+        if verify(self.signer, self.signature, self.signing_bytes()):
+            return True
+        if not self.signing_floats:
+            return False
+        # a sender of an older release signed a whole-number float as a float64
+        fields = self.model_dump(mode="python", exclude={"signature"}, exclude_none=True)
+        return verify(self.signer, self.signature, self.signing_context + legacy_encode(fields))

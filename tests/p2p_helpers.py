@@ -14,6 +14,8 @@ from psymesh.node.net.framed import FramedStream
 from psymesh.node.net.p2p import P2PNode, P2PStream
 from psymesh.protocol.common import Ping, Pong
 from psymesh.protocol.common import expect
+from psymesh.protocol.framing import FrameDecoder
+from psymesh.protocol.messages import decode_map
 
 PING = "/psymesh/test-ping/1.0.0"
 
@@ -60,3 +62,19 @@ def unused_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+async def raw_answers(stream: P2PStream, count: int, timeout: float = 20) -> dict[int, dict]:
+    """The final frames answering `count` requests written raw on a session stream, as
+    decoded maps by `rid` (a test that writes bytes of its own reads the bytes back)."""
+    answers: dict[int, dict] = {}
+    decoder = FrameDecoder()
+    with anyio.fail_after(timeout):
+        while len(answers) < count:
+            data = await stream.receive_some(65536)
+            assert data, f"the stream closed after {answers}"
+            decoder.feed(data)
+            while (body := decoder.next_frame()) is not None:
+                obj = decode_map(body)
+                answers[obj["rid"]] = obj
+    return answers

@@ -10,7 +10,6 @@ import json
 import re
 from pathlib import Path
 
-import anyio
 import msgpack
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -18,9 +17,9 @@ from spake2 import SPAKE2_A, SPAKE2_B
 from spake2.parameters.ed25519 import ParamsEd25519
 
 from conftest import pair, run_nodes
+from p2p_helpers import raw_answers
 from psymesh.protocol import wordlist
 from psymesh.protocol.common import Ping, Pong
-from psymesh.protocol.framing import FrameDecoder
 from psymesh.protocol.identity import peer_id_from_public_key
 from psymesh.protocol.messages import decode_map, from_map, pack, unpack
 from psymesh.protocol.messaging import Letter, MsgSend, check_letter
@@ -241,16 +240,7 @@ async def test_a_running_node_answers_the_spec_s_session_ping_and_takes_its_lett
                 "tseq": 1, "text": "hi", "at": 1800000000000}
         letter = frame_of({"letter": letter_as_the_spec_says(sent, key), "rid": 2, "v": 1, "type": "msg.send"})
         await stream.send_all(spec_bytes(until_equals(lines[:3])) + letter)
-        answers: dict[int, dict] = {}
-        decoder = FrameDecoder()
-        with anyio.fail_after(20):
-            while len(answers) < 2:
-                data = await stream.receive_some(65536)
-                assert data, f"the stream closed after {answers}"
-                decoder.feed(data)
-                while (body := decoder.next_frame()) is not None:
-                    obj = decode_map(body)
-                    answers[obj["rid"]] = obj
+        answers = await raw_answers(stream, 2)
         await stream.aclose()
         pong = answers[1]
         assert isinstance(pong.pop("time"), float)

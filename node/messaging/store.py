@@ -381,7 +381,8 @@ class MessageStore:
         if earlier is not None:
             return None if earlier == letter else _conflict(letter, f"letter {earlier.id} has its place")
         if row is not None:
-            if row["letter"] != letter.model_dump_json():
+            # the same letter is the same signed bytes, however its numbers were written
+            if Letter.model_validate_json(row["letter"]).signing_bytes() != letter.signing_bytes():
                 return _conflict(letter, "another letter was stored under this id")
             return None
         row = self.conn.execute("SELECT id FROM msg_inbox WHERE sender = ? AND thread = ? AND tseq = ?",

@@ -4,7 +4,7 @@ from typing import Annotated
 from pydantic import Field
 
 from ..messages import Message
-from ..messaging import LetterId, LetterKind, Thread
+from ..messaging import LetterBody, LetterId, LetterKind, Thread
 from .common import PeerAway, View
 
 
@@ -59,7 +59,7 @@ class MsgSendRequest(Message):
     type = "control.msg_send"
     to: str = Field(min_length=1, max_length=256)
     text: str = ""
-    body: dict = Field(default_factory=dict)
+    body: LetterBody = Field(default_factory=dict)
     thread: Thread = "main"
     letter_id: LetterId | None = None
 
@@ -159,7 +159,7 @@ class GroupSendRequest(Message):
     type = "control.group_send"
     name: GroupName
     text: str = ""
-    body: dict = Field(default_factory=dict)
+    body: LetterBody = Field(default_factory=dict)
 
 
 class GroupSentReply(Message):
