@@ -41,7 +41,7 @@ class DelegatedModel:
     peer: str
     model: str | None
     params: GenerationParams
-    timeout: float | None = None
+    deadline_s: float | None = None  # each reply's task fails (timeout) this long after its acceptance
 
     def _peer_params(self, tools: Sequence[ToolSpec], thinking: bool) -> dict[str, Any]:
         p = self.params
@@ -69,7 +69,7 @@ class DelegatedModel:
                     thinking: bool = False) -> str:
         task = await self.client.delegate(
             self.peer, infer=[_wire_message(m) for m in messages], model=self.model,
-            max_tokens=self.params.max_tokens, params=self._peer_params(tools, thinking), timeout=self.timeout,
+            max_tokens=self.params.max_tokens, params=self._peer_params(tools, thinking), deadline_s=self.deadline_s,
             tools=[{"name": t.name, "description": t.description, "parameters": t.parameters} for t in tools] or None)
         result = await task.result()
-        return str(result["text"])
+        return result.text
