@@ -184,7 +184,7 @@ async def stream_tokens(client, max_tokens: int, figures: MeshFigures) -> None: 
             figures.token_chars += len(ev.data["text"])
     result = await task.result()
     figures.first_token_ms = (first - start) * 1000
-    figures.completion_tokens = result["usage"]["completion_tokens"]
+    figures.completion_tokens = result.usage.completion_tokens
     figures.stream_s = last - first
 
 

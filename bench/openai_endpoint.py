@@ -96,7 +96,7 @@ async def via_sdk(phone_home: Path, max_tokens: int) -> Run:
                 last = time.perf_counter()
                 first = first or last
         result = await task.result()
-    return _run(result["usage"]["completion_tokens"], start, first, last)
+    return _run(result.usage.completion_tokens, start, first, last)
 
 
 async def via_local(worker: object, max_tokens: int) -> Run:

@@ -15,14 +15,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+from typing import Any
 
 import psymesh
 from psymesh.node.control.client import TaskHandle
 from psymesh.protocol.errors import PsymeshError
-from psymesh.protocol.tasks import EventKind
+from psymesh.protocol.tasks import EventKind, InferResult
 
 
-async def follow(task: TaskHandle) -> None:
+async def follow(task: TaskHandle[Any]) -> None:
     """Print a task's events as they come, then its result (or why it failed)."""
     print(f"task {task.id} -> {task.target_name or 'its target'}")
     async for ev in task.events():
@@ -37,8 +38,10 @@ async def follow(task: TaskHandle) -> None:
     except PsymeshError as exc:  # a RemoteError with a stable code: canceled, timeout, forbidden ...
         print(f"\n  failed ({exc.code.value}): {exc.message}")
         return
-    text = result.get("text") if isinstance(result, dict) else None
-    print(f"\n  done: {len(text)} characters" if text is not None else f"  result: {result}")
+    if isinstance(result, InferResult):  # typed by the task's kind (a tool task's: the tool's own output)
+        print(f"\n  done: {len(result.text)} characters, {result.usage.completion_tokens} tokens ({result.finish_reason})")
+    else:
+        print(f"  result: {result}")
 
 
 async def main() -> None:
@@ -55,7 +58,7 @@ async def main() -> None:
         if args.resume:
             await follow(node.task(args.resume))
             return
-        info = await node.delegate(args.to, tool="system.info", timeout=30)
+        info = await node.delegate(args.to, tool="system.info", deadline_s=30)  # fails if not done 30 s after home took it
         await follow(info)
         chat = await node.delegate(args.to, infer=args.prompt, model=args.model, max_tokens=args.max_tokens,
                                    params={"temperature": 0.7})

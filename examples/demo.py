@@ -126,7 +126,7 @@ async def streamed_infer(phone: Client, prompt: str, model: str, params: dict, s
         if ev.kind.value == "token":
             con.print(escape(ev.data["text"]), end="")
     out = await handle.result()
-    con.print(f"\n   {out['usage']['completion_tokens']} tokens, finish: {out['finish_reason']}")
+    con.print(f"\n   {out.usage.completion_tokens} tokens, finish: {out.finish_reason}")
 
 
 REAL_QUESTION = "Which city is the capital of France?"
@@ -209,8 +209,8 @@ async def agent_delegated_home(d: Demo) -> None:
             elif ev.kind.value != "progress":
                 con.print(f"   event {ev.seq}: {ev.kind.value} -> {ev.state.value}")
         result = await handle.result()
-    con.print(f"phone: home's agent stopped={result['stopped']} after {result['steps']} step(s), "
-              f"answer: {escape(result['answer'][:60])!r}...")
+    con.print(f"phone: home's agent stopped={result.stopped} after {result.steps} step(s), "
+              f"answer: {escape(result.answer[:60])!r}...")
 
 
 async def model_crash_is_one_failed_request(d: Demo) -> None:
@@ -238,7 +238,7 @@ async def model_crash_is_one_failed_request(d: Demo) -> None:
         out = await again.result()
         [after] = [m for m in await home.models_ps() if m.name == "tiny"]
         con.print(f"phone: the next infer task ran on a fresh runner (pid {after.pid}): "
-                  f"{out['usage']['completion_tokens']} tokens")
+                  f"{out.usage.completion_tokens} tokens")
     proc = await anyio.run_process([sys.executable, "-m", "psymesh", "model", "ps", "--home", str(d.home.home)],
                                    check=False)
     con.print(proc.stdout.decode().rstrip())

@@ -17,9 +17,17 @@ from .envelope import SCHEMA_VERSION, decode_map, open_envelope, seal
 from .errors import ProtocolError
 from .wiretypes import wire_type_error
 
-__all__ = ["SCHEMA_VERSION", "Message", "decode_map", "from_map", "message_types", "pack", "unpack"]
+__all__ = ["SCHEMA_VERSION", "Message", "decode_map", "first_error", "from_map", "message_types", "pack", "unpack"]
 
 _REGISTRY: dict[str, type["Message"]] = {}
+
+
+def first_error(exc: ValidationError) -> tuple[str, str]:
+    """A validation failure in a person's words: where (`tools[0].name`, "" for the whole
+    model) and what, without pydantic's wrapping ("1 validation error for ...", "Value error, ")."""
+    first = exc.errors(include_url=False)[0]
+    where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in first.get("loc", ())).lstrip(".")
+    return where, str(first.get("msg", "invalid")).removeprefix("Value error, ")
 M = TypeVar("M", bound="Message")
 
 
@@ -88,8 +96,7 @@ def from_map(obj: dict[str, Any]) -> Message:
     try:
         return cls.model_validate(obj)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first.get("loc", ())) or "(message)"
-        raise ProtocolError(f"invalid {kind!r} message: {where}: {first.get('msg')}") from None
+        where, what = first_error(exc)
+        raise ProtocolError(f"invalid {kind!r} message: {where or '(message)'}: {what}") from None
     except Exception as exc:  # a validator bug must still not escape as anything but ProtocolError
         raise ProtocolError(f"invalid {kind!r} message: {type(exc).__name__}") from None

@@ -440,6 +440,27 @@ class InferResult(Message):
         return self.model_dump(mode="json", exclude_none=True)
 
 
+# -- an agent task's result ---------------------------------------------------------------
+class AgentToolCall(Message):
+    """A tool call an agent run made, as its result lists it: what it asked and how it went
+    (`ok`, `error`, `declined`, `unconfirmed` or `blocked`)."""
+
+    name: str
+    arguments: JsonMap = Field(default_factory=dict)
+    status: str = "ok"
+
+
+class AgentTaskResult(Message):
+    """The `result` of a completed agent task: its final answer, why the loop stopped (`final`,
+    `max_steps`, `deadline` or `guard`), its steps and the tool calls it made. A reader fills
+    what an older node left out with the defaults below and ignores keys it does not know."""
+
+    answer: str = ""
+    stopped: str = "final"
+    steps: int = Field(default=0, ge=0)
+    tool_calls: list[AgentToolCall] = Field(default_factory=list)
+
+
 # -- wire messages -----------------------------------------------------------------------
 class TaskStatus(Message):
     """Where a task stands, without its log. Reply to cancel and ack; an item of list."""

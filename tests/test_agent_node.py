@@ -29,7 +29,7 @@ from psymesh.node.models import agents
 from psymesh.node.control.client import Client, TaskHandle
 from psymesh.node.daemon import Node
 from psymesh.protocol.errors import ErrorCode, RemoteError
-from psymesh.protocol.tasks import EventKind, TaskEvent, TaskState
+from psymesh.protocol.tasks import AgentTaskResult, EventKind, TaskEvent, TaskState
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL = {"n_ctx": 16384, "n_threads": 1}
@@ -73,19 +73,19 @@ async def test_delegated_goal_runs_the_real_model_on_home(tmp_path: Path, tiny_m
             result = await handle.result()
 
     _numbered(events, TaskState.COMPLETED)
-    assert set(result) == {"answer", "stopped", "steps", "tool_calls"}
-    assert result["stopped"] in ("final", "max_steps") and 1 <= result["steps"] <= 2  # the peer's limit held
-    assert isinstance(result["answer"], str) and result["answer"]
+    assert isinstance(result, AgentTaskResult)  # typed, as delegate(goal=) says
+    assert result.stopped in ("final", "max_steps") and 1 <= result.steps <= 2  # the peer's limit held
+    assert isinstance(result.answer, str) and result.answer
     steps = [e for e in events if e.kind is EventKind.PROGRESS and e.data["agent"] == "step"]
-    assert [e.data["step"] for e in steps] == list(range(1, result["steps"] + 1))
+    assert [e.data["step"] for e in steps] == list(range(1, result.steps + 1))
     assert all(e.data["max_steps"] == 2 for e in steps)
 
     calls = [e.data for e in events if e.kind is EventKind.TOOL_CALL]
     results = [e.data for e in events if e.kind is EventKind.TOOL_RESULT]
-    assert result["tool_calls"], "the tiny model no longer calls a tool with this seed: pick another"
-    assert [c["name"] for c in calls] == [c["name"] for c in result["tool_calls"]] == \
-        ["system.info"] * len(result["tool_calls"])
-    assert [r["status"] for r in results] == [c["status"] for c in result["tool_calls"]]
+    assert result.tool_calls, "the tiny model no longer calls a tool with this seed: pick another"
+    assert [c["name"] for c in calls] == [c.name for c in result.tool_calls] == \
+        ["system.info"] * len(result.tool_calls)
+    assert [r["status"] for r in results] == [c.status for c in result.tool_calls]
     ran = [r for r in results if r["ok"]]
     assert ran and all(r["result"]["profile"] == "home" for r in ran)  # it ran on home, with home's tools
 
@@ -149,8 +149,8 @@ async def test_irreversible_call_waits_for_the_phone_and_runs_once_approved(
     resumed = events[events.index(asked[0]) + 1]
     assert resumed.state is TaskState.WORKING and resumed.data["answer"] == {"approve": True}
     assert notes.sent == ["home by 6"]
-    assert result == {"answer": "Sent.", "stopped": "final", "steps": 2,
-                      "tool_calls": [{"name": "notes.send", "arguments": {"text": "home by 6"}, "status": "ok"}]}
+    assert result.model_dump() == {"answer": "Sent.", "stopped": "final", "steps": 2,
+                                   "tool_calls": [{"name": "notes.send", "arguments": {"text": "home by 6"}, "status": "ok"}]}
     assert [e.data["status"] for e in events if e.kind is EventKind.TOOL_RESULT] == ["ok"]
     assert late.value.code is ErrorCode.CONFLICT and "not waiting for input" in late.value.message
 
@@ -171,8 +171,8 @@ async def test_declined_call_never_runs(tmp_path: Path, tiny_model: Path, monkey
             events = await _events(handle)
 
     assert notes.sent == []
-    assert result["answer"] == "I did not send it." and result["stopped"] == "final"
-    assert result["tool_calls"] == [{"name": "notes.send", "arguments": {"text": "home by 6"}, "status": "declined"}]
+    assert result.answer == "I did not send it." and result.stopped == "final"
+    assert [c.model_dump() for c in result.tool_calls] == [{"name": "notes.send", "arguments": {"text": "home by 6"}, "status": "declined"}]
     declined = [e.data for e in events if e.kind is EventKind.TOOL_RESULT]
     assert [(d["ok"], d["status"], d["error"]["code"]) for d in declined] == [(False, "declined", "forbidden")]
 
@@ -200,7 +200,7 @@ async def test_a_delegated_agent_is_offered_only_the_tools_its_submitter_was_gra
             events = await _events(handle)
     assert offered and "notes.send" not in offered[0] and "system.info" in offered[0]
     assert notes.sent == [] and not any(e.state is TaskState.INPUT_REQUIRED for e in events)
-    assert all(c["status"] != "ok" for c in result["tool_calls"])
+    assert all(c.status != "ok" for c in result.tool_calls)
 
 
 @pytest.mark.anyio

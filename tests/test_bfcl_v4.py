@@ -332,7 +332,7 @@ async def test_eval_via_a_paired_home_gives_the_local_scores(tmp_path: Any, tiny
             await home.grant("phone", ["task.infer"])
         nodes["home"].models.registry.add("tiny", tiny_model, n_ctx=32768, n_threads=1)
         async with Client(nodes["phone"].home.path) as phone:
-            remote = await run_bfcl(cases, DelegatedModel(phone, "home", "tiny", params, timeout=120))
+            remote = await run_bfcl(cases, DelegatedModel(phone, "home", "tiny", params, deadline_s=120))
         local = await run_bfcl(cases, LlamaAgentModel(await nodes["home"].models.get("tiny"), params))
     assert not [r for r in remote.results if r.kind == "model_error"], [r.reason for r in remote.results]
     assert [(r.id, r.passed, r.kind, r.reply) for r in remote.results] == \

@@ -215,8 +215,8 @@ async def test_infer_task_agent_model_and_generate_give_the_same_reply(tmp_path:
             CHAT, [], thinking=False)
 
     streamed = "".join(e.data["text"] for e in events if e.kind is EventKind.TOKEN)
-    assert by_task["text"] == streamed == direct.text == by_agent
-    assert by_task["finish_reason"] == direct.finish_reason
-    assert by_task["usage"] == {"prompt_tokens": direct.usage.prompt_tokens,
-                                "completion_tokens": direct.usage.completion_tokens}
+    assert by_task.text == streamed == direct.text == by_agent
+    assert by_task.finish_reason == direct.finish_reason
+    assert (by_task.usage.prompt_tokens, by_task.usage.completion_tokens) == (direct.usage.prompt_tokens,
+                                                                              direct.usage.completion_tokens)
     assert err.value.code is ErrorCode.BAD_REQUEST and "temperature" in err.value.message

@@ -202,7 +202,7 @@ async def test_a_delegated_agent_uses_a_granted_mcp_tool(tmp_path: Path, tiny_mo
     offered = {t.name for t in model.seen[0][1]}
     assert offered == {"mcp.notes.count_words", "mcp.notes.list_notes", "mcp.notes.read_note"}
     assert events[-1].state is TaskState.COMPLETED
-    assert result["tool_calls"] == [{"name": "mcp.notes.list_notes", "arguments": {}, "status": "ok"}]
+    assert [c.model_dump() for c in result.tool_calls] == [{"name": "mcp.notes.list_notes", "arguments": {}, "status": "ok"}]
     [ran] = [e.data for e in events if e.kind is EventKind.TOOL_RESULT]
     assert ran["ok"] and ran["result"]["untrusted"] is True
     assert ran["result"]["structured"] == {"result": ["groceries.md", "ideas.md"]}

@@ -149,7 +149,7 @@ async def test_delegation_and_the_openai_endpoint_write_what_bare_llama_cpp_writ
                                                                      stream_options={"include_usage": True})))
 
     text, n = expected
-    assert (delegated["text"], delegated["usage"]["completion_tokens"]) == (text, n)   # home's runner, over libp2p
+    assert (delegated.text, delegated.usage.completion_tokens) == (text, n)   # home's runner, over libp2p
     assert "".join(streamed) == text and len(streamed) > 1                              # streamed as it was written
     assert (local.choices[0].message.content, local.usage.completion_tokens) == (text, n)  # this node, over HTTP
     pieces = [c.choices[0].delta.content or "" for c in chunks if c.choices]

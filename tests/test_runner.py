@@ -235,7 +235,7 @@ async def test_a_crash_in_a_peers_task_leaves_the_node_serving(tmp_path: Path, t
             assert (await tablet.letter(sent.id, wait=True)).state == "delivered"
             again = await phone.delegate("home", infer="Hi", model="tiny", max_tokens=4,
                                          params={"temperature": 0, "ban_bytes": True})
-            assert (await again.result())["usage"]["completion_tokens"] >= 1
+            assert (await again.result()).usage.completion_tokens >= 1
             # A peer cannot drive llama.cpp into that abort itself: token literals are refused.
             refused = await phone.delegate("home", infer="Hi", model="tiny", max_tokens=4,
                                            params={"grammar": ABORTING_GRAMMAR})

@@ -211,9 +211,9 @@ async def test_infer_streams_tokens_that_add_up_to_the_result(tmp_path: Path, ti
             tokens = [e.data["text"] for e in events if e.kind is EventKind.TOKEN]
             result = await task.result()
             again = await phone.delegate("home", infer="Say hello.", model="tiny", max_tokens=48, params=GREEDY)
-            assert (await again.result())["text"] == result["text"]  # greedy + seed: deterministic
-        assert tokens and "".join(tokens) == result["text"]
-        assert result["usage"]["completion_tokens"] <= 48 and result["finish_reason"] in ("stop", "length")
+            assert (await again.result()).text == result.text  # greedy + seed: deterministic
+        assert tokens and "".join(tokens) == result.text
+        assert result.usage.completion_tokens <= 48 and result.finish_reason in ("stop", "length")
 
 
 @pytest.mark.anyio
@@ -312,7 +312,7 @@ async def test_deadline_fails_a_slow_task_with_timeout(tmp_path: Path) -> None:
         await _pair_all(nodes, "home")
         _register(nodes["home"], _slow_tool(progress), "test.slow")
         async with Client(nodes["phone"].home.path) as c:
-            task = await c.delegate("home", tool="test.slow", timeout=0.5)
+            task = await c.delegate("home", tool="test.slow", deadline_s=0.5)
             with pytest.raises(RemoteError) as err:
                 await task.result()
             assert err.value.code is ErrorCode.TIMEOUT
@@ -579,7 +579,7 @@ async def test_sdk_delegates_from_asyncio_to_daemon_processes(tmp_path: Path, ti
             events = [ev async for ev in chat.events()]
             _assert_log(events, TaskState.COMPLETED)
             text = "".join(ev.data["text"] for ev in events if ev.kind is EventKind.TOKEN)
-            assert text and text == (await chat.result())["text"]
+            assert text and text == (await chat.result()).text
             assert [t.state for t in (await node.tasks()).submitted] == ["completed", "completed"]
     finally:
         assert await phone.stop() == 0

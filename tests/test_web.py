@@ -405,8 +405,8 @@ async def test_a_prompt_injected_page_leads_to_no_call_outside_the_grant(
     assert outcome.state is TaskState.COMPLETED
     # the page's instruction was obeyed by the (scripted) model, and came to nothing: files.read
     # is not among the tools the phone's grant offers, so it never ran
-    assert result["tool_calls"] == [{"name": "web.fetch", "arguments": {"url": site.url("/hostile")}, "status": "ok"}]
-    assert result["steps"] == 3
+    assert [c.model_dump() for c in result.tool_calls] == [{"name": "web.fetch", "arguments": {"url": site.url("/hostile")}, "status": "ok"}]
+    assert result.steps == 3
     told = obeying.seen[2][0][-1]
     assert told.role == "tool" and "files.read" in told.content and "1234" not in told.content
     assert [t.name for t in obeying.seen[0][1]] == ["web.fetch"]     # all the agent was ever offered

@@ -105,7 +105,7 @@ def task_send(home: str | None, out: Output, to: str | None, tool: str | None, a
 
     async def go(client: Client) -> Any:
         handle = await client.delegate(to, tool=tool, args=args if tool else None, infer=prompt, model=model,
-                                       max_tokens=max_tokens, goal=goal, timeout=timeout, task_id=task_id)
+                                       max_tokens=max_tokens, goal=goal, deadline_s=timeout, task_id=task_id)
         where = "accepted by" if handle.accepted else "queued for"
         out.hint(f"task {handle.id} {where} {handle.target_name}")
         if handle.away is not None:

@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import AsyncIterator, Callable, Mapping
+import re
+import warnings
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast, overload
 
 import anyio
 import anyio.abc
@@ -30,17 +32,18 @@ from ..tasks.ids import new_task_id
 from ..core.paths import HomePaths
 from .control_socket import ControlSocket, DaemonNotRunning, NotOurDaemon  # the last two: re-exported for scripts
 from ...protocol import control as c
-from ...protocol.errors import ErrorCode, PsymeshError, RemoteError, raised
+from ...protocol.errors import ErrorCode, ProtocolError, PsymeshError, RemoteError, raised
 from ...protocol.framing import DEFAULT_MAX_FRAME_SIZE
 from ...protocol.common import expect
-from ...protocol.messages import Message
+from ...protocol.messages import Message, first_error
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # (protocol.tasks is loaded when a task is: not by what `status` loads)
     from ...protocol.limits import Limits
-    from ...protocol.tasks import Outcome, TaskEvent
+    from ...protocol.tasks import AgentTaskResult, ChatMessage, InferResult, Outcome, TaskEvent, TaskKind, TaskSpec, ToolDef
     from ...protocol.web import WebPage, WebResults
 
 R = TypeVar("R", bound=Message)
+T = TypeVar("T")  # what a task handle's result() gives
 
 
 MAX_IDLE_CONNECTIONS = 4
@@ -190,9 +193,7 @@ class Client:
                                  preset_limits=preset_limits, limits=limits,
                                  set_limits=dict(set_limits or {}))
         except ValidationError as exc:
-            first = exc.errors()[0]
-            raise PsymeshError(f"invalid grant: {first['msg'].removeprefix('Value error, ')}",
-                               code=ErrorCode.BAD_REQUEST) from None
+            raise PsymeshError(f"invalid grant: {first_error(exc)[1]}", code=ErrorCode.BAD_REQUEST) from None
         return await self.request(req, c.PeerReply)
 
     async def revoke(self, peer: str) -> c.PeerReply:
@@ -205,43 +206,71 @@ class Client:
         return await self.request(c.DiscoverRequest(wait_s=wait_s), c.DiscoverReply)
 
     # -- delegated tasks ---------------------------------------------------------
+    @overload
+    async def delegate(self, to: str | None = None, *, tool: str, args: Mapping[str, Any] | None = None,
+                       deadline_s: float | None = None, task_id: str | None = None,
+                       timeout: float | None = None) -> TaskHandle[Any]: ...
+
+    @overload
+    async def delegate(self, to: str | None = None, *, infer: str | Sequence[ChatMessage | Mapping[str, Any]],
+                       model: str, max_tokens: int | None = None, params: Mapping[str, Any] | None = None,
+                       tools: Sequence[ToolDef | Mapping[str, Any]] | None = None, tool_choice: str | None = None,
+                       deadline_s: float | None = None, task_id: str | None = None,
+                       timeout: float | None = None) -> TaskHandle[InferResult]: ...
+
+    @overload
+    async def delegate(self, to: str | None = None, *, goal: str, params: Mapping[str, Any] | None = None,
+                       deadline_s: float | None = None, task_id: str | None = None,
+                       timeout: float | None = None) -> TaskHandle[AgentTaskResult]: ...
+
     async def delegate(
         self,
         to: str | None = None,
         *,
         tool: str | None = None,
-        args: dict[str, Any] | None = None,
-        infer: str | list[dict[str, Any]] | None = None,
+        args: Mapping[str, Any] | None = None,
+        infer: str | Sequence[ChatMessage | Mapping[str, Any]] | None = None,
         model: str | None = None,
         max_tokens: int | None = None,
         goal: str | None = None,
-        params: dict[str, Any] | None = None,
-        timeout: float | None = None,
+        params: Mapping[str, Any] | None = None,
+        tools: Sequence[ToolDef | Mapping[str, Any]] | None = None,
+        tool_choice: str | None = None,
+        deadline_s: float | None = None,
         task_id: str | None = None,
-        tools: list[dict[str, Any]] | None = None,
-    ) -> TaskHandle:
+        timeout: float | None = None,
+    ) -> TaskHandle[Any]:
         """Hand a task to a paired node (`to`: its name or peer id; None picks the best one).
 
-        Exactly one of `tool` (with `args`), `infer` (a prompt, or chat messages; with
-        `model`; `tools`: functions the model may call, each {name, description, parameters})
-        or `goal` (an agent run). The task is stored durably before this returns,
-        and is delivered, run and reported even if either node restarts meanwhile. Passing
-        the same `task_id` again returns the same task.
+        Exactly one of `tool` (with `args`; `result()` is the tool's output, as the tool
+        defines it), `infer` (a prompt, or chat messages; with `model`; `tools`: functions
+        the model may call, ToolDef or {name, description, parameters}; `result()` is an
+        InferResult) or `goal` (an agent run; `result()` is an AgentTaskResult).
+
+        `deadline_s` bounds the task's life on the executor: if it has not ended that many
+        seconds after the executor accepted it (waiting in its queue counts), it fails with
+        code `timeout`. It does not bound this call or `result()`: wrap those in
+        `anyio.fail_after` (or `asyncio.timeout`) to stop waiting. (`timeout=` is its old
+        name, still taken, with a DeprecationWarning.)
+
+        The spec is checked here: a bad value raises PsymeshError (bad_request) naming it
+        (e.g. `invalid task: tools[0].name: Field required`) before anything is sent. The task
+        is stored durably before this returns, and is delivered, run and reported even if
+        either node restarts meanwhile. Passing the same `task_id` again returns the same task.
         """
-        if sum(x is not None for x in (tool, infer, goal)) != 1:
-            raise PsymeshError("give exactly one of tool=, infer= or goal=", code=ErrorCode.BAD_REQUEST)
-        spec: dict[str, Any] = {"id": task_id or new_task_id(), "timeout": timeout}
-        if tool is not None:
-            spec.update(kind="tool", tool=tool, args=args or {})
-        elif infer is not None:
-            spec.update(kind="infer", model=model, max_tokens=max_tokens, params=params or {})
-            spec["prompt" if isinstance(infer, str) else "messages"] = infer
-            if tools:
-                spec["tools"] = tools
-        else:
-            spec.update(kind="agent", goal=goal, params=params or {})
-        reply = await self.request(c.TaskSubmitRequest(to=to, spec=spec), c.TaskSubmitted)
-        return TaskHandle(self, reply)
+        if timeout is not None:
+            if deadline_s is not None:
+                raise PsymeshError("give deadline_s= (timeout= is its old name), not both",
+                                   code=ErrorCode.BAD_REQUEST)
+            warnings.warn("delegate(timeout=) is now deadline_s= (it bounds the task on the executor, "
+                          "not this call)", DeprecationWarning, stacklevel=2)
+            deadline_s = timeout
+        spec = task_spec(task_id or new_task_id(), tool=tool, args=args, infer=infer, model=model,
+                         max_tokens=max_tokens, goal=goal, params=params, tools=tools, tool_choice=tool_choice,
+                         deadline_s=deadline_s)
+        reply = await self.request(c.TaskSubmitRequest(to=to, spec=spec.model_dump(mode="json", exclude_none=True)),
+                                   c.TaskSubmitted)
+        return TaskHandle(self, reply, spec.kind)
 
     async def offers(self, operation: str = "task.agent") -> list[c.Offer]:
         """Paired peers that would take `operation` now, with their models and tools."""
@@ -260,9 +289,19 @@ class Client:
         `[ui] port`) and its login link."""
         return await self.request(c.UiRequest(port=port), c.UiReply)
 
-    def task(self, task_id: str) -> TaskHandle:
-        """A handle on a task this node delegated earlier (e.g. before a restart)."""
-        return TaskHandle(self, c.TaskSubmitted(task_id=task_id, target="", target_name="", accepted=True))
+    def task(self, task_id: str, kind: TaskKind | str | None = None) -> TaskHandle[Any]:
+        """A handle on a task this node delegated earlier (e.g. before a restart). Its
+        `result()` is typed as `delegate()`'s is: by `kind` if given, else by the kind this
+        node's mirror of the task records."""
+        from ...protocol.tasks import TaskKind
+
+        return TaskHandle(self, c.TaskSubmitted(task_id=task_id, target="", target_name="", accepted=True),
+                          TaskKind(kind) if kind is not None else None)
+
+    async def task_kind(self, task_id: str) -> TaskKind | None:
+        """What kind of task this node delegated as `task_id` (None: its mirror no longer holds it)."""
+        listed = await self.request(c.TaskListRequest(limit=1000), c.TaskListReply)
+        return next((t.kind for t in listed.submitted if t.task_id == task_id), None)
 
     async def tasks(self, limit: int = 100) -> c.TaskListReply:
         return await self.request(c.TaskListRequest(limit=limit), c.TaskListReply)
@@ -397,17 +436,60 @@ def _checked(cls: type[R], **fields: Any) -> R:
     try:
         return cls(**fields)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first.get("loc", ())) or cls.type
-        raise PsymeshError(f"invalid {where}: {first['msg']}", code=ErrorCode.BAD_REQUEST) from None
+        where, what = first_error(exc)
+        raise PsymeshError(f"invalid {where or cls.type}: {what}", code=ErrorCode.BAD_REQUEST) from None
 
 
-class TaskHandle:
-    """A delegated task, as its submitter sees it (from its own node's durable mirror)."""
+def task_spec(task_id: str, *, tool: str | None = None, args: Mapping[str, Any] | None = None,
+              infer: str | Sequence[ChatMessage | Mapping[str, Any]] | None = None, model: str | None = None,
+              max_tokens: int | None = None, goal: str | None = None, params: Mapping[str, Any] | None = None,
+              tools: Sequence[ToolDef | Mapping[str, Any]] | None = None, tool_choice: str | None = None,
+              deadline_s: float | None = None) -> TaskSpec:
+    """The TaskSpec `delegate()`'s arguments describe, checked here: a mistake is a BAD_REQUEST
+    naming the argument (`invalid task: tools[0].name: Field required`), never the daemon's."""
+    from ...protocol.tasks import TaskKind, TaskSpec
 
-    def __init__(self, client: Client, submitted: c.TaskSubmitted) -> None:
+    if sum(x is not None for x in (tool, infer, goal)) != 1:
+        raise PsymeshError("give exactly one of tool=, infer= or goal=", code=ErrorCode.BAD_REQUEST)
+    spec: dict[str, Any] = {"id": task_id, "timeout": deadline_s}
+    if tool is not None:
+        stray = [n for n, v in (("model", model), ("max_tokens", max_tokens), ("params", params), ("tools", tools),
+                                ("tool_choice", tool_choice)) if v is not None]
+        spec.update(kind=TaskKind.TOOL, tool=tool, args=dict(args or {}))
+    elif infer is not None:
+        stray = ["args"] if args is not None else []
+        spec.update(kind=TaskKind.INFER, model=model, max_tokens=max_tokens, params=dict(params or {}),
+                    tools=list(tools) if tools else None, tool_choice=tool_choice)
+        if isinstance(infer, str):
+            spec["prompt"] = infer
+        else:
+            spec["messages"] = list(infer)
+    else:
+        stray = [n for n, v in (("args", args), ("model", model), ("max_tokens", max_tokens), ("tools", tools),
+                                ("tool_choice", tool_choice)) if v is not None]
+        spec.update(kind=TaskKind.AGENT, goal=goal, params=dict(params or {}))
+    if stray:
+        kind = spec["kind"].value
+        raise PsymeshError(f"invalid task: {', '.join(n + '=' for n in stray)} not taken by a {kind} task",
+                           code=ErrorCode.BAD_REQUEST)
+    try:
+        return TaskSpec.model_validate(spec)
+    except ValidationError as exc:
+        where, what = first_error(exc)
+        head = re.match(r"[^.\[]*", where).group()  # the argument's name, where it differs from the spec's
+        where = {"timeout": "deadline_s", "prompt": "infer", "messages": "infer"}.get(head, head) + where[len(head):]
+        raise PsymeshError(f"invalid task: {where + ': ' if where else ''}{what}", code=ErrorCode.BAD_REQUEST) from None
+
+
+class TaskHandle(Generic[T]):
+    """A delegated task, as its submitter sees it (from its own node's durable mirror).
+    `result()` gives a T: InferResult for an infer task, AgentTaskResult for an agent task,
+    the tool's own output for a tool task."""
+
+    def __init__(self, client: Client, submitted: c.TaskSubmitted, kind: TaskKind | None = None) -> None:
         self._client = client
         self.id = submitted.task_id
+        self.kind = kind  # None: not known yet (a handle from `Client.task(id)`): result() asks
         self.target = submitted.target
         self.target_name = submitted.target_name
         self.accepted = submitted.accepted
@@ -444,9 +526,22 @@ class TaskHandle:
             raise PsymeshError(f"task {self.id} answered with an event that is not final", code=ErrorCode.INTERNAL)
         return final.outcome
 
-    async def result(self) -> Any:
-        """Wait for the task to end: its result, or RemoteError with the failure's code."""
-        return (await self.outcome()).unwrap()
+    async def result(self) -> T:
+        """Wait for the task to end: its result (typed by the task's kind, see the class), or
+        RemoteError with the failure's code. A result that does not read as its kind's raises
+        ProtocolError."""
+        value = (await self.outcome()).unwrap()
+        if self.kind is None:
+            self.kind = await self._client.task_kind(self.id)
+        reader = _result_model(self.kind)
+        if reader is None:
+            return cast(T, value)
+        try:
+            return cast(T, reader.model_validate(value))
+        except ValidationError as exc:
+            where, what = first_error(exc)
+            raise ProtocolError(f"task {self.id}'s result is no {self.kind.value} result: "
+                                f"{where + ': ' if where else ''}{what}") from None
 
     async def cancel(self) -> None:
         await self._client.request(c.TaskCancelRequest(task_id=self.id), c.Ok)
@@ -455,3 +550,10 @@ class TaskHandle:
         """Answer the task while it is `input-required` (an agent asking to run an
         irreversible tool: `{"approve": True}` or `{"approve": False}`)."""
         await self._client.request(c.TaskInputRequest(task_id=self.id, data=data), c.Ok)
+
+
+def _result_model(kind: TaskKind | None) -> type[Message] | None:
+    """How a task's result reads, by its kind (None: as it came, a tool task's own output)."""
+    from ...protocol.tasks import AgentTaskResult, InferResult, TaskKind
+
+    return {TaskKind.INFER: InferResult, TaskKind.AGENT: AgentTaskResult}.get(kind) if kind is not None else None

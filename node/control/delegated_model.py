@@ -56,7 +56,7 @@ class DelegatedModel:
     peer: str
     model: str | None
     params: GenerationParams
-    timeout: float | None = None
+    deadline_s: float | None = None  # each reply's task fails (timeout) this long after its acceptance
     family: PeerFamily = field(default_factory=PeerFamily)
 
     def _peer_params(self, tools: Sequence[ToolSpec], thinking: bool) -> dict[str, Any]:
@@ -79,9 +79,9 @@ class DelegatedModel:
                     thinking: bool = False) -> str:
         task = await self.client.delegate(
             self.peer, infer=[_wire_message(m) for m in messages], model=self.model,
-            max_tokens=self.params.max_tokens, params=self._peer_params(tools, thinking), timeout=self.timeout,
+            max_tokens=self.params.max_tokens, params=self._peer_params(tools, thinking), deadline_s=self.deadline_s,
             tools=[{"name": t.name, "description": t.description, "parameters": t.parameters} for t in tools] or None)
         result = await task.result()
-        if result.get("tool_family") in {f.value for f in ToolFamily}:  # a node of before families: not said
-            self.family.family = ToolFamily(result["tool_family"])
-        return str(result["text"])
+        if result.tool_family in {f.value for f in ToolFamily}:  # a node of before families: not said
+            self.family.family = ToolFamily(result.tool_family)
+        return result.text

@@ -14,6 +14,7 @@ from contextlib import aclosing
 from typing import TYPE_CHECKING, Literal, Protocol
 
 import anyio
+from pydantic import ValidationError
 
 import psymesh
 from .server import ControlServer, Handler
@@ -28,7 +29,7 @@ from ...protocol.errors import ErrorCode, NetworkTimeout, PsymeshError
 from ...protocol.identity import is_peer_id
 from ...protocol.limits import Limits
 from ...protocol.manifest import PRESETS, Operation, check, edit_capabilities, new_manifest
-from ...protocol.messages import Message
+from ...protocol.messages import Message, first_error
 from ...protocol.messaging import Letter, LetterKind
 from ...protocol.tasks import TaskCapsReply, TaskEvent, TaskSpec
 from ...protocol.web import WebResults
@@ -315,8 +316,10 @@ class Owner:
     async def _task_submit(self, req: c.TaskSubmitRequest, _: FramedStream) -> c.TaskSubmitted:
         try:
             spec = TaskSpec.model_validate(req.spec)
-        except ValueError as exc:
-            raise PsymeshError(f"invalid task: {exc}", code=ErrorCode.BAD_REQUEST) from None
+        except ValidationError as exc:  # (a client other than the SDK, which checks it first)
+            where, what = first_error(exc)
+            raise PsymeshError(f"invalid task: {where + ': ' if where else ''}{what}",
+                               code=ErrorCode.BAD_REQUEST) from None
         target, accepted, final = await self.node.submitter.submit(spec, req.to, self.node.offers)
         peer = self.node.trust.get(target)
         # a short task's events come with its acceptance (`final`): result() then asks nothing more

@@ -22,7 +22,7 @@ from ..core.home import NodeConfig, NodeHome
 from . import ModelPool, ModelRegistry
 from ...protocol.errors import ErrorCode, PsymeshError
 from ...protocol.manifest import Manifest, Operation, check
-from ...protocol.tasks import EventKind
+from ...protocol.tasks import AgentTaskResult, AgentToolCall, EventKind
 
 if TYPE_CHECKING:
     from ...agent.runtime.api import TextModel
@@ -153,9 +153,10 @@ def task_event(ev: AgentEvent) -> tuple[EventKind, dict[str, Any]] | None:
 
 
 def result_of(run: AgentResult) -> dict[str, Any]:
-    return {"answer": run.answer, "stopped": run.stopped, "steps": run.steps,
-            "tool_calls": [{"name": r.call.name, "arguments": r.call.arguments, "status": r.status}
-                           for r in run.tool_calls]}
+    """The task's `result` (AgentTaskResult, as the submitter's SDK reads it)."""
+    return AgentTaskResult(answer=run.answer, stopped=run.stopped, steps=run.steps, tool_calls=[
+        AgentToolCall(name=r.call.name, arguments=r.call.arguments, status=r.status) for r in run.tool_calls
+    ]).model_dump(mode="json")
 
 
 class AgentTaskRunner:

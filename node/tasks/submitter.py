@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable
 from typing import Any, NamedTuple
 
 import anyio
@@ -28,6 +27,7 @@ from ..core.commands import Commands
 from ..core.db import WalSync
 from ..core.notify import Notifier
 from ..net.session import SessionPool
+from .homes import HomeChooser, Offers
 from .store import Outbox, OutboxTask
 from ..door.trust import TrustStore
 from ..core.wakelock import WakeLock
@@ -51,8 +51,6 @@ from ...protocol.tasks import (
 )
 
 log = logging.getLogger("psymesh.tasks")
-
-Offers = Callable[[str], Awaitable[TaskCapsReply]]
 
 
 class Submitted(NamedTuple):
@@ -123,6 +121,7 @@ class TaskSubmitter:
         self.retention_s = 7 * 86400.0   # finished tasks (and their events) are kept this long for the app
         self.purge_every_s = 3600.0
         self._retention_changed = anyio.Event()
+        self.homes = HomeChooser(on_refused=lambda peer, exc: self.revoked_by(peer, exc.code, self._refusal(peer, exc)))
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         async with anyio.create_task_group() as tg:
@@ -225,33 +224,29 @@ class TaskSubmitter:
         return Submitted(candidates[0], False)
 
     async def _candidates(self, spec: TaskSpec, offers: Offers) -> list[str]:
-        """Paired peers whose grant covers the task and that offer its tool/model, healthiest first."""
+        """Paired peers whose grant covers the task and that offer its tool/model, least busy
+        first: all asked at once, the choice made as soon as one fits (node/tasks/homes.py)."""
         op = task_operation(spec)
         now = time.time()
-        scored: list[tuple[int, str]] = []
-        for peer in self.trust.list(include_revoked=False):
-            grant = peer.received
-            if grant is None or not check(grant, op, local_peer_id=peer.peer_id, remote_peer_id=self.local_peer_id,
-                                          now=now).allowed:
-                continue
-            try:
-                with anyio.fail_after(5):
-                    caps = await offers(peer.peer_id)
-            except RemoteError as exc:
-                if exc.code is ErrorCode.UNKNOWN_PEER:  # it revoked us: never ask it again
-                    self.revoked_by(peer.peer_id, exc.code, self._refusal(peer.peer_id, exc))
-                continue
-            except (PsymeshError, TimeoutError):
-                continue  # down or unhealthy: skip it
-            if spec.kind is TaskKind.TOOL and spec.tool not in caps.tools:
-                continue
-            if spec.kind is TaskKind.INFER and spec.model not in caps.models:
-                continue
-            scored.append((caps.queue_depth, peer.peer_id))
-        if not scored:
+        granted = [peer.peer_id for peer in self.trust.list(include_revoked=False)
+                   if peer.received is not None
+                   and check(peer.received, op, local_peer_id=peer.peer_id, remote_peer_id=self.local_peer_id,
+                             now=now).allowed]
+
+        def fits(caps: TaskCapsReply) -> bool:
+            if spec.kind is TaskKind.TOOL:
+                return spec.tool in caps.tools
+            if spec.kind is TaskKind.INFER:
+                return spec.model in caps.models
+            return True
+
+        if self._tg is None:
+            raise PsymeshError("the submitter is not running", code=ErrorCode.UNAVAILABLE)
+        chosen = await self.homes.choose(self._tg, granted, fits, offers)
+        if not chosen:
             raise PsymeshError(f"no reachable paired peer offers {op.required()}; see: {self.commands('peers')}",
                                code=ErrorCode.UNAVAILABLE)
-        return [pid for _, pid in sorted(scored)]
+        return chosen
 
     # -- driving one task ---------------------------------------------------------------------
     def _drive(self, task: OutboxTask, first: _FirstAnswer | None = None) -> None:
