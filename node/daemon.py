@@ -14,7 +14,8 @@
       ├── Mailbox.run          mail held for peers that named this node: expiry housekeeping
       ├── MailOwner.run        our mail key to every peer; our mail fetched from our mailbox
       ├── Discovery.run        mDNS (if configured), static peers; paired peers' addresses follow them
-      ├── Relaying.run         reservations at our relays; direct paths preferred; our addresses told (node/reach/relaying.py)
+      ├── Relaying.run         reservations at our relays; direct paths preferred (node/reach/relaying.py)
+      ├── Resync.run           each paired peer's grant, our addresses, our exit key: told on every connection (node/reach/resync.py)
       ├── KeepConnected.run    a phone's home PCs and any node's mailbox: redialed when the connection ends (node/reach/keep.py)
       ├── ControlServer.serve  local Unix socket for the CLI and scripts (handlers: node/control/owner.py)
       └── signal watcher       SIGINT/SIGTERM -> cancel the root scope -> clean shutdown
@@ -56,6 +57,7 @@ from .bridges.mcp import McpTools
 from .net.p2p import P2PNode, P2PStream, local_ipv4_addresses
 from .reach.keep import KeepConnected, PoolReacher, kept_peers
 from .reach.relaying import Relaying
+from .reach.resync import AddressTiding, ExitKeyTiding, GrantTiding, Resync
 from .door.pairing import PairingService
 from .net.liveness import Liveness
 from .messaging.mailbox import Mailbox, MailStore
@@ -169,8 +171,7 @@ class Node:
                                      commands=self.commands)
         self.sessions = SessionPool(self.open_peer_stream, ids.SESSION, self.config.max_frame_size,
                                     Liveness(self.config.liveness_probe_s, self.p2p.disconnect), path=self.p2p.path)
-        self.relaying = Relaying(self.identity, self.config.relay, self.p2p, self.trust, self.sessions,
-                                 addrs_file=home.path / "listen.last")
+        self.relaying = Relaying(self.config.relay, self.p2p, self.trust)
         self.keeper = KeepConnected(
             lambda: kept_peers(self.trust, profile=self.config.profile, mailbox=self.config.mailbox),
             self.p2p, PoolReacher(self.sessions), keep_alive_s=self.config.keep_alive_s, label=self.trust.label)
@@ -178,8 +179,19 @@ class Node:
         self.reach = Reach(self.p2p, self.sessions, self.trust)
         self.web = WebServer(self.config.web.exit, home, self.identity.private_key, self.identity.peer_id,
                              gate=self.gate, audit=self.audit, trust=self.trust, sessions=self.sessions, db=self.db)
+        # What each paired peer must hold from us (our addresses, its grant, our exit key): told on
+        # every new connection, whenever it changes, and again until it has it (node/reach/resync.py).
+        # Addresses first: they are what lets the peer reach us again.
+        self.grant_tiding = GrantTiding()
+        self.key_tiding = ExitKeyTiding(lambda: self.web.key)
+        self.resync = Resync(self.trust, self.p2p, self.sessions,
+                             [AddressTiding(self.identity, self.p2p), self.grant_tiding, self.key_tiding],
+                             revoked_by=lambda peer_id, reason: self.submitter.revoked_by(
+                                 peer_id, ErrorCode.UNKNOWN_PEER, reason))
+        self.web.on_key = self.resync.poke
         self.pairing = PairingService(self.identity, self.config, self.p2p, self.trust, self.push_manifest,
-                                      welcome=self.web.hand_key, commands=self.commands)
+                                      welcome=functools.partial(self.resync.tell, tiding=self.key_tiding),
+                                      commands=self.commands)
         self.models = ModelPool(ModelRegistry(self.db, commands=self.commands), keep_alive_s=self.config.models.keep_alive_for(self.config.profile),
                                 memory_limit_mb=self.config.models.memory_limit_mb, log_dir=home.logs_dir)
         self.web_router = WebRouter(self.config.web, self.identity.peer_id, self.trust, self.sessions,
@@ -373,6 +385,7 @@ class Node:
                 await tg.start(self.mail.run)
                 await tg.start(self.discovery.run)
                 await tg.start(self.relaying.run)
+                await tg.start(self.resync.run)
                 await tg.start(self.keeper.run)
                 await tg.start(self.web.run)
                 if self.config.ui.on_for(self.config.profile):  # before the control socket answers: a
@@ -475,10 +488,11 @@ class Node:
         return dial_addresses(peer.peer_id, list(peer.addrs), relays, local)
 
     async def push_manifest(self, peer_id: str, manifest: Manifest) -> bool:
-        """Hand `peer_id` its current grant; best effort (it can also learn it at the next pairing)."""
-        return await self._tell_subject(peer_id, ManifestPush(manifest=manifest), "its new grant", timeout=10)
+        """Hand `peer_id` its current grant (the one the trust store holds: `manifest`) now; True
+        once it took it. A peer not reached is told when it is back (node/reach/resync.py)."""
+        return await self.resync.tell(peer_id, self.grant_tiding)
 
-    async def _tell_subject(self, peer_id: str, message: ManifestPush | ManifestRevoke, what: str, *,
+    async def _tell_subject(self, peer_id: str, message: ManifestRevoke, what: str, *,
                             timeout: float) -> bool:
         """One best-effort request, all of it (dialing included) within `timeout` seconds."""
         try:

@@ -202,7 +202,7 @@ async def test_a_peer_model_is_read_by_its_family(tmp_path: Path, models: dict[s
         async with Client(nodes["phone"].home.path) as phone:
             model = DelegatedModel(phone, "home", "llama", GenerationParams(
                 max_tokens=200, temperature=1.0, seed=1, ban_bytes=True,
-                tool_grammar=ToolGrammar(require_call=True, max_string_chars=12)), timeout=120)
+                tool_grammar=ToolGrammar(require_call=True, max_string_chars=12)), deadline_s=120)
             text = await model.reply(CHAT, TOOLS)
     assert model.family.family == ToolFamily.LLAMA3
     reply = model.family.parse(text, TOOLS)

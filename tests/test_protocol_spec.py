@@ -27,7 +27,8 @@ from psymesh.protocol.pairing import PairingCode, parse_code
 from psymesh.protocol.session import Reply, Request, SessionClient, SessionServer
 from psymesh.protocol.signing import canonical_encode
 from psymesh.protocol.tasks import EventKind, TaskEvent, TaskState
-from psymesh.protocol.web import WebPage
+from psymesh.protocol.manifest import ManifestOk
+from psymesh.protocol.web import WebKeyOk, WebPage
 
 SPEC = (Path(__file__).resolve().parent.parent / "docs" / "protocol.md").read_text()
 
@@ -293,3 +294,18 @@ def test_the_mistyped_ping_of_section_3_is_bad_frame_for_its_rid_alone() -> None
     said = re.search(r'message: "([^"]+)"', "\n".join(lines))
     assert said is not None and event.error.message == said.group(1)
     assert not server.broken
+
+
+# -- §5.11: re-sync answers --------------------------------------------------------------
+def test_the_re_sync_answers_of_section_5_11() -> None:
+    lines = block_after("The answers to requests 2 and 3 on the wire")
+    grant, key = spec_bytes(until_equals(lines[:3])), spec_bytes(until_equals(lines[3:]))
+    assert grant == frame_of({"serial": 7, "rid": 2, "end": True, "v": 1, "type": "manifest.ok"}) and len(grant) == 43
+    assert key == frame_of({"rid": 3, "end": True, "v": 1, "type": "web.key_ok"}) and len(key) == 34
+    client = SessionClient()
+    client.request(Ping(seq=1))
+    client.request(Ping(seq=2))
+    client.request(Ping(seq=3))
+    client.receive_data(grant + key)
+    assert client.next_reply() == Reply(2, ManifestOk(serial=7), True)
+    assert client.next_reply() == Reply(3, WebKeyOk(), True)

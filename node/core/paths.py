@@ -2,7 +2,6 @@
 home: private to its owner, mode 0700, files 0600).
 
     <home>/identity.key   <home>/config.toml   <home>/node.db   <home>/control.sock
-    <home>/listen.last (where the node listened when it last ran: node/reach/relaying.py)
 
 Apart from home.py (the key, config.toml and its settings models) so that what only needs a
 path imports no pydantic models and no cryptography: the SDK finds the control socket with

@@ -489,6 +489,11 @@ class SessionPool:
                 self._tg.start_soon(self._watcher.watch, session)
             return session
 
+    def live(self, peer_id: str) -> OutboundSession | None:
+        """The live session to `peer_id`, if one is open (none is opened)."""
+        session = self._sessions.get(peer_id)
+        return session if session is not None and session.alive else None
+
     def last_heard(self, peer_id: str) -> float | None:
         """When (anyio's clock) the live session to `peer_id` last heard from it; None: no session."""
         session = self._sessions.get(peer_id)

@@ -6,27 +6,21 @@ circuit included, is node/net/circuit.py's; this module decides when and where.
       ├── _keep(relay)   one per `[relay] relays` entry: a reservation held there (dialed at
       │                  the relay's stored addresses), renewed halfway through its time,
       │                  taken again as soon as it lapses or the connection to the relay drops
-      ├── _paths()       at each change of connections (every second only while a paired
-      │                  peer is reached through a relay): such a peer is dialed
-      │                  at its direct addresses (every `direct_retry_s`, and at once when it
-      │                  tells us new ones); with `hole_punch` on, a peer that came to us
-      │                  through a relay is first asked for a hole punch (DCUtR: the spec's
-      │                  `B`, the side a circuit reached, starts it; both ends then dial at
-      │                  once, so each NAT has let its own SYN out when the other's arrives).
-      │                  Beside a direct connection, a relayed one is closed as soon as it
-      │                  carries no stream, after `overlap_s` at the latest. New sessions
-      │                  take the direct connection (node/net/session.py).
-      ├── _announce()    at each change of connections or addresses (P2PNode.changes, no
-                         timer): our addresses, signed, to each connected paired peer
-                         that has not taken them yet (`addrs.push`; one not reached is
-                         tried again a second later)
-      └── _reach_out()   once at start, if this node listens elsewhere than when it last ran
-                         (a port picked at each start, a new IP): each paired peer it is not
-                         connected to is dialed once at its stored addresses, so that
-                         _announce tells it where we are now; else a peer that only ever
-                         dials us would keep dialing where we were
+      └── _paths()       at each change of connections (every second only while a paired
+                         peer is reached through a relay): such a peer is dialed
+                         at its direct addresses (every `direct_retry_s`, and at once when it
+                         tells us new ones); with `hole_punch` on, a peer that came to us
+                         through a relay is first asked for a hole punch (DCUtR: the spec's
+                         `B`, the side a circuit reached, starts it; both ends then dial at
+                         once, so each NAT has let its own SYN out when the other's arrives).
+                         Beside a direct connection, a relayed one is closed as soon as it
+                         carries no stream, after `overlap_s` at the latest. New sessions
+                         take the direct connection (node/net/session.py).
     Relaying.receive(call)   a peer's `addrs.push` (the door admitted it): kept in the trust
                              store; its direct addresses tried at once if it is relayed
+
+Our own addresses are told to our peers by node/reach/resync.py (on every new connection,
+and whenever they change).
 
 Nothing here is lost when a path changes: a session that dies with its connection fails
 its open requests with a NetworkError and the durable machinery (node/tasks/submitter.py,
@@ -38,19 +32,16 @@ import logging
 import math
 import random
 import time
-from pathlib import Path
 
 import anyio
 import anyio.abc
 
-from ..core.home import Identity
-from ..core.paths import private_opener
 from ..core.notify import first_of
 from ..net.p2p import P2PNode
-from ..net.session import Call, SessionPool
+from ..net.session import Call
 from ..door.trust import Peer, TrustStore
-from ...protocol.addresses import MAX_ADDRS, AddrRecord, AddrsOk, AddrsPush
-from ...protocol.errors import NetworkError, PsymeshError
+from ...protocol.addresses import AddrsOk, AddrsPush
+from ...protocol.errors import PsymeshError
 from ...protocol.messages import Message
 from ...protocol.relay import RelaySettings
 
@@ -60,31 +51,21 @@ TICK_S = 1.0
 BACKOFF_FIRST_S = 1.0     # a relay that refused or could not be reached is asked again after this,
 BACKOFF_MAX_S = 30.0      # doubling up to this
 DIRECT_DIAL_TIMEOUT_S = 5.0
-PUSH_TIMEOUT_S = 10.0
 CIRCUIT = "/p2p-circuit"
 
 
 class Relaying:
-    def __init__(self, identity: Identity, settings: RelaySettings, p2p: P2PNode, trust: TrustStore,
-                 sessions: SessionPool, *, addrs_file: Path | None = None) -> None:
-        """`addrs_file`: where the addresses this node listened on when it last ran are kept
-        (`_reach_out`); None: not kept, no reaching out."""
-        self.identity = identity
-        self.addrs_file = addrs_file
+    def __init__(self, settings: RelaySettings, p2p: P2PNode, trust: TrustStore) -> None:
         self.settings = settings
         self.p2p = p2p
         self.trust = trust
-        self.sessions = sessions
-        self._told: dict[str, tuple[str, ...]] = {}  # peer id -> the addresses it took from us
         self._retry_at: dict[str, float] = {}        # peer id -> when to dial it directly again
         self._direct_since: dict[str, float] = {}    # peer id -> when a direct connection joined a relayed one
         self._wake = anyio.Event()       # _paths: a peer told us new addresses, or a peer was paired
-        self._paired = anyio.Event()     # _announce: a peer was paired (trust.on_change)
         trust.on_change(self._peers_changed)
 
     def _peers_changed(self) -> None:
         self._wake.set()
-        self._paired.set()
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         if self.settings.hole_punch:
@@ -93,43 +74,7 @@ class Relaying:
             for relay in self.settings.relays:
                 tg.start_soon(self._keep, relay)
             tg.start_soon(self._paths)
-            tg.start_soon(self._announce)
-            if self._moved():
-                tg.start_soon(self._reach_out)
             task_status.started()
-
-    # -- after a move ----------------------------------------------------------------------
-    def _moved(self) -> bool:
-        """Whether this node listens elsewhere than when it last ran (and keep where, for next time)."""
-        if self.addrs_file is None:
-            return False
-        now = "\n".join(sorted(a for a in self.p2p.addrs() if CIRCUIT not in a))
-        try:
-            before = self.addrs_file.read_text()
-        except FileNotFoundError:
-            before = None
-        except OSError as exc:
-            log.debug("cannot read %s: %s", self.addrs_file, exc)
-            before = None
-        if before != now:
-            try:
-                with open(self.addrs_file, "w", opener=private_opener) as f:
-                    f.write(now)
-            except OSError as exc:
-                log.debug("cannot keep our addresses in %s: %s", self.addrs_file, exc)
-        return before is not None and before != now
-
-    async def _reach_out(self) -> None:
-        """Dial each paired peer not connected yet, once, all at once (each bounded by
-        DIRECT_DIAL_TIMEOUT_S per address): a connection is what _announce tells on."""
-        peers = [p for p in self.trust.list(include_revoked=False)
-                 if p.revoked_us_at is None and p.addrs and self.p2p.path(p.peer_id) is None]
-        if peers:
-            log.info("listening elsewhere than at the last run: telling %d paired peer(s) where we are now",
-                     len(peers))
-        async with anyio.create_task_group() as tg:
-            for peer in peers:
-                tg.start_soon(self._dial_direct, peer)
 
     # -- our reservations ----------------------------------------------------------------
     async def _keep(self, name: str) -> None:
@@ -205,35 +150,7 @@ class Relaying:
             log.info("%s is reached directly at %s now", peer.name, addr)
             return
 
-    # -- our addresses, to our peers ---------------------------------------------------------------
-    async def _announce(self) -> None:
-        """Asleep until our connections or addresses change (a peer connected, a reservation
-        was taken) or a peer is paired; a peer that could not be told is tried again after TICK_S."""
-        while True:
-            changes = self.p2p.changes()
-            addrs = tuple(self.p2p.addrs()[:MAX_ADDRS])
-            untold = False
-            for peer in self._connected_peers():
-                if self._told.get(peer.peer_id) != addrs and peer.revoked_us_at is None:
-                    untold |= not await self._tell(peer, addrs)
-            with anyio.move_on_after(TICK_S if untold else math.inf):
-                await first_of(changes, self._paired)
-            self._paired = anyio.Event()
-
-    async def _tell(self, peer: Peer, addrs: tuple[str, ...]) -> bool:
-        """True once `peer` answered (a refusal too: not asked again for these addresses)."""
-        record = AddrRecord(peer_id=self.identity.peer_id, addrs=addrs, seq=time.time_ns() // 1_000_000)
-        push = AddrsPush(record=record.sign(self.identity.private_key))
-        try:
-            await self.sessions.request(peer.peer_id, push, AddrsOk, timeout=PUSH_TIMEOUT_S)
-        except NetworkError as exc:  # not reached: told again next time
-            log.debug("could not tell %s our addresses: %s", peer.name, exc.message)
-            return False
-        except PsymeshError as exc:  # it answered (a refusal too): not asked again for these
-            log.info("%s did not take our addresses: %s", peer.name, exc.message)
-        self._told[peer.peer_id] = addrs
-        return True
-
+    # -- a peer's addresses ---------------------------------------------------------------------
     async def receive(self, call: Call) -> Message:
         """A paired peer's own addresses (the door checked the record is its own, signed)."""
         request = call.request

@@ -31,9 +31,9 @@ relay replay a request.
 The exit's HPKE key (protocol/oblivious.py) is a ring (protocol/keyring.py) in the home, 0600:
 a new key every `[web.exit] key_rotate_s`, the old one in date `key_overlap_s` longer and its
 secret deleted a replay window after that (one timer, at the next deadline); its public half, signed
-by our identity key, goes to every paired peer at start and with every grant we hand out, so
-a phone holds it before it needs it (fetching it at query time would tell the exit when the
-phone is about to ask).
+by our identity key, goes to every paired peer on every connection and whenever it changes
+(node/reach/resync.py), so a phone holds it before it needs it (fetching it at query time
+would tell the exit when the phone is about to ask).
 """
 from __future__ import annotations
 
@@ -65,9 +65,7 @@ from ...protocol.web import (
     WebAnswer,
     WebFetch,
     WebKeyGet,
-    WebKeyOk,
     WebKeyOf,
-    WebKeyPush,
     WebKeyView,
     WebRelay,
     WebRequest,
@@ -137,6 +135,7 @@ class WebServer:
         self._gateway: Gateway | None = None
         self._replay = ReplayMemory(db)
         self._views: dict[str, tuple[ExitKey, float]] = {}   # exit -> (its key, as we fetched it; when)
+        self.on_key: Callable[[], None] = lambda: None        # called when our exit key changed
         if settings.enabled:
             now = clock()
             self._ring = load_ring(home, EXIT_KEY_FILE, rotate_s=settings.key_rotate_s,
@@ -163,8 +162,8 @@ class WebServer:
             ttl_s=self.settings.key_rotate_s + self.settings.key_overlap_s)
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
-        """Hold the exit's HTTP client open for the node's life; hand every paired peer our key;
-        rotate it on schedule."""
+        """Hold the exit's HTTP client open for the node's life; rotate our key on schedule
+        (node/reach/resync.py hands it to every paired peer, and again on every connection)."""
         async with AsyncExitStack() as stack:
             if self.settings.enabled:
                 from .exit import WebExit  # httpx, the extractors: only on a node that is an exit
@@ -173,13 +172,7 @@ class WebServer:
             task_status.started()
             if self._key is None:
                 await anyio.sleep_forever()
-            await self._hand_everyone()
             await self._rotate_forever()
-
-    async def _hand_everyone(self) -> None:
-        async with anyio.create_task_group() as tg:
-            for peer in self.trust.list(include_revoked=False):
-                tg.start_soon(self.hand_key, peer.peer_id)
 
     async def _rotate_forever(self) -> None:
         """One timer, at the ring's next deadline (a rotation, or a retired secret to delete),
@@ -196,20 +189,7 @@ class WebServer:
             if key != self._key:
                 self._key = key
                 log.info("exit key %d made; %d key(s) held", key.key_id, len(self._ring.keys))
-                await self._hand_everyone()
-
-    async def hand_key(self, peer_id: str) -> bool:
-        """Give `peer_id` our signed exit key (best effort: it comes again when we next start)."""
-        if self._key is None:
-            return False
-        try:
-            with anyio.fail_after(KEY_PUSH_TIMEOUT_S):
-                await self.sessions.request(peer_id, WebKeyPush(key=self._key), WebKeyOk,
-                                            timeout=KEY_PUSH_TIMEOUT_S)
-            return True
-        except (PsymeshError, TimeoutError) as exc:
-            log.info("could not hand %s our exit key: %s", self.trust.label(peer_id), exc)
-            return False
+                self.on_key()  # node/reach/resync.py tells every paired peer, now or when it is back
 
     # -- one hop ----------------------------------------------------------------------
     async def serve(self, call: Call) -> Message:
