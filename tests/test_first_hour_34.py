@@ -1,0 +1,93 @@
+"""A new user's first hour, second round (issue 34 items 12-16): the README's flows as a user
+runs them, between real daemons on loopback, through the `psymesh` command where the user would.
+
+Each test names the trap it closes: what the user saw before, and what they see now.
+"""
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+from conftest import pair, run_nodes
+from waiting import wait_until
+from psymesh.node.control.client import Client
+from psymesh.protocol.errors import ErrorCode, RemoteError
+from psymesh.protocol.pairing import PairingCode, parse_invite
+
+pytestmark = pytest.mark.anyio
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _command(home: Path, *args: str) -> list[str]:
+    return [sys.executable, "-m", "psymesh", *args, "--home", str(home)]
+
+
+async def _cli(home: Path, *args: str, json_mode: bool = True) -> tuple[int, Any, str]:
+    """Run the CLI; with --json, stdout parsed as the one JSON document it promises."""
+    done = await anyio.run_process(_command(home, *args, *(["--json"] if json_mode else [])), check=False, cwd=REPO)
+    out = done.stdout.decode()
+    return done.returncode, (json.loads(out) if json_mode and out.strip() else out), done.stderr.decode()
+
+
+class _Output:
+    """What a running CLI process has written to one of its pipes so far."""
+
+    def __init__(self, stream: Any) -> None:
+        self.stream, self.text = stream, ""
+
+    async def pump(self) -> None:
+        async for chunk in self.stream:
+            self.text += chunk.decode()
+
+
+# -- 12. an invite nobody watches dies; an expired one says so ----------------------------------
+
+
+async def test_ctrl_c_in_pair_invite_cancels_the_invite(tmp_path: Path) -> None:
+    """Before: Ctrl-C in `pair invite` left the invite valid, and a tablet joined it afterwards.
+    Now the invite dies with the waiting command, and a device with its code is told so."""
+    async with run_nodes(tmp_path, "home", "tablet") as nodes:
+        home, tablet = nodes["home"].home.path, nodes["tablet"].home.path
+        async with await anyio.open_process(_command(home, "pair", "invite"), cwd=REPO) as proc:
+            out, err = _Output(proc.stdout), _Output(proc.stderr)
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(out.pump)
+                tg.start_soon(err.pump)
+                await wait_until(lambda: "waiting for the device to join" in err.text, "the invite shown")
+                proc.send_signal(signal.SIGINT)  # the user presses Ctrl-C
+                with anyio.fail_after(30):
+                    await proc.wait()
+        invite = next(w for w in out.text.split() if w.startswith("psymesh1:"))
+        rc, joined, err_text = await _cli(tablet, "pair", "join", invite)
+        assert rc == 1 and joined["error"]["code"] == "canceled", (joined, err_text)
+        assert "cancelled by the node that made it" in err_text
+        assert not nodes["home"].trust.list()  # nobody paired
+
+
+async def test_an_expired_invite_tells_the_joiner_it_expired(tmp_path: Path) -> None:
+    """Before: a joiner with the right code for an expired invite read `bad_code: wrong pairing
+    code` (the inviter knew it had expired). Now one who proves the code is told it expired;
+    a wrong code still reads as a wrong code (nothing is told to one without the code)."""
+    async with run_nodes(tmp_path, "home", "tablet") as nodes:
+        async with Client(nodes["home"].home.path) as h, Client(nodes["tablet"].home.path) as t:
+            invite = await h.pair_invite(grant="messaging", ttl_s=60)
+            nodes["home"].pairing.clock = lambda: time.time() + 120  # its ten minutes went by
+            ticket = parse_invite(invite.invite)
+            wrong = PairingCode.from_bytes(ticket.code.nameplate, bytes(b ^ 1 for b in ticket.code.secret_bytes))
+            with pytest.raises(RemoteError) as info:
+                await t.pair_join(str(wrong), address=f"{ticket.addrs[0]}/p2p/{ticket.peer_id}")
+            assert info.value.code is ErrorCode.BAD_CODE
+            with pytest.raises(RemoteError) as info:
+                await t.pair_join(invite.invite)
+            assert info.value.code is ErrorCode.EXPIRED and "expired" in info.value.message
+        rc, joined, err = await _cli(nodes["tablet"].home.path, "pair", "join", invite.invite, json_mode=False)
+        assert rc == 1 and "this invite has expired; ask for a new code" in err and "wrong pairing code" not in err
+        assert not nodes["home"].trust.list()
