@@ -408,6 +408,18 @@ PRESETS: dict[str, tuple[tuple[str, ...], Limits]] = {
 }
 
 
+def limits_for(capabilities: Iterable[str]) -> Limits:
+    """The limits of a new grant told none (e.g. `grant PEER +msg.send` to a peer granted
+    nothing yet): those of the first preset, fewest capabilities first, whose kinds cover
+    every one of `capabilities`; else the `phone` preset's. A grant never starts unlimited
+    unless its owner says so (`--limits` with no limit)."""
+    kinds = {parse_capability(c).kind for c in capabilities}
+    for caps, limits in sorted(PRESETS.values(), key=lambda p: len(p[0])):
+        if kinds <= {parse_capability(c).kind for c in caps}:
+            return limits
+    return PRESETS["phone"][1]
+
+
 def edit_capabilities(current: Iterable[str], add: Iterable[str] = (), remove: Iterable[str] = ()) -> list[str]:
     """`current` with `remove` taken out and `add` put in (each in CLI spelling, compared
     as parsed, so `tool:files.*` and ` tool:files.* ` are one). Removing one that is not

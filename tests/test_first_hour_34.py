@@ -91,3 +91,30 @@ async def test_an_expired_invite_tells_the_joiner_it_expired(tmp_path: Path) -> 
         rc, joined, err = await _cli(nodes["tablet"].home.path, "pair", "join", invite.invite, json_mode=False)
         assert rc == 1 and "this invite has expired; ask for a new code" in err and "wrong pairing code" not in err
         assert not nodes["home"].trust.list()
+
+
+# -- 15. a grant made of +CAP alone has limits ------------------------------------------------------
+
+
+async def test_a_first_grant_from_plus_cap_starts_from_its_presets_limits(tmp_path: Path) -> None:
+    """Before: the README pairs with `pair join` (no --grant), so the phone grants home nothing;
+    `grant home +msg.send` then made a grant with `limits: none`. Now a new grant told no
+    limits takes its preset's (messaging's for letters, else phone's)."""
+    from psymesh.protocol.manifest import PRESETS
+
+    async with run_nodes(tmp_path, "home", "phone", profiles={"phone": "phone"}) as nodes:
+        home, phone = nodes["home"].home.path, nodes["phone"].home.path
+        await pair(home, phone, grant="phone", grant_back=None)
+        rc, r, err = await _cli(phone, "grant", "home", "+msg.send")
+        assert rc == 0, err
+        assert r["peer"]["granted"] == ["msg.send"]
+        assert r["peer"]["granted_limits"] == PRESETS["messaging"][1].model_dump()
+        rc, text, err = await _cli(phone, "grant", "home", "+tool:system.info", json_mode=False)
+        assert rc == 0 and "limits: none" not in text, err  # an edit keeps the grant's limits
+        async with run_nodes(tmp_path / "b", "pc", "tab") as more:
+            await pair(more["pc"].home.path, more["tab"].home.path, grant="messaging", grant_back=None)
+            rc, r, err = await _cli(more["tab"].home.path, "grant", "pc", "+task.agent")
+            assert rc == 0 and r["peer"]["granted_limits"] == PRESETS["phone"][1].model_dump(), err
+            rc, r, err = await _cli(more["tab"].home.path, "grant", "pc", "+msg.ask", "--limits",
+                                    "concurrent_tasks=none")
+            assert rc == 0 and r["peer"]["granted_limits"]["concurrent_tasks"] is None, err  # told so

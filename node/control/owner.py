@@ -26,8 +26,7 @@ from ..net.ping import measure_ping
 from ...protocol import control as c
 from ...protocol.errors import ErrorCode, NetworkTimeout, PsymeshError
 from ...protocol.identity import is_peer_id
-from ...protocol.limits import Limits
-from ...protocol.manifest import PRESETS, Operation, check, edit_capabilities, new_manifest
+from ...protocol.manifest import PRESETS, Operation, check, edit_capabilities, limits_for, new_manifest
 from ...protocol.messages import Message
 from ...protocol.messaging import Letter, LetterKind
 from ...protocol.tasks import TaskCapsReply, TaskEvent, TaskSpec
@@ -257,13 +256,6 @@ class Owner:
             if name is not None and name not in PRESETS:
                 raise PsymeshError(f"unknown preset {name!r} (known: {', '.join(sorted(PRESETS))})",
                                    code=ErrorCode.BAD_REQUEST)
-        if req.limits is not None:
-            base = req.limits
-        elif req.preset_limits or req.preset:
-            base = PRESETS[req.preset_limits or req.preset][1]  # type: ignore[index]
-        else:
-            base = peer.granted.limits if peer.granted else Limits()
-        limits = req.limits_over(base)
         if req.capabilities:
             start = req.capabilities
         elif req.preset:
@@ -275,6 +267,15 @@ class Owner:
             raise PsymeshError(f"that would leave {peer.name} no capability; to cut it off: "
                                f"{self.node.commands('revoke', peer.name)}",
                                code=ErrorCode.BAD_REQUEST)
+        if req.limits is not None:
+            base = req.limits
+        elif req.preset_limits or req.preset:
+            base = PRESETS[req.preset_limits or req.preset][1]  # type: ignore[index]
+        elif peer.granted:
+            base = peer.granted.limits
+        else:  # a first grant starts from its preset's limits, never from none
+            base = limits_for(capabilities)
+        limits = req.limits_over(base)
         now = time.time()
         manifest = new_manifest(self.node.identity.peer_id, peer.peer_id, capabilities, now=now,
                                 ttl=_lifetime(req, peer.granted, now), limits=limits).sign(self.node.identity.private_key)
