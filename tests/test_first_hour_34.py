@@ -118,3 +118,24 @@ async def test_a_first_grant_from_plus_cap_starts_from_its_presets_limits(tmp_pa
             rc, r, err = await _cli(more["tab"].home.path, "grant", "pc", "+msg.ask", "--limits",
                                     "concurrent_tasks=none")
             assert rc == 0 and r["peer"]["granted_limits"]["concurrent_tasks"] is None, err  # told so
+
+
+# -- 13. a home that is away is named as away ---------------------------------------------------------
+
+
+async def test_agent_run_with_home_stopped_says_home_is_unreachable_since_when(tmp_path: Path) -> None:
+    """Before: `agent run --delegate auto` on a phone without a model, home stopped, said home
+    "lacks model ...; run there with --delegate auto", which is what the user had just done.
+    Now it says home is unreachable, since when and why, and that the phone cannot run it."""
+    async with run_nodes(tmp_path, "phone", profiles={"phone": "phone"}) as phones:
+        phone = phones["phone"].home.path
+        async with run_nodes(tmp_path, "home") as homes:
+            await pair(homes["home"].home.path, phone, grant="phone")
+        # home is stopped now
+        rc, text, err = await _cli(phone, "agent", "run", "what time is it?", "--delegate", "auto", json_mode=False)
+        assert rc == 1
+        assert "home is unreachable since" in err and "running here" in err, err
+        assert "[unavailable]" in err and "this node cannot run the goal itself" in err, err
+        assert "run there with --delegate auto" not in err
+        rc, peers, err = await _cli(phone, "peers")
+        assert rc == 0 and peers[0]["away"]["since"] > 0, err  # `peers --json` shows it too

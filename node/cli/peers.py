@@ -11,6 +11,7 @@ from .output import Output, escape, table as out_table
 from ...protocol import control as c
 from ...protocol.errors import ErrorCode, PsymeshError
 from .common import Duration, command, on_node, parse_duration
+from .msg import _away_since
 
 if TYPE_CHECKING:
     from ...protocol.limits import Limits
@@ -111,7 +112,7 @@ def peers(home: str | None, out: Output, active: bool) -> None:
         ours, theirs, states = [], [], []
         for p in rows:
             states.append("revoked" if p.revoked_at else "revoked us" if p.revoked_us_at
-                          else "connected" if p.connected else "paired")
+                          else "connected" if p.connected else _away_since(p.away) if p.away else "paired")
             state = f"[red]{states[-1]}[/red]" if "revoked" in states[-1] else states[-1]
             ours.append(GrantCell([], revoked=True) if p.revoked_at else
                         GrantCell(p.granted, p.granted_expires, _limit_lines(p.granted_limits)))

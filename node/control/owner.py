@@ -244,7 +244,7 @@ class Owner:
 
     async def _peers(self, req: c.PeersRequest, _: FramedStream) -> c.PeersReply:
         connected = self._connected()
-        return c.PeersReply(peers=[p.view(connected=p.peer_id in connected)
+        return c.PeersReply(peers=[p.view(connected=p.peer_id in connected, away=self.node.sessions.away(p.peer_id))
                                    for p in self.node.trust.list(include_revoked=req.include_revoked)])
 
     async def _grant(self, req: c.GrantRequest, _: FramedStream) -> c.PeerReply:
