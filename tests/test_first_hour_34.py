@@ -139,3 +139,38 @@ async def test_agent_run_with_home_stopped_says_home_is_unreachable_since_when(t
         assert "run there with --delegate auto" not in err
         rc, peers, err = await _cli(phone, "peers")
         assert rc == 0 and peers[0]["away"]["since"] > 0, err  # `peers --json` shows it too
+
+
+# -- 14. --json is one document, --wait included --------------------------------------------------------
+
+
+async def test_json_with_wait_prints_one_document(tmp_path: Path) -> None:
+    """Before: `task send --wait --json` printed every event as its own JSON document, then the
+    result as another; `pair invite --wait --json` the invite, then the pairing. Now stdout is
+    one document in each, with what happened on the way inside it (README: --json)."""
+    async with run_nodes(tmp_path, "home", "phone", "tablet", profiles={"phone": "phone"}) as nodes:
+        home, phone, tablet = (nodes[n].home.path for n in ("home", "phone", "tablet"))
+        await pair(home, phone, grant="phone")
+        rc, doc, err = await _cli(phone, "task", "send", "--to", "home", "--tool", "system.info", "--wait")
+        assert rc == 0, err  # _cli parses stdout whole: one document
+        assert doc["state"] == "completed" and "psymesh_version" in doc["result"] and doc["target"]
+        assert doc["events"] and doc["events"][-1]["state"] == "completed"
+        rc, watched, err = await _cli(phone, "task", "watch", doc["task_id"])
+        assert rc == 0 and watched["task_id"] == doc["task_id"] and watched["state"] == "completed", err
+        assert [e["seq"] for e in watched["events"]] == [e["seq"] for e in doc["events"]]
+
+        async with await anyio.open_process(_command(home, "pair", "invite", "--wait", "--json"),
+                                            cwd=REPO) as proc:
+            out, err_out = _Output(proc.stdout), _Output(proc.stderr)
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(out.pump)
+                tg.start_soon(err_out.pump)
+                await wait_until(lambda: "waiting for the device to join" in err_out.text, "the invite shown")
+                assert out.text == ""  # nothing on stdout until the end
+                invite = next(w for w in err_out.text.split() if w.startswith("psymesh1:"))
+                rc, joined, err = await _cli(tablet, "pair", "join", invite)
+                assert rc == 0, err
+                with anyio.fail_after(30):
+                    assert await proc.wait() == 0, err_out.text
+        doc = json.loads(out.text)
+        assert doc["invite"]["invite"] == invite and doc["paired"]["verification"] == joined["verification"]

@@ -196,7 +196,7 @@ async def _agent_remote(home: str | None, out: Output, goal: str, to: str | None
             out.warn(f"{_away_text(handle.target_name, handle.away)}; the task is kept and delivered when it "
                      "is back; waiting for it (Ctrl-C stops waiting, the task stays queued)")
         out.hint(f"task {handle.id} -> {handle.target_name}")
-        outcome = await _follow(handle, out, approve=yes, json_events=False)
+        outcome = await _follow(handle, out, approve=yes)
     if outcome is None:
         raise PsymeshError(f"task {handle.id} ended without a final event", code=ErrorCode.INTERNAL)
     if not outcome.ok:

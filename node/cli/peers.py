@@ -76,14 +76,21 @@ def pair_invite(home: str | None, out: Output, name: str | None, grant: str, ttl
             out.data(invite)
         return
 
-    def shown(inv: c.PairInviteReply) -> None:
-        _show_invite(out, inv)
-        if out.json_mode:
-            out.data(inv)
-        out.hint("waiting for the device to join (Ctrl-C to stop)...")
+    invites: list[c.PairInviteReply] = []
 
-    _show_paired(out, on_node(home, lambda client: client.pair_invite_and_wait(
-        shown, name=name, grant=grant, ttl_s=ttl, grant_ttl_s=grant_ttl)))
+    def shown(inv: c.PairInviteReply) -> None:
+        invites.append(inv)
+        _show_invite(out, inv)
+        if out.json_mode:  # stdout's one document comes at the end: the person reads the code here
+            out.hint(f"code: {inv.code}  invite: {inv.invite}")
+        out.hint("waiting for the device to join (Ctrl-C cancels the invite)...")
+
+    paired = on_node(home, lambda client: client.pair_invite_and_wait(
+        shown, name=name, grant=grant, ttl_s=ttl, grant_ttl_s=grant_ttl))
+    if out.json_mode:
+        out.data({"invite": invites[0], "paired": paired})
+        return
+    _show_paired(out, paired)
 
 
 @pair.command("join")
