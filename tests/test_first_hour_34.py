@@ -174,3 +174,54 @@ async def test_json_with_wait_prints_one_document(tmp_path: Path) -> None:
                     assert await proc.wait() == 0, err_out.text
         doc = json.loads(out.text)
         assert doc["invite"]["invite"] == invite and doc["paired"]["verification"] == joined["verification"]
+
+
+# -- 16. the dashboard says which box does what, what was refused, what each task is -------------------
+
+from test_ui import UI, Browser, _login, browser_test  # noqa: E402  (Chromium via Playwright, as test_ui)
+
+
+@browser_test
+async def test_dashboard_explains_boxes_audits_the_refusal_and_details_tasks(tmp_path: Path) -> None:
+    """Before: the Peers page showed `tool:web.fetch` and `web.fetch` as two look-alike boxes;
+    the audit said `web.search allowed` for a search then refused because home was no exit;
+    task rows said only `tool on home`. Now each box says what it lets the peer do, the
+    refusal has its row, and a task row says what the task asks (and why it failed)."""
+    from psymesh.protocol.errors import PsymeshError
+
+    async with run_nodes(tmp_path, "home", "phone", profiles={"phone": "phone"},
+                         configs={"home": UI, "phone": UI}) as nodes, \
+            Browser.running() as browser, Client(nodes["phone"].home.path) as phone:
+        home = nodes["home"]
+        await pair(home.home.path, nodes["phone"].home.path, grant="phone")
+        async with Client(home.home.path) as h:
+            await h.grant("phone", add=["tool:web.fetch"])  # beside the phone preset's web.fetch
+        with pytest.raises(PsymeshError) as refused:
+            await phone.web_search("weather in lyon", via="home")
+        assert "not a web exit" in refused.value.message
+        done = await phone.delegate("home", tool="system.info", args={})
+        await done.result()
+        failed = await phone.delegate("home", tool="files.read", args={"path": "no-such-file.txt"})
+        with pytest.raises(PsymeshError):
+            await failed.result()
+
+        def look() -> dict[str, Any]:
+            page = browser.page()
+            base = _login(page, home)
+            page.goto(base + "/peers")
+            helps = {page.inner_text(f"label.cap:has(input[value='{cap}']) .cap-help")
+                     for cap in ("tool:web.fetch", "web.fetch")}
+            page.goto(base + "/activity")
+            audit = page.inner_text("#audit")
+            ran = page.inner_text("#tasks-run")
+            phone_page = browser.page()
+            phone_page.goto(_login(phone_page, nodes["phone"]) + "/activity")
+            return {"helps": helps, "audit": audit, "ran": ran, "sent": phone_page.inner_text("#tasks")}
+
+        seen = await browser.do(look)
+    tool_help, exit_help = sorted(seen["helps"], key=lambda h: "inside a task" not in h)
+    assert "inside a task" in tool_help and "exit to the web" in exit_help and "not the tool:web.fetch" in exit_help
+    assert "search 'weather in lyon'" in seen["audit"] and "not a web exit" in seen["audit"]
+    assert "system.info {}" in seen["ran"] and 'files.read {"path": "no-such-file.txt"}' in seen["ran"]
+    assert "system.info {}" in seen["sent"] and "no-such-file.txt" in seen["sent"], seen["sent"]
+    assert "failed" in seen["sent"] and ":" in seen["sent"].split("no-such-file.txt", 1)[1]  # and why

@@ -375,12 +375,20 @@ class Owner:
 
     async def _task_list(self, req: c.TaskListRequest, _: FramedStream) -> c.TaskListReply:
         names = self.node.trust.names()
+        outbox = self.node.submitter.outbox
+
+        def error(task_id: str) -> str | None:
+            outcome = outbox.result(task_id)
+            return None if outcome is None or outcome.ok else f"{outcome.code}: {outcome.message}"
+
         submitted = [c.SubmittedTaskView(task_id=t.id, kind=t.spec.kind, target=names.get(t.target, t.target),
                                          state=t.state, accepted=t.accepted, events=t.last_seq,
                                          created_at=t.created_at, updated_at=t.updated_at,
-                                         away=None if t.terminal else self.node.sessions.away(t.target))
-                     for t in self.node.submitter.outbox.list()[-req.limit:]]
-        executing = [c.ExecutingTaskView(**r.status().model_dump(), submitter=names.get(r.submitter, r.submitter))
+                                         away=None if t.terminal else self.node.sessions.away(t.target),
+                                         what=c.task_summary(t.spec), error=error(t.id) if t.terminal else None)
+                     for t in outbox.list()[-req.limit:]]
+        executing = [c.ExecutingTaskView(**r.status().model_dump(), submitter=names.get(r.submitter, r.submitter),
+                                         what=c.task_summary(r.spec))
                      for r in self.node.executor.store.list(limit=req.limit)]
         return c.TaskListReply(submitted=submitted, executing=executing)
 
