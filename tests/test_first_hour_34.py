@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import signal
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -16,25 +15,13 @@ import anyio
 import pytest
 
 from conftest import pair, run_nodes
+from test_first_hour import REPO, _cli, _command  # the CLI as the user runs it
 from waiting import wait_until
 from psymesh.node.control.client import Client
 from psymesh.protocol.errors import ErrorCode, RemoteError
 from psymesh.protocol.pairing import PairingCode, parse_invite
 
 pytestmark = pytest.mark.anyio
-
-REPO = Path(__file__).resolve().parent.parent
-
-
-def _command(home: Path, *args: str) -> list[str]:
-    return [sys.executable, "-m", "psymesh", *args, "--home", str(home)]
-
-
-async def _cli(home: Path, *args: str, json_mode: bool = True) -> tuple[int, Any, str]:
-    """Run the CLI; with --json, stdout parsed as the one JSON document it promises."""
-    done = await anyio.run_process(_command(home, *args, *(["--json"] if json_mode else [])), check=False, cwd=REPO)
-    out = done.stdout.decode()
-    return done.returncode, (json.loads(out) if json_mode and out.strip() else out), done.stderr.decode()
 
 
 class _Output:
