@@ -52,6 +52,7 @@ async def test_ctrl_c_in_pair_invite_cancels_the_invite(tmp_path: Path) -> None:
                 proc.send_signal(signal.SIGINT)  # the user presses Ctrl-C
                 with anyio.fail_after(30):
                     await proc.wait()
+        assert "Traceback" not in err.text and "the invite is cancelled" in err.text, err.text
         invite = next(w for w in out.text.split() if w.startswith("psymesh1:"))
         rc, joined, err_text = await _cli(tablet, "pair", "join", invite)
         assert rc == 1 and joined["error"]["code"] == "canceled", (joined, err_text)
@@ -145,6 +146,8 @@ async def test_json_with_wait_prints_one_document(tmp_path: Path) -> None:
         rc, watched, err = await _cli(phone, "task", "watch", doc["task_id"])
         assert rc == 0 and watched["task_id"] == doc["task_id"] and watched["state"] == "completed", err
         assert [e["seq"] for e in watched["events"]] == [e["seq"] for e in doc["events"]]
+        rc, listed, err = await _cli(phone, "task", "list", json_mode=False)
+        assert rc == 0 and "system.info {}" in listed, err  # what each task asks (item 16)
 
         async with await anyio.open_process(_command(home, "pair", "invite", "--wait", "--json"),
                                             cwd=REPO) as proc:

@@ -1,6 +1,7 @@
 """Trust between nodes: `pair invite|join`, `peers`, `grant`, `revoke`."""
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -85,8 +86,12 @@ def pair_invite(home: str | None, out: Output, name: str | None, grant: str, ttl
             out.hint(f"code: {inv.code}  invite: {inv.invite}")
         out.hint("waiting for the device to join (Ctrl-C cancels the invite)...")
 
-    paired = on_node(home, lambda client: client.pair_invite_and_wait(
-        shown, name=name, grant=grant, ttl_s=ttl, grant_ttl_s=grant_ttl))
+    try:
+        paired = on_node(home, lambda client: client.pair_invite_and_wait(
+            shown, name=name, grant=grant, ttl_s=ttl, grant_ttl_s=grant_ttl))
+    except KeyboardInterrupt:  # our connection closes with us, and the daemon cancels the invite
+        out.warn(f"stopped waiting: the invite is cancelled (a new one: {out.suggest('pair invite')})")
+        sys.exit(130)
     if out.json_mode:
         out.data({"invite": invites[0], "paired": paired})
         return

@@ -185,11 +185,13 @@ def task_list(home: str | None, out: Output, limit: int) -> None:
         submitted = table("delegated by this node", "target")
         for s in r.submitted:
             state = s.state.value + (f"\n({_away_since(s.away)})" if s.away else "")
-            submitted.add_row(s.task_id, s.kind.value, escape(s.target), state, str(s.events))
+            what = escape(s.what) + (f"\n[red]{escape(s.error)}[/red]" if s.error else "")
+            submitted.add_row(s.task_id, f"{s.kind.value}\n{what}", escape(s.target), state, str(s.events))
         con.print(submitted if r.submitted else "delegated by this node: none")
         executing = table("run by this node for others", "submitter")
         for e in r.executing:
-            executing.add_row(e.task_id, e.kind.value, escape(e.submitter), e.state.value, str(e.last_seq))
+            executing.add_row(e.task_id, f"{e.kind.value}\n{escape(e.what)}", escape(e.submitter), e.state.value,
+                              str(e.last_seq))
         con.print(executing if r.executing else "run by this node for others: none")
 
     out.data(r, human)
