@@ -408,6 +408,53 @@ PRESETS: dict[str, tuple[tuple[str, ...], Limits]] = {
 }
 
 
+_EXPLAINED = {
+    "task.infer": "run a chat completion on this node's model(s)",
+    "task.agent": "run this node's agent on a goal (each tool it calls is checked as tool:NAME)",
+    "web.fetch": "fetch web pages through this node, its exit to the web (`web fetch --via`), "
+                 "outside any task; not the tool:web.fetch of a task",
+    "web.search": "search the web through this node, its exit to the web (`web search --via`), "
+                  "outside any task; not the tool:web.search of a task",
+    "web.relay": "pass its sealed web queries on to another exit (two hops; this node sees no query)",
+    "msg.send": "send letters to this node's inbox",
+    "msg.ask": "ask this node's agent a question by letter, and get its answer",
+    "relay": "reserve a slot on this node's circuit relay, to be reached through it",
+    "mail.deposit": "leave sealed letters here for a peer that named this node its mailbox",
+}
+
+
+def explain_capability(text: str) -> str:
+    """What granting `text` (CLI spelling) lets the peer do, in a few words for a person
+    ticking it: `tool:web.fetch` (a tool its tasks may call here) reads apart from
+    `web.fetch` (this node fetching for the peer as its web exit)."""
+    try:
+        cap = parse_capability(text)
+    except PsymeshError:
+        return ""
+    if cap.kind == "tool":
+        pattern = cap.name[5:]
+        tool = "any tool" if pattern == "*" else f"the tools {pattern}" if "*" in pattern else f"the tool {pattern}"
+        return f"call {tool} on this node inside a task it sends (a task's step, run here)"
+    explained = _EXPLAINED.get(cap.kind, "")
+    if cap.domains is not None:
+        explained += f"; only from {', '.join(cap.domains)}"
+    if cap.models is not None:
+        explained += f"; only {', '.join(cap.models)}"
+    return explained
+
+
+def limits_for(capabilities: Iterable[str]) -> Limits:
+    """The limits of a new grant told none (e.g. `grant PEER +msg.send` to a peer granted
+    nothing yet): those of the first preset, fewest capabilities first, whose kinds cover
+    every one of `capabilities`; else the `phone` preset's. A grant never starts unlimited
+    unless its owner says so (`--limits` with no limit)."""
+    kinds = {parse_capability(c).kind for c in capabilities}
+    for caps, limits in sorted(PRESETS.values(), key=lambda p: len(p[0])):
+        if kinds <= {parse_capability(c).kind for c in caps}:
+            return limits
+    return PRESETS["phone"][1]
+
+
 def edit_capabilities(current: Iterable[str], add: Iterable[str] = (), remove: Iterable[str] = ()) -> list[str]:
     """`current` with `remove` taken out and `add` put in (each in CLI spelling, compared
     as parsed, so `tool:files.*` and ` tool:files.* ` are one). Removing one that is not

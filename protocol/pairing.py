@@ -17,8 +17,10 @@ attempts, which the node rate-limits (`psymesh.protocol.strangers`).
     joiner (A)                                   inviter (B)
     pair.hello   {nameplate, pake: X}     ->     finds the invite or a decoy; a malformed X: `error`
                                                  bad_request, nothing charged
-                                          <-     pair.pake    {pake: Y}   (sending it charges one attempt)
-    pair.confirm {mac_A, joiner info}     ->     wrong mac: `error` bad_code (attempt stays spent)
+                                          <-     pair.pake    {pake: Y}   (sending it charges one attempt,
+                                                 if the invite is open)
+    pair.confirm {mac_A, joiner info}     ->     wrong mac: `error` bad_code (attempt stays spent);
+                                                 right mac, invite ended: `error` expired / canceled / not_found
                                           <-     pair.welcome {mac_B, inviter info, signed manifest}
 
 SPAKE2 binds both libp2p peer ids (as idA/idB), each side using the ids its Noise
@@ -148,6 +150,7 @@ class InviteState(StrEnum):
     USED = "used"
     EXHAUSTED = "exhausted"
     EXPIRED = "expired"
+    CANCELED = "canceled"
 
 
 class Invite(BaseModel):
@@ -162,6 +165,7 @@ class Invite(BaseModel):
     expires_at: float
     attempts_left: int = Field(default=MAX_ATTEMPTS, ge=0)
     used: bool = False
+    canceled: bool = False             # by its maker (e.g. Ctrl-C in a waiting `pair invite`)
     grant: str = "phone"               # manifest preset given to the joiner
     grant_ttl: int | None = Field(default=None, ge=1)  # its lifetime; None: until revoked
     name: str | None = Field(default=None, min_length=1, max_length=64)  # what we will call the joiner
@@ -173,6 +177,8 @@ class Invite(BaseModel):
     def state(self, now: float) -> InviteState:
         if self.used:
             return InviteState.USED
+        if self.canceled:
+            return InviteState.CANCELED
         if now >= self.expires_at:
             return InviteState.EXPIRED
         if self.attempts_left <= 0:
@@ -189,6 +195,9 @@ class Invite(BaseModel):
             return
         if state is InviteState.USED:
             raise PsymeshError("this invite was already used; ask for a new code", code=ErrorCode.NOT_FOUND)
+        if state is InviteState.CANCELED:
+            raise PsymeshError("this invite was cancelled by the node that made it; ask for a new code",
+                               code=ErrorCode.CANCELED)
         if state is InviteState.EXPIRED:
             raise PsymeshError("this invite has expired; ask for a new code", code=ErrorCode.EXPIRED)
         if state is InviteState.EXHAUSTED:
@@ -584,7 +593,9 @@ class PairingInviter(_PairingMachine):
     def __init__(self, *, local_peer_id: str, remote_peer_id: str, info: PeerInfo, signing_key: Ed25519PrivateKey,
                  find_invite: Callable[[int], Invite | None], entropy: Entropy | None = None,
                  name_for: Callable[[str, str], str] | None = None) -> None:
-        """`name_for(name, peer_id)`: the name the joiner will be stored under here (the trust
+        """`find_invite(nameplate)`: the invite with that number, open or ended not long ago
+        (so that a joiner with its code is told it expired or was cancelled), or None (a decoy).
+        `name_for(name, peer_id)`: the name the joiner will be stored under here (the trust
         store makes a taken name unique); the joiner is told it in the welcome."""
         super().__init__(local_peer_id, remote_peer_id, info, entropy)
         self._name_for = name_for or (lambda name, _: name)
@@ -593,6 +604,7 @@ class PairingInviter(_PairingMachine):
         self._signing_key = signing_key
         self._find_invite = find_invite
         self.invite: Invite | None = None
+        self._charged = False  # this run spent one of the invite's attempts
         self.state = PairState.AWAIT_HELLO
         self._spake: Any = None
 
@@ -607,7 +619,6 @@ class PairingInviter(_PairingMachine):
         and spends nothing, since it tested no code."""
         invite = self._find_invite(msg.nameplate)
         if invite is not None:
-            invite.check_usable(now)
             password = invite.code.password
         else:  # a decoy: no invite has this number, and the joiner must not learn that here
             password = b"decoy " + (self._entropy or secrets.token_bytes)(16)
@@ -617,7 +628,13 @@ class PairingInviter(_PairingMachine):
         key = _finish(self._spake, msg.pake)
         self._keys = _schedule(key, msg.nameplate, self.remote_peer_id, self.local_peer_id, msg.pake, msg_b)
         if invite is not None:
-            invite.record_failure()  # the run now tests a code: it counts, whatever comes next
+            # The run now tests a code: it counts, whatever comes next. An invite that ended
+            # (expired, used, cancelled, out of attempts) still runs with its own code, charging
+            # nothing: whoever proves the code learns why it cannot pair (`_on_confirm`), anyone
+            # else gets `bad_code` as from a decoy.
+            self._charged = invite.state(now) is InviteState.OPEN
+            if self._charged:
+                invite.record_failure()
             self.invite = invite
         self.state = PairState.AWAIT_CONFIRM
         return [PairPake(pake=msg_b)]
@@ -627,7 +644,7 @@ class PairingInviter(_PairingMachine):
         if not hmac.compare_digest(msg.mac, self._keys.joiner_mac) or self.invite is None:
             # the same words for a wrong code and for a decoy: nothing says which it was
             raise PsymeshError(WRONG_CODE, code=ErrorCode.BAD_CODE)
-        self.invite.check_usable(now, need_attempt=False)
+        self.invite.check_usable(now, need_attempt=not self._charged)
         self.invite.record_success()
         manifest = preset(self.invite.grant, self.local_peer_id, self.remote_peer_id, now,
                           self.invite.grant_ttl).sign(self._signing_key)

@@ -326,12 +326,16 @@ def test_parallel_runs_each_pay_an_attempt_and_only_one_can_win() -> None:
     pakes = [inviter.receive(unpack(pack(joiner.start())), NOW) for joiner, inviter in runs]
     assert invite.attempts_left == MAX_ATTEMPTS - 2
 
-    # a third, concurrent guesser takes the last attempt; a fourth is refused outright
+    # a third, concurrent guesser takes the last attempt; a fourth charges nothing and cannot win:
+    # with the right code it is told the invite is spent, with a wrong one it reads a wrong code
     guesser = inviter_for(store, seed=9)
     guesser.receive(joiner_for(wrong_code(invite.code), seed=9).start(), NOW)
-    with pytest.raises(PsymeshError) as refused:
-        inviter_for(store).receive(joiner_for(invite.code).start(), NOW)
-    assert refused.value.code is ErrorCode.NOT_FOUND
+    joiner_error, inviter_error = converse(joiner_for(invite.code), inviter_for(store))
+    assert inviter_error is not None and inviter_error.code is ErrorCode.NOT_FOUND
+    assert joiner_error is not None and joiner_error.code is ErrorCode.NOT_FOUND
+    joiner_error, _ = converse(joiner_for(wrong_code(invite.code)), inviter_for(store))
+    assert joiner_error is not None and joiner_error.code is ErrorCode.BAD_CODE
+    assert invite.attempts_left == 0
 
     (j0, i0), (j1, i1) = runs
     i0.receive(j0.receive(pakes[0][0])[0], NOW)

@@ -92,7 +92,8 @@ async def test_invite_cannot_be_reused_after_success(tmp_path: Path) -> None:
         async with Client(nodes["thief"].home.path) as t:
             with pytest.raises(RemoteError) as info:
                 await t.pair_join(inv.invite)
-        assert info.value.code == ErrorCode.BAD_CODE  # a used invite's number gets a decoy
+        # who holds the code is told it was used (issue 34 item 12); nothing is granted
+        assert info.value.code == ErrorCode.NOT_FOUND and "already used" in info.value.message
         async with Client(nodes["home"].home.path) as h:
             assert [x.name for x in await h.peers()] == ["phone"]
 
@@ -104,7 +105,7 @@ async def test_expired_invite_is_refused(tmp_path: Path) -> None:
             nodes["home"].pairing.clock = lambda: time.time() + 0.7  # the invite's 0.5 s are over
             with pytest.raises(RemoteError) as info:
                 await p.pair_join(inv.invite)
-        assert info.value.code in (ErrorCode.EXPIRED, ErrorCode.BAD_CODE)  # a decoy, once it is gone
+        assert info.value.code is ErrorCode.EXPIRED  # never read as a wrong code (issue 34 item 12)
 
 
 async def test_code_never_crosses_the_wire_in_the_invite_flow(tmp_path: Path) -> None:

@@ -115,16 +115,22 @@ def agent_run(home: str | None, out: Output, goal: str, model_name: str | None, 
     if no_tools:
         params["tools"] = False
 
-    async def remote_offers() -> list[c.Offer]:
+    async def remote_offers() -> tuple[list[c.Offer], list[str]]:
+        """The paired peers that would take the goal now; when none, each one granting it that
+        this node could not reach (`home is unreachable since 19:20:01 (...)`)."""
         try:
             async with Client(home) as client:
-                return await client.offers(operation="task.agent")
+                offers = await client.offers(operation="task.agent")
+                if offers:
+                    return offers, []
+                return [], [_away_text(p.name, p.away) for p in await client.peers(include_revoked=False)
+                            if p.away is not None and "task.agent" in p.received and to in (None, p.name, p.peer_id)]
         except PsymeshError:
-            return []  # no daemon: nothing to delegate to
+            return [], []  # no daemon: nothing to delegate to
 
     async def go() -> Any:
         registry = _models(node_home)
-        offers = await remote_offers() if delegate != "never" else []
+        offers, away = await remote_offers() if delegate != "never" else ([], [])
         local = frozenset(registry.names())
         # No model named and none here: the task needs "a model", which only a remote may have.
         needed = frozenset([model_name]) if model_name else (frozenset() if local else frozenset(["(any model)"]))
@@ -133,12 +139,23 @@ def agent_run(home: str | None, out: Output, goal: str, model_name: str | None, 
             profile=config.profile, force={"never": "local", "always": "remote"}.get(delegate),  # type: ignore[arg-type]
             remote_available=bool(offers), needed_models=needed, local_models=local, remote_models=remote_models,
             battery_low=config.battery_low, memory_low=config.memory_low))
-        out.hint(f"running {'on a paired home PC' if decision.where == 'remote' else 'here'}: {decision.reason}")
+        if away and decision.rule == "no_remote":
+            out.warn(f"{'; '.join(away)}; running here")
+        else:
+            out.hint(f"running {'on a paired home PC' if decision.where == 'remote' else 'here'}: {decision.reason}")
         if decision.where == "remote":
             remote = await _agent_remote(home, out, goal, to, params, yes, fall_back=delegate == "auto")
             if remote is not None:
                 return remote
-        return await _agent_local(node_home, config, registry, out, goal, model_name, params, yes)
+        try:
+            return await _agent_local(node_home, config, registry, out, goal, model_name, params, yes)
+        except PsymeshError as exc:
+            if not away or exc.code is not ErrorCode.NOT_FOUND:
+                raise
+            # the model lives at home, which is away: say that, not "run it there" (issue 34 item 13)
+            raise PsymeshError(f"{'; '.join(away)}, and this node cannot run the goal itself "
+                               f"({exc.message.split('; ')[0]}); try again once it is back (see: "
+                               f"{out.suggest('peers')})", code=ErrorCode.UNAVAILABLE) from None
 
     result = run_async(go)
     out.data(result, lambda con: con.print(escape(str(result["answer"]), lines=True)))
@@ -196,7 +213,7 @@ async def _agent_remote(home: str | None, out: Output, goal: str, to: str | None
             out.warn(f"{_away_text(handle.target_name, handle.away)}; the task is kept and delivered when it "
                      "is back; waiting for it (Ctrl-C stops waiting, the task stays queued)")
         out.hint(f"task {handle.id} -> {handle.target_name}")
-        outcome = await _follow(handle, out, approve=yes, json_events=False)
+        outcome = await _follow(handle, out, approve=yes)
     if outcome is None:
         raise PsymeshError(f"task {handle.id} ended without a final event", code=ErrorCode.INTERNAL)
     if not outcome.ok:

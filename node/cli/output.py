@@ -1,7 +1,11 @@
 """CLI output: data to stdout (JSON with --json, rich tables otherwise); everything else to stderr.
 
 Scripts can always parse stdout of a `--json` command: it holds exactly one JSON
-document (an object, a list — `[]` when empty — or {"error": {...}} on failure).
+document (an object, a list — `[]` when empty — or {"error": {...}} on failure), printed
+when the command ends. A command that waits (`--wait`, `task watch`) prints nothing on the
+way and puts what happened into that one document (a task's `events`; the invite and the
+pairing of `pair invite --wait`). The one exception is `msg inbox --follow`, which never ends:
+one JSON object per line, one line per letter as it comes (JSON Lines).
 
 Text a peer controls (letters, names, results, answers, audit reasons, web pages) reaches the
 terminal only through `escape`: its control characters shown as escapes (node/core/visible.py),

@@ -1,6 +1,7 @@
 """Trust between nodes: `pair invite|join`, `peers`, `grant`, `revoke`."""
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -11,6 +12,7 @@ from .output import Output, escape, table as out_table
 from ...protocol import control as c
 from ...protocol.errors import ErrorCode, PsymeshError
 from .common import Duration, command, on_node, parse_duration
+from .msg import _away_since
 
 if TYPE_CHECKING:
     from ...protocol.limits import Limits
@@ -75,14 +77,25 @@ def pair_invite(home: str | None, out: Output, name: str | None, grant: str, ttl
             out.data(invite)
         return
 
-    def shown(inv: c.PairInviteReply) -> None:
-        _show_invite(out, inv)
-        if out.json_mode:
-            out.data(inv)
-        out.hint("waiting for the device to join (Ctrl-C to stop)...")
+    invites: list[c.PairInviteReply] = []
 
-    _show_paired(out, on_node(home, lambda client: client.pair_invite_and_wait(
-        shown, name=name, grant=grant, ttl_s=ttl, grant_ttl_s=grant_ttl)))
+    def shown(inv: c.PairInviteReply) -> None:
+        invites.append(inv)
+        _show_invite(out, inv)
+        if out.json_mode:  # stdout's one document comes at the end: the person reads the code here
+            out.hint(f"code: {inv.code}  invite: {inv.invite}")
+        out.hint("waiting for the device to join (Ctrl-C cancels the invite)...")
+
+    try:
+        paired = on_node(home, lambda client: client.pair_invite_and_wait(
+            shown, name=name, grant=grant, ttl_s=ttl, grant_ttl_s=grant_ttl))
+    except KeyboardInterrupt:  # our connection closes with us, and the daemon cancels the invite
+        out.warn(f"stopped waiting: the invite is cancelled (a new one: {out.suggest('pair invite')})")
+        sys.exit(130)
+    if out.json_mode:
+        out.data({"invite": invites[0], "paired": paired})
+        return
+    _show_paired(out, paired)
 
 
 @pair.command("join")
@@ -111,7 +124,7 @@ def peers(home: str | None, out: Output, active: bool) -> None:
         ours, theirs, states = [], [], []
         for p in rows:
             states.append("revoked" if p.revoked_at else "revoked us" if p.revoked_us_at
-                          else "connected" if p.connected else "paired")
+                          else "connected" if p.connected else _away_since(p.away) if p.away else "paired")
             state = f"[red]{states[-1]}[/red]" if "revoked" in states[-1] else states[-1]
             ours.append(GrantCell([], revoked=True) if p.revoked_at else
                         GrantCell(p.granted, p.granted_expires, _limit_lines(p.granted_limits)))

@@ -44,10 +44,11 @@ async def _answer_input(handle: TaskHandle, out: Output, ev: TaskEvent, approve:
 
 
 async def _follow(handle: TaskHandle, out: Output, after_seq: int = 0, approve: bool = False,
-                  json_events: bool = True) -> Outcome | None:
-    """Stream a task's events (JSON lines with --json; a live view on a terminal) and return its outcome.
-    An `input-required` event is answered here (see _answer_input). `json_events=False`: a command
-    whose --json output is one document (its result) keeps the events off stdout."""
+                  events: list[TaskEvent] | None = None) -> Outcome | None:
+    """Follow a task's events (a live view on a terminal; with --json nothing is printed on the
+    way, the one document comes at the end) and return its outcome; each event is added to
+    `events` if given, for that document. An `input-required` event is answered here (see
+    _answer_input)."""
     last = None
     streaming_tokens = False
     status = None
@@ -59,9 +60,9 @@ async def _follow(handle: TaskHandle, out: Output, after_seq: int = 0, approve: 
             last = ev
             if ev.state.value == "input-required":
                 await _answer_input(handle, out, ev, approve)
+            if events is not None:
+                events.append(ev)
             if out.json_mode:
-                if json_events:
-                    out.data(ev)
                 continue
             if status is not None:
                 status.update(f"task {handle.id}: {ev.state.value} ({ev.seq} events)")
@@ -103,6 +104,9 @@ def task_send(home: str | None, out: Output, to: str | None, tool: str | None, a
     if prompt is not None and model is None:
         raise click.UsageError("--infer needs --model NAME (a model registered on the peer)")
 
+    events: list[TaskEvent] = []
+    sent: dict[str, Any] = {}
+
     async def go(client: Client) -> Any:
         handle = await client.delegate(to, tool=tool, args=args if tool else None, infer=prompt, model=model,
                                        max_tokens=max_tokens, goal=goal, deadline_s=timeout, task_id=task_id)
@@ -113,25 +117,31 @@ def task_send(home: str | None, out: Output, to: str | None, tool: str | None, a
                      f"when {handle.target_name} is back"
                      + ("; waiting for it (Ctrl-C stops waiting, the task stays queued)" if wait
                         else f" (see: {out.suggest('task watch', handle.id)})"))
+        sent.update(task_id=handle.id, target=handle.target, accepted=handle.accepted,
+                    away=handle.away.model_dump() if handle.away else None)
         if not wait:
-            return {"task_id": handle.id, "target": handle.target, "accepted": handle.accepted,
-                    "away": handle.away.model_dump() if handle.away else None}
-        return await _follow(handle, out)
+            return sent
+        return await _follow(handle, out, events=events)
 
     result = on_node(home, go)
     if not wait:
         out.data(result, lambda con: con.print(result["task_id"]))
         return
-    _print_outcome(out, result)
+    _print_outcome(out, result, {**sent, "events": events})
 
 
-def _print_outcome(out: Output, outcome: Any) -> None:
+def _print_outcome(out: Output, outcome: Any, summary: dict[str, Any] | None = None) -> None:
+    """A task's end: with --json the one document (`summary`'s fields, e.g. the task id and
+    its `events`, then `state` and `result` or `error`); else its result on stdout, or its
+    failure on stderr and exit status 1."""
     if outcome is None:
+        if out.json_mode and summary is not None:
+            out.data({**summary, "state": None})
         return
     if outcome.ok:
         value = outcome.value
         if out.json_mode:
-            out.data({"state": outcome.state.value, "result": value})
+            out.data({**(summary or {}), "state": outcome.state.value, "result": value})
         elif isinstance(value, dict) and set(value) >= {"text", "usage"}:  # an infer task's InferResult
             from ...protocol.tasks import InferResult
 
@@ -142,7 +152,7 @@ def _print_outcome(out: Output, outcome: Any) -> None:
         return
     code = outcome.code.value if hasattr(outcome.code, "value") else str(outcome.code)
     if out.json_mode:
-        out.data({"state": outcome.state.value, "error": {"code": code, "message": outcome.message}})
+        out.data({**(summary or {}), "state": outcome.state.value, "error": {"code": code, "message": outcome.message}})
     out.err.print(f"[red]task {outcome.state.value}[/red] ({escape(code)}): {escape(outcome.message)}")
     sys.exit(1)
 
@@ -152,12 +162,13 @@ def _print_outcome(out: Output, outcome: Any) -> None:
 @click.argument("task_id")
 @click.option("--after", type=int, default=0, help="Only events after this number.")
 def task_watch(home: str | None, out: Output, task_id: str, after: int) -> None:
-    """Follow a delegated task (events as JSON lines with --json) until it ends."""
+    """Follow a delegated task until it ends (--json: one document, its `events` included)."""
+    events: list[TaskEvent] = []
 
     async def go(client: Client) -> Outcome | None:
-        return await _follow(client.task(task_id), out, after)
+        return await _follow(client.task(task_id), out, after, events=events)
 
-    _print_outcome(out, on_node(home, go))
+    _print_outcome(out, on_node(home, go), {"task_id": task_id, "events": events})
 
 
 @task.command("list")
@@ -174,11 +185,13 @@ def task_list(home: str | None, out: Output, limit: int) -> None:
         submitted = table("delegated by this node", "target")
         for s in r.submitted:
             state = s.state.value + (f"\n({_away_since(s.away)})" if s.away else "")
-            submitted.add_row(s.task_id, s.kind.value, escape(s.target), state, str(s.events))
+            what = escape(s.what) + (f"\n[red]{escape(s.error)}[/red]" if s.error else "")
+            submitted.add_row(s.task_id, f"{s.kind.value}\n{what}", escape(s.target), state, str(s.events))
         con.print(submitted if r.submitted else "delegated by this node: none")
         executing = table("run by this node for others", "submitter")
         for e in r.executing:
-            executing.add_row(e.task_id, e.kind.value, escape(e.submitter), e.state.value, str(e.last_seq))
+            executing.add_row(e.task_id, f"{e.kind.value}\n{escape(e.what)}", escape(e.submitter), e.state.value,
+                              str(e.last_seq))
         con.print(executing if r.executing else "run by this node for others: none")
 
     out.data(r, human)

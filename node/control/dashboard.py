@@ -66,7 +66,7 @@ from ..bridges.httpserve import serve_face
 from ...protocol import control as c
 from ...protocol.common import Error
 from ...protocol.errors import ErrorCode, PsymeshError, RemoteError, raised
-from ...protocol.manifest import PRESETS
+from ...protocol.manifest import PRESETS, explain_capability
 from ...protocol.common import expect
 from ...protocol.messages import Message
 from ...protocol.tasks import EventKind, Outcome, TaskKind, TaskSpec, TaskState
@@ -206,6 +206,7 @@ class Dashboard:
         self.env = jinja2.Environment(loader=jinja2.FileSystemLoader(HERE), autoescape=True,
                                       undefined=jinja2.StrictUndefined)
         self.env.filters["when"] = _when
+        self.env.filters["explain"] = explain_capability
         routes = Starlette(
             routes=[Route("/login", self._login, methods=["GET"]),
                     Route("/logout", self._logout, methods=["POST"]),

@@ -28,7 +28,7 @@ from ...protocol import control as c
 from ...protocol.errors import ErrorCode, NetworkTimeout, PsymeshError
 from ...protocol.identity import is_peer_id
 from ...protocol.limits import Limits
-from ...protocol.manifest import PRESETS, Operation, check, edit_capabilities, new_manifest
+from ...protocol.manifest import PRESETS, Operation, check, edit_capabilities, limits_for, new_manifest
 from ...protocol.messages import Message, first_error
 from ...protocol.messaging import Letter, LetterKind
 from ...protocol.tasks import TaskCapsReply, TaskEvent, TaskSpec
@@ -247,7 +247,7 @@ class Owner:
 
     async def _peers(self, req: c.PeersRequest, _: FramedStream) -> c.PeersReply:
         connected = self._connected()
-        return c.PeersReply(peers=[p.view(connected=p.peer_id in connected)
+        return c.PeersReply(peers=[p.view(connected=p.peer_id in connected, away=self.node.sessions.away(p.peer_id))
                                    for p in self.node.trust.list(include_revoked=req.include_revoked)])
 
     async def _grant(self, req: c.GrantRequest, _: FramedStream) -> c.PeerReply:
@@ -259,13 +259,6 @@ class Owner:
             if name is not None and name not in PRESETS:
                 raise PsymeshError(f"unknown preset {name!r} (known: {', '.join(sorted(PRESETS))})",
                                    code=ErrorCode.BAD_REQUEST)
-        if req.limits is not None:
-            base = req.limits
-        elif req.preset_limits or req.preset:
-            base = PRESETS[req.preset_limits or req.preset][1]  # type: ignore[index]
-        else:
-            base = peer.granted.limits if peer.granted else Limits()
-        limits = req.limits_over(base)
         if req.capabilities:
             start = req.capabilities
         elif req.preset:
@@ -277,6 +270,15 @@ class Owner:
             raise PsymeshError(f"that would leave {peer.name} no capability; to cut it off: "
                                f"{self.node.commands('revoke', peer.name)}",
                                code=ErrorCode.BAD_REQUEST)
+        if req.limits is not None:
+            base = req.limits
+        elif req.preset_limits or req.preset:
+            base = PRESETS[req.preset_limits or req.preset][1]  # type: ignore[index]
+        elif peer.granted:
+            base = peer.granted.limits
+        else:  # a first grant starts from its preset's limits, never from none
+            base = limits_for(capabilities)
+        limits = req.limits_over(base)
         now = time.time()
         manifest = new_manifest(self.node.identity.peer_id, peer.peer_id, capabilities, now=now,
                                 ttl=_lifetime(req, peer.granted, now), limits=limits).sign(self.node.identity.private_key)
@@ -378,12 +380,20 @@ class Owner:
 
     async def _task_list(self, req: c.TaskListRequest, _: FramedStream) -> c.TaskListReply:
         names = self.node.trust.names()
+        outbox = self.node.submitter.outbox
+
+        def error(task_id: str) -> str | None:
+            outcome = outbox.result(task_id)
+            return None if outcome is None or outcome.ok else f"{outcome.code}: {outcome.message}"
+
         submitted = [c.SubmittedTaskView(task_id=t.id, kind=t.spec.kind, target=names.get(t.target, t.target),
                                          state=t.state, accepted=t.accepted, events=t.last_seq,
                                          created_at=t.created_at, updated_at=t.updated_at,
-                                         away=None if t.terminal else self.node.sessions.away(t.target))
-                     for t in self.node.submitter.outbox.list()[-req.limit:]]
-        executing = [c.ExecutingTaskView(**r.status().model_dump(), submitter=names.get(r.submitter, r.submitter))
+                                         away=None if t.terminal else self.node.sessions.away(t.target),
+                                         what=c.task_summary(t.spec), error=error(t.id) if t.terminal else None)
+                     for t in outbox.list()[-req.limit:]]
+        executing = [c.ExecutingTaskView(**r.status().model_dump(), submitter=names.get(r.submitter, r.submitter),
+                                         what=c.task_summary(r.spec))
                      for r in self.node.executor.store.list(limit=req.limit)]
         return c.TaskListReply(submitted=submitted, executing=executing)
 

@@ -3,7 +3,10 @@
 control API. The cryptography and state machines are in `psymesh.protocol.pairing`.
 
 Open invites live in the daemon's memory: a restart cancels them all, which is the
-safe failure (the owner makes a new code).
+safe failure (the owner makes a new code). An invite that ended (expired, used, cancelled,
+out of attempts) is kept `ENDED_INVITE_KEPT_S` past its expiry, so that a joiner who has its
+code is told why it cannot pair instead of `bad_code` (protocol.md §4). A waiting `pair
+invite` whose control connection closes (Ctrl-C) cancels its invite.
 
 A run from a stranger is admitted by `PairingGuard` (runs at once, hellos per IP,
 node-wide and per peer id), reads frames of at most `PAIR_MAX_FRAME` bytes (the daemon
@@ -51,6 +54,8 @@ from ...protocol.strangers import PairingGuard
 
 log = logging.getLogger("psymesh.pair")
 
+ENDED_INVITE_KEPT_S = 3600.0  # an ended invite still answers a joiner with its code this long after expiry
+
 PushManifest = Callable[[str, Manifest], Awaitable[None]]
 Welcome = Callable[[str], Awaitable[object]]  # a peer just paired (either side): hand it what it needs from us
 Nearby = Callable[[], list[c.SeenNode]]       # the nodes discovery lists now, most recently seen first
@@ -78,22 +83,29 @@ class PairingService:
     def _info(self) -> PeerInfo:
         return PeerInfo(name=self.config.name, role=self.config.profile, addrs=tuple(self.p2p.addrs()))
 
-    def _open_invite(self, nameplate: int) -> Invite | None:
-        """The open invite with this number, or None (the inviter then runs a decoy)."""
-        invite = self._invites.get(nameplate)
-        return invite if invite is not None and invite.state(self.clock()) is InviteState.OPEN else None
+    def _known_invite(self, nameplate: int) -> Invite | None:
+        """The invite with this number, open or ended not long ago, or None (the inviter then
+        runs a decoy)."""
+        return self._invites.get(nameplate) if nameplate in self._kept_nameplates(self.clock()) else None
 
-    def _open_nameplates(self, now: float) -> set[int]:
-        for n in [n for n, inv in self._invites.items() if inv.state(now) is not InviteState.OPEN]:
-            del self._invites[n]  # used, expired and exhausted invites are gone for good
+    def _kept_nameplates(self, now: float) -> set[int]:
+        for n in [n for n, inv in self._invites.items() if now >= inv.expires_at + ENDED_INVITE_KEPT_S]:
+            del self._invites[n]  # long ended: gone for good (a hello for it gets a decoy)
         return set(self._invites)
+
+    def cancel(self, invite: Invite) -> None:
+        """End `invite` now: a joiner with its code is told it was cancelled."""
+        if invite.state(self.clock()) is InviteState.OPEN:
+            invite.canceled = True
+            log.info("invite %s cancelled", invite.nameplate)
+            self._notify(invite)
 
     # -- inviter ------------------------------------------------------------------
     async def create_invite(self, req: c.PairInviteRequest, framed: FramedStream) -> c.PairInviteReply:
         now = self.clock()
         invite = new_invite(now, ttl=req.ttl_s, grant=req.grant, name=req.name,
                             grant_ttl=int(req.grant_ttl_s) if req.grant_ttl_s else None,
-                            taken=self._open_nameplates(now))
+                            taken=self._kept_nameplates(now))
         self._invites[invite.nameplate] = invite
         text = encode_invite(invite.ticket(self.identity.peer_id, self.p2p.addrs()))
         log.info("invite %s created (grant %s, expires in %.0f s)", invite.nameplate, invite.grant, req.ttl_s)
@@ -102,7 +114,30 @@ class PairingService:
         if not req.wait:
             return reply
         await framed.send(reply)
-        return await self._outcome(invite)
+        if not isinstance(framed, FramedStream):  # answered in-process (the dashboard): no connection to watch
+            return await self._outcome(invite)
+        paired: list[c.PairedReply] = []
+        failed: list[PsymeshError] = []
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._cancel_when_gone, invite, framed)
+            try:
+                paired.append(await self._outcome(invite))
+            except PsymeshError as exc:
+                failed.append(exc)
+            tg.cancel_scope.cancel()
+        if failed:
+            raise failed[0]
+        return paired[0]
+
+    async def _cancel_when_gone(self, invite: Invite, framed: FramedStream) -> None:
+        """The waiting `pair invite` sends nothing more: its connection ending (Ctrl-C, a
+        closed terminal) or anything it sends means it stopped waiting, and the invite dies
+        with it, so that no device can join an invite nobody watches."""
+        try:
+            await framed.receive()
+        except PsymeshError:
+            pass
+        self.cancel(invite)
 
     async def _outcome(self, invite: Invite) -> c.PairedReply:
         """Wait until the invite is used (-> the pairing) or dies (-> its error)."""
@@ -134,7 +169,7 @@ class PairingService:
     async def _run_inviter(self, framed: FramedStream, remote_peer_id: str) -> None:
         machine = PairingInviter(local_peer_id=self.identity.peer_id, remote_peer_id=remote_peer_id,
                                  info=self._info(), signing_key=self.identity.private_key,
-                                 find_invite=self._open_invite, name_for=self.trust.unique_name)
+                                 find_invite=self._known_invite, name_for=self.trust.unique_name)
         try:
             with anyio.fail_after(PAIR_RUN_TIMEOUT_S):
                 while machine.state is not PairState.DONE:

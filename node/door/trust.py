@@ -21,7 +21,7 @@ import msgpack
 
 from ..core.commands import Commands
 from ..core.db import ensure_schema, transaction
-from ...protocol.control import PeerView
+from ...protocol.control import PeerAway, PeerView
 from ...protocol.errors import ErrorCode, PsymeshError
 from ...protocol.identity import peer_fingerprint
 from ...protocol.limits import Limits
@@ -104,8 +104,9 @@ class Peer:
             raise PsymeshError(f"{self.name} revoked this node's access at {when}; pair again to use it",
                                code=ErrorCode.FORBIDDEN)
 
-    def view(self, *, connected: bool = False) -> PeerView:
-        """This peer as the control API shows it to the owner (`connected`: the p2p host knows).
+    def view(self, *, connected: bool = False, away: PeerAway | None = None) -> PeerView:
+        """This peer as the control API shows it to the owner (`connected`: the p2p host knows;
+        `away`: the sessions' last failed try to reach it).
         A revoked peer may ask nothing: its view grants nothing, whatever its last grant said (the
         row keeps that grant, for the revocation notice that voids it)."""
         granted = None if self.revoked else self.granted
@@ -123,6 +124,7 @@ class Peer:
             received_expires=self.received.expires if self.received else None,
             revoked_us_at=self.revoked_us_at,
             connected=connected,
+            away=away,
         )
 
 

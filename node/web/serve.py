@@ -211,10 +211,13 @@ class WebServer:
         """Run `request` for `peer_id` (None: this node's owner, held to nothing but the exit's
         own policy); one outcome row in the audit log."""
         exit_ = self._exit
-        if exit_ is None:
-            raise self._not_an_exit(peer_id)
         what = f"search {request.query!r}" if isinstance(request, WebSearch) else f"fetch {request.url}"
         now = self.clock()
+        if exit_ is None:  # admitted by the grant, refused here: the audit says so after its `allowed`
+            error = self._not_an_exit(peer_id)
+            self.audit.record(peer_id or self.peer_id, OUTCOME, what[:300], False, error.code.value, error.message,
+                              now=now)
+            raise error
         try:
             if isinstance(request, WebSearch):
                 answer: WebAnswer = await exit_.search(request)

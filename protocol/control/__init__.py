@@ -45,7 +45,7 @@ _GROUPS: dict[str, tuple[str, ...]] = {
               "RevokeRequest", "PeerReply", "AuditRequest", "AuditRow", "AuditReply"),
     "tasks": ("TaskSubmitRequest", "TaskSubmitted", "TaskWatchRequest", "TaskWaitRequest", "TaskCancelRequest",
               "TaskListRequest", "SubmittedTaskView", "ExecutingTaskView", "TaskListReply",
-              "TaskInputRequest", "OffersRequest", "Offer", "OffersReply"),
+              "TaskInputRequest", "OffersRequest", "Offer", "OffersReply", "task_summary", "SUMMARY_CHARS"),
     "messaging": ("GroupName", "SentLetter", "InboxLetter", "MsgSendRequest", "MsgSentReply",
                   "MsgStatusRequest", "MsgInboxRequest", "MsgAskRequest", "MsgAnswerReply",
                   "GroupMember", "GroupView", "GroupCreateRequest", "GroupAddRequest",

@@ -1,10 +1,28 @@
 """Control messages of delegated tasks: submit, watch, cancel, list, answer an input request,
 and the offers of paired peers (who would run a task of a kind)."""
+import json
+
 from pydantic import Field
 
 from ..messages import Message
-from ..tasks import TaskEvent, TaskKind, TaskState
+from ..tasks import TaskEvent, TaskKind, TaskSpec, TaskState
 from .common import PeerAway, View
+
+SUMMARY_CHARS = 120
+
+
+def task_summary(spec: TaskSpec) -> str:
+    """What a task asks, on one line of at most SUMMARY_CHARS: `system.info {}`, `on botpsy:
+    what is ...`, `goal: turn on wifi` (a task list's row says it, not only its kind)."""
+    if spec.tool is not None:
+        text = f"{spec.tool} {json.dumps(spec.args, ensure_ascii=False, default=str)}"
+    elif spec.goal is not None:
+        text = f"goal: {spec.goal}"
+    else:
+        asked = spec.prompt if spec.prompt is not None else (spec.messages[-1].content if spec.messages else "")
+        text = f"on {spec.model or 'its model'}: {asked}"
+    text = " ".join(str(text).split())
+    return text if len(text) <= SUMMARY_CHARS else text[:SUMMARY_CHARS - 1] + "…"
 
 
 class TaskSubmitRequest(Message):
@@ -66,6 +84,8 @@ class SubmittedTaskView(View):
     created_at: float
     updated_at: float
     away: PeerAway | None = None  # unfinished, and the target could not be reached when last tried
+    what: str = ""       # what it asks, one line (task_summary)
+    error: str | None = None  # ended without completing: why (the final event's message)
 
 
 class ExecutingTaskView(View):
@@ -80,6 +100,7 @@ class ExecutingTaskView(View):
     created_at: float
     updated_at: float
     deadline: float | None = None
+    what: str = ""       # what it asks, one line (task_summary)
 
 
 class TaskListReply(Message):

@@ -6,7 +6,7 @@ from pydantic import Field, ValidationError, field_validator
 
 from ..limits import Limits
 from ..messages import Message
-from .common import View
+from .common import PeerAway, View
 
 
 class PairInviteRequest(Message):
@@ -68,6 +68,7 @@ class PeerView(View):
     received_expires: float | None = None
     revoked_us_at: float | None = None    # it revoked us
     connected: bool = False               # a connection to it is open now
+    away: PeerAway | None = None          # since when (and why) this node could not reach it, if its last try failed
 
 
 class PeersReply(Message):
