@@ -169,23 +169,25 @@ async def test_a_missing_key_is_refused_by_both_faces_the_card_excepted(tmp_path
     assert card.status_code == 200 and "bearer" in card.json()["securitySchemes"]
 
 
-async def test_a2a_needs_its_version_header(tmp_path: Path, tiny_model: Path) -> None:
-    """The SDK takes a request without A2A-Version as 0.3; the door asks for it, so a
-    request a page could send without a preflight never reaches the SDK."""
+async def test_a2a_reads_its_version_header_as_a2a_says(tmp_path: Path, tiny_model: Path) -> None:
+    """A2A 1.0 §3.6: no (or an empty) A2A-Version is 0.3, a patch number is ignored, and a
+    version the agent does not serve is refused with -32009. A page still cannot send
+    any of these: the key needs a preflight (test_a_missing_key_is_refused_by_both_faces_the_card_excepted)."""
     async with faces(tmp_path, tiny_model) as node:
         _, a2a_url = _urls(node)
         assert node.a2a is not None
         auth = {"Authorization": f"Bearer {node.a2a.key.value}"}
         async with httpx.AsyncClient(timeout=60, headers=auth) as http:
-            none = await http.post(a2a_url, json=RPC)
             unknown = await http.post(a2a_url, json=RPC, headers={"A2A-Version": "2.0"})
             v10 = await http.post(a2a_url, json=RPC, headers={"A2A-Version": "1.0"})
+            v102 = await http.post(a2a_url, json=RPC, headers={"A2A-Version": "1.0.2"})
             v03 = await http.post(a2a_url, json={**RPC, "method": "tasks/get"}, headers={"A2A-Version": "0.3"})
-    for answer in (none, unknown):
-        assert answer.status_code == 400 and answer.json()["error"]["code"] == -32009, answer.text
-        assert _code(answer) == "version_not_supported" and "A2A-Version: 0.3 or 1.0" in answer.json()["error"]["message"]
-    assert v10.status_code == v03.status_code == 200
-    assert "error" in v10.json() and "error" in v03.json()  # past the door: no such task
+            none = await http.post(a2a_url, json={**RPC, "method": "tasks/get"})
+            empty = await http.post(a2a_url, json={**RPC, "method": "tasks/get"}, headers={"A2A-Version": ""})
+    assert unknown.status_code == 400 and unknown.json()["error"]["code"] == -32009, unknown.text
+    assert _code(unknown) == "version_not_supported" and "A2A-Version: 0.3 or 1.0" in unknown.json()["error"]["message"]
+    for answer in (v10, v102, v03, none, empty):  # past the door: no such task (-32001), in the SDK's words
+        assert answer.status_code == 200 and answer.json()["error"]["code"] == -32001, answer.text
 
 
 def test_the_host_allow_list() -> None:

@@ -21,8 +21,8 @@ the service, never left behind; its events come back to the asyncio loop with
 cannot deadlock.
 
 Every request passes node/bridges/httpguard.py first (the Host allow-list, no cross-site
-Origin, the bearer key but for the card, JSON bodies, and an A2A-Version header of 1.0
-or 0.3: the SDK would read a missing one as 0.3, and a web page cannot add it); the body
+Origin, the bearer key but for the card, JSON bodies, and an A2A-Version of 1.0 or 0.3,
+a patch number ignored, none meaning 0.3 as A2A 1.0 §3.6.2 says); the body
 is read there, at most `max_body_bytes` (the SDK would hold any size), and must be JSON
 nested at most httpguard.JSON_MAX_DEPTH deep. What the guard refuses, and what the app
 fails to answer, comes back as a JSON-RPC error (`refused`).
@@ -67,7 +67,7 @@ import psymesh
 from .apikey import ApiKey
 from ..core.commands import Commands
 from ..core.bridgeconfig import A2AServe
-from .httpguard import AllowedHosts, Check, GuardRules, HttpGuard, Refusal, RequiredHeader
+from .httpguard import AllowedHosts, Check, GuardRules, HttpGuard, Refusal, VersionHeader
 from ...protocol.errors import ErrorCode, PsymeshError
 from ...protocol.tasks import TaskState
 
@@ -285,7 +285,8 @@ def guard_rules(settings: A2AServe, key: str) -> GuardRules:
     key and an A2A-Version the SDK serves."""
     return GuardRules(key=key, hosts=AllowedHosts.of(settings.host_names()),
                       public=frozenset({AGENT_CARD_WELL_KNOWN_PATH}),
-                      header=RequiredHeader(VERSION_HEADER, frozenset({PROTOCOL_VERSION_1_0, PROTOCOL_VERSION_0_3})),
+                      header=VersionHeader(VERSION_HEADER, frozenset({PROTOCOL_VERSION_1_0, PROTOCOL_VERSION_0_3}),
+                                            absent=PROTOCOL_VERSION_0_3),
                       max_body=settings.max_body_bytes)
 
 
@@ -452,7 +453,7 @@ class A2AEndpoint:
 
         _quiet_sdk_parse_failures()
         handler = DefaultRequestHandler(agent_executor=NodeAgentExecutor(self), task_store=InMemoryTaskStore(),
-                                        agent_card=card)
+                                        agent_card=card, validate_input_modes=True)
         app = Starlette(routes=[*create_agent_card_routes(card, card_modifier=self._fresh_card),
                                 *create_jsonrpc_routes(handler, RPC_PATH, enable_v0_3_compat=True)],
                         exception_handlers={HTTPException: _http_error})

@@ -5,7 +5,7 @@ the local web dashboard (node/control/dashboard.py), so that a web page the owne
 
 A page can make the browser send a "simple" request anywhere, with no preflight: a GET,
 or a POST whose Content-Type is text/plain, a form's or multipart. It cannot add headers
-(Authorization, A2A-Version) without a CORS preflight, which nothing here answers; and
+(Authorization) without a CORS preflight, which nothing here answers; and
 with DNS rebinding (its own name re-pointed at 127.0.0.1) it can even read the answers,
 but its requests then carry its own name in Host. So every request passes, in order
 (the first that fails answers, and the app never sees the request):
@@ -28,8 +28,10 @@ but its requests then carry its own name in Host. So every request passes, in or
                  Content-Length or Transfer-Encoding) says `Content-Type:
                  application/json` (parameters such as charset allowed). 415
                  `unsupported_media_type`.
-    5. A header  if the rules name one (A2A: `A2A-Version: 1.0` or `0.3`), it is there
-                 with one of its values; not asked on public paths. 400
+    5. A version if the rules name a version header (A2A: `A2A-Version`), the version it
+                 names, Major.Minor (a patch number is ignored, A2A §3.6), is one of its
+                 values; an absent or empty header stands for the rules' `absent` (A2A:
+                 0.3, as A2A §3.6.2 says). Not asked on public paths. 400
                  `version_not_supported`.
 
 Then the body, for a request that carries one (the app is handed the body read here):
@@ -61,7 +63,7 @@ API, for a face that serves HTTP:
     rules = GuardRules(key=load_api_key(settings, home, os.environ).value,
                        hosts=AllowedHosts.of(settings.host_names()),
                        public=frozenset({"/.well-known/agent-card.json"}),   # optional
-                       header=RequiredHeader("A2A-Version", frozenset({"1.0", "0.3"})),  # optional
+                       header=VersionHeader("A2A-Version", frozenset({"1.0", "0.3"}), absent="0.3"),  # optional
                        max_body=settings.max_body_bytes)                        # default 4 MiB
     app = HttpGuard(app, rules, refuse)    # refuse(Refusal) -> starlette Response, in the
                                            # face's own error shape (OpenAI's, JSON-RPC's, an
@@ -200,11 +202,23 @@ class AllowedHosts:
 
 
 @dataclass(frozen=True)
-class RequiredHeader:
-    """A header every non-public request must carry, with one of `values`."""
+class VersionHeader:
+    """A header naming the protocol version a non-public request speaks: Major.Minor in
+    `values` (a patch number is not considered: `1.0.2` is `1.0`); absent or empty, it
+    stands for `absent` (None: it must be sent)."""
 
     name: str
     values: frozenset[str]
+    absent: str | None = None
+
+    def version(self, given: str | None) -> str | None:
+        """The version a request with this header value (None: no header) speaks, or None
+        if it is not one of `values`."""
+        text = (given or "").strip()
+        if not text:
+            return self.absent if self.absent in self.values else None
+        major_minor = ".".join(text.split(".")[:2])
+        return major_minor if major_minor in self.values else None
 
 
 @dataclass(frozen=True)
@@ -223,7 +237,7 @@ class GuardRules:
     key: str = field(repr=False)
     hosts: AllowedHosts
     public: frozenset[str] = frozenset()  # paths a GET or HEAD reaches without the key (nor the header)
-    header: RequiredHeader | None = None
+    header: VersionHeader | None = None
     session: SessionRules | None = None   # a browser face: the cookie and the CSRF token
     max_body: int = MAX_BODY_BYTES        # bytes of a request body, at most
     links: frozenset[str] = frozenset()   # paths a link from elsewhere may open (a top-level GET)
@@ -352,7 +366,7 @@ def admit(rules: GuardRules, method: str, path: str, headers: Headers) -> Refusa
                                                     f"(got {media or 'none'!r})")
     if rules.header is not None and not public:
         given = headers.get(rules.header.name)
-        if given is None or given.strip() not in rules.header.values:
+        if rules.header.version(given) is None:
             wanted = " or ".join(sorted(rules.header.values))
             return Refusal(Check.HEADER, 400, f"send the header {rules.header.name}: {wanted} "
                                               f"(got {'none' if given is None else repr(given)})")

@@ -77,11 +77,22 @@ class McpTool(Tool):
             args = {}
         if not isinstance(args, Mapping):
             raise ToolError(f"arguments for {self.name} must be a JSON object, not {type(args).__name__}")
+        args = self._without_unset(args)
         problems = [f"{'.'.join(str(p) for p in e.absolute_path) or 'arguments'}: {e.message}"
                     for e in sorted(self.validator.iter_errors(dict(args)), key=lambda e: list(e.absolute_path))]
         if problems:
             raise ToolError(f"invalid arguments for {self.name}: " + "; ".join(problems[:8]))
         return _Arguments.model_validate(dict(args))
+
+    def _without_unset(self, args: Mapping[str, Any]) -> Mapping[str, Any]:
+        """`args` less the optional ones given as null, where the schema does not take null
+        there: null means "not given" (a model writes it so; MCP 2026-07-28 omits a null
+        parameter's Mcp-Param header), so it is not sent, rather than the call refused."""
+        required = set(self.input_schema.get("required", []))
+        unset = {k for k, v in args.items() if v is None and k not in required}
+        if not unset or self.validator.is_valid(dict(args)):
+            return args
+        return {k: v for k, v in args.items() if k not in unset}
 
 
 def local_name(server: str, remote: str, taken: set[str]) -> str:
@@ -152,7 +163,7 @@ class McpServer:
 
         self._lost = anyio.Event()
         with self._stderr() as errlog:
-            async with Client(self._transport(errlog), cache=None) as client:
+            async with Client(self._transport(errlog), cache=None, elicitation_callback=_nobody_to_ask) as client:
                 self._publish(await self._list(client))
                 self._client, self.retry_at, self.problem = client, None, ""
                 self._up_since = time.monotonic()
@@ -276,6 +287,9 @@ class McpServer:
         except (anyio.BrokenResourceError, anyio.ClosedResourceError, anyio.EndOfStream, OSError) as exc:
             self._lose(_describe(exc))
             raise self._unavailable() from None
+        except ValidationError as exc:  # the SDK could not read the server's result
+            raise ToolError(f"MCP server {self.name} answered {remote} with a result this node cannot read: "
+                            f"{str(exc).splitlines()[0][:MAX_ERROR_TEXT]}") from None
         content = [_content(item) for item in result.content]
         if result.is_error:
             text = " ".join(c.get("text", "") for c in content if c.get("type") == "text").strip()
@@ -300,6 +314,16 @@ class McpServer:
 
 
 _CONNECTION_CLOSED = -32000  # mcp_types.CONNECTION_CLOSED
+
+
+async def _nobody_to_ask(context: Any, params: Any) -> Any:
+    """A server asking the user for input in the middle of a call (elicitation; from MCP
+    2026-07-28 an InputRequiredResult the client answers and retries with the server's
+    requestState): nobody is at the node to answer, so the answer is `cancel` (dismissed,
+    no choice made), and the call ends with whatever the server makes of that."""
+    from mcp import types
+
+    return types.ElicitResult(action="cancel")
 
 
 def _content(item: Any) -> dict[str, Any]:
