@@ -145,7 +145,7 @@ function readInvite (text) {
 
 // ---------------------------------------------------------------------------- signatures (§3)
 
-const signedBytes = (context, fields) => cat(utf8.encode(context), Uint8Array.of(0), pack(fields))
+const signedBytes = (context, fields) => cat(utf8.encode(context), Uint8Array.of(0), pack(fields, true))
 const verify = (signature, context, fields, publicKey) => ed25519.verify(signature, signedBytes(context, fields), publicKey)
 
 /** A manifest's signed fields (§5.3): nil fields left out, in it and in its capabilities and limits. */

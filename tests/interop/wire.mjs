@@ -59,29 +59,33 @@ const compareBytes = (a, b) => {
 }
 
 /** Canonical msgpack (§3): keys sorted by their UTF-8 bytes at every depth, shortest forms,
- *  floats as float64, byte strings as bin. `undefined` fields are left out of maps. */
-export function pack (value) {
+ *  floats as float64, byte strings as bin. `undefined` fields are left out of maps. `signing`:
+ *  the signed bytes (§3), where a number is written by its value: a whole one (a float64 `2.0`
+ *  too) as the shortest integer, any other as float64. */
+export function pack (value, signing = false) {
   if (value === null) return Uint8Array.of(0xc0)
   if (value === false) return Uint8Array.of(0xc2)
   if (value === true) return Uint8Array.of(0xc3)
   if (value instanceof F64) {
+    const v = value.value
+    if (signing && Number.isInteger(v) && v >= -(2 ** 63) && v < 2 ** 64) return encInt(BigInt(v))
     const out = new Uint8Array(9); out[0] = 0xcb
     new DataView(out.buffer).setFloat64(1, value.value); return out
   }
   if (typeof value === 'bigint') return encInt(value)
-  if (typeof value === 'number') return Number.isInteger(value) ? encInt(value) : pack(new F64(value))
+  if (typeof value === 'number') return Number.isInteger(value) ? encInt(value) : pack(new F64(value), signing)
   if (typeof value === 'string') {
     const b = utf8.encode(value)
     return cat(encLen(b.length, 0xa0, 31, [0xd9, 0xda, 0xdb]), b)
   }
   if (value instanceof Uint8Array) return cat(encLen(value.length, null, 0, [0xc4, 0xc5, 0xc6]), value)
-  if (Array.isArray(value)) return cat(encLen(value.length, 0x90, 15, [null, 0xdc, 0xdd]), ...value.map(pack))
+  if (Array.isArray(value)) return cat(encLen(value.length, 0x90, 15, [null, 0xdc, 0xdd]), ...value.map((v) => pack(v, signing)))
   if (value instanceof Map || typeof value === 'object') {
     const entries = (value instanceof Map ? [...value.entries()] : Object.entries(value))
       .filter(([, v]) => v !== undefined)
       .map(([k, v]) => [utf8.encode(k), k, v])
       .sort((a, b) => compareBytes(a[0], b[0]))
-    return cat(encLen(entries.length, 0x80, 15, [null, 0xde, 0xdf]), ...entries.flatMap(([, k, v]) => [pack(k), pack(v)]))
+    return cat(encLen(entries.length, 0x80, 15, [null, 0xde, 0xdf]), ...entries.flatMap(([, k, v]) => [pack(k), pack(v, signing)]))
   }
   throw new Error(`cannot encode ${typeof value}`)
 }
