@@ -67,14 +67,71 @@ def explode() -> str:
 app.run()
 '''
 
+# Quirks the MCP conformance suite found: an optional parameter that takes no null (the
+# default says whether it was sent), and a tool that asks the user mid-call (elicitation:
+# an InputRequiredResult from MCP 2026-07-28, a server-to-client request before).
+QUIRKS_SERVER = '''
+from typing import Annotated
+
+from pydantic import BaseModel
+from mcp.server.mcpserver import Elicit, ElicitationResult, MCPServer, Resolve
+
+app = MCPServer("quirks")
+
+
+class Confirm(BaseModel):
+    sure: bool
+
+
+@app.tool()
+def label(text: str, colour: str = "(not sent)") -> str:
+    """Label text; the colour is optional."""
+    return f"{text} in {colour}"
+
+
+def ask() -> Elicit[Confirm]:
+    return Elicit("Wipe everything?", Confirm)
+
+
+@app.tool()
+def wipe(answer: Annotated[ElicitationResult[Confirm], Resolve(ask)]) -> str:
+    """Wipes, once the user says so."""
+    return f"user answered {answer.action}"
+
+
+app.run()
+'''
+
+# Not the SDK: a stdio server whose tools/call result is no CallToolResult.
+GARBLED_SERVER = '''
+import json
+import sys
+
+for line in sys.stdin:
+    msg = json.loads(line)
+    if "id" not in msg:
+        continue
+    if msg.get("method") == "initialize":
+        result = {"protocolVersion": msg["params"]["protocolVersion"], "capabilities": {"tools": {}},
+                  "serverInfo": {"name": "garbled", "version": "1"}}
+    elif msg.get("method") == "tools/list":
+        result = {"tools": [{"name": "garble", "inputSchema": {"type": "object"}}]}
+    elif msg.get("method") == "tools/call":
+        result = {"content": "not a list of blocks"}
+    else:
+        result = {}
+    print(json.dumps({"jsonrpc": "2.0", "id": msg["id"], "result": result}), flush=True)
+'''
+
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tiny_model_path(tmp_path_factory.getbasetemp() / "models")
 
 
-def _home_with_mcp(tmp_path: Path) -> None:
-    """home's config.toml mounts the test server (files) and examples/mcp_server.py (notes)."""
+def _home_with_mcp(tmp_path: Path, quirks: bool = False) -> None:
+    """home's config.toml mounts the test server (files) and examples/mcp_server.py (notes);
+    with `quirks`, QUIRKS_SERVER (quirks) and GARBLED_SERVER (garbled) too."""
     server = tmp_path / "files_server.py"
     server.write_text(FILES_SERVER)
     notes = tmp_path / "notes"
@@ -87,14 +144,18 @@ def _home_with_mcp(tmp_path: Path) -> None:
     mounts = [McpServerConfig(name="files", command=[sys.executable, str(server)], restart_min_s=0.2),
               McpServerConfig(name="notes", command=[sys.executable, str(REPO / "examples" / "mcp_server.py"),
                                                      str(notes)])]
+    if quirks:
+        for name, source in (("quirks", QUIRKS_SERVER), ("garbled", GARBLED_SERVER)):
+            (tmp_path / f"{name}_server.py").write_text(source)
+            mounts.append(McpServerConfig(name=name, command=[sys.executable, str(tmp_path / f"{name}_server.py")]))
     home.save_config(config.model_copy(update={"mcp": mounts}))
 
 
 @asynccontextmanager
-async def mesh(tmp_path: Path, grant: list[str] | None) -> AsyncIterator[dict[str, Node]]:
-    """home (mounting both servers) and phone, paired; home grants the phone `grant`
-    (None: just the phone preset)."""
-    _home_with_mcp(tmp_path)
+async def mesh(tmp_path: Path, grant: list[str] | None, quirks: bool = False) -> AsyncIterator[dict[str, Node]]:
+    """home (mounting both servers, or all four with `quirks`) and phone, paired; home
+    grants the phone `grant` (None: just the phone preset)."""
+    _home_with_mcp(tmp_path, quirks)
     async with run_nodes(tmp_path, "home", "phone", profiles={"phone": "phone"}) as nodes:
         await pair(nodes["home"].home.path, nodes["phone"].home.path, grant="phone")
         if grant is not None:
@@ -206,6 +267,53 @@ async def test_a_delegated_agent_uses_a_granted_mcp_tool(tmp_path: Path, tiny_mo
     [ran] = [e.data for e in events if e.kind is EventKind.TOOL_RESULT]
     assert ran["ok"] and ran["result"]["untrusted"] is True
     assert ran["result"]["structured"] == {"result": ["groceries.md", "ideas.md"]}
+
+
+# What the MCP conformance suite found (a15c1eb), each behind a peer's tool task as above.
+
+
+@pytest.mark.anyio
+async def test_an_optional_argument_given_as_null_is_left_out(tmp_path: Path) -> None:
+    """A model writes null for "not given". Before: the schema check refused it (the
+    colour takes no null), and the call never reached the server. Now it is left out, and
+    the server uses its default; a required argument given as null is still refused."""
+    async with mesh(tmp_path, ["tool:mcp.quirks.*"], quirks=True) as nodes:
+        async with Client(nodes["phone"].home.path) as phone:
+            unset = await _call(phone, "mcp.quirks.label", {"text": "box", "colour": None})
+            given = await _call(phone, "mcp.quirks.label", {"text": "box", "colour": "red"})
+            with pytest.raises(RemoteError) as required_null:
+                await _call(phone, "mcp.quirks.label", {"text": None})
+
+    assert unset["untrusted"] is True and unset["structured"] == {"result": "box in (not sent)"}
+    assert given["structured"] == {"result": "box in red"}
+    assert required_null.value.code is ErrorCode.BAD_REQUEST  # refused here: the server never saw it
+    assert "invalid arguments for mcp.quirks.label: text" in required_null.value.message
+
+
+@pytest.mark.anyio
+async def test_a_server_asking_the_user_mid_call_is_answered_cancel(tmp_path: Path) -> None:
+    """Nobody is at the node to answer an elicitation. Before: the node declared no
+    elicitation, so the server refused the call. Now it answers cancel, and the call
+    completes with what the server makes of that."""
+    async with mesh(tmp_path, ["tool:mcp.quirks.*"], quirks=True) as nodes:
+        async with Client(nodes["phone"].home.path) as phone:
+            asked = await _call(phone, "mcp.quirks.wipe")
+    assert asked["untrusted"] is True and asked["structured"] == {"result": "user answered cancel"}
+
+
+@pytest.mark.anyio
+async def test_a_result_the_sdk_cannot_read_is_the_servers_fault(tmp_path: Path) -> None:
+    """Before: the SDK's pydantic ValidationError escaped the mount, and the caller got an
+    INTERNAL error naming it, as if the node had a bug. Now it is a ToolError saying the
+    server's result cannot be read; the server stays mounted."""
+    async with mesh(tmp_path, ["tool:mcp.garbled.*"], quirks=True) as nodes:
+        async with Client(nodes["phone"].home.path) as phone:
+            with pytest.raises(RemoteError) as garbled:
+                await _call(phone, "mcp.garbled.garble")
+        status = {s.name: s for s in nodes["home"].mcp.status()}
+    assert garbled.value.code is ErrorCode.BAD_REQUEST, garbled.value.message
+    assert "MCP server garbled answered garble with a result this node cannot read" in garbled.value.message
+    assert "ValidationError" not in garbled.value.message and status["garbled"].up
 
 
 # --------------------------------------------------------------------------- names and config
