@@ -17,6 +17,8 @@
       ├── Relaying.run         reservations at our relays; direct paths preferred (node/reach/relaying.py)
       ├── Resync.run           each paired peer's grant, our addresses, our exit key: told on every connection (node/reach/resync.py)
       ├── KeepConnected.run    a phone's home PCs and any node's mailbox: redialed when the connection ends (node/reach/keep.py)
+      ├── RpcLinks.run         a split model's workers, each a loopback port for its runner (node/compute/link.py)
+      ├── WorkerService.run    [worker]: llama.cpp's RPC server lent to peers granted compute.rpc (node/compute/worker.py)
       ├── ControlServer.serve  local Unix socket for the CLI and scripts (handlers: node/control/owner.py)
       └── signal watcher       SIGINT/SIGTERM -> cancel the root scope -> clean shutdown
 
@@ -59,6 +61,9 @@ from .reach.keep import KeepConnected, PoolReacher, kept_peers
 from .reach.relaying import Relaying
 from .reach.resync import AddressTiding, ExitKeyTiding, GrantTiding, Resync
 from .door.pairing import PairingService
+from .compute.link import RpcLinks
+from .compute.split import SplitPlacement
+from .compute.worker import WorkerService, rpc_engine, worker_log
 from .net.liveness import Liveness
 from .messaging.mailbox import Mailbox, MailStore
 from .messaging.mailclient import MailOwner, MailSender
@@ -90,6 +95,7 @@ from ..protocol.messages import Message
 from ..protocol.mailbox import MailAck, MailDeposit, MailFetch, MailKeyPush, MailLeaveReceipt, MailTakeReceipts
 from ..protocol.messaging import MsgAck, MsgMissing, MsgSend, MsgSendMany
 from ..protocol.pairing import PAIR_MAX_FRAME
+from ..protocol.compute import RPC_MAX_FRAME
 from ..protocol.session import MAX_OPEN_REQUESTS
 from ..protocol.web import (
     WebAnswer,
@@ -110,6 +116,10 @@ if TYPE_CHECKING:
     from .bridges.openai import OpenAIEndpoint, OpenAIParts
 
 log = logging.getLogger("psymesh.node")
+
+
+def _relayed(path: str | None) -> bool | None:
+    return None if path is None else path == "relayed"
 
 InboundHandler = Callable[[FramedStream, str], Awaitable[None]]
 Service = Callable[[Call], Awaitable[Message]]
@@ -192,8 +202,14 @@ class Node:
         self.pairing = PairingService(self.identity, self.config, self.p2p, self.trust, self.push_manifest,
                                       welcome=functools.partial(self.resync.tell, tiding=self.key_tiding),
                                       commands=self.commands)
+        # A model split across other homes (node/compute/): its workers reached through loopback ports,
+        # each a stream of /psymesh/rpc/1.0.0; this node's own compute lent through the door.
+        self.rpc_links = RpcLinks(self.open_peer_stream, self.trust.label, engine=rpc_engine)
+        self.worker = WorkerService(self.config.worker, home.rpc_socket_path, self.gate, self.trust,
+                                    name=self.config.name, log_path=worker_log(home.logs_dir))
         self.models = ModelPool(ModelRegistry(self.db, commands=self.commands), keep_alive_s=self.config.models.keep_alive_for(self.config.profile),
-                                memory_limit_mb=self.config.models.memory_limit_mb, log_dir=home.logs_dir)
+                                memory_limit_mb=self.config.models.memory_limit_mb, log_dir=home.logs_dir,
+                                placement_for=self._placement)
         self.web_router = WebRouter(self.config.web, self.identity.peer_id, self.trust, self.sessions,
                                     WebKeys(self.db))
         self.tools = node_tools(home, self.config, environ)
@@ -259,6 +275,7 @@ class Node:
             self.p2p.serve_relay(self.config.relay, self.gate.admit_relay)
         self.inbound(ids.PAIR, self.pairing.serve, max_frame_size=PAIR_MAX_FRAME)
         self.inbound(ids.SESSION, self._serve_session)
+        self.inbound(ids.RPC, self.worker.serve, max_frame_size=RPC_MAX_FRAME)
         self.services: dict[type[Message], Service] = {
             **{t: self.executor.handle for t in (TaskSubmit, TaskAttach, TaskAck, TaskAcks, TaskCancel, TaskInput,
                                                  TaskList, TaskCaps)},
@@ -310,6 +327,11 @@ class Node:
                     await stream.aclose()
 
         self.p2p.set_handler(protocol, on_stream)
+
+    def _placement(self, model: str, workers: tuple[str, ...], on_worker_loss: str) -> SplitPlacement:
+        """Where split model `model`'s layers go at each load (node/compute/split.py)."""
+        return SplitPlacement(self.rpc_links, workers, on_worker_loss="wait" if on_worker_loss == "wait" else "reload",
+                              label=self.trust.label, relayed=lambda peer_id: _relayed(self.p2p.path(peer_id)))
 
     def _may_open(self, peer_id: str, protocol: str) -> bool:
         """Asked by the p2p host while it negotiates every inbound stream. `Gate.admit_stream`
@@ -387,6 +409,8 @@ class Node:
                 await tg.start(self.relaying.run)
                 await tg.start(self.resync.run)
                 await tg.start(self.keeper.run)
+                await tg.start(self.rpc_links.run)
+                await tg.start(self.worker.run)
                 await tg.start(self.web.run)
                 if self.config.ui.on_for(self.config.profile):  # before the control socket answers: a
                     await self.start_ui(required=False)        # signal then always finds its handler

@@ -46,6 +46,11 @@ class FrameReader:
             return
         self._decoder.feed(data)
 
+    def detach(self) -> bytes:
+        """Leave framing: the bytes already read past the last frame (the stream's own from here)."""
+        self._check()
+        return self._decoder.take_rest()
+
     def _next_body(self) -> bytes | None:
         """The next whole frame body, or None if more bytes are needed (or the peer is done)."""
         body = self._decoder.next_frame()

@@ -55,6 +55,12 @@ class FrameDecoder:
         del self._buffer[:end]
         return body
 
+    def take_rest(self) -> bytes:
+        """The bytes fed past the last whole frame, handed over: the stream leaves framing
+        here (an `rpc.accept` is followed by llama.cpp's own bytes)."""
+        rest, self._buffer = bytes(self._buffer), bytearray()
+        return rest
+
     def at_frame_boundary(self) -> bool:
         """True when no partial frame is buffered (a clean place for the peer to stop)."""
         return not self._buffer

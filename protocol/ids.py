@@ -16,3 +16,4 @@ def protocol_id(service: str, version: str = PROTOCOL_VERSION) -> str:
 
 PAIR = protocol_id("pair")
 SESSION = protocol_id("session")
+RPC = protocol_id("rpc")  # a split model's llama.cpp RPC bytes, owner to worker (protocol/compute.py)

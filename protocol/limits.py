@@ -30,6 +30,7 @@ class Limits(BaseModel):
     concurrent_tasks: int | None = Field(default=None, ge=1, le=10_000)
     max_runtime_s: int | None = Field(default=None, ge=1)
     max_payload_bytes: int | None = Field(default=None, ge=0)
+    rpc_memory_mb: int | None = Field(default=None, ge=1)  # compute.rpc: buffers a split model may allocate here
 
 
 class RateLimiter:

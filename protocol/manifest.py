@@ -18,6 +18,9 @@ Capabilities, with their CLI spelling (`parse_capability`):
                                                         (two-hop private web, protocol/web.py)
     mail.deposit                                        leave sealed letters here for a peer that
                                                         named this node its mailbox (protocol/mailbox.py)
+    compute.rpc                                         run a share of its split model on this node
+                                                        (llama.cpp RPC, protocol/compute.py; in no preset:
+                                                        granted by name; its budget is `rpc_memory_mb`)
 
 Domain patterns: `example.com` matches that host only; `*.example.com` matches every
 subdomain at any depth (`a.example.com`, `a.b.example.com`) but not `example.com`
@@ -65,6 +68,7 @@ _PARAMS: dict[str, frozenset[str]] = {
     "msg.ask": frozenset(),
     "relay": frozenset(),
     "mail.deposit": frozenset(),
+    "compute.rpc": frozenset(),
 }
 KINDS: frozenset[str] = frozenset(_PARAMS)
 
@@ -420,6 +424,8 @@ _EXPLAINED = {
     "msg.ask": "ask this node's agent a question by letter, and get its answer",
     "relay": "reserve a slot on this node's circuit relay, to be reached through it",
     "mail.deposit": "leave sealed letters here for a peer that named this node its mailbox",
+    "compute.rpc": "run layers of its split model on this node's CPU and memory, through llama.cpp's RPC "
+                   "(up to the limit rpc_memory_mb); it can run any computation there",
 }
 
 

@@ -51,7 +51,7 @@ class Message(BaseModel):
 
 # The modules that define messages: imported when a type is not known yet (a process
 # imports only the ones it uses; a peer may send any of them).
-MESSAGE_MODULES = ("addresses", "common", "control.common", "control.messaging", "control.node", "control.tasks",
+MESSAGE_MODULES = ("addresses", "common", "compute", "control.common", "control.messaging", "control.node", "control.tasks",
                    "control.trust", "control.web", "dialback", "mailbox", "manifest", "messaging", "pairing", "runner",
                    "session", "tasks", "web")
 _ALL_LOADED = False

@@ -24,10 +24,12 @@ ALLOWED: dict[str, set[str]] = {
     "tasks": {"core", "net", "door", "models"},
     "messaging": {"core", "net", "door", "models"},
     "web": {"core", "net", "door"},
+    "compute": {"core", "net", "door", "models"},
     "bridges": {"core", "net", "door", "models", "tasks"},
-    "control": {"core", "net", "door", "reach", "models", "tasks", "messaging", "web", "bridges"},
-    "cli": {"core", "net", "door", "reach", "models", "tasks", "messaging", "web", "bridges", "control", "daemon"},
-    "daemon": {"core", "net", "door", "reach", "models", "tasks", "messaging", "web", "bridges", "control"},
+    "control": {"core", "net", "door", "reach", "models", "tasks", "messaging", "web", "bridges", "compute"},
+    "cli": {"core", "net", "door", "reach", "models", "tasks", "messaging", "web", "bridges", "compute", "control",
+            "daemon"},
+    "daemon": {"core", "net", "door", "reach", "models", "tasks", "messaging", "web", "bridges", "compute", "control"},
 }
 
 

@@ -34,7 +34,7 @@ COMMANDS = {
     "task": "task:task",
     "msg": "msg:msg", "group": "msg:group",
     "web": "web:web",
-    "model": "model:model",
+    "model": "model:model", "worker": "model:worker",
     "agent": "agent:agent", "eval": "agent:eval_cmd",
 }
 

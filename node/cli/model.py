@@ -35,30 +35,61 @@ def model() -> None:
 @click.option("--keep-alive", "keep_alive", default=None, metavar="DURATION",
               help="How long the model stays loaded when idle (e.g. 90s, 10m, 1h; 0: unload after each "
                    "request; forever). Default: [models] keep_alive_s, else 5 min on a home PC, 1 min on a phone.")
+@click.option("--split", "split", default=None, metavar="PEER[,PEER...]",
+              help="Run the model's last layers on these paired homes (each lends its compute: `psymesh worker "
+                   "start` there, and grants this node compute.rpc). Layers are shared evenly with this node.")
+@click.option("--on-worker-loss", type=click.Choice(["reload", "wait"]), default=None,
+              help="A split model whose worker is away: load without it (reload, the default) or fail "
+                   "`unavailable` until it is back (wait).")
 def model_add(home: str | None, out: Output, name: str, path: str, n_ctx: int | None, n_threads: int | None,
-              chat_template: str | None, keep_alive: str | None) -> None:
+              chat_template: str | None, keep_alive: str | None, split: str | None, on_worker_loss: str | None) -> None:
     """Register PATH (a .gguf file) as model NAME. A running daemon uses it at once."""
     node_home = home_at(home)
     node_home.init()
     template = open(chat_template).read() if chat_template else None
     registry = _models(node_home)
+    workers = _workers(node_home, split) if split else []
     choice = None
     if n_ctx is None:  # the header is read once, here (the registry would read it for n_ctx None)
         from ..models.registry import default_context
 
         choice = default_context(Path(path).expanduser())
     row = registry.add(name, path, n_ctx=choice.n_ctx if choice else n_ctx, n_threads=n_threads,
-                       chat_template=template, keep_alive_s=_keep_alive(keep_alive))
+                       chat_template=template, keep_alive_s=_keep_alive(keep_alive),
+                       split=[peer_id for peer_id, _ in workers], on_worker_loss=on_worker_loss)
     if choice is not None:
         out.hint(f"context {row['n_ctx']} tokens: the GGUF declares {choice.declared or 'none'}"
                  + (f", capped to {choice.memory_cap} for this machine's memory" if row["n_ctx"] < (choice.declared or 0)
                     else "") + "; --ctx N sets another")
     out.data({k: v for k, v in row.items() if k != "chat_template"},
              lambda con: con.print(f"model {name} -> {row['path']} (context {row['n_ctx']}, "
-                                   f"tools: {_family_text(row['tool_family'])})"))
+                                   f"tools: {_family_text(row['tool_family'])})"
+                                   + (f", split across this node and {', '.join(n for _, n in workers)}"
+                                      if workers else "")))
     if row["tool_family"] == "none":
         out.warn(f"{name} cannot call tools (its chat template has no tool section): agent run, eval and requests "
                  "with tools will refuse it; `agent run --no-tools` asks it without tools")
+
+
+def _workers(node_home: NodeHome, text: str) -> list[tuple[str, str]]:
+    """`--split tablet,laptop` -> [(peer id, name), ...] of paired peers (BAD_REQUEST naming the one not)."""
+    from ..core.db import open_db
+    from ..door.trust import TrustStore
+    from ...protocol.errors import ErrorCode, PsymeshError
+
+    trust = TrustStore(open_db(node_home.db_path))
+    out = []
+    for word in filter(None, (w.strip() for w in text.split(","))):
+        peer = trust.resolve(word)
+        if peer.revoked:
+            raise PsymeshError(f"--split: {word!r} is not a paired peer of this node (psymesh peers lists them)",
+                               code=ErrorCode.BAD_REQUEST)
+        if peer.peer_id in (p for p, _ in out):
+            raise PsymeshError(f"--split: {word!r} named twice", code=ErrorCode.BAD_REQUEST)
+        out.append((peer.peer_id, peer.name))
+    if not out:
+        raise PsymeshError("--split: no peer named, e.g. --split laptop,tablet", code=ErrorCode.BAD_REQUEST)
+    return out
 
 
 @model.command("pull")
@@ -125,8 +156,47 @@ def model_ps(home: str | None, out: Output) -> None:
             table.add_row(m.name, state, _family_text(m.tool_family), str(m.pid or "-"), memory, f"{idle}/{keep}",
                           str(m.jobs_served))
         con.print(table)
+        for m in models:
+            if not m.split:
+                continue
+            if not m.shares:
+                con.print(escape(f"{m.name}: split across this node and {', '.join(m.split)} (not loaded yet)"))
+                continue
+            parts = out_table("part", "layers", "budget", "link")
+            for share in m.shares:
+                parts.add_row(share.where, str(share.layers),
+                              "-" if share.memory_mb is None else f"{share.memory_mb} MB", share.link)
+            con.print(escape(f"{m.name}, split:"))
+            con.print(parts)
 
     out.data([m.model_dump() for m in models], human)
+
+
+@click.command("worker")
+@command
+@click.argument("action", type=click.Choice(["start", "stop", "status"]), default="status")
+def worker(home: str | None, out: Output, action: str) -> None:
+    """Lend this node's CPU and memory to paired peers' split models (llama.cpp's RPC server,
+    reached only through psymesh by peers granted compute.rpc): start, stop, or status."""
+    reply = on_node(home, lambda client: client.worker(action))  # type: ignore[arg-type]
+
+    def human(con: Console) -> None:
+        if not reply.running:
+            con.print(escape("not lending compute" + (f": {reply.error}" if reply.error else "")
+                             + ("" if action == "stop" else f" (start: {out.suggest('worker start')})")))
+        else:
+            memory = f"{reply.memory_mb} MB" if reply.memory_mb else "no cap ([worker] memory_mb)"
+            con.print(escape(f"lending compute: llama.cpp RPC {reply.rpc} ({reply.build}), pid {reply.pid}, "
+                             f"{reply.threads} threads, memory {memory}"))
+            con.print(escape("reachable only through psymesh" if reply.isolation == "netns" else
+                             "its port is on this machine's loopback: other local users can reach it"))
+            con.print(escape(f"serving {reply.serving} ({reply.bytes_in} B in, {reply.bytes_out} B out)"
+                             if reply.serving else f"idle; {reply.streams_served} stream(s) served"
+                             + (f", the last {reply.last_end}" if reply.last_end else "")))
+        con.print(escape("granted compute.rpc: " + (", ".join(reply.granted) if reply.granted else
+                         f"nobody ({out.suggest('grant', 'PEER +compute.rpc')})")))
+
+    out.data(reply.model_dump(exclude={"type"}), human)
 
 
 # -- the agent -----------------------------------------------------------------------

@@ -188,6 +188,7 @@ LIMIT_WORDS = {  # how `psymesh peers` shows each limit
     "concurrent_tasks": lambda v: f"{v} at once",
     "max_runtime_s": lambda v: f"{v} s/task",
     "max_payload_bytes": lambda v: f"{_size(v)} payload",
+    "rpc_memory_mb": lambda v: f"{v} MB for compute.rpc",
 }
 
 

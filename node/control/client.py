@@ -21,7 +21,7 @@ import warnings
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast, overload
+from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar, cast, overload
 
 import anyio
 import anyio.abc
@@ -279,6 +279,11 @@ class Client:
     async def models_ps(self) -> list[c.LoadedModel]:
         """This node's models and their runner processes (loaded or not, pid, memory, idle time)."""
         return (await self.request(c.ModelsPsRequest(), c.ModelsPsReply)).models
+
+    async def worker(self, action: Literal["start", "stop", "status"] = "status") -> c.WorkerReply:
+        """Lend this node's compute to paired peers' split models (`start`), stop (`stop`), or
+        say how it stands: the RPC server's process, its isolation, the owner served now."""
+        return await self.request(c.WorkerRequest(action=action), c.WorkerReply)
 
     async def mcp_status(self) -> list[c.McpServerState]:
         """The MCP servers the daemon mounted: up or down (and why), their tools, their log file."""

@@ -47,6 +47,7 @@ if TYPE_CHECKING:
     from ..messaging.groups import Groups
     from ..messaging.service import Messaging
     from ..models import ModelPool
+    from ..compute.worker import WorkerService
     from ..net.p2p import P2PNode
     from ..net.session import SessionPool
     from ..reach.dialback import Reach
@@ -95,6 +96,7 @@ class OwnerNode(Protocol):
     pairing: PairingService
     discovery: Discovery
     models: ModelPool
+    worker: WorkerService
     executor: TaskExecutor
     submitter: TaskSubmitter
     messaging: Messaging
@@ -149,6 +151,7 @@ class Owner:
             c.WebQueryRequest: self._web,
             c.ServeRequest: self._serve,
             c.ModelsPsRequest: self._models_ps,
+            c.WorkerRequest: self._worker,
             c.McpStatusRequest: self._mcp_status,
             c.UiRequest: self._ui,
         }
@@ -176,13 +179,27 @@ class Owner:
         for name in self.node.models.registry.names():
             s = running.get(name)
             family = self.node.models.registry.get(name).get("tool_family")  # as `model add` read it
+            split = [self.node.trust.label(p) for p in self.node.models.registry.split_of(name)[0]]
             if s is None:
                 settings = self.node.models.settings(name)  # what it will load with: its keep-alive too
                 models.append(c.LoadedModel(name=name, path=str(settings.path), loaded=False, n_ctx=settings.n_ctx,
-                                            keep_alive_s=settings.keep_alive_s, tool_family=family))
+                                            keep_alive_s=settings.keep_alive_s, tool_family=family, split=split))
             else:
-                models.append(c.LoadedModel(**{**dataclasses.asdict(s), "tool_family": s.tool_family or family}))
+                models.append(c.LoadedModel(**{**dataclasses.asdict(s), "tool_family": s.tool_family or family,
+                                               "split": split}))
         return c.ModelsPsReply(models=models)
+
+    async def _worker(self, req: c.WorkerRequest, _: FramedStream) -> c.WorkerReply:
+        """`psymesh worker start|stop|status`: this node's compute lent to split models."""
+        if req.action == "start":
+            await self.node.worker.start()
+        elif req.action == "stop":
+            await self.node.worker.stop()
+        now = time.time()
+        granted = [p.name for p in self.node.trust.list(include_revoked=False) if p.granted is not None
+                   and check(p.granted, Operation(name="compute.rpc"), local_peer_id=self.node.identity.peer_id,
+                             remote_peer_id=p.peer_id, now=now).allowed]
+        return c.WorkerReply(**dataclasses.asdict(self.node.worker.view()), granted=granted)
 
     async def _mcp_status(self, req: c.McpStatusRequest, _: FramedStream) -> c.McpStatusReply:
         return c.McpStatusReply(servers=[c.McpServerState(**dataclasses.asdict(s)) for s in self.node.mcp.status()])

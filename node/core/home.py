@@ -45,7 +45,7 @@ from .websettings import WebSettings
 Profile = Literal["home", "phone"]
 # What psymesh itself keeps in a home. `init()` tightens these and no others, so a home
 # that also holds the owner's own files (say `--home ~`) keeps their modes.
-_STATE_FILES = ("config.toml", "config.tmp", "control.sock", "daemon.log", "mail.key",
+_STATE_FILES = ("config.toml", "config.tmp", "control.sock", "rpc.sock", "daemon.log", "mail.key",
                 "node.db", "node.db-wal", "node.db-shm", "node.db-journal",
                 "device.db", "device.db-wal", "device.db-shm", "device.db-journal")
 _STATE_TREES = ("models", "logs")
@@ -72,6 +72,24 @@ class ModelsSettings(BaseModel):
 
 
 PROFILE_KEEP_ALIVE_S: dict[str, float] = {"home": 300.0, "phone": 60.0}
+
+
+class WorkerSettings(BaseModel):
+    """[worker]: lending this node's CPU and memory to paired peers' split models (node/compute/).
+
+    `enabled`: start llama.cpp's RPC server (a child process) with the node; `psymesh worker
+    start|stop` turns it on and off while the node runs. `memory_mb`: the most the server may
+    map (RLIMIT_AS) and allocate for all owners; each owner's grant may say less
+    (`rpc_memory_mb`). `threads`: its compute threads (None: all cores but one).
+    `allow_shared_loopback`: where no private network namespace can be made (no root, no user
+    namespaces), serve on the machine's loopback anyway, reachable by its other local users."""
+
+    model_config = ConfigDict(defer_build=True, frozen=True, extra="forbid")
+
+    enabled: bool = False
+    memory_mb: int | None = Field(default=None, ge=64)
+    threads: int | None = Field(default=None, ge=1)
+    allow_shared_loopback: bool = False
 class StorageSettings(BaseModel):
     """config.toml `[storage]`: what the node's database may take on disk, and how the audit
     log is written (docs/security.md, "Resource budget")."""
@@ -151,6 +169,8 @@ class NodeConfig(BaseModel):
     web: WebSettings = Field(default_factory=WebSettings)
     # [models]: model runners' keep-alive and memory cap (ModelsSettings).
     models: ModelsSettings = Field(default_factory=ModelsSettings)
+    # [worker]: llama.cpp's RPC server for paired peers granted compute.rpc (off by default).
+    worker: WorkerSettings = Field(default_factory=WorkerSettings)
     # [storage]: the database's WAL and checkpoints, the audit log's batches and refusal budget.
     storage: StorageSettings = Field(default_factory=StorageSettings)
 

@@ -202,11 +202,20 @@ class HomePaths:
         named by a hash of the home in a per-user runtime dir. Either way its directory
         is one only the owner may enter (the daemon creates and checks it; the client
         checks it before connecting)."""
-        direct = self.path / "control.sock"
+        return self._socket("control.sock", "")
+
+    @property
+    def rpc_socket_path(self) -> Path:
+        """The lent worker's socket (node/compute/worker.py): llama.cpp's RPC server is reached
+        through it only, in a directory only the owner may enter, as the control socket."""
+        return self._socket("rpc.sock", "-rpc")
+
+    def _socket(self, name: str, suffix: str) -> Path:
+        direct = self.path / name
         if len(str(direct).encode()) <= _MAX_SOCKET_PATH:
             return direct
         digest = hashlib.sha256(str(self.path).encode()).hexdigest()[:16]
-        return _socket_runtime_dir() / f"{digest}.sock"
+        return _socket_runtime_dir() / f"{digest}{suffix}.sock"
 
     @property
     def models_dir(self) -> Path:

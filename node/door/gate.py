@@ -30,7 +30,9 @@ session door), `admit_each()` for the letters of a batch the door let in (each a
 `msg.send` it stands for, through the same checks), `undo()` for a letter it admitted that the
 inbox then refused (its unit given back, a refused row), `admit_stream()` for every inbound
 stream (a revoked peer that took our notice may open pairing only), `recheck()` when a queued
-task starts, `admit_relay()` for each reservation and circuit asked of this node as
+task starts, `admit_rpc()` for each llama.cpp RPC stream of a split model (node/compute/worker.py;
+`holds_rpc()` asks again, unaudited, whenever a grant changes, and `rpc_closed()` writes the row
+of a stream it then cut), `admit_relay()` for each reservation and circuit asked of this node as
 a relay (protocol/relay.py: steps 1 and 3, the grant covering `relay`), `admit_hole_punch()`
 for each DCUtR stream (never on a direct connection), and `admit_circuit()` for each circuit
 a relay brings us on STOP (only from a relay holding our reservation).
@@ -51,7 +53,7 @@ from ...protocol import ids
 from ...protocol.addresses import AddrsPush
 from ...protocol.admission import Need, operation_for, rule_for, task_operation
 from ...protocol.errors import ErrorCode, PsymeshError
-from ...protocol.limits import RateLimiter
+from ...protocol.limits import Limits, RateLimiter
 from ...protocol.mailbox import MailDeposit, MailKeyPush, MailLeaveReceipt, verify_mail_key
 from ...protocol.manifest import (
     Decision,
@@ -366,8 +368,8 @@ class Gate:
         peer = self.trust.get(peer_id)
         if peer is not None and not peer.shut_out and protocol == ids.SESSION:
             return
-        if peer is not None and not peer.revoked and protocol in (HOP, STOP):
-            return
+        if peer is not None and not peer.revoked and protocol in (HOP, STOP, ids.RPC):
+            return  # each reservation, circuit and RPC stream is then decided (and audited) on its own
         if peer is not None and not peer.revoked and protocol == DCUTR:
             self.audit.record(peer_id, DCUTR, HOLE_PUNCH, True, now=self.clock())
             return
@@ -420,6 +422,38 @@ class Gate:
         except PsymeshError as exc:
             raise self._refuse(peer_id, HOP, what, exc, now) from None
         self.audit.record(peer_id, HOP, what, True, now=now)
+
+    def admit_rpc(self, peer_id: str, *, probe: bool) -> Limits:
+        """May `peer_id` run a share of its split model here (`compute.rpc`, a stream of
+        `/psymesh/rpc/1.0.0`)? Paired, not revoked, granted `compute.rpc`, in date, within the
+        grant's request rate (each stream is one request; a probe too). Returns the grant's
+        limits (`rpc_memory_mb`: the worker's budget for this peer). One audit row either way."""
+        now = self.clock()
+        what = "compute.rpc" + (" (probe)" if probe else "")
+        try:
+            peer = self.paired(peer_id)
+            grant = self._grant_of(peer)
+            self._check(peer, grant, Operation(name="compute.rpc"), now).raise_if_denied()
+            self._charge(peer_id, grant, now)
+        except PsymeshError as exc:
+            raise self._refuse(peer_id, ids.RPC, what, exc, now) from None
+        self.audit.record(peer_id, ids.RPC, what, True, now=now)
+        return grant.limits
+
+    def holds_rpc(self, peer_id: str) -> PsymeshError | None:
+        """Whether our grant to `peer_id`, as it is now, still covers `compute.rpc`: None if it
+        does, else why not. Unaudited and uncharged: the worker asks it of each open stream
+        whenever the trust store changes, and audits the close itself (`rpc_closed`)."""
+        try:
+            peer = self.paired(peer_id)
+            self._check(peer, self._grant_of(peer), Operation(name="compute.rpc"), self.clock()).raise_if_denied()
+        except PsymeshError as exc:
+            return exc
+        return None
+
+    def rpc_closed(self, peer_id: str, reason: PsymeshError) -> None:
+        """The row of an admitted RPC stream the worker cut (its grant changed, its budget ran out)."""
+        self._record(peer_id, ids.RPC, "compute.rpc", reason, self.clock())
 
     def _grant_of(self, peer: Peer) -> Manifest:
         if peer.granted is None:  # said by us, read by the peer: name both ("home has granted phone nothing")

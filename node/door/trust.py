@@ -154,7 +154,7 @@ class TrustStore:
                     row["revoked_us_at"], row["revocation_told_at"])
 
     def on_change(self, listener: Callable[[], None]) -> None:
-        """Call `listener()` whenever a peer is paired, revoked, or revokes us (what a
+        """Call `listener()` whenever a peer is paired, granted, revoked, or revokes us (what a
         service that waits on the set of peers needs, instead of a rescan timer)."""
         self._listeners.append(listener)
 
@@ -247,6 +247,7 @@ class TrustStore:
 
     def set_granted(self, peer_id: str, manifest: Manifest) -> None:
         self._update(peer_id, "granted", _encode_manifest(manifest))
+        self._changed()  # a narrower grant acts at once on what is open (a worker's RPC stream)
 
     def set_received(self, peer_id: str, manifest: Manifest) -> None:
         """Keep a manifest a peer issued to us, unless we already hold a newer one (higher serial),

@@ -6,9 +6,11 @@ long its runner stays loaded when idle); without one the profile's default appli
 """
 from __future__ import annotations
 
+import json
 import os
 import sqlite3
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,7 +32,9 @@ CREATE TABLE IF NOT EXISTS models (
 );
 """
 # Columns added after the table first shipped: (name, declaration).
-_ADDED_COLUMNS = (("keep_alive_s", "REAL"), ("tool_family", "TEXT"))
+_ADDED_COLUMNS = (("keep_alive_s", "REAL"), ("tool_family", "TEXT"),
+                  ("split", "TEXT"),            # JSON list of the workers' peer ids (node/compute/split.py)
+                  ("on_worker_loss", "TEXT"))   # reload (default) or wait
 GGUF_MAGIC = b"GGUF"
 
 
@@ -45,10 +49,13 @@ class ModelRegistry:
                 conn.execute(f"ALTER TABLE models ADD COLUMN {column} {decl}")
 
     def add(self, name: str, path: str | Path, *, n_ctx: int | None = None, n_threads: int | None = None,
-            chat_template: str | None = None, keep_alive_s: float | None = None) -> dict:
+            chat_template: str | None = None, keep_alive_s: float | None = None,
+            split: Sequence[str] = (), on_worker_loss: str | None = None) -> dict:
         """Register `path` as `name`. `n_ctx` None: the context the GGUF declares, capped so
         its KV cache takes at most a sixteenth of this machine's memory (`default_context`).
-        Only the GGUF's header is read: adding a model never loads it."""
+        Only the GGUF's header is read: adding a model never loads it. `split`: the peer ids of
+        the workers its last layers run on (node/compute/split.py), `on_worker_loss` what a
+        load does without one of them (reload, the default; wait)."""
         p = Path(path).expanduser().resolve()
         try:
             with open(p, "rb") as f:
@@ -61,12 +68,13 @@ class ModelRegistry:
             n_ctx = default_context(p).n_ctx
         family = gguf_tool_family(p, chat_template)
         self.conn.execute(
-            "INSERT INTO models (name, path, n_ctx, n_threads, chat_template, keep_alive_s, tool_family, added_at) "
-            "VALUES (?, ?, ?, ?, ?, ?, ?, ?) "
+            "INSERT INTO models (name, path, n_ctx, n_threads, chat_template, keep_alive_s, tool_family, split, "
+            "on_worker_loss, added_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?) "
             "ON CONFLICT(name) DO UPDATE SET path=excluded.path, n_ctx=excluded.n_ctx, n_threads=excluded.n_threads, "
             "chat_template=excluded.chat_template, keep_alive_s=excluded.keep_alive_s, "
-            "tool_family=excluded.tool_family",
-            (name, str(p), n_ctx, n_threads, chat_template, keep_alive_s, family.value, time.time()),
+            "tool_family=excluded.tool_family, split=excluded.split, on_worker_loss=excluded.on_worker_loss",
+            (name, str(p), n_ctx, n_threads, chat_template, keep_alive_s, family.value,
+             json.dumps(list(split)) if split else None, on_worker_loss, time.time()),
         )
         return self.get(name)
 
@@ -94,6 +102,14 @@ class ModelRegistry:
                 return row
             self.conn.execute("UPDATE models SET tool_family = ? WHERE name = ?", (row["tool_family"], row["name"]))
         return row
+
+    def split_of(self, name: str) -> tuple[tuple[str, ...], str]:
+        """The workers `name` is split across (peer ids; empty: it runs whole here) and what a
+        load does without one (reload, wait)."""
+        row = self.conn.execute("SELECT split, on_worker_loss FROM models WHERE name = ?", (name,)).fetchone()
+        if row is None or not row["split"]:
+            return (), "reload"
+        return tuple(json.loads(row["split"])), row["on_worker_loss"] or "reload"
 
     def remove(self, name: str) -> None:
         if self.conn.execute("DELETE FROM models WHERE name = ?", (name,)).rowcount == 0:

@@ -35,7 +35,7 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import IO
+from typing import IO, Protocol
 
 import anyio
 from anyio.abc import Process
@@ -105,6 +105,33 @@ class RunnerStatus:
     pending: int                # requests queued or running
     running: bool = False       # the runner has started a request (it is decoding one now)
     tool_family: str | None = None  # how the loaded model calls tools (agent/formats/families.py); None: not loaded
+    shares: tuple[Share, ...] = ()  # a split model's parts: this node's and each worker's (node/compute/)
+
+
+@dataclass(frozen=True)
+class Share:
+    """One part of a split model as `model ps` shows it (node/compute/split.py decides them)."""
+
+    where: str             # "this node", or the worker's name
+    peer_id: str | None    # None: this node
+    layers: int
+    memory_mb: int | None  # its budget (the worker's `rpc.accept`); None: no cap
+    link: str              # "local", "direct", "relayed", or why it was left out ("left out: ...")
+
+
+class Placement(Protocol):
+    """Where a model's layers go, decided before each load: a split model's workers
+    (node/compute/split.py). Without one a model loads whole in its runner."""
+
+    async def settings(self, base: ModelSettings) -> ModelSettings:
+        """`base` with the workers that answered (rpc_servers, n_gpu_layers, tensor_split); raises
+        `unavailable` naming a worker when the model must wait for it."""
+
+    def blame(self) -> str | None:
+        """The worker whose link failed since the last load, in words (a crash's likely cause)."""
+
+    def shares(self) -> tuple[Share, ...]:
+        """The parts of the model as last loaded."""
 
 
 @dataclass
@@ -138,8 +165,10 @@ class ModelRunner(StreamingModel):
     """One model behind a runner process (see the module docstring)."""
 
     def __init__(self, settings: ModelSettings, *, name: str | None = None, log_path: Path | None = None,
-                 command: Sequence[str] | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+                 command: Sequence[str] | None = None, clock: Callable[[], float] = time.monotonic,
+                 placement: Placement | None = None) -> None:
         self.settings = settings
+        self.placement = placement
         self.name = name or settings.path.stem
         self._log_path = log_path
         self._command = list(command or runner_command())
@@ -203,7 +232,8 @@ class ModelRunner(StreamingModel):
             idle_s=None if self._last_used is None or self._queued else max(0.0, self._clock() - self._last_used),
             jobs_served=self.jobs_served, crashes=self.crashes, keep_alive_s=self.settings.keep_alive_s,
             pending=self._queued, running=self.running,
-            tool_family=self._info.tool_family.value if self._info is not None else None)
+            tool_family=self._info.tool_family.value if self._info is not None else None,
+            shares=self.placement.shares() if self.placement is not None else ())
 
     async def start(self) -> ModelInfo:
         """The model's info, loading it first if it never was (ModelLoadError / ModelCrashed if
@@ -390,13 +420,14 @@ class ModelRunner(StreamingModel):
         return self._log
 
     async def _spawn(self) -> _Incarnation:
+        settings = self.settings if self.placement is None else await self.placement.settings(self.settings)
         log = self._open_log()
         proc = await anyio.open_process(self._command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
                                         start_new_session=True)  # the terminal's Ctrl-C is the node's to handle
         link = RunnerLink()
         pending = _Incarnation(proc, link)
         try:
-            await self._write(pending, link.load(self.settings.model_dump_json()))
+            await self._write(pending, link.load(settings.model_dump_json()))
             msg = await self._read(pending)
         except BaseException:
             with anyio.CancelScope(shield=True):
@@ -410,7 +441,8 @@ class ModelRunner(StreamingModel):
             return self._now
         await self._reap(pending)
         if isinstance(msg, LoadFailed):
-            raise ModelLoadError(msg.message)
+            blame = self.placement.blame() if self.placement is not None else None
+            raise ModelLoadError(msg.message + (f" ({blame})" if blame else ""))
         link.ended()
         raise self._crashed(pending, while_="loading it")
 
@@ -473,6 +505,11 @@ class ModelRunner(StreamingModel):
         how, details = _how_it_ended(now.proc.returncode)
         line = self._log_tail()
         details["log"] = line
+        blame = self.placement.blame() if self.placement is not None else None
+        if blame:  # a split model's worker went away: that, not llama.cpp's last words, is the news
+            details["worker"] = blame
+            return ModelCrashed(f"the runner of model {self.name} died ({how}) while {while_}: {blame}",
+                                details=details)
         return ModelCrashed(f"the runner of model {self.name} died ({how}) while {while_}"
                             + (f": {line}" if line else ""), details=details)
 

@@ -166,6 +166,16 @@ class ModelsPsRequest(Message):
     type = "control.models_ps"
 
 
+class ModelShare(View):
+    """One part of a split model: this node's layers, or a worker's (`model ps`)."""
+
+    where: str                  # "this node", or the worker's name
+    peer_id: str | None = None  # None: this node
+    layers: int = 0
+    memory_mb: int | None = None  # the worker's budget for this node (None: no cap)
+    link: str = ""              # local, direct, relayed; or "left out: WHY"
+
+
 class LoadedModel(View):
     """One registered model's runner. `loaded` False: no process holds it now (never used,
     or gone after `keep_alive_s` idle, or after a crash); the next request loads it."""
@@ -184,11 +194,39 @@ class LoadedModel(View):
     pending: int = 0                # requests queued or running
     running: bool = False           # the runner has started one of them (it is decoding now)
     tool_family: str | None = None  # how it calls tools: qwen35, hermes, llama3, mistral, or none (cannot)
+    split: list[str] = Field(default_factory=list)     # the workers it is split across (names), if any
+    shares: list[ModelShare] = Field(default_factory=list)  # as last loaded: this node's layers, each worker's
 
 
 class ModelsPsReply(Message):
     type = "control.models_ps_reply"
     models: list[LoadedModel] = Field(default_factory=list)
+
+
+class WorkerRequest(Message):
+    """`psymesh worker start|stop|status`: lending this node's compute to split models."""
+
+    type = "control.worker"
+    action: Literal["start", "stop", "status"] = "status"
+
+
+class WorkerReply(Message):
+    type = "control.worker_reply"
+    running: bool
+    pid: int | None = None
+    isolation: str | None = None    # netns (a network namespace of its own) or shared-loopback
+    rpc: str | None = None          # llama.cpp RPC protocol version, e.g. 7.0.0
+    build: str | None = None
+    memory_mb: int | None = None
+    threads: int | None = None
+    serving: str | None = None      # the owner whose model it computes now
+    serving_since: float | None = None
+    bytes_in: int = 0
+    bytes_out: int = 0
+    streams_served: int = 0
+    last_end: str = ""
+    error: str = ""
+    granted: list[str] = Field(default_factory=list)  # paired peers granted compute.rpc
 
 
 class McpStatusRequest(Message):
