@@ -209,7 +209,7 @@ class Node:
                                     name=self.config.name, log_path=worker_log(home.logs_dir))
         self.models = ModelPool(ModelRegistry(self.db, commands=self.commands), keep_alive_s=self.config.models.keep_alive_for(self.config.profile),
                                 memory_limit_mb=self.config.models.memory_limit_mb, log_dir=home.logs_dir,
-                                placement_for=self._placement)
+                                placement_for=self._placement, split_of=self._split_of)
         self.web_router = WebRouter(self.config.web, self.identity.peer_id, self.trust, self.sessions,
                                     WebKeys(self.db))
         self.tools = node_tools(home, self.config, environ)
@@ -331,7 +331,19 @@ class Node:
     def _placement(self, model: str, workers: tuple[str, ...], on_worker_loss: str) -> SplitPlacement:
         """Where split model `model`'s layers go at each load (node/compute/split.py)."""
         return SplitPlacement(self.rpc_links, workers, on_worker_loss="wait" if on_worker_loss == "wait" else "reload",
-                              label=self.trust.label, relayed=lambda peer_id: _relayed(self.p2p.path(peer_id)))
+                              label=self.trust.name_of, relayed=lambda peer_id: _relayed(self.p2p.path(peer_id)))
+
+    def _split_of(self, model: str) -> tuple[tuple[str, ...], str]:
+        """A model's workers (peer ids) and on_worker_loss: its [models.NAME] table in config.toml
+        if that names any, else what `model add --split` registered."""
+        table = self.config.models.tables().get(model)
+        if table is None or not table.split:
+            return self.models.registry.split_of(model)
+        try:
+            workers = tuple(self.trust.resolve(name).peer_id for name in table.split)
+        except PsymeshError as exc:
+            raise PsymeshError(f"config.toml [models.{model}] split: {exc.message}", code=exc.code) from None
+        return workers, table.on_worker_loss
 
     def _may_open(self, peer_id: str, protocol: str) -> bool:
         """Asked by the p2p host while it negotiates every inbound stream. `Gate.admit_stream`

@@ -179,7 +179,10 @@ class Owner:
         for name in self.node.models.registry.names():
             s = running.get(name)
             family = self.node.models.registry.get(name).get("tool_family")  # as `model add` read it
-            split = [self.node.trust.label(p) for p in self.node.models.registry.split_of(name)[0]]
+            try:
+                split = [self.node.trust.name_of(p) for p in self.node.models.split_of(name)[0]]
+            except PsymeshError as exc:  # config.toml names a peer that is not paired
+                split = [exc.message]
             if s is None:
                 settings = self.node.models.settings(name)  # what it will load with: its keep-alive too
                 models.append(c.LoadedModel(name=name, path=str(settings.path), loaded=False, n_ctx=settings.n_ctx,

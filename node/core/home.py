@@ -51,6 +51,18 @@ _STATE_FILES = ("config.toml", "config.tmp", "control.sock", "rpc.sock", "daemon
 _STATE_TREES = ("models", "logs")
 
 
+class ModelTable(BaseModel):
+    """[models.NAME]: a registered model's settings kept in config.toml. `split`: the paired
+    homes (names or peer ids) its last layers run on (as `model add --split`; this wins over the
+    registry's), `on_worker_loss`: a load without one of them leaves it out (reload) or fails
+    `unavailable` until it is back (wait). node/compute/split.py."""
+
+    model_config = ConfigDict(defer_build=True, frozen=True, extra="forbid")
+
+    split: list[str] = Field(default_factory=list)
+    on_worker_loss: Literal["reload", "wait"] = "reload"
+
+
 class ModelsSettings(BaseModel):
     """[models]: how this node's model runner processes live (node/models/runner.py).
 
@@ -60,10 +72,16 @@ class ModelsSettings(BaseModel):
     (`model add --keep-alive`) wins. `memory_limit_mb`: the most address space a runner
     may map (RLIMIT_AS); past it the runner dies and its request fails `model_crashed`."""
 
-    model_config = ConfigDict(defer_build=True, extra="forbid")
+    model_config = ConfigDict(defer_build=True, extra="allow")
 
     keep_alive_s: float | None = None
     memory_limit_mb: int | None = Field(default=None, ge=64)
+    # [models.NAME]: one model's own table (ModelTable); any other key is one.
+    __pydantic_extra__: dict[str, ModelTable] = Field(init=False)
+
+    def tables(self) -> dict[str, ModelTable]:
+        """The [models.NAME] tables, by model name."""
+        return dict(self.model_extra or {})
 
     def keep_alive_for(self, profile: Profile) -> float | None:
         if self.keep_alive_s is None:

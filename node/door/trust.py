@@ -179,6 +179,11 @@ class TrustStore:
         """Every paired peer's name by peer id, revoked ones too: what output shows for an id."""
         return {row["peer_id"]: row["name"] for row in self.conn.execute("SELECT peer_id, name FROM peers")}
 
+    def name_of(self, peer_id: str) -> str:
+        """A peer as a table shows it: its name when paired (revoked too), else its whole id."""
+        peer = self.get(peer_id)
+        return peer_id if peer is None else peer.name
+
     def label(self, peer_id: str, *, fingerprint: bool = False) -> str:
         """A peer as log lines name it: `home (…gX2u9mU)` when paired (revoked too), else its
         whole id (a stranger has no other name). `fingerprint`: `home (MFZW-IZLT-OQQG-S3TL)`, the

@@ -23,8 +23,11 @@ PlacementFor = Callable[[str, tuple[str, ...], str], Placement]  # (model, its w
 class ModelPool:
     def __init__(self, registry: ModelRegistry, *, keep_alive_s: float | None = 300.0,
                  memory_limit_mb: int | None = None, log_dir: Path | None = None,
-                 placement_for: PlacementFor | None = None) -> None:
+                 placement_for: PlacementFor | None = None,
+                 split_of: Callable[[str], tuple[tuple[str, ...], str]] | None = None) -> None:
         self.registry = registry
+        # a model's workers and on_worker_loss: config.toml's [models.NAME] over the registry's (the daemon's)
+        self.split_of = split_of or registry.split_of
         self.placement_for = placement_for  # a split model's workers (node/compute/split.py, from the daemon)
         self._splits: dict[str, tuple[tuple[str, ...], str]] = {}
         self.keep_alive_s = keep_alive_s
@@ -41,7 +44,7 @@ class ModelPool:
         """The runner of `name`, loaded (ModelLoadError / ModelCrashed if it cannot be)."""
         async with self._lock:  # two first requests must not make two handles for one model
             settings = self.settings(name)
-            split = self.registry.split_of(name)
+            split = self.split_of(name)
             runner = self._runners.get(name)
             if runner is not None and (runner.settings != settings or self._splits.get(name) != split):
                 del self._runners[name]  # the registry entry changed: reload
