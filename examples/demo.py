@@ -155,6 +155,40 @@ async def real_model_on_home(d: Demo) -> None:
                              "SmolLM2's own chat template from its GGUF)", "   home's answer: ")
 
 
+def psymesh(*args: str) -> list[str]:
+    return [sys.executable, "-m", "psymesh", *args]
+
+
+async def split_across_homes(d: Demo) -> None:
+    step("One model split across two homes: llama.cpp's RPC, carried only on psymesh streams")
+    from psymesh.agent.runtime.realmodel import real_model_path
+    from psymesh.node.control.process import pair_homes
+
+    path = real_model_path()
+    model = path if path is not None else d.workdir / "tiny.gguf"
+    laptop = DaemonProcess(d.workdir / "laptop", profile="home", name="laptop")
+    await laptop.start()
+    try:
+        await pair_homes(laptop.home, d.home.home, grant="messaging", grant_back=None)
+        for cmd, say in ((psymesh("worker", "start", "--home", str(laptop.home)), "laptop: psymesh worker start"),
+                         (psymesh("grant", "home", "+compute.rpc", "--limits", "rpc_memory_mb=512", "--home",
+                                  str(laptop.home)), "laptop: psymesh grant home +compute.rpc --limits rpc_memory_mb=512"),
+                         (psymesh("model", "add", "smol-split", str(model), "--ctx", "2048", "--split", "laptop",
+                                  "--home", str(d.home.home)), "  home: psymesh model add smol-split ... --split laptop")):
+            done = await anyio.run_process(cmd, check=False)
+            con.print(f"{say}\n   " + escape(done.stdout.decode().strip().splitlines()[0] if done.stdout.strip()
+                                             else done.stderr.decode().strip()))
+        async with d.phone.client() as phone:
+            await streamed_infer(phone, REAL_QUESTION, "smol-split", {"temperature": 0},
+                                 "phone: the same question -> home (task {id}, model 'smol-split': home runs the "
+                                 "first half of its layers, laptop the rest)", "   home+laptop's answer: ")
+        for cmd in (psymesh("model", "ps", "--home", str(d.home.home)), psymesh("worker", "--home", str(laptop.home))):
+            done = await anyio.run_process(cmd, check=False)
+            con.print(done.stdout.decode().rstrip())
+    finally:
+        await laptop.stop()
+
+
 async def agent_on_the_phone(d: Demo) -> None:
     step("The agent on the phone: a generated BotPsy-format model, grammar-constrained tool calls")
     con.print("(random weights: the grammar guarantees well-formed calls to real tools, not sensible choices;\n"
@@ -444,7 +478,7 @@ async def bfcl_oracle(d: Demo) -> None:
 
 STEPS: list[Callable[[Demo], Awaitable[None]]] = [
     start_nodes, pair_by_code, ping_both_ways, allowed_and_refused, delegate_tasks, real_model_on_home,
-    agent_on_the_phone, agent_delegated_home, model_crash_is_one_failed_request, exchange_letters,
+    split_across_homes, agent_on_the_phone, agent_delegated_home, model_crash_is_one_failed_request, exchange_letters,
     letter_to_a_sleeping_phone, ask_home, web_through_home, doctor_and_reach, openai_app_and_a_web_page,
     bfcl_oracle,
 ]

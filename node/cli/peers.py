@@ -243,8 +243,8 @@ def parse_limits(text: str) -> dict[str, int | None]:
 @click.option("--preset-limits", "preset_limits", default=None, metavar="PRESET",
               help="Start from a preset's limits (phone, messaging) instead of the current grant's.")
 @click.option("--limits", "limits_spec", default=None, metavar="NAME=N,...",
-              help="Set single limits: requests_per_minute, concurrent_tasks, max_runtime_s, max_payload_bytes "
-                   "(N, or none for no limit).")
+              help="Set single limits: requests_per_minute, concurrent_tasks, max_runtime_s, max_payload_bytes, "
+                   "rpc_memory_mb (N, or none for no limit).")
 def grant(home: str | None, out: Output, peer: str, capabilities: tuple[str, ...], preset: str | None,
           expires: str | None, preset_limits: str | None, limits_spec: str | None) -> None:
     """Change what PEER may ask of this node: `+CAP` adds one, `-CAP` takes one away
