@@ -227,7 +227,8 @@ async def test_cli_json_keys_and_grant_limits(tmp_path: Path) -> None:
         assert set(granted) == {"peer", "delivered"} and granted["delivered"] is True
         assert granted["peer"]["granted"] == ["msg.send", "tool:test.held"]
         assert granted["peer"]["granted_limits"] == {"requests_per_minute": 30, "concurrent_tasks": 4,
-                                                     "max_runtime_s": None, "max_payload_bytes": 64 * 1024}
+                                                     "max_runtime_s": None, "max_payload_bytes": 64 * 1024,
+                                                     "rpc_memory_mb": None}
         shown = await run_cli(where, "peers")
         assert shown.returncode == 0 and "4 at once" in shown.stdout and "30 req/min" in shown.stdout
         assert "64 KiB payload" in shown.stdout and "s/task" not in shown.stdout  # cleared: no runtime limit
