@@ -104,6 +104,7 @@ from .api import (
 )
 from ...protocol.errors import PsymeshError
 from .decoding import StopScanner, Watch, is_utf8
+from .rpc import add_servers
 from ..formats.families import FAMILY_TOKENS
 from .sampling import grammar_allows, make_sampler
 
@@ -401,9 +402,12 @@ class ModelWorker(StreamingModel):
         if not s.path.is_file():
             raise ModelLoadError(f"model file not found: {s.path}")
         threads = s.n_threads or default_threads()
+        if s.rpc_servers:  # the split model's other parts: registered first, or Llama would not see them
+            add_servers(s.rpc_servers)
         try:
             llm = Llama(model_path=str(s.path), n_ctx=s.n_ctx, n_batch=s.n_batch, n_threads=threads,
-                        n_threads_batch=threads, verbose=False)
+                        n_threads_batch=threads, n_gpu_layers=s.n_gpu_layers,
+                        tensor_split=list(s.tensor_split) or None, verbose=False)
         except Exception as exc:  # llama-cpp-python raises bare ValueError/RuntimeError
             raise ModelLoadError(f"cannot load {s.path.name}: {exc}") from exc
         model = llm.model
