@@ -21,6 +21,7 @@ ALLOWED: dict[str, set[str]] = {
     "door": {"core", "net"},
     "reach": {"core", "net", "door"},
     "models": {"core"},
+    "compute": {"core", "net", "door"},
     "tasks": {"core", "net", "door", "models"},
     "messaging": {"core", "net", "door", "models"},
     "web": {"core", "net", "door"},
