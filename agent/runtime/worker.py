@@ -409,7 +409,10 @@ class ModelWorker(StreamingModel):
                         n_threads_batch=threads, n_gpu_layers=s.n_gpu_layers,
                         tensor_split=list(s.tensor_split) or None, verbose=False)
         except Exception as exc:  # llama-cpp-python raises bare ValueError/RuntimeError
-            raise ModelLoadError(f"cannot load {s.path.name}: {exc}") from exc
+            # A split model whose RPC server refused an allocation (its memory cap) fails here too,
+            # with llama.cpp's generic message: say where else to look.
+            hint = f" (or an RPC server of {', '.join(s.rpc_servers)} could not hold its part)" if s.rpc_servers else ""
+            raise ModelLoadError(f"cannot load {s.path.name}: {exc}{hint}") from exc
         model = llm.model
         self._cuttable = not (llama_cpp.llama_model_is_recurrent(model) or llama_cpp.llama_model_is_hybrid(model))
         return llm
