@@ -36,6 +36,7 @@ from pathlib import Path
 
 import anyio
 
+from _common import model_arguments
 from inference import bench_stream
 from psymesh.agent.runtime import rpc
 from psymesh.agent.runtime.api import ModelSettings
@@ -173,11 +174,7 @@ def _block_count(model: Path) -> int:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    p.add_argument("--model", type=Path, default=None, help="a GGUF to use instead of the BotPsy-shaped one")
-    p.add_argument("--wtype", default="Q4_K_M", choices=["Q4_K_M", "Q8_0", "Q4_0", "Q6_K", "F16"])
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--gen-tokens", type=int, default=32)
-    p.add_argument("--runs", type=int, default=5)
+    model_arguments(p)
     args = p.parse_args(argv)
     anyio.run(run, args)
 
