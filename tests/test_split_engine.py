@@ -8,11 +8,9 @@ stands in for the node's proxy (which carries the bytes over psymesh streams).
 """
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import selectors
-import signal
 import socket
 import subprocess
 import sys
@@ -70,17 +68,19 @@ def _read_line(proc: subprocess.Popen[bytes], deadline_s: float) -> bytes:
 
 
 @contextmanager
-def worker(tmp_path: Path, name: str, *args: str, preexec_fn: object = None) -> Iterator[Worker]:
-    """A worker child on `tmp_path/name/rpc.sock` (a 0700 folder), stopped by closing its stdin."""
+def worker(tmp_path: Path, name: str, *args: str, without_namespaces: bool = False) -> Iterator[Worker]:
+    """A worker child on `tmp_path/name/rpc.sock` (a 0700 folder), stopped by closing its stdin;
+    `without_namespaces`: on what looks to it like a machine that refuses namespaces."""
     folder = tmp_path / name
     folder.mkdir(mode=0o700)
     sock = folder / "rpc.sock"
     log = folder / "worker.log"
     with open(log, "wb") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "psymesh.node.compute.worker_child", "--socket", str(sock),
-                                 "--threads", "1", *args],
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
-                                preexec_fn=preexec_fn)  # type: ignore[arg-type]
+        command = [sys.executable, "-m", "psymesh.node.compute.worker_child", "--socket", str(sock), "--threads", "1",
+                   *args]
+        if without_namespaces:
+            command = [sys.executable, "-c", NO_NAMESPACES, *command[1:]]
+        proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err)
     try:
         line = _read_line(proc, READY_DEADLINE_S)
         yield Worker(proc, sock, json.loads(line) if line else {}, log)
@@ -263,20 +263,24 @@ async def test_a_worker_past_its_memory_cap_fails_the_load_not_the_owner_nor_its
 # --------------------------------------------------------------------------- isolation
 
 
-def _no_namespaces() -> None:
-    """In the child before exec: a user namespace of its own with no uid mapped (so no
-    capabilities after exec) that may not create another: a machine that refuses namespaces."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.unshare(0x10000000) != 0:  # CLONE_NEWUSER
-        raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWUSER)")
-    with open("/proc/sys/user/max_user_namespaces", "w") as f:
-        f.write("0")
+# Run before the worker, in a process of its own (single-threaded, so it may make a user namespace):
+# a user namespace with no uid mapped (so no capabilities after exec) that may create no other one:
+# a machine that refuses namespaces. Then it becomes the worker.
+NO_NAMESPACES = """
+import ctypes, os, sys
+libc = ctypes.CDLL(None, use_errno=True)
+if libc.unshare(0x10000000) != 0:  # CLONE_NEWUSER
+    sys.exit("unshare(CLONE_NEWUSER): " + os.strerror(ctypes.get_errno()))
+with open("/proc/sys/user/max_user_namespaces", "w") as f:
+    f.write("0")
+os.execv(sys.executable, [sys.executable, *sys.argv[1:]])
+"""
 
 
 def test_a_worker_that_cannot_have_a_namespace_refuses_to_start_saying_why(tmp_path: Path) -> None:
     if os.geteuid() != 0:
         pytest.skip("the test makes a namespace-less child from root")
-    with worker(tmp_path, "w", preexec_fn=_no_namespaces) as w:
+    with worker(tmp_path, "w", without_namespaces=True) as w:
         assert w.proc.wait(timeout=30) == 2
         assert "cannot make a private network namespace" in str(w.ready["error"])
         assert "--allow-shared-loopback" in str(w.ready["error"])
@@ -287,7 +291,7 @@ def test_with_shared_loopback_allowed_it_serves_and_says_so(tmp_path: Path) -> N
     if os.geteuid() != 0:
         pytest.skip("the test makes a namespace-less child from root")
     tmp_path.chmod(0o777)  # the child runs as an unmapped (nobody) uid
-    with worker(tmp_path, "w", "--allow-shared-loopback", preexec_fn=_no_namespaces) as w:
+    with worker(tmp_path, "w", "--allow-shared-loopback", without_namespaces=True) as w:
         assert w.ready["isolation"] == "shared-loopback"
         port = int(str(w.ready["port"]))
         socket.create_connection(("127.0.0.1", port), timeout=5).close()  # there for any local process
@@ -309,10 +313,20 @@ def test_a_second_connection_waits_and_a_third_is_turned_away_at_once(tmp_path: 
         # The second gets the server once the first is gone: llama.cpp answers a HELLO.
         second.settimeout(10)
         second.sendall(bytes([14]) + (24).to_bytes(8, "little") + bytes(24))  # RPC_CMD_HELLO, no capabilities
-        answer = second.recv(64)
+        answer = b""
+        while len(answer) < 11 and (chunk := second.recv(64)):  # its size (8 bytes), then major, minor, patch
+            answer += chunk
         assert answer[:8] == (28).to_bytes(8, "little") and list(answer[8:11]) == list(rpc.rpc_version() or ())
         second.close()
         third.close()
+
+
+def test_the_worker_process_imports_no_daemon_and_no_network_stack() -> None:
+    code = ("import sys, psymesh.node.compute.worker_child, psymesh.agent.runtime.rpc; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('trio', 'anyio', 'libp2p', 'llama_cpp') "
+            "or m.startswith('psymesh.node.') and not m.startswith('psymesh.node.compute')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "[]"
 
 
 def test_the_worker_exits_when_its_stdin_closes(tmp_path: Path) -> None:
