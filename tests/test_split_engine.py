@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Iterator
+import contextlib
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -101,6 +102,7 @@ class Forwarder:
 
     def __init__(self, target: Path) -> None:
         self.target = target
+        self.received = 0  # bytes from the worker to the owner
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.endpoint = f"127.0.0.1:{self.listener.getsockname()[1]}"
         threading.Thread(target=self._accept, daemon=True).start()
@@ -122,10 +124,22 @@ class Forwarder:
             except OSError:
                 return
             with unix:
-                back = threading.Thread(target=pump, args=(unix, conn), daemon=True)
+                back = threading.Thread(target=self._back, args=(unix, conn), daemon=True)
                 back.start()
                 pump(conn, unix)
                 back.join()
+
+    def _back(self, src: socket.socket, dst: socket.socket) -> None:
+        """pump(), counting."""
+        try:
+            while chunk := src.recv(1 << 20):
+                self.received += len(chunk)
+                dst.sendall(chunk)
+        except OSError:
+            pass
+        finally:
+            with contextlib.suppress(OSError):
+                dst.shutdown(socket.SHUT_WR)
 
     def close(self) -> None:
         self.listener.close()
@@ -189,6 +203,27 @@ async def test_a_model_split_across_workers_writes_what_the_whole_model_writes(
         assert split == whole
         for w in (a, b)[:workers]:  # the layers really went there
             assert "Accepted client connection" in w.log.read_text()
+
+
+@pytest.mark.anyio
+async def test_the_logits_stay_with_the_owner(tmp_path: Path) -> None:
+    """llama.cpp would put the output layer on the last worker and fetch every token's logits
+    from it (n_vocab floats: 256 KB a token here, ~1 MB for BotPsy); the owner keeps that layer,
+    so what comes back per token is about a hidden state (n_embd floats: 256 bytes here)."""
+    from psymesh.agent.runtime.testmodel import make_tiny_gguf
+
+    (tmp_path / "models").mkdir()
+    wide = make_tiny_gguf(tmp_path / "models", n_layer=N_LAYERS, vocab_size=65536)
+    with worker(tmp_path, "a") as a:
+        fwd = Forwarder(a.socket)
+        try:
+            async with ModelRunner(_settings(wide, [fwd.endpoint])) as runner:
+                loaded = fwd.received
+                done = await runner.complete(PROMPT, max_tokens=20, temperature=0, logit_bias=_endless(runner))
+                per_token = (fwd.received - loaded) / (done.prompt_tokens + done.tokens)
+        finally:
+            fwd.close()
+    assert per_token < 65536 * 4 / 16, per_token
 
 
 @pytest.mark.anyio

@@ -4,9 +4,10 @@ llama.cpp (ggml/src/ggml-rpc) ships both halves of model splitting, and we use t
 (no tensor protocol of ours): a *server* (:func:`serve`) that lends its CPU to whoever connects,
 and a *client* side in the process that loads the model, which registers each server as one more
 device (:func:`add_servers`) so that ``Llama(n_gpu_layers=..., tensor_split=...)`` puts layers on
-it. RPC devices count as GPUs, so llama.cpp offloads the model's *last* layers to them (and the
-output layer with them), split in registration order; the first layers stay on the local CPU
-(:func:`split_layers` computes both numbers).
+it. RPC devices count as GPUs, so llama.cpp offloads the model's *last* layers to them, split in
+registration order; the first layers stay on the local CPU (:func:`split_layers` computes both
+numbers). The output layer would go with the last ones; :func:`output_on_cpu` keeps it here, so
+that a token's logits are not sent back over the network.
 
 The protocol is TCP only (endpoint ``"host:port"``), unauthenticated and unencrypted: a server
 executes whatever graph a client sends and allocates what it asks for. That is why a worker runs
@@ -44,7 +45,8 @@ import re
 import subprocess
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
 from typing import NoReturn
@@ -56,6 +58,7 @@ __all__ = [
     "add_servers",
     "engine_build",
     "layer_counts",
+    "output_on_cpu",
     "rpc_available",
     "rpc_version",
     "serve",
@@ -78,15 +81,25 @@ def _package_dir() -> Path | None:
     return Path(spec.origin).parent
 
 
+def _soname(lib_dir: Path, stem: str) -> Path:
+    """The file of `stem` that libllama links against (its SONAME, e.g. libggml.so.0).
+
+    A wheel cannot hold symlinks, so libggml.so, libggml.so.0 and libggml.so.0.25.3 are three
+    copies of one library, and dlopen loads each copy apart: registering a server in the
+    libggml.so that llama_cpp's bindings opened leaves libllama's libggml.so.0 without it (the
+    model then loads all on the CPU). The shortest versioned name is the SONAME."""
+    versioned = sorted(lib_dir.glob(f"{stem}.so.[0-9]*"), key=lambda p: len(p.name))
+    return versioned[0] if versioned else lib_dir / f"{stem}.so"
+
+
 class _Ggml:
     """The few ggml entry points we call, with their C types."""
 
     def __init__(self, lib_dir: Path) -> None:
-        # Loading libggml also loads its backends (CPU, RPC) and registers them; dlopen hands back
-        # the same libraries llama_cpp loaded, if it did.
-        self.base = ctypes.CDLL(str(lib_dir / "libggml-base.so"))
-        self.ggml = ctypes.CDLL(str(lib_dir / "libggml.so"))
-        self.rpc = ctypes.CDLL(str(lib_dir / "libggml-rpc.so"))
+        # Loading libggml also loads its backends (CPU, RPC) and registers them.
+        self.base = ctypes.CDLL(str(_soname(lib_dir, "libggml-base")))
+        self.ggml = ctypes.CDLL(str(_soname(lib_dir, "libggml")))
+        self.rpc = ctypes.CDLL(str(_soname(lib_dir, "libggml-rpc")))
         for lib, name in ((self.base, "ggml_version"), (self.base, "ggml_commit")):
             fn = getattr(lib, name)
             fn.restype, fn.argtypes = ctypes.c_char_p, []
@@ -101,6 +114,8 @@ class _Ggml:
         self.ggml.ggml_backend_reg_dev_count.argtypes = [ctypes.c_void_p]
         self.ggml.ggml_backend_dev_by_type.restype = ctypes.c_void_p
         self.ggml.ggml_backend_dev_by_type.argtypes = [ctypes.c_int]
+        self.ggml.ggml_backend_dev_buffer_type.restype = ctypes.c_void_p
+        self.ggml.ggml_backend_dev_buffer_type.argtypes = [ctypes.c_void_p]
 
 
 @cache
@@ -219,6 +234,52 @@ def add_servers(endpoints: Sequence[str]) -> None:
             _registered.add(endpoint)
 
 
+class _TensorOverride(ctypes.Structure):
+    """struct llama_model_tensor_buft_override: a regex on tensor names, and a buffer type."""
+
+    _fields_ = [("pattern", ctypes.c_char_p), ("buft", ctypes.c_void_p)]
+
+
+# The output norm and the output matrix (or, tied, the token embedding it duplicates).
+_OUTPUT_TENSORS = rb"^(output|output_norm|token_embd)\."
+_output_overrides: ctypes.Array[_TensorOverride] | None = None  # kept alive: llama.cpp reads it while loading
+_params_lock = threading.Lock()
+
+
+@contextmanager
+def output_on_cpu() -> Iterator[None]:
+    """While entered, a ``Llama`` constructed in this process keeps the model's output layer on
+    the local CPU, whatever ``n_gpu_layers`` says.
+
+    llama.cpp offloads the output layer with the last offloaded layers, so the server holding
+    them computes the logits and sends all of them back every token: n_vocab floats, ~1 MB for
+    BotPsy's 248k vocabulary (measured: 64 MB back for 64 tokens, against ~3 MB sent). Kept
+    here, what crosses per token is the hidden state (n_embd floats, 4 KB). llama-cpp-python's
+    ``Llama`` does not expose ``tensor_buft_overrides`` and loads the model in its constructor,
+    so its ``llama_model_default_params`` is wrapped for the duration, under a lock."""
+    global _output_overrides
+    g = _loaded()
+    import llama_cpp.llama_cpp as bindings  # only the process that loads a model gets here
+
+    cpu = g.ggml.ggml_backend_dev_buffer_type(g.ggml.ggml_backend_dev_by_type(_DEVICE_TYPE_CPU))
+    if _output_overrides is None:
+        _output_overrides = (_TensorOverride * 2)(_TensorOverride(_OUTPUT_TENSORS, cpu), _TensorOverride(None, None))
+    overrides = ctypes.cast(_output_overrides, ctypes.c_void_p).value
+    with _params_lock:
+        default_params = bindings.llama_model_default_params
+
+        def with_overrides() -> bindings.llama_model_params:
+            params = default_params()
+            params.tensor_buft_overrides = overrides
+            return params
+
+        bindings.llama_model_default_params = with_overrides
+        try:
+            yield
+        finally:
+            bindings.llama_model_default_params = default_params
+
+
 def layer_counts(n_layers: int, shares: Sequence[float]) -> tuple[int, ...]:
     """How many of the model's `n_layers` repeating layers each part holds: `shares[0]` is the
     owner's own CPU, the rest the workers in order (largest remainders round). Every worker
@@ -245,12 +306,13 @@ def split_layers(n_layers: int, shares: Sequence[float]) -> tuple[int, tuple[flo
     each worker's in registration order.
 
     llama.cpp counts the output layer as one more offloadable layer after the last repeating one,
-    so ``n_gpu_layers`` is the offloaded layers plus one (the output goes with the last worker),
-    and it assigns offloaded entry ``e`` of ``A`` to the first device whose cumulative split
-    exceeds ``e / A``. Cumulative splits set half a layer before each boundary land every layer
-    where it belongs whatever the float rounding: 3 even parts of 24 layers give 8 local layers
-    and ``(17, (7.5, 9.5))``: 8 layers for each worker, the output with
-    the second. With no worker (one share) nothing is offloaded: ``(0, ())``."""
+    so ``n_gpu_layers`` is the offloaded layers plus one (the output's entry goes with the last
+    worker; :func:`output_on_cpu`, which the engine uses, keeps the layer itself local), and it
+    assigns offloaded entry ``e`` of ``A`` to the first device whose cumulative split exceeds
+    ``e / A``. Cumulative splits set half a layer before each boundary land every layer where it
+    belongs whatever the float rounding: 3 even parts of 24 layers give 8 local layers and
+    ``(17, (7.5, 9.5))``: 8 layers for each worker. With no worker (one share) nothing is
+    offloaded: ``(0, ())``."""
     counts = layer_counts(n_layers, shares)
     workers = counts[1:]
     if not workers:
