@@ -11,7 +11,9 @@ asks for, with no authentication. So nothing of it may be reachable except throu
    127.0.0.1:RPC_PORT inside it, where no other process on the machine can connect. If no
    namespace can be made it refuses to start, saying why, unless ``--allow-shared-loopback``
    (the RPC port is then on the machine's loopback, and the ready line says so).
-2. ``--memory-mb`` caps its address space (RLIMIT_AS), so a peer's allocations past the budget
+2. Started as root, it becomes nobody (uid and gid 65534, no supplementary groups, no new
+   privileges) once the namespace and its socket are made, before the server starts.
+   ``--memory-mb`` caps its address space (RLIMIT_AS), so a peer's allocations past the budget
    fail in this process (llama.cpp answers a failed allocation with a null buffer: the peer's
    load fails) or end it, never the node.
 3. It listens on the Unix socket PATH (in a 0700 folder the node owns; pathname sockets are
@@ -57,6 +59,8 @@ _CLONE_NEWUSER = 0x10000000
 _SIOCGIFFLAGS = 0x8913
 _SIOCSIFFLAGS = 0x8914
 _IFF_UP = 0x1
+_PR_SET_NO_NEW_PRIVS = 38
+NOBODY = 65534  # the uid and gid a worker started as root serves as
 _IFREQ = struct.Struct("16sH22x")  # struct ifreq: the name, then ifr_flags in the union (40 bytes)
 
 
@@ -92,6 +96,20 @@ def _private_network() -> None:
         got = fcntl.ioctl(s.fileno(), _SIOCGIFFLAGS, _IFREQ.pack(b"lo", 0))
         flags = _IFREQ.unpack(got)[1]
         fcntl.ioctl(s.fileno(), _SIOCSIFFLAGS, _IFREQ.pack(b"lo", flags | _IFF_UP))
+
+
+def _drop_root() -> None:
+    """As root, become nobody once what needs root is done (the namespace, the socket in the
+    node's 0700 folder): llama.cpp's RPC server parses whatever a peer sends, and a bug in it
+    should not hand that peer root. No new privileges after that (no setuid binaries)."""
+    if os.geteuid() != 0:
+        return
+    import encodings.idna  # noqa: F401  (what connecting to "127.0.0.1" imports: nobody may not read our Python)
+
+    os.setgroups([])
+    os.setgid(NOBODY)
+    os.setuid(NOBODY)
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
 
 
 def _limit_memory(limit_mb: int | None) -> None:
@@ -257,15 +275,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not rpc_available() or version is None:
             raise Refused("this llama-cpp-python has no RPC backend (rebuild it with -DGGML_RPC=ON: "
                           "scripts/bootstrap.sh)")
+        build = engine_build()
+        listener = _listen(args.socket)
+        _drop_root()
         server = _Server(port, args.threads or default_threads())
         server.start()
-        listener = _listen(args.socket)
     except (Refused, OSError) as exc:
         print(f"worker: {exc}", file=sys.stderr)
         say({"error": str(exc)})
         return 2
     threading.Thread(target=_Splicer(listener, port).run, name="rpc-accept", daemon=True).start()
-    say({"rpc": list(version), "build": engine_build(), "isolation": isolation, "port": port,
+    say({"rpc": list(version), "build": build, "isolation": isolation, "port": port,
          "memory_mb": args.memory_mb})
     try:
         while sys.stdin.buffer.read1(65536):  # until the node closes our stdin
