@@ -180,7 +180,7 @@ def test_a_worker_says_what_it_speaks_and_how_it_is_isolated(tmp_path: Path) -> 
         pytest.skip("the namespace worker test runs as root (an unprivileged user namespace may be refused)")
     with worker(tmp_path, "w", "--memory-mb", "2048") as w:
         assert w.ready == {"rpc": list(rpc.rpc_version() or ()), "build": rpc.engine_build(), "isolation": "netns",
-                           "port": 50052, "memory_mb": 2048}
+                           "port": 50052, "memory_mb": 2048, "threads": 1}
         assert w.socket.is_socket() and (w.socket.stat().st_mode & 0o077) == 0
         status = Path(f"/proc/{w.proc.pid}/status").read_text()
         uids = next(ln for ln in status.splitlines() if ln.startswith("Uid:")).split()[1:]

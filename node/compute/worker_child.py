@@ -25,7 +25,7 @@ asks for, with no authentication. So nothing of it may be reachable except throu
    meanwhile, or one still waiting after that, is closed at once with nothing sent (busy).
 
 stdout carries one JSON line: ``{"rpc": [7, 0, 0], "build": "...", "isolation": "netns" |
-"shared-loopback", "port": N, "memory_mb": N | null}`` once it serves, or ``{"error": "..."}``
+"shared-loopback", "port": N, "memory_mb": N | null, "threads": N}`` once it serves, or ``{"error": "..."}``
 when it will not (exit status 2). Everything else, llama.cpp's own prints to stdout included,
 goes to stderr. It exits when its stdin closes (the node stopped or died: no orphan).
 
@@ -278,7 +278,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         build = engine_build()
         listener = _listen(args.socket)
         _drop_root()
-        server = _Server(port, args.threads or default_threads())
+        threads = args.threads or default_threads()
+        server = _Server(port, threads)
         server.start()
     except (Refused, OSError) as exc:
         print(f"worker: {exc}", file=sys.stderr)
@@ -286,7 +287,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     threading.Thread(target=_Splicer(listener, port).run, name="rpc-accept", daemon=True).start()
     say({"rpc": list(version), "build": build, "isolation": isolation, "port": port,
-         "memory_mb": args.memory_mb})
+         "memory_mb": args.memory_mb, "threads": threads})
     try:
         while sys.stdin.buffer.read1(65536):  # until the node closes our stdin
             pass
