@@ -2,6 +2,7 @@
 the durability floor (one durable SQLite commit on this disk) with a trace of the WAL syncs a task waits for."""
 from __future__ import annotations
 
+import argparse
 import os
 import statistics
 import subprocess
@@ -17,6 +18,15 @@ def spawn_server(code: str) -> tuple[subprocess.Popen[str], int]:
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     return proc, int(proc.stdout.readline())
+
+
+def model_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of a benchmark on the BotPsy-shaped model (or another GGUF)."""
+    p.add_argument("--model", type=Path, default=None, help="a GGUF to use instead of the BotPsy-shaped one")
+    p.add_argument("--wtype", default="Q4_K_M", choices=["Q4_K_M", "Q8_0", "Q4_0", "Q6_K", "F16"])
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--gen-tokens", type=int, default=32)
+    p.add_argument("--runs", type=int, default=5)
 
 
 def summarize(samples_ms: list[float]) -> tuple[float, float]:

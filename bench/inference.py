@@ -69,6 +69,7 @@ from psymesh.agent.runtime.worker import ModelWorker
 from psymesh.node.models import ModelRunner
 from psymesh.agent.runtime.testmodel import make_botpsy_shaped_gguf
 from psymesh.agent.acting.tools import ToolContext, ToolRegistry
+from _common import model_arguments
 
 ROOT = Path(__file__).resolve().parent.parent
 SHORT_PROMPT = "<|im_start|>user\nTell me a story about a robot.<|im_end|>\n<|im_start|>assistant\n"
@@ -651,11 +652,7 @@ def _print_rows(rows: list[tuple[str, str]]) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    p.add_argument("--model", type=Path, default=None, help="a GGUF to use instead of the BotPsy-shaped one")
-    p.add_argument("--wtype", default="Q4_K_M", choices=["Q4_K_M", "Q8_0", "Q4_0", "Q6_K", "F16"])
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--gen-tokens", type=int, default=32)
-    p.add_argument("--runs", type=int, default=5)
+    model_arguments(p)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--keep-alive", type=float, default=3.0, help="the memory part's keep-alive, in seconds")
     p.add_argument("--real", action="store_true", help="only the real model's rows (part 4)")

@@ -53,9 +53,36 @@ fi
 
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip setuptools wheel
-# llama-cpp-python has no wheels on the index: it builds from source (~5 min once; pip caches the wheel).
+# llama-cpp-python has no wheels on the index: it builds from source (~5 min once).
 # Portable build: the native one (-march=native, AMX) segfaults on quantized models on some CPUs.
-CMAKE_ARGS="${CMAKE_ARGS:--DGGML_NATIVE=OFF}" .venv/bin/python -m pip install -q -e ".[dev]"
+# With llama.cpp's RPC backend (-DGGML_RPC=ON): a model split across homes (agent/runtime/rpc.py).
+# pip's own wheel cache keys a built wheel on the sdist alone, not on CMAKE_ARGS: a machine that once
+# built it without RPC would get that wheel back. So the wheel is built here, with pip's cache off,
+# into a folder of ours named after the version and the flags, and installed from there before
+# psymesh (pip then finds it satisfied); a later clone on this machine reuses it.
+LLAMA_PIN=$(sed -n 's/^ *"\(llama-cpp-python==[^"]*\)".*/\1/p' pyproject.toml)
+LLAMA_CMAKE_ARGS="${CMAKE_ARGS:--DGGML_NATIVE=OFF} -DGGML_RPC=ON"
+has_rpc() {  # the installed llama-cpp-python is the pinned one and has ggml's RPC library
+  .venv/bin/python - "${LLAMA_PIN#*==}" <<'PYEOF' 2>/dev/null
+import importlib.metadata, importlib.util, pathlib, sys
+spec = importlib.util.find_spec("llama_cpp")
+ok = (spec is not None and importlib.metadata.version("llama_cpp_python") == sys.argv[1]
+      and any(pathlib.Path(spec.origin).parent.joinpath("lib").glob("libggml-rpc.so*")))
+sys.exit(0 if ok else 1)
+PYEOF
+}
+if ! has_rpc; then
+  WHEELS="${XDG_CACHE_HOME:-$HOME/.cache}/psymesh/wheels/$LLAMA_PIN-$(printf '%s' "$LLAMA_CMAKE_ARGS" | sha256sum | cut -c1-12)"
+  if ! ls "$WHEELS"/llama_cpp_python-*.whl >/dev/null 2>&1; then
+    echo "building $LLAMA_PIN with $LLAMA_CMAKE_ARGS (about 5 minutes, once per machine) into $WHEELS" >&2
+    mkdir -p "$WHEELS"
+    CMAKE_ARGS="$LLAMA_CMAKE_ARGS" .venv/bin/python -m pip wheel -q --no-cache-dir --no-deps \
+      --no-binary llama-cpp-python -w "$WHEELS" "$LLAMA_PIN"
+  fi
+  .venv/bin/python -m pip install -q --force-reinstall --no-deps "$WHEELS"/llama_cpp_python-*.whl
+fi  # (its dependencies come with psymesh's, next)
+.venv/bin/python -m pip install -q -e ".[dev]"
+has_rpc || { echo "llama-cpp-python has no RPC backend after the build; see the pip output above" >&2; exit 1; }
 # BFCL's own package, for its data (every v4 category's questions and answers), its multi-turn
 # backends and its multi-turn checker. Pinned; --no-deps because its declared dependencies are every
 # model vendor's SDK, vllm-era numpy and sentence-transformers, none of which the parts we import use

@@ -125,6 +125,12 @@ class ModelSettings(BaseModel):
     # which llama.cpp's allocation fails and the runner dies as a clean ModelCrashed.
     keep_alive_s: float | None = Field(300.0, ge=0)
     memory_limit_mb: int | None = Field(None, ge=64)
+    # A model split across other processes (agent/runtime/rpc.py): llama.cpp RPC servers
+    # ("host:port", in order), how many of its last layers go to them (the output layer counts as
+    # one) and how they share them; rpc.split_layers computes the last two from the layer count.
+    rpc_servers: tuple[str, ...] = ()
+    n_gpu_layers: int = Field(0, ge=0)
+    tensor_split: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -78,7 +78,7 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from contextlib import aclosing
+from contextlib import aclosing, nullcontext
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
@@ -104,6 +104,7 @@ from .api import (
 )
 from ...protocol.errors import PsymeshError
 from .decoding import StopScanner, Watch, is_utf8
+from .rpc import add_servers, output_on_cpu
 from ..formats.families import FAMILY_TOKENS
 from .sampling import grammar_allows, make_sampler
 
@@ -401,11 +402,18 @@ class ModelWorker(StreamingModel):
         if not s.path.is_file():
             raise ModelLoadError(f"model file not found: {s.path}")
         threads = s.n_threads or default_threads()
+        if s.rpc_servers:  # the split model's other parts: registered first, or Llama would not see them
+            add_servers(s.rpc_servers)
         try:
-            llm = Llama(model_path=str(s.path), n_ctx=s.n_ctx, n_batch=s.n_batch, n_threads=threads,
-                        n_threads_batch=threads, verbose=False)
+            with output_on_cpu() if s.rpc_servers else nullcontext():  # the logits stay here (see rpc.py)
+                llm = Llama(model_path=str(s.path), n_ctx=s.n_ctx, n_batch=s.n_batch, n_threads=threads,
+                            n_threads_batch=threads, n_gpu_layers=s.n_gpu_layers,
+                            tensor_split=list(s.tensor_split) or None, verbose=False)
         except Exception as exc:  # llama-cpp-python raises bare ValueError/RuntimeError
-            raise ModelLoadError(f"cannot load {s.path.name}: {exc}") from exc
+            # A split model whose RPC server refused an allocation (its memory cap) fails here too,
+            # with llama.cpp's generic message: say where else to look.
+            hint = f" (or an RPC server of {', '.join(s.rpc_servers)} could not hold its part)" if s.rpc_servers else ""
+            raise ModelLoadError(f"cannot load {s.path.name}: {exc}{hint}") from exc
         model = llm.model
         self._cuttable = not (llama_cpp.llama_model_is_recurrent(model) or llama_cpp.llama_model_is_hybrid(model))
         return llm

@@ -149,6 +149,10 @@ async def main() -> None:
     # afterwards (llama.cpp, ggml) goes to stderr, the runner's log, instead of into them.
     out_fd = os.dup(1)
     os.dup2(2, 1)
+    # When ggml aborts (GGML_ABORT: a split model's RPC server gone, for one) it prints its reason,
+    # then by default forks gdb to attach to us: seconds more to die, and gdb's last line in our log
+    # where the node looks for the reason (ModelCrashed's `log`). The reason alone, then.
+    os.environ.setdefault("GGML_NO_BACKTRACE", "1")
     r = _Runner(trio.lowlevel.FdStream(out_fd), trio.lowlevel.FdStream(os.dup(0)))
     first = await r.receive()
     if not isinstance(first, Load):

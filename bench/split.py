@@ -1,0 +1,183 @@
+"""Split-model benchmark: a BotPsy-shaped model whole, and split across processes on llama.cpp's RPC.
+
+One run measures, on the same random-weight model with BotPsy-0.8B's exact shapes:
+
+* **unsplit**: the model in one runner process (node/models/runner.py), the baseline;
+* **plain RPC**: the same runner with its layers cut in three even parts (agent/runtime/rpc.py's
+  ``split_layers``): the first third on its own CPU, a third on each of two llama.cpp RPC servers
+  (``rpc.serve``), each its own process, the runner connecting to their TCP ports directly, as
+  llama.cpp's ``--rpc`` does;
+* **over psymesh streams**: the same split, the bytes carried between daemons by psymesh
+  (the lead's half: see :func:`psymesh_stream_endpoints`, the one place to fill in).
+
+For each: the time to load (runner start to ready: for a split model, every offloaded weight is
+sent to its server), the first token's latency and tokens/s as the caller of the runner sees
+them (bench/inference.py's ``bench_stream``), each with its ratio to the unsplit run of this same
+run. On one machine the split cannot be faster (the parts run one after another and the bytes
+between them cross loopback sockets); what it shows is the cost of the split itself.
+
+    .venv/bin/python bench/split.py                  # Q4_K_M, 2 threads, 5 runs
+    .venv/bin/python bench/split.py --model tiny.gguf --runs 1 --gen-tokens 8   # a smoke run
+
+Every loop is bounded by --runs and --gen-tokens; the servers are stopped at the end.
+"""
+from __future__ import annotations
+
+import argparse
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import anyio
+
+from _common import model_arguments
+from inference import bench_stream
+from psymesh.agent.runtime import rpc
+from psymesh.agent.runtime.api import ModelSettings
+from psymesh.agent.runtime.testmodel import make_botpsy_shaped_gguf
+from psymesh.node.models.ggufheader import read_gguf_header
+
+ROOT = Path(__file__).resolve().parent.parent
+LISTEN_DEADLINE_S = 60.0
+
+
+@dataclass
+class Row:
+    label: str
+    load_s: float
+    first_s: list[float]
+    rate: list[float]
+
+    @property
+    def first(self) -> float:
+        return statistics.median(self.first_s)
+
+    @property
+    def tps(self) -> float:
+        return statistics.median(self.rate)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextmanager
+def plain_rpc_servers(n: int, threads: int) -> Iterator[list[str]]:
+    """`n` llama.cpp RPC servers (rpc.serve), each its own process on a loopback port."""
+    procs: list[subprocess.Popen[bytes]] = []
+    endpoints = []
+    try:
+        for _ in range(n):
+            endpoint = f"127.0.0.1:{_free_port()}"
+            procs.append(subprocess.Popen(
+                [sys.executable, "-c", f"from psymesh.agent.runtime.rpc import serve; serve({endpoint!r}, threads={threads})"],
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            endpoints.append(endpoint)
+        for proc, endpoint in zip(procs, endpoints):
+            host, port = endpoint.rsplit(":", 1)
+            deadline = time.monotonic() + LISTEN_DEADLINE_S
+            while True:  # bounded: the server listens within the deadline, or the bench stops
+                if proc.poll() is not None:
+                    raise RuntimeError(f"the RPC server on {endpoint} exited ({proc.returncode})")
+                try:
+                    socket.create_connection((host, int(port)), timeout=1).close()
+                    break
+                except OSError:
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"the RPC server on {endpoint} did not listen") from None
+                    time.sleep(0.05)
+        yield endpoints
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+
+
+async def measure(label: str, model: Path, endpoints: list[str], args: argparse.Namespace) -> Row:
+    """Load `model` in a runner, split over `endpoints` (none: whole), and time `args.runs` generations.
+
+    The one function every row goes through, whatever carries the RPC bytes: give it the
+    endpoints ("host:port") the runner's llama.cpp should connect to."""
+    from psymesh.node.models import ModelRunner
+
+    n_gpu_layers, split = rpc.split_layers(args.layers, [1.0] * (len(endpoints) + 1))
+    settings = ModelSettings(path=model, n_ctx=4096, n_threads=args.threads, keep_alive_s=None,
+                             rpc_servers=tuple(endpoints), n_gpu_layers=n_gpu_layers, tensor_split=split)
+    runner = ModelRunner(settings)
+    try:
+        t0 = time.perf_counter()
+        info = await runner.start()
+        load_s = time.perf_counter() - t0
+        no_eog = {t: float("-inf") for t in info.eog_token_ids}
+        firsts, rates = [], []
+        for _ in range(args.runs):
+            rate, first, _wall = await bench_stream(runner, args.gen_tokens, no_eog)
+            firsts.append(first)
+            rates.append(rate)
+        return Row(label, load_s, firsts, rates)
+    finally:
+        await runner.aclose()
+
+
+# ------------------------------------------------------------------ over psymesh streams (the lead's half)
+async def psymesh_stream_endpoints(args: argparse.Namespace) -> list[str] | None:
+    """THE LEAD'S ROW GOES HERE: start two daemons lending their CPU (`psymesh worker start`), pair
+    them with the owner, and return the owner-side proxy endpoints ("127.0.0.1:PORT", one per
+    worker) that carry llama.cpp's RPC bytes over psymesh streams; `run` then measures them with
+    :func:`measure` beside the plain RPC row. None: the row is left out."""
+    return None
+
+
+def _row_text(row: Row, base: Row) -> str:
+    return (f"load {row.load_s:6.2f} s ({row.load_s / base.load_s:4.2f}x)   "
+            f"first token {row.first * 1000:7.1f} ms ({row.first / base.first:4.2f}x)   "
+            f"{row.tps:6.2f} tok/s ({row.tps / base.tps:4.2f}x)   "
+            f"runs: {', '.join(f'{r:.2f}' for r in row.rate)}")
+
+
+async def run(args: argparse.Namespace) -> None:
+    if not rpc.rpc_available():
+        sys.exit("this llama-cpp-python has no RPC backend: run scripts/bootstrap.sh")
+    t0 = time.perf_counter()
+    model = args.model or make_botpsy_shaped_gguf(ROOT / ".bench", wtype=args.wtype, n_threads=args.threads)
+    args.layers = _block_count(model)
+    print(f"model: {model.name} ({model.stat().st_size / 1e9:.2f} GB, {args.layers} layers), ready in "
+          f"{time.perf_counter() - t0:.1f} s; {args.threads} threads each; {rpc.engine_build()}")
+    counts = rpc.layer_counts(args.layers, [1.0, 1.0, 1.0])
+    rows = [await measure("unsplit", model, [], args)]
+    with plain_rpc_servers(2, args.threads) as endpoints:
+        rows.append(await measure(f"plain RPC {'+'.join(map(str, counts))}", model, endpoints, args))
+    streams = await psymesh_stream_endpoints(args)
+    if streams is not None:
+        rows.append(await measure(f"psymesh {'+'.join(map(str, counts))}", model, streams, args))
+    width = max(len(r.label) for r in rows)
+    print()
+    for row in rows:
+        print(f"{row.label:<{width}}  {_row_text(row, rows[0])}")
+
+
+def _block_count(model: Path) -> int:
+    header = read_gguf_header(model)
+    n = header.int(f"{header.architecture}.block_count")
+    if n is None:
+        sys.exit(f"{model} names no block_count")
+    return n
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    model_arguments(p)
+    args = p.parse_args(argv)
+    anyio.run(run, args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
