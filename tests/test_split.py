@@ -22,7 +22,6 @@ from psymesh.agent.runtime.api import ModelCrashed
 from psymesh.agent.runtime.testmodel import tiny_model_path
 from psymesh.node.control.client import Client
 from psymesh.protocol.errors import PsymeshError
-from psymesh.protocol.limits import Limits
 
 pytestmark = pytest.mark.anyio
 N = 16
@@ -37,7 +36,7 @@ def six_layers(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tiny_model_path(tmp_path_factory.getbasetemp() / "models", n_layer=6)
 
 
-async def lenders(nodes, owner: str, *workers: str, limits: Limits | None = None) -> list[str]:
+async def lenders(nodes, owner: str, *workers: str, rpc_memory_mb: int = 512) -> list[str]:
     """Each of `workers` lends its compute and grants `owner` compute.rpc; their peer ids."""
     ids = []
     for name in workers:
@@ -45,7 +44,7 @@ async def lenders(nodes, owner: str, *workers: str, limits: Limits | None = None
         await worker.worker.start()
         await pair(worker.home.path, nodes[owner].home.path, grant="messaging", grant_back=None)
         async with Client(worker.home.path) as c:
-            await c.grant(owner, ["compute.rpc"], limits=limits or Limits(rpc_memory_mb=512))
+            await c.grant(owner, add=["compute.rpc"], set_limits={"rpc_memory_mb": rpc_memory_mb})
         ids.append(worker.identity.peer_id)
     return ids
 
@@ -73,10 +72,12 @@ async def test_a_model_split_two_and_three_ways_writes_what_the_whole_model_writ
         # a paired phone's delegated task runs on the split model like on any other
         await pair(home.home.path, nodes["phone"].home.path, grant="phone")
         async with Client(nodes["phone"].home.path) as phone:
-            task = await phone.delegate("home", infer=[{"role": "user", "content": "Say something."}], model="three",
-                                        max_tokens=N, params={"temperature": 0})
-            delegated = await task.result()
-        assert delegated.text == whole
+            delegated = {}
+            for model in ("whole", "three"):
+                task = await phone.delegate("home", infer=[{"role": "user", "content": "Say something."}],
+                                            model=model, max_tokens=N, params={"temperature": 0})
+                delegated[model] = (await task.result()).text
+        assert delegated["three"] == delegated["whole"] != ""
         async with Client(home.home.path) as c:
             [shown] = [m for m in await c.models_ps() if m.name == "three"]
         assert shown.split == ["laptop", "tablet"] and [s.layers for s in shown.shares] == [2, 2, 2]

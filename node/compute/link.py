@@ -67,17 +67,17 @@ class RpcLinks:
         self._lock = anyio.Lock()
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
-        async with anyio.create_task_group() as tg:
-            self._tg = tg
-            task_status.started()
-            try:
+        try:
+            async with anyio.create_task_group() as tg:
+                self._tg = tg
+                task_status.started()
                 await anyio.sleep_forever()
-            finally:
-                self._tg = None
-                for link in self._links.values():
-                    if link.listener is not None:
-                        with anyio.CancelScope(shield=True):
-                            await link.listener.aclose()
+        finally:  # the listeners' serving tasks have ended: closing them now wakes none
+            self._tg = None
+            for link in self._links.values():
+                if link.listener is not None:
+                    with anyio.CancelScope(shield=True):
+                        await link.listener.aclose()
 
     async def endpoint(self, peer_id: str) -> str:
         """`127.0.0.1:P`, where this node's runner reaches worker `peer_id` (opened on first use)."""

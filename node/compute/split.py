@@ -2,7 +2,8 @@
 
 A model added with `--split PEER[,PEER...]` runs its first layers on this node's CPU and the
 rest on the workers, evenly (llama.cpp offloads the *last* `n_gpu_layers` layers to its RPC
-devices, split among them by `tensor_split`). Before each load (the first request, after a
+devices, split among them by `tensor_split`; agent/runtime/rpc.py's `split_layers` computes both
+and keeps the output layer, and so the logits, here). Before each load (the first request, after a
 keep-alive exit, after a crash) every worker is asked, all at once, whether it serves us and
 with what budget (`rpc.offer` with `probe`). A worker that does not answer, refuses or whose
 share would not fit its budget is, by the model's `on_worker_loss`:
@@ -25,20 +26,12 @@ from ..models.ggufheader import read_gguf_header
 from ..models.runner import Share
 from .link import RpcLinks
 from ...agent.runtime.api import ModelSettings
+from ...agent.runtime.rpc import layer_counts, split_layers
 from ...protocol.compute import RpcAccept
 from ...protocol.errors import ErrorCode, PsymeshError
 
 OnWorkerLoss = Literal["reload", "wait"]
 PROBE_TIMEOUT_S = 10.0
-
-
-def split_layers(n_layers: int, parts: int) -> tuple[int, tuple[float, ...]]:
-    """Even shares of `n_layers` over this node and `parts - 1` workers: (layers offloaded to
-    the workers, llama.cpp's `tensor_split` among them). This node keeps the remainder."""
-    if parts < 2 or n_layers < parts:
-        return 0, ()
-    each = n_layers // parts
-    return each * (parts - 1), tuple(1.0 for _ in range(parts - 1))
 
 
 def block_count(path: Path) -> int:
@@ -86,15 +79,21 @@ class SplitPlacement:
         left_out: dict[str, str] = {}
         while True:
             kept = [p for p in self.peers if isinstance(answers[p], RpcAccept) and p not in left_out]
-            offloaded, tensor_split = split_layers(n_layers, len(kept) + 1)
-            each = offloaded // len(kept) if kept else 0
-            too_small = [p for p in kept if (b := answers[p].memory_mb) is not None  # type: ignore[union-attr]
-                         and size_mb * each / n_layers > b]
+            if len(kept) >= n_layers:  # every part holds a layer at least: the last ones wait
+                for p in kept[n_layers - 1:]:
+                    left_out[p] = f"{base.path.name} has only {n_layers} layers"
+                continue
+            counts = layer_counts(n_layers, [1.0] * (len(kept) + 1))
+            held = dict(zip(kept, counts[1:]))
+            too_small = {p: size_mb * held[p] / n_layers for p in kept
+                         if (b := answers[p].memory_mb) is not None  # type: ignore[union-attr]
+                         and size_mb * held[p] / n_layers > b}
             if not too_small:
                 break
-            for p in too_small:
+            for p, mb in too_small.items():
                 left_out[p] = (f"its budget ({answers[p].memory_mb} MB) is less than its share of "  # type: ignore[union-attr]
-                               f"{base.path.name} (about {size_mb * each / n_layers:.0f} MB)")
+                               f"{base.path.name} (about {mb:.0f} MB)")
+        offloaded, tensor_split = split_layers(n_layers, [1.0] * (len(kept) + 1))
         for p in self.peers:
             answer = answers[p]
             if isinstance(answer, PsymeshError):
@@ -105,14 +104,13 @@ class SplitPlacement:
                                code=ErrorCode.UNAVAILABLE, details={"worker": p})
         endpoints = [await self.links.endpoint(p) for p in kept]
         self._loaded_at = self.clock()
-        local = n_layers - offloaded
-        shares = [Share("this node", None, local, None, "local")]
+        shares = [Share("this node", None, counts[0], None, "local")]
         for p in self.peers:
             if p in kept:
                 answer = answers[p]
                 assert isinstance(answer, RpcAccept)
                 how = self.relayed(p)
-                shares.append(Share(self.label(p), p, each, answer.memory_mb,
+                shares.append(Share(self.label(p), p, held[p], answer.memory_mb,
                                     "relayed" if how else "direct" if how is not None else "connected"))
             else:
                 shares.append(Share(self.label(p), p, 0, None, f"left out: {left_out[p]}"))

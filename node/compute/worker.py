@@ -44,6 +44,7 @@ log = logging.getLogger("psymesh.worker")
 
 OFFER_TIMEOUT_S = 10.0   # an opened stream must say what it wants within this
 READY_TIMEOUT_S = 60.0   # the child's ready line (it imports llama.cpp and enters its namespace)
+HANDOVER_GRACE_S = 5.0   # a served owner's next connection waits this long for its previous one
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,7 @@ class Serving:
     traffic: Traffic = field(default_factory=Traffic)
     scope: anyio.CancelScope = field(default_factory=anyio.CancelScope)
     cut: PsymeshError | None = None
+    done: anyio.Event = field(default_factory=anyio.Event)
 
 
 @dataclass(frozen=True)
@@ -224,6 +226,8 @@ class WorkerService:
             ready = await self._ready_child()
             check_versions(ready.rpc, offer.rpc, ours_build=ready.build, theirs_build=offer.build,
                            who=self.trust.label(peer_id))
+            if not offer.probe:
+                await self._handover(peer_id)
             if self._serving is not None and not offer.probe:
                 raise PsymeshError(f"{self.name} lends its compute to {self.trust.label(self._serving.peer_id)} now; "
                                    "it serves one split model at a time", code=ErrorCode.BUSY, retry_after=5.0)
@@ -245,12 +249,24 @@ class WorkerService:
                 await splice(framed.stream, AnyioByteStream(sock), first=framed.channel.detach(), watch=guard.feed,
                              traffic=serving.traffic)
         except OSError as exc:
-            raise PsymeshError(f"{self.name}'s worker is not answering ({exc.strerror}); it restarts on the next "
-                               "stream", code=ErrorCode.UNAVAILABLE) from None
+            serving.cut = PsymeshError(f"{self.name}'s worker is not answering ({exc.strerror}); it restarts on the "
+                                       "next stream", code=ErrorCode.UNAVAILABLE)
+            raise serving.cut from None
         finally:
             self._serving = None
             self._served += 1
+            serving.done.set()
             self._finish(serving)
+
+    async def _handover(self, peer_id: str) -> None:
+        """llama.cpp's client opens consecutive connections while it loads a model (a device
+        count, the model's buffers), each closed just before the next opens; through the owner's
+        link the previous stream's end may reach us after the next one's start. A stream from
+        the owner served now waits up to HANDOVER_GRACE_S for the previous one to end; another
+        peer's is refused busy at once."""
+        with anyio.move_on_after(HANDOVER_GRACE_S):
+            while (serving := self._serving) is not None and serving.peer_id == peer_id:
+                await serving.done.wait()
 
     def _finish(self, serving: Serving) -> None:
         t = serving.traffic

@@ -46,6 +46,8 @@ from ...protocol.runner import (
     Tokens,
 )
 
+FIRST_REQUEST_GRACE_S = 5.0  # a runner just loaded waits at least this for the request it was loaded for
+
 if TYPE_CHECKING:
     from ...agent.runtime.worker import ModelWorker
 
@@ -131,11 +133,15 @@ async def _serve(r: _Runner, worker: ModelWorker, job: Generate | Tokenize) -> N
 
 async def _leave_when_idle(r: _Runner, keep_alive_s: float, scope: trio.CancelScope) -> None:
     """Say bye and end the runner once no request has run for `keep_alive_s` (one timer,
-    armed only while idle)."""
+    armed only while idle). Just loaded, it waits at least FIRST_REQUEST_GRACE_S: the request
+    that made the node load it follows our Ready, and `keep_alive_s` 0 ("unload after each
+    request") must not end the runner before that request arrives."""
+    wait = max(keep_alive_s, FIRST_REQUEST_GRACE_S)
     while True:
         await r.idle.wait()
         r.woken = trio.Event()
-        with trio.move_on_after(keep_alive_s):
+        with trio.move_on_after(wait):
+            wait = keep_alive_s
             await r.woken.wait()
             continue
         if not r.jobs:
