@@ -92,7 +92,7 @@ async def test_only_a_peer_granted_compute_rpc_reaches_the_worker(tmp_path):
 
 
 async def test_a_version_mismatch_and_a_second_owner_are_refused_saying_why(tmp_path):
-    async with run_nodes(tmp_path, "home", "laptop") as nodes:
+    async with run_nodes(tmp_path, "home", "laptop", "tablet") as nodes:
         home, laptop, lid = await lend(nodes, ["compute.rpc"])
         home.rpc_links.engine = lambda: ((7, 1, 0), "newer build")
         with pytest.raises(PsymeshError) as old:
@@ -100,15 +100,34 @@ async def test_a_version_mismatch_and_a_second_owner_are_refused_saying_why(tmp_
         assert old.value.code is ErrorCode.UNSUPPORTED_VERSION
         assert "7.0.0" in old.value.message and "7.1.0" in old.value.message and "newer build" in old.value.message
 
+        tablet = nodes["tablet"]  # a second owner, granted too
+        tablet.rpc_links.engine = lambda: (V, "test build")
+        await pair(laptop.home.path, tablet.home.path, grant="messaging", grant_back=None)
+        async with Client(laptop.home.path) as c:
+            await c.grant("tablet", add=["compute.rpc"])
         home.rpc_links.engine = lambda: (V, "test build")
         first, _ = await home.rpc_links.offer(lid, probe=False)
-        with pytest.raises(PsymeshError) as busy:
-            await home.rpc_links.offer(lid, probe=False)
-        assert busy.value.code is ErrorCode.BUSY and "one split model at a time" in busy.value.message
+        for probe in (True, False):  # its probe too: the second owner's split leaves this worker out
+            with pytest.raises(PsymeshError) as busy:
+                await tablet.rpc_links.offer(lid, probe=probe)
+            assert busy.value.code is ErrorCode.BUSY and "one split model at a time" in busy.value.message
         assert await echoed(first.stream, HELLO) == HELLO  # the first owner's stream is untouched
-        await first.aclose()
-        await wait_until(lambda: laptop.worker.view().serving is None, "the worker free again")
-        second, _ = await home.rpc_links.offer(lid, probe=False)
+        assert (await home.rpc_links.probe(lid)).memory_mb is None  # the owner served may still ask
+
+        # llama.cpp opens its connections one after another: the same owner's next stream waits
+        # for the one before to end, instead of being refused busy
+        rows = len(rpc_rows(laptop, home.identity.peer_id))
+        async with anyio.create_task_group() as tg:
+            nexts = []
+
+            async def next_stream() -> None:
+                nexts.append((await home.rpc_links.offer(lid, probe=False))[0])
+            tg.start_soon(next_stream)
+            await wait_until(lambda: len(rpc_rows(laptop, home.identity.peer_id)) > rows, "the next offer at the door")
+            assert not nexts
+            await first.aclose()
+        [second] = nexts
+        assert await echoed(second.stream, HELLO) == HELLO
         await second.aclose()
         assert laptop.worker.view().running  # the node and its worker serve on
 
@@ -172,3 +191,19 @@ def test_the_budget_gate_reads_llama_cpp_frames_across_any_chunking():
     with pytest.raises(PsymeshError) as junk:
         RpcGate(None).feed(b"\xff" + bytes(8))
     assert junk.value.code is ErrorCode.BAD_FRAME
+
+
+async def test_a_stream_ends_when_the_grant_that_admitted_it_expires(tmp_path):
+    async with run_nodes(tmp_path, "home", "laptop") as nodes:
+        home, laptop, lid = await lend(nodes, ["compute.rpc"])
+        async with Client(laptop.home.path) as c:
+            await c.grant("home", add=["compute.rpc"], expires_s=3)
+        framed, _ = await home.rpc_links.offer(lid, probe=False)
+        assert await echoed(framed.stream, HELLO) == HELLO
+        assert await ended(framed.stream)  # nothing else changed: the grant's date ended it
+        await wait_until(lambda: ("compute.rpc", False, "expired") in rpc_rows(laptop, home.identity.peer_id),
+                         "the close, audited")
+        assert "expired" in laptop.worker.view().last_end
+        with pytest.raises(PsymeshError) as late:
+            await home.rpc_links.probe(lid)
+        assert late.value.code is ErrorCode.EXPIRED

@@ -20,6 +20,7 @@ from conftest import pair, run_nodes
 from p2p_helpers import raw_answers
 from psymesh.protocol import wordlist
 from psymesh.protocol.common import Ping, Pong
+from psymesh.protocol.compute import RpcAccept, RpcOffer
 from psymesh.protocol.identity import peer_id_from_public_key
 from psymesh.protocol.messages import decode_map, from_map, pack, unpack
 from psymesh.protocol.messaging import Letter, MsgSend, check_letter
@@ -309,3 +310,22 @@ def test_the_re_sync_answers_of_section_5_11() -> None:
     client.receive_data(grant + key)
     assert client.next_reply() == Reply(2, ManifestOk(serial=7), True)
     assert client.next_reply() == Reply(3, WebKeyOk(), True)
+
+
+# -- §5.12: a share of a split model -----------------------------------------------------------
+def test_the_rpc_offer_of_section_5_12_and_its_accept() -> None:
+    lines = block_after("Worked example, the offer of `llama-cpp-python 0.3.36` speaking RPC 7.0.0")
+    frame = spec_bytes(until_equals(lines))
+    offer = {"rpc": [7, 0, 0], "build": "llama-cpp-python 0.3.36", "probe": False, "v": 1, "type": "rpc.offer"}
+    assert frame == frame_of(offer) and len(frame) == 68
+    assert unpack(frame[4:]) == RpcOffer(rpc=(7, 0, 0), build="llama-cpp-python 0.3.36")
+    assert pack(RpcOffer(rpc=(7, 0, 0), build="llama-cpp-python 0.3.36")) == frame[4:]
+
+    accept = pack(RpcAccept(rpc=(7, 0, 0), build="llama-cpp-python 0.3.36", memory_mb=2048, threads=3))
+    said = SPEC[SPEC.index("`rpc.accept {rpc: [7, 0, 0], build:"):]
+    assert f"({len(accept) + 4} bytes:" in said[:200]
+    head, tail = re.search(r"`([0-9a-f ]+) \.\.\. ([0-9a-f \n]+) \.\.\.`", said).groups()
+    framed = (len(accept).to_bytes(4, "big") + accept)
+    assert framed.startswith(bytes.fromhex(head)) and bytes.fromhex(tail.replace("\n", " ")) in framed
+    hello = re.search(r"`HELLO` \(command 14, size 0: `([0-9a-f \n]+)`\)", said).group(1)
+    assert bytes.fromhex(hello.replace("\n", " ")) == bytes([14]) + (0).to_bytes(8, "little")

@@ -13,7 +13,7 @@ streams the door admitted, one owner at a time (llama.cpp's server is sequential
 
 Whenever a grant changes (the trust store tells), each open stream is asked again
 (`Gate.holds_rpc`): one whose peer lost `compute.rpc`, or was revoked, is cut at once, with
-an audit row. A stream whose owner passes its budget is cut before the command reaches the
+an audit row; a stream also ends when the grant that admitted it expires. A stream whose owner passes its budget is cut before the command reaches the
 server. A child that dies is restarted on the next stream (its crash ends the stream it
 served, nothing else).
 """
@@ -221,26 +221,28 @@ class WorkerService:
             offer = await framed.receive_required()
         if not isinstance(offer, RpcOffer):
             raise PsymeshError(f"expected rpc.offer, got {offer.type}", code=ErrorCode.BAD_REQUEST)
-        limits = self.gate.admit_rpc(peer_id, probe=offer.probe)
+        grant = self.gate.admit_rpc(peer_id, probe=offer.probe)
         try:  # admitted: what still refuses it is audited after the door's row (as Gate.undo's)
             ready = await self._ready_child()
             check_versions(ready.rpc, offer.rpc, ours_build=ready.build, theirs_build=offer.build,
                            who=self.trust.label(peer_id))
             if not offer.probe:
                 await self._handover(peer_id)
-            if self._serving is not None and not offer.probe:
+            if self._serving is not None and (not offer.probe or self._serving.peer_id != peer_id):
                 raise PsymeshError(f"{self.name} lends its compute to {self.trust.label(self._serving.peer_id)} now; "
                                    "it serves one split model at a time", code=ErrorCode.BUSY, retry_after=5.0)
         except PsymeshError as exc:
             self.gate.rpc_closed(peer_id, exc)
             raise
-        budgets = [b for b in (limits.rpc_memory_mb, ready.memory_mb) if b is not None]
+        budgets = [b for b in (grant.limits.rpc_memory_mb, ready.memory_mb) if b is not None]
         budget = min(budgets) if budgets else None
         accept = RpcAccept(rpc=ready.rpc, build=ready.build, memory_mb=budget, threads=ready.threads)
         if offer.probe:
             await framed.send(accept)
             return
         serving = self._serving = Serving(peer_id, time.time(), budget)
+        if grant.expires is not None:  # the grant's end ends the stream (a wall-clock date, on trio's clock)
+            serving.scope.deadline = anyio.current_time() + max(0.0, grant.expires - self.gate.clock())
         try:
             with serving.scope:
                 sock = await anyio.connect_unix(self.socket_path)
@@ -253,6 +255,8 @@ class WorkerService:
                                        "next stream", code=ErrorCode.UNAVAILABLE)
             raise serving.cut from None
         finally:
+            if serving.cut is None and serving.scope.cancelled_caught and anyio.current_time() >= serving.scope.deadline:
+                serving.cut = PsymeshError("closed: the grant has expired", code=ErrorCode.EXPIRED)
             self._serving = None
             self._served += 1
             serving.done.set()

@@ -53,7 +53,7 @@ from ...protocol import ids
 from ...protocol.addresses import AddrsPush
 from ...protocol.admission import Need, operation_for, rule_for, task_operation
 from ...protocol.errors import ErrorCode, PsymeshError
-from ...protocol.limits import Limits, RateLimiter
+from ...protocol.limits import RateLimiter
 from ...protocol.mailbox import MailDeposit, MailKeyPush, MailLeaveReceipt, verify_mail_key
 from ...protocol.manifest import (
     Decision,
@@ -423,11 +423,12 @@ class Gate:
             raise self._refuse(peer_id, HOP, what, exc, now) from None
         self.audit.record(peer_id, HOP, what, True, now=now)
 
-    def admit_rpc(self, peer_id: str, *, probe: bool) -> Limits:
+    def admit_rpc(self, peer_id: str, *, probe: bool) -> Manifest:
         """May `peer_id` run a share of its split model here (`compute.rpc`, a stream of
         `/psymesh/rpc/1.0.0`)? Paired, not revoked, granted `compute.rpc`, in date, within the
-        grant's request rate (each stream is one request; a probe too). Returns the grant's
-        limits (`rpc_memory_mb`: the worker's budget for this peer). One audit row either way."""
+        grant's request rate (each stream is one request; a probe too). Returns the grant that
+        admitted it (its limits' `rpc_memory_mb` is the worker's budget for this peer, its
+        `expires` when the stream must end). One audit row either way."""
         now = self.clock()
         what = "compute.rpc" + (" (probe)" if probe else "")
         try:
@@ -438,7 +439,7 @@ class Gate:
         except PsymeshError as exc:
             raise self._refuse(peer_id, ids.RPC, what, exc, now) from None
         self.audit.record(peer_id, ids.RPC, what, True, now=now)
-        return grant.limits
+        return grant
 
     def holds_rpc(self, peer_id: str) -> PsymeshError | None:
         """Whether our grant to `peer_id`, as it is now, still covers `compute.rpc`: None if it
