@@ -22,6 +22,7 @@ bench: $(STAMP)
 	$(PY) bench/rtt_profile.py
 	$(PY) bench/delegate.py
 	$(PY) bench/inference.py
+	$(PY) bench/split.py
 	$(PY) bench/messaging.py
 	$(PY) bench/durable.py
 	$(PY) bench/denied.py

@@ -7,8 +7,9 @@ One run measures, on the same random-weight model with BotPsy-0.8B's exact shape
   ``split_layers``): the first third on its own CPU, a third on each of two llama.cpp RPC servers
   (``rpc.serve``), each its own process, the runner connecting to their TCP ports directly, as
   llama.cpp's ``--rpc`` does;
-* **over psymesh streams**: the same split, the bytes carried between daemons by psymesh
-  (the lead's half: see :func:`psymesh_stream_endpoints`, the one place to fill in).
+* **over psymesh streams**: the same split, each server a worker daemon's (`psymesh worker
+  start`), the bytes carried from the owner node to it on `/psymesh/rpc/1.0.0` streams through
+  its door (:func:`psymesh_stream_endpoints`), as a split model added with `--split` runs.
 
 For each: the time to load (runner start to ready: for a split model, every offloaded weight is
 sent to its server), the first token's latency and tokens/s as the caller of the runner sees
@@ -29,8 +30,9 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+import tempfile
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -127,13 +129,49 @@ async def measure(label: str, model: Path, endpoints: list[str], args: argparse.
         await runner.aclose()
 
 
-# ------------------------------------------------------------------ over psymesh streams (the lead's half)
-async def psymesh_stream_endpoints(args: argparse.Namespace) -> list[str] | None:
-    """THE LEAD'S ROW GOES HERE: start two daemons lending their CPU (`psymesh worker start`), pair
-    them with the owner, and return the owner-side proxy endpoints ("127.0.0.1:PORT", one per
-    worker) that carry llama.cpp's RPC bytes over psymesh streams; `run` then measures them with
-    :func:`measure` beside the plain RPC row. None: the row is left out."""
-    return None
+# ------------------------------------------------------------------ over psymesh streams
+@asynccontextmanager
+async def psymesh_stream_endpoints(args: argparse.Namespace) -> AsyncIterator[list[str]]:
+    """Two worker daemons (each its own process, `psymesh worker start`: llama.cpp's RPC server in
+    its child, behind the door) paired with an owner node run in this process (as a daemon's
+    event loop, it carries every byte), each granting it `compute.rpc`; the owner's link
+    endpoints ("127.0.0.1:PORT", one per worker), which carry llama.cpp's RPC bytes on
+    `/psymesh/rpc/1.0.0` streams over libp2p (Noise, yamux) on loopback."""
+    from psymesh.node.control.client import Client
+    from psymesh.node.control.process import DaemonProcess, pair_homes
+    from psymesh.node.core.bridgeconfig import UiServe
+    from psymesh.node.core.home import NodeHome, WorkerSettings
+    from psymesh.node.daemon import Node
+
+    with tempfile.TemporaryDirectory(prefix="psymesh-split-") as tmp:
+        base = Path(tmp)
+        home = NodeHome(base / "owner")
+        home.init(profile="home", name="owner")
+        config = home.load_config().model_copy(update={"listen": ["/ip4/127.0.0.1/tcp/0"], "ui": UiServe(port=0)})
+        owner = Node(home, config)
+        workers = [DaemonProcess(base / f"worker{i}", name=f"worker{i}") for i in (1, 2)]
+        async with anyio.create_task_group() as tg:
+            await tg.start(owner.run)
+            try:
+                ids = []
+                for w in workers:
+                    lender = NodeHome(w.home)
+                    lender.init(profile="home", name=w.name)
+                    lender.save_config(lender.load_config().model_copy(
+                        update={"worker": WorkerSettings(enabled=True, threads=args.threads), "ui": UiServe(port=0)}))
+                    status = await w.start()
+                    async with Client(w.home) as c:
+                        await c.worker("start")
+                    await pair_homes(w.home, home.path, grant="messaging", grant_back=None)
+                    async with Client(w.home) as c:
+                        await c.grant("owner", add=["compute.rpc"])
+                    ids.append(status.peer_id)
+                yield [await owner.rpc_links.endpoint(peer_id) for peer_id in ids]
+            finally:
+                with anyio.CancelScope(shield=True):
+                    for w in workers:
+                        await w.stop()
+                tg.cancel_scope.cancel()
 
 
 def _row_text(row: Row, base: Row) -> str:
@@ -155,8 +193,7 @@ async def run(args: argparse.Namespace) -> None:
     rows = [await measure("unsplit", model, [], args)]
     with plain_rpc_servers(2, args.threads) as endpoints:
         rows.append(await measure(f"plain RPC {'+'.join(map(str, counts))}", model, endpoints, args))
-    streams = await psymesh_stream_endpoints(args)
-    if streams is not None:
+    async with psymesh_stream_endpoints(args) as streams:
         rows.append(await measure(f"psymesh {'+'.join(map(str, counts))}", model, streams, args))
     width = max(len(r.label) for r in rows)
     print()
@@ -176,7 +213,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     model_arguments(p)
     args = p.parse_args(argv)
-    anyio.run(run, args)
+    anyio.run(run, args, backend="trio")
 
 
 if __name__ == "__main__":

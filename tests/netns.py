@@ -5,14 +5,16 @@ veth links a test adds between its own namespaces, with no route anywhere else.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import secrets
 import shutil
 import subprocess
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
+import anyio
 import pytest
 
 from psymesh.node.control.process import DaemonProcess
@@ -86,3 +88,18 @@ class NetnsDaemon(DaemonProcess):
 
     def command(self) -> list[str]:
         return ["ip", "netns", "exec", self.netns, *super().command()]
+
+
+@contextlib.asynccontextmanager
+async def daemons(*procs: DaemonProcess) -> AsyncIterator[None]:
+    """Start `procs` at once; stop those running on the way out."""
+    async with anyio.create_task_group() as tg:
+        for proc in procs:
+            tg.start_soon(proc.start)
+    try:
+        yield
+    finally:
+        with anyio.CancelScope(shield=True):
+            for proc in procs:
+                if proc.running:
+                    await proc.stop()

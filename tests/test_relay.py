@@ -9,23 +9,20 @@ task completing exactly once.
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import socket
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import anyio
 import pytest
 
 from conftest import pair, run_nodes
-from netns import Namespaces, NetnsDaemon, namespaces  # noqa: F401  (a fixture, used by name)
+from netns import Namespaces, NetnsDaemon, daemons, namespaces  # noqa: F401  (a fixture, used by name)
 from waiting import wait_until
 from worktool import TOOL_NAME, tool_log, tool_runs  # noqa: F401  (tool_log: a fixture)
 from psymesh.node.control.client import Client
 from psymesh.node.daemon import Node
 from psymesh.node.core.home import NodeHome
-from psymesh.node.control.process import DaemonProcess
 from psymesh.protocol.identity import peer_fingerprint
 from psymesh.protocol.errors import ConnectError, ErrorCode, PsymeshError
 from psymesh.protocol.limits import Limits
@@ -222,20 +219,6 @@ def invite_addrs(invite: str) -> tuple[str, ...]:
 
 
 # ------------------------------------------------------------- in network namespaces of our own
-
-@contextlib.asynccontextmanager
-async def daemons(*procs: DaemonProcess) -> AsyncIterator[None]:
-    async with anyio.create_task_group() as tg:
-        for proc in procs:
-            tg.start_soon(proc.start)
-    try:
-        yield
-    finally:
-        with anyio.CancelScope(shield=True):
-            for proc in procs:
-                if proc.running:
-                    await proc.stop()
-
 
 async def connection_to(client: Client, peer_id: str) -> list[str]:
     """The transport addresses of the connections `client`'s node has open to `peer_id`."""

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 from pathlib import Path
 
 import anyio
 import pytest
 
 from conftest import pair, run_nodes
+from netns import NetnsDaemon, daemons, namespaces  # noqa: F401  (a fixture, used by name)
 from waiting import wait_until
 from psymesh.agent.runtime.api import ModelCrashed
 from psymesh.agent.runtime.testmodel import tiny_model_path
@@ -125,3 +127,34 @@ async def test_a_revoked_worker_is_left_out_and_wait_makes_the_load_fail_naming_
         with pytest.raises(PsymeshError) as waits:
             await greedy(home, "waits")
         assert waits.value.code.value == "unavailable" and "laptop" in waits.value.message
+
+
+async def test_a_model_split_across_network_namespaces_writes_what_the_whole_model_writes(tmp_path, six_layers,
+                                                                                        namespaces):
+    """The owner (and a phone beside it) in one namespace, the worker in another, joined by a veth
+    pair only: the worker's stream crosses a real link, the owner's runner dials its own loopback."""
+    here, there = namespaces.add("own"), namespaces.add("lend")
+    namespaces.link(here, "10.77.1.1", there, "10.77.1.2")
+    owner, phone = NetnsDaemon(here, tmp_path / "owner", "owner"), NetnsDaemon(here, tmp_path / "phone", "phone",
+                                                                                 profile="phone")
+    worker = NetnsDaemon(there, tmp_path / "worker", "worker")
+    async with daemons(owner, phone, worker), worker.client() as w, phone.client() as p:
+        assert (await w.worker("start")).running
+        await pair(worker.home, owner.home, grant="messaging", grant_back=None)
+        await w.grant("owner", add=["compute.rpc"], set_limits={"rpc_memory_mb": 512})
+        await pair(owner.home, phone.home, grant="phone")
+        for name, split in (("whole", []), ("two", ["--split", "worker"])):
+            await anyio.run_process([sys.executable, "-m", "psymesh", "model", "add", name, str(six_layers), "--ctx",
+                                     "512", "--home", str(owner.home), *split])
+        said = {}
+        for model in ("whole", "two"):
+            task = await p.delegate("owner", infer=[{"role": "user", "content": "Say something."}], model=model,
+                                    max_tokens=N, params={"temperature": 0})
+            said[model] = (await task.result()).text
+        assert said["two"] == said["whole"] != ""
+        async with owner.client() as o:
+            [two] = [m for m in await o.models_ps() if m.name == "two"]
+        assert [(s.where, s.layers, s.link) for s in two.shares] == [("this node", 3, "local"),
+                                                                     ("worker", 3, "direct")]
+        status = await w.worker()
+        assert status.isolation == "netns" and status.streams_served >= 2

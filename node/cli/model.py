@@ -162,9 +162,9 @@ def model_ps(home: str | None, out: Output) -> None:
             if not m.shares:
                 con.print(escape(f"{m.name}: split across this node and {', '.join(m.split)} (not loaded yet)"))
                 continue
-            parts = out_table("part", "layers", "budget", "link")
+            parts = out_table("part", "layers", "weights", "budget", "link")
             for share in m.shares:
-                parts.add_row(share.where, str(share.layers),
+                parts.add_row(share.where, str(share.layers), f"~{share.weights_mb} MB" if share.layers else "-",
                               "-" if share.memory_mb is None else f"{share.memory_mb} MB", share.link)
             con.print(escape(f"{m.name}, split:"))
             con.print(parts)

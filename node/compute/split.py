@@ -104,14 +104,18 @@ class SplitPlacement:
                                code=ErrorCode.UNAVAILABLE, details={"worker": p})
         endpoints = [await self.links.endpoint(p) for p in kept]
         self._loaded_at = self.clock()
-        shares = [Share("this node", None, counts[0], None, "local")]
+        def part(layers: int) -> int:
+            return round(size_mb * layers / n_layers)
+
+        shares = [Share("this node", None, counts[0], None, "local", part(counts[0]))]
         for p in self.peers:
             if p in kept:
                 answer = answers[p]
                 assert isinstance(answer, RpcAccept)
                 how = self.relayed(p)
                 shares.append(Share(self.label(p), p, held[p], answer.memory_mb,
-                                    "relayed" if how else "direct" if how is not None else "connected"))
+                                    "relayed" if how else "direct" if how is not None else "connected",
+                                    part(held[p])))
             else:
                 shares.append(Share(self.label(p), p, 0, None, f"left out: {left_out[p]}"))
         self._shares = tuple(shares)

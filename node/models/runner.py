@@ -117,6 +117,7 @@ class Share:
     layers: int
     memory_mb: int | None  # its budget (the worker's `rpc.accept`); None: no cap
     link: str              # "local", "direct", "relayed", or why it was left out ("left out: ...")
+    weights_mb: int = 0    # about how much of the model's file it holds (its layers' part)
 
 
 class Placement(Protocol):

@@ -174,6 +174,7 @@ class ModelShare(View):
     layers: int = 0
     memory_mb: int | None = None  # the worker's budget for this node (None: no cap)
     link: str = ""              # local, direct, relayed; or "left out: WHY"
+    weights_mb: int = 0         # about how much of the model's file this part holds, in MB
 
 
 class LoadedModel(View):
