@@ -199,6 +199,10 @@ async def run(args: argparse.Namespace) -> None:
     print()
     for row in rows:
         print(f"{row.label:<{width}}  {_row_text(row, rows[0])}")
+    plain, ours = rows[1], rows[2]  # the goal: psymesh's carrying against llama.cpp's own TCP
+    print(f"\npsymesh / plain RPC: tok/s {ours.tps / plain.tps:.2f}x (goal >= 0.80x), first token "
+          f"{ours.first / plain.first:.2f}x ({(ours.first - plain.first) * 1000:+.1f} ms), "
+          f"load {ours.load_s / plain.load_s:.2f}x ({ours.load_s - plain.load_s:+.2f} s)")
 
 
 def _block_count(model: Path) -> int:
