@@ -184,7 +184,7 @@ async def split_across_homes(d: Demo) -> None:
                                  "first half of its layers, laptop the rest)", "   home+laptop's answer: ")
         for cmd in (psymesh("model", "ps", "--home", str(d.home.home)), psymesh("worker", "--home", str(laptop.home))):
             done = await anyio.run_process(cmd, check=False)
-            con.print(done.stdout.decode().rstrip())
+            con.print(escape(done.stdout.decode().rstrip()))
     finally:
         await laptop.stop()
 

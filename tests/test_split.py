@@ -51,6 +51,15 @@ async def lenders(nodes, owner: str, *workers: str, rpc_memory_mb: int = 512) ->
     return ids
 
 
+async def home_and_laptop(nodes, six_layers: Path):
+    """laptop lends to home, which adds `whole` and `two` (split with laptop); and what `whole` writes."""
+    home, laptop = nodes["home"], nodes["laptop"]
+    [lid] = await lenders(nodes, "home", "laptop")
+    home.models.registry.add("whole", six_layers, **MODEL)
+    home.models.registry.add("two", six_layers, split=[lid], **MODEL)
+    return home, laptop, lid, await greedy(home, "whole")
+
+
 async def greedy(node, model: str) -> str:
     runner = await node.models.get(model)
     return (await runner.complete(PROMPT, **GREEDY)).text
@@ -90,11 +99,7 @@ async def test_a_model_split_two_and_three_ways_writes_what_the_whole_model_writ
 
 async def test_a_worker_killed_mid_generation_fails_that_job_naming_it_and_the_owner_serves_on(tmp_path, six_layers):
     async with run_nodes(tmp_path, "home", "laptop") as nodes:
-        home, laptop = nodes["home"], nodes["laptop"]
-        [lid] = await lenders(nodes, "home", "laptop")
-        home.models.registry.add("whole", six_layers, **MODEL)
-        home.models.registry.add("two", six_layers, split=[lid], **MODEL)
-        whole = await greedy(home, "whole")
+        home, laptop, _, whole = await home_and_laptop(nodes, six_layers)
         runner = await home.models.get("two")
         pieces: list[str] = []
         with pytest.raises(ModelCrashed) as crashed:
@@ -112,12 +117,8 @@ async def test_a_worker_killed_mid_generation_fails_that_job_naming_it_and_the_o
 
 async def test_a_revoked_worker_is_left_out_and_wait_makes_the_load_fail_naming_it(tmp_path, six_layers):
     async with run_nodes(tmp_path, "home", "laptop") as nodes:
-        home, laptop = nodes["home"], nodes["laptop"]
-        [lid] = await lenders(nodes, "home", "laptop")
-        home.models.registry.add("whole", six_layers, **MODEL)
-        home.models.registry.add("two", six_layers, split=[lid], **MODEL)
+        home, laptop, lid, whole = await home_and_laptop(nodes, six_layers)
         home.models.registry.add("waits", six_layers, split=[lid], on_worker_loss="wait", **MODEL)
-        whole = await greedy(home, "whole")
         async with Client(laptop.home.path) as c:
             await c.grant("home", remove=["compute.rpc"])
         assert await greedy(home, "two") == whole  # loaded here alone
