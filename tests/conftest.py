@@ -54,6 +54,19 @@ async def run_nodes(tmp_path: Path, *names: str, profiles: dict[str, str] | None
 from psymesh.node.control.process import pair_homes as pair  # noqa: E402  (tests say `pair(home, phone)`)
 
 
+def serving_openai(path: Path, name: str, profile: str, key_file: Path | None = None) -> None:
+    """A node home whose config.toml turns the OpenAI endpoint on (port 0: any free port), before
+    run_nodes starts it; `key_file`: its api_key_file (else the key the node makes in its home)."""
+    from psymesh.node.core.home import NodeHome
+
+    home = NodeHome(path)
+    home.init(profile=profile, name=name)  # type: ignore[arg-type]
+    config = home.load_config()
+    openai_cfg = config.serve.openai.model_copy(update={"enabled": True, "port": 0,
+                                                        "api_key_file": str(key_file) if key_file else None})
+    home.save_config(config.model_copy(update={"serve": config.serve.model_copy(update={"openai": openai_cfg})}))
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A generated GGUF in the BotPsy chat format (psymesh.agent.runtime.testmodel), made once per run."""

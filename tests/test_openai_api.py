@@ -34,7 +34,7 @@ import httpx
 import openai
 import pytest
 
-from conftest import pair, run_nodes
+from conftest import pair, run_nodes, serving_openai
 from psymesh.agent.runtime.testmodel import tiny_model_path
 from psymesh.node.control.client import Client
 from psymesh.node.daemon import Node
@@ -66,16 +66,6 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tiny_model_path(tmp_path_factory.getbasetemp() / "models")
 
 
-def _serving_home(path: Path, name: str, profile: str, key_file: Path | None) -> None:
-    """A home whose config.toml turns the endpoint on (port 0: any free port)."""
-    home = NodeHome(path)
-    home.init(profile=profile, name=name)  # type: ignore[arg-type]
-    config = home.load_config()
-    openai_cfg = config.serve.openai.model_copy(update={"enabled": True, "port": 0,
-                                                        "api_key_file": str(key_file) if key_file else None})
-    home.save_config(config.model_copy(update={"serve": config.serve.model_copy(update={"openai": openai_cfg})}))
-
-
 @asynccontextmanager
 async def mesh(tmp_path: Path, tiny_model: Path, *, key: bool = True) -> AsyncIterator[dict[str, Node]]:
     """home (has tiny) and phone (has tiny, serves the endpoint), paired with the phone preset.
@@ -85,7 +75,7 @@ async def mesh(tmp_path: Path, tiny_model: Path, *, key: bool = True) -> AsyncIt
         key_file = tmp_path / "openai.key"
         key_file.write_text(KEY + "\n")
         key_file.chmod(0o600)
-    _serving_home(tmp_path / "phone", "phone", "phone", key_file)
+    serving_openai(tmp_path / "phone", "phone", "phone", key_file)
     async with run_nodes(tmp_path, "home", "phone", profiles={"phone": "phone"}) as nodes:
         await pair(nodes["home"].home.path, nodes["phone"].home.path, grant="phone")
         for node in nodes.values():

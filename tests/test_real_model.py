@@ -24,7 +24,7 @@ import anyio
 import openai
 import pytest
 
-from conftest import pair, run_nodes
+from conftest import pair, run_nodes, serving_openai
 from psymesh.agent.formats.chatformat import ChatMessage, render_prompt
 from psymesh.agent.runtime.generate import Generation, GenerationParams, complete
 from psymesh.agent.runtime.api import ModelSettings
@@ -106,19 +106,11 @@ async def test_the_local_runner_writes_what_bare_llama_cpp_writes(real_model: Pa
     assert done.finish_reason == ("length" if expected[1] == N else "stop")
 
 
-def _serving(path: Path, name: str, profile: str) -> None:
-    home = NodeHome(path)
-    home.init(profile=profile, name=name)  # type: ignore[arg-type]
-    config = home.load_config()
-    openai_cfg = config.serve.openai.model_copy(update={"enabled": True, "port": 0})
-    home.save_config(config.model_copy(update={"serve": config.serve.model_copy(update={"openai": openai_cfg})}))
-
-
 @asynccontextmanager
 async def mesh(tmp_path: Path, model: Path) -> AsyncIterator[dict[str, Node]]:
     """home and phone (two daemons, libp2p on 127.0.0.1), paired with the phone preset; both have
     the model as `smol`; the phone serves the OpenAI endpoint."""
-    _serving(tmp_path / "phone", "phone", "phone")
+    serving_openai(tmp_path / "phone", "phone", "phone")
     async with run_nodes(tmp_path, "home", "phone", profiles={"phone": "phone"}) as nodes:
         await pair(nodes["home"].home.path, nodes["phone"].home.path, grant="phone")
         for node in nodes.values():

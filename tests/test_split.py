@@ -15,9 +15,10 @@ import sys
 from pathlib import Path
 
 import anyio
+import openai
 import pytest
 
-from conftest import pair, run_nodes
+from conftest import pair, run_nodes, serving_openai
 from netns import NetnsDaemon, daemons, namespaces  # noqa: F401  (a fixture, used by name)
 from waiting import wait_until
 from psymesh.agent.runtime.api import ModelCrashed
@@ -66,6 +67,7 @@ async def greedy(node, model: str) -> str:
 
 
 async def test_a_model_split_two_and_three_ways_writes_what_the_whole_model_writes(tmp_path, six_layers):
+    serving_openai(tmp_path / "phone", "phone", "phone")
     async with run_nodes(tmp_path, "home", "laptop", "tablet", "phone", profiles={"phone": "phone"}) as nodes:
         home = nodes["home"]
         laptop, tablet = await lenders(nodes, "home", "laptop", "tablet")
@@ -89,6 +91,16 @@ async def test_a_model_split_two_and_three_ways_writes_what_the_whole_model_writ
                                             model=model, max_tokens=N, params={"temperature": 0})
                 delegated[model] = (await task.result()).text
         assert delegated["three"] == delegated["whole"] != ""
+        # and the phone's OpenAI endpoint, streaming home's split model, as an app would
+        phone = nodes["phone"]
+        assert phone.openai is not None and phone.openai.url is not None
+        api = openai.OpenAI(base_url=phone.openai.url + "/v1", api_key=phone.openai.key.value, max_retries=0,
+                            timeout=120)
+        with anyio.fail_after(120):
+            chunks = await anyio.to_thread.run_sync(lambda: list(api.chat.completions.create(
+                model="home/three", messages=[{"role": "user", "content": "Say something."}], max_tokens=N,
+                temperature=0, stream=True)))
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == delegated["whole"]
         async with Client(home.home.path) as c:
             [shown] = [m for m in await c.models_ps() if m.name == "three"]
         assert shown.split == ["laptop", "tablet"] and [s.layers for s in shown.shares] == [2, 2, 2]
