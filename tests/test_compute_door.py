@@ -207,3 +207,20 @@ async def test_a_stream_ends_when_the_grant_that_admitted_it_expires(tmp_path):
         with pytest.raises(PsymeshError) as late:
             await home.rpc_links.probe(lid)
         assert late.value.code is ErrorCode.EXPIRED
+
+
+async def test_the_streams_of_one_load_are_one_request_of_the_grants_rate(tmp_path):
+    """llama.cpp opens several connections one after another to load one model: the streams that
+    follow the owner's previous one at once are audited each but charged as one request."""
+    async with run_nodes(tmp_path, "home", "laptop") as nodes:
+        home, laptop, lid = await lend(nodes, ["compute.rpc"], Limits(requests_per_minute=2))
+        await home.rpc_links.probe(lid)                  # one unit
+        for _ in range(6):                               # one unit, the first; the rest go on with it
+            framed, _ = await home.rpc_links.offer(lid, probe=False)
+            assert await echoed(framed.stream, HELLO) == HELLO
+            await framed.aclose()
+        with pytest.raises(PsymeshError) as spent:
+            await home.rpc_links.probe(lid)              # a third unit: over the grant's rate
+        assert spent.value.code is ErrorCode.RATE_LIMITED
+        assert rpc_rows(laptop, home.identity.peer_id)[:7] == [("compute.rpc (probe)", True, None)] + [
+            ("compute.rpc", True, None)] * 6

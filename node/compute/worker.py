@@ -45,6 +45,7 @@ log = logging.getLogger("psymesh.worker")
 OFFER_TIMEOUT_S = 10.0   # an opened stream must say what it wants within this
 READY_TIMEOUT_S = 60.0   # the child's ready line (it imports llama.cpp and enters its namespace)
 HANDOVER_GRACE_S = 5.0   # a served owner's next connection waits this long for its previous one
+LOAD_CHAIN = 32          # at most this many streams in a row count as one load (one rate unit)
 
 
 @dataclass(frozen=True)
@@ -106,6 +107,8 @@ class WorkerService:
         self._wanted = settings.enabled
         self._serving: Serving | None = None
         self._served = 0
+        self._last_stream: tuple[str, float] | None = None  # who ended the last stream, when (monotonic)
+        self._chain = 0                                       # streams in a row that continued a load
         self._last_end = ""
         self._error = ""
         self._lock = anyio.Lock()
@@ -221,7 +224,7 @@ class WorkerService:
             offer = await framed.receive_required()
         if not isinstance(offer, RpcOffer):
             raise PsymeshError(f"expected rpc.offer, got {offer.type}", code=ErrorCode.BAD_REQUEST)
-        grant = self.gate.admit_rpc(peer_id, probe=offer.probe)
+        grant = self.gate.admit_rpc(peer_id, probe=offer.probe, continues=not offer.probe and self._continues(peer_id))
         try:  # admitted: what still refuses it is audited after the door's row (as Gate.undo's)
             ready = await self._ready_child()
             check_versions(ready.rpc, offer.rpc, ours_build=ready.build, theirs_build=offer.build,
@@ -259,8 +262,22 @@ class WorkerService:
                 serving.cut = PsymeshError("closed: the grant has expired", code=ErrorCode.EXPIRED)
             self._serving = None
             self._served += 1
+            self._last_stream = (peer_id, time.monotonic())
             serving.done.set()
             self._finish(serving)
+
+    def _continues(self, peer_id: str) -> bool:
+        """Does a stream of `peer_id` opened now go on with the load its previous one began? Its
+        previous stream is still open, or ended less than HANDOVER_GRACE_S ago, and the chain is
+        shorter than LOAD_CHAIN: then the grant's rate is not charged for it again."""
+        serving = self._serving
+        if serving is not None and serving.peer_id == peer_id:
+            chained = True
+        else:
+            last = self._last_stream
+            chained = last is not None and last[0] == peer_id and time.monotonic() - last[1] < HANDOVER_GRACE_S
+        self._chain = self._chain + 1 if chained else 0
+        return chained and self._chain < LOAD_CHAIN
 
     async def _handover(self, peer_id: str) -> None:
         """llama.cpp's client opens consecutive connections while it loads a model (a device

@@ -423,19 +423,22 @@ class Gate:
             raise self._refuse(peer_id, HOP, what, exc, now) from None
         self.audit.record(peer_id, HOP, what, True, now=now)
 
-    def admit_rpc(self, peer_id: str, *, probe: bool) -> Manifest:
+    def admit_rpc(self, peer_id: str, *, probe: bool, continues: bool = False) -> Manifest:
         """May `peer_id` run a share of its split model here (`compute.rpc`, a stream of
         `/psymesh/rpc/1.0.0`)? Paired, not revoked, granted `compute.rpc`, in date, within the
         grant's request rate (each stream is one request; a probe too). Returns the grant that
         admitted it (its limits' `rpc_memory_mb` is the worker's budget for this peer, its
-        `expires` when the stream must end). One audit row either way."""
+        `expires` when the stream must end). One audit row either way. `continues`: the worker
+        says this stream goes on with the load the peer's previous one began (llama.cpp opens
+        several connections one after another to load one model): checked, audited, not charged."""
         now = self.clock()
         what = "compute.rpc" + (" (probe)" if probe else "")
         try:
             peer = self.paired(peer_id)
             grant = self._grant_of(peer)
             self._check(peer, grant, Operation(name="compute.rpc"), now).raise_if_denied()
-            self._charge(peer_id, grant, now)
+            if not continues:
+                self._charge(peer_id, grant, now)
         except PsymeshError as exc:
             raise self._refuse(peer_id, ids.RPC, what, exc, now) from None
         self.audit.record(peer_id, ids.RPC, what, True, now=now)
