@@ -43,7 +43,7 @@ from inference import bench_stream
 from psymesh.agent.runtime import rpc
 from psymesh.agent.runtime.api import ModelSettings
 from psymesh.agent.runtime.testmodel import make_botpsy_shaped_gguf
-from psymesh.node.models.ggufheader import read_gguf_header
+from psymesh.node.compute.split import block_count
 
 ROOT = Path(__file__).resolve().parent.parent
 LISTEN_DEADLINE_S = 60.0
@@ -186,7 +186,7 @@ async def run(args: argparse.Namespace) -> None:
         sys.exit("this llama-cpp-python has no RPC backend: run scripts/bootstrap.sh")
     t0 = time.perf_counter()
     model = args.model or make_botpsy_shaped_gguf(ROOT / ".bench", wtype=args.wtype, n_threads=args.threads)
-    args.layers = _block_count(model)
+    args.layers = block_count(model)
     print(f"model: {model.name} ({model.stat().st_size / 1e9:.2f} GB, {args.layers} layers), ready in "
           f"{time.perf_counter() - t0:.1f} s; {args.threads} threads each; {rpc.engine_build()}")
     counts = rpc.layer_counts(args.layers, [1.0, 1.0, 1.0])
@@ -203,14 +203,6 @@ async def run(args: argparse.Namespace) -> None:
     print(f"\npsymesh / plain RPC: tok/s {ours.tps / plain.tps:.2f}x (goal >= 0.80x), first token "
           f"{ours.first / plain.first:.2f}x ({(ours.first - plain.first) * 1000:+.1f} ms), "
           f"load {ours.load_s / plain.load_s:.2f}x ({ours.load_s - plain.load_s:+.2f} s)")
-
-
-def _block_count(model: Path) -> int:
-    header = read_gguf_header(model)
-    n = header.int(f"{header.architecture}.block_count")
-    if n is None:
-        sys.exit(f"{model} names no block_count")
-    return n
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -37,6 +37,7 @@ from ..door.gate import Gate
 from ..door.trust import TrustStore
 from ..net.framed import AnyioByteStream, FramedStream
 from ..net.pipe import Traffic, splice
+from .worker_child import HANDOVER_GRACE_S  # the child waits as long for its previous connection
 from ...protocol.compute import RpcAccept, RpcGate, RpcOffer, Version, check_versions, version_text
 from ...protocol.errors import ErrorCode, PsymeshError
 
@@ -44,7 +45,6 @@ log = logging.getLogger("psymesh.worker")
 
 OFFER_TIMEOUT_S = 10.0   # an opened stream must say what it wants within this
 READY_TIMEOUT_S = 60.0   # the child's ready line (it imports llama.cpp and enters its namespace)
-HANDOVER_GRACE_S = 5.0   # a served owner's next connection waits this long for its previous one
 LOAD_CHAIN = 32          # at most this many streams in a row count as one load (one rate unit)
 
 
